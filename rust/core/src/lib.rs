@@ -1,0 +1,1 @@
+//! ferrobatch-core: every decision about KV memory and request order.
