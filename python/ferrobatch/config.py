@@ -1,0 +1,187 @@
+"""Engine configuration: `ContinuousBatchingConfig`.
+
+Field names follow transformers' `ContinuousBatchingConfig` so either can be passed to
+`Engine`; a transformers config is read, never mutated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Validated settings of the continuous-batching engine.
+
+    Attributes:
+        page_size: tokens per page (one layer's KV for `page_size` tokens; a block is one page
+            per layer of an attention type). Must be >= 4. Default 32: on CPU, attention reads
+            whole pages, so a small page wastes little work on partly filled last pages and
+            makes prefix sharing fine-grained, while 32 keeps block tables short; measured
+            with `benches/e2e_cpu.py` (16/32/64/128/256 within noise on the tiny workload,
+            32 never worse).
+        num_blocks: capacity in full-attention blocks; None sizes the cache from free memory.
+        max_batch_tokens: query tokens per forward (chunked prefill splits longer prompts).
+        max_memory_percent: share of free memory the cache may take when `num_blocks` is None;
+            None = 0.9 on CUDA, 0.3 on CPU (bounded: never the reference's 60% of RAM).
+        max_requests_per_batch: rows per forward; caps logits memory for large vocabularies.
+        scheduler_type: "fifo" (decodes first, then in-flight prefills, then new requests) or
+            "prefill_first" (finish chunked prefills before resuming decodes).
+        safety_margin: share of the cache held in reserve for decodes; once free capacity is
+            below it no new prefill is admitted. None = 0.15 for fifo, 0.0 for prefill_first.
+        allow_block_sharing: prefix caching (only active on full-attention-only models).
+        cpu_offload_space: GiB of (pinned on CUDA) CPU swap pool; 0 = off, preempted requests
+            are soft-reset (recomputed) instead.
+        q_padding_interval_size / kv_padding_interval_size: CUDA-graph shape padding (tokens);
+            0 = preset.
+        use_cuda_graph / use_async_batching: None = decide automatically (off on CPU).
+        max_queue_size: 0 = unlimited waiting requests.
+    """
+
+    page_size: int = 32
+    num_blocks: int | None = None
+    max_batch_tokens: int = 2048
+    max_memory_percent: float | None = None
+    max_requests_per_batch: int = 256
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    allow_block_sharing: bool = True
+    cpu_offload_space: float = 0.0
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    use_cuda_graph: bool | None = None
+    use_async_batching: bool | None = None
+    max_queue_size: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int(self, "page_size", minimum=4)
+        if self.num_blocks is not None:
+            _check_int(self, "num_blocks", minimum=1)
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = 2048
+        _check_int(self, "max_batch_tokens", minimum=1)
+        if self.max_memory_percent is not None:
+            _check_float(self, "max_memory_percent", low=0.0, high=1.0, low_open=True)
+        if self.max_requests_per_batch is None:
+            self.max_requests_per_batch = 256
+        _check_int(self, "max_requests_per_batch", minimum=1)
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(
+                f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}"
+            )
+        if self.safety_margin is not None:
+            _check_float(self, "safety_margin", low=0.0, high=1.0, high_open=True)
+        if not isinstance(self.allow_block_sharing, bool):
+            raise ValueError(
+                f"allow_block_sharing must be a bool, got {self.allow_block_sharing!r}"
+            )
+        if self.cpu_offload_space is None:
+            self.cpu_offload_space = 0.0
+        _check_float(self, "cpu_offload_space", low=0.0, high=math.inf, high_open=True)
+        _check_int(self, "q_padding_interval_size", minimum=0)
+        _check_int(self, "kv_padding_interval_size", minimum=0)
+        _check_int(self, "max_queue_size", minimum=0)
+        for name in ("use_cuda_graph", "use_async_batching"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool or None, got {value!r}")
+
+    @property
+    def resolved_safety_margin(self) -> float:
+        """The safety margin in effect (the scheduler type's default when unset)."""
+        if self.safety_margin is not None:
+            return float(self.safety_margin)
+        return 0.15 if self.scheduler_type == "fifo" else 0.0
+
+    def resolved_memory_percent(self, device_type: str) -> float:
+        """The share of free memory the cache may take on a device of this type."""
+        if self.max_memory_percent is not None:
+            return float(self.max_memory_percent)
+        return {"cuda": 0.9, "mps": 0.5}.get(device_type, 0.3)
+
+    def replace(self, **changes: Any) -> ContinuousBatchingConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_transformers(cls, cfg: Any) -> ContinuousBatchingConfig:
+        """Convert a `transformers.ContinuousBatchingConfig` (read only, never mutated).
+
+        Fields the transformers config leaves as None take ferrobatch's defaults; fields
+        ferrobatch has no use for are kept in `extra`.
+        """
+        ours = {f.name for f in fields(cls)} - {"extra"}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        source = (
+            {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+            if dataclasses.is_dataclass(cfg)
+            else dict(vars(cfg))
+        )
+        for name, value in source.items():
+            if name in ours:
+                if value is None and name in ("max_batch_tokens", "max_requests_per_batch"):
+                    continue
+                if name == "use_cuda_graph" and isinstance(value, tuple):
+                    value = any(value)
+                kwargs[name] = value
+            else:
+                extra[name] = value
+        block_size = source.get("block_size")
+        if block_size is not None and "page_size" not in kwargs:
+            kwargs["page_size"] = block_size
+        return cls(**kwargs, extra=extra)
+
+    @classmethod
+    def coerce(cls, cfg: Any) -> ContinuousBatchingConfig:
+        """Accept None, a ferrobatch config, a transformers config or a dict of fields."""
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, cls):
+            return cfg
+        if isinstance(cfg, dict):
+            return cls(**cfg)
+        if type(cfg).__name__ == "ContinuousBatchingConfig":
+            return cls.from_transformers(cfg)
+        raise TypeError(
+            "config must be a ferrobatch or transformers ContinuousBatchingConfig, a dict or None, "
+            f"got {type(cfg).__name__}"
+        )
+
+
+def _check_int(obj: Any, name: str, *, minimum: int) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(
+    obj: Any,
+    name: str,
+    *,
+    low: float,
+    high: float,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    bad = (
+        math.isnan(value)
+        or (value <= low if low_open else value < low)
+        or (value >= high if high_open else value > high)
+    )
+    if bad:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")

@@ -1,0 +1,33 @@
+"""`RequestOutput`: a request's result, or one streamed delta of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's tokens and text so far (or, as a delta, only the new ones).
+
+    `finish_reason` is "stop" (EOS, a stop token or a stop string), "length"
+    (`max_new_tokens` reached), "cancelled", or None while running. `logprobs` has one
+    `{token_id: logprob}` dict per token (top-n plus the chosen token) when requested.
+    `ttft` is seconds from arrival to the first token; `token_times` are seconds since
+    arrival, one per token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    finished: bool = False
+    logprobs: list[dict[int, float]] | None = None
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of generated tokens."""
+        return len(self.token_ids)

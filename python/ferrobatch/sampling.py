@@ -1,0 +1,344 @@
+"""Per-request sampling parameters and the batched on-device sampler."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. Validated on construction (`ValueError` names the field).
+
+    `temperature=0` is greedy (the `model.generate` default). `repetition_penalty` follows
+    transformers (applies to prompt and generated tokens); `presence_penalty` and
+    `frequency_penalty` follow OpenAI (generated tokens only). `seed` makes a request's
+    sampling reproducible whatever else runs in the batch. `logprobs=n` returns, per
+    generated token, the log-probabilities (of the model's raw distribution) of the top-n
+    tokens plus the chosen one. `stop` strings end generation; the text excludes them.
+    `max_new_tokens=None` takes the engine's default (128 unless overridden).
+    """
+
+    max_new_tokens: int | None = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        if self.max_new_tokens is not None:
+            _int_field("max_new_tokens", self.max_new_tokens, minimum=1)
+        _float_field("temperature", self.temperature, low=0.0)
+        _int_field("top_k", self.top_k, minimum=0)
+        top_p = _float_field("top_p", self.top_p, low=0.0)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        min_p = _float_field("min_p", self.min_p, low=0.0)
+        if min_p > 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if _float_field("repetition_penalty", self.repetition_penalty, low=0.0) == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float_field(name, getattr(self, name), low=-math.inf)
+            if abs(value) > 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _int_field("seed", self.seed, minimum=-(2**63))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _int_field("stop_token_ids", t, minimum=0)
+        if self.logprobs is not None:
+            _int_field("logprobs", self.logprobs, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_generation_config(cls, gc: Any, **overrides: Any) -> SamplingParams:
+        """Build from a `transformers.GenerationConfig` (read only, never mutated)."""
+        kw: dict[str, Any] = {}
+        do_sample = bool(getattr(gc, "do_sample", False))
+        if do_sample:
+            temperature = getattr(gc, "temperature", None)
+            kw["temperature"] = 1.0 if temperature is None else float(temperature)
+            top_k = getattr(gc, "top_k", None)
+            kw["top_k"] = int(top_k) if top_k else 0
+            top_p = getattr(gc, "top_p", None)
+            kw["top_p"] = 1.0 if top_p is None else float(top_p)
+            min_p = getattr(gc, "min_p", None)
+            kw["min_p"] = 0.0 if min_p is None else float(min_p)
+        rp = getattr(gc, "repetition_penalty", None)
+        if rp is not None:
+            kw["repetition_penalty"] = float(rp)
+        if getattr(gc, "max_new_tokens", None) is not None:
+            kw["max_new_tokens"] = int(gc.max_new_tokens)
+        stop = getattr(gc, "stop_strings", None)
+        if stop:
+            kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        eos = getattr(gc, "eos_token_id", None)
+        if eos is not None:
+            kw["stop_token_ids"] = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def _int_field(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float_field(name: str, value: Any, *, low: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to remember about one request between steps."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The request's own generator when it is seeded (created on first use)."""
+        if self.params.seed is None:
+            return None
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(self.params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        return self.generator
+
+
+@dataclass
+class SampleResult:
+    """Sampled token ids [N] (int64, CPU) and optional per-row logprob dicts."""
+
+    token_ids: torch.Tensor
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+class Sampler:
+    """Samples one token per logits row, every row with its own parameters, in one batch."""
+
+    def __init__(self, device: torch.device | None = None, seed: int | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleResult:
+        """Pick the next token of each row; `states[i]` describes row i of `logits` [N, V]."""
+        n = logits.shape[0]
+        if n != len(states):
+            raise ValueError(f"logits has {n} rows but {len(states)} sampling states were given")
+        if n == 0:
+            return SampleResult(torch.empty(0, dtype=torch.int64))
+        params = [s.params for s in states]
+        need_logprobs = any(p.logprobs is not None for p in params)
+        if not need_logprobs and all(p.greedy and not p.has_penalties for p in params):
+            return SampleResult(logits.argmax(dim=-1).cpu())
+
+        raw = logits
+        scores = logits.float().clone()
+        dev = scores.device
+        vocab = scores.shape[1]
+        self._apply_penalties(scores, states, dev, vocab)
+
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        chosen = scores.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+            idx = torch.tensor(sample_rows, device=dev)
+            sub = scores.index_select(0, idx)
+            sub = self._warp(sub, [params[i] for i in sample_rows])
+            probs = torch.softmax(sub, dim=-1)
+            noise = self._exponential_noise([states[i] for i in sample_rows], vocab, dev)
+            picked = (probs / noise).argmax(dim=-1)
+            chosen = chosen.index_copy(0, idx, picked)
+        token_ids = chosen.cpu()
+
+        lp_out: list[dict[int, float] | None] | None = None
+        if need_logprobs:
+            lp_out = self._logprobs(raw, params, token_ids)
+        return SampleResult(token_ids, lp_out)
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply_penalties(
+        scores: torch.Tensor, states: Sequence[SamplingState], dev: torch.device, vocab: int
+    ) -> None:
+        rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        if rep_rows:
+            hist = [states[i].prompt_ids + states[i].output_ids for i in rep_rows]
+            ids = _pad_ids(hist, pad=vocab, dev=dev).clamp_(0, vocab)
+            idx = torch.tensor(rep_rows, device=dev)
+            sub = torch.nn.functional.pad(scores.index_select(0, idx), (0, 1))
+            pen = torch.tensor(
+                [states[i].params.repetition_penalty for i in rep_rows], device=dev
+            ).unsqueeze(1)
+            got = sub.gather(1, ids)
+            got = torch.where(got < 0, got * pen, got / pen)
+            sub = sub.scatter(1, ids, got)[:, :vocab]
+            scores.index_copy_(0, idx, sub)
+        pf_rows = [
+            i
+            for i, s in enumerate(states)
+            if (s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0)
+            and s.output_ids
+        ]
+        if pf_rows:
+            hist = [states[i].output_ids for i in pf_rows]
+            ids = _pad_ids(hist, pad=vocab, dev=dev).clamp_(0, vocab)
+            counts = torch.zeros(len(pf_rows), vocab + 1, device=dev)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+            counts = counts[:, :vocab]
+            pres = torch.tensor([states[i].params.presence_penalty for i in pf_rows], device=dev)
+            freq = torch.tensor([states[i].params.frequency_penalty for i in pf_rows], device=dev)
+            idx = torch.tensor(pf_rows, device=dev)
+            delta = pres.unsqueeze(1) * (counts > 0).float() + freq.unsqueeze(1) * counts
+            scores.index_copy_(0, idx, scores.index_select(0, idx) - delta)
+
+    @staticmethod
+    def _warp(sub: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        dev = sub.device
+        vocab = sub.shape[1]
+        temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+        sub = sub / temp
+        neg_inf = torch.tensor(-math.inf, device=dev)
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+        if any(ks):
+            kmax = max(ks)
+            top_vals = torch.topk(sub, kmax, dim=-1).values
+            k_idx = torch.tensor([max(k, 1) - 1 for k in ks], device=dev).unsqueeze(1)
+            thresh = top_vals.gather(1, k_idx)
+            active = torch.tensor([k > 0 for k in ks], device=dev).unsqueeze(1)
+            sub = torch.where(active & (sub < thresh), neg_inf, sub)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            sorted_logits, sorted_idx = torch.sort(sub, descending=False, dim=-1)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cum <= (1 - top_p)
+            remove[:, -1] = False
+            mask = remove.scatter(1, sorted_idx, remove)
+            sub = sub.masked_fill(mask, -math.inf)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = torch.softmax(sub, dim=-1)
+            top = probs.amax(dim=-1, keepdim=True)
+            remove = probs < min_p * top
+            remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+            sub = sub.masked_fill(remove, -math.inf)
+        return sub
+
+    def _exponential_noise(
+        self, states: Sequence[SamplingState], vocab: int, dev: torch.device
+    ) -> torch.Tensor:
+        noise = torch.empty(len(states), vocab, device=dev)
+        unseeded = [i for i, s in enumerate(states) if s.params.seed is None]
+        if len(unseeded) == len(states):
+            noise.exponential_(generator=self._generator)
+        else:
+            for i, s in enumerate(states):
+                gen = s.generator_for(dev)
+                noise[i].exponential_(generator=gen if gen is not None else self._generator)
+        return noise.clamp_(min=1e-20)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor
+    ) -> list[dict[int, float] | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[dict[int, float] | None] = [None] * len(params)
+        idx = torch.tensor(rows, device=raw.device)
+        lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
+        n_max = max(params[i].logprobs or 0 for i in rows)
+        top_vals = top_idx = None
+        if n_max > 0:
+            top_vals, top_idx = torch.topk(lp, min(n_max, lp.shape[1]), dim=-1)
+            top_vals, top_idx = top_vals.cpu().tolist(), top_idx.cpu().tolist()
+        chosen = token_ids.index_select(0, idx.cpu()).unsqueeze(1).to(lp.device)
+        chosen_lp = lp.gather(1, chosen).squeeze(1).cpu().tolist()
+        for j, i in enumerate(rows):
+            d: dict[int, float] = {}
+            n = params[i].logprobs or 0
+            if n and top_vals is not None and top_idx is not None:
+                for t, v in zip(top_idx[j][:n], top_vals[j][:n], strict=True):
+                    d[int(t)] = float(v)
+            d[int(token_ids[i])] = float(chosen_lp[j])
+            out[i] = d
+        return out
+
+
+def _pad_ids(rows: Sequence[Sequence[int]], *, pad: int, dev: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(dev)
+
+
+def coerce_sampling(value: Any, *, default_max_new_tokens: int | None = None) -> SamplingParams:
+    """Accept None, a `SamplingParams`, a `GenerationConfig` or a dict."""
+    if value is None:
+        sp = SamplingParams()
+    elif isinstance(value, SamplingParams):
+        sp = value
+    elif isinstance(value, dict):
+        sp = SamplingParams(**value)
+    elif type(value).__name__ == "GenerationConfig":
+        sp = SamplingParams.from_generation_config(value)
+    else:
+        raise TypeError(
+            "sampling must be SamplingParams, a transformers GenerationConfig, a dict or None, "
+            f"got {type(value).__name__}"
+        )
+    if default_max_new_tokens is not None and sp.max_new_tokens is None:
+        sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": default_max_new_tokens})
+    return sp
