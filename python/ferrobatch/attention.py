@@ -1,0 +1,378 @@
+"""Paged attention over ferrobatch's KV cache, plugged into transformers' attention interface.
+
+`paged_attention_forward` is registered under `ATTENTION_NAME` with
+`transformers.AttentionInterface`; a mask function returning None is registered under the
+same name with `AttentionMaskInterface`, so a packed forward builds no dense mask. The step's
+metadata (`PagedStep`, built once per step by `build_step`) reaches every layer through the
+forward kwarg `STEP_KWARG`. Calls without it (another thread using the caller's model while a
+ferrobatch forward has its config switched) are delegated to the model's own implementation.
+
+Per layer and attention type the work is: gather the cached keys prefill rows need (before
+any write: sliding rings may be overwritten by this step), write the step's new K/V with the
+slot mapping, then one padded gather + one SDPA for all single-token rows, and one SDPA per
+multi-token row. Never a mask across requests.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    sdpa_mask,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .kv_cache import PagedKVCache
+from .models import SLIDING
+
+ATTENTION_NAME = "ferrobatch_paged"
+STEP_KWARG = "ferrobatch_step"
+
+__all__ = [
+    "ATTENTION_NAME",
+    "STEP_KWARG",
+    "PagedStep",
+    "build_step",
+    "paged_attention_enabled",
+    "paged_attention_forward",
+    "register",
+]
+
+
+@dataclass
+class _PrefillRow:
+    """One multi-token row of one attention type."""
+
+    tok_start: int
+    tok_end: int
+    cached_start: int  # offsets into the group's cached-key gather
+    cached_end: int
+    mask: torch.Tensor | None  # [q, cached + q] bool, True = attend; None with causal
+    causal: bool
+
+
+@dataclass
+class _Group:
+    """Per-step metadata of one attention type, shared by all its layers."""
+
+    slot_mapping: torch.Tensor  # [T] long
+    num_decode: int
+    decode_tokens: torch.Tensor | None  # [Bd] token indices; None when all T tokens decode
+    decode_slots: torch.Tensor | None  # [Bd * Ld] long
+    decode_len: int  # Ld
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] bool; None when every row sees Ld keys
+    prefill_cached_slots: torch.Tensor | None  # all prefill rows' cached keys, row after row
+    prefill: list[_PrefillRow]
+
+
+@dataclass
+class PagedStep:
+    """What the attention layers need for one step (built once by `build_step`)."""
+
+    cache: PagedKVCache
+    groups: list[_Group]  # per layer: the group of its attention type
+    num_tokens: int
+
+
+def build_step(
+    plan: Any,
+    cache: PagedKVCache,
+    layer_types: list[str],
+    sliding_window: int | None,
+) -> PagedStep:
+    """Precompute gather indices and masks for every attention type of `plan`.
+
+    Follows ARCHITECTURE.md §3: full attention reads positions `0 .. seqlens_k` through
+    `block_tables["full_attention"]`; sliding attention reads a row's last `w` positions
+    through its ring of `R` chunks.
+    """
+    page = cache.page_size
+    device = cache.device
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    seqlens = np.asarray(plan.seqlens_k, dtype=np.int64)
+    qlen = np.diff(cu)
+    num_tokens = int(cu[-1])
+    if (qlen < 1).any():
+        raise ValueError("every row of a plan must have at least one query token")
+    start = seqlens - qlen
+    if (start < 0).any():
+        raise ValueError("seqlens_k smaller than the row's query length")
+    decode_rows = np.flatnonzero(qlen == 1)
+    prefill_rows = np.flatnonzero(qlen > 1)
+    all_decode = len(decode_rows) == len(qlen)
+
+    def to_long(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+    groups: dict[str, _Group] = {}
+    for typ in set(layer_types):
+        sliding = typ == SLIDING
+        if sliding and not sliding_window:
+            raise ValueError("sliding layers need a sliding window")
+        w = int(sliding_window) if sliding else 0
+        table = np.asarray(plan.block_tables[typ], dtype=np.int64)
+        if table.ndim != 2 or table.shape[0] != len(qlen):
+            raise ValueError(f"block_tables[{typ!r}] must be [B, W]")
+        ring = table.shape[1]
+        slot_mapping = np.asarray(plan.slot_mapping[typ], dtype=np.int64)
+        if slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping[{typ!r}] must have T={num_tokens} entries")
+
+        def slots_of(rows: np.ndarray, pos: np.ndarray, *, _table=table, _ring=ring,
+                     _sliding=sliding) -> np.ndarray:
+            col = pos // page
+            if _sliding:
+                col = col % _ring
+            return _table[rows, col] * page + pos % page
+
+        # Single-token rows: one padded gather (read after this step's write).
+        dec_slots = dec_mask = dec_tokens = None
+        dec_len = 0
+        if len(decode_rows):
+            total = seqlens[decode_rows]
+            n = np.minimum(total, w) if sliding else total
+            dec_len = int(n.max())
+            j = np.arange(dec_len)
+            valid = j[None, :] < n[:, None]
+            pos = np.where(valid, (total - n)[:, None] + j[None, :], 0)
+            slots = np.where(valid, slots_of(decode_rows[:, None], pos), 0)
+            dec_slots = to_long(slots.reshape(-1))
+            if not valid.all():
+                dec_mask = torch.from_numpy(valid[:, None, None, :].copy()).to(device)
+            if not all_decode:
+                dec_tokens = to_long(cu[decode_rows])
+
+        # Multi-token rows: cached keys gathered before the write, new keys from the forward.
+        prefill: list[_PrefillRow] = []
+        cached_parts: list[np.ndarray] = []
+        offset = 0
+        for r in prefill_rows:
+            s, q = int(start[r]), int(qlen[r])
+            c0 = max(0, s - w + 1) if sliding else 0
+            c = s - c0
+            if c:
+                cached_parts.append(slots_of(np.full(c, r), np.arange(c0, s)))
+            causal = c == 0 and (not sliding or q <= w)
+            mask = None
+            if not causal:
+                q_pos = np.arange(s, s + q)[:, None]
+                k_pos = np.arange(c0, s + q)[None, :]
+                m = k_pos <= q_pos
+                if sliding:
+                    m &= k_pos > q_pos - w
+                mask = torch.from_numpy(m).to(device)
+            prefill.append(
+                _PrefillRow(int(cu[r]), int(cu[r + 1]), offset, offset + c, mask, causal)
+            )
+            offset += c
+        cached = to_long(np.concatenate(cached_parts)) if cached_parts else None
+        groups[typ] = _Group(
+            slot_mapping=to_long(slot_mapping),
+            num_decode=len(decode_rows),
+            decode_tokens=dec_tokens,
+            decode_slots=dec_slots,
+            decode_len=dec_len,
+            decode_mask=dec_mask,
+            prefill_cached_slots=cached,
+            prefill=prefill,
+        )
+    return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D]; bool mask True = attend."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=heads != kv_heads,
+        )
+    b, _, lq, d = q.shape
+    lk = k.shape[2]
+    g = heads // kv_heads
+    qg = q.reshape(b, kv_heads, g * lq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, g, lq, lk)
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        m = mask if mask.dim() == 2 else mask.view(b, 1, 1, mask.shape[-2], lk)
+        scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores.view(b, kv_heads, g * lq, lk), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(v.dtype), v).view(b, heads, lq, d)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] of a
+    packed step → output [1, T, H, D], reading and writing the paged cache."""
+    step: PagedStep | None = kwargs.get(STEP_KWARG)
+    if step is None:
+        return _delegate(module, query, key, value, attention_mask, scaling=scaling,
+                         dropout=dropout, softcap=softcap, **kwargs)
+    layer = module.layer_idx
+    group = step.groups[layer]
+    k_cache = step.cache.keys[layer]
+    v_cache = step.cache.values[layer]
+    _, heads, num_tokens, dim = query.shape
+    kv_heads = key.shape[1]
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or dim**-0.5
+    softcap = softcap or None
+    q_all = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    if k_new.dtype != k_cache.dtype:
+        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+
+    cached_k = cached_v = None
+    if group.prefill_cached_slots is not None:
+        cached_k = k_cache.index_select(0, group.prefill_cached_slots)
+        cached_v = v_cache.index_select(0, group.prefill_cached_slots)
+    k_cache.index_copy_(0, group.slot_mapping, k_new)
+    v_cache.index_copy_(0, group.slot_mapping, v_new)
+
+    dec_out = None
+    if group.num_decode:
+        bd, ld = group.num_decode, group.decode_len
+        if group.decode_tokens is None:
+            q_dec = q_all.transpose(0, 1)  # [Bd, H, D]
+        else:
+            q_dec = q_all.index_select(1, group.decode_tokens).transpose(0, 1)
+        k = k_cache.index_select(0, group.decode_slots).view(bd, ld, kv_heads, dim).transpose(1, 2)
+        v = v_cache.index_select(0, group.decode_slots).view(bd, ld, kv_heads, dim).transpose(1, 2)
+        if softcap is None:
+            # The query heads sharing a KV head become that head's query rows: no GQA expansion.
+            qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
+            dec_out = F.scaled_dot_product_attention(
+                qg, k, v, attn_mask=group.decode_mask, scale=scaling
+            ).view(bd, heads, dim)
+        else:
+            dec_out = _attend(
+                q_dec.unsqueeze(2), k, v, group.decode_mask, scaling, softcap, False
+            ).view(bd, heads, dim)
+        if group.decode_tokens is None:
+            return dec_out.unsqueeze(0), None
+
+    out = query.new_empty(num_tokens, heads, dim)
+    if dec_out is not None:
+        out.index_copy_(0, group.decode_tokens, dec_out)
+    for row in group.prefill:
+        s, e = row.tok_start, row.tok_end
+        q = query[:, :, s:e]
+        if row.cached_end > row.cached_start:
+            a, b = row.cached_start, row.cached_end
+            k = torch.cat([cached_k[a:b], k_new[s:e]]).transpose(0, 1).unsqueeze(0)
+            v = torch.cat([cached_v[a:b], v_new[s:e]]).transpose(0, 1).unsqueeze(0)
+        else:
+            k = key[:, :, s:e]
+            v = value[:, :, s:e]
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), row.mask, scaling, softcap, row.causal)
+        out[s:e] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+# --- registration, switching, delegation -------------------------------------------------
+
+_ORIGINAL: dict[int, str | None] = {}
+_STATE = threading.local()
+
+
+def _delegate(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    impl = _ORIGINAL.get(id(getattr(module, "config", None)), "sdpa")
+    if impl in (None, "eager", ATTENTION_NAME):
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        fn = fn or sdpa_attention_forward
+    else:
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, sdpa_attention_forward)
+    return fn(module, *args, **kwargs)
+
+
+def paged_mask(*args: Any, config: PretrainedConfig | None = None, **kwargs: Any) -> Any:
+    """Mask function: None inside a ferrobatch forward, else the model's own mask."""
+    if getattr(_STATE, "depth", 0):
+        return None
+    impl = _ORIGINAL.get(id(config), "sdpa")
+    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl or "sdpa", sdpa_mask)
+    if fn is paged_mask:
+        fn = sdpa_mask
+    return fn(*args, config=config, **kwargs)
+
+
+def register() -> None:
+    """Register the paged attention and its mask function with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+
+
+def model_configs(model: torch.nn.Module) -> list[PretrainedConfig]:
+    """Every distinct config object reachable from `model` (its modules' and sub-configs)."""
+    found: dict[int, PretrainedConfig] = {}
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        cfg = todo.pop()
+        if not isinstance(cfg, PretrainedConfig) or id(cfg) in found:
+            continue
+        found[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            todo.append(getattr(cfg, key, None))
+    return list(found.values())
+
+
+@contextmanager
+def paged_attention_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None]:
+    """Switch `configs` to the paged attention for the duration of the block, then restore
+    exactly what was there."""
+    saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs]
+    for cfg, impl in saved:
+        if impl != ATTENTION_NAME:
+            _ORIGINAL[id(cfg)] = impl
+        cfg._attn_implementation_internal = ATTENTION_NAME
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+        for cfg, impl in saved:
+            cfg._attn_implementation_internal = impl
+
+
+def forget(configs: Iterable[PretrainedConfig]) -> None:
+    """Drop the remembered implementations of `configs` (when a runner closes)."""
+    for cfg in configs:
+        _ORIGINAL.pop(id(cfg), None)
+
+
+register()

@@ -1,0 +1,153 @@
+"""`ModelRunner`: runs one `StepPlan` through a transformers causal LM over the paged cache."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from . import attention
+from .kv_cache import PagedKVCache
+from .models import layer_types_of, sliding_window_of, text_config
+
+logger = logging.getLogger("ferrobatch")
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Executes step plans (ARCHITECTURE.md §3) on `model` with ferrobatch's paged KV cache.
+
+    The caller's model is used as is: its attention implementation is switched to the paged
+    one only for the duration of each forward and restored afterwards; its weights, config
+    and generation config are never changed.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        num_blocks: int,
+        page_size: int,
+        cpu_offload_blocks: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.model = model
+        self.config = model.config
+        cfg = text_config(model.config)
+        self.layer_types: list[str] = layer_types_of(model.config)
+        self.sliding_window: int | None = sliding_window_of(model.config)
+        self.vocab_size: int = int(cfg.vocab_size)
+        self.page_size = page_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device) if device is not None else model.device
+        self.dtype = dtype if dtype is not None else model.dtype
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.cache = PagedKVCache(
+            num_layers=len(self.layer_types),
+            num_blocks=num_blocks,
+            page_size=page_size,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            device=self.device,
+            dtype=self.dtype,
+            cpu_offload_blocks=cpu_offload_blocks,
+        )
+        self._configs = attention.model_configs(model)
+        self._base = getattr(model, "base_model", None)
+        self._head = model.get_output_embeddings()
+        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._logit_scale = getattr(model, "logit_scale", None) or getattr(
+            cfg, "logit_scale", None
+        )
+        self._logits_scaling = getattr(cfg, "logits_scaling", None)
+        self._split_head = self._check_split_head()
+        self._closed = False
+
+    # --- logits ----------------------------------------------------------------------------
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._head(hidden)
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
+        if self._logits_scaling is not None:
+            logits = logits / self._logits_scaling
+        if self._final_softcap:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits
+
+    def _check_split_head(self) -> bool:
+        """Whether base model + output head on the sampled rows reproduces the full forward
+        (checked once on a short input with the model's own attention)."""
+        if self._base is None or self._base is self.model or self._head is None:
+            return False
+        ids = torch.arange(3, 9, device=self.device).unsqueeze(0) % self.vocab_size
+        try:
+            with torch.inference_mode():
+                full = self.model(input_ids=ids, use_cache=False).logits[0, -2:]
+                hidden = self._base(input_ids=ids, use_cache=False)[0][0, -2:]
+                split = self._head_logits(hidden)
+        except Exception as exc:  # noqa: BLE001 - fall back to the full forward
+            logger.info("ferrobatch: full forward for logits (%s)", exc)
+            return False
+        ok = full.shape == split.shape and torch.allclose(
+            full.float(), split.float(), rtol=1e-3, atol=1e-3
+        )
+        if not ok:
+            logger.info("ferrobatch: output head not separable; using logits_to_keep")
+        return bool(ok)
+
+    # --- execution -------------------------------------------------------------------------
+
+    def _tensor(self, values: Any) -> torch.Tensor:
+        arr = np.ascontiguousarray(values, dtype=np.int64)
+        return torch.from_numpy(arr).to(self.device, non_blocking=True)
+
+    def execute(self, plan: Any) -> torch.Tensor:
+        """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
+        tokens of `plan.logits_indices`, in that order."""
+        if self._closed:
+            raise RuntimeError("ModelRunner is closed")
+        with torch.inference_mode():
+            self.cache.swap(getattr(plan, "swap_out", None), getattr(plan, "swap_in", None))
+            input_ids = self._tensor(plan.input_ids).unsqueeze(0)
+            positions = self._tensor(plan.positions).unsqueeze(0)
+            logits_indices = self._tensor(plan.logits_indices)
+            if input_ids.shape[1] == 0:
+                return torch.empty(0, self.vocab_size, device=self.device)
+            step = attention.build_step(plan, self.cache, self.layer_types, self.sliding_window)
+            kwargs = {attention.STEP_KWARG: step, "use_cache": False}
+            with attention.paged_attention_enabled(self._configs):
+                if self._split_head:
+                    out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
+                    hidden = out[0][0].index_select(0, logits_indices)
+                    logits = self._head_logits(hidden)
+                else:
+                    out = self.model(
+                        input_ids=input_ids, position_ids=positions,
+                        logits_to_keep=logits_indices, **kwargs,
+                    )
+                    logits = out.logits[0]
+            return logits.float()
+
+    def close(self) -> None:
+        """Release the cache and forget the model (its config is already restored)."""
+        if self._closed:
+            return
+        self._closed = True
+        attention.forget(self._configs)
+        self.cache = None  # type: ignore[assignment]
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

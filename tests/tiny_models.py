@@ -1,0 +1,109 @@
+"""Tiny random-init causal LMs (fp32, fixed seed) for the runner and engine tests.
+
+Every builder returns a model in eval mode whose attention type per layer exercises one
+case of ARCHITECTURE.md §3: full attention, sliding window on every layer, hybrid
+sliding/full layers, GQA, attention and final logit softcapping, learned positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+
+VOCAB = 512
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def _build(cls_name: str, config_name: str, seed: int, **overrides) -> PreTrainedModel:
+    kwargs = {**COMMON, **overrides}
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config)
+    return model.eval().to(torch.float32)
+
+
+def llama(seed: int = 0) -> PreTrainedModel:
+    """Llama, full attention, GQA 4/2."""
+    return _build("LlamaForCausalLM", "LlamaConfig", seed)
+
+
+def qwen3(seed: int = 0) -> PreTrainedModel:
+    """Qwen3 (q/k norms), full attention, 3 layers."""
+    return _build("Qwen3ForCausalLM", "Qwen3Config", seed, num_hidden_layers=3, head_dim=16)
+
+
+def mistral(seed: int = 0) -> PreTrainedModel:
+    """Mistral: sliding window 12 on every layer."""
+    return _build("MistralForCausalLM", "MistralConfig", seed, sliding_window=12)
+
+
+def qwen2_sliding(seed: int = 0) -> PreTrainedModel:
+    """Qwen2 with a sliding window of 10 on layers >= 1 (layer 0 full)."""
+    return _build(
+        "Qwen2ForCausalLM", "Qwen2Config", seed, num_hidden_layers=3,
+        use_sliding_window=True, sliding_window=10, max_window_layers=1,
+    )
+
+
+def gemma2(seed: int = 0) -> PreTrainedModel:
+    """Gemma2: alternating sliding (8) / full layers, attention and final softcapping."""
+    return _build(
+        "Gemma2ForCausalLM", "Gemma2Config", seed, num_hidden_layers=4, head_dim=16,
+        sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=16, tie_word_embeddings=True,
+    )
+
+
+def gemma3(seed: int = 0) -> PreTrainedModel:
+    """Gemma3 text: hybrid layer_types (sliding 16 / full), q/k norms, local/global rope."""
+    return _build(
+        "Gemma3ForCausalLM", "Gemma3TextConfig", seed, num_hidden_layers=4, head_dim=16,
+        sliding_window=16, query_pre_attn_scalar=16, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+
+
+def gpt2(seed: int = 0) -> PreTrainedModel:
+    """GPT-2: learned positions, MHA, Conv1D projections."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+        bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).eval().to(torch.float32)
+
+
+BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
+    "llama": llama,
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "qwen2_sliding": qwen2_sliding,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
+    "gpt2": gpt2,
+}
+
+
+def bench_llama(seed: int = 0) -> PreTrainedModel:
+    """The design brief §4 benchmark model: hidden 256, 4 layers, 4/2 heads, vocab 32000."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
