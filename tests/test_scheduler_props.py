@@ -1,0 +1,195 @@
+"""Hypothesis stateful tests: random add / schedule / update / cancel against the Scheduler.
+
+Tiny pools (few chunks, page_size 4-8) so preemption (offload or soft reset) is frequent. After
+every step the harness in sched_helpers checks the plan against the step contract, reads the
+simulated KV cache back through the block tables, checks snapshot() (conservation, refcounts =
+holders, reserved chunks, swap slots) and calls check_invariants(). At teardown everything is
+run to completion: every request must finish exactly once and every chunk be free or cached.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sched_helpers import FULL, SLIDING, Harness, ReqSpec, SchedConfig
+
+settings.register_profile(
+    "sched",
+    max_examples=int(os.environ.get("FB_SCHED_EXAMPLES", "60")),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+VOCAB = 64
+EOS = 2
+STOP_ID = 3
+# stop sequences start with 4, a token no prompt contains, so they can only match generated text
+STOP_SEQS = ((4, 5), (4, 4, 6))
+SPECIAL = (EOS, STOP_ID, 4, 5, 6)
+MAX_LIVE = 8
+
+token_st = st.integers(0, 99).map(lambda x: SPECIAL[x % len(SPECIAL)] if x < 12 else 10 + x % 54)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Base machine; subclasses fix the family of configurations."""
+
+    layer_types: tuple[str, ...] = (FULL,)
+    sharing = st.booleans()
+    offload = st.sampled_from([0, 0, 2, 6])
+    cache_budget = st.none()
+
+    def __init__(self):
+        super().__init__()
+        self.h: Harness | None = None
+        self.n = 0
+
+    @initialize(
+        data=st.data(),
+        page_size=st.sampled_from([4, 5, 8]),
+        scheduler_type=st.sampled_from(["fifo", "prefill_first"]),
+    )
+    def setup(self, data, page_size, scheduler_type):
+        ps = page_size
+        sliding = SLIDING in self.layer_types
+        window = data.draw(st.integers(2, 3 * ps)) if sliding else None
+        ring = (-(-window // ps) + 1) if sliding else 0
+        num_blocks = data.draw(st.integers(4 + 2 * ring, 14 + 2 * ring))
+        cfg = SchedConfig(
+            num_blocks=num_blocks,
+            page_size=ps,
+            max_batch_tokens=data.draw(st.integers(4, 40)),
+            max_requests_per_batch=data.draw(st.integers(1, 6)),
+            scheduler_type=scheduler_type,
+            safety_margin=data.draw(st.sampled_from([None, 0.0, 0.2])),
+            allow_block_sharing=data.draw(self.sharing),
+            layer_types=self.layer_types,
+            sliding_window=window,
+            cpu_offload_blocks=data.draw(self.offload),
+            max_batch_cache_tokens=data.draw(self.cache_budget),
+        )
+        self.h = Harness(cfg, strict=True, vocab=VOCAB)
+        # a request must always fit alone (with room to spare): cap its total length
+        full_chunks = num_blocks - ring
+        self.max_len = max(3, (full_chunks // 2) * ps) if FULL in self.layer_types else 6 * ps
+        rnd = data.draw(st.randoms(use_true_random=False))
+        self.prefixes = [
+            [rnd.randrange(10, VOCAB) for _ in range(rnd.choice([ps, 2 * ps, ps + 1]))]
+            for _ in range(3)
+        ]
+
+    @precondition(lambda self: len(self.h.live()) < MAX_LIVE)
+    @rule(
+        data=st.data(),
+        prefix=st.integers(-1, 2),
+        suffix_len=st.integers(0, 12),
+        priority=st.integers(0, 2),
+        stops=st.booleans(),
+    )
+    def add(self, data, prefix, suffix_len, priority, stops):
+        pre = self.prefixes[prefix] if prefix >= 0 else []
+        suffix = data.draw(st.lists(st.integers(10, VOCAB - 1), min_size=suffix_len,
+                                    max_size=suffix_len))
+        prompt = (pre + suffix)[: self.max_len - 1] or [10]
+        max_new = data.draw(st.integers(1, max(1, min(10, self.max_len - len(prompt)))))
+        rid = f"r{self.n}"
+        self.n += 1
+        self.h.add(ReqSpec(
+            request_id=rid, prompt=prompt, max_new_tokens=max_new,
+            eos_token_ids=(EOS,) if stops else (),
+            stop_token_ids=(STOP_ID,) if stops else (),
+            stop_sequences=STOP_SEQS if stops else (),
+            priority=priority,
+        ))
+
+    @precondition(lambda self: self.h.plan is None)
+    @rule()
+    def schedule(self):
+        plan = self.h.schedule()
+        if plan is None:
+            self.h.flush_cancels()
+            assert not self.h.live(), (
+                f"schedule() returned None with live requests {self.h.live()}: {self.h.stats()}"
+            )
+
+    @precondition(lambda self: self.h.plan is not None)
+    @rule(data=st.data())
+    def update(self, data):
+        n = len(self.h.plan.logits_indices)
+        toks = data.draw(st.lists(token_st, min_size=n, max_size=n))
+        self.h.update(toks)
+
+    @precondition(lambda self: self.h.plan is not None)
+    @rule(data=st.data())
+    def step_twice(self, data):
+        """update then schedule+update again: lets sequences reach decode quickly."""
+        for _ in range(2):
+            if self.h.plan is None and self.h.schedule() is None:
+                self.h.flush_cancels()
+                return
+            n = len(self.h.plan.logits_indices)
+            self.h.update(data.draw(st.lists(token_st, min_size=n, max_size=n)))
+
+    @rule(which=st.integers(0, 40))
+    def cancel(self, which):
+        ids = list(self.h.tracks)
+        rid = ids[which % len(ids)] if ids and which < 38 else f"nope{which}"
+        self.h.cancel(rid)
+
+    @invariant()
+    def invariants(self):
+        if self.h is not None:
+            self.h.s.check_invariants()
+
+    def teardown(self):
+        if self.h is None:
+            return
+        rnd_tokens = iter([10 + (i * 7) % 50 for i in range(10**6)])
+
+        def sampler():
+            n = sum(1 for r in self.h.plan_rows if r["sampled"])
+            return [next(rnd_tokens) for _ in range(n)]
+
+        self.h.run_to_completion(sampler=sampler)
+
+
+class FullAttentionMachine(SchedulerMachine):
+    layer_types = (FULL, FULL)
+
+
+class FullSharedOffloadMachine(SchedulerMachine):
+    layer_types = (FULL,)
+    sharing = st.just(True)
+    offload = st.sampled_from([1, 3, 8])
+
+
+class SlidingMachine(SchedulerMachine):
+    layer_types = (SLIDING, SLIDING)
+
+
+class HybridMachine(SchedulerMachine):
+    layer_types = (SLIDING, FULL, SLIDING)
+
+
+class CacheBudgetMachine(SchedulerMachine):
+    layer_types = (FULL,)
+    cache_budget = st.sampled_from([16, 40, 100])
+
+
+TestFullAttention = FullAttentionMachine.TestCase
+TestFullSharedOffload = FullSharedOffloadMachine.TestCase
+TestSliding = SlidingMachine.TestCase
+TestHybrid = HybridMachine.TestCase
+TestCacheBudget = CacheBudgetMachine.TestCase
+for _t in (TestFullAttention, TestFullSharedOffload, TestSliding, TestHybrid, TestCacheBudget):
+    _t.settings = settings.get_profile("sched")
