@@ -54,7 +54,7 @@ class _Request:
     params: SamplingParams
     sstate: SamplingState
     detok: IncrementalDetokenizer
-    stop_token_ids: list[int]
+    eos_token_ids: list[int]
     arrival: float
     output: RequestOutput
     listener: Listener | None = None
@@ -154,19 +154,18 @@ class Engine:
         from ferrobatch.core import Scheduler
 
         cfg = self.config
-        kwargs = dict(
-            num_blocks=self.num_blocks,
-            page_size=cfg.page_size,
-            layer_types=self.layer_types,
-            sliding_window=self.sliding_window,
-            max_batch_tokens=cfg.max_batch_tokens,
+        return Scheduler(
+            self.num_blocks,
+            cfg.page_size,
+            cfg.max_batch_tokens,
             max_requests_per_batch=cfg.max_requests_per_batch,
             scheduler_type=cfg.scheduler_type,
             safety_margin=cfg.resolved_safety_margin,
             allow_block_sharing=cfg.allow_block_sharing,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window,
             cpu_offload_blocks=self.cpu_offload_blocks,
         )
-        return Scheduler(**kwargs)
 
     # ------------------------------------------------------------------ public API
 
@@ -465,9 +464,7 @@ class Engine:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        stop_ids = list(
-            dict.fromkeys(list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids))
-        )
+        eos_ids = [] if sp.ignore_eos else list(self.eos_token_ids)
         now = time.perf_counter()
         detok = IncrementalDetokenizer(
             self.tokenizer,
@@ -489,7 +486,7 @@ class Engine:
             params=sp,
             sstate=SamplingState(sp, ids),
             detok=detok,
-            stop_token_ids=stop_ids,
+            eos_token_ids=eos_ids,
             arrival=now,
             output=out,
             listener=listener,
@@ -653,8 +650,9 @@ class Engine:
                 self.scheduler.add_request(
                     req.request_id,
                     req.prompt_ids,
-                    max_new_tokens=req.params.max_new_tokens,
-                    stop_token_ids=req.stop_token_ids,
+                    req.params.max_new_tokens,
+                    eos_token_ids=req.eos_token_ids,
+                    stop_token_ids=list(req.params.stop_token_ids),
                 )
             except (ValueError, KeyError, TypeError) as exc:  # this request only
                 self._finish_error(req, exc)

@@ -1,0 +1,277 @@
+"""End-to-end CPU throughput: ferrobatch vs transformers `generate_batch` vs padded `generate`.
+
+The workload of the design brief §4: a random-init tiny Llama (hidden 256, 4 layers, 4/2
+heads, vocab 32000, fp32, `torch.manual_seed(0)`), 64 prompts from `random.Random(1234)`
+with lengths 16..256, greedy, EOS off, 64 new tokens each, 1 torch thread. All three run in
+one process on the same prompts; outputs are compared; the median of `--repeats` timed runs
+(after one warm-up) is reported as generated tokens per second, with ratios.
+
+    python benches/e2e_cpu.py                  # the brief's workload
+    python benches/e2e_cpu.py --smollm2        # bundled SmolLM2-135M-Instruct, 64 chat prompts
+    python benches/e2e_cpu.py --only ferrobatch --page-size 64 --max-batch-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+METHODS = ("ferrobatch", "generate_batch", "padded_generate")
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "Give me three tips for better sleep.",
+    "What is the difference between weather and climate?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "What are prime numbers? Give examples.",
+    "Suggest a name for a friendly robot.",
+    "How does a bicycle stay upright?",
+    "Translate 'good morning' into Spanish and French.",
+    "What is machine learning?",
+    "Describe a cat to someone who has never seen one.",
+    "List the planets of the solar system.",
+    "What should I pack for a weekend hiking trip?",
+]
+
+
+def tiny_llama() -> torch.nn.Module:
+    """The brief's benchmark model (EOS off: the config has no eos token)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval().to(torch.float32)
+
+
+def tiny_prompts(n: int) -> list[list[int]]:
+    rng = random.Random(1234)
+    out = []
+    for _ in range(n):
+        length = rng.randint(16, 256)
+        out.append([rng.randrange(3, 32000) for _ in range(length)])
+    return out
+
+
+def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]
+        if i >= len(CHAT_QUESTIONS):
+            q = f"{q} (variant {i // len(CHAT_QUESTIONS)})"
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+def run_ferrobatch(model: Any, prompts: list[list[int]], new: int, args: Any) -> Callable:
+    from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+
+    cfg = ContinuousBatchingConfig(
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        num_blocks=args.num_blocks,
+        scheduler_type=args.scheduler,
+    )
+    engine = Engine(model, config=cfg)
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        outs = engine.generate(prompts, sp, progress=False)
+        return [o.token_ids for o in outs]
+
+    run.close = engine.close  # type: ignore[attr-defined]
+    run.engine = engine  # type: ignore[attr-defined]
+    return run
+
+
+def run_generate_batch(model: Any, prompts: list[list[int]], new: int, args: Any) -> Callable:
+    gc = GenerationConfig(
+        max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+
+    def run() -> list[list[int]]:
+        res = model.generate_batch(inputs=prompts, generation_config=gc, progress_bar=False)
+        by_id = sorted(res.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+        return [list(r.generated_tokens) for r in by_id]
+
+    return run
+
+
+def run_padded_generate(model: Any, prompts: list[list[int]], new: int, args: Any) -> Callable:
+    bs = args.padded_batch
+
+    def run() -> list[list[int]]:
+        outs: list[list[int]] = []
+        for start in range(0, len(prompts), bs):
+            chunk = prompts[start : start + bs]
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, p in enumerate(chunk):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            with torch.no_grad():
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=None,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            outs.extend(gen[:, width:].tolist())
+        return outs
+
+    return run
+
+
+RUNNERS = {
+    "ferrobatch": run_ferrobatch,
+    "generate_batch": run_generate_batch,
+    "padded_generate": run_padded_generate,
+}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of identical requests, share of tokens before the first divergence)."""
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    agree = total = 0
+    for x, y in zip(a, b, strict=True):
+        total += max(len(x), len(y))
+        for s, t in zip(x, y, strict=False):
+            if s != t:
+                break
+            agree += 1
+    return same / max(1, len(a)), agree / max(1, total)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smollm2", action="store_true", help="bundled SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--max-batch-tokens", type=int, default=None)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--scheduler", default="fifo", choices=("fifo", "prefill_first"))
+    ap.add_argument("--padded-batch", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = ap.parse_args()
+
+    from ferrobatch import ContinuousBatchingConfig
+
+    defaults = ContinuousBatchingConfig()
+    args.page_size = args.page_size or defaults.page_size
+    args.max_batch_tokens = args.max_batch_tokens or defaults.max_batch_tokens
+    torch.set_num_threads(args.threads)
+
+    if args.smollm2:
+        from ferrobatch.models import load_model
+
+        model, tok = load_model(None, device="cpu", dtype=torch.float32)
+        model.generation_config.eos_token_id = None  # the bench's own copy: EOS off
+        prompts = smollm2_prompts(tok, args.prompts)
+        workload = f"SmolLM2-135M-Instruct fp32, {args.prompts} chat prompts"
+    else:
+        model = tiny_llama()
+        prompts = tiny_prompts(args.prompts)
+        workload = f"tiny Llama (brief §4), {args.prompts} prompts of 16..256 tokens"
+    new = args.max_new_tokens
+    n_tokens = new * len(prompts)
+    print(
+        f"workload: {workload}; {new} new tokens each (greedy, EOS off); "
+        f"torch threads={torch.get_num_threads()}; repeats={args.repeats} (median)\n"
+        f"ferrobatch config: page_size={args.page_size} max_batch_tokens={args.max_batch_tokens} "
+        f"num_blocks={args.num_blocks or 'auto'} scheduler={args.scheduler}",
+        flush=True,
+    )
+
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for name in args.only:
+        run = RUNNERS[name](model, prompts, new, args)
+        run()  # warm-up (allocations, first-call overheads)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            out = run()
+            times.append(time.perf_counter() - t0)
+        outputs[name] = out
+        got = sum(len(o) for o in out)
+        med = statistics.median(times)
+        results[name] = {
+            "seconds": med,
+            "tok_s": got / med,
+            "generated_tokens": got,
+            "times": times,
+        }
+        if hasattr(run, "engine"):
+            st = run.engine.stats()
+            results[name]["num_blocks"] = run.engine.num_blocks
+            results[name]["steps"] = st.get("steps")
+            run.close()
+        print(f"{name:>16}: {got / med:8.1f} tok/s  ({med:.2f} s median of {times})", flush=True)
+        if got != n_tokens:
+            print(f"{'':>16}  warning: {got} tokens generated, expected {n_tokens}")
+
+    if "ferrobatch" in results:
+        fb = results["ferrobatch"]["tok_s"]
+        for other in ("padded_generate", "generate_batch"):
+            if other in results:
+                ratio = fb / results[other]["tok_s"]
+                results["ferrobatch"][f"x_{other}"] = ratio
+                print(f"ferrobatch / {other}: {ratio:.2f}x")
+    names = list(outputs)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            same, tok = agreement(outputs[a], outputs[b])
+            print(
+                f"agreement {a} vs {b}: {same:.0%} of requests identical, "
+                f"{tok:.1%} of tokens before the first divergence"
+            )
+            results.setdefault("agreement", {})[f"{a}~{b}"] = {"requests": same, "tokens": tok}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
