@@ -1,0 +1,474 @@
+"""Prometheus metrics for the ferrobatch server.
+
+A small, dependency-free writer of the Prometheus text exposition format (version 0.0.4):
+counters, gauges and histograms with labels, plus :class:`ServerMetrics`, the set of
+metrics the OpenAI-compatible server exports at ``GET /metrics``.
+
+Server-side metrics (request counts, latencies, token counts) are updated by the server as
+requests run; engine-side metrics (cache blocks, prefix hit rate, offloads, soft resets,
+scheduler queue) are read from ``Engine.stats()`` each time the endpoint is scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "CONTENT_TYPE",
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "Registry",
+    "ServerMetrics",
+]
+
+#: The ``Content-Type`` of the Prometheus text format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+LabelKey = tuple[str, ...]
+
+
+def _format_value(value: float) -> str:
+    """Format a sample value the way Prometheus parses it."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _labels_text(names: Sequence[str], values: Sequence[str]) -> str:
+    if not names:
+        return ""
+    inner = ",".join(f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True))
+    return "{" + inner + "}"
+
+
+class _Metric:
+    """Common part of every metric: name, help text, label names, a lock."""
+
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        if not _NAME_RE.match(name):
+            raise ValueError(f"invalid metric name {name!r}")
+        for label in labelnames:
+            if not _LABEL_RE.match(label) or label.startswith("__"):
+                raise ValueError(f"invalid label name {label!r}")
+        self.name = name
+        self.help = help
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+
+    def _key(self, labels: Mapping[str, Any]) -> LabelKey:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(
+                f"{self.name}: expected labels {sorted(self.labelnames)}, got {sorted(labels)}"
+            )
+        return tuple(str(labels[n]) for n in self.labelnames)
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    """A monotonically increasing value per label set."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labelnames)
+        self._values: dict[LabelKey, float] = {}
+        if not self.labelnames:
+            self._values[()] = 0.0
+
+    def inc(self, amount: float = 1.0, **labels: Any) -> None:
+        """Add ``amount`` (>= 0) to the counter of the given label values."""
+        if amount < 0:
+            raise ValueError("a counter can only increase")
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def get(self, **labels: Any) -> float:
+        """Current value for the given label values (0 when never incremented)."""
+        return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [
+            f"{self.name}{_labels_text(self.labelnames, k)} {_format_value(v)}" for k, v in items
+        ]
+
+
+class Gauge(_Metric):
+    """A value that can go up and down, per label set."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labelnames)
+        self._values: dict[LabelKey, float] = {}
+
+    def set(self, value: float, **labels: Any) -> None:
+        """Set the gauge of the given label values."""
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = float(value)
+
+    def inc(self, amount: float = 1.0, **labels: Any) -> None:
+        """Add ``amount`` (may be negative)."""
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def dec(self, amount: float = 1.0, **labels: Any) -> None:
+        """Subtract ``amount``."""
+        self.inc(-amount, **labels)
+
+    def get(self, **labels: Any) -> float:
+        """Current value (0 when never set)."""
+        return self._values.get(self._key(labels), 0.0)
+
+    def clear(self) -> None:
+        """Forget every label set."""
+        with self._lock:
+            self._values.clear()
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return [
+            f"{self.name}{_labels_text(self.labelnames, k)} {_format_value(v)}" for k, v in items
+        ]
+
+
+class Histogram(_Metric):
+    """Cumulative histogram with fixed upper bounds (``le`` buckets), ``_sum`` and ``_count``."""
+
+    kind = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        buckets: Iterable[float],
+        labelnames: Sequence[str] = (),
+    ) -> None:
+        super().__init__(name, help, labelnames)
+        if "le" in self.labelnames:
+            raise ValueError("'le' is reserved for histogram buckets")
+        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
+        if not bounds:
+            raise ValueError("a histogram needs at least one finite bucket")
+        self.buckets = bounds
+        # per label set: counts per finite bucket (non-cumulative), sum, count
+        self._data: dict[LabelKey, tuple[list[int], list[float]]] = {}
+        if not self.labelnames:
+            self._data[()] = ([0] * len(bounds), [0.0, 0.0])
+
+    def observe(self, value: float, **labels: Any) -> None:
+        """Record one observation."""
+        key = self._key(labels)
+        idx = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            counts, totals = self._data.setdefault(key, ([0] * len(self.buckets), [0.0, 0.0]))
+            if idx < len(counts):
+                counts[idx] += 1
+            totals[0] += value
+            totals[1] += 1
+
+    def count(self, **labels: Any) -> int:
+        """Number of observations recorded for the given label values."""
+        data = self._data.get(self._key(labels))
+        return int(data[1][1]) if data else 0
+
+    def render(self) -> list[str]:
+        lines: list[str] = []
+        with self._lock:
+            items = sorted((k, (list(c), list(t))) for k, (c, t) in self._data.items())
+        for key, (counts, (total, count)) in items:
+            cumulative = 0
+            names = (*self.labelnames, "le")
+            for bound, c in zip(self.buckets, counts, strict=True):
+                cumulative += c
+                lbl = _labels_text(names, (*key, _format_value(bound)))
+                lines.append(f"{self.name}_bucket{lbl} {cumulative}")
+            lbl = _labels_text(names, (*key, "+Inf"))
+            lines.append(f"{self.name}_bucket{lbl} {int(count)}")
+            base = _labels_text(self.labelnames, key)
+            lines.append(f"{self.name}_sum{base} {_format_value(total)}")
+            lines.append(f"{self.name}_count{base} {int(count)}")
+        return lines
+
+
+class Registry:
+    """An ordered set of metrics rendered together."""
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, _Metric] = {}
+
+    def register(self, metric: _Metric) -> _Metric:
+        """Add ``metric``; names must be unique."""
+        if metric.name in self._metrics:
+            raise ValueError(f"metric {metric.name!r} already registered")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def render(self) -> str:
+        """The whole registry in the Prometheus text format."""
+        out: list[str] = []
+        for metric in self._metrics.values():
+            out.extend(metric.header())
+            out.extend(metric.render())
+        return "\n".join(out) + "\n"
+
+
+# Latency buckets (seconds): fine at the low end for CPU decode steps, long tail for queues.
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+# Engine.stats() keys read for each engine metric, first present wins. Several spellings are
+# accepted so the exporter keeps working while the stats dictionary evolves.
+_STAT_KEYS: dict[str, tuple[str, ...]] = {
+    "waiting": ("num_waiting", "waiting", "requests_waiting"),
+    "running": ("num_running", "running", "requests_running", "active"),
+    "swapped": ("num_swapped", "swapped", "requests_swapped"),
+    "blocks_used": ("used_blocks", "blocks_used", "num_used_blocks"),
+    "blocks_free": ("free_blocks", "blocks_free", "num_free_blocks"),
+    "blocks_cached": ("cached_blocks", "blocks_cached", "num_cached_blocks"),
+    "blocks_total": ("num_blocks", "total_blocks", "blocks_total"),
+    "prefix_hit_rate": ("prefix_hit_rate", "prefix_cache_hit_rate"),
+    "prefix_hits": ("prefix_hit_tokens", "prefix_hits", "cached_prompt_tokens"),
+    "prefix_queries": ("prefix_query_tokens", "prefix_queries", "prompt_tokens_scheduled"),
+    "offloads": ("offloads", "num_offloads", "offloaded", "swap_outs"),
+    "soft_resets": ("soft_resets", "num_soft_resets"),
+    "steps": ("steps", "num_steps"),
+}
+
+
+def _lookup(stats: Mapping[str, Any], what: str) -> float | None:
+    for key in _STAT_KEYS[what]:
+        value = stats.get(key)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+def _sanitize(name: str) -> str:
+    cleaned = re.sub(r"[^a-zA-Z0-9_]", "_", name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"_{cleaned}"
+
+
+class ServerMetrics:
+    """Every metric the server exports, and the hooks that update them.
+
+    The request-path hooks (``on_*``) are called by the server on the event loop; ``render``
+    is called per scrape with the latest ``Engine.stats()`` (or ``None`` while the engine
+    is loading).
+    """
+
+    def __init__(self, prefix: str = "ferrobatch") -> None:
+        p = prefix
+        self.registry = Registry()
+        reg = self.registry.register
+        self.requests = reg(Counter(
+            f"{p}_requests_total",
+            "Finished generation requests (one per choice) by endpoint and finish reason "
+            "(stop, length, cancelled = client gone, error).",
+            ("endpoint", "finish_reason"),
+        ))  # fmt: skip
+        self.http_errors = reg(Counter(
+            f"{p}_http_errors_total",
+            "Requests rejected with an error status, by HTTP status code.",
+            ("code",),
+        ))  # fmt: skip
+        self.prompt_tokens = reg(Counter(
+            f"{p}_prompt_tokens_total", "Prompt tokens of admitted requests (per choice)."
+        ))  # fmt: skip
+        self.generation_tokens = reg(Counter(
+            f"{p}_generation_tokens_total", "Tokens generated and delivered to clients."
+        ))  # fmt: skip
+        self.waiting = reg(Gauge(
+            f"{p}_requests_waiting",
+            "Queue depth: requests accepted by the server that have no token yet "
+            "(bounded by --max-queue).",
+        ))  # fmt: skip
+        self.running = reg(Gauge(
+            f"{p}_requests_running", "Requests producing tokens right now."
+        ))  # fmt: skip
+        self.ttft = reg(Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            TTFT_BUCKETS,
+        ))  # fmt: skip
+        self.itl = reg(Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            ITL_BUCKETS,
+        ))  # fmt: skip
+        self.e2e = reg(Histogram(
+            f"{p}_request_duration_seconds",
+            "Time from request arrival to its last token.",
+            E2E_BUCKETS,
+        ))  # fmt: skip
+        self.engine_ready = reg(Gauge(
+            f"{p}_engine_ready", "1 when the engine is loaded and accepting requests."
+        ))  # fmt: skip
+        self.engine_waiting = reg(Gauge(
+            f"{p}_scheduler_waiting_requests",
+            "Requests waiting in the scheduler queue (from Engine.stats()).",
+        ))  # fmt: skip
+        self.engine_running = reg(Gauge(
+            f"{p}_scheduler_running_requests",
+            "Requests prefilling or decoding in the scheduler (from Engine.stats()).",
+        ))  # fmt: skip
+        self.engine_swapped = reg(Gauge(
+            f"{p}_scheduler_swapped_requests",
+            "Requests offloaded to the CPU swap pool (from Engine.stats()).",
+        ))  # fmt: skip
+        self.cache_blocks = reg(Gauge(
+            f"{p}_cache_blocks",
+            "KV-cache blocks by state: used (held by requests), free (never written or "
+            "reclaimed), cached (free but holding reusable prefix content), total.",
+            ("state",),
+        ))  # fmt: skip
+        self.cache_usage = reg(Gauge(
+            f"{p}_cache_usage_ratio", "Share of KV-cache blocks held by requests (0..1)."
+        ))  # fmt: skip
+        self.prefix_hit_rate = reg(Gauge(
+            f"{p}_prefix_cache_hit_rate",
+            "Share of prompt tokens served from the prefix cache since start (0..1).",
+        ))  # fmt: skip
+        self.offloads = reg(Gauge(
+            f"{p}_offloads_total",
+            "Requests offloaded to the CPU swap pool since start (counter kept by the engine).",
+        ))  # fmt: skip
+        self.soft_resets = reg(Gauge(
+            f"{p}_soft_resets_total",
+            "Requests soft-reset (blocks freed, recomputed later) since start "
+            "(counter kept by the engine).",
+        ))  # fmt: skip
+        self.engine_stats = reg(Gauge(
+            f"{p}_engine_stat",
+            "Every numeric entry of Engine.stats(), by key.",
+            ("key",),
+        ))  # fmt: skip
+
+    # -- request-path hooks -------------------------------------------------------------
+
+    def on_request_error(self, status: int) -> None:
+        """A request was rejected with HTTP ``status``."""
+        self.http_errors.inc(code=str(status))
+
+    def on_admitted(self, prompt_tokens: int) -> None:
+        """A choice was submitted to the engine."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.waiting.inc()
+
+    def on_first_token(self, ttft: float) -> None:
+        """A choice got its first token ``ttft`` seconds after arrival."""
+        self.waiting.dec()
+        self.running.inc()
+        self.ttft.observe(ttft)
+
+    def on_tokens(self, count: int, gap: float | None) -> None:
+        """``count`` tokens arrived together; ``gap`` = seconds since the previous delivery."""
+        self.generation_tokens.inc(count)
+        if gap is not None and count > 0:
+            per_token = gap / count
+            for _ in range(count):
+                self.itl.observe(per_token)
+
+    def on_finished(
+        self, endpoint: str, finish_reason: str, started: bool, duration: float | None
+    ) -> None:
+        """A choice ended (``started``: it had produced a token)."""
+        if started:
+            self.running.dec()
+        else:
+            self.waiting.dec()
+        self.requests.inc(endpoint=endpoint, finish_reason=finish_reason)
+        if duration is not None:
+            self.e2e.observe(duration)
+
+    # -- scrape ---------------------------------------------------------------------------
+
+    def update_from_stats(self, stats: Mapping[str, Any] | None, ready: bool) -> None:
+        """Refresh the engine gauges from an ``Engine.stats()`` dictionary."""
+        self.engine_ready.set(1.0 if ready else 0.0)
+        if not stats:
+            return
+        for gauge, what in (
+            (self.engine_waiting, "waiting"),
+            (self.engine_running, "running"),
+            (self.engine_swapped, "swapped"),
+            (self.offloads, "offloads"),
+            (self.soft_resets, "soft_resets"),
+        ):
+            value = _lookup(stats, what)
+            if value is not None:
+                gauge.set(value)
+        used = _lookup(stats, "blocks_used")
+        free = _lookup(stats, "blocks_free")
+        cached = _lookup(stats, "blocks_cached")
+        total = _lookup(stats, "blocks_total")
+        for state, value in (("used", used), ("free", free), ("cached", cached)):
+            if value is not None:
+                self.cache_blocks.set(value, state=state)
+        if total is None and used is not None and free is not None:
+            total = used + free + (cached or 0.0)
+        if total is not None:
+            self.cache_blocks.set(total, state="total")
+            if used is not None and total > 0:
+                self.cache_usage.set(used / total)
+        rate = _lookup(stats, "prefix_hit_rate")
+        if rate is None:
+            hits = _lookup(stats, "prefix_hits")
+            queries = _lookup(stats, "prefix_queries")
+            if hits is not None and queries:
+                rate = hits / queries
+        if rate is not None:
+            self.prefix_hit_rate.set(rate)
+        self.engine_stats.clear()
+        for key, value in stats.items():
+            if isinstance(value, bool):
+                value = int(value)
+            if isinstance(value, int | float):
+                self.engine_stats.set(float(value), key=_sanitize(str(key)))
+
+    def render(self, stats: Mapping[str, Any] | None = None, ready: bool = True) -> str:
+        """The exposition text, engine gauges refreshed from ``stats`` first."""
+        self.update_from_stats(stats, ready)
+        return self.registry.render()

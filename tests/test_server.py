@@ -1,0 +1,794 @@
+"""Tests of the OpenAI-compatible server (python/ferrobatch/server.py) and its metrics.
+
+A live uvicorn server on 127.0.0.1 (a free port) is started per test module in a thread.
+Two engines back it:
+
+* ``real``: ``ferrobatch.Engine`` on a tiny random-init Llama with a small byte-level BPE
+  tokenizer trained offline (with a chat template) — skipped when the extension is not built;
+* ``fake``: a deterministic stand-in implementing the ARCHITECTURE.md §6 surface the server
+  uses, for server logic in isolation (queue limits, loading, disconnect bookkeeping).
+
+All traffic stays on loopback; every load loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
+from ferrobatch.outputs import RequestOutput
+from ferrobatch.sampling import SamplingParams
+from ferrobatch.server import BackgroundServer, create_app
+
+torch.set_num_threads(1)
+
+MODEL = "tiny-test"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris.",
+    "Hello world, how are you today?",
+    "A quick brown fox jumps over the lazy dog.",
+    "Continuous batching keeps the accelerator busy with many requests.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# tiny tokenizer / model / engines
+
+
+def build_tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(tokenizer: Any, max_len: int = 256) -> Any:
+    """A tiny random-init Llama matching the tokenizer's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def real_engine_or_skip(tokenizer: Any) -> Any:
+    """A real Engine on the tiny model, or skip when the engine cannot be built here."""
+    try:
+        from ferrobatch import ContinuousBatchingConfig, Engine
+
+        return Engine(
+            build_model(tokenizer),
+            tokenizer=tokenizer,
+            config=ContinuousBatchingConfig(num_blocks=1024, page_size=16),
+        )
+    except Exception as exc:  # extension not built, engine not landed yet
+        pytest.skip(f"real Engine unavailable: {type(exc).__name__}: {exc}")
+
+
+class FakeEngine:
+    """Deterministic stand-in for ``ferrobatch.Engine`` (the §6 surface the server uses).
+
+    Every request emits ``max_new_tokens`` tokens, one per ``delay`` seconds, each a function
+    of the prompt and the step. ``gate`` (cleared) holds every request before its first
+    token. Holds ``ceil(len(prompt) / page_size)`` "blocks" per live request.
+    """
+
+    def __init__(self, tokenizer: Any, *, delay: float = 0.002, max_model_len: int = 256):
+        self.tokenizer = tokenizer
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+        self.layer_types = ["full_attention"]
+        self.num_blocks = 4096
+        self.config = SimpleNamespace(page_size=16)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.active: dict[str, int] = {}
+        self.cancelled: list[str] = []
+        self.cancel_calls: list[str] = []
+        self.submitted: list[tuple[str, list[int], SamplingParams]] = []
+        self.closed = False
+        self._cancel_set: set[str] = set()
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def token(self, ids: list[int], step: int) -> int:
+        return 3 + (sum(ids) * 31 + step * 7) % (self.vocab_size - 3)
+
+    async def astream(
+        self, prompt: Any, sampling: Any = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        sp = sampling or SamplingParams()
+        ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self.submitted.append((rid, list(ids), sp))
+        self.active[rid] = math.ceil(len(ids) / 16)
+        done = False
+        try:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
+            for step in range(sp.max_new_tokens):
+                await asyncio.sleep(self.delay)
+                if rid in self._cancel_set:
+                    return
+                tok = self.token(ids, step)
+                last = step == sp.max_new_tokens - 1
+                lp = None
+                if sp.logprobs is not None:
+                    lp = [{tok: -0.25, **{(tok + k) % self.vocab_size: -1.0 - k
+                                          for k in range(1, sp.logprobs + 1)}}]  # fmt: skip
+                yield RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=list(ids),
+                    token_ids=[tok],
+                    text=self.tokenizer.decode([tok]),
+                    finish_reason="length" if last else None,
+                    finished=last,
+                    logprobs=lp,
+                )
+            done = True
+        finally:
+            if not done:
+                self.cancelled.append(rid)
+            self.active.pop(rid, None)
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancel_calls.append(request_id)
+        if request_id in self.active:
+            self._cancel_set.add(request_id)
+            return True
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        used = sum(self.active.values())
+        return {
+            "num_waiting": 0 if self.gate.is_set() else len(self.active),
+            "num_running": len(self.active) if self.gate.is_set() else 0,
+            "used_blocks": used,
+            "free_blocks": self.num_blocks - used,
+            "cached_blocks": 0,
+            "num_blocks": self.num_blocks,
+            "prefix_hit_tokens": 3,
+            "prefix_query_tokens": 12,
+            "offloads": 1,
+            "soft_resets": 2,
+        }
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# ---------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+@contextlib.contextmanager
+def serve(engine: Any = None, **kwargs: Any) -> Iterator[BackgroundServer]:
+    kwargs.setdefault("model_name", MODEL)
+    app = create_app(engine, **kwargs)
+    srv = BackgroundServer(app, "127.0.0.1", 0)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def real_engine(tokenizer: Any) -> Iterator[Any]:
+    engine = real_engine_or_skip(tokenizer)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def real_server(real_engine: Any) -> Iterator[BackgroundServer]:
+    with serve(real_engine) as srv:
+        yield srv
+
+
+@pytest.fixture
+def fake_engine(tokenizer: Any) -> FakeEngine:
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture(params=["fake", "real"])
+def any_server(request: pytest.FixtureRequest, tokenizer: Any) -> Iterator[tuple[Any, str]]:
+    """(engine, url) for the fake engine and, where it can be built, the real one."""
+    if request.param == "real":
+        engine = request.getfixturevalue("real_engine")
+        srv = request.getfixturevalue("real_server")
+        yield engine, srv.url
+    else:
+        engine = FakeEngine(tokenizer)
+        with serve(engine) as srv:
+            yield engine, srv.url
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def wait_until(pred: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def used_blocks(engine: Any) -> int:
+    return int(engine.stats().get("used_blocks", 0))
+
+
+def parse_sse(text: str) -> tuple[list[dict[str, Any]], bool]:
+    """(JSON payloads, saw [DONE]) of an SSE body; asserts the framing is well formed."""
+    payloads: list[dict[str, Any]] = []
+    done = False
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        assert not done, "data after [DONE]"
+        data = block[len("data: ") :]
+        if data == "[DONE]":
+            done = True
+            continue
+        payloads.append(json.loads(data))
+    return payloads, done
+
+
+# ---------------------------------------------------------------------------------------
+# metrics unit tests
+
+
+def test_metrics_exposition_format() -> None:
+    reg = Registry()
+    c = reg.register(Counter("x_total", "help\nline", ("reason",)))
+    g = reg.register(Gauge("y", "a gauge"))
+    h = reg.register(Histogram("z_seconds", "hist", (0.1, 1.0)))
+    c.inc(reason="stop")
+    c.inc(2, reason='we"ird')
+    g.set(3.5)
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v)
+    text = reg.render()
+    assert "# HELP x_total help\\nline" in text
+    assert "# TYPE x_total counter" in text
+    assert 'x_total{reason="stop"} 1' in text
+    assert 'x_total{reason="we\\"ird"} 2' in text
+    assert "y 3.5" in text
+    assert 'z_seconds_bucket{le="0.1"} 1' in text
+    assert 'z_seconds_bucket{le="1"} 2' in text
+    assert 'z_seconds_bucket{le="+Inf"} 3' in text
+    assert "z_seconds_count 3" in text
+    assert "z_seconds_sum 5.55" in text
+    with pytest.raises(ValueError):
+        c.inc(-1, reason="stop")
+    with pytest.raises(ValueError):
+        c.inc(reason="stop", extra="x")
+
+
+def test_server_metrics_from_stats() -> None:
+    m = ServerMetrics()
+    m.on_admitted(10)
+    m.on_first_token(0.02)
+    m.on_tokens(3, 0.03)
+    m.on_finished("chat", "length", True, 0.1)
+    text = m.render({"used_blocks": 3, "free_blocks": 5, "cached_blocks": 2,
+                     "prefix_hit_tokens": 1, "prefix_query_tokens": 4, "offloads": 7,
+                     "soft_resets": 1, "num_waiting": 2, "flag": True}, ready=True)  # fmt: skip
+    assert 'ferrobatch_requests_total{endpoint="chat",finish_reason="length"} 1' in text
+    assert 'ferrobatch_cache_blocks{state="used"} 3' in text
+    assert 'ferrobatch_cache_blocks{state="total"} 10' in text
+    assert "ferrobatch_prefix_cache_hit_rate 0.25" in text
+    assert "ferrobatch_offloads_total 7" in text
+    assert "ferrobatch_soft_resets_total 1" in text
+    assert "ferrobatch_scheduler_waiting_requests 2" in text
+    assert "ferrobatch_prompt_tokens_total 10" in text
+    assert "ferrobatch_generation_tokens_total 3" in text
+    assert "ferrobatch_inter_token_latency_seconds_count 3" in text
+    assert "ferrobatch_time_to_first_token_seconds_count 1" in text
+    assert "ferrobatch_requests_waiting 0" in text
+    assert "ferrobatch_requests_running 0" in text
+    assert 'ferrobatch_engine_stat{key="flag"} 1' in text
+
+
+# ---------------------------------------------------------------------------------------
+# OpenAI client, both engines
+
+
+def test_models_health_metrics(any_server: tuple[Any, str]) -> None:
+    engine, url = any_server
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "ferrobatch_requests_total",
+        "ferrobatch_requests_waiting",
+        "ferrobatch_requests_running",
+        "ferrobatch_time_to_first_token_seconds_bucket",
+        "ferrobatch_inter_token_latency_seconds_bucket",
+        "ferrobatch_generation_tokens_total",
+        "ferrobatch_prompt_tokens_total",
+        "ferrobatch_engine_ready 1",
+        'ferrobatch_cache_blocks{state="used"}',
+    ):
+        assert name in text, name
+
+
+def test_completion_and_chat_nonstream(any_server: tuple[Any, str], tokenizer: Any) -> None:
+    engine, url = any_server
+    c = client(url)
+    prompt = "The capital of France is"
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert out.object == "text_completion"
+    assert len(out.choices) == 1
+    ch = out.choices[0]
+    assert ch.finish_reason in ("length", "stop")
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    assert out.usage.prompt_tokens == n_prompt
+    assert 1 <= out.usage.completion_tokens <= 6
+    assert out.usage.total_tokens == n_prompt + out.usage.completion_tokens
+    if ch.finish_reason == "length":
+        assert out.usage.completion_tokens == 6
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert isinstance(chat.choices[0].message.content, str)
+    assert chat.usage.prompt_tokens == len(engine.encode_chat(msgs))
+    assert 1 <= chat.usage.completion_tokens <= 5
+
+    # n choices, token-id prompt, batch of prompts
+    many = c.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3,
+                                n=2, temperature=0)  # fmt: skip
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2, 3]
+    assert many.usage.prompt_tokens == 5
+    # greedy choices of one prompt are identical
+    by_index = {ch.index: ch.text for ch in many.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]
+
+
+def test_streaming_chat_and_completion(any_server: tuple[Any, str]) -> None:
+    engine, url = any_server
+    c = client(url)
+    msgs = [{"role": "user", "content": "Hello world"}]
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    stream = c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+    comp = c.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    parts = list(c.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
+                                      temperature=0, stream=True))  # fmt: skip
+    assert "".join(p.choices[0].text for p in parts) == comp.choices[0].text
+    assert parts[-1].choices[0].finish_reason == comp.choices[0].finish_reason
+
+    # raw framing: every event is "data: <json>\n\n" and the stream ends with [DONE]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True,
+                                                   "n": 2})  # fmt: skip
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    payloads, done = parse_sse(r.text)
+    assert done and r.text.endswith("data: [DONE]\n\n")
+    assert {p["choices"][0]["index"] for p in payloads} == {0, 1}
+
+
+def test_logprobs_and_sampling_fields(any_server: tuple[Any, str]) -> None:
+    engine, url = any_server
+    c = client(url)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.8, top_p=0.9, seed=7, logprobs=True, top_logprobs=2,
+        presence_penalty=0.5, frequency_penalty=0.5, stop=["zzzz"],
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    again = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.8, top_p=0.9, seed=7,
+    )  # fmt: skip
+    assert again.choices[0].message.content == chat.choices[0].message.content
+
+    comp = c.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=2,
+                                extra_body={"top_k": 5})  # fmt: skip
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset[0] == 0
+
+
+def test_greedy_matches_engine_generate(real_engine: Any, real_server: BackgroundServer) -> None:
+    c = client(real_server.url)
+    for prompt in ("The capital of France is", "A quick brown fox"):
+        ref = real_engine.generate([prompt], SamplingParams(max_new_tokens=12), progress=False)[0]
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == ref.text
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    msgs = [{"role": "user", "content": "Hello world, how are you?"}]
+    ref = real_engine.chat(msgs, SamplingParams(max_new_tokens=10), progress=False)[0]
+    out = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+
+
+def _bad_requests(max_len: int) -> list[tuple[str, str, Any, dict[str, str], int, str | None, str]]:
+    """(name, path, body (bytes or JSON), headers, status, param, message fragment)."""
+    ok_msgs = [{"role": "user", "content": "hi"}]
+    long_prompt = list(range(3, 3 + max_len + 10))
+    return [
+        ("malformed json", "/v1/chat/completions", b'{"messages": [', {}, 400, None,
+         "not valid JSON"),
+        ("not an object", "/v1/completions", b"[1, 2]", {}, 400, None, "JSON object"),
+        ("empty body", "/v1/completions", b"", {}, 400, None, "empty"),
+        ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages",
+         "Missing required field 'messages'"),
+        ("missing prompt", "/v1/completions", {"max_tokens": 3}, {}, 400, "prompt",
+         "Missing required field 'prompt'"),
+        ("wrong type max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": "ten"}, {},
+         400, "max_tokens", "max_tokens"),
+        ("wrong type stream", "/v1/chat/completions", {"messages": ok_msgs, "stream": 1}, {},
+         400, "stream", "stream"),
+        ("wrong type prompt", "/v1/completions", {"prompt": {"a": 1}}, {}, 400, "prompt",
+         "expected a string"),
+        ("wrong type content", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content",
+         "content"),
+        ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "a"}]}, {},
+         400, "messages[0].role", "role"),
+        ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -1}, {}, 400,
+         "max_tokens", "greater than or equal to 1"),
+        ("temperature too high", "/v1/chat/completions",
+         {"messages": ok_msgs, "temperature": 3.5}, {}, 400, "temperature", "temperature"),
+        ("empty messages", "/v1/chat/completions", {"messages": []}, {}, 400, "messages",
+         "at least 1"),
+        ("empty prompt list", "/v1/completions", {"prompt": []}, {}, 400, "prompt", "empty"),
+        ("token out of vocab", "/v1/completions", {"prompt": [1, 10**7]}, {}, 400, "prompt",
+         "Token ids"),
+        ("prompt over context", "/v1/completions", {"prompt": long_prompt, "max_tokens": 1}, {},
+         400, "prompt", "maximum context length"),
+        ("max_tokens over context", "/v1/completions",
+         {"prompt": "hello", "max_tokens": max_len * 2}, {}, 400, "max_tokens",
+         "maximum context length"),
+        ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": ok_msgs}, {},
+         404, "model", "does not exist"),
+        ("oversized body", "/v1/completions", {"prompt": "x" * 300_000}, {}, 413, None,
+         "too large"),
+        ("unknown route", "/v1/embeddings", {"input": "x"}, {}, 404, None, "Not Found"),
+    ]  # fmt: skip
+
+
+def _post(url: str, path: str, body: Any, headers: dict[str, str]) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body,
+                          headers={"content-type": "application/json", **headers})  # fmt: skip
+    return httpx.post(url + path, json=body, headers=headers)
+
+
+def _check_error(r: httpx.Response, status: int, param: str | None, fragment: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert fragment.lower() in err["message"].lower(), err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_input_during_stream(tokenizer: Any, request: pytest.FixtureRequest) -> None:
+    """Every bad request gets its status and message; a concurrent stream is unharmed."""
+    try:
+        engine = request.getfixturevalue("real_engine")
+        ctx: Any = serve(engine, max_body_bytes=256 * 1024)
+    except pytest.skip.Exception:
+        engine = FakeEngine(tokenizer, delay=0.01)
+        ctx = serve(engine, max_body_bytes=256 * 1024)
+    with ctx as srv:
+        c = client(srv.url)
+        msgs = [{"role": "user", "content": "Tell me about Paris."}]
+        ref = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                        temperature=0)  # fmt: skip
+        result: dict[str, Any] = {}
+
+        def consume() -> None:
+            stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                               temperature=0, stream=True)  # fmt: skip
+            chunks = list(stream)
+            result["text"] = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+            result["finish"] = chunks[-1].choices[0].finish_reason
+
+        t = threading.Thread(target=consume)
+        t.start()
+        for name, path, body, headers, status, param, fragment in _bad_requests(
+            engine.max_model_len
+        ):
+            r = _post(srv.url, path, body, headers)
+            try:
+                _check_error(r, status, param, fragment)
+            except AssertionError as exc:
+                raise AssertionError(f"{name}: {exc}") from exc
+        t.join(60)
+        assert not t.is_alive()
+        assert result["text"] == ref.choices[0].message.content
+        assert result["finish"] == ref.choices[0].finish_reason
+        assert wait_until(lambda: used_blocks(engine) == 0)
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'ferrobatch_http_errors_total{code="400"}' in text
+
+
+def test_api_key(fake_engine: FakeEngine) -> None:
+    with serve(fake_engine, api_key="s3cret") as srv:
+        with pytest.raises(openai.AuthenticationError):
+            client(srv.url, "wrong").models.list()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        _check_error(r, 401, None, "Missing API key")
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"},
+                       headers={"Authorization": "Bearer nope"})  # fmt: skip
+        _check_error(r, 401, None, "Incorrect API key")
+        out = client(srv.url, "s3cret").completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
+def test_queue_full_429(fake_engine: FakeEngine) -> None:
+    fake_engine.gate.clear()
+    with serve(fake_engine, max_queue=2) as srv:
+        results: list[int] = []
+
+        def one() -> None:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2},
+                           timeout=30)  # fmt: skip
+            results.append(r.status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: len(fake_engine.active) == 2)
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "a"}]})  # fmt: skip
+        _check_error(r, 429, None, "queue is full")
+        assert r.headers["retry-after"] == "1"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "n": 3})
+        assert r.status_code == 429
+        fake_engine.gate.set()
+        for t in threads:
+            t.join(30)
+        assert results == [200, 200]
+        out = client(srv.url).completions.create(model=MODEL, prompt="a", max_tokens=2, n=2)
+        assert len(out.choices) == 2
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'ferrobatch_http_errors_total{code="429"} 2' in text
+        assert "ferrobatch_requests_waiting 0" in text
+
+
+def test_503_while_loading(tokenizer: Any) -> None:
+    release = threading.Event()
+    engine = FakeEngine(tokenizer)
+
+    def loader() -> FakeEngine:
+        release.wait(30)
+        return engine
+
+    with serve(None, engine_loader=loader) as srv:
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        _check_error(r, 503, None, "loading")
+        assert "ferrobatch_engine_ready 0" in httpx.get(srv.url + "/metrics").text
+        release.set()
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200)
+        out = client(srv.url).completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        # the model is served under both its configured and its engine name
+        out = client(srv.url).completions.create(model="fake-model", prompt="a", max_tokens=1)
+        assert out.model == "fake-model"
+    assert engine.closed  # the app loaded it, so the app closed it
+
+
+def test_503_when_load_fails(tokenizer: Any) -> None:
+    def loader() -> Any:
+        raise RuntimeError("no weights here")
+
+    with serve(None, engine_loader=loader) as srv:
+        assert wait_until(lambda: httpx.get(srv.url + "/health").json()["status"] == "failed")
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        _check_error(r, 503, None, "no weights here")
+
+
+def test_disconnect_cancels_immediately(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, delay=0.05)
+    with serve(engine) as srv:
+        body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+                assert got[0].startswith("data: ")
+        assert wait_until(lambda: not engine.active, timeout=2.0)
+        assert len(engine.cancelled) == 1
+        # a request still queued (no token yet) is cancelled too
+        engine.gate.clear()
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", srv.url + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "x"}],
+                                "stream": True, "n": 2}):  # fmt: skip
+                assert wait_until(lambda: len(engine.active) == 2)
+        assert wait_until(lambda: not engine.active, timeout=2.0)
+        assert len(engine.cancelled) == 3
+        # non-streaming: the client gives up; the request is cancelled, not left running
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 100},
+                       timeout=0.3)  # fmt: skip
+        assert wait_until(lambda: not engine.active, timeout=2.0)
+        assert len(engine.cancelled) == 4
+        text = httpx.get(srv.url + "/metrics").text
+        cancelled = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("ferrobatch_requests_total{") and 'reason="cancelled"' in line
+        )
+        assert cancelled == 4
+        engine.gate.set()
+
+
+# ---------------------------------------------------------------------------------------
+# load
+
+
+async def _load(url: str, clients: int, seed: int, budget_s: float) -> dict[str, int]:
+    """``clients`` concurrent streaming clients; ~30% hang up early. Returns counts."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=0)
+    stats = {"complete": 0, "disconnected": 0}
+    problems: list[str] = []
+
+    async def one(i: int, h: httpx.AsyncClient) -> None:
+        chat = rng.random() < 0.5
+        max_tokens = rng.randint(2, 24)
+        hang_up_after = rng.randint(1, 4) if rng.random() < 0.3 else None
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": True,
+                                "temperature": 0, "stream_options": {"include_usage": True}}
+        if chat:
+            body["messages"] = [{"role": "user", "content": f"Request {i}: {CORPUS[i % 5]}"}]
+        else:
+            body["prompt"] = f"{CORPUS[i % 5]} ({i})"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with h.stream("POST", url + path, json=body) as r:
+            if r.status_code != 200:
+                problems.append(f"client {i}: HTTP {r.status_code}")
+                return
+            text = []
+            events = 0
+            async for chunk in r.aiter_text():
+                text.append(chunk)
+                events += chunk.count("\n\n")
+                if hang_up_after is not None and events >= hang_up_after:
+                    stats["disconnected"] += 1
+                    return  # leaving the block closes the connection
+        body_text = "".join(text)
+        try:
+            payloads, done = parse_sse(body_text)
+            assert done, "no [DONE]"
+            usage = payloads[-1]["usage"]
+            assert payloads[-1]["choices"] == [] and usage is not None
+            content = [p for p in payloads[:-1] if p["choices"]]
+            finishes = [p["choices"][0]["finish_reason"] for p in content]
+            assert finishes[-1] in ("stop", "length"), finishes
+            assert all(f is None for f in finishes[:-1])
+            if finishes[-1] == "length":
+                assert usage["completion_tokens"] == max_tokens
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            stats["complete"] += 1
+        except (AssertionError, ValueError, KeyError, IndexError) as exc:
+            problems.append(f"client {i}: {exc!r}: {body_text[-300:]!r}")
+
+    async with httpx.AsyncClient(limits=limits, timeout=budget_s) as h:
+        await asyncio.wait_for(
+            asyncio.gather(*(one(i, h) for i in range(clients))), timeout=budget_s
+        )
+    assert not problems, problems[:5]
+    return stats
+
+
+@pytest.mark.parametrize("kind", ["fake", "real"])
+def test_load_200_streams_with_disconnects(kind: str, request: pytest.FixtureRequest,
+                                           tokenizer: Any) -> None:  # fmt: skip
+    if kind == "real":
+        engine = request.getfixturevalue("real_engine")
+        url = request.getfixturevalue("real_server").url
+        stats = asyncio.run(_load(url, 200, seed=1, budget_s=240))
+    else:
+        engine = FakeEngine(tokenizer, delay=0.005)
+        with serve(engine) as srv:
+            stats = asyncio.run(_load(srv.url, 200, seed=2, budget_s=120))
+    assert stats["complete"] + stats["disconnected"] == 200
+    assert stats["disconnected"] > 20 and stats["complete"] > 100
+    assert wait_until(lambda: used_blocks(engine) == 0, timeout=15)
+    if kind == "real":
+        engine_stats = engine.stats()
+        assert engine_stats.get("running_requests", 0) == 0
