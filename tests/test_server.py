@@ -29,7 +29,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling import SamplingParams
@@ -731,8 +730,13 @@ async def _load(url: str, clients: int, seed: int, budget_s: float) -> dict[str,
         chat = rng.random() < 0.5
         max_tokens = rng.randint(2, 24)
         hang_up_after = rng.randint(1, 4) if rng.random() < 0.3 else None
-        body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "stream": True,
-                                "temperature": 0, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": f"Request {i}: {CORPUS[i % 5]}"}]
         else:
