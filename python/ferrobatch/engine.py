@@ -61,6 +61,7 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     in_scheduler: bool = False
+    keep: bool = False  # stays in the table after finishing until get_output claims it
 
 
 class Engine:
@@ -218,6 +219,7 @@ class Engine:
         """Queue a request (validated now) and start the background loop; returns its id."""
         sp = self._params_list(sampling, 1, None)[0]
         req = self._make_request(prompt, sp, request_id)
+        req.keep = True
         self._submit(req)
         self.start()
         return req.request_id
@@ -282,8 +284,7 @@ class Engine:
         finally:
             if not finished:
                 self.cancel(req.request_id)
-            with self._table_lock:
-                self._requests.pop(req.request_id, None)
+            self._forget(req)
 
     async def astream(
         self, prompt: Prompt, sampling: Any = None, *, request_id: str | None = None
@@ -320,8 +321,7 @@ class Engine:
         finally:
             if not finished:
                 self.cancel(req.request_id)
-            with self._table_lock:
-                self._requests.pop(req.request_id, None)
+            self._forget(req)
 
     def start(self) -> None:
         """Start the background stepping loop (no-op if running)."""
@@ -540,13 +540,20 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-            with self._table_lock:
-                for r in reqs:
-                    self._requests.pop(r.request_id, None)
+            for r in reqs:
+                self._forget(r)
         for r in reqs:
             if r.error is not None:
                 raise r.error
         return [r.output for r in reqs]
+
+    def _forget(self, req: _Request) -> None:
+        """Drop a finished request from the table (unfinished ones drop when they finish)."""
+        with self._table_lock:
+            if req.done.is_set() and self._requests.get(req.request_id) is req:
+                del self._requests[req.request_id]
+            else:
+                req.keep = False
 
     def _raise_if_dead(self, req: _Request) -> None:
         if req.done.is_set():
@@ -732,7 +739,13 @@ class Engine:
         self._stats["finished_requests"] += 1
         if req.listener is not None:
             req.listener(self._delta(req, new, text, reason, lp))
-        req.done.set()
+        self._done(req)
+
+    def _done(self, req: _Request) -> None:
+        with self._table_lock:
+            req.done.set()
+            if not req.keep and self._requests.get(req.request_id) is req:
+                del self._requests[req.request_id]
 
     def _delta(
         self,
@@ -761,7 +774,7 @@ class Engine:
         req.error = exc
         if req.listener is not None:
             req.listener(exc)
-        req.done.set()
+        self._done(req)
 
     def _fail_all(self, exc: BaseException, *, fatal: bool = False) -> None:
         if fatal:
