@@ -195,17 +195,17 @@ class FakeEngine:
 
     def stats(self) -> dict[str, Any]:
         used = sum(self.active.values())
-        return {
-            "num_waiting": 0 if self.gate.is_set() else len(self.active),
-            "num_running": len(self.active) if self.gate.is_set() else 0,
-            "used_blocks": used,
-            "free_blocks": self.num_blocks - used,
-            "cached_blocks": 0,
+        return {  # the names of the Rust scheduler's stats
+            "waiting": 0 if self.gate.is_set() else len(self.active),
+            "running": len(self.active) if self.gate.is_set() else 0,
+            "num_used_blocks": used,
+            "num_free_blocks": self.num_blocks - used,
+            "num_cached_blocks": 0,
             "num_blocks": self.num_blocks,
             "prefix_hit_tokens": 3,
-            "prefix_query_tokens": 12,
-            "offloads": 1,
-            "soft_resets": 2,
+            "prompt_tokens": 12,
+            "num_offloads": 1,
+            "num_soft_resets": 2,
         }
 
     def close(self) -> None:
@@ -280,7 +280,8 @@ def wait_until(pred: Any, timeout: float = 10.0) -> bool:
 
 
 def used_blocks(engine: Any) -> int:
-    return int(engine.stats().get("used_blocks", 0))
+    stats = engine.stats()
+    return int(stats.get("num_used_blocks", stats.get("used_blocks", 0)))
 
 
 def parse_sse(text: str) -> tuple[list[dict[str, Any]], bool]:
@@ -337,9 +338,10 @@ def test_server_metrics_from_stats() -> None:
     m.on_first_token(0.02)
     m.on_tokens(3, 0.03)
     m.on_finished("chat", "length", True, 0.1)
-    text = m.render({"used_blocks": 3, "free_blocks": 5, "cached_blocks": 2,
-                     "prefix_hit_tokens": 1, "prefix_query_tokens": 4, "offloads": 7,
-                     "soft_resets": 1, "num_waiting": 2, "flag": True}, ready=True)  # fmt: skip
+    stats = {"num_used_blocks": 3, "num_free_blocks": 5, "num_cached_blocks": 2,
+             "prefix_hit_tokens": 1, "prompt_tokens": 4, "num_offloads": 7,
+             "num_soft_resets": 1, "waiting": 2, "flag": True}  # fmt: skip
+    text = m.render(stats, ready=True)
     assert 'ferrobatch_requests_total{endpoint="chat",finish_reason="length"} 1' in text
     assert 'ferrobatch_cache_blocks{state="used"} 3' in text
     assert 'ferrobatch_cache_blocks{state="total"} 10' in text

@@ -260,19 +260,20 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.
 # Engine.stats() keys read for each engine metric, first present wins. Several spellings are
 # accepted so the exporter keeps working while the stats dictionary evolves.
 _STAT_KEYS: dict[str, tuple[str, ...]] = {
-    "waiting": ("num_waiting", "waiting", "requests_waiting"),
-    "running": ("num_running", "running", "requests_running", "active"),
-    "swapped": ("num_swapped", "swapped", "requests_swapped"),
-    "blocks_used": ("used_blocks", "blocks_used", "num_used_blocks"),
-    "blocks_free": ("free_blocks", "blocks_free", "num_free_blocks"),
-    "blocks_cached": ("cached_blocks", "blocks_cached", "num_cached_blocks"),
-    "blocks_total": ("num_blocks", "total_blocks", "blocks_total"),
+    "waiting": ("waiting", "num_waiting", "requests_waiting"),
+    "running": ("running", "num_running", "running_requests"),
+    "swapped": ("swapped", "num_swapped"),
+    "blocks_used": ("num_used_blocks", "used_blocks"),
+    "blocks_free": ("num_free_blocks", "free_blocks"),
+    "blocks_cached": ("num_cached_blocks", "cached_blocks"),
+    "blocks_total": ("num_blocks", "total_blocks"),
     "prefix_hit_rate": ("prefix_hit_rate", "prefix_cache_hit_rate"),
-    "prefix_hits": ("prefix_hit_tokens", "prefix_hits", "cached_prompt_tokens"),
-    "prefix_queries": ("prefix_query_tokens", "prefix_queries", "prompt_tokens_scheduled"),
-    "offloads": ("offloads", "num_offloads", "offloaded", "swap_outs"),
-    "soft_resets": ("soft_resets", "num_soft_resets"),
-    "steps": ("steps", "num_steps"),
+    "prefix_hits": ("prefix_hit_tokens", "prefix_hits"),
+    "prefix_queries": ("prefix_query_tokens", "prompt_tokens"),
+    "offloads": ("num_offloads", "offloads"),
+    "soft_resets": ("num_soft_resets", "soft_resets"),
+    "preemptions": ("num_preemptions", "preemptions"),
+    "evictions": ("num_evictions", "evictions"),
 }
 
 
@@ -380,6 +381,14 @@ class ServerMetrics:
             "Requests soft-reset (blocks freed, recomputed later) since start "
             "(counter kept by the engine).",
         ))  # fmt: skip
+        self.preemptions = reg(Gauge(
+            f"{p}_preemptions_total",
+            "Preemptions (offloads plus soft resets) since start (counter kept by the engine).",
+        ))  # fmt: skip
+        self.evictions = reg(Gauge(
+            f"{p}_prefix_cache_evictions_total",
+            "Cached prefix blocks reclaimed for new content since start.",
+        ))  # fmt: skip
         self.engine_stats = reg(Gauge(
             f"{p}_engine_stat",
             "Every numeric entry of Engine.stats(), by key.",
@@ -436,6 +445,8 @@ class ServerMetrics:
             (self.engine_swapped, "swapped"),
             (self.offloads, "offloads"),
             (self.soft_resets, "soft_resets"),
+            (self.preemptions, "preemptions"),
+            (self.evictions, "evictions"),
         ):
             value = _lookup(stats, what)
             if value is not None:
