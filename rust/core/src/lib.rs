@@ -1,1 +1,75 @@
 //! ferrobatch-core: every decision about KV memory and request order.
+//!
+//! Pure Rust (no pyo3, no tensors). The Python layer (`rust/python`) only converts types.
+//! See `ARCHITECTURE.md` §2–§4 for the memory model and the per-step contract.
+//!
+//! Module map:
+//! * [`pool`]: chunk pool (free lists, refcounts, reserved chunks, cached-LRU list,
+//!   prefix hash table storage).
+//! * [`prefix`]: chained block hashing and token-verified lookup.
+//! * [`alloc`]: block arithmetic of the full-attention allocator and the sliding ring.
+//! * [`request`]: request state, token ids, stop conditions.
+//! * [`swap`]: CPU swap-slot allocator.
+//! * [`plan`]: the step plan buffers (reused between steps) and the step output.
+//! * [`scheduler`]: budgets, admission, chunked prefill, preemption, plan building, update.
+
+pub mod alloc;
+pub mod plan;
+pub mod pool;
+pub mod prefix;
+pub mod request;
+pub mod scheduler;
+pub mod swap;
+
+#[cfg(test)]
+mod sim_tests;
+
+pub use plan::{StepOutput, StepPlan};
+pub use request::{FinishReason, RequestState};
+pub use scheduler::{AttentionType, Scheduler, SchedulerConfig, SchedulerType, Stats};
+
+/// Token id as stored by the core (validated non-negative `int32` at the boundary).
+pub type Token = u32;
+/// Chunk id (index into the device KV pool, `0 .. num_blocks + 2`).
+pub type ChunkId = u32;
+
+/// Kind of error, mapped by the bindings to `ValueError` / `RuntimeError`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A bad argument (maps to `ValueError`).
+    Value,
+    /// A call at the wrong time or a broken invariant (maps to `RuntimeError`).
+    Runtime,
+}
+
+/// Error with a message that names the offending field or invariant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Error {
+    pub fn value(message: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Value,
+            message: message.into(),
+        }
+    }
+    pub fn runtime(message: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Runtime,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,122 @@
+//! Step plan and step output buffers. Both are owned by the scheduler and reused between
+//! steps (cleared, never shrunk), so steady-state steps do not allocate.
+//!
+//! Layout of every field: ARCHITECTURE.md §3. Request ids are not stored here: `rows[r].req`
+//! is the request's slab index ([`crate::Scheduler::request`]); the bindings map it to a
+//! cached Python string.
+
+use crate::request::FinishReason;
+
+/// One batch row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// Slab index of the request.
+    pub req: u32,
+    /// Tokens cached before the step (= first new position).
+    pub start: u32,
+    /// Query tokens in this step.
+    pub q: u32,
+    /// Whether the row's last token is sampled.
+    pub sampled: bool,
+}
+
+/// The step plan (ARCHITECTURE.md §3). Arrays are flat; `block_table_*` are row-major
+/// `[rows, width]`, `swap_*` are flat `(a, b)` pairs.
+#[derive(Clone, Debug, Default)]
+pub struct StepPlan {
+    pub rows: Vec<Row>,
+    pub input_ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub cu_seqlens_q: Vec<i32>,
+    pub seqlens_k: Vec<i32>,
+    pub logits_indices: Vec<i32>,
+    pub logits_rows: Vec<i32>,
+    pub has_full: bool,
+    pub has_sliding: bool,
+    pub slot_mapping_full: Vec<i32>,
+    pub slot_mapping_sliding: Vec<i32>,
+    pub block_table_full: Vec<i32>,
+    pub full_width: usize,
+    pub block_table_sliding: Vec<i32>,
+    pub sliding_width: usize,
+    /// `(device chunk, swap slot)` pairs.
+    pub swap_out: Vec<i32>,
+    /// `(swap slot, device chunk)` pairs.
+    pub swap_in: Vec<i32>,
+}
+
+impl StepPlan {
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.input_ids.clear();
+        self.positions.clear();
+        self.cu_seqlens_q.clear();
+        self.seqlens_k.clear();
+        self.logits_indices.clear();
+        self.logits_rows.clear();
+        self.slot_mapping_full.clear();
+        self.slot_mapping_sliding.clear();
+        self.block_table_full.clear();
+        self.block_table_sliding.clear();
+        self.full_width = 0;
+        self.sliding_width = 0;
+        self.swap_out.clear();
+        self.swap_in.clear();
+    }
+    /// B.
+    pub fn num_rows(&self) -> usize {
+        self.rows.len()
+    }
+    /// T.
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    /// N.
+    pub fn num_sampled(&self) -> usize {
+        self.logits_indices.len()
+    }
+}
+
+/// Deltas of one `update()`: parallel arrays, one entry per request that got a token or
+/// finished. `token_ids[i] == -1` when the delta carries no token (a cancellation).
+#[derive(Clone, Debug, Default)]
+pub struct StepOutput {
+    /// Slab index of the request (valid for [`crate::Scheduler::request`] until the next
+    /// `update()`).
+    pub reqs: Vec<u32>,
+    pub token_ids: Vec<i32>,
+    pub finished: Vec<bool>,
+    pub finish_reasons: Vec<Option<FinishReason>>,
+    /// Plan row the token came from (`-1` for cancellations).
+    pub rows: Vec<i32>,
+    /// True when every delta has exactly one token.
+    pub all_have_token: bool,
+}
+
+impl StepOutput {
+    pub fn clear(&mut self) {
+        self.reqs.clear();
+        self.token_ids.clear();
+        self.finished.clear();
+        self.finish_reasons.clear();
+        self.rows.clear();
+        self.all_have_token = true;
+    }
+    #[inline]
+    pub fn push(&mut self, req: u32, token: i32, finish: Option<FinishReason>, row: i32) {
+        self.reqs.push(req);
+        self.token_ids.push(token);
+        self.finished.push(finish.is_some());
+        self.finish_reasons.push(finish);
+        self.rows.push(row);
+        if token < 0 {
+            self.all_have_token = false;
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+}

@@ -1,0 +1,124 @@
+//! Request state, token ids, stop conditions and progress.
+//!
+//! A request's `tokens` are its prompt followed by its generated tokens. `num_computed`
+//! tokens have their K/V in the cache (or in the swap pool while `Swapped`). The tokens still
+//! to feed are `tokens[num_computed..]`; a step whose row reaches `tokens.len()` is sampled.
+//! After a soft reset `num_computed = 0`: the generated tokens are simply recomputed as part
+//! of the prompt ("compute prompt" = all tokens), and the output is unchanged.
+
+use crate::{ChunkId, Token};
+
+/// Lifecycle: `Waiting → Prefilling → Decoding → Finished`, with `Swapped` and the way back
+/// to `Waiting` (soft reset) on preemption.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestState {
+    /// Pending: never ran, or soft-reset (holds no chunks).
+    Waiting,
+    /// Admitted, prompt (or compute prompt) not fully computed yet.
+    Prefilling,
+    /// Every token but the last sampled one is cached; one token per step.
+    Decoding,
+    /// Offloaded to the CPU swap pool (holds swap slots, no device chunks).
+    Swapped,
+    /// Done (finished, or cancelled).
+    Finished,
+}
+
+impl RequestState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestState::Waiting => "waiting",
+            RequestState::Prefilling => "prefilling",
+            RequestState::Decoding => "decoding",
+            RequestState::Swapped => "swapped",
+            RequestState::Finished => "finished",
+        }
+    }
+}
+
+/// Why a request finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop token sequence was generated.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// `cancel()`ed.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Stop conditions of a request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopConditions {
+    pub max_new_tokens: usize,
+    pub eos_token_ids: Vec<Token>,
+    pub stop_token_ids: Vec<Token>,
+    /// Token sequences that stop generation when the generated tokens end with one of them.
+    pub stop_sequences: Vec<Vec<Token>>,
+}
+
+/// One request (owned by the scheduler's slab).
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: String,
+    /// Queue key: (priority, arrival). Lower runs first.
+    pub key: (i64, u64),
+    pub tokens: Vec<Token>,
+    pub prompt_len: usize,
+    pub num_computed: usize,
+    pub stop: StopConditions,
+    pub state: RequestState,
+    pub finish: Option<FinishReason>,
+    /// Full-attention blocks (block `i` holds positions `i*page .. (i+1)*page`).
+    pub full: Vec<ChunkId>,
+    /// Sliding ring chunks.
+    pub ring: Vec<ChunkId>,
+    /// While `Swapped`: slots of `full` then `ring` (lengths `n_full_swapped`, rest ring).
+    pub swap_slots: Vec<u32>,
+    pub n_full_swapped: usize,
+    /// Chained hashes of the first full blocks of `tokens` (computed lazily, kept).
+    pub block_hashes: Vec<u64>,
+    /// Leading full blocks already offered to the prefix cache.
+    pub num_registered: usize,
+    /// Step in which the request was last placed in a batch or preempted.
+    pub touched_step: u64,
+}
+
+impl Request {
+    /// Number of generated tokens.
+    #[inline]
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Append a sampled token and return the finish reason it causes, if any.
+    /// Stop (EOS, stop ids, stop sequences) wins over length.
+    #[inline]
+    pub fn append(&mut self, t: Token) -> Option<FinishReason> {
+        self.tokens.push(t);
+        let s = &self.stop;
+        if s.eos_token_ids.contains(&t) || s.stop_token_ids.contains(&t) {
+            return Some(FinishReason::Stop);
+        }
+        if !s.stop_sequences.is_empty() {
+            let gen = &self.tokens[self.prompt_len..];
+            if s.stop_sequences.iter().any(|q| gen.ends_with(q)) {
+                return Some(FinishReason::Stop);
+            }
+        }
+        if self.num_generated() >= s.max_new_tokens {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}

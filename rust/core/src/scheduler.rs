@@ -1,0 +1,1105 @@
+//! The continuous-batching scheduler: budgets, admission, chunked prefill, prefix cache,
+//! preemption (swap-out / soft reset), plan building and update.
+//!
+//! # Step
+//! `schedule()` builds a [`StepPlan`] in three phases:
+//! 1. running requests in queue order (`fifo`: decodes, then in-flight prefills;
+//!    `prefill_first`: in-flight prefills, then decodes). A row that needs chunks the pool
+//!    does not have is first shrunk (prefills only), else it preempts: the victim is the
+//!    running request with the largest `(priority, arrival)` key not already placed in this
+//!    step (possibly the requester itself), never the last active one. A victim is swapped
+//!    out when `cpu_offload_blocks` has room for all its chunks, else soft-reset. Then the
+//!    row retries within the same call.
+//! 2. swapped and waiting requests, merged in `(priority, arrival)` order (head of line:
+//!    admission stops at the first one that does not fit), while the free fraction of the
+//!    pool is at least `safety_margin` (ignored when nothing is running). Admission is
+//!    atomic: prefix hits are taken and chunks allocated only once everything fits.
+//! 3. the arrays are built from the chosen rows.
+//!
+//! `update()` advances every row, appends sampled tokens, checks stop conditions, registers
+//! newly full computed blocks in the prefix cache, frees finished requests and returns the
+//! deltas. Only one plan may be outstanding.
+//!
+//! # Deadlock freedom
+//! `add_request` rejects anything whose whole lifetime (`prompt + max_new_tokens - 1`
+//! cached tokens) needs more chunks than the pool, or more cache reads than
+//! `max_batch_cache_tokens`. A lone active request therefore always fits (every other chunk
+//! is free or cached), preemption never takes the last active request, and admission with
+//! nothing running ignores the safety margin: whenever a request is unfinished, `schedule()`
+//! returns a plan.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::alloc::Layout;
+use crate::plan::{Row, StepOutput, StepPlan};
+use crate::pool::ChunkPool;
+use crate::prefix::BlockHasher;
+use crate::request::{FinishReason, Request, RequestState, StopConditions};
+use crate::swap::SwapPool;
+use crate::{ChunkId, Error, Result, Token};
+
+/// Scheduling policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulerType {
+    /// Decodes, then in-flight prefills, then new requests.
+    Fifo,
+    /// In-flight prefills, then decodes, then new requests.
+    PrefillFirst,
+}
+
+impl SchedulerType {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "fifo" => Ok(SchedulerType::Fifo),
+            "prefill_first" => Ok(SchedulerType::PrefillFirst),
+            _ => Err(Error::value(format!(
+                "scheduler_type must be 'fifo' or 'prefill_first' (got {s:?})"
+            ))),
+        }
+    }
+}
+
+/// Attention type of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionType {
+    Full,
+    Sliding,
+}
+
+impl AttentionType {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "full_attention" => Ok(AttentionType::Full),
+            "sliding_attention" => Ok(AttentionType::Sliding),
+            _ => Err(Error::value(format!(
+                "layer_types entries must be 'full_attention' or 'sliding_attention' (got {s:?})"
+            ))),
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttentionType::Full => "full_attention",
+            AttentionType::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// Scheduler configuration (field names as in the Python `Scheduler(...)`).
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub page_size: usize,
+    pub max_batch_tokens: usize,
+    pub max_requests_per_batch: usize,
+    /// Budget on the sum of `seqlens_k` of a step (None = unlimited).
+    pub max_batch_cache_tokens: Option<usize>,
+    pub scheduler_type: SchedulerType,
+    /// None = default (0.15 fifo, 0.0 prefill_first).
+    pub safety_margin: Option<f64>,
+    pub allow_block_sharing: bool,
+    pub layer_types: Vec<AttentionType>,
+    pub sliding_window: Option<usize>,
+    pub cpu_offload_blocks: usize,
+    /// Testing only: mask applied to block hashes (shrink it to force twin hashes).
+    pub hash_mask: u64,
+}
+
+impl SchedulerConfig {
+    /// Defaults as in the Python signature.
+    pub fn new(num_blocks: usize, page_size: usize, max_batch_tokens: usize) -> Self {
+        SchedulerConfig {
+            num_blocks,
+            page_size,
+            max_batch_tokens,
+            max_requests_per_batch: 256,
+            max_batch_cache_tokens: None,
+            scheduler_type: SchedulerType::Fifo,
+            safety_margin: None,
+            allow_block_sharing: true,
+            layer_types: vec![AttentionType::Full],
+            sliding_window: None,
+            cpu_offload_blocks: 0,
+            hash_mask: u64::MAX,
+        }
+    }
+}
+
+/// Counters and gauges (`Scheduler.stats()`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    pub num_blocks: usize,
+    /// Allocatable chunks: uninitialized + cached.
+    pub num_free_blocks: usize,
+    /// Free chunks that keep a hashed block (reclaimed LRU-first when needed).
+    pub num_cached_blocks: usize,
+    /// Chunks with refcount > 0. `num_used_blocks + num_free_blocks == num_blocks`.
+    pub num_used_blocks: usize,
+    pub waiting: usize,
+    pub running: usize,
+    pub swapped: usize,
+    pub finished: u64,
+    /// Prompt tokens served from the prefix cache (summed over admissions).
+    pub prefix_hit_tokens: u64,
+    /// Tokens of the (compute) prompts admitted (summed over admissions).
+    pub prompt_tokens: u64,
+    pub num_preemptions: u64,
+    pub num_offloads: u64,
+    pub num_soft_resets: u64,
+    pub num_evictions: u64,
+    pub num_swap_free: usize,
+    pub steps: u64,
+    pub generated_tokens: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Budget {
+    tokens: usize,
+    rows: usize,
+    cache: usize,
+}
+
+/// The scheduler. See the module docs.
+#[derive(Clone, Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    layout: Layout,
+    margin: f64,
+    prefix: bool,
+    pool: ChunkPool,
+    swap: SwapPool,
+    hasher: BlockHasher,
+    reqs: Vec<Option<Request>>,
+    free_idx: Vec<u32>,
+    ids: HashMap<String, u32>,
+    waiting: BTreeMap<(i64, u64), u32>,
+    swapped: BTreeMap<(i64, u64), u32>,
+    /// Active requests (hold device chunks), sorted by key.
+    running: Vec<u32>,
+    arrivals: u64,
+    step: u64,
+    plan: StepPlan,
+    outstanding: bool,
+    out: StepOutput,
+    pending_cancel: Vec<u32>,
+    /// Finished requests reported by the last update: slab slots freed at the next update.
+    to_remove: Vec<u32>,
+    /// Swap slots read by swap-in in the outstanding plan: released at the next schedule.
+    deferred_slots: Vec<u32>,
+    order_buf: Vec<u32>,
+    hits_buf: Vec<ChunkId>,
+    stats: Stats,
+}
+
+impl Scheduler {
+    /// Validate `cfg` (errors name the field) and build an empty scheduler.
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        if cfg.num_blocks < 1 {
+            return Err(Error::value(format!(
+                "num_blocks must be >= 1 (got {})",
+                cfg.num_blocks
+            )));
+        }
+        if cfg.num_blocks > (i32::MAX as usize) / cfg.page_size.max(1) - 2 {
+            return Err(Error::value("num_blocks * page_size must fit in int32"));
+        }
+        if cfg.page_size < 1 {
+            return Err(Error::value(format!(
+                "page_size must be >= 1 (got {})",
+                cfg.page_size
+            )));
+        }
+        if cfg.max_batch_tokens < 1 {
+            return Err(Error::value(format!(
+                "max_batch_tokens must be >= 1 (got {})",
+                cfg.max_batch_tokens
+            )));
+        }
+        if cfg.max_requests_per_batch < 1 {
+            return Err(Error::value(format!(
+                "max_requests_per_batch must be >= 1 (got {})",
+                cfg.max_requests_per_batch
+            )));
+        }
+        if let Some(c) = cfg.max_batch_cache_tokens {
+            if c < 1 {
+                return Err(Error::value(format!(
+                    "max_batch_cache_tokens must be >= 1 (got {c})"
+                )));
+            }
+        }
+        let margin = match cfg.safety_margin {
+            Some(m) if !(0.0..1.0).contains(&m) || m.is_nan() => {
+                return Err(Error::value(format!(
+                    "safety_margin must be in [0, 1) (got {m})"
+                )));
+            }
+            Some(m) => m,
+            None => match cfg.scheduler_type {
+                SchedulerType::Fifo => 0.15,
+                SchedulerType::PrefillFirst => 0.0,
+            },
+        };
+        if cfg.layer_types.is_empty() {
+            return Err(Error::value("layer_types must not be empty"));
+        }
+        let has_full = cfg.layer_types.contains(&AttentionType::Full);
+        let has_sliding = cfg.layer_types.contains(&AttentionType::Sliding);
+        let window = if has_sliding {
+            match cfg.sliding_window {
+                Some(w) if w >= 1 => Some(w),
+                Some(w) => {
+                    return Err(Error::value(format!(
+                        "sliding_window must be >= 1 (got {w})"
+                    )))
+                }
+                None => {
+                    return Err(Error::value(
+                        "sliding_window is required when layer_types has 'sliding_attention'",
+                    ))
+                }
+            }
+        } else {
+            None
+        };
+        let layout = Layout::new(cfg.page_size, has_full, window);
+        let prefix = cfg.allow_block_sharing && !has_sliding;
+        let mut hasher = BlockHasher::new();
+        hasher.mask = cfg.hash_mask;
+        let stats = Stats {
+            num_blocks: cfg.num_blocks,
+            ..Default::default()
+        };
+        let plan = StepPlan {
+            has_full,
+            has_sliding,
+            ..Default::default()
+        };
+        Ok(Scheduler {
+            pool: ChunkPool::new(cfg.num_blocks, cfg.page_size, prefix),
+            swap: SwapPool::new(cfg.cpu_offload_blocks),
+            hasher,
+            layout,
+            margin,
+            prefix,
+            cfg,
+            reqs: Vec::new(),
+            free_idx: Vec::new(),
+            ids: HashMap::new(),
+            waiting: BTreeMap::new(),
+            swapped: BTreeMap::new(),
+            running: Vec::new(),
+            arrivals: 0,
+            step: 0,
+            plan,
+            outstanding: false,
+            out: StepOutput::default(),
+            pending_cancel: Vec::new(),
+            to_remove: Vec::new(),
+            deferred_slots: Vec::new(),
+            order_buf: Vec::new(),
+            hits_buf: Vec::new(),
+            stats,
+        })
+    }
+
+    // ----- accessors -------------------------------------------------------------------
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Effective safety margin.
+    pub fn safety_margin(&self) -> f64 {
+        self.margin
+    }
+    /// Whether prefix caching is active.
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix
+    }
+    pub fn pool(&self) -> &ChunkPool {
+        &self.pool
+    }
+    pub fn swap_pool(&self) -> &SwapPool {
+        &self.swap
+    }
+    /// Request in slab slot `idx` (finished ones stay until the update after they were
+    /// reported).
+    pub fn request(&self, idx: u32) -> Option<&Request> {
+        self.reqs.get(idx as usize).and_then(|r| r.as_ref())
+    }
+    /// Slab index of an unfinished (or not yet reported) request.
+    pub fn request_index(&self, id: &str) -> Option<u32> {
+        self.ids.get(id).copied()
+    }
+    /// Live (not finished) requests, by slab index.
+    pub fn live_requests(&self) -> impl Iterator<Item = (u32, &Request)> {
+        self.reqs.iter().enumerate().filter_map(|(i, r)| match r {
+            Some(r) if r.state != RequestState::Finished => Some((i as u32, r)),
+            _ => None,
+        })
+    }
+    /// Swap slots released by swap-in in the current plan (held until the next schedule).
+    pub fn deferred_swap_slots(&self) -> &[u32] {
+        &self.deferred_slots
+    }
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+    pub fn has_outstanding_plan(&self) -> bool {
+        self.outstanding
+    }
+    /// True while a request is waiting, running or swapped, or a cancellation is unreported.
+    /// If `schedule()` returns None while this is true, only reports remain: `update(&[])`.
+    pub fn has_unfinished(&self) -> bool {
+        !self.running.is_empty()
+            || !self.waiting.is_empty()
+            || !self.swapped.is_empty()
+            || !self.pending_cancel.is_empty()
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.num_free_blocks = self.pool.num_free();
+        s.num_cached_blocks = self.pool.num_cached();
+        s.num_used_blocks = self.pool.num_used();
+        s.waiting = self.waiting.len();
+        s.running = self.running.len();
+        s.swapped = self.swapped.len();
+        s.num_evictions = self.pool.num_evictions();
+        s.num_swap_free = self.swap.num_free();
+        s
+    }
+
+    #[inline]
+    fn req(&self, idx: u32) -> &Request {
+        self.reqs[idx as usize].as_ref().expect("live slab slot")
+    }
+    #[inline]
+    fn req_mut(&mut self, idx: u32) -> &mut Request {
+        self.reqs[idx as usize].as_mut().expect("live slab slot")
+    }
+
+    // ----- requests --------------------------------------------------------------------
+
+    /// Add a request. Errors (`Value`) name the field: duplicate `request_id`, empty
+    /// `prompt_token_ids`, `max_new_tokens < 1`, an empty stop sequence, or a request that
+    /// could never fit (`num_blocks`, `max_batch_cache_tokens`). Returns its slab index.
+    pub fn add_request(
+        &mut self,
+        id: &str,
+        prompt: Vec<Token>,
+        stop: StopConditions,
+        priority: i64,
+    ) -> Result<u32> {
+        if self.ids.contains_key(id) {
+            return Err(Error::value(format!("request_id {id:?} is already in use")));
+        }
+        if prompt.is_empty() {
+            return Err(Error::value("prompt_token_ids must not be empty"));
+        }
+        if stop.max_new_tokens < 1 {
+            return Err(Error::value(format!(
+                "max_new_tokens must be >= 1 (got {})",
+                stop.max_new_tokens
+            )));
+        }
+        if stop.stop_sequences.iter().any(|s| s.is_empty()) {
+            return Err(Error::value(
+                "stop_sequences must not contain an empty sequence",
+            ));
+        }
+        let lifetime = prompt.len() + stop.max_new_tokens - 1;
+        if lifetime > i32::MAX as usize / 2 {
+            return Err(Error::value(
+                "prompt_token_ids + max_new_tokens is too long",
+            ));
+        }
+        let need = self.layout.max_chunks(lifetime);
+        if need > self.cfg.num_blocks {
+            return Err(Error::value(format!(
+                "request {id:?} can never fit: prompt_token_ids ({}) + max_new_tokens ({}) need \
+                 {need} blocks of page_size {} but num_blocks is {}",
+                prompt.len(),
+                stop.max_new_tokens,
+                self.cfg.page_size,
+                self.cfg.num_blocks
+            )));
+        }
+        if let Some(c) = self.cfg.max_batch_cache_tokens {
+            if lifetime > c {
+                return Err(Error::value(format!(
+                    "request {id:?} can never fit: prompt_token_ids ({}) + max_new_tokens ({}) - 1 \
+                     exceeds max_batch_cache_tokens ({c})",
+                    prompt.len(),
+                    stop.max_new_tokens
+                )));
+            }
+        }
+        let key = (priority, self.arrivals);
+        self.arrivals += 1;
+        let req = Request {
+            id: id.to_owned(),
+            key,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            num_computed: 0,
+            stop,
+            state: RequestState::Waiting,
+            finish: None,
+            full: Vec::new(),
+            ring: Vec::new(),
+            swap_slots: Vec::new(),
+            n_full_swapped: 0,
+            block_hashes: Vec::new(),
+            num_registered: 0,
+            touched_step: 0,
+        };
+        let idx = match self.free_idx.pop() {
+            Some(i) => {
+                self.reqs[i as usize] = Some(req);
+                i
+            }
+            None => {
+                self.reqs.push(Some(req));
+                (self.reqs.len() - 1) as u32
+            }
+        };
+        self.ids.insert(id.to_owned(), idx);
+        self.waiting.insert(key, idx);
+        Ok(idx)
+    }
+
+    /// Cancel a request in any state, freeing everything it holds. It is reported once by
+    /// the next `update()` with reason `cancelled`. Returns false if unknown or finished.
+    pub fn cancel(&mut self, id: &str) -> bool {
+        let Some(&idx) = self.ids.get(id) else {
+            return false;
+        };
+        let r = self.req(idx);
+        let key = r.key;
+        match r.state {
+            RequestState::Finished => return false,
+            RequestState::Waiting => {
+                self.waiting.remove(&key);
+            }
+            RequestState::Swapped => {
+                self.swapped.remove(&key);
+                let r = self.req_mut(idx);
+                let slots = std::mem::take(&mut r.swap_slots);
+                for s in slots {
+                    self.swap.release(s);
+                }
+            }
+            RequestState::Prefilling | RequestState::Decoding => {
+                self.remove_running(idx);
+                self.free_chunks(idx);
+            }
+        }
+        let r = self.req_mut(idx);
+        r.state = RequestState::Finished;
+        r.finish = Some(FinishReason::Cancelled);
+        self.pending_cancel.push(idx);
+        true
+    }
+
+    fn remove_running(&mut self, idx: u32) {
+        if let Some(p) = self.running.iter().rposition(|&i| i == idx) {
+            self.running.remove(p);
+        }
+    }
+
+    fn insert_running(&mut self, idx: u32) {
+        let key = self.req(idx).key;
+        let reqs = &self.reqs;
+        let pos = self
+            .running
+            .partition_point(|&i| reqs[i as usize].as_ref().expect("live").key <= key);
+        self.running.insert(pos, idx);
+    }
+
+    /// Free all device chunks of a request (full blocks in reverse order, so the deepest
+    /// blocks of a prefix are evicted first).
+    fn free_chunks(&mut self, idx: u32) {
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        for &c in r.full.iter().rev() {
+            self.pool.free(c);
+        }
+        for &c in &r.ring {
+            self.pool.free(c);
+        }
+        r.full.clear();
+        r.ring.clear();
+    }
+
+    fn running_state(r: &Request) -> RequestState {
+        if r.num_generated() > 0 && r.num_computed + 1 == r.tokens.len() {
+            RequestState::Decoding
+        } else {
+            RequestState::Prefilling
+        }
+    }
+
+    // ----- schedule --------------------------------------------------------------------
+
+    /// Plan the next step (None when nothing can run). Errors if a plan is outstanding.
+    pub fn schedule(&mut self) -> Result<Option<&StepPlan>> {
+        if self.outstanding {
+            return Err(Error::runtime(
+                "schedule() called while a plan is outstanding: call update() first",
+            ));
+        }
+        for s in self.deferred_slots.drain(..) {
+            self.swap.release(s);
+        }
+        self.step += 1;
+        self.plan.clear();
+        let mut b = Budget {
+            tokens: self.cfg.max_batch_tokens,
+            rows: self.cfg.max_requests_per_batch,
+            cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
+        };
+        let mut order = std::mem::take(&mut self.order_buf);
+        order.clear();
+        order.extend_from_slice(&self.running);
+        let phases = match self.cfg.scheduler_type {
+            SchedulerType::Fifo => [RequestState::Decoding, RequestState::Prefilling],
+            SchedulerType::PrefillFirst => [RequestState::Prefilling, RequestState::Decoding],
+        };
+        for want in phases {
+            for &idx in &order {
+                if b.rows == 0 || b.tokens == 0 {
+                    break;
+                }
+                let r = self.req(idx);
+                if r.state != want || r.touched_step == self.step {
+                    continue;
+                }
+                self.place_running(idx, &mut b, true);
+            }
+        }
+        self.order_buf = order;
+        self.admit(&mut b);
+        if self.plan.rows.is_empty() {
+            debug_assert!(self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty());
+            debug_assert!(
+                self.running.is_empty() && self.waiting.is_empty() && self.swapped.is_empty()
+            );
+            if self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty() {
+                return Ok(None);
+            }
+        }
+        self.build_arrays();
+        self.outstanding = true;
+        self.stats.steps += 1;
+        Ok(Some(&self.plan))
+    }
+
+    /// Try to place a running request as a row (preempting if allowed and needed).
+    fn place_running(&mut self, idx: u32, b: &mut Budget, allow_preempt: bool) -> bool {
+        loop {
+            let r = self.req(idx);
+            let start = r.num_computed;
+            let remaining = r.tokens.len() - start;
+            let mut q = remaining.min(b.tokens).min(b.cache.saturating_sub(start));
+            if q == 0 {
+                return false;
+            }
+            let free = self.pool.num_free();
+            let (nf, nr) = (r.full.len(), r.ring.len());
+            if self.layout.chunks_needed(nf, nr, start + q) > free {
+                let fit = self.layout.fit(nf, nr, start, q, free);
+                if fit > 0 {
+                    q = fit;
+                } else if allow_preempt {
+                    match self.pick_victim(idx) {
+                        Some(v) => {
+                            self.preempt(v);
+                            if v == idx {
+                                return false;
+                            }
+                            continue;
+                        }
+                        None => return false,
+                    }
+                } else {
+                    return false;
+                }
+            }
+            let step = self.step;
+            let layout = self.layout;
+            let r = self.reqs[idx as usize].as_mut().expect("live");
+            layout.grow(&mut self.pool, &mut r.full, &mut r.ring, start + q);
+            r.touched_step = step;
+            let sampled = start + q == r.tokens.len();
+            self.plan.rows.push(Row {
+                req: idx,
+                start: start as u32,
+                q: q as u32,
+                sampled,
+            });
+            b.tokens -= q;
+            b.rows -= 1;
+            b.cache = b.cache.saturating_sub(start + q);
+            return true;
+        }
+    }
+
+    /// The running request with the largest key not placed in this step; the requester
+    /// itself when that is it. Never the last active request.
+    fn pick_victim(&self, requester: u32) -> Option<u32> {
+        if self.running.len() <= 1 {
+            return None;
+        }
+        self.running
+            .iter()
+            .rev()
+            .copied()
+            .find(|&v| v == requester || self.req(v).touched_step != self.step)
+    }
+
+    /// Preempt a running request: swap out when the swap pool has room for all its chunks,
+    /// else soft reset.
+    fn preempt(&mut self, v: u32) {
+        self.remove_running(v);
+        self.stats.num_preemptions += 1;
+        let step = self.step;
+        let n = {
+            let r = self.req(v);
+            r.full.len() + r.ring.len()
+        };
+        let swap = self.cfg.cpu_offload_blocks > 0 && self.swap.num_free() >= n;
+        let r = self.reqs[v as usize].as_mut().expect("live");
+        r.touched_step = step;
+        let key = r.key;
+        if swap {
+            r.n_full_swapped = r.full.len();
+            for &c in r.full.iter().chain(r.ring.iter()) {
+                let s = self.swap.allocate().expect("checked");
+                self.plan.swap_out.push(c as i32);
+                self.plan.swap_out.push(s as i32);
+                r.swap_slots.push(s);
+            }
+            r.state = RequestState::Swapped;
+            self.free_chunks(v);
+            self.swapped.insert(key, v);
+            self.stats.num_offloads += 1;
+        } else {
+            r.num_computed = 0;
+            r.num_registered = 0;
+            r.state = RequestState::Waiting;
+            self.free_chunks(v);
+            self.waiting.insert(key, v);
+            self.stats.num_soft_resets += 1;
+        }
+    }
+
+    /// Admit swapped and waiting requests in key order (head of line).
+    fn admit(&mut self, b: &mut Budget) {
+        loop {
+            if b.rows == 0 || b.tokens == 0 {
+                return;
+            }
+            let w = self.waiting.first_key_value().map(|(k, &i)| (*k, i));
+            let s = self.swapped.first_key_value().map(|(k, &i)| (*k, i));
+            let (idx, is_swapped) = match (w, s) {
+                (None, None) => return,
+                (Some((_, i)), None) => (i, false),
+                (None, Some((_, i))) => (i, true),
+                (Some((kw, iw)), Some((ks, is))) => {
+                    if ks < kw {
+                        (is, true)
+                    } else {
+                        (iw, false)
+                    }
+                }
+            };
+            if self.req(idx).touched_step == self.step {
+                return; // preempted in this step
+            }
+            if !self.running.is_empty()
+                && (self.pool.num_free() as f64) < self.margin * self.cfg.num_blocks as f64
+            {
+                return;
+            }
+            let ok = if is_swapped {
+                self.resume(idx, b)
+            } else {
+                self.admit_new(idx, b)
+            };
+            if !ok {
+                return;
+            }
+        }
+    }
+
+    fn resume(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let r = self.req(idx);
+        let nf = r.n_full_swapped;
+        let nr = r.swap_slots.len() - nf;
+        let start = r.num_computed;
+        let q = (r.tokens.len() - start)
+            .min(b.tokens)
+            .min(b.cache.saturating_sub(start));
+        if q == 0 {
+            return false;
+        }
+        let free = self.pool.num_free();
+        if nf + nr > free || self.layout.fit(nf, nr, start, q, free - nf - nr) == 0 {
+            return false;
+        }
+        let key = r.key;
+        self.swapped.remove(&key);
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        for (i, &s) in r.swap_slots.iter().enumerate() {
+            let c = self.pool.allocate().expect("checked");
+            self.plan.swap_in.push(s as i32);
+            self.plan.swap_in.push(c as i32);
+            if i < nf {
+                r.full.push(c);
+            } else {
+                r.ring.push(c);
+            }
+            self.deferred_slots.push(s);
+        }
+        r.swap_slots.clear();
+        r.n_full_swapped = 0;
+        // Swapped-in chunks are unhashed copies: offer them to the prefix cache again.
+        r.num_registered = 0;
+        r.state = Self::running_state(r);
+        self.insert_running(idx);
+        let placed = self.place_running(idx, b, false);
+        debug_assert!(placed);
+        placed
+    }
+
+    fn admit_new(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let page = self.cfg.page_size;
+        let mut hits = std::mem::take(&mut self.hits_buf);
+        hits.clear();
+        if self.prefix {
+            let r = self.reqs[idx as usize].as_mut().expect("live");
+            let max_hit = (r.tokens.len() - 1) / page;
+            self.hasher
+                .extend(&mut r.block_hashes, &r.tokens, page, max_hit);
+            let mut parent = None;
+            for i in 0..max_hit {
+                match self.pool.lookup(
+                    r.block_hashes[i],
+                    parent,
+                    &r.tokens[i * page..(i + 1) * page],
+                ) {
+                    Some(c) => {
+                        hits.push(c);
+                        parent = Some(c);
+                    }
+                    None => break,
+                }
+            }
+        }
+        let r = self.req(idx);
+        let start = hits.len() * page;
+        let len = r.tokens.len();
+        let q = (len - start)
+            .min(b.tokens)
+            .min(b.cache.saturating_sub(start));
+        let hit_free = hits.iter().filter(|&&c| self.pool.refcount(c) == 0).count();
+        let free = self.pool.num_free() - hit_free;
+        let ok = q > 0 && self.layout.fit(hits.len(), 0, start, q, free) > 0;
+        if ok {
+            let key = r.key;
+            self.waiting.remove(&key);
+            for &c in &hits {
+                self.pool.touch(c);
+            }
+            let r = self.reqs[idx as usize].as_mut().expect("live");
+            r.full.extend_from_slice(&hits);
+            r.num_computed = start;
+            r.num_registered = hits.len();
+            r.state = Self::running_state(r);
+            self.stats.prefix_hit_tokens += start as u64;
+            self.stats.prompt_tokens += len as u64;
+            self.insert_running(idx);
+            let placed = self.place_running(idx, b, false);
+            debug_assert!(placed);
+        }
+        self.hits_buf = hits;
+        ok
+    }
+
+    fn build_arrays(&mut self) {
+        let page = self.cfg.page_size;
+        let layout = self.layout;
+        let reqs = &self.reqs;
+        let p = &mut self.plan;
+        let width = if p.has_full {
+            p.rows
+                .iter()
+                .map(|row| reqs[row.req as usize].as_ref().expect("live").full.len())
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        p.full_width = width;
+        p.sliding_width = if p.has_sliding { layout.ring } else { 0 };
+        let mut cum = 0i32;
+        p.cu_seqlens_q.push(0);
+        for (ri, row) in p.rows.iter().enumerate() {
+            let r = reqs[row.req as usize].as_ref().expect("live");
+            let start = row.start as usize;
+            let end = start + row.q as usize;
+            p.input_ids
+                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
+            p.positions.extend(start as i32..end as i32);
+            if p.has_full {
+                if row.q == 1 {
+                    p.slot_mapping_full.push(layout.full_slot(&r.full, start));
+                } else {
+                    for pos in start..end {
+                        p.slot_mapping_full.push(layout.full_slot(&r.full, pos));
+                    }
+                }
+                p.block_table_full.extend(r.full.iter().map(|&c| c as i32));
+                p.block_table_full
+                    .extend(std::iter::repeat_n(0, width - r.full.len()));
+            }
+            if p.has_sliding {
+                for pos in start..end {
+                    p.slot_mapping_sliding
+                        .push(layout.sliding_slot(&r.ring, pos, end));
+                }
+                p.block_table_sliding
+                    .extend(r.ring.iter().map(|&c| c as i32));
+                p.block_table_sliding
+                    .extend(std::iter::repeat_n(0, layout.ring - r.ring.len()));
+            }
+            cum += row.q as i32;
+            p.cu_seqlens_q.push(cum);
+            p.seqlens_k.push(end as i32);
+            if row.sampled {
+                p.logits_indices.push(cum - 1);
+                p.logits_rows.push(ri as i32);
+            }
+        }
+        let _ = page;
+    }
+
+    // ----- update ----------------------------------------------------------------------
+
+    /// Apply the sampled tokens (one per `logits_indices` entry, in order) of the
+    /// outstanding plan and return the deltas. Without an outstanding plan, `update(&[])`
+    /// only reports pending cancellations.
+    pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput> {
+        if self.outstanding {
+            if sampled.len() != self.plan.logits_indices.len() {
+                return Err(Error::value(format!(
+                    "sampled_token_ids has {} entries but the plan samples {} rows",
+                    sampled.len(),
+                    self.plan.logits_indices.len()
+                )));
+            }
+        } else if !sampled.is_empty() {
+            return Err(Error::runtime(
+                "update() called with tokens but no plan is outstanding (call schedule() first)",
+            ));
+        }
+        if let Some(t) = sampled.iter().find(|&&t| t < 0) {
+            return Err(Error::value(format!(
+                "sampled_token_ids must be non-negative (got {t})"
+            )));
+        }
+        for idx in self.to_remove.drain(..) {
+            self.reqs[idx as usize] = None;
+            self.free_idx.push(idx);
+        }
+        self.out.clear();
+        let page = self.cfg.page_size;
+        let mut k = 0usize;
+        let mut any_finished = false;
+        if self.outstanding {
+            for ri in 0..self.plan.rows.len() {
+                let row = self.plan.rows[ri];
+                let tok = if row.sampled {
+                    k += 1;
+                    Some(sampled[k - 1])
+                } else {
+                    None
+                };
+                let r = self.reqs[row.req as usize].as_mut().expect("live");
+                if r.state == RequestState::Finished {
+                    continue; // cancelled while the plan was outstanding
+                }
+                r.num_computed = (row.start + row.q) as usize;
+                if self.prefix {
+                    let n = r.num_computed / page;
+                    if r.num_registered < n {
+                        self.hasher.extend(&mut r.block_hashes, &r.tokens, page, n);
+                        for i in r.num_registered..n {
+                            let parent = if i == 0 { None } else { Some(r.full[i - 1]) };
+                            self.pool.cache(
+                                r.full[i],
+                                r.block_hashes[i],
+                                parent,
+                                &r.tokens[i * page..(i + 1) * page],
+                            );
+                        }
+                        r.num_registered = n;
+                    }
+                }
+                if let Some(t) = tok {
+                    r.state = RequestState::Decoding;
+                    let fin = r.append(t as Token);
+                    self.stats.generated_tokens += 1;
+                    self.out.push(row.req, t, fin, ri as i32);
+                    if let Some(f) = fin {
+                        r.state = RequestState::Finished;
+                        r.finish = Some(f);
+                        any_finished = true;
+                        self.free_chunks(row.req);
+                        let r = self.reqs[row.req as usize].as_ref().expect("live");
+                        self.ids.remove(&r.id);
+                        self.to_remove.push(row.req);
+                        self.stats.finished += 1;
+                    }
+                }
+            }
+        }
+        if any_finished {
+            let reqs = &self.reqs;
+            self.running.retain(|&i| {
+                reqs[i as usize].as_ref().expect("live").state != RequestState::Finished
+            });
+        }
+        for idx in std::mem::take(&mut self.pending_cancel) {
+            self.out.push(idx, -1, Some(FinishReason::Cancelled), -1);
+            let id = self.req(idx).id.clone();
+            self.ids.remove(&id);
+            self.to_remove.push(idx);
+            self.stats.finished += 1;
+        }
+        self.outstanding = false;
+        Ok(&self.out)
+    }
+
+    // ----- invariants ------------------------------------------------------------------
+
+    /// Check every invariant; the error names the broken one.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.check()
+            .map_err(|m| Error::runtime(format!("invariant violated: {m}")))
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let n = self.cfg.num_blocks + 2;
+        let mut holders = vec![0u32; n];
+        let mut held_slots: Vec<u32> = self.deferred_slots.clone();
+        let (mut nw, mut nr, mut ns) = (0, 0, 0);
+        let page = self.cfg.page_size;
+        for (idx, r) in self.live_requests() {
+            if self.ids.get(&r.id) != Some(&idx) {
+                return Err(format!("id map does not point to request {:?}", r.id));
+            }
+            for &c in r.full.iter().chain(r.ring.iter()) {
+                if c as usize >= n {
+                    return Err(format!("request {:?} holds out-of-range chunk {c}", r.id));
+                }
+                holders[c as usize] += 1;
+            }
+            held_slots.extend_from_slice(&r.swap_slots);
+            if r.num_computed >= r.tokens.len() {
+                return Err(format!("request {:?}: nothing left to compute", r.id));
+            }
+            if r.ring.len() > self.layout.ring {
+                return Err(format!("request {:?}: ring larger than R", r.id));
+            }
+            match r.state {
+                RequestState::Waiting => {
+                    nw += 1;
+                    if self.waiting.get(&r.key) != Some(&idx) {
+                        return Err(format!(
+                            "waiting request {:?} not in the waiting queue",
+                            r.id
+                        ));
+                    }
+                    if !r.full.is_empty()
+                        || !r.ring.is_empty()
+                        || r.num_computed != 0
+                        || !r.swap_slots.is_empty()
+                    {
+                        return Err(format!(
+                            "waiting request {:?} holds chunks or progress",
+                            r.id
+                        ));
+                    }
+                }
+                RequestState::Swapped => {
+                    ns += 1;
+                    if self.swapped.get(&r.key) != Some(&idx) {
+                        return Err(format!(
+                            "swapped request {:?} not in the swapped queue",
+                            r.id
+                        ));
+                    }
+                    let want = self.layout.full_blocks_for(r.num_computed);
+                    if !r.full.is_empty() || !r.ring.is_empty() || r.n_full_swapped < want {
+                        return Err(format!(
+                            "swapped request {:?} holds device chunks or lost blocks",
+                            r.id
+                        ));
+                    }
+                }
+                RequestState::Prefilling | RequestState::Decoding => {
+                    nr += 1;
+                    if !self.running.contains(&idx) {
+                        return Err(format!(
+                            "running request {:?} not in the running list",
+                            r.id
+                        ));
+                    }
+                    if !r.swap_slots.is_empty() {
+                        return Err(format!("running request {:?} holds swap slots", r.id));
+                    }
+                    if r.full.len() < self.layout.full_blocks_for(r.num_computed)
+                        || r.full.len() > self.layout.full_blocks_for(r.tokens.len())
+                        || r.ring.len() < self.layout.ring_chunks_for(r.num_computed)
+                    {
+                        return Err(format!(
+                            "running request {:?}: blocks do not cover its cached tokens",
+                            r.id
+                        ));
+                    }
+                    for (i, &c) in r.full.iter().enumerate() {
+                        if let Some(h) = self.pool.hash_of(c) {
+                            if r.block_hashes.get(i) != Some(&h) || (i + 1) * page > r.num_computed
+                            {
+                                return Err(format!(
+                                    "request {:?} block {i}: hashed chunk {c} does not match its content",
+                                    r.id
+                                ));
+                            }
+                        }
+                    }
+                }
+                RequestState::Finished => unreachable!(),
+            }
+        }
+        if nw != self.waiting.len() || nr != self.running.len() || ns != self.swapped.len() {
+            return Err(format!(
+                "queues hold requests in other states (waiting {nw}/{}, running {nr}/{}, swapped {ns}/{})",
+                self.waiting.len(),
+                self.running.len(),
+                self.swapped.len()
+            ));
+        }
+        let reqs = &self.reqs;
+        let key = |i: &u32| reqs[*i as usize].as_ref().map(|r| r.key);
+        if !self.running.windows(2).all(|w| key(&w[0]) < key(&w[1])) {
+            return Err("running list not sorted by (priority, arrival)".into());
+        }
+        self.pool.check(&holders)?;
+        self.swap.check(&held_slots)?;
+        Ok(())
+    }
+}
