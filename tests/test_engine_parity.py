@@ -91,6 +91,12 @@ def test_parity_forced_preemption(arch: str, offload: float) -> None:
     got = run_engine(arch, prompts, num_blocks=12, cpu_offload_space=offload,
                      max_batch_tokens=32)
     check(arch, prompts, got)
+    stats = run_engine.last_stats
+    assert stats["num_preemptions"] > 0
+    if offload:
+        assert stats["num_offloads"] > 0
+    else:
+        assert stats["num_soft_resets"] > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -99,6 +105,11 @@ def test_parity_shared_prefixes(arch: str, sharing: bool) -> None:
     prompts = make_prompts(5, n=8, shared_prefix=29)
     got = run_engine(arch, prompts, allow_block_sharing=sharing, max_batch_tokens=64)
     check(arch, prompts, got)
+    hit_rate = run_engine.last_stats["prefix_hit_rate"]
+    if sharing and arch != "gemma3":  # sharing is off for sliding-window (hybrid) models
+        assert hit_rate > 0.2
+    else:
+        assert hit_rate == 0.0
     # a second wave with the same prefix after the first finished reuses cached blocks
     prompts2 = make_prompts(5, n=8, shared_prefix=29)[::-1]
     check(arch, prompts2, run_engine(arch, prompts2, allow_block_sharing=sharing))

@@ -374,21 +374,21 @@ class Engine:
         out.update(
             steps=self._stats["steps"],
             generated_tokens=gen,
-            prompt_tokens=self._stats["prompt_tokens"],
+            submitted_prompt_tokens=self._stats["prompt_tokens"],
             finished_requests=self._stats["finished_requests"],
             busy_time_s=self._busy_time,
             throughput_tok_s=gen / self._busy_time if self._busy_time > 0 else 0.0,
-            num_blocks=self.num_blocks,
             page_size=self.config.page_size,
-            cpu_offload_blocks=self.cpu_offload_blocks,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
         )
-        used = sched_stats.get("used_blocks")
+        out.setdefault("num_blocks", self.num_blocks)
+        out.setdefault("cpu_offload_blocks", self.cpu_offload_blocks)
+        used = sched_stats.get("num_used_blocks")
         if used is not None:
-            out.setdefault("cache_usage", used / max(1, self.num_blocks))
-        hit, looked = sched_stats.get("prefix_hit_tokens"), sched_stats.get("prefix_query_tokens")
-        if hit is not None and looked:
-            out.setdefault("prefix_hit_rate", hit / looked)
+            out["cache_usage"] = used / max(1, self.num_blocks)
+        hits, looked = sched_stats.get("prefix_hit_tokens"), sched_stats.get("prompt_tokens")
+        if hits is not None:
+            out["prefix_hit_rate"] = hits / looked if looked else 0.0
         return out
 
     # ------------------------------------------------------------------ requests
