@@ -64,15 +64,22 @@ class _PrefillRow:
 
 
 @dataclass
+class _DecodeBucket:
+    """Single-token rows of similar key length, attended together."""
+
+    tokens: torch.Tensor | None  # [Bb] token indices; None when the bucket is all T tokens
+    chunks: torch.Tensor  # [Bb * Wb] chunk ids to gather, row after row
+    rows: int  # Bb
+    keys: int  # Wb * page_size gathered keys per row
+    mask: torch.Tensor | None  # [Bb, 1, 1, keys] bool; None when every gathered key counts
+
+
+@dataclass
 class _Group:
     """Per-step metadata of one attention type, shared by all its layers."""
 
     slot_mapping: torch.Tensor  # [T] long
-    num_decode: int
-    decode_tokens: torch.Tensor | None  # [Bd] token indices; None when all T tokens decode
-    decode_slots: torch.Tensor | None  # [Bd * Ld] long
-    decode_len: int  # Ld
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] bool; None when every row sees Ld keys
+    decode: list[_DecodeBucket]
     prefill_cached_slots: torch.Tensor | None  # all prefill rows' cached keys, row after row
     prefill: list[_PrefillRow]
 
@@ -137,22 +144,41 @@ def build_step(
                 col = col % _ring
             return _table[rows, col] * page + pos % page
 
-        # Single-token rows: one padded gather (read after this step's write).
-        dec_slots = dec_mask = dec_tokens = None
-        dec_len = 0
+        # Single-token rows: whole chunks gathered after this step's write (their one new
+        # key is then in the cache), keys outside the row's range masked; rows bucketed by
+        # length so short rows do not pay for the longest.
+        decode: list[_DecodeBucket] = []
         if len(decode_rows):
             total = seqlens[decode_rows]
-            n = np.minimum(total, w) if sliding else total
-            dec_len = int(n.max())
-            j = np.arange(dec_len)
-            valid = j[None, :] < n[:, None]
-            pos = np.where(valid, (total - n)[:, None] + j[None, :], 0)
-            slots = np.where(valid, slots_of(decode_rows[:, None], pos), 0)
-            dec_slots = to_long(slots.reshape(-1))
-            if not valid.all():
-                dec_mask = torch.from_numpy(valid[:, None, None, :].copy()).to(device)
-            if not all_decode:
-                dec_tokens = to_long(cu[decode_rows])
+            if sliding:
+                width = np.full(len(decode_rows), ring)
+            else:
+                width = np.minimum(-(-total // page), table.shape[1])
+            for idx in _buckets(width, page):
+                rows = decode_rows[idx]
+                wb = int(width[idx].max())
+                chunk_ids = table[rows, :wb]
+                last = total[idx][:, None, None] - 1
+                col = np.arange(wb)[None, :, None]
+                off = np.arange(page)[None, None, :]
+                if sliding:
+                    # The position a ring slot holds now: the latest p <= last in that slot.
+                    lb = last // page
+                    blk = lb - (lb - col) % wb
+                    blk = np.where(blk * page + off > last, blk - wb, blk)
+                    pos = blk * page + off
+                    valid = (pos >= 0) & (pos > last - w)
+                else:
+                    valid = np.broadcast_to(col * page + off <= last, (len(rows), wb, page))
+                valid = valid.reshape(len(rows), wb * page)
+                decode.append(_DecodeBucket(
+                    tokens=None if all_decode and len(idx) == len(qlen) else to_long(cu[rows]),
+                    chunks=to_long(chunk_ids.reshape(-1)),
+                    rows=len(rows),
+                    keys=wb * page,
+                    mask=None if valid.all() else
+                    torch.from_numpy(valid[:, None, None, :].copy()).to(device),
+                ))
 
         # Multi-token rows: cached keys gathered before the write, new keys from the forward.
         prefill: list[_PrefillRow] = []
@@ -180,15 +206,33 @@ def build_step(
         cached = to_long(np.concatenate(cached_parts)) if cached_parts else None
         groups[typ] = _Group(
             slot_mapping=to_long(slot_mapping),
-            num_decode=len(decode_rows),
-            decode_tokens=dec_tokens,
-            decode_slots=dec_slots,
-            decode_len=dec_len,
-            decode_mask=dec_mask,
+            decode=decode,
             prefill_cached_slots=cached,
             prefill=prefill,
         )
     return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
+
+
+_BUCKET_PENALTY_KEYS = 256  # one more gather + SDPA call costs about this many padded keys
+
+
+def _buckets(width: np.ndarray, page: int) -> list[np.ndarray]:
+    """Split rows (by gathered chunks `width`) into up to 4 equal-count length buckets when
+    that saves more padded keys than the extra calls cost."""
+    order = np.argsort(width, kind="stable")
+    n = len(order)
+    best_cost, best = n * int(width.max()) * page, [order]
+    for k in (2, 3, 4):
+        if n < 4 * k:
+            break
+        parts = np.array_split(order, k)
+        cost = sum(len(p) * int(width[p].max()) for p in parts) * page
+        cost += (k - 1) * _BUCKET_PENALTY_KEYS
+        if cost < best_cost:
+            best_cost, best = cost, parts
+    if len(best) == 1:
+        return [np.arange(n)]  # keep plan order: a single bucket needs no scatter
+    return best
 
 
 def _attend(
@@ -264,34 +308,30 @@ def paged_attention_forward(
     k_cache.index_copy_(0, group.slot_mapping, k_new)
     v_cache.index_copy_(0, group.slot_mapping, v_new)
 
-    dec_out = None
-    if group.num_decode:
-        bd, ld = group.num_decode, group.decode_len
-        if group.decode_tokens is None:
+    out = None
+    for bucket in group.decode:
+        bd = bucket.rows
+        if bucket.tokens is None:
             q_dec = q_all.transpose(0, 1)  # [Bd, H, D]
         else:
-            q_dec = q_all.index_select(1, group.decode_tokens).transpose(0, 1)
-        k, v = cache.gather_buffers(0, bd * ld)
-        torch.index_select(k_cache, 0, group.decode_slots, out=k)
-        torch.index_select(v_cache, 0, group.decode_slots, out=v)
-        k = k.view(bd, ld, kv_heads, dim).transpose(1, 2)
-        v = v.view(bd, ld, kv_heads, dim).transpose(1, 2)
+            q_dec = q_all.index_select(1, bucket.tokens).transpose(0, 1)
+        k, v = cache.gather_chunks(k_cache, v_cache, bucket.chunks)
+        k = k.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
+        v = v.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         if softcap is None:
             # The query heads sharing a KV head become that head's query rows: no GQA expansion.
             qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
-            dec_out = F.scaled_dot_product_attention(
-                qg, k, v, attn_mask=group.decode_mask, scale=scaling
-            ).view(bd, heads, dim)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=scaling)
         else:
-            dec_out = _attend(
-                q_dec.unsqueeze(2), k, v, group.decode_mask, scaling, softcap, False
-            ).view(bd, heads, dim)
-        if group.decode_tokens is None:
-            return dec_out.unsqueeze(0), None
-
-    out = query.new_empty(num_tokens, heads, dim)
-    if dec_out is not None:
-        out.index_copy_(0, group.decode_tokens, dec_out)
+            o = _attend(q_dec.unsqueeze(2), k, v, bucket.mask, scaling, softcap, False)
+        o = o.reshape(bd, heads, dim)
+        if bucket.tokens is None:
+            return o.unsqueeze(0), None
+        if out is None:
+            out = query.new_empty(num_tokens, heads, dim)
+        out.index_copy_(0, bucket.tokens, o)
+    if out is None:
+        out = query.new_empty(num_tokens, heads, dim)
     for row in group.prefill:
         s, e = row.tok_start, row.tok_end
         q = query[:, :, s:e]

@@ -74,6 +74,18 @@ class PagedKVCache:
             self._workspaces[kind] = buf
         return buf[0, :rows], buf[1, :rows]
 
+    def gather_chunks(
+        self, keys: torch.Tensor, values: torch.Tensor, chunks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy whole chunks of one layer's K and V into the decode workspace:
+        `[len(chunks) * page_size, num_kv_heads, head_dim]` each."""
+        n = chunks.shape[0]
+        k_out, v_out = self.gather_buffers(0, n * self.page_size)
+        shape = (self.num_chunks, self.chunk_elements)
+        torch.index_select(keys.view(shape), 0, chunks, out=k_out.view(n, self.chunk_elements))
+        torch.index_select(values.view(shape), 0, chunks, out=v_out.view(n, self.chunk_elements))
+        return k_out, v_out
+
     @property
     def chunk_elements(self) -> int:
         """Elements of one chunk in one layer's K (or V)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psutil
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from .kv_cache import RESERVED_CHUNKS
 from .models import layer_types_of, text_config
@@ -36,11 +38,12 @@ def kv_bytes_per_chunk(
 
 
 def choose_num_blocks(
-    config: PretrainedConfig,
+    model_config: PretrainedConfig | PreTrainedModel,
     *,
-    page_size: int,
-    max_batch_tokens: int,
-    max_requests_per_batch: int,
+    config: Any = None,
+    page_size: int | None = None,
+    max_batch_tokens: int | None = None,
+    max_requests_per_batch: int | None = None,
     max_memory_percent: float | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -55,7 +58,24 @@ def choose_num_blocks(
     workspace and bookkeeping. Without `max_memory_percent`: 0.9 on CUDA; on CPU 0.25 of
     available memory capped at 4 GiB. Never more chunks than `max_requests_per_batch`
     sequences of `max_model_len` tokens need. Raises ValueError when not even a few chunks fit.
+
+    `model_config` is the model's config (or the model). `config`, a
+    `ContinuousBatchingConfig`, supplies `page_size`, `max_batch_tokens`,
+    `max_requests_per_batch` and `max_memory_percent` where they are not passed.
     """
+    if isinstance(model_config, PreTrainedModel):
+        model_config = model_config.config
+    if config is not None:
+        page_size = page_size if page_size is not None else config.page_size
+        if max_batch_tokens is None:
+            max_batch_tokens = config.max_batch_tokens
+        if max_requests_per_batch is None:
+            max_requests_per_batch = config.max_requests_per_batch
+        if max_memory_percent is None:
+            max_memory_percent = getattr(config, "max_memory_percent", None)
+    if page_size is None or max_batch_tokens is None or max_requests_per_batch is None:
+        raise ValueError("page_size, max_batch_tokens and max_requests_per_batch are needed")
+    config = model_config
     dev = torch.device(device)
     cfg = text_config(config)
     if free_bytes is None:
