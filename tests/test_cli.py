@@ -269,7 +269,8 @@ def _free_port() -> int:
 def test_serve_command(model_dir: Path) -> None:
     """`ferrobatch serve` as a real process: 503 or 200 on /health, then a completion."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",

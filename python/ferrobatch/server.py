@@ -653,6 +653,8 @@ class _Run:
             task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
+        for job in self.jobs:  # tasks cancelled before their first step never ran _pump
+            self._finish(job, "cancelled")
 
 
 def _admit(state: _State, count: int) -> None:
@@ -712,9 +714,24 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def _queue_full(exc: BaseException) -> APIError | None:
+    """The engine's own queue bound (``max_queue_size``) answers like --max-queue: 429."""
+    if type(exc).__name__ in ("QueueFullError", "QueueFull"):
+        return APIError(
+            429,
+            f"The engine's queue is full ({exc}); retry later.",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    return None
+
+
 def _error_payload(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, APIError):
         return exc.body()
+    if (full := _queue_full(exc)) is not None:
+        return full.body()
     status = 400 if isinstance(exc, ValueError) else 500
     kind = "invalid_request_error" if status == 400 else "server_error"
     return APIError(status, f"Generation failed: {exc}", type=kind).body()
@@ -723,6 +740,8 @@ def _error_payload(exc: BaseException) -> dict[str, Any]:
 def _raise_for(exc: BaseException) -> None:
     if isinstance(exc, APIError):
         raise exc
+    if (full := _queue_full(exc)) is not None:
+        raise full from exc
     if isinstance(exc, ValueError):
         raise _bad_request(f"The engine rejected the request: {exc}") from exc
     raise APIError(500, f"Generation failed: {exc}", type="server_error") from exc
