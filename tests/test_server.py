@@ -718,6 +718,101 @@ def test_disconnect_cancels_immediately(tokenizer: Any) -> None:
         engine.gate.set()
 
 
+def _cancelled_count(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ferrobatch_requests_total{") and 'reason="cancelled"' in line
+    )
+
+
+def test_disconnect_frees_blocks_real_engine(
+    real_engine: Any, real_server: BackgroundServer
+) -> None:
+    """With the real engine: hanging up mid-stream stops generation and frees the blocks."""
+    url = real_server.url
+    before = real_engine.stats()["generated_tokens"]
+    cancelled = _cancelled_count(url)
+    body = {"prompt": "Hello world", "max_tokens": 240, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert used_blocks(real_engine) > 0
+    assert wait_until(lambda: used_blocks(real_engine) == 0, timeout=2.0)
+    assert wait_until(lambda: _cancelled_count(url) == cancelled + 1, timeout=2.0)
+    assert real_engine.stats()["generated_tokens"] - before < 240
+    text = httpx.get(url + "/metrics").text
+    assert 'ferrobatch_cache_blocks{state="used"} 0' in text
+
+
+class FailingEngine(FakeEngine):
+    """Fails every request after ``fail_after`` tokens, like a loop error delivered to callers."""
+
+    fail_after = 2
+
+    async def astream(
+        self, prompt: Any, sampling: Any = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        inner = super().astream(prompt, sampling, request_id=request_id)
+        try:
+            count = 0
+            async for delta in inner:
+                if count == self.fail_after:
+                    raise RuntimeError("device lost")
+                count += 1
+                yield delta
+        finally:
+            await inner.aclose()
+
+
+def test_engine_errors_reach_the_client(tokenizer: Any) -> None:
+    engine = FailingEngine(tokenizer)
+    with serve(engine) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 5})
+        _check_error(r, 500, None, "device lost")
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 5,
+                             "stream": True})  # fmt: skip
+        assert r.status_code == 200
+        payloads, done = parse_sse(r.text)
+        assert done
+        assert payloads[-1]["error"]["message"].endswith("device lost")
+        assert sum(1 for p in payloads if "choices" in p and p["choices"][0]["delta"].get(
+            "content")) == 2  # fmt: skip
+        assert not engine.active
+        # a dead engine loop makes /health and new requests answer 503
+        engine._error = RuntimeError("loop died")
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        _check_error(r, 503, None, "loop died")
+
+
+def test_cache_capacity_and_echo(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    engine.num_blocks = 4  # 64 tokens per request at most
+    with serve(engine) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 100})
+        _check_error(r, 400, "max_tokens", "KV cache holds at most 64 tokens")
+        # chat without max_tokens fills what is left of the cache
+        out = client(srv.url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == 64
+        out = client(srv.url).completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                 echo=True)  # fmt: skip
+        assert out.choices[0].text.startswith("Hello")
+        r = httpx.post(srv.url + "/v1/completions",
+                       json={"prompt": "a", "echo": True, "logprobs": 1})  # fmt: skip
+        _check_error(r, 400, "echo", "not supported")
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "a"}],
+                             "tools": [{"type": "function"}]})  # fmt: skip
+        _check_error(r, 400, "tools", "not supported")
+
+
 # ---------------------------------------------------------------------------------------
 # load
 
