@@ -28,7 +28,8 @@ class ContinuousBatchingConfig:
         num_blocks: capacity in full-attention blocks; None sizes the cache from free memory.
         max_batch_tokens: query tokens per forward (chunked prefill splits longer prompts).
         max_memory_percent: share of free memory the cache may take when `num_blocks` is None;
-            None = 0.9 on CUDA, 0.3 on CPU (bounded: never the reference's 60% of RAM).
+            None = 0.9 on CUDA; on CPU 0.25 of available memory capped at 4 GiB (bounded:
+            never the reference's 60% of RAM; see `memory.choose_num_blocks`).
         max_requests_per_batch: rows per forward; caps logits memory for large vocabularies.
         scheduler_type: "fifo" (decodes first, then in-flight prefills, then new requests) or
             "prefill_first" (finish chunked prefills before resuming decodes).
@@ -103,7 +104,7 @@ class ContinuousBatchingConfig:
         """The share of free memory the cache may take on a device of this type."""
         if self.max_memory_percent is not None:
             return float(self.max_memory_percent)
-        return {"cuda": 0.9, "mps": 0.5}.get(device_type, 0.3)
+        return {"cuda": 0.9, "mps": 0.5}.get(device_type, 0.25)
 
     def replace(self, **changes: Any) -> ContinuousBatchingConfig:
         """A validated copy with some fields changed."""

@@ -846,4 +846,5 @@ def _choose_num_blocks(engine: Engine, model: Any) -> tuple[int, str]:
         config=engine.config,
         device=engine.device,
         dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
     )
