@@ -145,7 +145,7 @@ mod tests {
         // Step 0..20: positions >= 14 kept.
         let ring = [10, 11, 12];
         assert_eq!(l.sliding_slot(&ring, 13, 20), 4 + 1);
-        assert_eq!(l.sliding_slot(&ring, 14, 20), 12 * 4 + 2);
+        assert_eq!(l.sliding_slot(&ring, 14, 20), 10 * 4 + 2);
         let mut seen = std::collections::HashSet::new();
         for p in 0..20 {
             let s = l.sliding_slot(&ring, p, 20);

@@ -183,7 +183,7 @@ pub struct Scheduler {
     pending_cancel: Vec<u32>,
     /// Finished requests reported by the last update: slab slots freed at the next update.
     to_remove: Vec<u32>,
-    /// Swap slots read by swap-in in the outstanding plan: released at the next schedule.
+    /// Swap slots read by swap-in in the outstanding plan: released by the next update.
     deferred_slots: Vec<u32>,
     order_buf: Vec<u32>,
     hits_buf: Vec<ChunkId>,
@@ -340,7 +340,7 @@ impl Scheduler {
             _ => None,
         })
     }
-    /// Swap slots released by swap-in in the current plan (held until the next schedule).
+    /// Swap slots read by swap-in in the outstanding plan (released by the next update).
     pub fn deferred_swap_slots(&self) -> &[u32] {
         &self.deferred_slots
     }
@@ -549,9 +549,6 @@ impl Scheduler {
             return Err(Error::runtime(
                 "schedule() called while a plan is outstanding: call update() first",
             ));
-        }
-        for s in self.deferred_slots.drain(..) {
-            self.swap.release(s);
         }
         self.step += 1;
         self.plan.clear();
@@ -909,6 +906,10 @@ impl Scheduler {
             return Err(Error::value(format!(
                 "sampled_token_ids must be non-negative (got {t})"
             )));
+        }
+        // The forward that read them by swap-in is done.
+        for s in self.deferred_slots.drain(..) {
+            self.swap.release(s);
         }
         for idx in self.to_remove.drain(..) {
             self.reqs[idx as usize] = None;

@@ -1,1 +1,608 @@
+//! Simulated-model tests: a deterministic "model" and a simulated paged KV cache check every
+//! plan (reads see exactly the keys the request wrote, writes never collide, swaps move
+//! content) and that outputs under preemption / offload / prefix sharing / both schedulers
+//! equal an unconstrained run. Proptests drive random op sequences with tiny pools and check
+//! the invariants after every op.
 
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use crate::pool::SCRATCH_CHUNK;
+use crate::request::StopConditions;
+use crate::{AttentionType, FinishReason, Scheduler, SchedulerConfig, SchedulerType};
+
+const VOCAB: u64 = 13;
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51afd7ed558ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ceb9fe1a85ec53);
+    x ^ (x >> 33)
+}
+
+/// "K/V" of position p: a hash of tokens[0..=p] (it depends on the whole prefix, like real K/V).
+fn kv_values(tokens: &[u32]) -> Vec<u64> {
+    let mut v = Vec::with_capacity(tokens.len());
+    let mut h = 0x1234_5678u64;
+    for &t in tokens {
+        h = mix(h ^ (t as u64 + 1).wrapping_mul(0x9e3779b97f4a7c15));
+        v.push(h);
+    }
+    v
+}
+
+/// The model: next token after `tokens`.
+fn model(tokens: &[u32]) -> u32 {
+    (mix(*kv_values(tokens).last().unwrap() ^ 77) % VOCAB) as u32
+}
+
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub stop: StopConditions,
+    pub priority: i64,
+}
+
+/// Reference output of an unconstrained run.
+fn reference(spec: &Spec) -> (Vec<u32>, FinishReason) {
+    let mut toks = spec.prompt.clone();
+    let mut gen = Vec::new();
+    loop {
+        let t = model(&toks);
+        toks.push(t);
+        gen.push(t);
+        let s = &spec.stop;
+        if s.eos_token_ids.contains(&t) || s.stop_token_ids.contains(&t) {
+            return (gen, FinishReason::Stop);
+        }
+        if s.stop_sequences.iter().any(|q| gen.ends_with(q)) {
+            return (gen, FinishReason::Stop);
+        }
+        if gen.len() >= s.max_new_tokens {
+            return (gen, FinishReason::Length);
+        }
+    }
+}
+
+/// Simulated runner + engine around a scheduler.
+pub struct Sim {
+    pub s: Scheduler,
+    page: usize,
+    window: usize,
+    ring: usize,
+    full_kv: Vec<u64>,
+    slide_kv: Vec<u64>,
+    swap_full: Vec<u64>,
+    swap_slide: Vec<u64>,
+    /// Caller-visible tokens per live request (prompt + generated).
+    tokens: HashMap<String, Vec<u32>>,
+    prompt_len: HashMap<String, usize>,
+    pub outputs: HashMap<String, (Vec<u32>, FinishReason)>,
+    pub cancelled: HashSet<String>,
+    pending_cancel: HashSet<String>,
+    pub steps: usize,
+}
+
+const GARBAGE: u64 = u64::MAX;
+
+impl Sim {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        let n = (cfg.num_blocks + 2) * cfg.page_size;
+        let sw = cfg.cpu_offload_blocks * cfg.page_size;
+        let s = Scheduler::new(cfg).expect("valid config");
+        let l = *s.layout();
+        Sim {
+            page: l.page,
+            window: l.window,
+            ring: l.ring,
+            full_kv: vec![GARBAGE; n],
+            slide_kv: vec![GARBAGE; n],
+            swap_full: vec![GARBAGE; sw],
+            swap_slide: vec![GARBAGE; sw],
+            s,
+            tokens: HashMap::new(),
+            prompt_len: HashMap::new(),
+            outputs: HashMap::new(),
+            cancelled: HashSet::new(),
+            pending_cancel: HashSet::new(),
+            steps: 0,
+        }
+    }
+
+    pub fn add(&mut self, spec: &Spec) -> bool {
+        match self.s.add_request(
+            &spec.id,
+            spec.prompt.clone(),
+            spec.stop.clone(),
+            spec.priority,
+        ) {
+            Ok(_) => {
+                self.tokens.insert(spec.id.clone(), spec.prompt.clone());
+                self.prompt_len.insert(spec.id.clone(), spec.prompt.len());
+                true
+            }
+            Err(e) => {
+                assert_eq!(e.kind, crate::ErrorKind::Value, "{e}");
+                false
+            }
+        }
+    }
+
+    pub fn cancel(&mut self, id: &str) -> bool {
+        let ok = self.s.cancel(id);
+        if ok {
+            self.pending_cancel.insert(id.to_owned());
+        }
+        ok
+    }
+
+    fn copy_chunk(src: &[u64], sc: usize, dst: &mut [u64], dc: usize, page: usize) {
+        dst[dc * page..(dc + 1) * page].copy_from_slice(&src[sc * page..(sc + 1) * page]);
+    }
+
+    /// One schedule + simulated forward + update. Returns false when nothing ran.
+    pub fn step(&mut self) -> bool {
+        let cfg = self.s.config().clone();
+        let page = self.page;
+        let plan = match self.s.schedule().expect("schedule") {
+            Some(p) => p.clone(),
+            None => {
+                // Only cancellation reports may remain.
+                let out = self.s.update(&[]).expect("flush").clone();
+                let names: Vec<String> = out
+                    .reqs
+                    .iter()
+                    .map(|&i| self.s.request(i).unwrap().id.clone())
+                    .collect();
+                for (k, id) in names.iter().enumerate() {
+                    assert_eq!(out.finish_reasons[k], Some(FinishReason::Cancelled));
+                    assert!(self.pending_cancel.remove(id));
+                    self.cancelled.insert(id.clone());
+                }
+                self.s.check_invariants().unwrap();
+                return !names.is_empty();
+            }
+        };
+        self.steps += 1;
+        self.s.check_invariants().unwrap();
+        // Budgets.
+        let b = plan.num_rows();
+        assert!(b >= 1 || !plan.swap_out.is_empty());
+        assert!(plan.num_tokens() <= cfg.max_batch_tokens);
+        assert!(b <= cfg.max_requests_per_batch);
+        if let Some(c) = cfg.max_batch_cache_tokens {
+            assert!(plan.seqlens_k.iter().map(|&k| k as usize).sum::<usize>() <= c);
+        }
+        assert_eq!(plan.cu_seqlens_q.len(), b + 1);
+        assert!(plan.logits_rows.windows(2).all(|w| w[0] < w[1]));
+        // Swaps: out, then in.
+        for pr in plan.swap_out.chunks(2) {
+            let (c, s) = (pr[0] as usize, pr[1] as usize);
+            assert!(c >= 2);
+            Self::copy_chunk(&self.full_kv, c, &mut self.swap_full, s, page);
+            Self::copy_chunk(&self.slide_kv, c, &mut self.swap_slide, s, page);
+        }
+        for pr in plan.swap_in.chunks(2) {
+            let (s, c) = (pr[0] as usize, pr[1] as usize);
+            assert!(c >= 2);
+            Self::copy_chunk(&self.swap_full, s, &mut self.full_kv, c, page);
+            Self::copy_chunk(&self.swap_slide, s, &mut self.slide_kv, c, page);
+        }
+        let mut reads_full: HashMap<usize, usize> = HashMap::new();
+        let mut reads_slide: HashMap<usize, usize> = HashMap::new();
+        let mut writes_full: HashSet<usize> = HashSet::new();
+        let mut write_rows: Vec<(bool, usize, usize)> = Vec::new();
+        let mut writes_slide = HashSet::new();
+        let mut sampled = Vec::new();
+        let mut pending_writes: Vec<(bool, usize, u64)> = Vec::new();
+        let fw = plan.full_width;
+        for (r, row) in plan.rows.iter().enumerate() {
+            let id = self.s.request(row.req).unwrap().id.clone();
+            let toks = &self.tokens[&id];
+            let vals = kv_values(toks);
+            let (t0, t1) = (
+                plan.cu_seqlens_q[r] as usize,
+                plan.cu_seqlens_q[r + 1] as usize,
+            );
+            let start = plan.positions[t0] as usize;
+            let end = start + (t1 - t0);
+            assert_eq!(plan.seqlens_k[r] as usize, end);
+            assert!(end <= toks.len());
+            for i in t0..t1 {
+                assert_eq!(
+                    plan.positions[i] as usize,
+                    start + i - t0,
+                    "positions continue"
+                );
+                assert_eq!(plan.input_ids[i] as u32, toks[start + i - t0], "input ids");
+            }
+            if plan.has_full {
+                let bt = &plan.block_table_full[r * fw..(r + 1) * fw];
+                for (p, &v) in vals.iter().enumerate().take(start) {
+                    let c = bt[p / page] as usize;
+                    assert!(c >= 2, "read of position {p} from reserved chunk {c}");
+                    let slot = c * page + p % page;
+                    assert_eq!(
+                        self.full_kv[slot], v,
+                        "{id}: full read of position {p} (slot {slot})"
+                    );
+                    reads_full.insert(slot, r);
+                }
+                for i in t0..t1 {
+                    let p = plan.positions[i] as usize;
+                    let slot = plan.slot_mapping_full[i] as usize;
+                    assert_eq!(slot, bt[p / page] as usize * page + p % page);
+                    assert!(slot / page >= 2);
+                    assert!(writes_full.insert(slot), "full slot {slot} written twice");
+                    write_rows.push((true, slot, r));
+                    pending_writes.push((true, slot, vals[p]));
+                }
+            }
+            if plan.has_sliding {
+                let w = self.window;
+                let bt = &plan.block_table_sliding[r * self.ring..(r + 1) * self.ring];
+                for (p, &v) in vals
+                    .iter()
+                    .enumerate()
+                    .take(start)
+                    .skip((start + 1).saturating_sub(w))
+                {
+                    let c = bt[(p / page) % self.ring] as usize;
+                    assert!(c >= 2, "sliding read of position {p} from reserved chunk");
+                    let slot = c * page + p % page;
+                    assert_eq!(self.slide_kv[slot], v, "{id}: sliding read of position {p}");
+                    reads_slide.insert(slot, r);
+                }
+                for i in t0..t1 {
+                    let p = plan.positions[i] as usize;
+                    let slot = plan.slot_mapping_sliding[i] as usize;
+                    let c = slot / page;
+                    assert_eq!(slot % page, p % page);
+                    if c != SCRATCH_CHUNK as usize {
+                        assert_eq!(c, bt[(p / page) % self.ring] as usize);
+                        assert!(
+                            writes_slide.insert(slot),
+                            "sliding slot {slot} written twice"
+                        );
+                        write_rows.push((false, slot, r));
+                    } else {
+                        assert!(p + w < end, "kept position {p} sent to scratch");
+                    }
+                    pending_writes.push((false, slot, vals[p]));
+                }
+            }
+            if row.sampled {
+                assert_eq!(end, toks.len());
+                sampled.push(model(&toks[..end]) as i32);
+            } else {
+                assert!(end < toks.len());
+            }
+        }
+        // A row may overwrite its own sliding keys after reading them (read-then-write), but
+        // never a slot another row reads in the same step.
+        for (full, slot, r) in write_rows {
+            let reads = if full { &reads_full } else { &reads_slide };
+            if let Some(&rr) = reads.get(&slot) {
+                assert!(
+                    !full,
+                    "row {r} writes full slot {slot} that it or row {rr} reads"
+                );
+                assert_eq!(
+                    rr, r,
+                    "row {r} writes sliding slot {slot} that row {rr} reads"
+                );
+            }
+        }
+        for (full, slot, v) in pending_writes {
+            if full {
+                self.full_kv[slot] = v;
+            } else {
+                self.slide_kv[slot] = v;
+            }
+        }
+        // Cached list chunks must not be garbage: scribble nothing, but check prefix content
+        // lazily through the reads above.
+        let out = self.s.update(&sampled).expect("update").clone();
+        for k in 0..out.len() {
+            let id = self.s.request(out.reqs[k]).unwrap().id.clone();
+            if out.token_ids[k] >= 0 {
+                let t = out.token_ids[k] as u32;
+                assert_eq!(out.rows[k] >= 0, true);
+                self.tokens.get_mut(&id).unwrap().push(t);
+            }
+            match out.finish_reasons[k] {
+                Some(FinishReason::Cancelled) => {
+                    assert!(self.pending_cancel.remove(&id), "cancel reported once");
+                    self.cancelled.insert(id.clone());
+                    self.tokens.remove(&id);
+                }
+                Some(f) => {
+                    let toks = self.tokens.remove(&id).unwrap();
+                    let pl = self.prompt_len[&id];
+                    assert!(self.outputs.insert(id, (toks[pl..].to_vec(), f)).is_none());
+                }
+                None => {}
+            }
+        }
+        self.s.check_invariants().unwrap();
+        let _ = &cfg;
+        let _ = AttentionType::Full;
+        let _ = SchedulerType::Fifo;
+        true
+    }
+
+    /// Run until nothing is unfinished; panics on a livelock.
+    pub fn drain(&mut self, max_steps: usize) {
+        let mut n = 0;
+        while self.s.has_unfinished() {
+            let ran = self.step();
+            assert!(ran, "has_unfinished() but nothing ran: deadlock");
+            n += 1;
+            assert!(
+                n <= max_steps,
+                "no progress after {max_steps} steps (livelock?)"
+            );
+        }
+        assert!(self.pending_cancel.is_empty());
+        let st = self.s.stats();
+        assert_eq!(st.num_used_blocks, 0, "leak: blocks still used at the end");
+        assert_eq!(st.num_free_blocks, st.num_blocks);
+        assert_eq!(
+            self.s.swap_pool().num_free(),
+            self.s.config().cpu_offload_blocks
+        );
+    }
+
+    pub fn check_outputs(&self, specs: &[Spec]) {
+        for spec in specs {
+            if self.cancelled.contains(&spec.id) {
+                continue;
+            }
+            if let Some(got) = self.outputs.get(&spec.id) {
+                assert_eq!(got, &reference(spec), "output of {}", spec.id);
+            }
+        }
+    }
+}
+
+fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
+    Spec {
+        id: id.into(),
+        prompt,
+        stop: StopConditions {
+            max_new_tokens: max_new,
+            ..Default::default()
+        },
+        priority: 0,
+    }
+}
+
+fn run_all(cfg: SchedulerConfig, specs: &[Spec]) -> Sim {
+    let mut sim = Sim::new(cfg);
+    for s in specs {
+        assert!(sim.add(s), "add {}", s.id);
+    }
+    sim.drain(100_000);
+    sim.check_outputs(specs);
+    for s in specs {
+        assert!(sim.outputs.contains_key(&s.id), "lost request {}", s.id);
+    }
+    sim
+}
+
+fn workload(n: usize, seed: u64, shared: usize) -> Vec<Spec> {
+    let base: Vec<u32> = (0..shared as u64)
+        .map(|i| (mix(seed ^ i) % 50) as u32)
+        .collect();
+    (0..n)
+        .map(|i| {
+            let len = 1 + (mix(seed + i as u64 * 7) % 20) as usize;
+            let mut p = base.clone();
+            p.extend((0..len).map(|j| (mix(seed * 31 + (i * 100 + j) as u64) % 50) as u32));
+            spec(
+                &format!("r{i}"),
+                p,
+                1 + (mix(seed + i as u64) % 12) as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn unconstrained_matches_reference() {
+    let specs = workload(10, 1, 0);
+    let cfg = SchedulerConfig::new(1000, 4, 4096);
+    let sim = run_all(cfg, &specs);
+    assert_eq!(sim.s.stats().num_preemptions, 0);
+}
+
+#[test]
+fn soft_reset_and_prefix_and_chunking() {
+    let specs = workload(12, 2, 9);
+    for st in [SchedulerType::Fifo, SchedulerType::PrefillFirst] {
+        let mut cfg = SchedulerConfig::new(12, 4, 7);
+        cfg.scheduler_type = st;
+        let sim = run_all(cfg, &specs);
+        let s = sim.s.stats();
+        assert!(s.num_soft_resets > 0, "{st:?}: expected soft resets, {s:?}");
+        assert!(s.prefix_hit_tokens > 0, "{st:?}: expected prefix hits");
+    }
+}
+
+#[test]
+fn offload_resumes_without_recompute() {
+    let specs = workload(12, 3, 0);
+    let mut cfg = SchedulerConfig::new(12, 4, 64);
+    cfg.cpu_offload_blocks = 64;
+    let sim = run_all(cfg, &specs);
+    let s = sim.s.stats();
+    assert!(s.num_offloads > 0, "{s:?}");
+    assert_eq!(s.num_soft_resets, 0);
+}
+
+#[test]
+fn sliding_and_hybrid() {
+    let specs = workload(10, 4, 5);
+    for layers in [
+        vec![AttentionType::Sliding],
+        vec![AttentionType::Full, AttentionType::Sliding],
+    ] {
+        for offload in [0, 40] {
+            let mut cfg = SchedulerConfig::new(14, 3, 5);
+            cfg.layer_types = layers.clone();
+            cfg.sliding_window = Some(4);
+            cfg.cpu_offload_blocks = offload;
+            run_all(cfg, &specs);
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add {
+        len: usize,
+        shared: usize,
+        max_new: usize,
+        prio: i64,
+        eos: bool,
+        seq: bool,
+    },
+    Step,
+    Cancel(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (1usize..14, 0usize..10, 1usize..10, 0i64..3, any::<bool>(), any::<bool>())
+            .prop_map(|(len, shared, max_new, prio, eos, seq)| Op::Add { len, shared, max_new, prio, eos, seq }),
+        6 => Just(Op::Step),
+        1 => (0usize..64).prop_map(Op::Cancel),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct Cfg {
+    num_blocks: usize,
+    page: usize,
+    mbt: usize,
+    mrpb: usize,
+    prefill_first: bool,
+    margin: Option<f64>,
+    sharing: bool,
+    offload: usize,
+    layers: u8,
+    window: usize,
+    cache_budget: Option<usize>,
+    hash_mask: u64,
+}
+
+fn cfg_strategy() -> impl Strategy<Value = Cfg> {
+    (
+        (3usize..20, 1usize..5, 1usize..24, 1usize..6),
+        (
+            any::<bool>(),
+            prop_oneof![Just(None), Just(Some(0.0)), Just(Some(0.3))],
+            any::<bool>(),
+        ),
+        (
+            prop_oneof![Just(0usize), 1usize..12, Just(64usize)],
+            0u8..3,
+            1usize..8,
+        ),
+        (
+            prop_oneof![3 => Just(None), 1 => (30usize..80).prop_map(Some)],
+            prop_oneof![3 => Just(u64::MAX), 1 => Just(3u64)],
+        ),
+    )
+        .prop_map(
+            |(
+                (num_blocks, page, mbt, mrpb),
+                (pf, margin, sharing),
+                (offload, layers, window),
+                (cache_budget, hash_mask),
+            )| Cfg {
+                num_blocks,
+                page,
+                mbt,
+                mrpb,
+                prefill_first: pf,
+                margin,
+                sharing,
+                offload,
+                layers,
+                window,
+                cache_budget,
+                hash_mask,
+            },
+        )
+}
+
+fn make_cfg(c: &Cfg) -> SchedulerConfig {
+    let mut cfg = SchedulerConfig::new(c.num_blocks, c.page, c.mbt);
+    cfg.max_requests_per_batch = c.mrpb;
+    cfg.scheduler_type = if c.prefill_first {
+        SchedulerType::PrefillFirst
+    } else {
+        SchedulerType::Fifo
+    };
+    cfg.safety_margin = c.margin;
+    cfg.allow_block_sharing = c.sharing;
+    cfg.cpu_offload_blocks = c.offload;
+    cfg.layer_types = match c.layers {
+        0 => vec![AttentionType::Full],
+        1 => vec![AttentionType::Sliding],
+        _ => vec![AttentionType::Sliding, AttentionType::Full],
+    };
+    cfg.sliding_window = Some(c.window);
+    cfg.max_batch_cache_tokens = c.cache_budget;
+    cfg.hash_mask = c.hash_mask;
+    cfg
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_ops_keep_invariants_and_outputs(c in cfg_strategy(), ops in prop::collection::vec(op(), 1..60)) {
+        let mut sim = Sim::new(make_cfg(&c));
+        let base: Vec<u32> = (0..10).map(|i| i % 3).collect();
+        let mut specs = Vec::new();
+        let mut ids: Vec<String> = Vec::new();
+        for (k, o) in ops.iter().enumerate() {
+            match o {
+                Op::Add { len, shared, max_new, prio, eos, seq } => {
+                    let mut p: Vec<u32> = base[..*shared].to_vec();
+                    p.extend((0..*len).map(|j| (mix((k * 131 + j) as u64) % 4) as u32));
+                    let mut sp = spec(&format!("q{k}"), p, *max_new);
+                    sp.priority = *prio;
+                    if *eos { sp.stop.eos_token_ids = vec![5]; }
+                    if *seq { sp.stop.stop_sequences = vec![vec![2, 3], vec![7]]; }
+                    if sim.add(&sp) {
+                        ids.push(sp.id.clone());
+                        specs.push(sp);
+                    }
+                }
+                Op::Step => { sim.step(); }
+                Op::Cancel(i) => {
+                    if !ids.is_empty() {
+                        let id = ids[i % ids.len()].clone();
+                        sim.cancel(&id);
+                    }
+                }
+            }
+            sim.s.check_invariants().unwrap();
+        }
+        sim.drain(20_000);
+        sim.check_outputs(&specs);
+        if std::env::var("SIM_DEBUG").is_ok() {
+            let st = sim.s.stats();
+            eprintln!("SIMSTAT specs={} out={} canc={} steps={} pre={} off={} soft={} hit={} ev={}", specs.len(), sim.outputs.len(), sim.cancelled.len(), sim.steps, st.num_preemptions, st.num_offloads, st.num_soft_resets, st.prefix_hit_tokens, st.num_evictions);
+        }
+        for s in &specs {
+            prop_assert!(sim.outputs.contains_key(&s.id) || sim.cancelled.contains(&s.id), "lost {}", s.id);
+        }
+    }
+}

@@ -258,7 +258,7 @@ impl StepOutputIter {
 ///   (first = reclaimed first),
 /// * `"hashed_chunks"`: list[int] of every chunk registered in the prefix table,
 /// * `"swap_free_slots"`: list[int]; `"swap_deferred_slots"`: slots read by the outstanding
-///   plan's swap-in (released at the next schedule()),
+///   plan's swap-in (released by the next update()),
 /// * `"requests"`: {request_id: {"state": "waiting"|"prefilling"|"decoding"|"swapped",
 ///   "num_computed_tokens", "num_tokens", "num_prompt_tokens", "num_generated_tokens",
 ///   "priority", "arrival", "blocks": {"full_attention": [...], "sliding_attention": [...]}
