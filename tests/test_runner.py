@@ -254,3 +254,64 @@ def _scheduler_available() -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def _drive(model, prompts, new, *, num_blocks, page_size, max_batch_tokens, **sched_kw):
+    from ferrobatch.core import Scheduler
+
+    runner = ModelRunner(model, num_blocks=num_blocks, page_size=page_size,
+                         cpu_offload_blocks=sched_kw.get("cpu_offload_blocks", 0))
+    sched = Scheduler(num_blocks, page_size, max_batch_tokens, layer_types=runner.layer_types,
+                      sliding_window=runner.sliding_window, **sched_kw)
+    eos = model.generation_config.eos_token_id
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, new, eos_token_ids=[eos])
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    done: set[str] = set()
+    for _ in range(2000):
+        plan = sched.schedule()
+        if plan is None:
+            break
+        logits = runner.execute(plan)
+        step = sched.update(logits.argmax(-1).to(torch.int32).numpy())
+        for d in step:
+            got[d.request_id] += [int(t) for t in d.new_token_ids]
+            if d.finished:
+                done.add(d.request_id)
+    runner.close()
+    assert done == set(got), "every request finishes"
+    sched.check_invariants()
+    return got, sched.stats()
+
+
+@pytest.mark.skipif(not _scheduler_available(), reason="ferrobatch._core not built")
+@pytest.mark.parametrize("name", list(tm.BUILDERS))
+def test_rust_scheduler_greedy_matches_generate(name):
+    model = tm.BUILDERS[name]()
+    prompts = _prompts(11, 6, 3, 50)
+    new = 8
+    got, _ = _drive(model, prompts, new, num_blocks=64, page_size=4, max_batch_tokens=24)
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert got[f"r{i}"] == ref, (name, i)
+
+
+@pytest.mark.skipif(not _scheduler_available(), reason="ferrobatch._core not built")
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_rust_scheduler_under_memory_pressure_with_offload(name):
+    """A pool too small for all requests at once: preemption (offload or recompute)."""
+    model = tm.BUILDERS[name]()
+    prompts = _prompts(12, 8, 20, 40)
+    new = 10
+    got, stats = _drive(model, prompts, new, num_blocks=40, page_size=4, max_batch_tokens=64,
+                        cpu_offload_blocks=40)
+    assert stats["num_preemptions"] >= 1
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert got[f"r{i}"] == ref, (name, i)
