@@ -40,7 +40,7 @@ def make(n: int, steps_total: int, page_size: int, sharing: bool) -> Scheduler:
     for i in range(n):
         # distinct prompts (no prefix hits): ids from a simple per-request pattern
         s.add_request(f"req-{i}", [(i * 31 + j) % 30000 + 3 for j in range(PROMPT_LEN)],
-                      10**6)
+                      steps_total + 8)
     # prefill everything (several steps if the token budget is smaller than N * PROMPT_LEN)
     while True:
         plan = s.schedule()
