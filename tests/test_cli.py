@@ -323,3 +323,13 @@ def test_serve_command(model_dir: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stdout.read().decode() if proc.stdout else ""
+
+
+def test_serve_exits_when_the_model_fails_to_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    rc = cli.main(["serve", str(missing), "--port", str(_free_port()), "--num-blocks", "8"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "the model failed to load" in err

@@ -475,13 +475,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("ferrobatch").warning(
             "serving on %s without --api-key: anyone who can reach it can use it", args.host
         )
+    failures: list[BaseException] = []
+    server: Any = None
+
+    def load() -> Any:
+        try:
+            return build_engine(args)
+        except BaseException as exc:  # reported below; the server stops instead of idling
+            failures.append(exc)
+            if server is not None:
+                server.should_exit = True
+            raise
+
     app = create_app(
         None,
         model_name=name,
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
-        engine_loader=lambda: build_engine(args),
+        engine_loader=load,
     )
     print(
         f"ferrobatch: serving '{name}' on http://{args.host}:{args.port}/v1 "
@@ -489,13 +501,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )
+    server = uvicorn.Server(config)
+    server.run()
+    if failures:
+        exc = failures[0]
+        print(
+            f"ferrobatch serve: error: the model failed to load: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    if not server.started:
+        return 1  # uvicorn could not bind (it logged why)
     return 0
 
 

@@ -361,8 +361,8 @@ class ServerMetrics:
         ))  # fmt: skip
         self.cache_blocks = reg(Gauge(
             f"{p}_cache_blocks",
-            "KV-cache blocks by state: used (held by requests), free (never written or "
-            "reclaimed), cached (free but holding reusable prefix content), total.",
+            "KV-cache blocks by state: used (held by requests), free (available, including "
+            "cached), cached (free blocks still holding reusable prefix content), total.",
             ("state",),
         ))  # fmt: skip
         self.cache_usage = reg(Gauge(
