@@ -59,7 +59,7 @@ class _PrefillRow:
     tok_end: int
     cached_start: int  # offsets into the group's cached-key gather
     cached_end: int
-    mask: torch.Tensor | None  # [q, cached + q] bool, True = attend; None with causal
+    mask: torch.Tensor | None  # [q, cached + q] additive (0 / -inf); None with causal
     causal: bool
 
 
@@ -71,7 +71,7 @@ class _DecodeBucket:
     chunks: torch.Tensor  # [Bb * Wb] chunk ids to gather, row after row
     rows: int  # Bb
     keys: int  # Wb * page_size gathered keys per row
-    mask: torch.Tensor | None  # [Bb, 1, 1, keys] bool; None when every gathered key counts
+    mask: torch.Tensor | None  # [Bb, 1, 1, keys] additive; None when every key counts
 
 
 @dataclass
@@ -122,6 +122,11 @@ def build_step(
 
     def to_long(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+    def additive(valid: np.ndarray) -> torch.Tensor:
+        # Additive masks built once per step: SDPA would convert a bool mask in every layer.
+        m = np.where(valid, np.float32(0.0), np.float32(-np.inf))
+        return torch.from_numpy(m).to(device=device, dtype=cache.dtype)
 
     groups: dict[str, _Group] = {}
     for typ in set(layer_types):
@@ -176,8 +181,7 @@ def build_step(
                     chunks=to_long(chunk_ids.reshape(-1)),
                     rows=len(rows),
                     keys=wb * page,
-                    mask=None if valid.all() else
-                    torch.from_numpy(valid[:, None, None, :].copy()).to(device),
+                    mask=None if valid.all() else additive(valid[:, None, None, :]),
                 ))
 
         # Multi-token rows: cached keys gathered before the write, new keys from the forward.
@@ -198,7 +202,7 @@ def build_step(
                 m = k_pos <= q_pos
                 if sliding:
                     m &= k_pos > q_pos - w
-                mask = torch.from_numpy(m).to(device)
+                mask = additive(m)
             prefill.append(
                 _PrefillRow(int(cu[r]), int(cu[r + 1]), offset, offset + c, mask, causal)
             )
@@ -244,7 +248,7 @@ def _attend(
     softcap: float | None,
     causal: bool,
 ) -> torch.Tensor:
-    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D]; bool mask True = attend."""
+    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D] with an additive mask."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if softcap is None:
         return F.scaled_dot_product_attention(
@@ -259,10 +263,10 @@ def _attend(
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, g, lq, lk)
     if causal:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        m = mask if mask.dim() == 2 else mask.view(b, 1, 1, mask.shape[-2], lk)
-        scores = scores.masked_fill(~m, float("-inf"))
+        scores = scores + (mask if mask.dim() == 2 else mask.view(b, 1, 1, mask.shape[-2], lk))
     probs = torch.softmax(scores.view(b, kv_heads, g * lq, lk), dim=-1, dtype=torch.float32)
     return torch.matmul(probs.to(v.dtype), v).view(b, heads, lq, d)
 
