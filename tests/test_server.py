@@ -648,6 +648,24 @@ def test_queue_full_429(fake_engine: FakeEngine) -> None:
         assert "ferrobatch_requests_waiting 0" in text
 
 
+def test_oversized_chunked_body(fake_engine: FakeEngine) -> None:
+    """A body without Content-Length is counted as it arrives."""
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"x" * 4096
+        yield b'"}'
+
+    with serve(fake_engine, max_body_bytes=64 * 1024) as srv:
+        r = httpx.post(srv.url + "/v1/completions", content=chunks(),
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert "content-length" not in r.request.headers
+        _check_error(r, 413, None, "limit is 65536 bytes")
+        out = client(srv.url).completions.create(model=MODEL, prompt="a", max_tokens=1)
+        assert out.usage.completion_tokens == 1
+
+
 def test_503_while_loading(tokenizer: Any) -> None:
     release = threading.Event()
     engine = FakeEngine(tokenizer)
@@ -892,5 +910,9 @@ def test_load_200_streams_with_disconnects(kind: str, request: pytest.FixtureReq
     assert stats["disconnected"] > 20 and stats["complete"] > 100
     assert wait_until(lambda: used_blocks(engine) == 0, timeout=15)
     if kind == "real":
+        text = httpx.get(url + "/metrics").text
+        assert "ferrobatch_requests_waiting 0" in text
+        assert "ferrobatch_requests_running 0" in text
+        assert 'ferrobatch_cache_blocks{state="used"} 0' in text
         engine_stats = engine.stats()
         assert engine_stats.get("running_requests", 0) == 0
