@@ -315,3 +315,28 @@ def test_rust_scheduler_under_memory_pressure_with_offload(name):
                                  dtype=torch.long), max_new_tokens=new, do_sample=False,
                                  pad_token_id=0)[0, len(p):].tolist()
         assert got[f"r{i}"] == ref, (name, i)
+
+
+def test_full_forward_fallback_for_logits(monkeypatch):
+    """Models whose output head cannot be split off run the full forward with logits_to_keep."""
+    model = tm.gemma2()
+    monkeypatch.setattr(ModelRunner, "_check_split_head", lambda self: False)
+    runner, planner = _runner(model)
+    assert not runner._split_head
+    for i, p in enumerate(_prompts(5, 3, 4, 20)):
+        planner.add(f"r{i}", p)
+    _step(runner, planner, [(f"r{i}", min(planner.remaining(f"r{i}"), n))
+                            for i, n in enumerate((3, 20, 4))], model)
+    _step(runner, planner, [(f"r{i}", planner.remaining(f"r{i}")) for i in range(3)], model)
+    runner.close()
+
+
+def test_model_not_using_the_attention_interface_is_refused(monkeypatch):
+    from ferrobatch import attention
+
+    model = tm.llama()
+    runner, planner = _runner(model)
+    planner.add("x", [5, 6, 7])
+    monkeypatch.setattr(attention, "ATTENTION_NAME", "sdpa")  # as if the switch had no effect
+    with pytest.raises(RuntimeError, match="AttentionInterface"):
+        runner.execute(planner.plan([("x", 3)]))

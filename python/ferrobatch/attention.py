@@ -91,6 +91,7 @@ class PagedStep:
     cache: PagedKVCache
     groups: list[_Group]  # per layer: the group of its attention type
     num_tokens: int
+    calls: int = 0  # attention calls seen; the runner checks every layer came through here
 
 
 def build_step(
@@ -290,6 +291,7 @@ def paged_attention_forward(
                          dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
     group = step.groups[layer]
+    step.calls += 1
     k_cache = step.cache.keys[layer]
     v_cache = step.cache.values[layer]
     _, heads, num_tokens, dim = query.shape

@@ -22,7 +22,9 @@ BOOKKEEPING = 64 * MiB
 
 
 def _fmt(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
 
 
 def kv_bytes_per_chunk(

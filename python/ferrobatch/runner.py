@@ -136,6 +136,12 @@ class ModelRunner:
                         logits_to_keep=logits_indices, **kwargs,
                     )
                     logits = out.logits[0]
+            if step.calls != len(self.layer_types):
+                raise RuntimeError(
+                    f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
+                    "attention layers went through ferrobatch's paged attention; the model must "
+                    "dispatch attention through transformers' AttentionInterface"
+                )
             return logits.float()
 
     def close(self) -> None:
