@@ -406,6 +406,12 @@ def test_completion_and_chat_nonstream(any_server: tuple[Any, str], tokenizer: A
     assert chat.usage.prompt_tokens == len(engine.encode_chat(msgs))
     assert 1 <= chat.usage.completion_tokens <= 5
 
+    # null means "not given": max_tokens falls back to 16 for completions
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": None,
+                   "n": None, "stream": None, "stop": None, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 16
+
     # n choices, token-id prompt, batch of prompts
     many = c.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3,
                                 n=2, temperature=0)  # fmt: skip
