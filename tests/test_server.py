@@ -486,6 +486,28 @@ def test_logprobs_and_sampling_fields(any_server: tuple[Any, str]) -> None:
     assert lp.text_offset[0] == 0
 
 
+def test_every_sampling_field_at_once(any_server: tuple[Any, str]) -> None:
+    engine, url = any_server
+    body = {
+        "model": MODEL, "prompt": ["Hello world", "A quick fox"], "n": 3, "max_tokens": 6,
+        "temperature": 0.9, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+        "repetition_penalty": 1.2, "presence_penalty": 0.4, "frequency_penalty": -0.3,
+        "seed": 11, "stop": ["\n\n", "zz"], "logprobs": 3, "stream": True,
+        "stream_options": {"include_usage": True}, "user": "u1", "ignore_eos": True,
+    }  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    payloads, done = parse_sse(r.text)
+    assert done and "error" not in payloads[-1]
+    finished = {p["choices"][0]["index"] for p in payloads
+                if p["choices"] and p["choices"][0]["finish_reason"]}  # fmt: skip
+    assert finished == set(range(6))
+    n_prompt = sum(len(engine.tokenizer(p)["input_ids"]) for p in body["prompt"])
+    assert payloads[-1]["usage"]["prompt_tokens"] == n_prompt
+    assert httpx.get(url + "/health").status_code == 200
+    assert wait_until(lambda: used_blocks(engine) == 0)
+
+
 def test_greedy_matches_engine_generate(real_engine: Any, real_server: BackgroundServer) -> None:
     c = client(real_server.url)
     for prompt in ("The capital of France is", "A quick brown fox"):
