@@ -1049,14 +1049,8 @@ def create_app(
         run.start()
         echo_texts: dict[int, str] = {}
         if req.echo:
-            for job in jobs:
-                echo_texts[job.index] = (
-                    req.prompt if isinstance(req.prompt, str)
-                    else req.prompt[job.index // req.n]
-                    if isinstance(req.prompt, list) and req.prompt
-                    and isinstance(req.prompt[0], str)
-                    else engine.tokenizer.decode(job.prompt_ids)
-                )  # fmt: skip
+            texts = _prompt_texts(engine, req.prompt, prompts)
+            echo_texts = {job.index: texts[job.index // req.n] for job in jobs}
         meta = _Meta(rid, int(time.time()), req.model or state.primary_name(),
                      prompt_tokens=sum(len(p) for p in prompts))  # fmt: skip
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -1200,6 +1194,17 @@ def _completion_prompts(
     if isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
     return [list(p) for p in prompt]  # type: ignore[union-attr]
+
+
+def _prompt_texts(
+    engine: Any, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+) -> list[str]:
+    """The text of each prompt (for ``echo``): as sent, or decoded from token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return [str(p) for p in prompt]
+    return [engine.tokenizer.decode(p) for p in ids]
 
 
 def _vocab_size(engine: Any) -> int:
