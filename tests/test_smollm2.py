@@ -56,3 +56,23 @@ def test_chat_and_stream_with_real_tokenizer(engine) -> None:
     cut = engine.generate([out.prompt_token_ids], SamplingParams(max_new_tokens=24, stop=[word]),
                           progress=False)[0]
     assert cut.finish_reason == "stop" and cut.text == out.text[: out.text.find(word)]
+
+
+def test_incremental_detokenizer_multibyte(engine) -> None:
+    from ferrobatch.detok import IncrementalDetokenizer
+
+    tok = engine.tokenizer
+    text = " Voilà: naïve café, 東京 🚀🎉 — done.\n  indented\ttab"
+    prompt = tok("Say:")["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for stop in ((), ("🎉",), ("café, 東",)):
+        d = IncrementalDetokenizer(tok, prompt, stop=stop)
+        pieces = [d.add([t]) for t in ids]
+        pieces.append(d.finish())
+        assert all("\ufffd" not in p for p in pieces)
+        full = tok.decode(prompt + ids, skip_special_tokens=True)
+        expected = full[len(tok.decode(prompt, skip_special_tokens=True)) :]
+        if stop:
+            expected = expected[: expected.find(stop[0])]
+            assert d.stopped
+        assert "".join(pieces) == expected == d.text

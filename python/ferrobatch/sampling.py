@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -181,7 +182,7 @@ class Sampler:
         params = [s.params for s in states]
         need_logprobs = any(p.logprobs is not None for p in params)
         if not need_logprobs and all(p.greedy and not p.has_penalties for p in params):
-            return SampleResult(logits.argmax(dim=-1).cpu())
+            return SampleResult(_argmax_rows(logits))
 
         raw = logits
         scores = logits.float().clone()
@@ -190,7 +191,7 @@ class Sampler:
         self._apply_penalties(scores, states, dev, vocab)
 
         greedy = torch.tensor([p.greedy for p in params], device=dev)
-        chosen = scores.argmax(dim=-1)
+        chosen = _argmax_rows(scores).to(dev)
         if not bool(greedy.all()):
             sample_rows = [i for i, p in enumerate(params) if not p.greedy]
             idx = torch.tensor(sample_rows, device=dev)
@@ -313,6 +314,14 @@ class Sampler:
             d[int(token_ids[i])] = float(chosen_lp[j])
             out[i] = d
         return out
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax as int64 on the CPU; same result as `torch.argmax` (first maximum,
+    NaN wins), through numpy on CPU where torch's reduction is many times slower."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64))
+    return x.argmax(dim=-1).cpu()
 
 
 def _pad_ids(rows: Sequence[Sequence[int]], *, pad: int, dev: torch.device) -> torch.Tensor:
