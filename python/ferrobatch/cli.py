@@ -509,7 +509,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT after shutdown
+        server.run()
     if failures:
         exc = failures[0]
         print(
