@@ -210,6 +210,10 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--scheduler", default="fifo", choices=("fifo", "prefill_first"))
     ap.add_argument("--padded-batch", type=int, default=64)
+    ap.add_argument(
+        "--generate-batch-repeats", type=int, default=1,
+        help="timed runs of generate_batch (slow; at most --repeats)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
 
@@ -243,30 +247,37 @@ def main() -> None:
 
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
-    for name in args.only:
-        run = RUNNERS[name](model, prompts, new, args)
-        prepare = getattr(run, "prepare", None)
-        if prepare is None:
-            run()  # warm-up (allocations, first-call overheads)
-        times: list[float] = []
-        cpu_times: list[float] = []
-        for _ in range(args.repeats):
+    runs = {name: RUNNERS[name](model, prompts, new, args) for name in args.only}
+    for run in runs.values():
+        if getattr(run, "prepare", None) is None:
+            run()  # warm-up (allocations, first-call overheads); engines warm up in prepare()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu_times: dict[str, list[float]] = {name: [] for name in runs}
+    # round-robin over the methods so that a change in machine load hits them all alike
+    for rep in range(args.repeats):
+        for name, run in runs.items():
+            if name == "generate_batch" and rep >= args.generate_batch_repeats:
+                continue
+            prepare = getattr(run, "prepare", None)
             if prepare is not None:
                 prepare()
             t0, c0 = time.perf_counter(), time.process_time()
-            out = run()
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - c0)
-        outputs[name] = out
+            outputs[name] = run()
+            times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
+            print(f"  repeat {rep + 1}: {name} {times[name][-1]:.2f} s", flush=True)
+    for name, run in runs.items():
+        out = outputs[name]
         got = sum(len(o) for o in out)
-        med = statistics.median(times)
+        med = statistics.median(times[name])
+        cpu = statistics.median(cpu_times[name])
         results[name] = {
             "seconds": med,
             "tok_s": got / med,
             "generated_tokens": got,
-            "times": times,
-            "cpu_seconds": statistics.median(cpu_times),
-            "tok_per_cpu_s": got / statistics.median(cpu_times),
+            "times": times[name],
+            "cpu_seconds": cpu,
+            "tok_per_cpu_s": got / cpu,
         }
         if hasattr(run, "state"):
             engine = run.state.pop("engine")
@@ -275,10 +286,9 @@ def main() -> None:
             results[name]["steps_per_run"] = st.get("steps")
             results[name]["prefix_hit_tokens"] = st.get("prefix_hit_tokens")
             engine.close()
-        cpu = statistics.median(cpu_times)
         print(
             f"{name:>16}: {got / med:8.1f} tok/s wall ({med:.2f} s median of "
-            f"{[round(t, 2) for t in times]}); {got / cpu:8.1f} tok per CPU-second",
+            f"{[round(t, 2) for t in times[name]]}); {got / cpu:8.1f} tok per CPU-second",
             flush=True,
         )
         if got != n_tokens:
