@@ -367,6 +367,9 @@ def test_models_health_metrics(any_server: tuple[Any, str]) -> None:
     assert httpx.get(url + "/health").json()["status"] == "ok"
     models = client(url).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client(url).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client(url).models.retrieve("gpt-9")
     text = httpx.get(url + "/metrics").text
     for name in (
         "ferrobatch_requests_total",

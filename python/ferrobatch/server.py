@@ -999,19 +999,29 @@ def create_app(
         text = state.metrics.render(stats, ready=state.engine is not None and not state.closing)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        """The served model."""
-        _require_auth(state, request)
-        engine = _require_engine(state)
-        entry = {
+    def model_entry(engine: Any) -> dict[str, Any]:
+        return {
             "id": state.primary_name(),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "ferrobatch",
             "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
         }
-        return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The served model."""
+        _require_auth(state, request)
+        engine = _require_engine(state)
+        return JSONResponse({"object": "list", "data": [model_entry(engine)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """One model by name (404 unless it is the served one)."""
+        _require_auth(state, request)
+        engine = _require_engine(state)
+        _check_model(state, model_id)
+        return JSONResponse({**model_entry(engine), "id": model_id})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
