@@ -159,7 +159,9 @@ def build_step(
             if sliding:
                 width = np.full(len(decode_rows), ring)
             else:
-                width = np.minimum(-(-total // page), table.shape[1])
+                width = -(-total // page)
+                if width.max() > table.shape[1]:
+                    raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
             for idx in _buckets(width, page):
                 rows = decode_rows[idx]
                 wb = int(width[idx].max())
