@@ -163,8 +163,10 @@ class SnapReq:
 class Snap:
     requests: dict[str, SnapReq]
     refcounts: dict[int, int]
-    free: list[int]
-    cached: list[int]
+    free: list[int]  # uninitialized free chunks
+    cached: list[int]  # free chunks keeping a hashed block, eviction order
+    swap_free: list[int]
+    swap_deferred: list[int]
     raw: object
 
 
@@ -198,8 +200,10 @@ def read_snapshot(s: Scheduler) -> Snap:
     return Snap(
         requests=reqs,
         refcounts=refcounts,
-        free=[int(c) for c in _get(raw, "free")],
-        cached=[int(c) for c in _get(raw, "cached")],
+        free=[int(c) for c in _get(raw, "free_chunks")],
+        cached=[int(c) for c in _get(raw, "cached_chunks")],
+        swap_free=[int(c) for c in _get(raw, "swap_free_slots") or []],
+        swap_deferred=[int(c) for c in _get(raw, "swap_deferred_slots") or []],
         raw=raw,
     )
 
@@ -414,7 +418,7 @@ class Harness:
             check(len(swap_out) == 0 and len(swap_in) == 0, "swaps without a CPU pool")
 
         # cache-read budget: keys read by all rows
-        if cfg.max_batch_cache_tokens is not None and B > 1:
+        if cfg.max_batch_cache_tokens is not None:
             check(int(sk.sum()) <= cfg.max_batch_cache_tokens,
                   "sum(seqlens_k)=%d > max_batch_cache_tokens=%d", int(sk.sum()),
                   cfg.max_batch_cache_tokens)
@@ -673,14 +677,28 @@ class Harness:
         check(len(set(used_slots)) == len(used_slots), "swap slot held twice: %s", used_slots)
         for sl in used_slots:
             check(0 <= sl < cfg.cpu_offload_blocks, "swap slot %d out of range", sl)
+        all_slots = used_slots + snap.swap_free + snap.swap_deferred
+        check(sorted(all_slots) == list(range(cfg.cpu_offload_blocks)),
+              "swap slots not conserved: held %s free %s deferred %s", used_slots,
+              snap.swap_free, snap.swap_deferred)
+        # a held swap slot holds the request's data: it must be one the simulated pool filled
+        for sl in used_slots:
+            check(sl in self.swap, "request holds swap slot %d that no swap_out filled", sl)
         if not cfg.allow_block_sharing or SLIDING in self.types:
             check(all(v <= 1 for v in holders.values()), "chunk shared without prefix sharing")
         st = self.stats()
         check(st["num_blocks"] == cfg.num_blocks, "stats num_blocks")
-        check(st["num_free_blocks"] + st["num_cached_blocks"] + st["num_used_blocks"]
-              == cfg.num_blocks, "stats free+cached+used != num_blocks: %s", st)
+        check(st["num_free_blocks"] + st["num_used_blocks"] == cfg.num_blocks,
+              "stats free+used != num_blocks: %s", st)
         check(st["num_used_blocks"] == len(holders), "stats num_used_blocks %d != held %d",
               st["num_used_blocks"], len(holders))
+        check(st["num_cached_blocks"] == len(cached), "stats num_cached_blocks %d != %d",
+              st["num_cached_blocks"], len(cached))
+        check(st["num_free_blocks"] == len(free) + len(cached),
+              "stats num_free_blocks %d != uninit %d + cached %d", st["num_free_blocks"],
+              len(free), len(cached))
+        check(st["waiting"] + st["running"] + st.get("swapped", 0) == len(snap.requests)
+              or pending_cancel, "stats waiting+running+swapped != live requests: %s", st)
 
     # ------------------------------------------------------------------ update + checks
     def update(self, tokens: Sequence[int]):
@@ -797,8 +815,8 @@ class Harness:
             check(tr.finished, "request %s never finished", rid)
         st = self.stats()
         check(st["num_used_blocks"] == 0, "blocks leaked at the end: %s", st)
-        check(st["num_free_blocks"] + st["num_cached_blocks"] == self.cfg.num_blocks,
-              "free+cached != num_blocks at the end: %s", st)
+        check(st["num_free_blocks"] == self.cfg.num_blocks,
+              "free != num_blocks at the end: %s", st)
         check(st["waiting"] == 0 and st["running"] == 0, "queues not empty at the end: %s", st)
         if self.use_snapshot:
             snap = read_snapshot(self.s)

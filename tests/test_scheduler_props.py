@@ -9,7 +9,9 @@ run to completion: every request must finish exactly once and every chunk be fre
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -25,7 +27,7 @@ from sched_helpers import FULL, SLIDING, Harness, ReqSpec, SchedConfig
 settings.register_profile(
     "sched",
     max_examples=int(os.environ.get("FB_SCHED_EXAMPLES", "60")),
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
@@ -36,7 +38,7 @@ STOP_ID = 3
 # stop sequences start with 4, a token no prompt contains, so they can only match generated text
 STOP_SEQS = ((4, 5), (4, 4, 6))
 SPECIAL = (EOS, STOP_ID, 4, 5, 6)
-MAX_LIVE = 8
+MAX_LIVE = 10
 
 token_st = st.integers(0, 99).map(lambda x: SPECIAL[x % len(SPECIAL)] if x < 12 else 10 + x % 54)
 
@@ -64,7 +66,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         sliding = SLIDING in self.layer_types
         window = data.draw(st.integers(2, 3 * ps)) if sliding else None
         ring = (-(-window // ps) + 1) if sliding else 0
-        num_blocks = data.draw(st.integers(4 + 2 * ring, 14 + 2 * ring))
+        if FULL in self.layer_types:
+            num_blocks = data.draw(st.integers(4 + 2 * ring, 14 + 2 * ring))
+        else:  # sliding only: a request never holds more than R chunks
+            num_blocks = data.draw(st.integers(ring + 1, 3 * ring + 4))
         cfg = SchedConfig(
             num_blocks=num_blocks,
             page_size=ps,
@@ -81,7 +86,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h = Harness(cfg, strict=True, vocab=VOCAB)
         # a request must always fit alone (with room to spare): cap its total length
         full_chunks = num_blocks - ring
-        self.max_len = max(3, (full_chunks // 2) * ps) if FULL in self.layer_types else 6 * ps
+        self.max_len = (max(3, (full_chunks * 2 // 3) * ps) if FULL in self.layer_types
+                        else 8 * ps)
+        if cfg.max_batch_cache_tokens is not None:
+            # add_request rejects lifetimes (prompt + max_new - 1) above the cache budget
+            self.max_len = min(self.max_len, cfg.max_batch_cache_tokens + 1)
         rnd = data.draw(st.randoms(use_true_random=False))
         self.prefixes = [
             [rnd.randrange(10, VOCAB) for _ in range(rnd.choice([ps, 2 * ps, ps + 1]))]
@@ -92,7 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         prefix=st.integers(-1, 2),
-        suffix_len=st.integers(0, 12),
+        suffix_len=st.integers(0, 16),
         priority=st.integers(0, 2),
         stops=st.booleans(),
     )
@@ -101,7 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         suffix = data.draw(st.lists(st.integers(10, VOCAB - 1), min_size=suffix_len,
                                     max_size=suffix_len))
         prompt = (pre + suffix)[: self.max_len - 1] or [10]
-        max_new = data.draw(st.integers(1, max(1, min(10, self.max_len - len(prompt)))))
+        max_new = data.draw(st.integers(1, max(1, min(32, self.max_len - len(prompt)))))
         rid = f"r{self.n}"
         self.n += 1
         self.h.add(ReqSpec(
@@ -129,21 +138,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         toks = data.draw(st.lists(token_st, min_size=n, max_size=n))
         self.h.update(toks)
 
-    @precondition(lambda self: self.h.plan is not None)
-    @rule(data=st.data())
-    def step_twice(self, data):
-        """update then schedule+update again: lets sequences reach decode quickly."""
-        for _ in range(2):
-            if self.h.plan is None and self.h.schedule() is None:
+    @precondition(lambda self: self.h.plan is None)
+    @rule(n=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+    def run_steps(self, n, seed):
+        """n schedule/update cycles with pseudo-random tokens (~4% stop-ish tokens)."""
+        rnd = random.Random(seed)
+        for _ in range(n):
+            if self.h.schedule() is None:
                 self.h.flush_cancels()
+                assert not self.h.live(), f"stalled: {self.h.live()} {self.h.stats()}"
                 return
-            n = len(self.h.plan.logits_indices)
-            self.h.update(data.draw(st.lists(token_st, min_size=n, max_size=n)))
+            k = len(self.h.plan.logits_indices)
+            self.h.update([rnd.choice(SPECIAL) if rnd.random() < 0.04
+                           else rnd.randrange(10, VOCAB) for _ in range(k)])
 
-    @rule(which=st.integers(0, 40))
+    @rule(which=st.integers(0, 60))
     def cancel(self, which):
+        """Cancel a known request (any state, also finished), or an unknown id."""
+        if which > 30:
+            return
         ids = list(self.h.tracks)
-        rid = ids[which % len(ids)] if ids and which < 38 else f"nope{which}"
+        rid = ids[which % len(ids)] if ids and which < 28 else f"nope{which}"
         self.h.cancel(rid)
 
     @invariant()
@@ -154,11 +169,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.h is None:
             return
-        rnd_tokens = iter([10 + (i * 7) % 50 for i in range(10**6)])
+        counter = itertools.count()
 
-        def sampler():
+        def sampler():  # plain tokens (no stop ids): requests end by length
             n = sum(1 for r in self.h.plan_rows if r["sampled"])
-            return [next(rnd_tokens) for _ in range(n)]
+            return [10 + (next(counter) * 7) % 50 for _ in range(n)]
 
         self.h.run_to_completion(sampler=sampler)
 
@@ -193,3 +208,4 @@ TestHybrid = HybridMachine.TestCase
 TestCacheBudget = CacheBudgetMachine.TestCase
 for _t in (TestFullAttention, TestFullSharedOffload, TestSliding, TestHybrid, TestCacheBudget):
     _t.settings = settings.get_profile("sched")
+del _t

@@ -10,6 +10,7 @@ is the same function on the true history (pure Python), and an unconstrained sch
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import hypothesis.strategies as st
 import pytest
@@ -18,6 +19,7 @@ from sched_helpers import (
     FULL,
     SLIDING,
     Harness,
+    ModelSpec,
     ReqSpec,
     SchedConfig,
     reference_generate,
@@ -28,7 +30,8 @@ EOS = 2
 STOP_ID = 3
 
 
-def workload(seed: int, ps: int, n: int = 16, max_len: int = 48, shared: bool = True):
+def workload(seed: int, ps: int, n: int = 16, max_len: int = 48, shared: bool = True,
+             model: ModelSpec | None = None):
     """Requests with shared prefixes (some exactly identical prompts), arrival step for each."""
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(10, VOCAB) for _ in range(rnd.choice([ps, 2 * ps, 3 * ps - 1]))]
@@ -53,6 +56,13 @@ def workload(seed: int, ps: int, n: int = 16, max_len: int = 48, shared: bool = 
             stop_token_ids=(STOP_ID,) if stops else (),
             priority=rnd.randrange(3) if rnd.random() < 0.3 else 0,
         )
+        if model is not None and max_new >= 4 and rnd.random() < 0.3:
+            # a stop sequence taken from the request's own unconstrained output (2-3 tokens),
+            # so it really triggers (at its first occurrence in the generated tokens)
+            gen, _ = reference_generate(model, spec)
+            if len(gen) >= 4:
+                k = rnd.randrange(0, len(gen) - 2)
+                spec.stop_sequences = (tuple(gen[k:k + rnd.choice([2, 3])]), (999, 998))
         reqs.append((rnd.randrange(0, 12), spec))  # arrival step
     return reqs
 
@@ -76,17 +86,16 @@ def run(cfg: SchedConfig, reqs, *, strict=False, use_snapshot=True) -> Harness:
     return h
 
 
-def expected(cfg: SchedConfig, reqs):
-    model = cfg.model
-    from dataclasses import replace
+def _model(cfg: SchedConfig) -> ModelSpec:
+    return replace(cfg.model, vocab=VOCAB)
 
-    model = replace(model, vocab=VOCAB)
+
+def expected(cfg: SchedConfig, reqs):
+    model = _model(cfg)
     return {spec.request_id: reference_generate(model, spec) for _, spec in reqs}
 
 
 def unconstrained(cfg: SchedConfig) -> SchedConfig:
-    from dataclasses import replace
-
     return replace(cfg, num_blocks=4096, max_batch_tokens=8192, max_requests_per_batch=256,
                    cpu_offload_blocks=0, safety_margin=0.0, max_batch_cache_tokens=None)
 
@@ -128,7 +137,7 @@ def _max_len(cfg: SchedConfig) -> int:
 def test_outputs_equal_unconstrained(name, seed):
     cfg = CONFIGS[name]
     sharing = cfg.allow_block_sharing and SLIDING not in cfg.layer_types
-    reqs = workload(seed, cfg.page_size, max_len=_max_len(cfg), shared=True)
+    reqs = workload(seed, cfg.page_size, max_len=_max_len(cfg), shared=True, model=_model(cfg))
     want = expected(cfg, reqs)
     free_run = run(unconstrained(cfg), reqs)
     assert free_run.outputs() == want, "unconstrained scheduler run differs from the reference"
@@ -149,7 +158,7 @@ def test_preemption_paths_all_exercised():
     offloads = resets = 0
     for name in ("fifo-tiny-softreset", "fifo-offload", "hybrid-offload"):
         cfg = CONFIGS[name]
-        reqs = workload(0, cfg.page_size, max_len=_max_len(cfg))
+        reqs = workload(0, cfg.page_size, max_len=_max_len(cfg), model=_model(cfg))
         h = run(cfg, reqs)
         st_ = h.stats()
         resets += st_["num_soft_resets"]
@@ -180,9 +189,10 @@ def test_random_configs_match_reference(seed, num_blocks, page_size, max_batch_t
         allow_block_sharing=kind != "full-noshare", layer_types=layer_types,
         sliding_window=window if sliding else None, cpu_offload_blocks=offload,
     )
-    reqs = workload(seed, page_size, n=10, max_len=_max_len(cfg))
+    reqs = workload(seed, page_size, n=10, max_len=_max_len(cfg), model=_model(cfg))
     want = expected(cfg, reqs)
     h = run(cfg, reqs)
     got = h.outputs()
     bad = {r: (got[r], want[r]) for r in want if got[r] != want[r]}
     assert not bad, f"outputs differ: {bad}"
+    assert h.read_mismatches == 0
