@@ -24,6 +24,23 @@ pub mod swap;
 #[cfg(test)]
 mod sim_tests;
 
+pub(crate) mod hint {
+    /// Prefetch hint for the cache line at `p` (no-op off x86_64).
+    #[inline(always)]
+    pub fn prefetch<T>(p: *const T) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `prefetcht0` is only a hint: it never faults, has no architectural effect
+        // and does not access memory in the Rust-semantics sense, so any address (even a
+        // dangling or one-past-the-end pointer, as created here with `wrapping_add`) is fine.
+        // SSE is part of the x86_64 baseline, so the target feature is always available.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+}
+
 pub use plan::{StepOutput, StepPlan};
 pub use request::{FinishReason, RequestState};
 pub use scheduler::{AttentionType, Scheduler, SchedulerConfig, SchedulerType, Stats};

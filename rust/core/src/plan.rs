@@ -51,6 +51,7 @@ impl StepPlan {
         self.input_ids.clear();
         self.positions.clear();
         self.cu_seqlens_q.clear();
+        self.cu_seqlens_q.push(0);
         self.seqlens_k.clear();
         self.logits_indices.clear();
         self.logits_rows.clear();
@@ -62,6 +63,33 @@ impl StepPlan {
         self.sliding_width = 0;
         self.swap_out.clear();
         self.swap_in.clear();
+    }
+    /// Move every array but `rows` out (the result has empty `rows`), leaving empty buffers
+    /// of the same capacity.
+    pub fn take_arrays(&mut self) -> StepPlan {
+        fn take(v: &mut Vec<i32>) -> Vec<i32> {
+            let cap = v.len();
+            std::mem::replace(v, Vec::with_capacity(cap))
+        }
+        StepPlan {
+            rows: Vec::new(),
+            input_ids: take(&mut self.input_ids),
+            positions: take(&mut self.positions),
+            cu_seqlens_q: take(&mut self.cu_seqlens_q),
+            seqlens_k: take(&mut self.seqlens_k),
+            logits_indices: take(&mut self.logits_indices),
+            logits_rows: take(&mut self.logits_rows),
+            has_full: self.has_full,
+            has_sliding: self.has_sliding,
+            slot_mapping_full: take(&mut self.slot_mapping_full),
+            slot_mapping_sliding: take(&mut self.slot_mapping_sliding),
+            block_table_full: take(&mut self.block_table_full),
+            full_width: self.full_width,
+            block_table_sliding: take(&mut self.block_table_sliding),
+            sliding_width: self.sliding_width,
+            swap_out: take(&mut self.swap_out),
+            swap_in: take(&mut self.swap_in),
+        }
     }
     /// B.
     pub fn num_rows(&self) -> usize {
@@ -94,6 +122,16 @@ pub struct StepOutput {
 }
 
 impl StepOutput {
+    pub fn with_capacity(n: usize) -> Self {
+        StepOutput {
+            reqs: Vec::with_capacity(n),
+            token_ids: Vec::with_capacity(n),
+            finished: Vec::with_capacity(n),
+            finish_reasons: Vec::with_capacity(n),
+            rows: Vec::with_capacity(n),
+            all_have_token: true,
+        }
+    }
     pub fn clear(&mut self) {
         self.reqs.clear();
         self.token_ids.clear();
@@ -102,7 +140,14 @@ impl StepOutput {
         self.rows.clear();
         self.all_have_token = true;
     }
-    #[inline]
+    pub fn reserve(&mut self, n: usize) {
+        self.reqs.reserve(n);
+        self.token_ids.reserve(n);
+        self.finished.reserve(n);
+        self.finish_reasons.reserve(n);
+        self.rows.reserve(n);
+    }
+    #[inline(always)]
     pub fn push(&mut self, req: u32, token: i32, finish: Option<FinishReason>, row: i32) {
         self.reqs.push(req);
         self.token_ids.push(token);

@@ -74,6 +74,8 @@ pub struct Request {
     /// Queue key: (priority, arrival). Lower runs first.
     pub key: (i64, u64),
     pub tokens: Vec<Token>,
+    /// `*tokens.last()`, kept inline so a decode step does not touch the token array.
+    pub last_token: Token,
     pub prompt_len: usize,
     pub num_computed: usize,
     pub stop: StopConditions,
@@ -106,6 +108,7 @@ impl Request {
     #[inline]
     pub fn append(&mut self, t: Token) -> Option<FinishReason> {
         self.tokens.push(t);
+        self.last_token = t;
         let s = &self.stop;
         if s.eos_token_ids.contains(&t) || s.stop_token_ids.contains(&t) {
             return Some(FinishReason::Stop);

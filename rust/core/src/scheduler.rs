@@ -179,6 +179,8 @@ pub struct Scheduler {
     step: u64,
     plan: StepPlan,
     outstanding: bool,
+    /// Sampled rows of the outstanding plan.
+    plan_sampled: usize,
     out: StepOutput,
     pending_cancel: Vec<u32>,
     /// Finished requests reported by the last update: slab slots freed at the next update.
@@ -292,6 +294,7 @@ impl Scheduler {
             step: 0,
             plan,
             outstanding: false,
+            plan_sampled: 0,
             out: StepOutput::default(),
             pending_cancel: Vec::new(),
             to_remove: Vec::new(),
@@ -346,6 +349,16 @@ impl Scheduler {
     }
     pub fn plan(&self) -> &StepPlan {
         &self.plan
+    }
+    /// Move the arrays of the plan just built out of the scheduler (zero-copy export; `rows`
+    /// stay, `update()` needs them). The scheduler keeps empty buffers of the same capacity.
+    pub fn take_plan_arrays(&mut self) -> StepPlan {
+        self.plan.take_arrays()
+    }
+    /// Move the deltas of the last `update()` out (the scheduler keeps empty buffers).
+    pub fn take_output(&mut self) -> StepOutput {
+        let cap = self.out.len();
+        std::mem::replace(&mut self.out, StepOutput::with_capacity(cap))
     }
     pub fn has_outstanding_plan(&self) -> bool {
         self.outstanding
@@ -443,6 +456,7 @@ impl Scheduler {
             id: id.to_owned(),
             key,
             prompt_len: prompt.len(),
+            last_token: *prompt.last().expect("non-empty"),
             tokens: prompt,
             num_computed: 0,
             stop,
@@ -564,13 +578,22 @@ impl Scheduler {
             SchedulerType::Fifo => [RequestState::Decoding, RequestState::Prefilling],
             SchedulerType::PrefillFirst => [RequestState::Prefilling, RequestState::Decoding],
         };
-        for want in phases {
+        let mut other_seen = true;
+        for (k, want) in phases.into_iter().enumerate() {
+            if k == 1 && !other_seen {
+                break;
+            }
+            other_seen = false;
             for &idx in &order {
                 if b.rows == 0 || b.tokens == 0 {
                     break;
                 }
                 let r = self.req(idx);
-                if r.state != want || r.touched_step == self.step {
+                if r.state != want {
+                    other_seen = true;
+                    continue;
+                }
+                if r.touched_step == self.step {
                     continue;
                 }
                 self.place_running(idx, &mut b, true);
@@ -587,14 +610,16 @@ impl Scheduler {
                 return Ok(None);
             }
         }
-        self.build_arrays();
+        self.build_block_tables();
         self.outstanding = true;
+        self.plan_sampled = self.plan.logits_indices.len();
         self.stats.steps += 1;
         Ok(Some(&self.plan))
     }
 
     /// Try to place a running request as a row (preempting if allowed and needed).
     fn place_running(&mut self, idx: u32, b: &mut Budget, allow_preempt: bool) -> bool {
+        let page = self.cfg.page_size;
         loop {
             let r = self.req(idx);
             let start = r.num_computed;
@@ -605,7 +630,15 @@ impl Scheduler {
             }
             let free = self.pool.num_free();
             let (nf, nr) = (r.full.len(), r.ring.len());
-            if self.layout.chunks_needed(nf, nr, start + q) > free {
+            let need = if q == 1 {
+                // Decode fast path (no divisions): a new chunk iff the token starts one.
+                let l = &self.layout;
+                (l.has_full && nf * page <= start) as usize
+                    + (l.has_sliding && nr < l.ring && nr * page <= start) as usize
+            } else {
+                self.layout.chunks_needed(nf, nr, start + q)
+            };
+            if need > free {
                 let fit = self.layout.fit(nf, nr, start, q, free);
                 if fit > 0 {
                     q = fit;
@@ -624,22 +657,53 @@ impl Scheduler {
                     return false;
                 }
             }
-            let step = self.step;
-            let layout = self.layout;
-            let r = self.reqs[idx as usize].as_mut().expect("live");
-            layout.grow(&mut self.pool, &mut r.full, &mut r.ring, start + q);
-            r.touched_step = step;
-            let sampled = start + q == r.tokens.len();
-            self.plan.rows.push(Row {
-                req: idx,
-                start: start as u32,
-                q: q as u32,
-                sampled,
-            });
+            self.emit_row(idx, start, q);
             b.tokens -= q;
             b.rows -= 1;
             b.cache = b.cache.saturating_sub(start + q);
             return true;
+        }
+    }
+
+    /// Allocate what the row needs and write its entries of every per-token / per-row array
+    /// (block tables are written by `build_block_tables` once the width is known).
+    fn emit_row(&mut self, idx: u32, start: usize, q: usize) {
+        let layout = self.layout;
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let end = start + q;
+        layout.grow(&mut self.pool, &mut r.full, &mut r.ring, end);
+        r.touched_step = step;
+        let sampled = end == r.tokens.len();
+        let p = &mut self.plan;
+        let row = p.rows.len() as i32;
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: q as u32,
+            sampled,
+        });
+        if end == r.tokens.len() && q == 1 {
+            p.input_ids.push(r.last_token as i32);
+            p.positions.push(start as i32);
+        } else {
+            p.input_ids
+                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
+            p.positions.extend(start as i32..end as i32);
+        }
+        // Full-attention slots are written with the block tables (one pass over `full`).
+        if layout.has_sliding {
+            for pos in start..end {
+                p.slot_mapping_sliding
+                    .push(layout.sliding_slot(&r.ring, pos, end));
+            }
+        }
+        let cum = p.input_ids.len() as i32;
+        p.cu_seqlens_q.push(cum);
+        p.seqlens_k.push(end as i32);
+        if sampled {
+            p.logits_indices.push(cum - 1);
+            p.logits_rows.push(row);
         }
     }
 
@@ -825,62 +889,52 @@ impl Scheduler {
         ok
     }
 
-    fn build_arrays(&mut self) {
-        let page = self.cfg.page_size;
+    fn build_block_tables(&mut self) {
         let layout = self.layout;
         let reqs = &self.reqs;
         let p = &mut self.plan;
-        let width = if p.has_full {
-            p.rows
+        if p.has_full {
+            let width = p
+                .rows
                 .iter()
                 .map(|row| reqs[row.req as usize].as_ref().expect("live").full.len())
                 .max()
-                .unwrap_or(0)
-        } else {
-            0
-        };
-        p.full_width = width;
-        p.sliding_width = if p.has_sliding { layout.ring } else { 0 };
-        let mut cum = 0i32;
-        p.cu_seqlens_q.push(0);
-        for (ri, row) in p.rows.iter().enumerate() {
-            let r = reqs[row.req as usize].as_ref().expect("live");
-            let start = row.start as usize;
-            let end = start + row.q as usize;
-            p.input_ids
-                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
-            p.positions.extend(start as i32..end as i32);
-            if p.has_full {
+                .unwrap_or(0);
+            p.full_width = width;
+            p.block_table_full.reserve(width * p.rows.len());
+            p.slot_mapping_full.reserve(p.input_ids.len());
+            let page = layout.page;
+            for (i, row) in p.rows.iter().enumerate() {
+                if let Some(next) = p.rows.get(i + 4) {
+                    let f = &reqs[next.req as usize].as_ref().expect("live").full;
+                    crate::hint::prefetch(f.as_ptr());
+                }
+                let full = &reqs[row.req as usize].as_ref().expect("live").full;
+                p.block_table_full.extend(full.iter().map(|&c| c as i32));
+                p.block_table_full
+                    .extend(std::iter::repeat_n(0, width - full.len()));
+                let start = row.start as usize;
                 if row.q == 1 {
-                    p.slot_mapping_full.push(layout.full_slot(&r.full, start));
+                    // The token lives in the last block (blocks are allocated as needed).
+                    let bi = full.len() - 1;
+                    p.slot_mapping_full
+                        .push((full[bi] as usize * page + (start - bi * page)) as i32);
                 } else {
-                    for pos in start..end {
-                        p.slot_mapping_full.push(layout.full_slot(&r.full, pos));
+                    for pos in start..start + row.q as usize {
+                        p.slot_mapping_full.push(layout.full_slot(full, pos));
                     }
                 }
-                p.block_table_full.extend(r.full.iter().map(|&c| c as i32));
-                p.block_table_full
-                    .extend(std::iter::repeat_n(0, width - r.full.len()));
-            }
-            if p.has_sliding {
-                for pos in start..end {
-                    p.slot_mapping_sliding
-                        .push(layout.sliding_slot(&r.ring, pos, end));
-                }
-                p.block_table_sliding
-                    .extend(r.ring.iter().map(|&c| c as i32));
-                p.block_table_sliding
-                    .extend(std::iter::repeat_n(0, layout.ring - r.ring.len()));
-            }
-            cum += row.q as i32;
-            p.cu_seqlens_q.push(cum);
-            p.seqlens_k.push(end as i32);
-            if row.sampled {
-                p.logits_indices.push(cum - 1);
-                p.logits_rows.push(ri as i32);
             }
         }
-        let _ = page;
+        if p.has_sliding {
+            p.sliding_width = layout.ring;
+            for row in &p.rows {
+                let ring = &reqs[row.req as usize].as_ref().expect("live").ring;
+                p.block_table_sliding.extend(ring.iter().map(|&c| c as i32));
+                p.block_table_sliding
+                    .extend(std::iter::repeat_n(0, layout.ring - ring.len()));
+            }
+        }
     }
 
     // ----- update ----------------------------------------------------------------------
@@ -890,11 +944,11 @@ impl Scheduler {
     /// only reports pending cancellations.
     pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput> {
         if self.outstanding {
-            if sampled.len() != self.plan.logits_indices.len() {
+            if sampled.len() != self.plan_sampled {
                 return Err(Error::value(format!(
                     "sampled_token_ids has {} entries but the plan samples {} rows",
                     sampled.len(),
-                    self.plan.logits_indices.len()
+                    self.plan_sampled
                 )));
             }
         } else if !sampled.is_empty() {
@@ -920,8 +974,15 @@ impl Scheduler {
         let mut k = 0usize;
         let mut any_finished = false;
         if self.outstanding {
+            self.out
+                .reserve(self.plan.rows.len() + self.pending_cancel.len());
             for ri in 0..self.plan.rows.len() {
                 let row = self.plan.rows[ri];
+                if let Some(next) = self.plan.rows.get(ri + 4) {
+                    if let Some(nr) = self.reqs[next.req as usize].as_ref() {
+                        crate::hint::prefetch(nr.tokens.as_ptr().wrapping_add(nr.tokens.len()));
+                    }
+                }
                 let tok = if row.sampled {
                     k += 1;
                     Some(sampled[k - 1])
@@ -933,9 +994,9 @@ impl Scheduler {
                     continue; // cancelled while the plan was outstanding
                 }
                 r.num_computed = (row.start + row.q) as usize;
-                if self.prefix {
+                if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
                     let n = r.num_computed / page;
-                    if r.num_registered < n {
+                    {
                         self.hasher.extend(&mut r.block_hashes, &r.tokens, page, n);
                         for i in r.num_registered..n {
                             let parent = if i == 0 { None } else { Some(r.full[i - 1]) };

@@ -13,8 +13,10 @@ use ferrobatch_core::request::StopConditions;
 use ferrobatch_core::{AttentionType, ErrorKind, FinishReason, SchedulerConfig, SchedulerType};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 fn to_py(e: core::Error) -> PyErr {
     match e.kind {
@@ -83,37 +85,159 @@ fn reason_str(r: Option<FinishReason>) -> Option<&'static str> {
     r.map(FinishReason::as_str)
 }
 
+macro_rules! lazy_get {
+    ($self:ident, $py:ident, $cell:ident, $make:expr) => {
+        $self.$cell.get_or_init($py, || $make).clone_ref($py)
+    };
+}
+
 /// One step of work for the model runner (ARCHITECTURE.md §3). Attributes: `request_ids`
 /// (list[str], B), int32 arrays `input_ids` [T], `positions` [T], `cu_seqlens_q` [B+1],
 /// `seqlens_k` [B], `logits_indices` [N], `logits_rows` [N], dicts keyed by attention type
 /// `slot_mapping` ([T] each) and `block_tables` ([B, W] each), `swap_out` [n, 2]
 /// (device chunk, swap slot), `swap_in` [n, 2] (swap slot, device chunk), and the ints
 /// `num_rows`, `num_tokens`, `num_sampled`, `page_size`.
-#[pyclass(module = "ferrobatch._core", frozen, get_all)]
+///
+/// The plan owns its data (moved out of the scheduler, no copy); each attribute's Python
+/// object is built on first access and cached, so repeated access returns the same object.
+#[pyclass(module = "ferrobatch._core", frozen)]
 pub struct StepPlan {
-    request_ids: Py<PyList>,
-    input_ids: Py<PyArray1<i32>>,
-    positions: Py<PyArray1<i32>>,
-    cu_seqlens_q: Py<PyArray1<i32>>,
-    seqlens_k: Py<PyArray1<i32>>,
-    logits_indices: Py<PyArray1<i32>>,
-    logits_rows: Py<PyArray1<i32>>,
-    slot_mapping: Py<PyDict>,
-    block_tables: Py<PyDict>,
-    swap_out: Py<PyArray2<i32>>,
-    swap_in: Py<PyArray2<i32>>,
+    d: core::StepPlan,
+    names: Py<PyTuple>,
+    #[pyo3(get)]
     num_rows: usize,
+    #[pyo3(get)]
     num_tokens: usize,
+    #[pyo3(get)]
     num_sampled: usize,
+    #[pyo3(get)]
     page_size: usize,
+    request_ids_c: PyOnceLock<Py<PyList>>,
+    input_ids_c: PyOnceLock<Py<PyArray1<i32>>>,
+    positions_c: PyOnceLock<Py<PyArray1<i32>>>,
+    cu_seqlens_q_c: PyOnceLock<Py<PyArray1<i32>>>,
+    seqlens_k_c: PyOnceLock<Py<PyArray1<i32>>>,
+    logits_indices_c: PyOnceLock<Py<PyArray1<i32>>>,
+    logits_rows_c: PyOnceLock<Py<PyArray1<i32>>>,
+    slot_mapping_c: PyOnceLock<Py<PyDict>>,
+    block_tables_c: PyOnceLock<Py<PyDict>>,
+    swap_out_c: PyOnceLock<Py<PyArray2<i32>>>,
+    swap_in_c: PyOnceLock<Py<PyArray2<i32>>>,
 }
 
 #[pymethods]
 impl StepPlan {
+    #[getter]
+    fn request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        Ok(self
+            .request_ids_c
+            .get_or_try_init(py, || {
+                PyList::new(py, self.names.bind(py).iter()).map(Bound::unbind)
+            })?
+            .clone_ref(py))
+    }
+    #[getter]
+    fn input_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, input_ids_c, arr1(py, &self.d.input_ids).unbind())
+    }
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, positions_c, arr1(py, &self.d.positions).unbind())
+    }
+    #[getter]
+    fn cu_seqlens_q(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(
+            self,
+            py,
+            cu_seqlens_q_c,
+            arr1(py, &self.d.cu_seqlens_q).unbind()
+        )
+    }
+    #[getter]
+    fn seqlens_k(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, seqlens_k_c, arr1(py, &self.d.seqlens_k).unbind())
+    }
+    #[getter]
+    fn logits_indices(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(
+            self,
+            py,
+            logits_indices_c,
+            arr1(py, &self.d.logits_indices).unbind()
+        )
+    }
+    #[getter]
+    fn logits_rows(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(
+            self,
+            py,
+            logits_rows_c,
+            arr1(py, &self.d.logits_rows).unbind()
+        )
+    }
+    #[getter]
+    fn swap_out(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        let v = &self.d.swap_out;
+        lazy_get!(self, py, swap_out_c, arr2(py, v, v.len() / 2, 2).unbind())
+    }
+    #[getter]
+    fn swap_in(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        let v = &self.d.swap_in;
+        lazy_get!(self, py, swap_in_c, arr2(py, v, v.len() / 2, 2).unbind())
+    }
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        Ok(self
+            .slot_mapping_c
+            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+                let d = PyDict::new(py);
+                if self.d.has_full {
+                    d.set_item(
+                        intern!(py, "full_attention"),
+                        arr1(py, &self.d.slot_mapping_full),
+                    )?;
+                }
+                if self.d.has_sliding {
+                    d.set_item(
+                        intern!(py, "sliding_attention"),
+                        arr1(py, &self.d.slot_mapping_sliding),
+                    )?;
+                }
+                Ok(d.unbind())
+            })?
+            .clone_ref(py))
+    }
+    #[getter]
+    fn block_tables(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        Ok(self
+            .block_tables_c
+            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+                let d = PyDict::new(py);
+                let b = self.num_rows;
+                if self.d.has_full {
+                    d.set_item(
+                        intern!(py, "full_attention"),
+                        arr2(py, &self.d.block_table_full, b, self.d.full_width),
+                    )?;
+                }
+                if self.d.has_sliding {
+                    d.set_item(
+                        intern!(py, "sliding_attention"),
+                        arr2(py, &self.d.block_table_sliding, b, self.d.sliding_width),
+                    )?;
+                }
+                Ok(d.unbind())
+            })?
+            .clone_ref(py))
+    }
     fn __repr__(&self) -> String {
         format!(
-            "StepPlan(rows={}, tokens={}, sampled={})",
-            self.num_rows, self.num_tokens, self.num_sampled
+            "StepPlan(rows={}, tokens={}, sampled={}, swap_out={}, swap_in={})",
+            self.num_rows,
+            self.num_tokens,
+            self.num_sampled,
+            self.d.swap_out.len() / 2,
+            self.d.swap_in.len() / 2
         )
     }
 }
@@ -144,50 +268,46 @@ impl Delta {
     }
 }
 
-/// The result of `update()`: a sequence of [`Delta`] (len / indexing / iteration, built
-/// lazily) plus array views for the engine, all of length n = len(output):
-/// `request_ids` (list[str]), `token_ids` (int32 [n], -1 where the delta has no token, i.e.
-/// a cancellation), `finished` (bool [n]), `rows` (int32 [n]: the plan's sampled row the
-/// token came from, -1 for cancellations), `finish_reasons` (list[str | None]),
-/// `all_have_token` (bool: every delta has exactly one token), `num_finished` (int).
+/// The result of `update()`: a sequence of [`Delta`] (len / indexing / iteration; each delta
+/// is built on access) plus views for the engine, all of length n = len(output) and built
+/// on first access: `request_ids` (list[str]), `token_ids` (int32 [n], -1 where the delta
+/// has no token, i.e. a cancellation), `finished` (bool [n]), `rows` (int32 [n]: the plan
+/// row the token came from, -1 for cancellations), `finish_reasons` (list[str | None]),
+/// `finished_request_ids` (list[str]), `all_have_token` (bool: every delta has exactly one
+/// token, so `token_ids` has no -1), `num_finished` (int).
 #[pyclass(module = "ferrobatch._core", frozen)]
 pub struct StepOutput {
-    #[pyo3(get)]
-    request_ids: Py<PyList>,
-    #[pyo3(get)]
-    token_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    finished: Py<PyArray1<bool>>,
-    #[pyo3(get)]
-    rows: Py<PyArray1<i32>>,
+    d: core::StepOutput,
+    names: Py<PyTuple>,
+    len: usize,
     #[pyo3(get)]
     all_have_token: bool,
     #[pyo3(get)]
     num_finished: usize,
-    tokens: Vec<i32>,
-    done: Vec<bool>,
-    reasons: Vec<Option<&'static str>>,
+    request_ids_c: PyOnceLock<Py<PyList>>,
+    token_ids_c: PyOnceLock<Py<PyArray1<i32>>>,
+    finished_c: PyOnceLock<Py<PyArray1<bool>>>,
+    rows_c: PyOnceLock<Py<PyArray1<i32>>>,
 }
 
 impl StepOutput {
     fn delta(&self, py: Python<'_>, i: usize) -> PyResult<Delta> {
-        let id = self
-            .request_ids
-            .bind(py)
-            .get_item(i)?
-            .cast_into::<PyString>()?
-            .unbind();
-        let t = self.tokens[i];
+        let t = self.d.token_ids[i];
         let toks = if t >= 0 {
             PyList::new(py, [t])?
         } else {
             PyList::empty(py)
         };
         Ok(Delta {
-            request_id: id,
+            request_id: self
+                .names
+                .bind(py)
+                .get_item(i)?
+                .cast_into::<PyString>()?
+                .unbind(),
             new_token_ids: toks.unbind(),
-            finished: self.done[i],
-            finish_reason: self.reasons[i],
+            finished: self.d.finished[i],
+            finish_reason: reason_str(self.d.finish_reasons[i]),
         })
     }
 }
@@ -195,10 +315,10 @@ impl StepOutput {
 #[pymethods]
 impl StepOutput {
     fn __len__(&self) -> usize {
-        self.tokens.len()
+        self.len
     }
     fn __getitem__(&self, py: Python<'_>, i: isize) -> PyResult<Delta> {
-        let n = self.tokens.len() as isize;
+        let n = self.len as isize;
         let j = if i < 0 { i + n } else { i };
         if j < 0 || j >= n {
             return Err(PyIndexError::new_err("StepOutput index out of range"));
@@ -212,14 +332,49 @@ impl StepOutput {
         }
     }
     #[getter]
+    fn request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        Ok(self
+            .request_ids_c
+            .get_or_try_init(py, || {
+                PyList::new(py, self.names.bind(py).iter()).map(Bound::unbind)
+            })?
+            .clone_ref(py))
+    }
+    #[getter]
+    fn token_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, token_ids_c, arr1(py, &self.d.token_ids).unbind())
+    }
+    #[getter]
+    fn finished(&self, py: Python<'_>) -> Py<PyArray1<bool>> {
+        lazy_get!(
+            self,
+            py,
+            finished_c,
+            PyArray1::from_slice(py, &self.d.finished).unbind()
+        )
+    }
+    #[getter]
+    fn rows(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, rows_c, arr1(py, &self.d.rows).unbind())
+    }
+    #[getter]
     fn finish_reasons(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        Ok(PyList::new(py, self.reasons.iter().copied())?.unbind())
+        Ok(PyList::new(py, self.d.finish_reasons.iter().map(|&r| reason_str(r)))?.unbind())
+    }
+    #[getter]
+    fn finished_request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        let names = self.names.bind(py);
+        let it = names
+            .iter()
+            .zip(&self.d.finished)
+            .filter(|(_, &f)| f)
+            .map(|(n, _)| n);
+        Ok(PyList::new(py, it)?.unbind())
     }
     fn __repr__(&self) -> String {
         format!(
             "StepOutput(len={}, finished={})",
-            self.tokens.len(),
-            self.num_finished
+            self.len, self.num_finished
         )
     }
 }
@@ -237,12 +392,49 @@ impl StepOutputIter {
     }
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Delta>> {
         let out = self.out.get();
-        if self.i >= out.tokens.len() {
+        if self.i >= out.len {
             return Ok(None);
         }
         let d = out.delta(py, self.i)?;
         self.i += 1;
         Ok(Some(d))
+    }
+}
+
+/// A tuple of request-id strings and the (slot, generation) keys it was built from.
+#[derive(Default)]
+struct NameCache {
+    keys: Vec<u64>,
+    scratch: Vec<u64>,
+    tuple: Option<Py<PyTuple>>,
+}
+
+impl NameCache {
+    fn get(
+        &mut self,
+        py: Python<'_>,
+        slots: impl Iterator<Item = u32>,
+        names: &[Option<Py<PyString>>],
+        gens: &[u32],
+    ) -> PyResult<Py<PyTuple>> {
+        self.scratch.clear();
+        self.scratch
+            .extend(slots.map(|i| ((i as u64) << 32) | gens[i as usize] as u64));
+        if let Some(t) = &self.tuple {
+            if self.scratch == self.keys {
+                return Ok(t.clone_ref(py));
+            }
+        }
+        let t = PyTuple::new(
+            py,
+            self.scratch
+                .iter()
+                .map(|&k| names[(k >> 32) as usize].as_ref().expect("named").bind(py)),
+        )?
+        .unbind();
+        std::mem::swap(&mut self.keys, &mut self.scratch);
+        self.tuple = Some(t.clone_ref(py));
+        Ok(t)
     }
 }
 
@@ -268,6 +460,12 @@ pub struct Scheduler {
     inner: core::Scheduler,
     /// Request id objects by slab index (kept alive; one incref per use).
     names: Vec<Option<Py<PyString>>>,
+    /// Per slab slot: bumped when a new request takes the slot.
+    gens: Vec<u32>,
+    /// Name tuples of the last plan / output and the (slot, generation) keys they were built
+    /// from: a steady decode step reuses them instead of touching every string.
+    plan_names: NameCache,
+    out_names: NameCache,
     has_full: bool,
     has_sliding: bool,
 }
@@ -333,6 +531,9 @@ impl Scheduler {
         Ok(Scheduler {
             inner,
             names: Vec::new(),
+            gens: Vec::new(),
+            plan_names: NameCache::default(),
+            out_names: NameCache::default(),
             has_full,
             has_sliding,
         })
@@ -387,63 +588,43 @@ impl Scheduler {
             .map_err(to_py)? as usize;
         if self.names.len() <= idx {
             self.names.resize_with(idx + 1, || None);
+            self.gens.resize(idx + 1, 0);
         }
         self.names[idx] = Some(request_id.clone().unbind());
+        self.gens[idx] = self.gens[idx].wrapping_add(1);
         Ok(())
     }
 
     /// Plan the next step: a StepPlan, or None when nothing can run.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<StepPlan>> {
-        let plan = match self.inner.schedule().map_err(to_py)? {
-            Some(p) => p,
+        let (num_rows, num_tokens, num_sampled) = match self.inner.schedule().map_err(to_py)? {
+            Some(p) => (p.num_rows(), p.num_tokens(), p.num_sampled()),
             None => return Ok(None),
         };
-        let names = &self.names;
-        let ids = PyList::new(
+        let row_names = self.plan_names.get(
             py,
-            plan.rows
-                .iter()
-                .map(|r| names[r.req as usize].as_ref().expect("named").bind(py)),
+            self.inner.plan().rows.iter().map(|r| r.req),
+            &self.names,
+            &self.gens,
         )?;
-        let b = plan.num_rows();
-        let slot_mapping = PyDict::new(py);
-        let block_tables = PyDict::new(py);
-        if self.has_full {
-            slot_mapping.set_item(
-                pyo3::intern!(py, "full_attention"),
-                arr1(py, &plan.slot_mapping_full),
-            )?;
-            block_tables.set_item(
-                pyo3::intern!(py, "full_attention"),
-                arr2(py, &plan.block_table_full, b, plan.full_width),
-            )?;
-        }
-        if self.has_sliding {
-            slot_mapping.set_item(
-                pyo3::intern!(py, "sliding_attention"),
-                arr1(py, &plan.slot_mapping_sliding),
-            )?;
-            block_tables.set_item(
-                pyo3::intern!(py, "sliding_attention"),
-                arr2(py, &plan.block_table_sliding, b, plan.sliding_width),
-            )?;
-        }
         Ok(Some(StepPlan {
-            request_ids: ids.unbind(),
-            input_ids: arr1(py, &plan.input_ids).unbind(),
-            positions: arr1(py, &plan.positions).unbind(),
-            cu_seqlens_q: arr1(py, &plan.cu_seqlens_q).unbind(),
-            seqlens_k: arr1(py, &plan.seqlens_k).unbind(),
-            logits_indices: arr1(py, &plan.logits_indices).unbind(),
-            logits_rows: arr1(py, &plan.logits_rows).unbind(),
-            slot_mapping: slot_mapping.unbind(),
-            block_tables: block_tables.unbind(),
-            swap_out: arr2(py, &plan.swap_out, plan.swap_out.len() / 2, 2).unbind(),
-            swap_in: arr2(py, &plan.swap_in, plan.swap_in.len() / 2, 2).unbind(),
-            num_rows: b,
-            num_tokens: plan.num_tokens(),
-            num_sampled: plan.num_sampled(),
+            d: self.inner.take_plan_arrays(),
+            names: row_names,
+            num_rows,
+            num_tokens,
+            num_sampled,
             page_size: self.inner.config().page_size,
+            request_ids_c: PyOnceLock::new(),
+            input_ids_c: PyOnceLock::new(),
+            positions_c: PyOnceLock::new(),
+            cu_seqlens_q_c: PyOnceLock::new(),
+            seqlens_k_c: PyOnceLock::new(),
+            logits_indices_c: PyOnceLock::new(),
+            logits_rows_c: PyOnceLock::new(),
+            slot_mapping_c: PyOnceLock::new(),
+            block_tables_c: PyOnceLock::new(),
+            swap_out_c: PyOnceLock::new(),
+            swap_in_c: PyOnceLock::new(),
         }))
     }
 
@@ -486,24 +667,22 @@ impl Scheduler {
             self.inner.update(&v)
         }
         .map_err(to_py)?;
-        let names = &self.names;
-        let ids = PyList::new(
-            py,
-            out.reqs
-                .iter()
-                .map(|&i| names[i as usize].as_ref().expect("named").bind(py)),
-        )?;
         let num_finished = out.finished.iter().filter(|&&f| f).count();
+        let all_have_token = out.all_have_token;
+        let len = out.len();
+        let row_names =
+            self.out_names
+                .get(py, out.reqs.iter().copied(), &self.names, &self.gens)?;
         Ok(StepOutput {
-            request_ids: ids.unbind(),
-            token_ids: arr1(py, &out.token_ids).unbind(),
-            finished: PyArray1::from_slice(py, &out.finished).unbind(),
-            rows: arr1(py, &out.rows).unbind(),
-            all_have_token: out.all_have_token,
+            d: self.inner.take_output(),
+            names: row_names,
+            len,
+            all_have_token,
             num_finished,
-            tokens: out.token_ids.clone(),
-            done: out.finished.clone(),
-            reasons: out.finish_reasons.iter().map(|&r| reason_str(r)).collect(),
+            request_ids_c: PyOnceLock::new(),
+            token_ids_c: PyOnceLock::new(),
+            finished_c: PyOnceLock::new(),
+            rows_c: PyOnceLock::new(),
         })
     }
 
