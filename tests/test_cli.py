@@ -266,7 +266,7 @@ def _free_port() -> int:
 
 
 @needs_engine
-def test_serve_command(model_dir: Path) -> None:
+def test_serve_command(model_dir: Path, tmp_path: Path) -> None:
     """`ferrobatch serve` as a real process: 503 or 200 on /health, then a completion."""
     port = _free_port()
     path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
@@ -290,7 +290,8 @@ def test_serve_command(model_dir: Path) -> None:
         "--served-model-name",
         "tiny",
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -322,7 +323,8 @@ def test_serve_command(model_dir: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, proc.stdout.read().decode() if proc.stdout else ""
+    log.close()
+    assert proc.returncode == 0, (tmp_path / "serve.log").read_text(errors="replace")
 
 
 def test_serve_exits_when_the_model_fails_to_load(
