@@ -64,6 +64,18 @@ def test_defaults_and_from_generation_config() -> None:
     assert SamplingParams.from_generation_config(GenerationConfig()).greedy
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_beams", 4), ("no_repeat_ngram_size", 3), ("bad_words_ids", [[5]]),
+     ("min_new_tokens", 5), ("typical_p", 0.5), ("suppress_tokens", [1])],
+)
+def test_unsupported_generation_config_fields_are_not_dropped(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_generation_config(GenerationConfig(**{field: value}))
+    neutral = GenerationConfig(num_beams=1, min_new_tokens=0, typical_p=1.0)
+    assert SamplingParams.from_generation_config(neutral).greedy
+
+
 def _states(params: list[SamplingParams], hist: list[list[int]] | None = None) -> list:
     hist = hist or [[1, 2, 3]] * len(params)
     return [SamplingState(p, list(h)) for p, h in zip(params, hist, strict=True)]

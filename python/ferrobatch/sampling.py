@@ -88,7 +88,17 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, gc: Any, **overrides: Any) -> SamplingParams:
-        """Build from a `transformers.GenerationConfig` (read only, never mutated)."""
+        """Build from a `transformers.GenerationConfig` (read only, never mutated).
+
+        Settings ferrobatch cannot honour (beam search, n-gram bans, forced tokens, ...)
+        raise `ValueError` naming the field rather than being silently dropped.
+        """
+        for name, neutral in _UNSUPPORTED_GENERATION_FIELDS.items():
+            value = getattr(gc, name, None)
+            if value is not None and value != neutral and not (neutral is None and not value):
+                raise ValueError(
+                    f"{name}={value!r} in the GenerationConfig is not supported by ferrobatch"
+                )
         kw: dict[str, Any] = {}
         do_sample = bool(getattr(gc, "do_sample", False))
         if do_sample:
@@ -113,6 +123,34 @@ class SamplingParams:
             kw["stop_token_ids"] = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         kw.update(overrides)
         return cls(**kw)
+
+
+# GenerationConfig fields with no ferrobatch equivalent, and the value that means "off".
+_UNSUPPORTED_GENERATION_FIELDS: dict[str, Any] = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "penalty_alpha": None,
+    "diversity_penalty": None,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "encoder_repetition_penalty": 1.0,
+    "exponential_decay_length_penalty": None,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+}
 
 
 def _int_field(name: str, value: Any, *, minimum: int) -> int:
