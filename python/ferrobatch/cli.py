@@ -773,6 +773,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     if args.compare and mod is not None:
+        if "RUNNERS" not in mod:
+            raise ValueError("--compare: benches/e2e_cpu.py has no RUNNERS table")
         ns = argparse.Namespace(padded_batch=64)
         if chat:
             model.generation_config.eos_token_id = None
