@@ -157,6 +157,7 @@ class SnapReq:
     num_tokens: int
     held: dict[str, list[int]]
     swap_slots: list[int]
+    key: tuple[int, int] = (0, 0)  # (priority, arrival): queue order
 
 
 @dataclasses.dataclass
@@ -191,6 +192,7 @@ def read_snapshot(s: Scheduler) -> Snap:
             num_tokens=int(_get(r, "num_tokens")),
             held=held,
             swap_slots=[int(x) for x in swap],
+            key=(int(_get(r, "priority", 0)), int(_get(r, "arrival", 0))),
         )
     rc = _get(raw, "refcounts")
     if isinstance(rc, dict):
@@ -344,6 +346,7 @@ class Harness:
     def schedule(self):
         check(self.plan is None, "harness: schedule() with a plan outstanding")
         resets_before = self.stats()["num_soft_resets"]
+        before = read_snapshot(self.s) if self.use_snapshot else None
         plan = self.s.schedule()
         self.steps += 1
         if plan is None:
@@ -358,8 +361,39 @@ class Harness:
         self.check_plan(plan, snap, resets_before, resets_after)
         if snap is not None:
             self.check_snapshot(snap)
+            self.check_order(plan, before, snap)
         self.s.check_invariants()
         return plan
+
+    def check_order(self, plan, before: Snap, after: Snap) -> None:
+        """Queue discipline seen from outside: requests that were running keep their rows
+        first, grouped by phase (fifo: decodes then in-flight prefills; prefill_first: the
+        reverse), each group in (priority, arrival) order; then admissions (waiting and
+        swapped merged) in key order, head of line: no waiting/swapped request is passed over
+        by one with a larger key."""
+        rids = list(plan.request_ids)
+        running_before = {r for r, sr in before.requests.items()
+                          if sr.state in ("prefilling", "decoding")}
+        phase = {r: before.requests[r].state for r in running_before}
+        old = [r for r in rids if r in running_before]
+        new = [r for r in rids if r not in running_before]
+        check(rids == old + new, "admitted rows %s come before running rows %s", new, old)
+        first, second = (("decoding", "prefilling") if self.cfg.scheduler_type == "fifo"
+                         else ("prefilling", "decoding"))
+        want_old = (sorted([r for r in old if phase[r] == first], key=lambda r: after.requests[
+            r].key) + sorted([r for r in old if phase[r] == second],
+                             key=lambda r: after.requests[r].key))
+        check(old == want_old, "%s: running rows in order %s, expected %s",
+              self.cfg.scheduler_type, old, want_old)
+        keys = [after.requests[r].key for r in new]
+        check(keys == sorted(keys), "admissions out of (priority, arrival) order: %s",
+              list(zip(new, keys, strict=True)))
+        if new:
+            top = max(keys)
+            for r, sr in after.requests.items():
+                if sr.state in ("waiting", "swapped") and r not in rids:
+                    check(sr.key > top, "%s (key %s) passed over by admitted %s (key %s)", r,
+                          sr.key, new[keys.index(top)], top)
 
     def stats(self) -> dict:
         return dict(self.s.stats())
