@@ -8,7 +8,7 @@ See `.notes/cuda-wiring.md` for how the runner calls these.
 
 from __future__ import annotations
 
-# from .graphs import GraphBuckets, GraphCache, GraphKey, PaddedPlan, pad_plan
+from .graphs import GraphBuckets, GraphCache, GraphKey, PaddedPlan, pad_plan
 from .triton_attention import (
     HAS_TRITON,
     choose_num_splits,

@@ -65,6 +65,7 @@ __all__ = [
     "paged_prefill_attention",
     "reference_paged_attention",
     "select_backend",
+    "static_decode_attention",
     "write_kv",
 ]
 
@@ -197,6 +198,74 @@ def reference_paged_attention(
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=scale)
         out[s:e] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def static_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_k: int,
+    page_size: int,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    ring_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode for the single-token rows in pure torch with shapes fixed by (B, T,
+    `max_seqlen_k`): no host sync, no data-dependent shape, so it can be captured in a CUDA
+    graph (the SDPA last resort under graphs). Run **after** `write_kv`.
+
+    Every row gathers `K = max_seqlen_k` key positions (`min(max_seqlen_k, w)` for a
+    sliding layer) through its table and masks those beyond its length: **keys past
+    `max_seqlen_k` are never read**, which is why `max_seqlen_k` must be in the graph key.
+    Tokens of rows with other query lengths keep `out`'s values.
+    """
+    num_tokens, heads, dim = q.shape
+    rows = seqlens_k.shape[0]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if out is None:
+        out = torch.zeros_like(q)
+    dev = q.device
+    cu = cu_seqlens_q.long()
+    lens = seqlens_k.long()[:, None]  # [B, 1]
+    is_decode = (cu[1:] - cu[:-1]) == 1  # [B]
+    if sliding_window:
+        keys = max(1, min(int(max_seqlen_k), int(sliding_window)))
+        pos = lens - keys + torch.arange(keys, device=dev)[None, :]  # last `keys` positions
+        valid = (pos >= 0) & (pos >= lens - sliding_window)
+        ring = int(ring_size or block_tables.shape[1])
+    else:
+        keys = max(1, int(max_seqlen_k))
+        pos = torch.arange(keys, device=dev)[None, :].expand(rows, keys)
+        valid = pos < lens
+        ring = 0
+    pos = pos.clamp(min=0)
+    col = torch.div(pos, page_size, rounding_mode="floor")
+    col = col % ring if ring else col.clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.long().gather(1, col) * page_size + pos % page_size  # [B, K]
+    k = k_cache.index_select(0, slots.reshape(-1)).view(rows, keys, kv_heads, dim)
+    v = v_cache.index_select(0, slots.reshape(-1)).view(rows, keys, kv_heads, dim)
+    tok = torch.where(is_decode, cu[:-1], torch.full_like(cu[:-1], num_tokens))  # T = dummy
+    qr = torch.cat([q, q.new_zeros(1, heads, dim)]).index_select(0, tok)  # [B, H, D]
+    qg = qr.view(rows, kv_heads, group, dim).float()
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [B, Hkv, G, K]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid[:, None, None, :], _NEG)  # finite: empty rows stay finite
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.permute(0, 2, 1, 3).float()).reshape(rows, heads, dim)
+    staged = torch.zeros(num_tokens + 1, heads, dim, dtype=out.dtype, device=dev)
+    staged.index_copy_(0, tok, o.to(out.dtype))
+    mask = torch.zeros(num_tokens + 1, dtype=torch.bool, device=dev)
+    mask.index_fill_(0, tok, True)
+    out.copy_(torch.where(mask[:num_tokens, None, None], staged[:num_tokens], out))
     return out
 
 
@@ -591,12 +660,22 @@ def paged_attention(
     """One layer's attention for a packed step, cache write included, in the safe order:
     prefill rows (before the write) → `write_kv` → decode rows (after the write).
 
-    `backend`: "triton", "torch" (reference, then write) or "flash_attn" (full attention
-    only: write, then flash-attn's paged varlen kernel over all rows; needs `max_seqlen_k`).
+    `backend`: "triton", "torch" or "flash_attn" (full attention only: write, then
+    flash-attn's paged varlen kernel over all rows; needs `max_seqlen_k`). "torch" runs
+    `static_decode_attention` after the write for a decode-only step when `max_seqlen_k` is
+    given (capturable), else `reference_paged_attention` before the write.
     `max_seqlen_q` must bound every row's query length (1 = decode-only step: no prefill
     launch). Returns `[T, H, D]`; tokens of no row are zero when `out` is not given."""
     if out is None:
         out = torch.zeros_like(q)
+    if backend == "torch" and max_seqlen_q == 1 and max_seqlen_k is not None:
+        # Decode-only step with a known (padded) max key length: fixed shapes, capturable.
+        write_kv(k_cache, v_cache, k_new, v_new, slot_mapping)
+        return static_decode_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k,
+            max_seqlen_k=max_seqlen_k, page_size=page_size, scale=scale, softcap=softcap,
+            sliding_window=sliding_window, ring_size=ring_size, out=out,
+        )
     if backend == "torch":
         reference_paged_attention(
             q, k_new, v_new, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k,

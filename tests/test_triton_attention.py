@@ -1,0 +1,363 @@
+"""ferrobatch.cuda.triton_attention: the Triton paged kernels against the torch reference,
+and the reference against a naive per-query loop.
+
+The Triton kernels run under triton's interpreter (`TRITON_INTERPRET=1`, set before triton
+is imported) on CPU tensors, so no GPU is needed; tests that need triton are skipped when it
+is not installed. Shapes are tiny: the interpreter executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import
+
+import random  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from ferrobatch.cuda import triton_attention as ta  # noqa: E402
+from ref_planner import FULL, SLIDING, RefPlanner  # noqa: E402
+
+torch.set_num_threads(1)
+
+needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed")
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="TRITON_INTERPRET=1 was not in effect (triton imported before this module?)",
+)
+
+
+def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
+    """q [n, H, D] at `positions` over history K/V [P, Hkv, D] -> [n, H, D] (float64)."""
+    heads, kv_heads = q.shape[1], hist_k.shape[1]
+    g = heads // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, p in enumerate(positions):
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(heads):
+            k = hist_k[lo : p + 1, h // g].double()
+            s = (k @ q[i, h].double()) * scale
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            out[i, h] = torch.softmax(s, 0) @ hist_v[lo : p + 1, h // g].double()
+    return out
+
+
+def _cache(page: int, kv_heads: int, dim: int, num_blocks: int = 60, seed: int = 0):
+    """Random slot tensors (garbage everywhere a wrong read could land) with chunk 0 zero."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn((num_blocks + 2) * page, kv_heads, dim, generator=g)
+    v = torch.randn((num_blocks + 2) * page, kv_heads, dim, generator=g)
+    k[:page] = 0
+    v[:page] = 0
+    return k, v
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _scenario(planner: RefPlanner, rng: random.Random, prompt_lens, steps: int):
+    """Yield plans: chunked prefills of mixed sizes, then mixed and decode-only steps."""
+    rids = [f"r{i}" for i in range(len(prompt_lens))]
+    for rid, n in zip(rids, prompt_lens, strict=True):
+        planner.add(rid, [7] * n)
+    for step in range(steps):
+        rows = []
+        for i, rid in enumerate(rids):
+            rem = planner.remaining(rid)
+            if rem == 0:
+                planner.append(rid, 7)
+                rem = 1
+            if step >= steps - 2:
+                rows.append((rid, 1))  # decode-only steps at the end
+            elif (i + step) % 4 != 3:
+                rows.append((rid, min(rem, rng.choice([1, 3, 6, 13, 40]))))
+        yield planner.plan(rows)
+
+
+def _max_q(plan) -> int:
+    return int(np.diff(plan.cu_seqlens_q).max())
+
+
+CASES = [
+    # window, softcap, heads, kv_heads, page, dim, splits
+    pytest.param(None, None, 4, 2, 4, 16, 1, id="full-gqa"),
+    pytest.param(None, None, 4, 2, 4, 16, 3, id="full-gqa-3splits"),
+    pytest.param(5, None, 4, 2, 4, 16, 2, id="sliding5-page4"),
+    pytest.param(6, 2.0, 6, 2, 4, 16, 1, id="sliding6-softcap"),
+    pytest.param(None, 3.0, 4, 4, 8, 24, 2, id="full-mha-softcap-dim24"),
+    pytest.param(3, None, 2, 1, 4, 16, 4, id="sliding3-mqa-4splits"),
+]
+
+
+@pytest.mark.parametrize("window,softcap,heads,kv_heads,page,dim,splits", CASES)
+def test_reference_matches_naive(window, softcap, heads, kv_heads, page, dim, splits):
+    """The oracle itself: reference (before the write) vs a per-query loop over history."""
+    rng = random.Random(3)
+    torch.manual_seed(1)
+    typ = SLIDING if window else FULL
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=window)
+    k_cache, v_cache = _cache(page, kv_heads, dim)
+    hist: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for plan in _scenario(planner, rng, [1, 4, 5, 9, 17], steps=4):
+        t = len(plan.input_ids)
+        q = torch.randn(t, heads, dim)
+        kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+        out = ta.reference_paged_attention(
+            q, kn, vn, k_cache, v_cache, _t(plan.block_tables[typ]), _t(plan.cu_seqlens_q),
+            _t(plan.seqlens_k), page_size=page, scale=0.3, softcap=softcap,
+            sliding_window=window,
+        )
+        ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
+        for b, rid in enumerate(plan.request_ids):
+            s, e = int(plan.cu_seqlens_q[b]), int(plan.cu_seqlens_q[b + 1])
+            hk, hv = hist.get(rid, (torch.empty(0, kv_heads, dim), torch.empty(0, kv_heads, dim)))
+            hk, hv = torch.cat([hk, kn[s:e]]), torch.cat([hv, vn[s:e]])
+            hist[rid] = (hk, hv)
+            ref = _naive(q[s:e], hk, hv, plan.positions[s:e].tolist(), window, 0.3, softcap)
+            torch.testing.assert_close(out[s:e].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("window,softcap,heads,kv_heads,page,dim,splits", CASES)
+def test_triton_matches_reference(window, softcap, heads, kv_heads, page, dim, splits):
+    """Chunked prefill (chunks longer than the sliding ring), mixed and decode-only steps,
+    rows of 1..17+ keys across page boundaries: Triton path vs reference, outputs and the
+    cache contents after the step's write."""
+    rng = random.Random(5)
+    torch.manual_seed(2)
+    typ = SLIDING if window else FULL
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=window)
+    k_ref, v_ref = _cache(page, kv_heads, dim)
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    for plan in _scenario(planner, rng, [1, 4, 5, 9, 17], steps=4):
+        t = len(plan.input_ids)
+        q = torch.randn(t, heads, dim)
+        kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+        meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
+        ref = ta.reference_paged_attention(
+            q, kn, vn, k_ref, v_ref, *meta, page_size=page, scale=0.3, softcap=softcap,
+            sliding_window=window,
+        )
+        ta.write_kv(k_ref, v_ref, kn, vn, _t(plan.slot_mapping[typ]))
+        got = ta.paged_attention(
+            q, kn, vn, k_tri, v_tri, _t(plan.slot_mapping[typ]), *meta,
+            max_seqlen_q=_max_q(plan), page_size=page, scale=0.3, softcap=softcap,
+            sliding_window=window, num_splits=splits, block_m=16, block_n=16,
+        )
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    assert not k_tri[:page].any(), "the zero chunk was written"
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 7])
+def test_split_decode_long_context_every_split_count(window):
+    """One long row and two short ones: 1, 2, 4 and 8 splits (more splits than key tiles:
+    empty splits must merge to nothing) all agree with the reference."""
+    page, heads, kv_heads, dim = 4, 4, 2, 16
+    typ = SLIDING if window else FULL
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=window)
+    k_cache, v_cache = _cache(page, kv_heads, dim, seed=4)
+    planner.add("long", [7] * 69)
+    planner.add("one", [7])
+    planner.add("two", [7] * 2)
+    torch.manual_seed(3)
+    plan = planner.plan([("long", 69), ("one", 1), ("two", 2)])
+    t = len(plan.input_ids)
+    kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
+    for rid in ("long", "one", "two"):
+        planner.append(rid, 7)
+    plan = planner.plan([("long", 1), ("one", 1), ("two", 1)])
+    q = torch.randn(3, heads, dim)
+    kn, vn = torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
+    meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
+    ref = ta.reference_paged_attention(
+        q, kn, vn, k_cache, v_cache, *meta, page_size=page, scale=0.25, sliding_window=window
+    )
+    ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
+    for splits in (1, 2, 4, 8):
+        got = ta.paged_decode_attention(
+            q, k_cache, v_cache, *meta, page_size=page, scale=0.25, sliding_window=window,
+            num_splits=splits, block_n=16,
+        )
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@needs_interpreter
+def test_kernels_leave_other_rows_and_padding_alone():
+    """Decode skips multi-token rows, prefill skips single-token rows, neither writes tokens
+    beyond cu_seqlens_q[-1]; an empty row (no query token) and a row whose only key sits in
+    the zero chunk give no NaN."""
+    page, heads, kv_heads, dim = 4, 2, 1, 16
+    k_cache, v_cache = _cache(page, kv_heads, dim, seed=6)
+    tables = torch.tensor([[2, 3], [4, 0], [0, 0], [0, 0]], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 4, 5, 5], dtype=torch.int32)  # rows: prefill 3, decode, pad, empty
+    lens = torch.tensor([5, 6, 1, 0], dtype=torch.int32)
+    q = torch.randn(7, heads, dim)  # tokens 5, 6: beyond the rows
+    kn, vn = torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
+    sentinel = torch.full((7, heads, dim), 123.0)
+    dec = ta.paged_decode_attention(
+        q, k_cache, v_cache, tables, cu, lens, page_size=page, scale=0.5, num_splits=2,
+        block_n=16, out=sentinel.clone(),
+    )
+    assert torch.equal(dec[:3], sentinel[:3]) and torch.equal(dec[5:], sentinel[5:])
+    assert torch.equal(dec[4], torch.zeros(heads, dim)), "zero-chunk key must give zeros"
+    pre = ta.paged_prefill_attention(
+        q, kn, vn, k_cache, v_cache, tables, cu, lens, max_seqlen_q=3, page_size=page,
+        scale=0.5, block_m=16, block_n=16, out=sentinel.clone(),
+    )
+    assert torch.equal(pre[3:], sentinel[3:])
+    ref = ta.reference_paged_attention(
+        q, kn, vn, k_cache, v_cache, tables, cu, lens, page_size=page, scale=0.5
+    )
+    torch.testing.assert_close(pre[:3], ref[:3], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(dec).all() and torch.isfinite(pre).all()
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, 2.0)])
+def test_static_decode_matches_reference(window, softcap):
+    """The graph-capturable torch decode (fixed gather of max_seqlen_k keys) vs the
+    reference; and with max_seqlen_k below the true length it reads too few keys (why the
+    graph key must hold it)."""
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    typ = SLIDING if window else FULL
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=window)
+    k_cache, v_cache = _cache(page, kv_heads, dim, seed=8)
+    torch.manual_seed(4)
+    for i, n in enumerate([1, 6, 11, 30]):
+        planner.add(f"r{i}", [7] * n)
+    plan = planner.plan([(f"r{i}", n) for i, n in enumerate([1, 6, 11, 30])])
+    t = len(plan.input_ids)
+    ta.write_kv(k_cache, v_cache, torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim),
+                _t(plan.slot_mapping[typ]))
+    for i in range(4):
+        planner.append(f"r{i}", 7)
+    plan = planner.plan([(f"r{i}", 1) for i in range(4)])
+    q = torch.randn(4, heads, dim)
+    kn, vn = torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim)
+    meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
+    ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, *meta, page_size=page,
+                                       scale=0.3, softcap=softcap, sliding_window=window)
+    ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
+    got = ta.static_decode_attention(q, k_cache, v_cache, *meta, max_seqlen_k=32,
+                                     page_size=page, scale=0.3, softcap=softcap,
+                                     sliding_window=window)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if not window:
+        short = ta.static_decode_attention(q, k_cache, v_cache, *meta, max_seqlen_k=16,
+                                           page_size=page, scale=0.3)
+        assert not torch.allclose(short[3], ref[3], atol=1e-3)  # the 31-key row truncated
+        torch.testing.assert_close(short[:3], ref[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_select_backend(monkeypatch):
+    assert ta.select_backend("cpu") == "torch"
+    monkeypatch.setattr(ta, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(ta, "HAS_TRITON", True)
+    assert ta.select_backend("cuda") == "flash_attn"
+    assert ta.select_backend("cuda", page_size=512) == "flash_attn"
+    assert ta.select_backend("cuda", page_size=32) == "triton"  # flash-attn 2 needs % 256
+    monkeypatch.setattr(ta, "flash_attn_available", lambda: False)
+    assert ta.select_backend(torch.device("cuda", 0)) == "triton"
+    monkeypatch.setattr(ta, "HAS_TRITON", False)
+    assert ta.select_backend("cuda") == "torch"
+    assert ta.select_backend("cpu") == "torch"
+
+
+def test_choose_num_splits():
+    assert ta.choose_num_splits(256, 8, 4096) == 1  # plenty of programs already
+    assert ta.choose_num_splits(1, 1, 10_000, block_n=64) == 16  # capped
+    assert ta.choose_num_splits(1, 2, 100, block_n=64) == 2  # no more splits than tiles
+    for rows in range(1, 70, 7):
+        for keys in (1, 63, 64, 1000, 33_000):
+            n = ta.choose_num_splits(rows, 2, keys)
+            assert n >= 1 and n & (n - 1) == 0
+
+
+def test_flash_attn_wrapper_plumbing(monkeypatch):
+    """The flash-attn wrapper's arguments (paged views, int32 cumulative key lengths, causal,
+    scale, softcap) checked against a fake flash_attn module computing the documented
+    semantics in torch; the real kernel is only exercised by benches/gpu_check.py."""
+    page, heads, kv_heads, dim = 256, 2, 1, 8
+    calls = {}
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None,
+                    causal=False, softcap=0.0, block_table=None, **kw):
+        calls.update(cu_k=cu_k.clone(), max_k=max_k, causal=causal, softcap=softcap)
+        assert k.shape[1:] == (page, kv_heads, dim) and block_table.dtype == torch.int32
+        assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+        slots_k = k.reshape(-1, kv_heads, dim)
+        slots_v = v.reshape(-1, kv_heads, dim)
+        out = torch.zeros_like(q)
+        for r in range(len(cu_q) - 1):
+            qs, qe = int(cu_q[r]), int(cu_q[r + 1])
+            nk = int(cu_k[r + 1] - cu_k[r])
+            pos = torch.arange(nk)
+            slots = block_table[r].long()[pos // page] * page + pos % page
+            kk = slots_k[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+            vv = slots_v[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+            s = q[qs:qe].transpose(0, 1) @ kk.transpose(1, 2) * softmax_scale
+            qpos = torch.arange(nk - (qe - qs), nk)[:, None]
+            s = s.masked_fill(pos[None, :] > qpos, float("-inf"))
+            out[qs:qe] = (torch.softmax(s, -1) @ vv).transpose(0, 1)
+        return out
+
+    monkeypatch.setitem(sys.modules, "flash_attn",
+                        types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
+    k_cache, v_cache = _cache(page, kv_heads, dim, num_blocks=3, seed=9)
+    tables = torch.tensor([[2, 3], [4, 0]], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    lens = torch.tensor([300, 5], dtype=torch.int32)
+    q = torch.randn(4, heads, dim)
+    got = ta.paged_attention(
+        q, torch.zeros(4, kv_heads, dim), torch.zeros(4, kv_heads, dim), k_cache, v_cache,
+        torch.tensor([page, page + 1, page + 2, page + 3]),  # writes to scratch
+        tables, cu, lens, max_seqlen_q=3, max_seqlen_k=300, page_size=page, scale=0.4,
+        backend="flash_attn",
+    )
+    assert calls["cu_k"].tolist() == [0, 300, 305] and calls["max_k"] == 300
+    assert calls["causal"] is True and calls["softcap"] == 0.0
+    # The same rows through the reference: new keys are the cache's own (written) slots.
+    new_slots = [3 * page + 41, 3 * page + 42, 3 * page + 43, 4 * page + 4]  # positions 297..299, 4
+    kn, vn = k_cache[new_slots], v_cache[new_slots]
+    ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, tables, cu, lens,
+                                       page_size=page, scale=0.4)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@needs_interpreter
+def test_sliding_chunk_longer_than_ring_reads_cached_keys_before_the_write():
+    """w=5, page 4 (ring of 3 chunks): a 13-token chunk after 7 cached tokens overwrites
+    ring slots its first queries still need. Prefill before the write (as `paged_attention`
+    does) matches the reference; prefill after the write would not."""
+    page, heads, kv_heads, dim, w = 4, 4, 2, 16, 5
+    typ = SLIDING
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=w)
+    k_cache, v_cache = _cache(page, kv_heads, dim, seed=10)
+    planner.add("a", [7] * 20)
+    torch.manual_seed(5)
+    for n in (7, 13):
+        plan = planner.plan([("a", n)])
+        q = torch.randn(n, heads, dim)
+        kn, vn = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+        meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
+        kw = dict(page_size=page, scale=0.3, sliding_window=w)
+        ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, *meta, **kw)
+        before = ta.paged_prefill_attention(q, kn, vn, k_cache, v_cache, *meta, max_seqlen_q=n,
+                                            block_m=16, block_n=16, **kw)
+        ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
+        after = ta.paged_prefill_attention(q, kn, vn, k_cache, v_cache, *meta, max_seqlen_q=n,
+                                           block_m=16, block_n=16, **kw)
+        torch.testing.assert_close(before, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(after, ref, atol=1e-2)  # the ring lost keys 3..6
