@@ -385,6 +385,19 @@ class Harness:
                              key=lambda r: after.requests[r].key))
         check(old == want_old, "%s: running rows in order %s, expected %s",
               self.cfg.scheduler_type, old, want_old)
+        # preemption victims: newest first, never one already placed in this step, never the
+        # last active request
+        victims = {r for r in running_before if r in after.requests
+                   and after.requests[r].state in ("waiting", "swapped")}
+        if victims:
+            check(running_before - victims, "every running request was preempted: %s", victims)
+            for v in victims:
+                check(v not in rids, "preempted %s still has a row", v)
+                for r in running_before - victims:
+                    if before.requests[r].key > before.requests[v].key:
+                        check(r in rids, "%s (key %s) preempted while newer %s (key %s) kept its "
+                              "cache without running in this step", v, before.requests[v].key,
+                              r, before.requests[r].key)
         keys = [after.requests[r].key for r in new]
         check(keys == sorted(keys), "admissions out of (priority, arrival) order: %s",
               list(zip(new, keys, strict=True)))

@@ -588,6 +588,51 @@ def test_schedule_twice_without_update_raises():
     s.check_invariants()
 
 
+def test_cache_read_budget_limits_rows_and_chunks():
+    """max_batch_cache_tokens bounds sum(seqlens_k): it shortens a prefill chunk and holds
+    rows back once spent."""
+    h = Harness(cfg(max_batch_cache_tokens=40))
+    for rid, start in (("A", 0), ("B", 100), ("C", 200)):
+        h.add(req(rid, toks(start, 15), max_new=6))
+    plan, r = step(h)
+    assert r == {"A": (0, 15), "B": (0, 15), "C": (0, 10)}
+    assert int(plan.seqlens_k.sum()) == 40
+    plan, r = step(h)
+    assert r == {"A": (15, 1), "B": (15, 1)}  # C's next chunk would read 11+ keys: 8 left
+    h.run_to_completion()
+
+
+def test_update_rejects_bad_tokens_and_keeps_the_plan():
+    s = Scheduler(8, 4, 16)
+    s.add_request("a", [11, 12, 13], 4)
+    s.add_request("b", [21, 22], 4)
+    assert s.schedule() is not None
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        s.update([5, -1])
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        s.update([5])
+    # the plan is still outstanding and a correct update goes through; int64 and strided
+    # arrays are accepted
+    out = s.update(np.array([7, 0, 8, 0], dtype=np.int64)[::2])
+    assert [(d.request_id, list(d.new_token_ids)) for d in out] == [("a", [7]), ("b", [8])]
+    with pytest.raises(RuntimeError):
+        s.update([1])  # tokens without a plan
+    s.check_invariants()
+
+
+def test_add_request_validates_token_ids():
+    s = Scheduler(8, 4, 16)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        s.add_request("a", [1, -2], 3)
+    with pytest.raises(ValueError, match="stop_sequences"):
+        s.add_request("b", [1], 3, stop_sequences=[[]])
+    with pytest.raises(ValueError, match="num_blocks|never fit"):
+        s.add_request("c", list(range(30)), 10)  # 39 tokens > 8 blocks of 4
+    s.add_request("d", np.array([5, 6, 7], dtype=np.int64), 3)  # numpy prompt accepted
+    assert s.stats()["waiting"] == 1
+    s.check_invariants()
+
+
 def test_update_without_plan_and_no_cancel_is_harmless():
     s = Scheduler(8, 4, 16)
     assert s.schedule() is None
