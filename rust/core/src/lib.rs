@@ -22,6 +22,8 @@ pub mod scheduler;
 pub mod swap;
 
 #[cfg(test)]
+mod scheduler_tests;
+#[cfg(test)]
 mod sim_tests;
 
 pub(crate) mod hint {

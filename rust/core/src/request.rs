@@ -94,9 +94,32 @@ pub struct Request {
     pub num_registered: usize,
     /// Step in which the request was last placed in a batch or preempted.
     pub touched_step: u64,
+    /// EOS and stop token ids inline when there are at most 4 of them (`n_stop_inline`
+    /// entries; `u8::MAX` = use the vectors), so the per-token check stays in this struct.
+    pub stop_inline: [Token; 4],
+    pub n_stop_inline: u8,
 }
 
 impl Request {
+    /// Fill `stop_inline` from the stop conditions.
+    pub fn init_stop_inline(&mut self) {
+        let n = self.stop.eos_token_ids.len() + self.stop.stop_token_ids.len();
+        if n <= 4 {
+            for (i, &t) in self
+                .stop
+                .eos_token_ids
+                .iter()
+                .chain(&self.stop.stop_token_ids)
+                .enumerate()
+            {
+                self.stop_inline[i] = t;
+            }
+            self.n_stop_inline = n as u8;
+        } else {
+            self.n_stop_inline = u8::MAX;
+        }
+    }
+
     /// Number of generated tokens.
     #[inline]
     pub fn num_generated(&self) -> usize {
@@ -110,7 +133,12 @@ impl Request {
         self.tokens.push(t);
         self.last_token = t;
         let s = &self.stop;
-        if s.eos_token_ids.contains(&t) || s.stop_token_ids.contains(&t) {
+        let hit = if self.n_stop_inline != u8::MAX {
+            self.stop_inline[..self.n_stop_inline as usize].contains(&t)
+        } else {
+            s.eos_token_ids.contains(&t) || s.stop_token_ids.contains(&t)
+        };
+        if hit {
             return Some(FinishReason::Stop);
         }
         if !s.stop_sequences.is_empty() {

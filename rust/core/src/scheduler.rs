@@ -469,7 +469,11 @@ impl Scheduler {
             block_hashes: Vec::new(),
             num_registered: 0,
             touched_step: 0,
+            stop_inline: [0; 4],
+            n_stop_inline: 0,
         };
+        let mut req = req;
+        req.init_stop_inline();
         let idx = match self.free_idx.pop() {
             Some(i) => {
                 self.reqs[i as usize] = Some(req);
@@ -657,7 +661,7 @@ impl Scheduler {
                     return false;
                 }
             }
-            self.emit_row(idx, start, q);
+            self.emit_row(idx, start, q, need > 0 || q > 1);
             b.tokens -= q;
             b.rows -= 1;
             b.cache = b.cache.saturating_sub(start + q);
@@ -667,12 +671,14 @@ impl Scheduler {
 
     /// Allocate what the row needs and write its entries of every per-token / per-row array
     /// (block tables are written by `build_block_tables` once the width is known).
-    fn emit_row(&mut self, idx: u32, start: usize, q: usize) {
+    fn emit_row(&mut self, idx: u32, start: usize, q: usize, grow: bool) {
         let layout = self.layout;
         let step = self.step;
         let r = self.reqs[idx as usize].as_mut().expect("live");
         let end = start + q;
-        layout.grow(&mut self.pool, &mut r.full, &mut r.ring, end);
+        if grow {
+            layout.grow(&mut self.pool, &mut r.full, &mut r.ring, end);
+        }
         r.touched_step = step;
         let sampled = end == r.tokens.len();
         let p = &mut self.plan;

@@ -310,7 +310,7 @@ impl Sim {
             let id = self.s.request(out.reqs[k]).unwrap().id.clone();
             if out.token_ids[k] >= 0 {
                 let t = out.token_ids[k] as u32;
-                assert_eq!(out.rows[k] >= 0, true);
+                assert!(out.rows[k] >= 0);
                 self.tokens.get_mut(&id).unwrap().push(t);
             }
             match out.finish_reasons[k] {
