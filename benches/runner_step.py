@@ -5,7 +5,7 @@ model's plain forward for the same step (static padded batch with a DynamicCache
 `model.generate` does), and against the step's matrix work alone (base model without
 attention is not separable, so the lm head on 64 rows is shown as the floor's largest part).
 
-    python benches/runner_step.py
+    python benches/runner_step.py [page_size]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
     rng = random.Random(1234)
     batch, gen = 64, 32  # mid-generation: prompts of 16-256 tokens plus 32 generated
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(16, 256))] for _ in range(batch)]
-    page = 16
+    page = int(sys.argv[1]) if len(sys.argv) > 1 else 32  # the engine's default page_size
     runner = ModelRunner(model, num_blocks=2048, page_size=page)
     planner = RefPlanner(page_size=page, num_blocks=2048, layer_types=runner.layer_types,
                          sliding_window=None)
@@ -87,8 +87,8 @@ def main() -> None:
     hidden = torch.randn(batch, cfg.hidden_size)
     with torch.inference_mode():
         t_head = timeit(lambda: model.lm_head(hidden))
-    print(f"decode step, batch {batch}, keys {min(lens)}..{lmax} (mean {sum(lens) / batch:.0f}),"
-          f" 1 thread, CPU ms")
+    print(f"decode step, batch {batch}, page {page}, keys {min(lens)}..{lmax} "
+          f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
     print(f"  plain padded forward (HF sdpa) : {t_plain:7.2f} ms")
     print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms")
