@@ -68,41 +68,52 @@ pub struct StopConditions {
 }
 
 /// One request (owned by the scheduler's slab).
+///
+/// `repr(C)` keeps the fields a decode step touches together in the first two cache lines;
+/// the rest (id, stop lists, hashes, swap state) follows.
 #[derive(Clone, Debug)]
+#[repr(C)]
 pub struct Request {
-    pub id: String,
-    /// Queue key: (priority, arrival). Lower runs first.
-    pub key: (i64, u64),
+    // --- hot: read or written by every decode step ---
     pub tokens: Vec<Token>,
-    /// `*tokens.last()`, kept inline so a decode step does not touch the token array.
-    pub last_token: Token,
-    pub prompt_len: usize,
-    pub num_computed: usize,
-    pub stop: StopConditions,
-    pub state: RequestState,
-    pub finish: Option<FinishReason>,
     /// Full-attention blocks (block `i` holds positions `i*page .. (i+1)*page`).
     pub full: Vec<ChunkId>,
     /// Sliding ring chunks.
     pub ring: Vec<ChunkId>,
+    pub num_computed: usize,
+    pub prompt_len: usize,
+    /// Copy of `stop.max_new_tokens`.
+    pub max_new_tokens: usize,
+    /// Leading full blocks already offered to the prefix cache.
+    pub num_registered: usize,
+    /// Step in which the request was last placed in a batch or preempted.
+    pub touched_step: u64,
+    /// `*tokens.last()`, kept inline so a decode step does not touch the token array.
+    pub last_token: Token,
+    /// EOS and stop token ids inline when there are at most 4 of them (`n_stop_inline`
+    /// entries; `u8::MAX` = use the vectors), so the per-token check stays in this struct.
+    pub stop_inline: [Token; 4],
+    pub n_stop_inline: u8,
+    pub has_stop_sequences: bool,
+    pub state: RequestState,
+    // --- cold ---
+    pub id: String,
+    /// Queue key: (priority, arrival). Lower runs first.
+    pub key: (i64, u64),
+    pub stop: StopConditions,
+    pub finish: Option<FinishReason>,
     /// While `Swapped`: slots of `full` then `ring` (lengths `n_full_swapped`, rest ring).
     pub swap_slots: Vec<u32>,
     pub n_full_swapped: usize,
     /// Chained hashes of the first full blocks of `tokens` (computed lazily, kept).
     pub block_hashes: Vec<u64>,
-    /// Leading full blocks already offered to the prefix cache.
-    pub num_registered: usize,
-    /// Step in which the request was last placed in a batch or preempted.
-    pub touched_step: u64,
-    /// EOS and stop token ids inline when there are at most 4 of them (`n_stop_inline`
-    /// entries; `u8::MAX` = use the vectors), so the per-token check stays in this struct.
-    pub stop_inline: [Token; 4],
-    pub n_stop_inline: u8,
 }
 
 impl Request {
-    /// Fill `stop_inline` from the stop conditions.
+    /// Fill the hot copies of the stop conditions.
     pub fn init_stop_inline(&mut self) {
+        self.max_new_tokens = self.stop.max_new_tokens;
+        self.has_stop_sequences = !self.stop.stop_sequences.is_empty();
         let n = self.stop.eos_token_ids.len() + self.stop.stop_token_ids.len();
         if n <= 4 {
             for (i, &t) in self
@@ -141,13 +152,13 @@ impl Request {
         if hit {
             return Some(FinishReason::Stop);
         }
-        if !s.stop_sequences.is_empty() {
+        if self.has_stop_sequences {
             let gen = &self.tokens[self.prompt_len..];
             if s.stop_sequences.iter().any(|q| gen.ends_with(q)) {
                 return Some(FinishReason::Stop);
             }
         }
-        if self.num_generated() >= s.max_new_tokens {
+        if self.num_generated() >= self.max_new_tokens {
             return Some(FinishReason::Length);
         }
         None

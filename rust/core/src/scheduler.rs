@@ -471,6 +471,8 @@ impl Scheduler {
             touched_step: 0,
             stop_inline: [0; 4],
             n_stop_inline: 0,
+            max_new_tokens: 0,
+            has_stop_sequences: false,
         };
         let mut req = req;
         req.init_stop_inline();
@@ -682,6 +684,7 @@ impl Scheduler {
         r.touched_step = step;
         let sampled = end == r.tokens.len();
         let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
         let row = p.rows.len() as i32;
         p.rows.push(Row {
             req: idx,
@@ -900,13 +903,8 @@ impl Scheduler {
         let reqs = &self.reqs;
         let p = &mut self.plan;
         if p.has_full {
-            let width = p
-                .rows
-                .iter()
-                .map(|row| reqs[row.req as usize].as_ref().expect("live").full.len())
-                .max()
-                .unwrap_or(0);
-            p.full_width = width;
+            // `full_width` was tracked by `emit_row`.
+            let width = p.full_width;
             p.block_table_full.reserve(width * p.rows.len());
             p.slot_mapping_full.reserve(p.input_ids.len());
             let page = layout.page;
