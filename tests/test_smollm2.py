@@ -48,6 +48,8 @@ def test_chat_and_stream_with_real_tokenizer(engine) -> None:
     out = engine.chat(conv, sp, progress=False)[0]
     assert "Paris" in out.text
     assert out.prompt_token_ids == engine.encode_chat(conv)
+    two = engine.chat([conv, [{"role": "user", "content": "Say hello."}]], sp, progress=False)
+    assert len(two) == 2 and two[0].token_ids == out.token_ids
     deltas = list(engine.stream(out.prompt_token_ids, sp))
     assert "".join(d.text for d in deltas) == out.text
     assert sum((d.token_ids for d in deltas), []) == out.token_ids
