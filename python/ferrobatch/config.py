@@ -20,13 +20,15 @@ class ContinuousBatchingConfig:
 
     Attributes:
         page_size: tokens per page (one layer's KV for `page_size` tokens; a block is one page
-            per layer of an attention type). Must be >= 4. Default 32: on CPU, attention reads
-            whole pages, so a small page wastes little work on partly filled last pages and
-            makes prefix sharing fine-grained, while 32 keeps block tables short; measured
-            with `benches/e2e_cpu.py` (16/32/64/128/256 within noise on the tiny workload,
-            32 never worse).
+            per layer of an attention type). Must be >= 4. Default 32, by measurement: on the
+            brief's CPU workload (`benches/e2e_cpu.py`, tokens per CPU-second, shared cores)
+            16 / 32 / 128 gave 1025 / 1063 / 1000, i.e. flat within noise; 32 keeps block
+            tables short and the decode gathers' padding (a partly filled last page) small,
+            and makes prefix sharing finer-grained than the reference's 256.
         num_blocks: capacity in full-attention blocks; None sizes the cache from free memory.
         max_batch_tokens: query tokens per forward (chunked prefill splits longer prompts).
+            Default 2048: 512 / 2048 / 4096 / 8192 measured 1022 / 1063 / 1069 / 1103 tokens
+            per CPU-second on the same workload (flat); 2048 bounds activation memory.
         max_memory_percent: share of free memory the cache may take when `num_blocks` is None;
             None = 0.9 on CUDA; on CPU 0.25 of available memory capped at 4 GiB (bounded:
             never the reference's 60% of RAM; see `memory.choose_num_blocks`).
