@@ -340,3 +340,17 @@ def test_model_not_using_the_attention_interface_is_refused(monkeypatch):
     monkeypatch.setattr(attention, "ATTENTION_NAME", "sdpa")  # as if the switch had no effect
     with pytest.raises(RuntimeError, match="AttentionInterface"):
         runner.execute(planner.plan([("x", 3)]))
+
+
+def test_cache_dtype_other_than_the_model_dtype():
+    """An fp64 cache under an fp32 model still matches (conversions on the way)."""
+    model = tm.mistral()
+    runner = ModelRunner(model, num_blocks=64, page_size=4, dtype=torch.float64)
+    planner = RefPlanner(page_size=4, num_blocks=64, layer_types=runner.layer_types,
+                         sliding_window=runner.sliding_window)
+    planner.add("a", list(range(3, 23)))
+    planner.add("b", list(range(40, 45)))
+    _step(runner, planner, [("a", 14), ("b", 5)], model)
+    _step(runner, planner, [("a", 6), ("b", 1)], model)
+    _step(runner, planner, [("b", 1), ("a", 1)], model)
+    runner.close()

@@ -326,12 +326,16 @@ def paged_attention_forward(
         k, v = cache.gather_chunks(k_cache, v_cache, bucket.chunks)
         k = k.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         v = v.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
+        mask = bucket.mask
+        if k.dtype != q_dec.dtype:  # a cache dtype other than the model's
+            k, v = k.to(q_dec.dtype), v.to(q_dec.dtype)
+            mask = mask.to(q_dec.dtype) if mask is not None else None
         if softcap is None:
             # The query heads sharing a KV head become that head's query rows: no GQA expansion.
             qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bucket.mask, scale=scaling)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
         else:
-            o = _attend(q_dec.unsqueeze(2), k, v, bucket.mask, scaling, softcap, False)
+            o = _attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False)
         o = o.reshape(bd, heads, dim)
         if bucket.tokens is None:
             return o.unsqueeze(0), None
@@ -352,7 +356,10 @@ def paged_attention_forward(
             v = value[:, :, s:e]
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), row.mask, scaling, softcap, row.causal)
+        mask = row.mask
+        if mask is not None and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap, row.causal)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
