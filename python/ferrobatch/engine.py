@@ -345,8 +345,9 @@ class Engine:
             self._thread.join()
             self._thread = None
         self._closed = True
-        self._fail_all(EngineClosedError("engine closed before the request finished"))
-        self.runner.close()
+        with self._step_lock:  # a step running in a generate() caller's thread ends first
+            self._fail_all(EngineClosedError("engine closed before the request finished"))
+            self.runner.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -618,6 +619,8 @@ class Engine:
     def _step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
         with self._step_lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed")
             changed = self._drain_inboxes()
             plan = self.scheduler.schedule()
             if plan is None:
