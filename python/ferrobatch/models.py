@@ -191,5 +191,11 @@ def load_model(
     kwargs: dict[str, Any] = dict(local_files_only=True, dtype=dt)
     loaded = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     loaded = loaded.to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is still usable
+        if model is None:
+            raise
+        logger.warning("ferrobatch: no tokenizer found in %s", path)
+        tokenizer = None
     return loaded, tokenizer
