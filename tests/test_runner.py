@@ -354,3 +354,17 @@ def test_cache_dtype_other_than_the_model_dtype():
     _step(runner, planner, [("a", 6), ("b", 1)], model)
     _step(runner, planner, [("b", 1), ("a", 1)], model)
     runner.close()
+
+
+def test_load_model_from_a_path_and_as_an_object(tmp_path):
+    from ferrobatch.models import load_model
+
+    model = tm.qwen3()
+    model.save_pretrained(tmp_path)
+    loaded, tok = load_model(tmp_path)
+    assert tok is None and loaded.dtype == torch.float32 and not loaded.training
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    same, _ = load_model(model, dtype=torch.float16)  # a loaded model is never converted
+    assert same is model and model.dtype == torch.float32

@@ -179,7 +179,7 @@ def load_model(
             logger.warning("ferrobatch: model stays in %s (dtype=%s ignored)", mdtype, dtype)
         tokenizer = None
         name = getattr(model.config, "_name_or_path", "") or ""
-        if name and Path(name).is_dir():
+        if name and Path(name).is_dir() and _has_tokenizer_files(Path(name)):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
             except Exception:  # noqa: BLE001 - a model without a tokenizer is still usable
@@ -191,11 +191,17 @@ def load_model(
     kwargs: dict[str, Any] = dict(local_files_only=True, dtype=dt)
     loaded = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     loaded = loaded.to(dev).eval()
-    try:
+    tokenizer = None
+    if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is still usable
-        if model is None:
-            raise
+    else:
         logger.warning("ferrobatch: no tokenizer found in %s", path)
-        tokenizer = None
     return loaded, tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "spiece.model")
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
