@@ -149,6 +149,10 @@ pub struct Stats {
     pub num_swap_free: usize,
     pub steps: u64,
     pub generated_tokens: u64,
+    /// Last `schedule()`: rows that found the pool short of chunks (before preemption).
+    pub stalled_requests: usize,
+    /// Last `schedule()`: chunks those rows were missing in total.
+    pub stalled_blocks: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -572,6 +576,8 @@ impl Scheduler {
         }
         self.step += 1;
         self.plan.clear();
+        self.stats.stalled_requests = 0;
+        self.stats.stalled_blocks = 0;
         let mut b = Budget {
             tokens: self.cfg.max_batch_tokens,
             rows: self.cfg.max_requests_per_batch,
@@ -649,6 +655,8 @@ impl Scheduler {
                 if fit > 0 {
                     q = fit;
                 } else if allow_preempt {
+                    self.stats.stalled_requests += 1;
+                    self.stats.stalled_blocks += need - free;
                     match self.pick_victim(idx) {
                         Some(v) => {
                             self.preempt(v);

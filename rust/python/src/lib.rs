@@ -440,6 +440,22 @@ impl NameCache {
 
 /// Continuous-batching scheduler and paged KV-cache allocator (see ARCHITECTURE.md §3).
 ///
+/// `Scheduler(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
+/// scheduler_type="fifo", safety_margin=None, allow_block_sharing=True,
+/// layer_types=("full_attention",), sliding_window=None, cpu_offload_blocks=0,
+/// max_batch_cache_tokens=None)`; bad values raise ValueError naming the field.
+/// `safety_margin=None` means 0.15 for "fifo", 0.0 for "prefill_first".
+/// `max_batch_cache_tokens` bounds the sum of `seqlens_k` of a step.
+///
+/// Methods: `add_request(request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(),
+/// stop_token_ids=(), priority=0, stop_sequences=())` (ValueError naming the field for a
+/// duplicate id, an empty prompt, `max_new_tokens < 1`, an empty stop sequence, or a request
+/// that could never fit the pool / the cache-read budget); `schedule() -> StepPlan | None`;
+/// `update(sampled_token_ids) -> StepOutput`; `cancel(request_id) -> bool`;
+/// `has_unfinished() -> bool` (also true while a cancellation is unreported: if schedule()
+/// returns None then, call `update(())` to get the report); `stats() -> dict`;
+/// `check_invariants()` (RuntimeError naming the broken invariant); `snapshot() -> dict`.
+///
 /// `snapshot()` returns a dict for outside checks:
 /// * `"num_blocks"`, `"page_size"`, `"ring_size"` (R, 0 without sliding layers),
 ///   `"sliding_window"`, `"prefix_caching"` (bool), `"safety_margin"` (effective),
@@ -485,7 +501,11 @@ impl Scheduler {
     #[pyo3(signature = (num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
         scheduler_type="fifo", safety_margin=None, allow_block_sharing=true,
         layer_types=None, sliding_window=None, cpu_offload_blocks=0,
-        max_batch_cache_tokens=None))]
+        max_batch_cache_tokens=None),
+        text_signature = "(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256, \
+scheduler_type='fifo', safety_margin=None, allow_block_sharing=True, \
+layer_types=('full_attention',), sliding_window=None, cpu_offload_blocks=0, \
+max_batch_cache_tokens=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -541,7 +561,9 @@ impl Scheduler {
 
     /// Add a request; ValueError naming the field on bad input or if it could never fit.
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, eos_token_ids=None,
-        stop_token_ids=None, priority=0, stop_sequences=None))]
+        stop_token_ids=None, priority=0, stop_sequences=None),
+        text_signature = "($self, request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(), \
+stop_token_ids=(), priority=0, stop_sequences=())")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -695,7 +717,16 @@ impl Scheduler {
         self.inner.has_unfinished()
     }
 
-    /// Counters and gauges.
+    /// Counters and gauges (dict): `num_blocks`; `num_free_blocks` (allocatable:
+    /// uninitialized + cached); `num_cached_blocks` (free but keeping a hashed block, reclaimed
+    /// LRU-first); `num_used_blocks` (refcount > 0; used + free = num_blocks); `waiting`,
+    /// `running`, `swapped` (request counts); `finished` (finished or cancelled, reported);
+    /// `prefix_hit_tokens` and `prompt_tokens` (summed over admissions, re-admissions after a
+    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`;
+    /// `num_evictions` (cached blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`;
+    /// `steps`, `generated_tokens`; `stalled_requests`, `stalled_blocks` (last schedule():
+    /// rows that found the pool short and the chunks they missed, before preemption);
+    /// `prefix_caching` (bool).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -717,6 +748,8 @@ impl Scheduler {
         d.set_item("cpu_offload_blocks", self.inner.config().cpu_offload_blocks)?;
         d.set_item("steps", s.steps)?;
         d.set_item("generated_tokens", s.generated_tokens)?;
+        d.set_item("stalled_requests", s.stalled_requests)?;
+        d.set_item("stalled_blocks", s.stalled_blocks)?;
         d.set_item("prefix_caching", self.inner.prefix_caching())?;
         Ok(d)
     }
