@@ -68,7 +68,8 @@ class PagedKVCache:
         """
         buf = self._workspaces[kind]
         if buf is None or buf.shape[1] < rows:
-            cap = max(rows, 2 * (buf.shape[1] if buf is not None else 0), 256)
+            old = buf.shape[1] if buf is not None else 0
+            cap = max(rows, old + old // 4, 256)
             buf = torch.empty(2, cap, self.num_kv_heads, self.head_dim,
                               device=self.device, dtype=self.dtype)
             self._workspaces[kind] = buf

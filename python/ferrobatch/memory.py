@@ -56,10 +56,11 @@ def choose_num_blocks(
 
     Budget = free memory (psutil on CPU, `torch.cuda.mem_get_info` on CUDA; `free_bytes`
     overrides) × `max_memory_percent`, minus activations at `max_batch_tokens`, fp32 logits
-    at `max_requests_per_batch` × vocab (with sampling temporaries), the decode gather
-    workspace and bookkeeping. Without `max_memory_percent`: 0.9 on CUDA; on CPU 0.25 of
-    available memory capped at 4 GiB. Never more chunks than `max_requests_per_batch`
-    sequences of `max_model_len` tokens need. Raises ValueError when not even a few chunks fit.
+    at `max_requests_per_batch` × vocab (with sampling temporaries) and bookkeeping; each
+    chunk costs its KV bytes plus its share of the attention gather workspace. Without
+    `max_memory_percent`: 0.9 on CUDA; on CPU 0.25 of available memory capped at 4 GiB.
+    Never more chunks than `max_requests_per_batch` sequences of `max_model_len` tokens need.
+    Raises ValueError when not even a few chunks fit.
 
     `model_config` is the model's config (or the model). `config`, a
     `ContinuousBatchingConfig`, supplies `page_size`, `max_batch_tokens`,
@@ -112,10 +113,12 @@ def choose_num_blocks(
     per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
     activations = 2 * max_batch_tokens * per_token * elem
     logits = max_requests_per_batch * vocab * 4 * 3  # fp32 logits + sampler temporaries
-    ctx = max_model_len or int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
-    gather = 2 * max_requests_per_batch * min(ctx, 8192) * kv_heads * head_dim * elem * 2
-    overhead = activations + logits + gather + BOOKKEEPING
-    per_chunk = kv_bytes_per_chunk(config, page_size, dtype)
+    overhead = activations + logits + BOOKKEEPING
+    kv_chunk = kv_bytes_per_chunk(config, page_size, dtype)
+    # Attention gathers one layer's K and V of the rows it reads into reusable workspaces:
+    # at most about one layer's share of the cache (+50% for bucket padding and prefill).
+    gather_chunk = int(1.5 * kv_chunk / max(len(layer_types_of(config)), 1))
+    per_chunk = kv_chunk + gather_chunk
     kv_budget = budget - overhead
     num = int(kv_budget // per_chunk) - RESERVED_CHUNKS
     cap_note = ""
@@ -127,10 +130,11 @@ def choose_num_blocks(
     why = (
         f"num_blocks={max(num, 0)}: budget {_fmt(budget)} = {rule}; minus activations "
         f"{_fmt(activations)} (max_batch_tokens={max_batch_tokens}), logits {_fmt(logits)} "
-        f"(max_requests_per_batch={max_requests_per_batch} x vocab {vocab}), decode gather "
-        f"{_fmt(gather)}, bookkeeping {_fmt(BOOKKEEPING)}; leaves {_fmt(max(kv_budget, 0))} "
-        f"for KV at {_fmt(per_chunk)} per chunk ({page_size} tokens, all layers, K and V, "
-        f"{dtype}; +{RESERVED_CHUNKS} reserved chunks){cap_note}"
+        f"(max_requests_per_batch={max_requests_per_batch} x vocab {vocab}), bookkeeping "
+        f"{_fmt(BOOKKEEPING)}; leaves {_fmt(max(kv_budget, 0))} for the cache at "
+        f"{_fmt(per_chunk)} per chunk (KV {_fmt(kv_chunk)}: {page_size} tokens, all layers, "
+        f"K and V, {dtype}; attention gather workspace {_fmt(gather_chunk)}; "
+        f"+{RESERVED_CHUNKS} reserved chunks){cap_note}"
     )
     if num < 4:
         raise ValueError(f"not enough memory for the KV cache: {why}")
