@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one prepared GPU check of issue 5: kernels, parity, throughput, offload (< 8 minutes on
+# one H200). Needs python with torch, transformers and triton; no Rust, no network, no hub.
+#
+#   bash benches/gpu_check.sh                 # report: $OUT/gpu_check.json, else ./gpu_check.json
+#   bash benches/gpu_check.sh --only kernels  # extra arguments go to benches/gpu_check.py
+#
+# The Python sources under python/ are the code under test. The compiled core comes from
+# python/ferrobatch/_core.abi3.so when present, else from a prebuilt abi3 wheel in dist/
+# (its _core is extracted next to the sources; the wheel's own .py files are not used).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! ls python/ferrobatch/_core*.so >/dev/null 2>&1; then
+  whl=$(ls dist/ferrobatch-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$whl" ]; then
+    echo "gpu_check: no compiled core: build one with 'maturin build --release -o dist'" >&2
+    exit 2
+  fi
+  "$PY" - "$whl" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        if name.startswith("ferrobatch/_core") and name.endswith((".so", ".pyd")):
+            target = "python/" + name
+            with open(target, "wb") as f:
+                f.write(z.read(name))
+            print("gpu_check: core from", sys.argv[1], "->", target)
+PYEOF
+fi
+
+"$PY" -c "import ferrobatch._core, torch, transformers; print('gpu_check: torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+OUT_DIR=${OUT:-.}
+exec timeout 475 "$PY" benches/gpu_check.py --out "$OUT_DIR/gpu_check.json" "$@"
