@@ -220,7 +220,7 @@ def test_choose_num_blocks_counts_everything_and_is_bounded():
         assert word in why
     small, _ = choose_num_blocks(cfg, page_size=16, max_batch_tokens=512,
                                  max_requests_per_batch=64, max_memory_percent=0.5,
-                                 device="cpu", dtype=torch.float32, free_bytes=2**31)
+                                 device="cpu", dtype=torch.float32, free_bytes=2**29)
     assert small < n
     with pytest.raises(ValueError):
         choose_num_blocks(cfg, page_size=16, max_batch_tokens=512, max_requests_per_batch=64,

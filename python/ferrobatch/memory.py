@@ -122,7 +122,9 @@ def choose_num_blocks(
     kv_budget = budget - overhead
     num = int(kv_budget // per_chunk) - RESERVED_CHUNKS
     cap_note = ""
-    if max_model_len is not None:
+    if max_model_len is None:
+        max_model_len = getattr(cfg, "max_position_embeddings", None)
+    if max_model_len:
         useful = max_requests_per_batch * -(-max_model_len // page_size) + 1
         if num > useful:
             num, cap_note = useful, (f"; capped at {useful} chunks ({max_requests_per_batch} "
