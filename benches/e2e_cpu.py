@@ -204,7 +204,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument(
+        "--only", nargs="+", choices=METHODS, default=None,
+        help="methods to run (default: all three; with --smollm2 ferrobatch and padded_generate:"
+        " generate_batch sizes its cache at 60%% of RAM and was OOM-killed here)",
+    )
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -216,6 +220,8 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
+    if args.only is None:
+        args.only = ["ferrobatch", "padded_generate"] if args.smollm2 else list(METHODS)
 
     from ferrobatch import ContinuousBatchingConfig
 
