@@ -361,3 +361,31 @@ def test_sliding_chunk_longer_than_ring_reads_cached_keys_before_the_write():
                                            block_m=16, block_n=16, **kw)
         torch.testing.assert_close(before, ref, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(after, ref, atol=1e-2)  # the ring lost keys 3..6
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 5])
+def test_half_precision_matches_reference(window):
+    """fp16 caches and queries (the non-IEEE tl.dot path, probabilities cast to the value
+    dtype) vs the fp32-accumulating reference. bf16 cannot be checked here: the interpreter's
+    tl.dot mishandles bf16 (numpy has no bf16); benches/gpu_check.py checks it on a GPU."""
+    page, heads, kv_heads, dim = 4, 4, 2, 16
+    typ = SLIDING if window else FULL
+    planner = RefPlanner(page_size=page, num_blocks=60, layer_types=[typ], sliding_window=window)
+    k_ref, v_ref = (t.half() for t in _cache(page, kv_heads, dim, seed=12))
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    torch.manual_seed(6)
+    for plan in _scenario(planner, random.Random(8), [2, 9, 17], steps=3):
+        t = len(plan.input_ids)
+        q = torch.randn(t, heads, dim).half()
+        kn, vn = torch.randn(t, kv_heads, dim).half(), torch.randn(t, kv_heads, dim).half()
+        meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
+        kw = dict(page_size=page, scale=0.3, sliding_window=window)
+        ref = ta.reference_paged_attention(q, kn, vn, k_ref, v_ref, *meta, **kw)
+        ta.write_kv(k_ref, v_ref, kn, vn, _t(plan.slot_mapping[typ]))
+        got = ta.paged_attention(q, kn, vn, k_tri, v_tri, _t(plan.slot_mapping[typ]), *meta,
+                                 max_seqlen_q=_max_q(plan), num_splits=2, block_m=16,
+                                 block_n=16, **kw)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), ref.float(), atol=5e-3, rtol=5e-3)

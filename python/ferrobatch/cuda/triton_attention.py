@@ -422,7 +422,7 @@ if HAS_TRITON:
         head = tl.program_id(2)
         q_tok = tl.load(CU + row)
         q_len = tl.load(CU + row + 1) - q_tok
-        if q_len < min_q_len or tile * BLOCK_M >= q_len:
+        if (q_len < min_q_len) | (tile * BLOCK_M >= q_len):
             return
         kvh = head // GROUP
         ctx = tl.load(SEQLENS + row) - q_len  # cached keys before this step
@@ -617,6 +617,9 @@ def paged_prefill_attention(
         k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
     sliding = bool(sliding_window)
     ring = int(ring_size or block_tables.shape[1]) if sliding else 0
+    block_d = _pow2(dim)
+    if block_d > 128:  # keep the fp32 accumulator tile within registers for head_dim 256
+        block_m, block_n = min(block_m, 32), min(block_n, 32)
     grid = (rows, triton.cdiv(int(max_seqlen_q), block_m), heads)
     _prefill_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, out,
@@ -626,7 +629,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(sliding_window or 0), ring, int(page_size),
         int(min_q_len),
-        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_D=_pow2(dim),
+        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_D=block_d,
         BLOCK_N=block_n, SLIDING=sliding, SOFTCAP=bool(softcap),
         IEEE=q.dtype == torch.float32,
     )
