@@ -747,7 +747,16 @@ impl Scheduler {
             let r = self.req(v);
             r.full.len() + r.ring.len()
         };
-        let swap = self.cfg.cpu_offload_blocks > 0 && self.swap.num_free() >= n;
+        // Swap out when the pool has room, unless the victim shares a (prefix) chunk with a
+        // victim already swapped out in this step: a plan copies each chunk at most once,
+        // so that rare victim is soft-reset instead.
+        let swap = self.cfg.cpu_offload_blocks > 0 && self.swap.num_free() >= n && {
+            let r = self.req(v);
+            let out = &self.plan.swap_out;
+            !r.full
+                .iter()
+                .any(|&c| out.chunks_exact(2).any(|pr| pr[0] == c as i32))
+        };
         let r = self.reqs[v as usize].as_mut().expect("live");
         r.touched_step = step;
         let key = r.key;

@@ -178,7 +178,13 @@ impl Sim {
         }
         assert_eq!(plan.cu_seqlens_q.len(), b + 1);
         assert!(plan.logits_rows.windows(2).all(|w| w[0] < w[1]));
-        // Swaps: out, then in.
+        // Swaps: each chunk / slot at most once per direction, then out before in.
+        for (v, what) in [(&plan.swap_out, "swap_out"), (&plan.swap_in, "swap_in")] {
+            let a: HashSet<i32> = v.chunks(2).map(|p| p[0]).collect();
+            let b: HashSet<i32> = v.chunks(2).map(|p| p[1]).collect();
+            assert_eq!(a.len(), v.len() / 2, "{what} source twice");
+            assert_eq!(b.len(), v.len() / 2, "{what} destination twice");
+        }
         for pr in plan.swap_out.chunks(2) {
             let (c, s) = (pr[0] as usize, pr[1] as usize);
             assert!(c >= 2);
