@@ -312,8 +312,20 @@ def test_flash_attn_wrapper_plumbing(monkeypatch):
             out[qs:qe] = (torch.softmax(s, -1) @ vv).transpose(0, 1)
         return out
 
-    monkeypatch.setitem(sys.modules, "flash_attn",
-                        types.SimpleNamespace(flash_attn_varlen_func=fake_varlen))
+    def fake_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
+                     softmax_scale=None, causal=False, softcap=0.0, num_splits=0, **kw):
+        calls["kvcache"] = True
+        assert q.dim() == 4 and q.shape[1] == 1 and cache_seqlens.dtype == torch.int32
+        rows = q.shape[0]
+        cu_q = torch.arange(rows + 1, dtype=torch.int32)
+        cu_k = torch.zeros(rows + 1, dtype=torch.int32)
+        cu_k[1:] = torch.cumsum(cache_seqlens, 0)
+        return fake_varlen(q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, int(cache_seqlens.max()),
+                           softmax_scale=softmax_scale, causal=causal, softcap=softcap,
+                           block_table=block_table)[:, None]
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=fake_varlen, flash_attn_with_kvcache=fake_kvcache))
     k_cache, v_cache = _cache(page, kv_heads, dim, num_blocks=3, seed=9)
     tables = torch.tensor([[2, 3], [4, 0]], dtype=torch.int32)
     cu = torch.tensor([0, 3, 4], dtype=torch.int32)
@@ -331,6 +343,18 @@ def test_flash_attn_wrapper_plumbing(monkeypatch):
     new_slots = [3 * page + 41, 3 * page + 42, 3 * page + 43, 4 * page + 4]  # positions 297..299, 4
     kn, vn = k_cache[new_slots], v_cache[new_slots]
     ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, tables, cu, lens,
+                                       page_size=page, scale=0.4)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # A decode-only step goes through flash_attn_with_kvcache.
+    dec_cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    got = ta.paged_attention(
+        q[2:], torch.zeros(2, kv_heads, dim), torch.zeros(2, kv_heads, dim), k_cache, v_cache,
+        torch.tensor([page, page + 1]), tables, dec_cu, lens, max_seqlen_q=1, page_size=page,
+        scale=0.4, backend="flash_attn",
+    )
+    assert calls.get("kvcache")
+    kn, vn = k_cache[[3 * page + 43, 4 * page + 4]], v_cache[[3 * page + 43, 4 * page + 4]]
+    ref = ta.reference_paged_attention(q[2:], kn, vn, k_cache, v_cache, tables, dec_cu, lens,
                                        page_size=page, scale=0.4)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 

@@ -60,6 +60,7 @@ __all__ = [
     "choose_num_splits",
     "flash_attn_available",
     "flash_attn_paged_attention",
+    "flash_attn_paged_decode",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -689,6 +690,12 @@ def paged_attention(
         return out
     if backend == "flash_attn" and not sliding_window:
         write_kv(k_cache, v_cache, k_new, v_new, slot_mapping)
+        if max_seqlen_q == 1 and q.shape[0] == seqlens_k.shape[0]:
+            # Decode-only step (one token per row, as padded decode plans are too).
+            return flash_attn_paged_decode(
+                q, k_cache, v_cache, block_tables, seqlens_k, page_size=page_size,
+                scale=scale, softcap=softcap, out=out,
+            )
         if max_seqlen_k is None:
             raise ValueError("the flash_attn backend needs max_seqlen_k")
         return flash_attn_paged_attention(
@@ -759,6 +766,47 @@ def flash_attn_paged_attention(
         dropout_p=0.0, softmax_scale=float(scale), causal=True,
         softcap=float(softcap or 0.0), block_table=block_tables.to(torch.int32),
     )
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def flash_attn_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    page_size: int,
+    scale: float,
+    softcap: float | None = None,
+    num_splits: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode-only step (row `r` = token `r`) through `flash_attn_with_kvcache` with a block
+    table, run **after** `write_kv`; flash-attn splits long contexts itself (`num_splits=0`:
+    its heuristic). Same requirements and the same caveat as `flash_attn_paged_attention`:
+    not run on a GPU from this repository."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError("flash_attn is not installed") from exc
+    if page_size % 256:
+        raise ValueError("flash-attn's paged kernel needs page_size % 256 == 0")
+    num_slots, kv_heads, dim = k_cache.shape
+    res = flash_attn_with_kvcache(
+        q.unsqueeze(1),  # [B, 1, H, D]
+        k_cache.view(num_slots // page_size, page_size, kv_heads, dim),
+        v_cache.view(num_slots // page_size, page_size, kv_heads, dim),
+        cache_seqlens=seqlens_k.to(torch.int32),
+        block_table=block_tables.to(torch.int32),
+        softmax_scale=float(scale),
+        causal=True,
+        softcap=float(softcap or 0.0),
+        num_splits=int(num_splits),
+    ).squeeze(1)
     if out is None:
         return res
     out.copy_(res)
