@@ -569,10 +569,10 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_ops_keep_invariants_and_outputs(c in cfg_strategy(), ops in prop::collection::vec(op(), 1..60)) {
+    fn random_ops_keep_invariants_and_outputs(c in cfg_strategy(), ops in prop::collection::vec(op(), 1..80)) {
         let mut sim = Sim::new(make_cfg(&c));
         let base: Vec<u32> = (0..10).map(|i| i % 3).collect();
         let mut specs = Vec::new();

@@ -666,6 +666,18 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
                     self.inner.update(&v)
                 }
             }
+        } else if let Ok(a) = sampled_token_ids.cast::<PyArray1<i64>>() {
+            let ro = a.readonly();
+            let mut v = Vec::with_capacity(ro.len()?);
+            for &t in ro.as_array().iter() {
+                if !(0..=i32::MAX as i64).contains(&t) {
+                    return Err(PyValueError::new_err(format!(
+                        "sampled_token_ids must be non-negative int32 (got {t})"
+                    )));
+                }
+                v.push(t as i32);
+            }
+            self.inner.update(&v)
         } else {
             if sampled_token_ids.is_instance_of::<PyString>() {
                 return Err(PyValueError::new_err(
