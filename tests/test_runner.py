@@ -368,3 +368,16 @@ def test_load_model_from_a_path_and_as_an_object(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     same, _ = load_model(model, dtype=torch.float16)  # a loaded model is never converted
     assert same is model and model.dtype == torch.float32
+
+
+def test_transposed_head_copy_follows_weight_changes(monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_transposed_head_wins", lambda self: True)
+    model = tm.llama()
+    runner, planner = _runner(model)
+    assert runner._use_head_wt
+    planner.add("x", [5, 6, 7, 8])
+    _step(runner, planner, [("x", 4)], model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # the caller fine-tunes between steps
+    _step(runner, planner, [("x", 1)], model)
+    runner.close()
