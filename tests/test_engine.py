@@ -349,3 +349,24 @@ def test_close_finishes_waiters(model) -> None:
         eng.get_output(rid, timeout=5)
     with pytest.raises(RuntimeError):
         eng.add_request([5, 6], GREEDY)
+
+
+def test_check_request_health_and_queue_bound(model) -> None:
+    cfg = ContinuousBatchingConfig(num_blocks=64, page_size=8, max_queue_size=2)
+    with Engine(model, config=cfg) as eng:
+        assert eng.healthy and eng.error is None
+        assert eng.check_request([5, 6, 7], GREEDY) == [5, 6, 7]
+        with pytest.raises(ValueError, match="top_p"):
+            eng.check_request([5], dict(top_p=0.0))
+        with pytest.raises(ValueError, match="prompt"):
+            eng.astream([], GREEDY)  # validated at call time, before any iteration
+        slow = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        a, b = eng.add_request([5, 6], slow), eng.add_request([7, 8], slow)
+        from ferrobatch.engine import QueueFullError
+
+        with pytest.raises(QueueFullError):
+            eng.add_request([9], GREEDY)
+        assert len(eng.generate(prompts(3), GREEDY, progress=False)) == 3  # not bounded
+        eng.cancel(a), eng.cancel(b)
+        assert eng.get_output(a, timeout=30).finish_reason == "cancelled"
+    assert not eng.healthy

@@ -43,7 +43,8 @@ class ContinuousBatchingConfig:
         q_padding_interval_size / kv_padding_interval_size: CUDA-graph shape padding (tokens);
             0 = preset.
         use_cuda_graph / use_async_batching: None = decide automatically (off on CPU).
-        max_queue_size: 0 = unlimited waiting requests.
+        max_queue_size: most unfinished requests `add_request`/`stream`/`astream` accept
+            (beyond it they raise `QueueFullError`); `generate` is not bounded. 0 = unlimited.
     """
 
     page_size: int = 32

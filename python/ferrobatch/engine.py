@@ -44,6 +44,10 @@ class EngineClosedError(RuntimeError):
     """The engine was closed while the request was waiting."""
 
 
+class QueueFullError(RuntimeError):
+    """`max_queue_size` unfinished requests are already in the engine."""
+
+
 @dataclass
 class _Request:
     """Engine-side state of one request."""
@@ -286,10 +290,19 @@ class Engine:
                 self.cancel(req.request_id)
             self._forget(req)
 
-    async def astream(
+    def astream(
         self, prompt: Prompt, sampling: Any = None, *, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Async form of `stream`; closing the generator (or cancelling the task) cancels."""
+        """Async form of `stream`; closing the generator (or cancelling the task) cancels.
+
+        The request is validated now (`ValueError` naming the field) and starts when the
+        iteration does.
+        """
+        sp = self._params_list(sampling, 1, None)[0]
+        req = self._make_request(prompt, sp, request_id, incremental=True)
+        return self._astream_gen(req)
+
+    async def _astream_gen(self, req: _Request) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -299,8 +312,8 @@ class Engine:
             except RuntimeError:  # event loop closed: the consumer is gone
                 pass
 
-        sp = self._params_list(sampling, 1, None)[0]
-        req = self._make_request(prompt, sp, request_id, listener=listener, incremental=True)
+        req.listener = listener
+        req.arrival = time.perf_counter()
         self._submit(req)
         self.start()
         finished = False
@@ -322,6 +335,25 @@ class Engine:
             if not finished:
                 self.cancel(req.request_id)
             self._forget(req)
+
+    def check_request(self, prompt: Prompt, sampling: Any = None) -> list[int]:
+        """Validate a request without running it; returns its prompt token ids.
+
+        Raises the same `ValueError`s (naming the field) that `generate`, `add_request`,
+        `stream` and `astream` raise.
+        """
+        sp = self._params_list(sampling, 1, None)[0]
+        return self._make_request(prompt, sp, "check").prompt_ids
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that killed the stepping loop, or None while healthy."""
+        return self._error
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine is open and its loop has not died."""
+        return self._error is None and not self._closed
 
     def start(self) -> None:
         """Start the background stepping loop (no-op if running)."""
@@ -493,7 +525,7 @@ class Engine:
             listener=listener,
         )
 
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: _Request, *, bounded: bool = True) -> None:
         if self._closed:
             raise EngineClosedError("engine is closed")
         if self._error is not None:
@@ -501,13 +533,19 @@ class Engine:
         with self._table_lock:
             if req.request_id in self._requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
+            limit = self.config.max_queue_size
+            busy = sum(not r.done.is_set() for r in self._requests.values()) if limit else 0
+            if bounded and limit and busy >= limit:
+                raise QueueFullError(
+                    f"max_queue_size={limit} unfinished requests are already queued or running"
+                )
             self._requests[req.request_id] = req
         self._inbox.append(req)
         self._wakeup.set()
 
     def _run_batch(self, reqs: list[_Request], *, progress: bool, desc: str) -> list[RequestOutput]:
         for r in reqs:
-            self._submit(r)
+            self._submit(r, bounded=False)
         bar = None
         if progress and reqs:
             from tqdm.auto import tqdm
