@@ -772,7 +772,41 @@ class Harness:
                           sr.num_computed_tokens, tr.computed)
         return out
 
+    def check_output_views(self, out) -> None:
+        """The StepOutput array views the engine uses must agree with the delta sequence."""
+        deltas = list(out)
+        n = len(deltas)
+        check(len(out) == n, "len(StepOutput) %d != %d deltas", len(out), n)
+        ids = list(out.request_ids)
+        check(ids == [str(d.request_id) for d in deltas], "StepOutput.request_ids %s", ids)
+        tok = np.asarray(out.token_ids)
+        check(tok.dtype == np.int32 and tok.shape == (n,), "token_ids %s %s", tok.dtype,
+              tok.shape)
+        fin = np.asarray(out.finished)
+        check(fin.shape == (n,), "finished shape %s", fin.shape)
+        rows = np.asarray(out.rows)
+        check(rows.shape == (n,), "rows shape %s", rows.shape)
+        sampled_rows = {row["rid"]: r for r, row in enumerate(self.plan_rows)}
+        for i, d in enumerate(deltas):
+            new = [int(x) for x in d.new_token_ids]
+            check(new == ([int(tok[i])] if tok[i] >= 0 else []),
+                  "token_ids[%d]=%d vs delta tokens %s", i, int(tok[i]), new)
+            check(bool(fin[i]) == bool(d.finished), "finished[%d] view mismatch", i)
+            check(list(out.finish_reasons)[i] == d.finish_reason, "finish_reasons[%d]", i)
+            if tok[i] >= 0:
+                check(int(rows[i]) == sampled_rows.get(str(d.request_id), -2),
+                      "rows[%d]=%d, plan row of %s is %s", i, int(rows[i]), d.request_id,
+                      sampled_rows.get(str(d.request_id)))
+            else:
+                check(int(rows[i]) == -1, "rows[%d] of a tokenless delta is %d", i,
+                      int(rows[i]))
+        check(bool(out.all_have_token) == all(int(t) >= 0 for t in tok), "all_have_token")
+        check(int(out.num_finished) == int(fin.sum()), "num_finished")
+        check(list(out.finished_request_ids) == [str(d.request_id) for d in deltas
+                                                  if d.finished], "finished_request_ids")
+
     def check_deltas(self, out, got_token: dict[str, int]) -> None:
+        self.check_output_views(out)
         seen = set()
         for d in out:
             rid = str(d.request_id)

@@ -9,6 +9,7 @@ is the same function on the true history (pure Python), and an unconstrained sch
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 
@@ -167,7 +168,7 @@ def test_preemption_paths_all_exercised():
     assert resets > 0 and offloads > 0, (resets, offloads)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=int(os.environ.get("FB_SIM_EXAMPLES", "25")), deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     num_blocks=st.integers(8, 20),
