@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # in case this module imports triton first
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    # ferrobatch.cuda defines its Triton kernels on import; without CUDA they can only run
+    # interpreted (tests/test_triton_attention.py), which must be decided before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402
 from ferrobatch.cuda import graphs  # noqa: E402
 from ferrobatch.cuda import triton_attention as ta  # noqa: E402

@@ -1,41 +1,81 @@
 """ferrobatch.cuda.triton_attention: the Triton paged kernels against the torch reference,
 and the reference against a naive per-query loop.
 
-The Triton kernels run under triton's interpreter (`TRITON_INTERPRET=1`, set before triton
-is imported) on CPU tensors, so no GPU is needed; tests that need triton are skipped when it
-is not installed. Shapes are tiny: the interpreter executes every program in Python.
+Without CUDA the Triton kernels run under triton's interpreter (`TRITON_INTERPRET=1`, set
+here before the kernels are defined) on CPU tensors; with CUDA they run compiled on the GPU.
+Tests that need triton are skipped when it is not installed. Shapes are tiny: the
+interpreter executes every program in Python.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import sys
+import types
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import
+import numpy as np
+import pytest
+import torch
 
-import random  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+def _reimport_triton_for_interpreter() -> None:
+    """triton's interpreter only works when TRITON_INTERPRET=1 was set before `triton` was
+    imported: triton.language's own @jit helpers (tl.zeros, tl.sum, ...) are decorated at
+    import. When another module imported it first (transformers does, in a full test run),
+    drop triton's Python modules (never its native `triton._C`) and ferrobatch.cuda, so the
+    imports below happen again in interpreter mode. Earlier importers keep their copies."""
+    lang = sys.modules.get("triton.language")
+    if lang is None or type(getattr(lang, "zeros", None)).__name__ == "InterpretedFunction":
+        return
+    for name in list(sys.modules):
+        if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
+            del sys.modules[name]
+        elif name == "ferrobatch.cuda" or name.startswith("ferrobatch.cuda."):
+            del sys.modules[name]
+
+
+if not torch.cuda.is_available():
+    # Before ferrobatch.cuda defines its kernels: @triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        _reimport_triton_for_interpreter()
+
 from ferrobatch.cuda import triton_attention as ta  # noqa: E402
 from ref_planner import FULL, SLIDING, RefPlanner  # noqa: E402
 
 torch.set_num_threads(1)
 
+
+def _kernel_device() -> torch.device | None:
+    """Where the kernels can run: CPU when they are interpreted, CUDA when compiled."""
+    if not ta.HAS_TRITON:
+        return None
+    if type(ta._decode_kernel).__name__ == "InterpretedFunction":
+        return torch.device("cpu")
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+KERNEL_DEV = _kernel_device()
+DEV = KERNEL_DEV or torch.device("cpu")
 needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed")
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="TRITON_INTERPRET=1 was not in effect (triton imported before this module?)",
+needs_kernels = pytest.mark.skipif(
+    KERNEL_DEV is None,
+    reason="kernels compiled (TRITON_INTERPRET was not set before ferrobatch.cuda was "
+    "imported) and no CUDA device to run them on",
 )
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    """Seeded on the CPU (same values everywhere), then on the test device."""
+    return torch.randn(*shape).to(DEV)
 
 
 def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
     """q [n, H, D] at `positions` over history K/V [P, Hkv, D] -> [n, H, D] (float64)."""
     heads, kv_heads = q.shape[1], hist_k.shape[1]
     g = heads // kv_heads
-    out = torch.empty(q.shape, dtype=torch.float64)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for i, p in enumerate(positions):
         lo = max(0, p - window + 1) if window else 0
         for h in range(heads):
@@ -47,18 +87,19 @@ def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
     return out
 
 
-def _cache(page: int, kv_heads: int, dim: int, num_blocks: int = 60, seed: int = 0):
+def _cache(page: int, kv_heads: int, dim: int, num_blocks: int = 60, seed: int = 0,
+           device: torch.device | str | None = None):
     """Random slot tensors (garbage everywhere a wrong read could land) with chunk 0 zero."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn((num_blocks + 2) * page, kv_heads, dim, generator=g)
     v = torch.randn((num_blocks + 2) * page, kv_heads, dim, generator=g)
     k[:page] = 0
     v[:page] = 0
-    return k, v
+    return k.to(device or DEV), v.to(device or DEV)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a))
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
 
 
 def _scenario(planner: RefPlanner, rng: random.Random, prompt_lens, steps: int):
@@ -106,8 +147,8 @@ def test_reference_matches_naive(window, softcap, heads, kv_heads, page, dim, sp
     hist: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for plan in _scenario(planner, rng, [1, 4, 5, 9, 17], steps=4):
         t = len(plan.input_ids)
-        q = torch.randn(t, heads, dim)
-        kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+        q = _randn(t, heads, dim)
+        kn, vn = _randn(t, kv_heads, dim), _randn(t, kv_heads, dim)
         out = ta.reference_paged_attention(
             q, kn, vn, k_cache, v_cache, _t(plan.block_tables[typ]), _t(plan.cu_seqlens_q),
             _t(plan.seqlens_k), page_size=page, scale=0.3, softcap=softcap,
@@ -116,7 +157,7 @@ def test_reference_matches_naive(window, softcap, heads, kv_heads, page, dim, sp
         ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
         for b, rid in enumerate(plan.request_ids):
             s, e = int(plan.cu_seqlens_q[b]), int(plan.cu_seqlens_q[b + 1])
-            hk, hv = hist.get(rid, (torch.empty(0, kv_heads, dim), torch.empty(0, kv_heads, dim)))
+            hk, hv = hist.get(rid, (kn[:0], vn[:0]))
             hk, hv = torch.cat([hk, kn[s:e]]), torch.cat([hv, vn[s:e]])
             hist[rid] = (hk, hv)
             ref = _naive(q[s:e], hk, hv, plan.positions[s:e].tolist(), window, 0.3, softcap)
@@ -124,7 +165,7 @@ def test_reference_matches_naive(window, softcap, heads, kv_heads, page, dim, sp
 
 
 @needs_triton
-@needs_interpreter
+@needs_kernels
 @pytest.mark.parametrize("window,softcap,heads,kv_heads,page,dim,splits", CASES)
 def test_triton_matches_reference(window, softcap, heads, kv_heads, page, dim, splits):
     """Chunked prefill (chunks longer than the sliding ring), mixed and decode-only steps,
@@ -138,8 +179,8 @@ def test_triton_matches_reference(window, softcap, heads, kv_heads, page, dim, s
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
     for plan in _scenario(planner, rng, [1, 4, 5, 9, 17], steps=4):
         t = len(plan.input_ids)
-        q = torch.randn(t, heads, dim)
-        kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+        q = _randn(t, heads, dim)
+        kn, vn = _randn(t, kv_heads, dim), _randn(t, kv_heads, dim)
         meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
         ref = ta.reference_paged_attention(
             q, kn, vn, k_ref, v_ref, *meta, page_size=page, scale=0.3, softcap=softcap,
@@ -157,7 +198,7 @@ def test_triton_matches_reference(window, softcap, heads, kv_heads, page, dim, s
 
 
 @needs_triton
-@needs_interpreter
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 7])
 def test_split_decode_long_context_every_split_count(window):
     """One long row and two short ones: 1, 2, 4 and 8 splits (more splits than key tiles:
@@ -172,13 +213,13 @@ def test_split_decode_long_context_every_split_count(window):
     torch.manual_seed(3)
     plan = planner.plan([("long", 69), ("one", 1), ("two", 2)])
     t = len(plan.input_ids)
-    kn, vn = torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    kn, vn = _randn(t, kv_heads, dim), _randn(t, kv_heads, dim)
     ta.write_kv(k_cache, v_cache, kn, vn, _t(plan.slot_mapping[typ]))
     for rid in ("long", "one", "two"):
         planner.append(rid, 7)
     plan = planner.plan([("long", 1), ("one", 1), ("two", 1)])
-    q = torch.randn(3, heads, dim)
-    kn, vn = torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
+    q = _randn(3, heads, dim)
+    kn, vn = _randn(3, kv_heads, dim), _randn(3, kv_heads, dim)
     meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
     ref = ta.reference_paged_attention(
         q, kn, vn, k_cache, v_cache, *meta, page_size=page, scale=0.25, sliding_window=window
@@ -193,25 +234,26 @@ def test_split_decode_long_context_every_split_count(window):
 
 
 @needs_triton
-@needs_interpreter
+@needs_kernels
 def test_kernels_leave_other_rows_and_padding_alone():
     """Decode skips multi-token rows, prefill skips single-token rows, neither writes tokens
     beyond cu_seqlens_q[-1]; an empty row (no query token) and a row whose only key sits in
     the zero chunk give no NaN."""
     page, heads, kv_heads, dim = 4, 2, 1, 16
     k_cache, v_cache = _cache(page, kv_heads, dim, seed=6)
-    tables = torch.tensor([[2, 3], [4, 0], [0, 0], [0, 0]], dtype=torch.int32)
-    cu = torch.tensor([0, 3, 4, 5, 5], dtype=torch.int32)  # rows: prefill 3, decode, pad, empty
-    lens = torch.tensor([5, 6, 1, 0], dtype=torch.int32)
-    q = torch.randn(7, heads, dim)  # tokens 5, 6: beyond the rows
-    kn, vn = torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
-    sentinel = torch.full((7, heads, dim), 123.0)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    tables = torch.tensor([[2, 3], [4, 0], [0, 0], [0, 0]], **i32)
+    cu = torch.tensor([0, 3, 4, 5, 5], **i32)  # rows: prefill 3, decode, pad, empty
+    lens = torch.tensor([5, 6, 1, 0], **i32)
+    q = _randn(7, heads, dim)  # tokens 5, 6: beyond the rows
+    kn, vn = _randn(7, kv_heads, dim), _randn(7, kv_heads, dim)
+    sentinel = torch.full((7, heads, dim), 123.0, device=DEV)
     dec = ta.paged_decode_attention(
         q, k_cache, v_cache, tables, cu, lens, page_size=page, scale=0.5, num_splits=2,
         block_n=16, out=sentinel.clone(),
     )
     assert torch.equal(dec[:3], sentinel[:3]) and torch.equal(dec[5:], sentinel[5:])
-    assert torch.equal(dec[4], torch.zeros(heads, dim)), "zero-chunk key must give zeros"
+    assert not dec[4].any(), "a zero-chunk key must give zeros"
     pre = ta.paged_prefill_attention(
         q, kn, vn, k_cache, v_cache, tables, cu, lens, max_seqlen_q=3, page_size=page,
         scale=0.5, block_m=16, block_n=16, out=sentinel.clone(),
@@ -238,13 +280,13 @@ def test_static_decode_matches_reference(window, softcap):
         planner.add(f"r{i}", [7] * n)
     plan = planner.plan([(f"r{i}", n) for i, n in enumerate([1, 6, 11, 30])])
     t = len(plan.input_ids)
-    ta.write_kv(k_cache, v_cache, torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim),
+    ta.write_kv(k_cache, v_cache, _randn(t, kv_heads, dim), _randn(t, kv_heads, dim),
                 _t(plan.slot_mapping[typ]))
     for i in range(4):
         planner.append(f"r{i}", 7)
     plan = planner.plan([(f"r{i}", 1) for i in range(4)])
-    q = torch.randn(4, heads, dim)
-    kn, vn = torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim)
+    q = _randn(4, heads, dim)
+    kn, vn = _randn(4, kv_heads, dim), _randn(4, kv_heads, dim)
     meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
     ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, *meta, page_size=page,
                                        scale=0.3, softcap=softcap, sliding_window=window)
@@ -326,7 +368,7 @@ def test_flash_attn_wrapper_plumbing(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
         flash_attn_varlen_func=fake_varlen, flash_attn_with_kvcache=fake_kvcache))
-    k_cache, v_cache = _cache(page, kv_heads, dim, num_blocks=3, seed=9)
+    k_cache, v_cache = _cache(page, kv_heads, dim, num_blocks=3, seed=9, device="cpu")
     tables = torch.tensor([[2, 3], [4, 0]], dtype=torch.int32)
     cu = torch.tensor([0, 3, 4], dtype=torch.int32)
     lens = torch.tensor([300, 5], dtype=torch.int32)
@@ -360,7 +402,7 @@ def test_flash_attn_wrapper_plumbing(monkeypatch):
 
 
 @needs_triton
-@needs_interpreter
+@needs_kernels
 def test_sliding_chunk_longer_than_ring_reads_cached_keys_before_the_write():
     """w=5, page 4 (ring of 3 chunks): a 13-token chunk after 7 cached tokens overwrites
     ring slots its first queries still need. Prefill before the write (as `paged_attention`
@@ -373,8 +415,8 @@ def test_sliding_chunk_longer_than_ring_reads_cached_keys_before_the_write():
     torch.manual_seed(5)
     for n in (7, 13):
         plan = planner.plan([("a", n)])
-        q = torch.randn(n, heads, dim)
-        kn, vn = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+        q = _randn(n, heads, dim)
+        kn, vn = _randn(n, kv_heads, dim), _randn(n, kv_heads, dim)
         meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
         kw = dict(page_size=page, scale=0.3, sliding_window=w)
         ref = ta.reference_paged_attention(q, kn, vn, k_cache, v_cache, *meta, **kw)
@@ -388,7 +430,7 @@ def test_sliding_chunk_longer_than_ring_reads_cached_keys_before_the_write():
 
 
 @needs_triton
-@needs_interpreter
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 5])
 def test_half_precision_matches_reference(window):
     """fp16 caches and queries (the non-IEEE tl.dot path, probabilities cast to the value
@@ -402,8 +444,8 @@ def test_half_precision_matches_reference(window):
     torch.manual_seed(6)
     for plan in _scenario(planner, random.Random(8), [2, 9, 17], steps=3):
         t = len(plan.input_ids)
-        q = torch.randn(t, heads, dim).half()
-        kn, vn = torch.randn(t, kv_heads, dim).half(), torch.randn(t, kv_heads, dim).half()
+        q = _randn(t, heads, dim).half()
+        kn, vn = _randn(t, kv_heads, dim).half(), _randn(t, kv_heads, dim).half()
         meta = (_t(plan.block_tables[typ]), _t(plan.cu_seqlens_q), _t(plan.seqlens_k))
         kw = dict(page_size=page, scale=0.3, sliding_window=window)
         ref = ta.reference_paged_attention(q, kn, vn, k_ref, v_ref, *meta, **kw)
