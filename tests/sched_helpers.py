@@ -168,7 +168,11 @@ class Snap:
     cached: list[int]  # free chunks keeping a hashed block, eviction order
     swap_free: list[int]
     swap_deferred: list[int]
+    hashed: set[int]
     raw: object
+
+    def held_chunks(self) -> set[int]:
+        return {c for r in self.requests.values() for cs in r.held.values() for c in cs}
 
 
 def read_snapshot(s: Scheduler) -> Snap:
@@ -206,6 +210,7 @@ def read_snapshot(s: Scheduler) -> Snap:
         cached=[int(c) for c in _get(raw, "cached_chunks")],
         swap_free=[int(c) for c in _get(raw, "swap_free_slots") or []],
         swap_deferred=[int(c) for c in _get(raw, "swap_deferred_slots") or []],
+        hashed={int(c) for c in _get(raw, "hashed_chunks") or []},
         raw=raw,
     )
 
@@ -398,6 +403,20 @@ class Harness:
                         check(r in rids, "%s (key %s) preempted while newer %s (key %s) kept its "
                               "cache without running in this step", v, before.requests[v].key,
                               r, before.requests[r].key)
+        # eviction: cached chunks are reclaimed only once no uninitialized chunk is left, and
+        # in LRU order (head of the cached list first; prefix hits leave the list)
+        held_after = after.held_chunks()
+        evicted = [c for c in before.cached if c in held_after and c not in after.hashed]
+        hits = {c for c in before.cached if c in held_after and c in after.hashed}
+        if evicted:
+            left = set(before.free) & set(after.free)
+            check(not left, "cached chunks %s evicted while uninitialized %s were free",
+                  evicted, sorted(left))
+            lru = [c for c in before.cached if c not in hits]
+            k = len([c for c in lru if c in evicted])
+            check(set(lru[:k]) == set(evicted) & set(lru),
+                  "eviction not in LRU order: evicted %s, cached list was %s (hits %s)",
+                  evicted, before.cached, sorted(hits))
         keys = [after.requests[r].key for r in new]
         check(keys == sorted(keys), "admissions out of (priority, arrival) order: %s",
               list(zip(new, keys, strict=True)))
