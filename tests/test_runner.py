@@ -381,3 +381,22 @@ def test_transposed_head_copy_follows_weight_changes(monkeypatch):
         model.lm_head.weight.mul_(1.5)  # the caller fine-tunes between steps
     _step(runner, planner, [("x", 1)], model)
     runner.close()
+
+
+def test_training_mode_model_runs_without_dropout_and_keeps_its_modes():
+    model = tm.gpt2()  # GPT-2 has dropout layers
+    model.train()
+    model.transformer.h[0].eval()
+    runner, planner = _runner(model)
+    planner.add("x", [5, 6, 7, 8, 9, 10])
+    plan = planner.plan([("x", 6)])
+    logits = runner.execute(plan)
+    model.eval()
+    torch.testing.assert_close(logits[0], _ref_logits(model, [5, 6, 7, 8, 9, 10]), atol=ATOL,
+                               rtol=1e-4)
+    model.train()
+    model.transformer.h[0].eval()
+    runner.execute(plan)  # same slots again
+    assert model.training and not model.transformer.h[0].training
+    assert model.transformer.h[1].training
+    runner.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -136,7 +138,7 @@ class ModelRunner:
             return False
         ids = torch.arange(3, 9, device=self.device).unsqueeze(0) % self.vocab_size
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _eval_mode(self.model):
                 full = self.model(input_ids=ids, use_cache=False).logits[0, -2:]
                 hidden = self._base(input_ids=ids, use_cache=False)[0][0, -2:]
                 split = self._head_logits(hidden)
@@ -169,18 +171,8 @@ class ModelRunner:
             if input_ids.shape[1] == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
             step = attention.build_step(plan, self.cache, self.layer_types, self.sliding_window)
-            kwargs = {attention.STEP_KWARG: step, "use_cache": False}
-            with attention.paged_attention_enabled(self._configs):
-                if self._split_head:
-                    out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
-                    hidden = out[0][0].index_select(0, logits_indices)
-                    logits = self._head_logits(hidden)
-                else:
-                    out = self.model(
-                        input_ids=input_ids, position_ids=positions,
-                        logits_to_keep=logits_indices, **kwargs,
-                    )
-                    logits = out.logits[0]
+            with _eval_mode(self.model):
+                logits = self._forward(input_ids, positions, logits_indices, step)
             if step.calls != len(self.layer_types):
                 raise RuntimeError(
                     f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
@@ -188,6 +180,25 @@ class ModelRunner:
                     "dispatch attention through transformers' AttentionInterface"
                 )
             return logits.float()
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        step: attention.PagedStep,
+    ) -> torch.Tensor:
+        kwargs = {attention.STEP_KWARG: step, "use_cache": False}
+        with attention.paged_attention_enabled(self._configs):
+            if self._split_head:
+                out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
+                hidden = out[0][0].index_select(0, logits_indices)
+                return self._head_logits(hidden)
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
+                **kwargs,
+            )
+            return out.logits[0]
 
     def close(self) -> None:
         """Release the cache and forget the model (its config is already restored)."""
@@ -203,3 +214,18 @@ class ModelRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Dropout off for the block; every module's own training flag restored afterwards."""
+    if not model.training:
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
