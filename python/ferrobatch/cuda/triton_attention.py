@@ -33,9 +33,14 @@ Both kernels take every row of the batch and skip the rows that belong to the ot
 configuration serves any mix of rows: the grid only depends on (B, max query length,
 heads, splits), which is what a CUDA graph needs.
 
-Backends (`select_backend`): "flash_attn" (flash-attn's paged varlen kernel; full attention
-and pages that are a multiple of 256 only, as flash-attn 2 requires), "triton" (the kernels
-here), "torch" (`reference_paged_attention`: gather + SDPA per row; correct, slow).
+Backends (`select_backend`): "flash_attn" (flash-attn's paged kernels, `flash_attn_with_kvcache`
+for decode-only steps and `flash_attn_varlen_func` otherwise; full attention and pages that
+are a multiple of 256 only, as flash-attn 2 requires), "triton" (the kernels here), "torch"
+(`reference_paged_attention`, gather + SDPA per row, correct and slow; decode-only steps with
+a known max key length use `static_decode_attention`, fixed-shape and CUDA-graph capturable).
+
+Numerics: fp32 inputs use IEEE fp32 dot products (no TF32); fp16/bf16 inputs accumulate in
+fp32 and cast the probabilities to the value dtype for the second product.
 """
 
 from __future__ import annotations
