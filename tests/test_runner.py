@@ -34,9 +34,9 @@ def _ref_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
 
 
-def _runner(model, page_size: int = 4, num_blocks: int = 256, swap: int = 0):
+def _runner(model, page_size: int = 4, num_blocks: int = 256, swap: int = 0, backend=None):
     runner = ModelRunner(model, num_blocks=num_blocks, page_size=page_size,
-                         cpu_offload_blocks=swap)
+                         cpu_offload_blocks=swap, attention_backend=backend)
     planner = RefPlanner(page_size=page_size, num_blocks=num_blocks,
                          layer_types=runner.layer_types, sliding_window=runner.sliding_window,
                          swap_slots=swap)
@@ -62,10 +62,10 @@ def _step(runner, planner, rows, model=None, check=True) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("name", list(tm.BUILDERS))
-def test_packed_steps_match_each_sequence_alone(name):
+def test_packed_steps_match_each_sequence_alone(name, backend=None):
     """Mixed prefill chunks (some longer than the window) and decodes in one packed batch."""
     model = tm.BUILDERS[name]()
-    runner, planner = _runner(model, page_size=4)
+    runner, planner = _runner(model, page_size=4, backend=backend)
     prompts = _prompts(1, 5, 3, 45)
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
@@ -400,3 +400,10 @@ def test_training_mode_model_runs_without_dropout_and_keeps_its_modes():
     assert model.training and not model.transformer.h[0].training
     assert model.transformer.h[1].training
     runner.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3"])
+def test_kernel_step_wiring_with_the_torch_reference_backend(name):
+    """The GPU kernel path (KernelStep -> ferrobatch.cuda.paged_attention), run on CPU with
+    the kernels' torch reference backend."""
+    test_packed_steps_match_each_sequence_alone(name, backend="torch")

@@ -43,7 +43,9 @@ STEP_KWARG = "ferrobatch_step"
 __all__ = [
     "ATTENTION_NAME",
     "STEP_KWARG",
+    "KernelStep",
     "PagedStep",
+    "build_kernel_step",
     "build_step",
     "paged_attention_enabled",
     "paged_attention_forward",
@@ -92,6 +94,105 @@ class PagedStep:
     groups: list[_Group]  # per layer: the group of its attention type
     num_tokens: int
     calls: int = 0  # attention calls seen; the runner checks every layer came through here
+
+
+@dataclass
+class KernelStep:
+    """Per-step device metadata for the GPU kernels of `ferrobatch.cuda.triton_attention`
+    (built once per step by `build_kernel_step`; see `.notes/cuda-wiring.md`)."""
+
+    cache: PagedKVCache
+    layer_types: list[str]
+    backend: str  # "triton" | "flash_attn" | "torch"
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seqlens_k: torch.Tensor  # [B] int32
+    slot_mapping: dict[str, torch.Tensor]  # [T] int64 per type
+    block_tables: dict[str, torch.Tensor]  # [B, W] int32 per type
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_splits: dict[str, int]
+    sliding_window: int | None
+    ring_size: int | None
+    num_tokens: int
+    calls: int = 0
+
+
+def build_kernel_step(
+    plan: Any,
+    cache: PagedKVCache,
+    layer_types: list[str],
+    sliding_window: int | None,
+    backend: str,
+    num_sms: int = 132,
+) -> KernelStep:
+    """The device tensors and host integers the kernels need for `plan`."""
+    from .cuda import triton_attention as ta
+
+    device = cache.device
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    seqlens = np.asarray(plan.seqlens_k, dtype=np.int64)
+    qlen = np.diff(cu)
+    if (qlen < 1).any() or (seqlens < qlen).any():
+        raise ValueError("every row needs >= 1 query token and seqlens_k >= its query length")
+
+    def i32(a: Any) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+
+    max_k = int(seqlens.max())
+    types = sorted(set(layer_types))
+    num_splits = {}
+    for typ in types:
+        keys = min(max_k, int(sliding_window)) if typ == SLIDING else max_k
+        num_splits[typ] = ta.choose_num_splits(len(qlen), cache.num_kv_heads, keys,
+                                               num_sms=num_sms)
+    tables = {t: i32(plan.block_tables[t]) for t in types}
+    return KernelStep(
+        cache=cache,
+        layer_types=layer_types,
+        backend=backend,
+        cu_seqlens_q=i32(cu),
+        seqlens_k=i32(seqlens),
+        slot_mapping={
+            t: torch.from_numpy(np.ascontiguousarray(plan.slot_mapping[t], dtype=np.int64))
+            .to(device) for t in types
+        },
+        block_tables=tables,
+        max_seqlen_q=int(qlen.max()),
+        max_seqlen_k=max_k,
+        num_splits=num_splits,
+        sliding_window=sliding_window,
+        ring_size=int(tables[SLIDING].shape[1]) if SLIDING in tables else None,
+        num_tokens=int(cu[-1]),
+    )
+
+
+def _kernel_attention(
+    step: KernelStep,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    from .cuda import triton_attention as ta
+
+    typ = step.layer_types[layer]
+    sliding = typ == SLIDING
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if k_new.dtype != k_cache.dtype:
+        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+    out = ta.paged_attention(
+        query[0].transpose(0, 1), k_new, v_new, k_cache, v_cache,
+        step.slot_mapping[typ], step.block_tables[typ], step.cu_seqlens_q, step.seqlens_k,
+        max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
+        page_size=step.cache.page_size, scale=scaling, softcap=softcap,
+        sliding_window=step.sliding_window if sliding else None,
+        ring_size=step.ring_size if sliding else None,
+        num_splits=step.num_splits[typ], backend=step.backend,
+    )
+    return out.unsqueeze(0)
 
 
 def build_step(
@@ -287,13 +388,17 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] of a
     packed step → output [1, T, H, D], reading and writing the paged cache."""
-    step: PagedStep | None = kwargs.get(STEP_KWARG)
+    step: PagedStep | KernelStep | None = kwargs.get(STEP_KWARG)
     if step is None:
         return _delegate(module, query, key, value, attention_mask, scaling=scaling,
                          dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
-    group = step.groups[layer]
     step.calls += 1
+    if isinstance(step, KernelStep):
+        if scaling is None:
+            scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        return _kernel_attention(step, layer, query, key, value, scaling, softcap or None), None
+    group = step.groups[layer]
     k_cache = step.cache.keys[layer]
     v_cache = step.cache.values[layer]
     _, heads, num_tokens, dim = query.shape

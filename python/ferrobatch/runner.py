@@ -39,7 +39,11 @@ class ModelRunner:
         cpu_offload_blocks: int = 0,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
     ) -> None:
+        """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
+        flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
+        "triton", "flash_attn" or "torch" (the kernels' reference) force one."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.model = model
@@ -65,6 +69,11 @@ class ModelRunner:
             dtype=self.dtype,
             cpu_offload_blocks=cpu_offload_blocks,
         )
+        self.attention_backend = self._choose_backend(attention_backend)
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda" else 132
+        )
         self._configs = attention.model_configs(model)
         self._base = getattr(model, "base_model", None)
         self._head = model.get_output_embeddings()
@@ -79,6 +88,20 @@ class ModelRunner:
         self._split_head = self._check_split_head()
         self._use_head_wt = self._split_head and self._transposed_head_wins()
         self._closed = False
+
+    def _choose_backend(self, requested: str | None) -> str:
+        if requested is not None:
+            if requested not in ("sdpa", "triton", "flash_attn", "torch"):
+                raise ValueError(f"unknown attention_backend {requested!r}")
+            return requested
+        if self.device.type != "cuda":
+            return "sdpa"
+        from .cuda import triton_attention as ta
+
+        chosen = ta.select_backend(self.device, page_size=self.page_size)
+        backend = chosen if chosen in ("triton", "flash_attn") else "sdpa"
+        logger.info("ferrobatch: attention backend %s", backend)
+        return backend
 
     # --- logits ----------------------------------------------------------------------------
 
@@ -170,7 +193,15 @@ class ModelRunner:
             logits_indices = self._tensor(plan.logits_indices)
             if input_ids.shape[1] == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
-            step = attention.build_step(plan, self.cache, self.layer_types, self.sliding_window)
+            if self.attention_backend == "sdpa":
+                step = attention.build_step(
+                    plan, self.cache, self.layer_types, self.sliding_window
+                )
+            else:
+                step = attention.build_kernel_step(
+                    plan, self.cache, self.layer_types, self.sliding_window,
+                    self.attention_backend, self._num_sms,
+                )
             with _eval_mode(self.model):
                 logits = self._forward(input_ids, positions, logits_indices, step)
             if step.calls != len(self.layer_types):
@@ -186,7 +217,7 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
-        step: attention.PagedStep,
+        step: attention.PagedStep | attention.KernelStep,
     ) -> torch.Tensor:
         kwargs = {attention.STEP_KWARG: step, "use_cache": False}
         with attention.paged_attention_enabled(self._configs):
