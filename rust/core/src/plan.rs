@@ -64,32 +64,32 @@ impl StepPlan {
         self.swap_out.clear();
         self.swap_in.clear();
     }
-    /// Move every array but `rows` out (the result has empty `rows`), leaving empty buffers
-    /// of the same capacity.
-    pub fn take_arrays(&mut self) -> StepPlan {
-        fn take(v: &mut Vec<i32>) -> Vec<i32> {
-            let cap = v.len();
-            std::mem::replace(v, Vec::with_capacity(cap))
-        }
-        StepPlan {
-            rows: Vec::new(),
-            input_ids: take(&mut self.input_ids),
-            positions: take(&mut self.positions),
-            cu_seqlens_q: take(&mut self.cu_seqlens_q),
-            seqlens_k: take(&mut self.seqlens_k),
-            logits_indices: take(&mut self.logits_indices),
-            logits_rows: take(&mut self.logits_rows),
-            has_full: self.has_full,
-            has_sliding: self.has_sliding,
-            slot_mapping_full: take(&mut self.slot_mapping_full),
-            slot_mapping_sliding: take(&mut self.slot_mapping_sliding),
-            block_table_full: take(&mut self.block_table_full),
-            full_width: self.full_width,
-            block_table_sliding: take(&mut self.block_table_sliding),
-            sliding_width: self.sliding_width,
-            swap_out: take(&mut self.swap_out),
-            swap_in: take(&mut self.swap_in),
-        }
+    /// Exchange every array but `rows` with `spare`'s (cleared first): `spare` receives this
+    /// plan's data, the plan keeps `spare`'s buffers (and their capacity) for the next step.
+    pub fn swap_arrays(&mut self, spare: &mut StepPlan) {
+        spare.clear();
+        std::mem::swap(&mut self.input_ids, &mut spare.input_ids);
+        std::mem::swap(&mut self.positions, &mut spare.positions);
+        std::mem::swap(&mut self.cu_seqlens_q, &mut spare.cu_seqlens_q);
+        std::mem::swap(&mut self.seqlens_k, &mut spare.seqlens_k);
+        std::mem::swap(&mut self.logits_indices, &mut spare.logits_indices);
+        std::mem::swap(&mut self.logits_rows, &mut spare.logits_rows);
+        std::mem::swap(&mut self.slot_mapping_full, &mut spare.slot_mapping_full);
+        std::mem::swap(
+            &mut self.slot_mapping_sliding,
+            &mut spare.slot_mapping_sliding,
+        );
+        std::mem::swap(&mut self.block_table_full, &mut spare.block_table_full);
+        std::mem::swap(
+            &mut self.block_table_sliding,
+            &mut spare.block_table_sliding,
+        );
+        std::mem::swap(&mut self.swap_out, &mut spare.swap_out);
+        std::mem::swap(&mut self.swap_in, &mut spare.swap_in);
+        spare.has_full = self.has_full;
+        spare.has_sliding = self.has_sliding;
+        spare.full_width = self.full_width;
+        spare.sliding_width = self.sliding_width;
     }
     /// B.
     pub fn num_rows(&self) -> usize {

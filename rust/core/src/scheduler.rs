@@ -354,15 +354,15 @@ impl Scheduler {
     pub fn plan(&self) -> &StepPlan {
         &self.plan
     }
-    /// Move the arrays of the plan just built out of the scheduler (zero-copy export; `rows`
-    /// stay, `update()` needs them). The scheduler keeps empty buffers of the same capacity.
-    pub fn take_plan_arrays(&mut self) -> StepPlan {
-        self.plan.take_arrays()
+    /// Export the arrays of the plan just built without copying: they are exchanged with
+    /// `spare`'s buffers (see [`StepPlan::swap_arrays`]); `rows` stay, `update()` needs them.
+    pub fn export_plan(&mut self, spare: &mut StepPlan) {
+        self.plan.swap_arrays(spare);
     }
-    /// Move the deltas of the last `update()` out (the scheduler keeps empty buffers).
-    pub fn take_output(&mut self) -> StepOutput {
-        let cap = self.out.len();
-        std::mem::replace(&mut self.out, StepOutput::with_capacity(cap))
+    /// Export the deltas of the last `update()` by exchanging buffers with `spare` (cleared).
+    pub fn export_output(&mut self, spare: &mut StepOutput) {
+        spare.clear();
+        std::mem::swap(&mut self.out, spare);
     }
     pub fn has_outstanding_plan(&self) -> bool {
         self.outstanding
@@ -928,7 +928,9 @@ impl Scheduler {
             for (i, row) in p.rows.iter().enumerate() {
                 if let Some(next) = p.rows.get(i + 4) {
                     let f = &reqs[next.req as usize].as_ref().expect("live").full;
-                    crate::hint::prefetch(f.as_ptr());
+                    if !f.is_empty() {
+                        crate::hint::prefetch(f.as_ptr());
+                    }
                 }
                 let full = &reqs[row.req as usize].as_ref().expect("live").full;
                 p.block_table_full.extend(full.iter().map(|&c| c as i32));
@@ -999,11 +1001,6 @@ impl Scheduler {
                 .reserve(self.plan.rows.len() + self.pending_cancel.len());
             for ri in 0..self.plan.rows.len() {
                 let row = self.plan.rows[ri];
-                if let Some(next) = self.plan.rows.get(ri + 4) {
-                    if let Some(nr) = self.reqs[next.req as usize].as_ref() {
-                        crate::hint::prefetch(nr.tokens.as_ptr().wrapping_add(nr.tokens.len()));
-                    }
-                }
                 let tok = if row.sampled {
                     k += 1;
                     Some(sampled[k - 1])

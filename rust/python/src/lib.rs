@@ -8,6 +8,8 @@
 //! * the GIL is *not* released in `schedule()`/`update()`: they take microseconds, while
 //!   re-acquiring a contended GIL can take a whole switch interval (5 ms).
 
+use std::sync::{Arc, Mutex};
+
 use ferrobatch_core as core;
 use ferrobatch_core::request::StopConditions;
 use ferrobatch_core::{AttentionType, ErrorKind, FinishReason, SchedulerConfig, SchedulerType};
@@ -103,6 +105,7 @@ macro_rules! lazy_get {
 #[pyclass(module = "ferrobatch._core", frozen)]
 pub struct StepPlan {
     d: core::StepPlan,
+    recycle: Recycler,
     names: Py<PyTuple>,
     #[pyo3(get)]
     num_rows: usize,
@@ -278,6 +281,7 @@ impl Delta {
 #[pyclass(module = "ferrobatch._core", frozen)]
 pub struct StepOutput {
     d: core::StepOutput,
+    recycle: Recycler,
     names: Py<PyTuple>,
     len: usize,
     #[pyo3(get)]
@@ -401,6 +405,56 @@ impl StepOutputIter {
     }
 }
 
+/// Buffers of dropped plans / outputs, handed back to the scheduler for its next step so
+/// steady-state steps allocate nothing (a few sets rotate while the caller holds old ones).
+#[derive(Clone, Default)]
+struct Recycler(Arc<Mutex<RecycleBins>>);
+
+#[derive(Default)]
+struct RecycleBins {
+    plans: Vec<core::StepPlan>,
+    outputs: Vec<core::StepOutput>,
+}
+
+const RECYCLE_KEEP: usize = 4;
+
+impl Recycler {
+    fn take_plan(&self) -> core::StepPlan {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|mut b| b.plans.pop())
+            .unwrap_or_default()
+    }
+    fn take_output(&self) -> core::StepOutput {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|mut b| b.outputs.pop())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for StepPlan {
+    fn drop(&mut self) {
+        if let Ok(mut b) = self.recycle.0.lock() {
+            if b.plans.len() < RECYCLE_KEEP {
+                b.plans.push(std::mem::take(&mut self.d));
+            }
+        }
+    }
+}
+
+impl Drop for StepOutput {
+    fn drop(&mut self) {
+        if let Ok(mut b) = self.recycle.0.lock() {
+            if b.outputs.len() < RECYCLE_KEEP {
+                b.outputs.push(std::mem::take(&mut self.d));
+            }
+        }
+    }
+}
+
 /// A tuple of request-id strings and the (slot, generation) keys it was built from.
 #[derive(Default)]
 struct NameCache {
@@ -482,6 +536,7 @@ pub struct Scheduler {
     /// from: a steady decode step reuses them instead of touching every string.
     plan_names: NameCache,
     out_names: NameCache,
+    recycle: Recycler,
     has_full: bool,
     has_sliding: bool,
 }
@@ -554,6 +609,7 @@ max_batch_cache_tokens=None)")]
             gens: Vec::new(),
             plan_names: NameCache::default(),
             out_names: NameCache::default(),
+            recycle: Recycler::default(),
             has_full,
             has_sliding,
         })
@@ -629,8 +685,11 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
             &self.names,
             &self.gens,
         )?;
+        let mut d = self.recycle.take_plan();
+        self.inner.export_plan(&mut d);
         Ok(Some(StepPlan {
-            d: self.inner.take_plan_arrays(),
+            d,
+            recycle: self.recycle.clone(),
             names: row_names,
             num_rows,
             num_tokens,
@@ -707,8 +766,11 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         let row_names =
             self.out_names
                 .get(py, out.reqs.iter().copied(), &self.names, &self.gens)?;
+        let mut d = self.recycle.take_output();
+        self.inner.export_output(&mut d);
         Ok(StepOutput {
-            d: self.inner.take_output(),
+            d,
+            recycle: self.recycle.clone(),
             names: row_names,
             len,
             all_have_token,
