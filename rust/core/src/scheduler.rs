@@ -205,14 +205,16 @@ impl Scheduler {
                 cfg.num_blocks
             )));
         }
-        if cfg.num_blocks > (i32::MAX as usize) / cfg.page_size.max(1) - 2 {
-            return Err(Error::value("num_blocks * page_size must fit in int32"));
-        }
         if cfg.page_size < 1 {
             return Err(Error::value(format!(
                 "page_size must be >= 1 (got {})",
                 cfg.page_size
             )));
+        }
+        if cfg.num_blocks > ((i32::MAX as usize) / cfg.page_size).saturating_sub(2) {
+            return Err(Error::value(
+                "num_blocks: (num_blocks + 2) * page_size must fit in int32",
+            ));
         }
         if cfg.max_batch_tokens < 1 {
             return Err(Error::value(format!(
