@@ -385,6 +385,32 @@ def test_stop_sequence_not_matched_across_prompt():
     assert h.tracks["s"].finish_reason == "length"
 
 
+def test_eos_in_prompt_does_not_stop():
+    h = Harness(cfg())
+    h.add(req("s", [2, 3] + toks(0, 4) + [2], max_new=3, eos_token_ids=(2,),
+              stop_token_ids=(3,), stop_sequences=((2,),)))
+    run_with(h, "s", [11, 12, 13])
+    assert h.tracks["s"].generated == [11, 12, 13]
+    assert h.tracks["s"].finish_reason == "length"
+
+
+def test_hybrid_admission_is_atomic_across_allocators():
+    """A hybrid request needs a full block and a ring chunk to start: with one free chunk it
+    is not admitted and nothing is allocated for it."""
+    c = cfg(num_blocks=10, layer_types=(FULL, SLIDING), sliding_window=4)  # R = 2
+    h = Harness(c)
+    h.add(req("big", toks(0, 28), max_new=3))  # 7 full blocks + 2 ring chunks
+    h.add(req("small", toks(100, 3), max_new=2))
+    plan = h.schedule()
+    assert list(plan.request_ids) == ["big"]
+    snap = read_snapshot(h.s)
+    assert h.stats()["num_free_blocks"] == 1
+    assert snap.requests["small"].held == {FULL: [], SLIDING: []}
+    assert snap.requests["small"].state == "waiting"
+    h.update(h.model_tokens())
+    h.run_to_completion()
+
+
 # ---------------------------------------------------------------------- cancel
 
 
