@@ -720,17 +720,64 @@ class Engine:
         return changed
 
     def _route(self, step_out: Any, lp_by_rid: dict[str, dict[int, float]], now: float) -> None:
-        for d in step_out:
-            rid = d.request_id
-            req = self._requests.get(rid)
+        """Hand each request its delta; the common case (one token, no streaming, no stop
+        string, no logprobs) touches only plain lists."""
+        bulk = hasattr(step_out, "token_ids") and hasattr(step_out, "request_ids")
+        if not bulk:  # any iterable of deltas (request_id, new_token_ids, finished, ...)
+            for d in step_out:
+                reason = d.finish_reason if d.finished else None
+                if d.finished and reason not in _FINISH_REASONS:
+                    reason = "stop"
+                self._route_one(
+                    d.request_id, [int(t) for t in d.new_token_ids], reason, lp_by_rid, now
+                )
+            return
+        rids = step_out.request_ids
+        toks = step_out.token_ids.tolist()
+        finished = step_out.finished.tolist() if getattr(step_out, "num_finished", 1) else None
+        reasons = step_out.finish_reasons if finished is not None else None
+        requests = self._requests
+        generated = 0
+        for i, rid in enumerate(rids):
+            t = toks[i]
+            reason = None
+            if finished is not None and finished[i]:
+                reason = reasons[i] if reasons[i] in _FINISH_REASONS else "stop"
+            req = requests.get(rid)
             if req is None or req.done.is_set():
                 continue  # already finished here (stop string, cancel)
-            new = [int(t) for t in d.new_token_ids]
-            reason = d.finish_reason if d.finished else None
-            if d.finished and reason not in _FINISH_REASONS:
-                reason = "stop"
-            lp = lp_by_rid.get(rid)
-            self._deliver(req, new, reason, lp, now)
+            if (
+                reason is None
+                and t >= 0
+                and req.listener is None
+                and not req.detok.incremental
+                and req.output.logprobs is None
+            ):
+                req.sstate.output_ids.append(t)
+                out = req.output
+                out.token_ids.append(t)
+                dt = now - req.arrival
+                if out.ttft is None:
+                    out.ttft = dt
+                out.token_times.append(dt)
+                req.detok.add((t,))
+                generated += 1
+                continue
+            self._deliver(req, [t] if t >= 0 else [], reason, lp_by_rid.get(rid), now)
+        self._stats["generated_tokens"] += generated
+
+    def _route_one(
+        self,
+        rid: str,
+        new: list[int],
+        reason: str | None,
+        lp_by_rid: dict[str, dict[int, float]],
+        now: float,
+    ) -> None:
+        req = self._requests.get(rid)
+        if req is None or req.done.is_set():
+            return
+        self._deliver(req, new, reason, lp_by_rid.get(rid), now)
 
     def _deliver(
         self,

@@ -180,6 +180,11 @@ class SamplingState:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    plain_greedy: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = p.greedy and not p.has_penalties and p.logprobs is None
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """The request's own generator when it is seeded (created on first use)."""
@@ -217,10 +222,10 @@ class Sampler:
             raise ValueError(f"logits has {n} rows but {len(states)} sampling states were given")
         if n == 0:
             return SampleResult(torch.empty(0, dtype=torch.int64))
+        if all(s.plain_greedy for s in states):
+            return SampleResult(_argmax_rows(logits))
         params = [s.params for s in states]
         need_logprobs = any(p.logprobs is not None for p in params)
-        if not need_logprobs and all(p.greedy and not p.has_penalties for p in params):
-            return SampleResult(_argmax_rows(logits))
 
         raw = logits
         scores = logits.float().clone()
