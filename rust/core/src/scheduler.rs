@@ -610,6 +610,9 @@ impl Scheduler {
                 if r.touched_step == self.step {
                     continue;
                 }
+                if want == RequestState::Decoding && self.decode_fast(idx, &mut b) {
+                    continue;
+                }
                 self.place_running(idx, &mut b, true);
             }
         }
@@ -679,6 +682,51 @@ impl Scheduler {
             b.cache = b.cache.saturating_sub(start + q);
             return true;
         }
+    }
+
+    /// Place a decode row (one token) when it needs no new chunk and fits the budgets: the
+    /// common case of a steady decode step, done with one request lookup. Returns false
+    /// (nothing changed) otherwise; the general path handles it.
+    #[inline]
+    fn decode_fast(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let page = self.cfg.page_size;
+        let l = self.layout;
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let start = r.num_computed;
+        let end = start + 1;
+        if end != r.tokens.len()
+            || b.cache < end
+            || (l.has_full && r.full.len() * page < end)
+            || (l.has_sliding && r.ring.len() < l.ring && r.ring.len() * page < end)
+        {
+            return false;
+        }
+        r.touched_step = step;
+        let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
+        let row = p.rows.len() as i32;
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: 1,
+            sampled: true,
+        });
+        p.input_ids.push(r.last_token as i32);
+        p.positions.push(start as i32);
+        if l.has_sliding {
+            p.slot_mapping_sliding
+                .push(l.sliding_slot(&r.ring, start, end));
+        }
+        let cum = p.input_ids.len() as i32;
+        p.cu_seqlens_q.push(cum);
+        p.seqlens_k.push(end as i32);
+        p.logits_indices.push(cum - 1);
+        p.logits_rows.push(row);
+        b.tokens -= 1;
+        b.rows -= 1;
+        b.cache -= end;
+        true
     }
 
     /// Allocate what the row needs and write its entries of every per-token / per-row array
