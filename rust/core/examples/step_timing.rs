@@ -57,12 +57,14 @@ fn main() {
         ts.push((t1 - t0).as_secs_f64() * 1e6);
         tu.push((t2 - t1).as_secs_f64() * 1e6);
     }
+    let mean = (ts.iter().sum::<f64>() + tu.iter().sum::<f64>()) / ts.len() as f64;
     ts.sort_by(f64::total_cmp);
     tu.sort_by(f64::total_cmp);
     println!(
-        "N={n} page={page}: schedule median {:.1} us, update median {:.1} us, width {}",
+        "N={n} page={page}: schedule median {:.1} us, update median {:.1} us, mean step {:.1} us, width {}",
         ts[ts.len() / 2],
         tu[tu.len() / 2],
+        mean,
         s.plan().full_width
     );
 }

@@ -17,6 +17,28 @@
 //!   tail; a hit removes the chunk from the list (O(1), intrusive doubly-linked list).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Identity hasher for the prefix table: its keys are already xxh3 hashes.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed; fold anything else for completeness.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type HashTable = HashMap<u64, ChunkId, BuildHasherDefault<IdentityHasher>>;
 
 use crate::{ChunkId, Token};
 
@@ -68,7 +90,7 @@ pub struct ChunkPool {
     epoch: Vec<u32>,
     /// `page_size` tokens per chunk: the content of hashed chunks (for verification).
     tokens: Vec<Token>,
-    table: HashMap<u64, ChunkId>,
+    table: HashTable,
     num_evictions: u64,
 }
 
@@ -99,7 +121,7 @@ impl ChunkPool {
             } else {
                 Vec::new()
             },
-            table: HashMap::new(),
+            table: HashTable::default(),
             num_evictions: 0,
         }
     }
