@@ -13,6 +13,7 @@ fn main() {
     let page = args.get(1).copied().unwrap_or(16);
     let mut cfg = SchedulerConfig::new(n * 64, page, 8192);
     cfg.max_requests_per_batch = n;
+    cfg.allow_block_sharing = std::env::var("NO_SHARING").is_err();
     let mut s = Scheduler::new(cfg).unwrap();
     let mut x = 12345u64;
     for i in 0..n {

@@ -12,29 +12,28 @@ use crate::Token;
 /// Seed of block 0's hash.
 pub const ROOT_SEED: u64 = 0x6665_7272_6f62_6174; // "ferrobat"
 
-/// Hashes blocks; owns a byte scratch buffer so hashing never allocates.
+/// Hashes blocks (no allocation).
 #[derive(Clone, Debug, Default)]
 pub struct BlockHasher {
-    buf: Vec<u8>,
     /// Mask applied to every hash (all ones normally; tests shrink it to force twins).
     pub mask: u64,
 }
 
 impl BlockHasher {
     pub fn new() -> Self {
-        BlockHasher {
-            buf: Vec::new(),
-            mask: u64::MAX,
-        }
+        BlockHasher { mask: u64::MAX }
     }
 
     /// Hash of a full block given its parent's hash (None for block 0).
     pub fn hash(&mut self, parent: Option<u64>, tokens: &[Token]) -> u64 {
-        self.buf.clear();
-        for t in tokens {
-            self.buf.extend_from_slice(&t.to_le_bytes());
-        }
-        xxh3_64_with_seed(&self.buf, parent.unwrap_or(ROOT_SEED)) & self.mask
+        // SAFETY: viewing `[u32]` as bytes is always sound: the pointer is valid for
+        // `size_of_val(tokens)` bytes for the lifetime of `tokens` (borrowed, not mutated
+        // meanwhile), `u8` has alignment 1 and every byte pattern is a valid `u8`. (Byte
+        // order is the machine's: hashes never leave the process.)
+        let bytes = unsafe {
+            std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+        };
+        xxh3_64_with_seed(bytes, parent.unwrap_or(ROOT_SEED)) & self.mask
     }
 
     /// Extend `hashes` so it covers the first `n_blocks` full blocks of `tokens`.
