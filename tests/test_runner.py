@@ -371,10 +371,29 @@ def test_load_model_from_a_path_and_as_an_object(tmp_path):
 
 
 def test_transposed_head_copy_follows_weight_changes(monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_packed_head_wins", lambda self: False)
     monkeypatch.setattr(ModelRunner, "_transposed_head_wins", lambda self: True)
     model = tm.llama()
     runner, planner = _runner(model)
     assert runner._use_head_wt
+    planner.add("x", [5, 6, 7, 8])
+    _step(runner, planner, [("x", 4)], model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # the caller fine-tunes between steps
+    _step(runner, planner, [("x", 1)], model)
+    runner.close()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_packed_head_follows_weight_changes(monkeypatch):
+    """The oneDNN-reordered output head matches the model, also after the caller changes the
+    head weight (and bias) between steps."""
+    from ferrobatch import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "_best_times", lambda fns, rounds=5: [0.0, 1.0])
+    model = tm.llama()
+    runner, planner = _runner(model)
+    assert runner._use_head_packed and not runner._use_head_wt
     planner.add("x", [5, 6, 7, 8])
     _step(runner, planner, [("x", 4)], model)
     with torch.no_grad():
