@@ -30,70 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from ferrobatch.workloads import brief_model, brief_prompts, chat_prompts  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
 METHODS = ("ferrobatch", "generate_batch", "padded_generate")
 
-CHAT_QUESTIONS = [
-    "What is the capital of France?",
-    "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.",
-    "How do I reverse a list in Python?",
-    "Give me three tips for better sleep.",
-    "What is the difference between weather and climate?",
-    "Summarize the plot of Romeo and Juliet.",
-    "Why is the sky blue?",
-    "What are prime numbers? Give examples.",
-    "Suggest a name for a friendly robot.",
-    "How does a bicycle stay upright?",
-    "Translate 'good morning' into Spanish and French.",
-    "What is machine learning?",
-    "Describe a cat to someone who has never seen one.",
-    "List the planets of the solar system.",
-    "What should I pack for a weekend hiking trip?",
-]
-
-
-def tiny_llama() -> torch.nn.Module:
-    """The brief's benchmark model (EOS off: the config has no eos token)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval().to(torch.float32)
-
-
-def tiny_prompts(n: int) -> list[list[int]]:
-    rng = random.Random(1234)
-    out = []
-    for _ in range(n):
-        length = rng.randint(16, 256)
-        out.append([rng.randrange(3, 32000) for _ in range(length)])
-    return out
-
-
 def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        q = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]
-        if i >= len(CHAT_QUESTIONS):
-            q = f"{q} (variant {i // len(CHAT_QUESTIONS)})"
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        out.append([int(t) for t in ids])
-    return out
+    """``n`` chat prompts through the tokenizer's chat template."""
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return ids["input_ids"] if hasattr(ids, "keys") else ids
+
+    return chat_prompts(encode, n)
 
 
 # ----------------------------------------------------------------------------- runners
@@ -238,8 +189,8 @@ def main() -> None:
         prompts = smollm2_prompts(tok, args.prompts)
         workload = f"SmolLM2-135M-Instruct fp32, {args.prompts} chat prompts"
     else:
-        model = tiny_llama()
-        prompts = tiny_prompts(args.prompts)
+        model = brief_model()
+        prompts = brief_prompts(args.prompts)
         workload = f"tiny Llama (brief §4), {args.prompts} prompts of 16..256 tokens"
     new = args.max_new_tokens
     n_tokens = new * len(prompts)

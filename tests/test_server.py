@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import tiny_models
 import torch
 from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
 from ferrobatch.outputs import RequestOutput
@@ -80,22 +81,16 @@ def build_tokenizer() -> Any:
 
 def build_model(tokenizer: Any, max_len: int = 256) -> Any:
     """A tiny random-init Llama matching the tokenizer's vocabulary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    return tiny_models.llama(
+        0,
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=max_len,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def real_engine_or_skip(tokenizer: Any) -> Any:

@@ -8,9 +8,11 @@ sliding/full layers, GQA, attention and final logit softcapping, learned positio
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
+from ferrobatch.workloads import brief_model
 from transformers import PreTrainedModel
 
 VOCAB = 512
@@ -37,9 +39,9 @@ def _build(cls_name: str, config_name: str, seed: int, **overrides) -> PreTraine
     return model.eval().to(torch.float32)
 
 
-def llama(seed: int = 0) -> PreTrainedModel:
-    """Llama, full attention, GQA 4/2."""
-    return _build("LlamaForCausalLM", "LlamaConfig", seed)
+def llama(seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Llama, full attention, GQA 4/2 (``overrides``: other config fields)."""
+    return _build("LlamaForCausalLM", "LlamaConfig", seed, **overrides)
 
 
 def qwen3(seed: int = 0) -> PreTrainedModel:
@@ -101,9 +103,4 @@ BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
 
 def bench_llama(seed: int = 0) -> PreTrainedModel:
     """The design brief §4 benchmark model: hidden 256, 4 layers, 4/2 heads, vocab 32000."""
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
+    return brief_model(seed)

@@ -18,7 +18,6 @@ import ipaddress
 import json
 import logging
 import os
-import random
 import runpy
 import statistics
 import sys
@@ -639,52 +638,6 @@ def _bench_module() -> dict[str, Any] | None:
     return None
 
 
-def _tiny_llama() -> Any:
-    """The design brief §4 benchmark model (used when benches/e2e_cpu.py is not around)."""
-    import torch
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval().to(torch.float32)
-
-
-def _random_prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(1234)
-    out = []
-    for _ in range(n):
-        length = rng.randint(lo, hi)
-        out.append([rng.randrange(3, vocab) for _ in range(length)])
-    return out
-
-
-def _chat_prompts(engine: Any, n: int, questions: Sequence[str]) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        q = questions[i % len(questions)]
-        if i >= len(questions):
-            q = f"{q} (variant {i // len(questions)})"
-        out.append(engine.encode_chat([{"role": "user", "content": q}]))
-    return out
-
-
-_FALLBACK_QUESTIONS = (
-    "What is the capital of France?",
-    "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.",
-    "How do I reverse a list in Python?",
-)
-
-
 def _time_runs(run: Callable[[], list[list[int]]], repeats: int) -> tuple[list[float], int]:
     run()  # warm-up
     times = []
@@ -726,6 +679,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Time the end-to-end workload and print a table."""
     import torch
 
+    from ferrobatch import workloads
     from ferrobatch.sampling import SamplingParams
 
     if args.min_len > args.max_len:
@@ -734,18 +688,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mod = _bench_module()
     if args.compare and mod is None:
         raise ValueError("--compare needs benches/e2e_cpu.py (a source checkout)")
-    questions = tuple(mod.get("CHAT_QUESTIONS", ())) if mod else ()
-    questions = questions or _FALLBACK_QUESTIONS
     chat = args.model is not None or args.smollm2
     if chat:
         engine = build_engine(args)
         model = engine.model
-        prompts = _chat_prompts(engine, args.prompts, questions)
+        prompts = workloads.chat_prompts(engine.encode_chat, args.prompts)
         label = f"{'SmolLM2-135M-Instruct' if args.model is None else args.model}, chat prompts"
     else:
-        model = mod["tiny_llama"]() if mod and "tiny_llama" in mod else _tiny_llama()
+        model = workloads.brief_model()
         engine = build_engine(args, model=model)
-        prompts = _random_prompts(args.prompts, args.min_len, args.max_len, 32000)
+        prompts = workloads.brief_prompts(args.prompts, args.min_len, args.max_len)
         label = f"tiny Llama (brief §4), prompts of {args.min_len}..{args.max_len} tokens"
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     print(

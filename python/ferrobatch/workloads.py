@@ -1,0 +1,99 @@
+"""The benchmark workloads: the design brief §4 tiny Llama and its prompts, chat questions.
+
+One source for ``benches/e2e_cpu.py``, ``ferrobatch bench`` and the tests: a random-init
+Llama (hidden 256, 4 layers, 4/2 heads, vocab 32000, fp32, ``torch.manual_seed(0)``, EOS
+off) and 64 prompts from ``random.Random(1234)`` with lengths 16..256.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "BRIEF_VOCAB",
+    "CHAT_QUESTIONS",
+    "brief_llama_config",
+    "brief_model",
+    "brief_prompts",
+    "chat_prompts",
+]
+
+#: Vocabulary size of the brief's model.
+BRIEF_VOCAB = 32000
+
+#: User questions of the chat workload (``ferrobatch bench MODEL``, ``--smollm2``).
+CHAT_QUESTIONS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "Give me three tips for better sleep.",
+    "What is the difference between weather and climate?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "What are prime numbers? Give examples.",
+    "Suggest a name for a friendly robot.",
+    "How does a bicycle stay upright?",
+    "Translate 'good morning' into Spanish and French.",
+    "What is machine learning?",
+    "Describe a cat to someone who has never seen one.",
+    "List the planets of the solar system.",
+    "What should I pack for a weekend hiking trip?",
+)
+
+
+def brief_llama_config(**overrides: Any) -> Any:
+    """The brief's ``LlamaConfig`` (no EOS token), with ``overrides`` applied."""
+    import transformers
+
+    fields: dict[str, Any] = dict(
+        vocab_size=BRIEF_VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+    )
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+def brief_model(seed: int = 0, **overrides: Any) -> Any:
+    """The brief's random-init fp32 Llama in eval mode (weights from ``torch.manual_seed``)."""
+    import torch
+    import transformers
+
+    config = brief_llama_config(**overrides)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
+
+
+def brief_prompts(
+    n: int = 64, min_len: int = 16, max_len: int = 256, vocab: int = BRIEF_VOCAB
+) -> list[list[int]]:
+    """``n`` random prompts (token ids 3..vocab) from ``random.Random(1234)``."""
+    rng = random.Random(1234)
+    out = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        out.append([rng.randrange(3, vocab) for _ in range(length)])
+    return out
+
+
+def chat_prompts(
+    encode_chat: Callable[[list[dict[str, str]]], list[int]],
+    n: int,
+    questions: Sequence[str] = CHAT_QUESTIONS,
+) -> list[list[int]]:
+    """``n`` single-turn chat prompts cycling through ``questions`` (repeats get a variant
+    suffix), each encoded by ``encode_chat(messages)``."""
+    out = []
+    for i in range(n):
+        q = questions[i % len(questions)]
+        if i >= len(questions):
+            q = f"{q} (variant {i // len(questions)})"
+        out.append([int(t) for t in encode_chat([{"role": "user", "content": q}])])
+    return out
