@@ -92,27 +92,20 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
-    """A monotonically increasing value per label set."""
-
-    kind = "counter"
+class _Values(_Metric):
+    """A metric holding one float per label set."""
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, help, labelnames)
         self._values: dict[LabelKey, float] = {}
-        if not self.labelnames:
-            self._values[()] = 0.0
 
-    def inc(self, amount: float = 1.0, **labels: Any) -> None:
-        """Add ``amount`` (>= 0) to the counter of the given label values."""
-        if amount < 0:
-            raise ValueError("a counter can only increase")
+    def _add(self, amount: float, labels: Mapping[str, Any]) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
     def get(self, **labels: Any) -> float:
-        """Current value for the given label values (0 when never incremented)."""
+        """Current value for the given label values (0 when never changed)."""
         return self._values.get(self._key(labels), 0.0)
 
     def render(self) -> list[str]:
@@ -123,14 +116,27 @@ class Counter(_Metric):
         ]
 
 
-class Gauge(_Metric):
-    """A value that can go up and down, per label set."""
+class Counter(_Values):
+    """A monotonically increasing value per label set."""
 
-    kind = "gauge"
+    kind = "counter"
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, help, labelnames)
-        self._values: dict[LabelKey, float] = {}
+        if not self.labelnames:
+            self._values[()] = 0.0
+
+    def inc(self, amount: float = 1.0, **labels: Any) -> None:
+        """Add ``amount`` (>= 0) to the counter of the given label values."""
+        if amount < 0:
+            raise ValueError("a counter can only increase")
+        self._add(amount, labels)
+
+
+class Gauge(_Values):
+    """A value that can go up and down, per label set."""
+
+    kind = "gauge"
 
     def set(self, value: float, **labels: Any) -> None:
         """Set the gauge of the given label values."""
@@ -140,29 +146,16 @@ class Gauge(_Metric):
 
     def inc(self, amount: float = 1.0, **labels: Any) -> None:
         """Add ``amount`` (may be negative)."""
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        self._add(amount, labels)
 
     def dec(self, amount: float = 1.0, **labels: Any) -> None:
         """Subtract ``amount``."""
-        self.inc(-amount, **labels)
-
-    def get(self, **labels: Any) -> float:
-        """Current value (0 when never set)."""
-        return self._values.get(self._key(labels), 0.0)
+        self._add(-amount, labels)
 
     def clear(self) -> None:
         """Forget every label set."""
         with self._lock:
             self._values.clear()
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [
-            f"{self.name}{_labels_text(self.labelnames, k)} {_format_value(v)}" for k, v in items
-        ]
 
 
 class Histogram(_Metric):
@@ -301,99 +294,108 @@ class ServerMetrics:
     """
 
     def __init__(self, prefix: str = "ferrobatch") -> None:
-        p = prefix
         self.registry = Registry()
-        reg = self.registry.register
-        self.requests = reg(Counter(
-            f"{p}_requests_total",
+        self._prefix = prefix
+        self.requests = self._counter(
+            "requests_total",
             "Finished generation requests (one per choice) by endpoint and finish reason "
             "(stop, length, cancelled = client gone, error).",
             ("endpoint", "finish_reason"),
-        ))  # fmt: skip
-        self.http_errors = reg(Counter(
-            f"{p}_http_errors_total",
-            "Requests rejected with an error status, by HTTP status code.",
+        )
+        self.http_errors = self._counter(
+            "http_errors_total", "Requests rejected with an error status, by HTTP status code.",
             ("code",),
-        ))  # fmt: skip
-        self.prompt_tokens = reg(Counter(
-            f"{p}_prompt_tokens_total", "Prompt tokens of admitted requests (per choice)."
-        ))  # fmt: skip
-        self.generation_tokens = reg(Counter(
-            f"{p}_generation_tokens_total", "Tokens generated and delivered to clients."
-        ))  # fmt: skip
-        self.waiting = reg(Gauge(
-            f"{p}_requests_waiting",
+        )  # fmt: skip
+        self.prompt_tokens = self._counter(
+            "prompt_tokens_total", "Prompt tokens of admitted requests (per choice)."
+        )
+        self.generation_tokens = self._counter(
+            "generation_tokens_total", "Tokens generated and delivered to clients."
+        )
+        self.waiting = self._gauge(
+            "requests_waiting",
             "Queue depth: requests accepted by the server that have no token yet "
             "(bounded by --max-queue).",
-        ))  # fmt: skip
-        self.running = reg(Gauge(
-            f"{p}_requests_running", "Requests producing tokens right now."
-        ))  # fmt: skip
-        self.ttft = reg(Histogram(
-            f"{p}_time_to_first_token_seconds",
-            "Time from request arrival to its first generated token.",
-            TTFT_BUCKETS,
-        ))  # fmt: skip
-        self.itl = reg(Histogram(
-            f"{p}_inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request.",
-            ITL_BUCKETS,
-        ))  # fmt: skip
-        self.e2e = reg(Histogram(
-            f"{p}_request_duration_seconds",
-            "Time from request arrival to its last token.",
+        )
+        self.running = self._gauge("requests_running", "Requests producing tokens right now.")
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.", TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = self._histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.", ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = self._histogram(
+            "request_duration_seconds", "Time from request arrival to its last token.",
             E2E_BUCKETS,
-        ))  # fmt: skip
-        self.engine_ready = reg(Gauge(
-            f"{p}_engine_ready", "1 when the engine is loaded and accepting requests."
-        ))  # fmt: skip
-        self.engine_waiting = reg(Gauge(
-            f"{p}_scheduler_waiting_requests",
+        )  # fmt: skip
+        self.engine_ready = self._gauge(
+            "engine_ready", "1 when the engine is loaded and accepting requests."
+        )
+        self.engine_waiting = self._gauge(
+            "scheduler_waiting_requests",
             "Requests waiting in the scheduler queue (from Engine.stats()).",
-        ))  # fmt: skip
-        self.engine_running = reg(Gauge(
-            f"{p}_scheduler_running_requests",
+        )
+        self.engine_running = self._gauge(
+            "scheduler_running_requests",
             "Requests prefilling or decoding in the scheduler (from Engine.stats()).",
-        ))  # fmt: skip
-        self.engine_swapped = reg(Gauge(
-            f"{p}_scheduler_swapped_requests",
+        )
+        self.engine_swapped = self._gauge(
+            "scheduler_swapped_requests",
             "Requests offloaded to the CPU swap pool (from Engine.stats()).",
-        ))  # fmt: skip
-        self.cache_blocks = reg(Gauge(
-            f"{p}_cache_blocks",
+        )
+        self.cache_blocks = self._gauge(
+            "cache_blocks",
             "KV-cache blocks by state: used (held by requests), free (available, including "
             "cached), cached (free blocks still holding reusable prefix content), total.",
             ("state",),
-        ))  # fmt: skip
-        self.cache_usage = reg(Gauge(
-            f"{p}_cache_usage_ratio", "Share of KV-cache blocks held by requests (0..1)."
-        ))  # fmt: skip
-        self.prefix_hit_rate = reg(Gauge(
-            f"{p}_prefix_cache_hit_rate",
+        )
+        self.cache_usage = self._gauge(
+            "cache_usage_ratio", "Share of KV-cache blocks held by requests (0..1)."
+        )
+        self.prefix_hit_rate = self._gauge(
+            "prefix_cache_hit_rate",
             "Share of prompt tokens served from the prefix cache since start (0..1).",
-        ))  # fmt: skip
-        self.offloads = reg(Gauge(
-            f"{p}_offloads_total",
+        )
+        self.offloads = self._gauge(
+            "offloads_total",
             "Requests offloaded to the CPU swap pool since start (counter kept by the engine).",
-        ))  # fmt: skip
-        self.soft_resets = reg(Gauge(
-            f"{p}_soft_resets_total",
+        )
+        self.soft_resets = self._gauge(
+            "soft_resets_total",
             "Requests soft-reset (blocks freed, recomputed later) since start "
             "(counter kept by the engine).",
-        ))  # fmt: skip
-        self.preemptions = reg(Gauge(
-            f"{p}_preemptions_total",
+        )
+        self.preemptions = self._gauge(
+            "preemptions_total",
             "Preemptions (offloads plus soft resets) since start (counter kept by the engine).",
-        ))  # fmt: skip
-        self.evictions = reg(Gauge(
-            f"{p}_prefix_cache_evictions_total",
+        )
+        self.evictions = self._gauge(
+            "prefix_cache_evictions_total",
             "Cached prefix blocks reclaimed for new content since start.",
-        ))  # fmt: skip
-        self.engine_stats = reg(Gauge(
-            f"{p}_engine_stat",
-            "Every numeric entry of Engine.stats(), by key.",
-            ("key",),
-        ))  # fmt: skip
+        )
+        self.engine_stats = self._gauge(
+            "engine_stat", "Every numeric entry of Engine.stats(), by key.", ("key",)
+        )
+
+    def _counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
+        """Register the counter ``<prefix>_<name>``."""
+        metric = Counter(f"{self._prefix}_{name}", help, labelnames)
+        self.registry.register(metric)
+        return metric
+
+    def _gauge(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Gauge:
+        """Register the gauge ``<prefix>_<name>``."""
+        metric = Gauge(f"{self._prefix}_{name}", help, labelnames)
+        self.registry.register(metric)
+        return metric
+
+    def _histogram(self, name: str, help: str, buckets: Iterable[float]) -> Histogram:
+        """Register the histogram ``<prefix>_<name>``."""
+        metric = Histogram(f"{self._prefix}_{name}", help, buckets)
+        self.registry.register(metric)
+        return metric
 
     # -- request-path hooks -------------------------------------------------------------
 
