@@ -1,0 +1,333 @@
+"""The FastAPI app: engine loading at startup, error handlers and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ferrobatch.metrics import ServerMetrics
+from ferrobatch.server import params
+from ferrobatch.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse,
+    usage,
+)
+from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMeta
+from ferrobatch.server.run import ClientGone, Job, Run, collect
+from ferrobatch.server.state import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    ServerState,
+    engine_error,
+    read_body,
+)
+from ferrobatch.server.streaming import EventStreamResponse, sse_chunks
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger("ferrobatch.server")
+
+
+def create_app(
+    engine: Any = None,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int | None = DEFAULT_MAX_QUEUE,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engine_loader: Callable[[], Any] | None = None,
+    close_engine: bool | None = None,
+) -> FastAPI:
+    """Build the OpenAI-compatible app around ``engine``.
+
+    Args:
+        engine: a started or startable ``ferrobatch.Engine`` (anything with the §6 surface).
+            ``None`` with ``engine_loader``: the app answers 503 until the loader returns.
+        model_name: the name clients pass as ``model`` (``engine.model_name`` also works).
+        api_key: when set, every ``/v1`` call needs ``Authorization: Bearer <api_key>``.
+        max_queue: requests (choices) allowed to wait for their first token; more get 429.
+            ``None`` = unbounded.
+        max_body_bytes: request body cap; larger bodies get 413.
+        engine_loader: builds the engine in a background thread at startup.
+        close_engine: close the engine at shutdown (default: only an engine the app loaded).
+    """
+    if engine is None and engine_loader is None:
+        raise ValueError("create_app needs an engine or an engine_loader")
+    if max_queue is not None and max_queue < 1:
+        raise ValueError("max_queue must be >= 1 or None")
+    if max_body_bytes < 1024:
+        raise ValueError("max_body_bytes must be >= 1024")
+    state = ServerState(
+        engine=engine,
+        model_name=model_name,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        metrics=ServerMetrics(),
+        owns_engine=bool(close_engine) if close_engine is not None else engine is None,
+    )
+    app = FastAPI(
+        title="ferrobatch",
+        description="OpenAI-compatible API of the ferrobatch continuous-batching engine.",
+        lifespan=_lifespan(state, engine_loader),
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.ferrobatch = state
+    _add_error_handlers(app, state)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _lifespan(state: ServerState, engine_loader: Callable[[], Any] | None) -> Any:
+    """Startup loads the engine in a thread (when a loader is given); shutdown closes it."""
+
+    def load() -> None:
+        assert engine_loader is not None
+        try:
+            loaded = engine_loader()
+            if state.closing:
+                with contextlib.suppress(Exception):
+                    loaded.close()
+                return
+            state.engine = loaded
+            logger.info("engine ready: %s", state.primary_name())
+        except Exception as exc:
+            logger.exception("engine failed to load")
+            state.load_error = f"{type(exc).__name__}: {exc}"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.engine is None and engine_loader is not None:
+            threading.Thread(target=load, name="ferrobatch-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            state.closing = True
+            if state.owns_engine and state.engine is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(state.engine.close)
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error answers in OpenAI's JSON shape and is counted."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        state.metrics.on_request_error(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        state.metrics.on_request_error(exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        state.metrics.on_request_error(500)
+        err = APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """``/health``, ``/metrics`` and ``/v1/models``."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when the engine is ready, 503 while it loads or when it failed."""
+        err = engine_error(state.engine) if state.engine is not None else None
+        if err is not None:
+            return JSONResponse(
+                {"status": "failed", "error": f"{type(err).__name__}: {err}"}, status_code=503
+            )
+        if state.closing or state.engine is None:
+            status = (
+                "shutting_down" if state.closing else ("failed" if state.load_error else "loading")
+            )
+            body: dict[str, Any] = {"status": status}
+            if state.load_error:
+                body["error"] = state.load_error
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.primary_name()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        stats = None
+        if state.engine is not None:
+            try:
+                stats = state.engine.stats()
+            except Exception as exc:  # pragma: no cover - scrape must not fail
+                logger.warning("engine.stats() failed: %s", exc)
+        text = state.metrics.render(stats, ready=state.engine is not None and not state.closing)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
+
+    def model_entry(engine: Any) -> dict[str, Any]:
+        return {
+            "id": state.primary_name(),
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "ferrobatch",
+            "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The served model."""
+        state.require_auth(request)
+        engine = state.require_engine()
+        return JSONResponse({"object": "list", "data": [model_entry(engine)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """One model by name (404 unless it is the served one)."""
+        state.require_auth(request)
+        engine = state.require_engine()
+        state.check_model(model_id)
+        return JSONResponse({**model_entry(engine), "id": model_id})
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
+
+    async def tokenize(fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+        except APIError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise bad_request(f"Could not tokenize the input: {exc}") from None
+
+    async def accept(request: Request, schema: type[Any]) -> tuple[Any, Any]:
+        """(engine, validated body) after auth, readiness and model checks."""
+        state.require_auth(request)
+        engine = state.require_engine()
+        req = parse(schema, await read_body(request, state.max_body_bytes))
+        state.check_model(req.model)
+        return engine, req
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI text completions."""
+        arrival = time.perf_counter()
+        engine, req = await accept(request, CompletionRequest)
+        _check_completion_options(req)
+        prompts = await tokenize(params.completion_prompts, engine, req.prompt)
+        max_tokens_each = []
+        for ids in prompts:
+            params.check_vocab(engine, ids)
+            max_tokens_each.append(params.check_context(engine, len(ids), req.max_tokens,
+                                                        "prompt"))  # fmt: skip
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs: list[Job] = []
+        for p, ids in enumerate(prompts):
+            base = params.base_sampling(req, max_tokens_each[p], req.logprobs)
+            for i, sp in enumerate(params.choice_samplings(base, req.n)):
+                index = p * req.n + i
+                jobs.append(Job(index, ids, sp, f"{rid}-{index}", arrival))
+        echo_texts: dict[int, str] = {}
+        if req.echo:
+            texts = params.prompt_texts(engine, req.prompt, prompts)
+            echo_texts = {job.index: texts[job.index // req.n] for job in jobs}
+        fmt = CompletionFormat(state, req.logprobs, echo_texts)
+        prompt_tokens = sum(len(p) for p in prompts)
+        return await _respond(state, request, engine, "completions", jobs, fmt, req, rid,
+                              prompt_tokens)  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions (the model's chat template)."""
+        arrival = time.perf_counter()
+        engine, req = await accept(request, ChatCompletionRequest)
+        _check_chat_options(req)
+        messages = [m.as_dict() for m in req.messages]
+        prompt_ids = list(await tokenize(engine.encode_chat, messages))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
+        max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        base = params.base_sampling(req, max_tokens, top_n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = [
+            Job(i, prompt_ids, sp, f"{rid}-{i}", arrival)
+            for i, sp in enumerate(params.choice_samplings(base, req.n))
+        ]
+        fmt = ChatFormat(state, top_n)
+        return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
+                              len(prompt_ids))  # fmt: skip
+
+
+def _check_completion_options(req: CompletionRequest) -> None:
+    """Reject the ``/v1/completions`` options the server does not support."""
+    if req.suffix:
+        raise bad_request("suffix is not supported.", "suffix", "unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must equal n (or be left out).", "best_of", "unsupported")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported.", "echo", "unsupported")
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
+    """Reject the ``/v1/chat/completions`` options the server does not support."""
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise bad_request("Tool calling is not supported.", "tools", "unsupported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request(
+            "Only response_format {'type': 'text'} is supported.",
+            "response_format",
+            "unsupported",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+
+
+async def _respond(
+    state: ServerState,
+    request: Request,
+    engine: Any,
+    endpoint: str,
+    jobs: list[Job],
+    fmt: ChatFormat | CompletionFormat,
+    req: CompletionRequest | ChatCompletionRequest,
+    rid: str,
+    prompt_tokens: int,
+) -> Response:
+    """Admit and start the choices; answer with their SSE stream or the whole response."""
+    state.admit(len(jobs))
+    run = Run(state, engine, endpoint, jobs)
+    run.start()
+    meta = ResponseMeta(rid, int(time.time()), req.model or state.primary_name(), prompt_tokens)
+    if req.stream:
+        return EventStreamResponse(sse_chunks(run, meta, fmt, req.include_usage), run)
+    try:
+        accs = await collect(run, request.receive)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = [fmt.choice(job.index, accs[job.index]) for job in jobs]
+    completion_tokens = sum(len(accs[job.index].token_ids) for job in jobs)
+    return JSONResponse({
+        "id": rid, "object": fmt.object, "created": meta.created,
+        "model": meta.model, "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    })  # fmt: skip

@@ -1,0 +1,196 @@
+"""From a request body to what the engine runs: prompt token ids, ``SamplingParams`` per
+choice, and the context-length checks the engine would make (before any header is sent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferrobatch.server.protocol import SamplingFields, bad_request
+
+__all__ = [
+    "base_sampling",
+    "check_context",
+    "check_vocab",
+    "choice_samplings",
+    "completion_prompts",
+    "prompt_texts",
+]
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+_SAMPLING_TO_OPENAI = {"max_new_tokens": "max_tokens"}
+
+
+# ---------------------------------------------------------------------------------------
+# sampling
+
+
+def base_sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments of a request (before per-choice seeds)."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported.", "logit_bias", "unsupported")
+    stops: list[str] = []
+    if isinstance(req.stop, str):
+        stops = [req.stop] if req.stop else []
+    elif req.stop:
+        stops = [s for s in req.stop if s]
+    if len(stops) > 16:
+        raise bad_request("At most 16 stop strings are allowed.", "stop")
+    top_k = req.top_k if req.top_k is not None else 0
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": 1.0 if req.temperature is None else float(req.temperature),
+        "top_k": max(top_k, 0),
+        "top_p": 1.0 if req.top_p is None else float(req.top_p),
+        "stop": tuple(stops),
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "logprobs": logprobs,
+        "seed": req.seed,
+    }
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = float(value)
+    if req.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
+    return kwargs
+
+
+def choice_samplings(base: dict[str, Any], n: int) -> list[Any]:
+    """One SamplingParams per choice; seeded choices get seed, seed+1, ... so they differ."""
+    out = []
+    for i in range(n):
+        kw = dict(base)
+        if kw.get("seed") is not None and i:
+            kw["seed"] = int(kw["seed"]) + i
+        out.append(_make_sampling(kw))
+    return out
+
+
+def _make_sampling(kwargs: dict[str, Any]) -> Any:
+    from ferrobatch.sampling import SamplingParams
+
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        first = text.split(" ", 1)[0]
+        param = _SAMPLING_TO_OPENAI.get(first, first if first in kwargs else None)
+        if param in _SAMPLING_TO_OPENAI:
+            text = text.replace(param, _SAMPLING_TO_OPENAI[param], 1)
+        raise bad_request(f"Invalid sampling parameters: {text}", param) from None
+
+
+# ---------------------------------------------------------------------------------------
+# prompts
+
+
+def completion_prompts(engine: Any, prompt: Prompt) -> list[list[int]]:
+    """Token ids of each prompt of a ``/v1/completions`` body."""
+    if isinstance(prompt, str):
+        return [_encode_text(engine, prompt)]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    if isinstance(prompt[0], str):
+        return [_encode_text(engine, p) for p in prompt]  # type: ignore[arg-type]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [list(p) for p in prompt]  # type: ignore[union-attr]
+
+
+def prompt_texts(engine: Any, prompt: Prompt, ids: list[list[int]]) -> list[str]:
+    """The text of each prompt (for ``echo``): as sent, or decoded from token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return [str(p) for p in prompt]
+    return [engine.tokenizer.decode(p) for p in ids]
+
+
+def _encode_text(engine: Any, text: str) -> list[int]:
+    encode = getattr(engine, "encode", None)
+    if callable(encode):
+        return list(encode(text))
+    return list(engine.tokenizer(text)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------
+# limits
+
+
+def check_vocab(engine: Any, ids: list[int]) -> None:
+    """Token ids given directly must be in the model's vocabulary."""
+    vocab = _vocab_size(engine)
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", "prompt")
+
+
+def _vocab_size(engine: Any) -> int:
+    for getter in (
+        lambda: engine.vocab_size,
+        lambda: len(engine.tokenizer),
+    ):
+        try:
+            value = int(getter())
+            if value > 0:
+                return value
+        except Exception:
+            continue
+    return 0
+
+
+def _cache_tokens(engine: Any) -> int | None:
+    """Tokens one request may hold in the cache (full-attention models), else None."""
+    layer_types = getattr(engine, "layer_types", None)
+    num_blocks = getattr(engine, "num_blocks", None)
+    page_size = getattr(getattr(engine, "config", None), "page_size", None)
+    if not layer_types or "full_attention" not in layer_types:
+        return None
+    if not isinstance(num_blocks, int) or not isinstance(page_size, int):
+        return None
+    return num_blocks * page_size
+
+
+def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: str) -> int:
+    """Check the prompt fits; return the max_tokens to use (filling the context if None).
+
+    Mirrors the engine's own checks so a stream never fails after its headers are sent.
+    """
+    limit = int(getattr(engine, "max_model_len", 0) or 0) or (1 << 30)
+    cache = _cache_tokens(engine)
+    if prompt_len == 0:
+        raise bad_request(f"'{param}' must not be empty.", param)
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{prompt_len} tokens; shorten '{param}'.",
+            param,
+            "context_length_exceeded",
+        )
+    if cache is not None and prompt_len >= cache:
+        raise bad_request(
+            f"The prompt has {prompt_len} tokens but the KV cache holds at most {cache} tokens "
+            f"per request; shorten '{param}'.",
+            param,
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        return min(limit, cache or limit) - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but {prompt_len + max_tokens}"
+            f" were requested ({prompt_len} in the prompt, {max_tokens} for the completion); "
+            "reduce 'max_tokens' or the prompt.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    if cache is not None and prompt_len + max_tokens > cache:
+        raise bad_request(
+            f"The KV cache holds at most {cache} tokens per request, but {prompt_len + max_tokens}"
+            f" were requested ({prompt_len} in the prompt, {max_tokens} for the completion); "
+            "reduce 'max_tokens' or the prompt.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return max_tokens

@@ -1,0 +1,250 @@
+"""OpenAI wire format: request bodies, the error shape, usage, and body validation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "SamplingFields",
+    "StreamOptions",
+    "bad_request",
+    "parse",
+    "usage",
+]
+
+#: ``max_tokens`` of ``/v1/completions`` when the request leaves it out (OpenAI's default).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {...}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
+    return APIError(400, message, param=param, code=code or "invalid_value")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# request schemas
+
+
+class _Schema(BaseModel):
+    # strict: no silent coercion ("5" is not an integer, 1 is not a boolean); unknown
+    # fields are ignored, as OpenAI-compatible servers usually do.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``"field": null`` means "not given" (many clients send nulls for unset fields)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Schema):
+    """``stream_options``: ``include_usage`` adds a last chunk with token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Schema):
+    """Sampling fields shared by both endpoints (OpenAI names, plus a few extensions)."""
+
+    model: str | None = Field(None, description="Served model name (default: the only one).")
+    n: int = Field(1, ge=1, le=128, description="Choices per prompt.")
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="Sampling temperature; 0 = greedy. Default 1.0."
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="Extension: -1 or 0 = off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension.")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="Extension.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
+    stop_token_ids: list[int] | None = Field(None, description="Extension.")
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
+    skip_special_tokens: bool = Field(True, description="Extension.")
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether the stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions`` body."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class ContentPart(_Schema):
+    """A text part of a message's content (images and audio are not supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Schema):
+    """One chat message."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (content parts joined)."""
+        if self.content is None:
+            content = ""
+        elif isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "".join(part.text for part in self.content)
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+# ---------------------------------------------------------------------------------------
+# validation
+
+
+def parse(schema: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body against ``schema``; a 400 naming the field on failure."""
+    if not body.strip():
+        raise APIError(400, "Request body is empty: send a JSON object.", code="invalid_json")
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+# Friendly descriptions of union-typed fields for validation messages.
+_FIELD_TYPES = {
+    "prompt": (
+        "a string, an array of strings, an array of token ids or an array of token-id arrays"
+    ),
+    "stop": "a string or an array of strings",
+    "content": "a string or an array of text content parts",
+}
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    """Turn pydantic's first error into a 400 naming the field."""
+    err = exc.errors(include_url=False)[0]
+    etype = err.get("type", "")
+    if etype == "json_invalid":
+        return APIError(
+            400,
+            f"Request body is not valid JSON: {err.get('msg', '')}. "
+            "Send a JSON object with Content-Type: application/json.",
+            code="invalid_json",
+        )
+    if etype == "model_type" and not err.get("loc"):
+        return APIError(400, "Request body must be a JSON object.", code="invalid_json")
+    param, union = _error_path(err.get("loc", ()))
+    if etype == "missing":
+        return APIError(400, f"Missing required field '{param}'.", param=param, code="missing")
+    if union and param is not None:
+        expected = _FIELD_TYPES.get(param.split(".")[-1].split("[")[0])
+        if expected:
+            return bad_request(
+                f"Invalid type for '{param}': expected {expected}.", param, "invalid_type"
+            )
+    msg = err.get("msg", "invalid value")
+    code = "invalid_type" if etype.endswith("_type") else "invalid_value"
+    given = err.get("input")
+    shown = ""
+    if given is not None and not isinstance(given, dict | list) and err.get("loc"):
+        shown = f" (got {json.dumps(given)[:80]})"
+    return bad_request(f"Invalid value for '{param}': {msg}{shown}.", param, code)
+
+
+def _error_path(loc: tuple[Any, ...]) -> tuple[str | None, bool]:
+    """(``a.b[0]``-style field path, whether it stopped at a union branch tag)."""
+    path: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(f"[{part}]")
+        elif (
+            "[" in part
+            or part in ("str", "int", "float", "bool", "dict", "list")
+            or (part and part[0].isupper())
+        ):
+            return "".join(path) or None, True  # a union branch tag ("list[int]", ...)
+        else:
+            path.append(("." if path else "") + part)
+    return "".join(path) or None, False

@@ -1,0 +1,244 @@
+"""The choices of one HTTP request run as engine requests and merged into one event stream,
+with their metrics, cancellation when the client leaves, and engine errors as API errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Receive
+
+from ferrobatch.server.protocol import APIError, bad_request
+from ferrobatch.server.state import ServerState
+
+__all__ = ["Accumulator", "ClientGone", "Event", "Job", "Run", "collect", "error_payload"]
+
+logger = logging.getLogger("ferrobatch.server")
+
+
+@dataclass
+class Job:
+    """One choice: an engine request and its progress."""
+
+    index: int
+    prompt_ids: list[int]
+    sampling: Any
+    request_id: str
+    arrival: float
+    started: bool = False
+    finished: bool = False
+    accounted: bool = False
+    last: float | None = None
+
+
+@dataclass
+class Event:
+    """A delta, an error or the end of one choice."""
+
+    index: int
+    delta: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class Run:
+    """A set of engine requests (the choices of one HTTP request) merged into one stream."""
+
+    def __init__(self, state: ServerState, engine: Any, endpoint: str, jobs: list[Job]) -> None:
+        self.state = state
+        self.engine = engine
+        self.endpoint = endpoint
+        self.jobs = jobs
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+
+    def start(self) -> None:
+        """Submit every choice (call with no await between admission and this)."""
+        for job in self.jobs:
+            self.state.waiting += 1
+            self.state.metrics.on_admitted(len(job.prompt_ids))
+            self.tasks.append(asyncio.create_task(self._pump(job)))
+
+    async def _pump(self, job: Job) -> None:
+        stream = self.engine.astream(job.prompt_ids, job.sampling, request_id=job.request_id)
+        reason = "cancelled"
+        try:
+            async for delta in stream:
+                self._on_delta(job, delta)
+                if delta.finished:
+                    job.finished = True
+                    reason = delta.finish_reason or "stop"
+                self.queue.put_nowait(Event(job.index, delta=delta))
+                if job.finished:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # delivered to the client as an error
+            reason = "error"
+            logger.warning("request %s failed: %s", job.request_id, exc)
+            self.queue.put_nowait(Event(job.index, error=exc))
+        finally:
+            self._finish(job, reason)
+            with contextlib.suppress(Exception):
+                closer = getattr(stream, "aclose", None)
+                if closer is not None:
+                    await closer()
+        self.queue.put_nowait(Event(job.index, done=True))
+
+    def _on_delta(self, job: Job, delta: Any) -> None:
+        """Token metrics of one delta (first token, inter-token gaps)."""
+        count = len(delta.token_ids or ())
+        if not count:
+            return
+        now = time.perf_counter()
+        if not job.started:
+            job.started = True
+            self.state.waiting -= 1
+            self.state.metrics.on_first_token(now - job.arrival)
+            self.state.metrics.on_tokens(count, None)
+        else:
+            gap = now - (job.last if job.last is not None else now)
+            self.state.metrics.on_tokens(count, gap)
+        job.last = now
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if job.accounted:
+            return
+        job.accounted = True
+        if not job.finished:
+            with contextlib.suppress(Exception):
+                self.engine.cancel(job.request_id)
+        if not job.started:
+            self.state.waiting -= 1
+        duration = (job.last - job.arrival) if job.last is not None else None
+        self.state.metrics.on_finished(self.endpoint, reason, job.started, duration)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Deltas and errors of every choice until all are done."""
+        remaining = len(self.jobs)
+        while remaining:
+            event = await self.queue.get()
+            if event.done:
+                remaining -= 1
+                continue
+            yield event
+
+    async def close(self) -> None:
+        """Cancel whatever still runs (idempotent); cancels engine requests first."""
+        if self.closed:
+            return
+        self.closed = True
+        for job in self.jobs:
+            if not job.finished:
+                with contextlib.suppress(Exception):
+                    self.engine.cancel(job.request_id)
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        for job in self.jobs:  # tasks cancelled before their first step never ran _pump
+            self._finish(job, "cancelled")
+
+
+@dataclass
+class Accumulator:
+    """A choice's tokens, text and logprobs accumulated from its deltas."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: Any) -> None:
+        """Append one delta."""
+        self.token_ids.extend(delta.token_ids or ())
+        if delta.text:
+            self.text.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason or "stop"
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming response was ready."""
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(run: Run, receive: Receive) -> dict[int, Accumulator]:
+    """Run every choice to the end (non-streaming); cancel them if the client leaves."""
+    accs = {job.index: Accumulator() for job in run.jobs}
+
+    async def consume() -> None:
+        async for event in run.events():
+            if event.error is not None:
+                raise event.error
+            accs[event.index].add(event.delta)
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            exc = consumer.exception()
+            if exc is not None:
+                _raise_for(exc)
+        else:
+            raise ClientGone()
+    finally:
+        consumer.cancel()
+        watcher.cancel()
+        await run.close()
+        await asyncio.gather(consumer, watcher, return_exceptions=True)
+    return accs
+
+
+# ---------------------------------------------------------------------------------------
+# engine errors as API errors
+
+
+def _queue_full(exc: BaseException) -> APIError | None:
+    """The engine's own queue bound (``max_queue_size``) answers like --max-queue: 429."""
+    if type(exc).__name__ in ("QueueFullError", "QueueFull"):
+        return APIError(
+            429,
+            f"The engine's queue is full ({exc}); retry later.",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    return None
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """The error body of a failure in the middle of a stream."""
+    if isinstance(exc, APIError):
+        return exc.body()
+    if (full := _queue_full(exc)) is not None:
+        return full.body()
+    status = 400 if isinstance(exc, ValueError) else 500
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return APIError(status, f"Generation failed: {exc}", type=kind).body()
+
+
+def _raise_for(exc: BaseException) -> None:
+    if isinstance(exc, APIError):
+        raise exc
+    if (full := _queue_full(exc)) is not None:
+        raise full from exc
+    if isinstance(exc, ValueError):
+        raise bad_request(f"The engine rejected the request: {exc}") from exc
+    raise APIError(500, f"Generation failed: {exc}", type="server_error") from exc

@@ -1,0 +1,204 @@
+"""What one app holds (engine, limits, metrics) and the checks every route makes first."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from ferrobatch.metrics import ServerMetrics
+from ferrobatch.server.protocol import APIError, bad_request
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_QUEUE",
+    "EngineLike",
+    "ServerState",
+    "engine_error",
+    "read_body",
+]
+
+#: Default cap on a request body (bytes); larger bodies get 413.
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+#: Default cap on requests (choices) waiting for their first token; more get 429.
+DEFAULT_MAX_QUEUE = 1024
+# Bodies larger than this multiple of the cap are not drained before answering 413.
+_DRAIN_FACTOR = 16
+
+
+class EngineLike(Protocol):
+    """The part of ``ferrobatch.Engine`` (ARCHITECTURE.md §6) the server uses."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def astream(
+        self, prompt: str | list[int], sampling: Any = None, *, request_id: str | None = None
+    ) -> AsyncIterator[Any]: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def engine_error(engine: Any) -> BaseException | None:
+    """The exception that killed the engine loop, if any."""
+    for name in ("error", "_error"):
+        value = getattr(engine, name, None)
+        if isinstance(value, BaseException):
+            return value
+    return None
+
+
+@dataclass
+class ServerState:
+    """The engine (``None`` while it loads), the server's limits and its metrics."""
+
+    engine: Any
+    model_name: str | None
+    api_key: str | None
+    max_queue: int | None
+    max_body_bytes: int
+    metrics: ServerMetrics
+    owns_engine: bool = False
+    closing: bool = False
+    load_error: str | None = None
+    waiting: int = 0  # choices accepted, no token yet
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ferrobatch-tok")
+    )
+    token_text: dict[int, str] = field(default_factory=dict)
+
+    def _engine_name(self) -> str | None:
+        name = getattr(self.engine, "model_name", None) if self.engine is not None else None
+        return str(name) if name else None
+
+    def served_names(self) -> set[str]:
+        """Every name a client may pass as ``model``."""
+        return {name for name in (self.model_name, self._engine_name()) if name}
+
+    def primary_name(self) -> str:
+        """The name the server reports."""
+        return self.model_name or self._engine_name() or "ferrobatch"
+
+    def token_str(self, token_id: int) -> str:
+        """Text of one token (cached)."""
+        text = self.token_text.get(token_id)
+        if text is None:
+            try:
+                text = self.engine.tokenizer.decode([token_id])
+            except Exception:  # pragma: no cover - a broken tokenizer entry
+                text = ""
+            if len(self.token_text) < 1_000_000:
+                self.token_text[token_id] = text
+        return text
+
+    # -- checks (each raises APIError) ----------------------------------------------------
+
+    def require_auth(self, request: Request) -> None:
+        """401 unless the request carries the API key (when one is set)."""
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise APIError(
+                401,
+                "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def require_engine(self) -> Any:
+        """The engine, or 503 while it loads, after it failed, or while shutting down."""
+        if self.engine is not None and (err := engine_error(self.engine)) is not None:
+            raise APIError(
+                503,
+                f"The engine loop failed: {type(err).__name__}: {err}",
+                type="service_unavailable",
+                code="engine_failed",
+            )
+        if self.closing:
+            raise APIError(
+                503, "The server is shutting down.", type="service_unavailable",
+                code="shutting_down",
+            )  # fmt: skip
+        if self.engine is None:
+            if self.load_error:
+                message = f"The engine failed to load: {self.load_error}"
+            else:
+                message = "The engine is loading; retry shortly."
+            raise APIError(
+                503,
+                message,
+                type="service_unavailable",
+                code="engine_not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` (when given) is a served name."""
+        if name is None or name in self.served_names():
+            return
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist. This server serves '{self.primary_name()}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def admit(self, count: int) -> None:
+        """429 when ``count`` more choices would overflow ``max_queue``."""
+        if self.max_queue is not None and self.waiting + count > self.max_queue:
+            raise APIError(
+                429,
+                f"The server's queue is full ({self.waiting} requests waiting, limit "
+                f"{self.max_queue}); retry later.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when it exceeds ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    too_big = APIError(
+        413,
+        f"Request body too large: the limit is {limit} bytes.",
+        code="request_too_large",
+    )
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise bad_request("Invalid Content-Length header.") from None
+        if size > limit:
+            if size <= limit * _DRAIN_FACTOR:
+                async for _ in request.stream():  # drain so the client reads our answer
+                    pass
+            raise too_big
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            drained = size
+            async for rest in request.stream():
+                drained += len(rest)
+                if drained > limit * _DRAIN_FACTOR:
+                    break
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
