@@ -1,4 +1,4 @@
-"""Tests of the OpenAI-compatible server (python/ferrobatch/server.py) and its metrics.
+"""Tests of the OpenAI-compatible server (python/ferrobatch/server/) and its metrics.
 
 A live uvicorn server on 127.0.0.1 (a free port) is started per test module in a thread.
 Two engines back it:

@@ -36,18 +36,20 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # flags
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 # (flag dest = ContinuousBatchingConfig field, argparse kwargs). Defaults are None: a flag
@@ -166,6 +168,29 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# (flag dest = SamplingParams field, argparse kwargs), after --max-new-tokens whose default
+# depends on the command.
+SAMPLING_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("temperature", dict(type=float, default=0.0,
+     help="0 = greedy (the default, as model.generate); > 0 samples.")),
+    ("top_k", dict(type=int, default=0, help="Keep the k most likely; 0 = off.")),
+    ("top_p", dict(type=float, default=1.0, help="Nucleus sampling mass (0, 1].")),
+    ("min_p", dict(type=float, default=0.0, help="Min-p filter [0, 1]; 0 = off.")),
+    ("repetition_penalty", dict(type=float, default=1.0,
+     help="transformers-style penalty on prompt and generated tokens; 1 = off.")),
+    ("presence_penalty", dict(type=float, default=0.0,
+     help="OpenAI-style penalty [-2, 2] on tokens already generated.")),
+    ("frequency_penalty", dict(type=float, default=0.0,
+     help="OpenAI-style penalty [-2, 2] proportional to generated counts.")),
+    ("seed", dict(type=int, default=None, help="Per-request sampling seed (reproducible).")),
+    ("stop", dict(action="append", default=[], metavar="TEXT",
+     help="Stop string (repeatable); the output excludes it.")),
+    ("ignore_eos", dict(action="store_true", help="Keep generating past the EOS token.")),
+    ("logprobs", dict(type=_nonneg_int, default=None, metavar="N",
+     help="Record the top-N log-probabilities per token (JSONL output).")),
+]  # fmt: skip
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling (SamplingParams)")
     group.add_argument(
@@ -175,53 +200,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, *, max_new_tokens: int)
         metavar="N",
         help=f"Tokens to generate per prompt at most. Default: {max_new_tokens}.",
     )
-    group.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 = greedy (the default, as model.generate); > 0 samples.",
-    )
-    group.add_argument("--top-k", type=int, default=0, help="Keep the k most likely; 0 = off.")
-    group.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (0, 1].")
-    group.add_argument("--min-p", type=float, default=0.0, help="Min-p filter [0, 1]; 0 = off.")
-    group.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="transformers-style penalty on prompt and generated tokens; 1 = off.",
-    )
-    group.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="OpenAI-style penalty [-2, 2] on tokens already generated.",
-    )
-    group.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="OpenAI-style penalty [-2, 2] proportional to generated counts.",
-    )
-    group.add_argument(
-        "--seed", type=int, default=None, help="Per-request sampling seed (reproducible)."
-    )
-    group.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="Stop string (repeatable); the output excludes it.",
-    )
-    group.add_argument(
-        "--ignore-eos", action="store_true", help="Keep generating past the EOS token."
-    )
-    group.add_argument(
-        "--logprobs",
-        type=_nonneg_int,
-        default=None,
-        metavar="N",
-        help="Record the top-N log-probabilities per token (JSONL output).",
-    )
+    for name, kwargs in SAMPLING_FLAGS:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -432,20 +412,9 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
 def _sampling(args: argparse.Namespace) -> Any:
     from ferrobatch.sampling import SamplingParams
 
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    fields = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS}
+    fields["stop"] = tuple(fields["stop"])
+    return SamplingParams(max_new_tokens=args.max_new_tokens, **fields)
 
 
 # ---------------------------------------------------------------------------------------

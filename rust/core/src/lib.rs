@@ -43,6 +43,18 @@ pub(crate) mod hint {
     }
 }
 
+/// Chunk ids viewed as the plan's `int32` entries, without a copy. Ids are below
+/// `i32::MAX` (the scheduler rejects pools whose slots would not fit in int32), so each value
+/// reads the same as either type.
+#[inline]
+pub(crate) fn chunk_ids_as_i32(ids: &[ChunkId]) -> &[i32] {
+    // SAFETY: `u32` and `i32` have the same size and alignment and every bit pattern is a
+    // valid `i32`, so the pointer is valid and aligned for `ids.len()` `i32`s; the returned
+    // slice borrows `ids` (same lifetime, shared), so the memory is neither freed nor
+    // mutated while it is alive.
+    unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<i32>(), ids.len()) }
+}
+
 pub use plan::{StepOutput, StepPlan};
 pub use request::{FinishReason, RequestState};
 pub use scheduler::{AttentionType, Scheduler, SchedulerConfig, SchedulerType, Stats};

@@ -627,6 +627,7 @@ impl Scheduler {
                 return Ok(None);
             }
         }
+        Self::fill_row_arrays(&mut self.plan);
         self.build_block_tables();
         self.outstanding = true;
         self.plan_sampled = self.plan.logits_indices.len();
@@ -705,7 +706,6 @@ impl Scheduler {
         r.touched_step = step;
         let p = &mut self.plan;
         p.full_width = p.full_width.max(r.full.len());
-        let row = p.rows.len() as i32;
         p.rows.push(Row {
             req: idx,
             start: start as u32,
@@ -713,16 +713,10 @@ impl Scheduler {
             sampled: true,
         });
         p.input_ids.push(r.last_token as i32);
-        p.positions.push(start as i32);
         if l.has_sliding {
             p.slot_mapping_sliding
                 .push(l.sliding_slot(&r.ring, start, end));
         }
-        let cum = p.input_ids.len() as i32;
-        p.cu_seqlens_q.push(cum);
-        p.seqlens_k.push(end as i32);
-        p.logits_indices.push(cum - 1);
-        p.logits_rows.push(row);
         b.tokens -= 1;
         b.rows -= 1;
         b.cache -= end;
@@ -743,7 +737,6 @@ impl Scheduler {
         let sampled = end == r.tokens.len();
         let p = &mut self.plan;
         p.full_width = p.full_width.max(r.full.len());
-        let row = p.rows.len() as i32;
         p.rows.push(Row {
             req: idx,
             start: start as u32,
@@ -752,25 +745,55 @@ impl Scheduler {
         });
         if end == r.tokens.len() && q == 1 {
             p.input_ids.push(r.last_token as i32);
-            p.positions.push(start as i32);
         } else {
             p.input_ids
                 .extend(r.tokens[start..end].iter().map(|&t| t as i32));
-            p.positions.extend(start as i32..end as i32);
         }
-        // Full-attention slots are written with the block tables (one pass over `full`).
+        // Full-attention slots are written with the block tables (one pass over `full`);
+        // positions, cu_seqlens_q, seqlens_k and logits_* by `fill_row_arrays` (from `rows`).
         if layout.has_sliding {
             for pos in start..end {
                 p.slot_mapping_sliding
                     .push(layout.sliding_slot(&r.ring, pos, end));
             }
         }
-        let cum = p.input_ids.len() as i32;
-        p.cu_seqlens_q.push(cum);
-        p.seqlens_k.push(end as i32);
-        if sampled {
-            p.logits_indices.push(cum - 1);
-            p.logits_rows.push(row);
+    }
+
+    /// Write `positions`, `cu_seqlens_q`, `seqlens_k`, `logits_indices` and `logits_rows`
+    /// from the placed rows, column by column (a steady decode step: every row one sampled
+    /// token, so most columns are plain ranges).
+    fn fill_row_arrays(p: &mut StepPlan) {
+        let rows = &p.rows;
+        let b = rows.len();
+        p.seqlens_k
+            .extend(rows.iter().map(|r| (r.start + r.q) as i32));
+        if p.input_ids.len() == b {
+            // One token per row (every row has q >= 1).
+            p.positions.extend(rows.iter().map(|r| r.start as i32));
+            p.cu_seqlens_q.extend(1..=b as i32);
+            if rows.iter().all(|r| r.sampled) {
+                p.logits_indices.extend(0..b as i32);
+                p.logits_rows.extend(0..b as i32);
+            } else {
+                for (i, r) in rows.iter().enumerate() {
+                    if r.sampled {
+                        p.logits_indices.push(i as i32);
+                        p.logits_rows.push(i as i32);
+                    }
+                }
+            }
+            return;
+        }
+        p.positions.reserve(p.input_ids.len());
+        let mut cum = 0i32;
+        for (i, r) in rows.iter().enumerate() {
+            p.positions.extend(r.start as i32..(r.start + r.q) as i32);
+            cum += r.q as i32;
+            p.cu_seqlens_q.push(cum);
+            if r.sampled {
+                p.logits_indices.push(cum - 1);
+                p.logits_rows.push(i as i32);
+            }
         }
     }
 
@@ -972,10 +995,17 @@ impl Scheduler {
         if p.has_full {
             // `full_width` was tracked by `emit_row`.
             let width = p.full_width;
-            p.block_table_full.reserve(width * p.rows.len());
+            // Zero-filled (the padding), then each row's blocks copied into its slice.
+            p.block_table_full.resize(width * p.rows.len(), 0);
             p.slot_mapping_full.reserve(p.input_ids.len());
             let page = layout.page;
-            for (i, row) in p.rows.iter().enumerate() {
+            // Every row holds at least one block, so `width >= 1` here.
+            for (i, (row, dst)) in p
+                .rows
+                .iter()
+                .zip(p.block_table_full.chunks_exact_mut(width.max(1)))
+                .enumerate()
+            {
                 if let Some(next) = p.rows.get(i + 4) {
                     let f = &reqs[next.req as usize].as_ref().expect("live").full;
                     if !f.is_empty() {
@@ -983,9 +1013,7 @@ impl Scheduler {
                     }
                 }
                 let full = &reqs[row.req as usize].as_ref().expect("live").full;
-                p.block_table_full.extend(full.iter().map(|&c| c as i32));
-                p.block_table_full
-                    .extend(std::iter::repeat_n(0, width - full.len()));
+                dst[..full.len()].copy_from_slice(crate::chunk_ids_as_i32(full));
                 let start = row.start as usize;
                 if row.q == 1 {
                     // The token lives in the last block (blocks are allocated as needed).
