@@ -1074,7 +1074,39 @@ impl Scheduler {
         let page = self.cfg.page_size;
         let mut k = 0usize;
         let mut any_finished = false;
-        if self.outstanding {
+        if self.outstanding
+            && sampled.len() == self.plan.rows.len()
+            && self.pending_cancel.is_empty()
+        {
+            // Every row sampled and nothing cancelled since `schedule()` (a cancellation is
+            // always queued in `pending_cancel`): one delta per row, in row order, so the
+            // request / token / row columns are written in bulk.
+            let n = sampled.len();
+            let out = &mut self.out;
+            out.reqs.extend(self.plan.rows.iter().map(|r| r.req));
+            out.token_ids.extend_from_slice(sampled);
+            out.finished.resize(n, false);
+            out.finish_reasons.resize(n, None);
+            out.rows.extend(0..n as i32);
+            self.stats.generated_tokens += n as u64;
+            for (ri, &t) in sampled.iter().enumerate() {
+                let row = self.plan.rows[ri];
+                let r = self.reqs[row.req as usize].as_mut().expect("live");
+                debug_assert!(r.state != RequestState::Finished);
+                r.num_computed = (row.start + row.q) as usize;
+                if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
+                    self.register_blocks(row.req);
+                }
+                let r = self.reqs[row.req as usize].as_mut().expect("live");
+                r.state = RequestState::Decoding;
+                if let Some(f) = r.append(t as Token) {
+                    self.out.finished[ri] = true;
+                    self.out.finish_reasons[ri] = Some(f);
+                    any_finished = true;
+                    self.finish(row.req, f);
+                }
+            }
+        } else if self.outstanding {
             self.out
                 .reserve(self.plan.rows.len() + self.pending_cancel.len());
             for ri in 0..self.plan.rows.len() {
@@ -1091,35 +1123,17 @@ impl Scheduler {
                 }
                 r.num_computed = (row.start + row.q) as usize;
                 if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
-                    let n = r.num_computed / page;
-                    {
-                        self.hasher.extend(&mut r.block_hashes, &r.tokens, page, n);
-                        for i in r.num_registered..n {
-                            let parent = if i == 0 { None } else { Some(r.full[i - 1]) };
-                            self.pool.cache(
-                                r.full[i],
-                                r.block_hashes[i],
-                                parent,
-                                &r.tokens[i * page..(i + 1) * page],
-                            );
-                        }
-                        r.num_registered = n;
-                    }
+                    self.register_blocks(row.req);
                 }
                 if let Some(t) = tok {
+                    let r = self.reqs[row.req as usize].as_mut().expect("live");
                     r.state = RequestState::Decoding;
                     let fin = r.append(t as Token);
                     self.stats.generated_tokens += 1;
                     self.out.push(row.req, t, fin, ri as i32);
                     if let Some(f) = fin {
-                        r.state = RequestState::Finished;
-                        r.finish = Some(f);
                         any_finished = true;
-                        self.free_chunks(row.req);
-                        let r = self.reqs[row.req as usize].as_ref().expect("live");
-                        self.ids.remove(&r.id);
-                        self.to_remove.push(row.req);
-                        self.stats.finished += 1;
+                        self.finish(row.req, f);
                     }
                 }
             }
@@ -1139,6 +1153,41 @@ impl Scheduler {
         }
         self.outstanding = false;
         Ok(&self.out)
+    }
+
+    /// Offer the request's newly full computed blocks to the prefix cache.
+    #[cold]
+    #[inline(never)]
+    fn register_blocks(&mut self, idx: u32) {
+        let page = self.cfg.page_size;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let n = r.num_computed / page;
+        self.hasher.extend(&mut r.block_hashes, &r.tokens, page, n);
+        for i in r.num_registered..n {
+            let parent = if i == 0 { None } else { Some(r.full[i - 1]) };
+            self.pool.cache(
+                r.full[i],
+                r.block_hashes[i],
+                parent,
+                &r.tokens[i * page..(i + 1) * page],
+            );
+        }
+        r.num_registered = n;
+    }
+
+    /// A request finished in `update()`: free its chunks; its slab slot goes at the next
+    /// update (the deltas still name it).
+    #[cold]
+    #[inline(never)]
+    fn finish(&mut self, idx: u32, f: FinishReason) {
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        r.state = RequestState::Finished;
+        r.finish = Some(f);
+        self.free_chunks(idx);
+        let r = self.reqs[idx as usize].as_ref().expect("live");
+        self.ids.remove(&r.id);
+        self.to_remove.push(idx);
+        self.stats.finished += 1;
     }
 
     // ----- invariants ------------------------------------------------------------------
