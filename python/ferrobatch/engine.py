@@ -15,29 +15,32 @@ import asyncio
 import collections
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from ferrobatch.config import ContinuousBatchingConfig
-from ferrobatch.detok import IncrementalDetokenizer
 from ferrobatch.outputs import RequestOutput
-from ferrobatch.sampling import Sampler, SamplingParams, SamplingState, coerce_sampling
+from ferrobatch.request import (
+    Listener,
+    Prompt,
+    Request,
+    as_prompt_list,
+    make_request,
+    sampling_list,
+)
+from ferrobatch.routing import OutputRouter
+from ferrobatch.sampling import Sampler, SamplingParams
+
+__all__ = ["Engine", "EngineClosedError", "Listener", "Prompt", "QueueFullError"]
 
 logger = logging.getLogger("ferrobatch")
-
-Prompt = str | Sequence[int]
-Listener = Callable[[RequestOutput | BaseException], None]
-
-_FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 class EngineClosedError(RuntimeError):
@@ -46,26 +49,6 @@ class EngineClosedError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """`max_queue_size` unfinished requests are already in the engine."""
-
-
-@dataclass
-class _Request:
-    """Engine-side state of one request."""
-
-    request_id: str
-    prompt_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
-    sstate: SamplingState
-    detok: IncrementalDetokenizer
-    eos_token_ids: list[int]
-    arrival: float
-    output: RequestOutput
-    listener: Listener | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    in_scheduler: bool = False
-    keep: bool = False  # stays in the table after finishing until get_output claims it
 
 
 class Engine:
@@ -138,10 +121,13 @@ class Engine:
         self.scheduler = self._build_scheduler()
         self.sampler = Sampler(self.device, seed=seed)
 
-        self._requests: dict[str, _Request] = {}
-        self._inbox: collections.deque[_Request] = collections.deque()
+        self._stats: collections.Counter[str] = collections.Counter()
+        self._router = OutputRouter(self._stats)
+        self._router.scheduler = self.scheduler
+        self._requests = self._router.requests  # live requests by id (the router's table)
+        self._table_lock = self._router.lock  # guards _requests
+        self._inbox: collections.deque[Request] = collections.deque()
         self._cancel_inbox: collections.deque[str] = collections.deque()
-        self._table_lock = threading.Lock()  # guards _requests
         self._step_lock = threading.RLock()  # one stepper at a time; guards the scheduler
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,7 +135,6 @@ class Engine:
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self._stats = collections.Counter()
         self._busy_time = 0.0
         self._first_step: float | None = None
 
@@ -183,7 +168,7 @@ class Engine:
         progress: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in input order."""
-        plist = _as_prompt_list(prompts)
+        plist = as_prompt_list(prompts)
         params = self._params_list(sampling, len(plist), max_new_tokens)
         reqs = [self._make_request(p, sp, None) for p, sp in zip(plist, params, strict=True)]
         return self._run_batch(reqs, progress=progress, desc="generate")
@@ -268,27 +253,19 @@ class Engine:
         return self._stream_iter(req, q)
 
     def _stream_iter(
-        self, req: _Request, q: queue.SimpleQueue[RequestOutput | BaseException]
+        self, req: Request, q: queue.SimpleQueue[RequestOutput | BaseException]
     ) -> Iterator[RequestOutput]:
-        finished = False
+        sub = _Subscription(self, req)
         try:
-            while True:
+            while not sub.finished:
                 try:
                     item = q.get(timeout=0.5)
                 except queue.Empty:
                     self._raise_if_dead(req)
                     continue
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                yield sub.take(item)
         finally:
-            if not finished:
-                self.cancel(req.request_id)
-            self._forget(req)
+            sub.close()
 
     def astream(
         self, prompt: Prompt, sampling: Any = None, *, request_id: str | None = None
@@ -302,7 +279,7 @@ class Engine:
         req = self._make_request(prompt, sp, request_id, incremental=True)
         return self._astream_gen(req)
 
-    async def _astream_gen(self, req: _Request) -> AsyncIterator[RequestOutput]:
+    async def _astream_gen(self, req: Request) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -316,25 +293,17 @@ class Engine:
         req.arrival = time.perf_counter()
         self._submit(req)
         self.start()
-        finished = False
+        sub = _Subscription(self, req)
         try:
-            while True:
+            while not sub.finished:
                 try:
                     item = await asyncio.wait_for(aq.get(), timeout=0.5)
                 except TimeoutError:
                     self._raise_if_dead(req)
                     continue
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                yield sub.take(item)
         finally:
-            if not finished:
-                self.cancel(req.request_id)
-            self._forget(req)
+            sub.close()
 
     def check_request(self, prompt: Prompt, sampling: Any = None) -> list[int]:
         """Validate a request without running it; returns its prompt token ids.
@@ -429,103 +398,17 @@ class Engine:
     def _params_list(
         self, sampling: Any, n: int, max_new_tokens: int | None
     ) -> list[SamplingParams]:
-        if isinstance(sampling, list | tuple):
-            if len(sampling) != n:
-                raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
-            items = list(sampling)
-        else:
-            items = [sampling] * n
-        out = []
-        for s in items:
-            sp = coerce_sampling(s, default_max_new_tokens=self.default_max_new_tokens)
-            if max_new_tokens is not None:
-                sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": max_new_tokens})
-            out.append(sp)
-        return out
+        return sampling_list(sampling, n, max_new_tokens, self.default_max_new_tokens)
 
     def _make_request(
-        self,
-        prompt: Prompt,
-        sp: SamplingParams,
-        request_id: str | None,
-        *,
-        listener: Listener | None = None,
-        incremental: bool = False,
-    ) -> _Request:
-        prompt_text = None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: a string prompt needs a tokenizer; pass token ids")
-            prompt_text = prompt
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            ids = _as_id_list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        assert sp.max_new_tokens is not None
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens, longer than the model's context "
-                f"(max_position_embeddings={self.max_model_len})"
-            )
-        if len(ids) + sp.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-                f"model's context (max_position_embeddings={self.max_model_len})"
-            )
-        if "full_attention" in self.layer_types:
-            need = math.ceil((len(ids) + sp.max_new_tokens) / self.config.page_size)
-            if need > self.num_blocks:
-                raise ValueError(
-                    f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
-                    f"cache has num_blocks={self.num_blocks}"
-                )
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer")
-        for t in sp.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        eos_ids = [] if sp.ignore_eos else list(self.eos_token_ids)
-        now = time.perf_counter()
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            ids,
-            skip_special_tokens=sp.skip_special_tokens,
-            stop=sp.stop,
-            incremental=incremental,
-        )
-        out = RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            prompt=prompt_text,
-            logprobs=[] if sp.logprobs is not None else None,
-        )
-        return _Request(
-            request_id=request_id,
-            prompt_ids=ids,
-            prompt_text=prompt_text,
-            params=sp,
-            sstate=SamplingState(sp, ids),
-            detok=detok,
-            eos_token_ids=eos_ids,
-            arrival=now,
-            output=out,
-            listener=listener,
-        )
+        self, prompt: Prompt, sp: SamplingParams, request_id: str | None, **kwargs: Any
+    ) -> Request:
+        return make_request(self, prompt, sp, request_id, self._new_request_id, **kwargs)
 
-    def _submit(self, req: _Request, *, bounded: bool = True) -> None:
+    def _new_request_id(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def _submit(self, req: Request, *, bounded: bool = True) -> None:
         if self._closed:
             raise EngineClosedError("engine is closed")
         if self._error is not None:
@@ -543,7 +426,7 @@ class Engine:
         self._inbox.append(req)
         self._wakeup.set()
 
-    def _run_batch(self, reqs: list[_Request], *, progress: bool, desc: str) -> list[RequestOutput]:
+    def _run_batch(self, reqs: list[Request], *, progress: bool, desc: str) -> list[RequestOutput]:
         for r in reqs:
             self._submit(r, bounded=False)
         bar = None
@@ -586,15 +469,10 @@ class Engine:
                 raise r.error
         return [r.output for r in reqs]
 
-    def _forget(self, req: _Request) -> None:
-        """Drop a finished request from the table (unfinished ones drop when they finish)."""
-        with self._table_lock:
-            if req.done.is_set() and self._requests.get(req.request_id) is req:
-                del self._requests[req.request_id]
-            else:
-                req.keep = False
+    def _forget(self, req: Request) -> None:
+        self._router.forget(req)
 
-    def _raise_if_dead(self, req: _Request) -> None:
+    def _raise_if_dead(self, req: Request) -> None:
         if req.done.is_set():
             return
         if self._error is not None:
@@ -614,8 +492,7 @@ class Engine:
             self._fail_all(exc, fatal=True)
             raise
         if not worked:
-            with self._table_lock:
-                waiting = [r for r in self._requests.values() if not r.done.is_set()]
+            waiting = self._router.unfinished()
             if waiting and not self._inbox and not self._cancel_inbox:
                 if self._thread is not None and self._thread.is_alive():
                     time.sleep(0.001)
@@ -682,7 +559,7 @@ class Engine:
                 for r, lp in zip(rows, result.logprobs, strict=True):
                     if lp is not None:
                         lp_by_rid[rids[r]] = lp
-            self._route(step_out, lp_by_rid, now)
+            self._router.route(step_out, lp_by_rid, now)
             self._stats["steps"] += 1
             self._stats["step_tokens"] += len(plan.input_ids)
             self._busy_time += time.perf_counter() - t0
@@ -703,7 +580,7 @@ class Engine:
                     stop_token_ids=list(req.params.stop_token_ids),
                 )
             except (ValueError, KeyError, TypeError) as exc:  # this request only
-                self._finish_error(req, exc)
+                self._router.fail(req, exc)
                 continue
             req.in_scheduler = True
             self._stats["prompt_tokens"] += len(req.prompt_ids)
@@ -715,191 +592,41 @@ class Engine:
                 continue
             if req.in_scheduler:
                 self.scheduler.cancel(rid)
-            self._finish(req, "cancelled", [], None, time.perf_counter())
+            self._router.cancel(req)
             changed = True
         return changed
-
-    def _route(self, step_out: Any, lp_by_rid: dict[str, dict[int, float]], now: float) -> None:
-        """Hand each request its delta; the common case (one token, no streaming, no stop
-        string, no logprobs) touches only plain lists."""
-        bulk = hasattr(step_out, "token_ids") and hasattr(step_out, "request_ids")
-        if not bulk:  # any iterable of deltas (request_id, new_token_ids, finished, ...)
-            for d in step_out:
-                reason = d.finish_reason if d.finished else None
-                if d.finished and reason not in _FINISH_REASONS:
-                    reason = "stop"
-                self._route_one(
-                    d.request_id, [int(t) for t in d.new_token_ids], reason, lp_by_rid, now
-                )
-            return
-        rids = step_out.request_ids
-        toks = step_out.token_ids.tolist()
-        finished = step_out.finished.tolist() if getattr(step_out, "num_finished", 1) else None
-        reasons = step_out.finish_reasons if finished is not None else None
-        requests = self._requests
-        generated = 0
-        for i, rid in enumerate(rids):
-            t = toks[i]
-            reason = None
-            if finished is not None and finished[i]:
-                reason = reasons[i] if reasons[i] in _FINISH_REASONS else "stop"
-            req = requests.get(rid)
-            if req is None or req.done.is_set():
-                continue  # already finished here (stop string, cancel)
-            if (
-                reason is None
-                and t >= 0
-                and req.listener is None
-                and not req.detok.incremental
-                and req.output.logprobs is None
-            ):
-                req.sstate.output_ids.append(t)
-                out = req.output
-                out.token_ids.append(t)
-                dt = now - req.arrival
-                if out.ttft is None:
-                    out.ttft = dt
-                out.token_times.append(dt)
-                req.detok.add((t,))
-                generated += 1
-                continue
-            self._deliver(req, [t] if t >= 0 else [], reason, lp_by_rid.get(rid), now)
-        self._stats["generated_tokens"] += generated
-
-    def _route_one(
-        self,
-        rid: str,
-        new: list[int],
-        reason: str | None,
-        lp_by_rid: dict[str, dict[int, float]],
-        now: float,
-    ) -> None:
-        req = self._requests.get(rid)
-        if req is None or req.done.is_set():
-            return
-        self._deliver(req, new, reason, lp_by_rid.get(rid), now)
-
-    def _deliver(
-        self,
-        req: _Request,
-        new: list[int],
-        reason: str | None,
-        lp: dict[int, float] | None,
-        now: float,
-    ) -> None:
-        out = req.output
-        if new:
-            req.sstate.output_ids.extend(new)
-            out.token_ids.extend(new)
-            t = now - req.arrival
-            if out.ttft is None:
-                out.ttft = t
-            out.token_times.extend([t] * len(new))
-            if out.logprobs is not None:
-                out.logprobs.extend([lp or {}] * len(new))
-            self._stats["generated_tokens"] += len(new)
-        text = req.detok.add(new) if new else ""
-        if req.detok.stopped and reason != "stop":
-            # a stop string: end it here; the scheduler must not run it again
-            if reason is None:
-                self.scheduler.cancel(req.request_id)
-            reason = "stop"
-        if reason is not None:
-            self._finish(req, reason, new, lp, now, text_so_far=text)
-            return
-        if req.listener is not None and (new or text):
-            req.listener(self._delta(req, new, text, None, lp))
-
-    def _finish(
-        self,
-        req: _Request,
-        reason: str,
-        new: list[int],
-        lp: dict[int, float] | None,
-        now: float,
-        *,
-        text_so_far: str = "",
-    ) -> None:
-        text = text_so_far + req.detok.finish()
-        req.output.text = req.detok.text
-        req.output.finish_reason = reason
-        req.output.finished = True
-        self._stats["finished_requests"] += 1
-        if req.listener is not None:
-            req.listener(self._delta(req, new, text, reason, lp))
-        self._done(req)
-
-    def _done(self, req: _Request) -> None:
-        with self._table_lock:
-            req.done.set()
-            if not req.keep and self._requests.get(req.request_id) is req:
-                del self._requests[req.request_id]
-
-    def _delta(
-        self,
-        req: _Request,
-        new: list[int],
-        text: str,
-        reason: str | None,
-        lp: dict[int, float] | None,
-    ) -> RequestOutput:
-        n = len(new)
-        out = req.output
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids,
-            token_ids=list(new),
-            text=text,
-            finish_reason=reason,
-            finished=reason is not None,
-            logprobs=(list(out.logprobs[-n:]) if n else []) if out.logprobs is not None else None,
-            ttft=out.ttft,
-            token_times=list(out.token_times[-n:]) if n else [],
-            prompt=req.prompt_text,
-        )
-
-    def _finish_error(self, req: _Request, exc: BaseException) -> None:
-        req.error = exc
-        if req.listener is not None:
-            req.listener(exc)
-        self._done(req)
 
     def _fail_all(self, exc: BaseException, *, fatal: bool = False) -> None:
         if fatal:
             self._error = exc
-        with self._table_lock:
-            reqs = [r for r in self._requests.values() if not r.done.is_set()]
-        for r in reqs:
-            self._finish_error(r, exc)
+        self._router.fail_all(exc)
+
+
+class _Subscription:
+    """A caller's side of a streamed request: takes its deltas and, if the caller stops
+    early, cancels it; the request leaves the table when both sides are done."""
+
+    def __init__(self, engine: Engine, req: Request) -> None:
+        self.engine = engine
+        self.req = req
+        self.finished = False
+
+    def take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        """The delta, or raise the request's error."""
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Cancel the request unless it finished; forget it."""
+        if not self.finished:
+            self.engine.cancel(self.req.request_id)
+        self.engine._forget(self.req)
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor | np.ndarray):
-        prompts = prompts.tolist()
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int | np.integer) for p in prompts):
-        return [prompts]
-    return prompts
-
-
-def _as_id_list(prompt: Any) -> list[int]:
-    if isinstance(prompt, torch.Tensor | np.ndarray):
-        prompt = prompt.tolist()
-    try:
-        ids = list(prompt)
-    except TypeError:
-        raise ValueError(
-            f"prompt must be a string or a list of token ids, got {prompt!r}"
-        ) from None
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int | np.integer):
-            raise ValueError(f"prompt: token ids must be integers, got {t!r}")
-    return [int(t) for t in ids]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

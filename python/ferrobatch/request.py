@@ -1,0 +1,236 @@
+"""One request inside the engine: its state, how a prompt and `SamplingParams` become one
+(validated, `ValueError` naming the field), and the outputs it hands its caller."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrobatch.detok import IncrementalDetokenizer
+from ferrobatch.outputs import RequestOutput
+from ferrobatch.sampling import SamplingParams, SamplingState, coerce_sampling
+
+__all__ = [
+    "Listener",
+    "Prompt",
+    "Request",
+    "as_prompt_list",
+    "make_request",
+    "sampling_list",
+]
+
+Prompt = str | Sequence[int]
+Listener = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    sstate: SamplingState
+    detok: IncrementalDetokenizer
+    eos_token_ids: list[int]
+    arrival: float
+    output: RequestOutput
+    listener: Listener | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    in_scheduler: bool = False
+    keep: bool = False  # stays in the table after finishing until get_output claims it
+
+    @property
+    def plain(self) -> bool:
+        """No listener, no streaming text, no logprobs: tokens only go to `output`."""
+        return self.listener is None and not self.detok.incremental and self.output.logprobs is None
+
+    def add_token(self, token: int, now: float) -> None:
+        """Record one generated token of a plain request (text is built at the end)."""
+        self.sstate.output_ids.append(token)
+        out = self.output
+        out.token_ids.append(token)
+        dt = now - self.arrival
+        if out.ttft is None:
+            out.ttft = dt
+        out.token_times.append(dt)
+        self.detok.add((token,))
+
+    def add_tokens(self, new: list[int], lp: dict[int, float] | None, now: float) -> None:
+        """Record generated tokens (one logprob dict for all of them)."""
+        self.sstate.output_ids.extend(new)
+        out = self.output
+        out.token_ids.extend(new)
+        dt = now - self.arrival
+        if out.ttft is None:
+            out.ttft = dt
+        out.token_times.extend([dt] * len(new))
+        if out.logprobs is not None:
+            out.logprobs.extend([lp or {}] * len(new))
+
+    def delta(self, new: list[int], text: str, reason: str | None) -> RequestOutput:
+        """The output holding only `new` (already recorded) and `text`."""
+        n = len(new)
+        out = self.output
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(new),
+            text=text,
+            finish_reason=reason,
+            finished=reason is not None,
+            logprobs=(list(out.logprobs[-n:]) if n else []) if out.logprobs is not None else None,
+            ttft=out.ttft,
+            token_times=list(out.token_times[-n:]) if n else [],
+            prompt=self.prompt_text,
+        )
+
+
+def sampling_list(
+    sampling: Any, n: int, max_new_tokens: int | None, default_max_new_tokens: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt from one value or a list (`max_new_tokens` wins)."""
+    if isinstance(sampling, list | tuple):
+        if len(sampling) != n:
+            raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
+        items = list(sampling)
+    else:
+        items = [sampling] * n
+    out = []
+    for s in items:
+        sp = coerce_sampling(s, default_max_new_tokens=default_max_new_tokens)
+        if max_new_tokens is not None:
+            sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": max_new_tokens})
+        out.append(sp)
+    return out
+
+
+def make_request(
+    engine: Any,
+    prompt: Prompt,
+    sp: SamplingParams,
+    request_id: str | None,
+    new_id: Callable[[], str],
+    *,
+    listener: Listener | None = None,
+    incremental: bool = False,
+) -> Request:
+    """A validated request for `engine` (its tokenizer, vocabulary, context and cache);
+    `new_id()` names it when `request_id` is None."""
+    ids, prompt_text = _prompt_ids(engine, prompt)
+    _check_fits(engine, ids, sp)
+    if sp.stop and engine.tokenizer is None:
+        raise ValueError("stop: stop strings need a tokenizer")
+    for t in sp.stop_token_ids:
+        if t >= engine.vocab_size:
+            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
+    if request_id is None:
+        request_id = new_id()
+    elif not isinstance(request_id, str) or not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    detok = IncrementalDetokenizer(
+        engine.tokenizer,
+        ids,
+        skip_special_tokens=sp.skip_special_tokens,
+        stop=sp.stop,
+        incremental=incremental,
+    )
+    out = RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=ids,
+        prompt=prompt_text,
+        logprobs=[] if sp.logprobs is not None else None,
+    )
+    return Request(
+        request_id=request_id,
+        prompt_ids=ids,
+        prompt_text=prompt_text,
+        params=sp,
+        sstate=SamplingState(sp, ids),
+        detok=detok,
+        eos_token_ids=[] if sp.ignore_eos else list(engine.eos_token_ids),
+        arrival=time.perf_counter(),
+        output=out,
+        listener=listener,
+    )
+
+
+def _prompt_ids(engine: Any, prompt: Prompt) -> tuple[list[int], str | None]:
+    """(token ids in the vocabulary, the prompt text when it was a string)."""
+    prompt_text = None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if engine.tokenizer is None:
+            raise ValueError("prompt: a string prompt needs a tokenizer; pass token ids")
+        prompt_text = prompt
+        ids = list(engine.tokenizer(prompt)["input_ids"])
+    else:
+        ids = _as_id_list(prompt)
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= engine.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})"
+        )
+    return ids, prompt_text
+
+
+def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
+    """The prompt and its `max_new_tokens` fit the model's context and the cache."""
+    assert sp.max_new_tokens is not None
+    if len(ids) >= engine.max_model_len:
+        raise ValueError(
+            f"prompt is {len(ids)} tokens, longer than the model's context "
+            f"(max_position_embeddings={engine.max_model_len})"
+        )
+    if len(ids) + sp.max_new_tokens > engine.max_model_len:
+        raise ValueError(
+            f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
+            f"model's context (max_position_embeddings={engine.max_model_len})"
+        )
+    if "full_attention" in engine.layer_types:
+        need = math.ceil((len(ids) + sp.max_new_tokens) / engine.config.page_size)
+        if need > engine.num_blocks:
+            raise ValueError(
+                f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
+                f"cache has num_blocks={engine.num_blocks}"
+            )
+
+
+def as_prompt_list(prompts: Any) -> list[Prompt]:
+    """One prompt or a list of them as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor | np.ndarray):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int | np.integer) for p in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_id_list(prompt: Any) -> list[int]:
+    if isinstance(prompt, torch.Tensor | np.ndarray):
+        prompt = prompt.tolist()
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {prompt!r}"
+        ) from None
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise ValueError(f"prompt: token ids must be integers, got {t!r}")
+    return [int(t) for t in ids]
