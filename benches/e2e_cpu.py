@@ -30,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from ferrobatch.workloads import brief_model, brief_prompts, chat_prompts  # noqa: E402
+from ferrobatch.workloads import (  # noqa: E402
+    brief_model,
+    brief_prompts,
+    chat_prompts,
+    left_padded,
+)
 from transformers import GenerationConfig  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -105,13 +110,8 @@ def run_padded_generate(model: Any, prompts: list[list[int]], new: int, args: An
     def run() -> list[list[int]]:
         outs: list[list[int]] = []
         for start in range(0, len(prompts), bs):
-            chunk = prompts[start : start + bs]
-            width = max(len(p) for p in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
+            ids, mask = left_padded(prompts[start : start + bs])
+            width = ids.shape[1]
             with torch.no_grad():
                 gen = model.generate(
                     input_ids=ids,

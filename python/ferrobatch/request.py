@@ -57,12 +57,8 @@ class Request:
     def add_token(self, token: int, now: float) -> None:
         """Record one generated token of a plain request (text is built at the end)."""
         self.sstate.output_ids.append(token)
-        out = self.output
-        out.token_ids.append(token)
-        dt = now - self.arrival
-        if out.ttft is None:
-            out.ttft = dt
-        out.token_times.append(dt)
+        self.output.token_ids.append(token)
+        self.output.token_times.append(self._elapsed(now))
         self.detok.add((token,))
 
     def add_tokens(self, new: list[int], lp: dict[int, float] | None, now: float) -> None:
@@ -70,12 +66,16 @@ class Request:
         self.sstate.output_ids.extend(new)
         out = self.output
         out.token_ids.extend(new)
-        dt = now - self.arrival
-        if out.ttft is None:
-            out.ttft = dt
-        out.token_times.extend([dt] * len(new))
+        out.token_times.extend([self._elapsed(now)] * len(new))
         if out.logprobs is not None:
             out.logprobs.extend([lp or {}] * len(new))
+
+    def _elapsed(self, now: float) -> float:
+        """Seconds since arrival; the first call also sets `ttft`."""
+        dt = now - self.arrival
+        if self.output.ttft is None:
+            self.output.ttft = dt
+        return dt
 
     def delta(self, new: list[int], text: str, reason: str | None) -> RequestOutput:
         """The output holding only `new` (already recorded) and `text`."""

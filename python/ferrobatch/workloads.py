@@ -18,6 +18,7 @@ __all__ = [
     "brief_model",
     "brief_prompts",
     "chat_prompts",
+    "left_padded",
 ]
 
 #: Vocabulary size of the brief's model.
@@ -97,3 +98,17 @@ def chat_prompts(
             q = f"{q} (variant {i // len(questions)})"
         out.append([int(t) for t in encode_chat([{"role": "user", "content": q}])])
     return out
+
+
+def left_padded(prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) int64 tensors, prompts right-aligned over 0 padding (the
+    padded ``model.generate`` baseline)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
