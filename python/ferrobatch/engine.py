@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ferrobatch.config import ContinuousBatchingConfig
@@ -37,6 +36,7 @@ from ferrobatch.request import (
 )
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import Sampler, SamplingParams
+from ferrobatch.step import Stepper
 
 __all__ = ["Engine", "EngineClosedError", "Listener", "Prompt", "QueueFullError"]
 
@@ -122,12 +122,11 @@ class Engine:
         self.sampler = Sampler(self.device, seed=seed)
 
         self._stats: collections.Counter[str] = collections.Counter()
-        self._router = OutputRouter(self._stats)
-        self._router.scheduler = self.scheduler
+        self._router = OutputRouter(self.scheduler, self._stats)
         self._requests = self._router.requests  # live requests by id (the router's table)
         self._table_lock = self._router.lock  # guards _requests
-        self._inbox: collections.deque[Request] = collections.deque()
-        self._cancel_inbox: collections.deque[str] = collections.deque()
+        self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
+                                self._stats)  # fmt: skip
         self._step_lock = threading.RLock()  # one stepper at a time; guards the scheduler
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -135,8 +134,6 @@ class Engine:
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self._busy_time = 0.0
-        self._first_step: float | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -236,7 +233,7 @@ class Engine:
             req = self._requests.get(request_id)
         if req is None or req.done.is_set():
             return False
-        self._cancel_inbox.append(request_id)
+        self._stepper.cancel_inbox.append(request_id)
         self._wakeup.set()
         return True
 
@@ -373,13 +370,14 @@ class Engine:
             sched_stats = {k: getattr(sched_stats, k) for k in dir(sched_stats) if k[0] != "_"}
         out.update(sched_stats)
         gen = self._stats["generated_tokens"]
+        busy = self._stepper.busy_time
         out.update(
             steps=self._stats["steps"],
             generated_tokens=gen,
             submitted_prompt_tokens=self._stats["prompt_tokens"],
             finished_requests=self._stats["finished_requests"],
-            busy_time_s=self._busy_time,
-            throughput_tok_s=gen / self._busy_time if self._busy_time > 0 else 0.0,
+            busy_time_s=busy,
+            throughput_tok_s=gen / busy if busy > 0 else 0.0,
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
         )
@@ -423,7 +421,7 @@ class Engine:
                     f"max_queue_size={limit} unfinished requests are already queued or running"
                 )
             self._requests[req.request_id] = req
-        self._inbox.append(req)
+        self._stepper.inbox.append(req)
         self._wakeup.set()
 
     def _run_batch(self, reqs: list[Request], *, progress: bool, desc: str) -> list[RequestOutput]:
@@ -493,7 +491,7 @@ class Engine:
             raise
         if not worked:
             waiting = self._router.unfinished()
-            if waiting and not self._inbox and not self._cancel_inbox:
+            if waiting and not self._stepper.has_mail():
                 if self._thread is not None and self._thread.is_alive():
                     time.sleep(0.001)
                     return
@@ -519,7 +517,7 @@ class Engine:
                 waiting = any(
                     r.in_scheduler and not r.done.is_set() for r in self._requests.values()
                 )
-            if waiting and not self._inbox and not self._cancel_inbox:
+            if waiting and not self._stepper.has_mail():
                 idle_misses += 1
                 if idle_misses > 3:
                     self._fail_all(
@@ -536,65 +534,7 @@ class Engine:
         with self._step_lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
-            changed = self._drain_inboxes()
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return changed
-            t0 = time.perf_counter()
-            if self._first_step is None:
-                self._first_step = t0
-            logits = self.runner.execute(plan)
-            rids = list(plan.request_ids)
-            rows = np.asarray(plan.logits_rows).tolist()
-            states = []
-            for r in rows:
-                req = self._requests[rids[r]]
-                states.append(req.sstate)
-            result = self.sampler(logits, states)
-            tokens = result.token_ids.numpy().astype(np.int32)
-            step_out = self.scheduler.update(tokens)
-            now = time.perf_counter()
-            lp_by_rid: dict[str, dict[int, float]] = {}
-            if result.logprobs is not None:
-                for r, lp in zip(rows, result.logprobs, strict=True):
-                    if lp is not None:
-                        lp_by_rid[rids[r]] = lp
-            self._router.route(step_out, lp_by_rid, now)
-            self._stats["steps"] += 1
-            self._stats["step_tokens"] += len(plan.input_ids)
-            self._busy_time += time.perf_counter() - t0
-            return True
-
-    def _drain_inboxes(self) -> bool:
-        changed = False
-        while self._inbox:
-            req = self._inbox.popleft()
-            if req.done.is_set():
-                continue
-            try:
-                self.scheduler.add_request(
-                    req.request_id,
-                    req.prompt_ids,
-                    req.params.max_new_tokens,
-                    eos_token_ids=req.eos_token_ids,
-                    stop_token_ids=list(req.params.stop_token_ids),
-                )
-            except (ValueError, KeyError, TypeError) as exc:  # this request only
-                self._router.fail(req, exc)
-                continue
-            req.in_scheduler = True
-            self._stats["prompt_tokens"] += len(req.prompt_ids)
-            changed = True
-        while self._cancel_inbox:
-            rid = self._cancel_inbox.popleft()
-            req = self._requests.get(rid)
-            if req is None or req.done.is_set():
-                continue
-            if req.in_scheduler:
-                self.scheduler.cancel(rid)
-            self._router.cancel(req)
-            changed = True
-        return changed
+            return self._stepper.step()
 
     def _fail_all(self, exc: BaseException, *, fatal: bool = False) -> None:
         if fatal:

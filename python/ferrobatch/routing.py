@@ -18,14 +18,14 @@ class OutputRouter:
     """Live requests by id, and what happens to them as tokens arrive or they end.
 
     `requests` is guarded by `lock`; `stats` counts generated tokens and finished requests.
-    Stop strings cancel the request in `scheduler` (set by the engine).
+    A stop string cancels its request in `scheduler`.
     """
 
-    def __init__(self, stats: collections.Counter[str]) -> None:
+    def __init__(self, scheduler: Any, stats: collections.Counter[str]) -> None:
         self.requests: dict[str, Request] = {}
         self.lock = threading.Lock()
+        self.scheduler = scheduler
         self.stats = stats
-        self.scheduler: Any = None
 
     def route(self, step_out: Any, lp_by_rid: dict[str, dict[int, float]], now: float) -> None:
         """Hand each request its delta; the common case (one token, no streaming, no stop

@@ -1,0 +1,104 @@
+"""One engine step: queued requests and cancellations into the scheduler, then plan →
+forward → sample → scheduler update → outputs routed to their requests."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import numpy as np
+
+from ferrobatch.request import Request
+from ferrobatch.routing import OutputRouter
+from ferrobatch.sampling import Sampler
+
+__all__ = ["Stepper"]
+
+
+class Stepper:
+    """Runs steps of `scheduler`, `runner` and `sampler` for the requests in `router`.
+
+    `inbox` (new requests) and `cancel_inbox` (request ids) are filled by any thread and
+    drained at the start of each step; only the caller holding the engine's step lock
+    calls `step`. `stats` counts steps, step tokens and submitted prompt tokens;
+    `busy_time` is the seconds spent in steps that ran the model.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        runner: Any,
+        sampler: Sampler,
+        router: OutputRouter,
+        stats: collections.Counter[str],
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.router = router
+        self.stats = stats
+        self.inbox: collections.deque[Request] = collections.deque()
+        self.cancel_inbox: collections.deque[str] = collections.deque()
+        self.busy_time = 0.0
+
+    def has_mail(self) -> bool:
+        """Whether requests or cancellations wait for the next step."""
+        return bool(self.inbox or self.cancel_inbox)
+
+    def step(self) -> bool:
+        """Run one scheduler step; False when there was nothing to do."""
+        changed = self._drain_inboxes()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return changed
+        t0 = time.perf_counter()
+        logits = self.runner.execute(plan)
+        rids = list(plan.request_ids)
+        rows = np.asarray(plan.logits_rows).tolist()
+        requests = self.router.requests
+        result = self.sampler(logits, [requests[rids[r]].sstate for r in rows])
+        tokens = result.token_ids.numpy().astype(np.int32)
+        step_out = self.scheduler.update(tokens)
+        now = time.perf_counter()
+        lp_by_rid: dict[str, dict[int, float]] = {}
+        if result.logprobs is not None:
+            for r, lp in zip(rows, result.logprobs, strict=True):
+                if lp is not None:
+                    lp_by_rid[rids[r]] = lp
+        self.router.route(step_out, lp_by_rid, now)
+        self.stats["steps"] += 1
+        self.stats["step_tokens"] += len(plan.input_ids)
+        self.busy_time += time.perf_counter() - t0
+        return True
+
+    def _drain_inboxes(self) -> bool:
+        changed = False
+        while self.inbox:
+            req = self.inbox.popleft()
+            if req.done.is_set():
+                continue
+            try:
+                self.scheduler.add_request(
+                    req.request_id,
+                    req.prompt_ids,
+                    req.params.max_new_tokens,
+                    eos_token_ids=req.eos_token_ids,
+                    stop_token_ids=list(req.params.stop_token_ids),
+                )
+            except (ValueError, KeyError, TypeError) as exc:  # this request only
+                self.router.fail(req, exc)
+                continue
+            req.in_scheduler = True
+            self.stats["prompt_tokens"] += len(req.prompt_ids)
+            changed = True
+        while self.cancel_inbox:
+            rid = self.cancel_inbox.popleft()
+            req = self.router.requests.get(rid)
+            if req is None or req.done.is_set():
+                continue
+            if req.in_scheduler:
+                self.scheduler.cancel(rid)
+            self.router.cancel(req)
+            changed = True
+        return changed
