@@ -535,16 +535,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     engine = build_engine(args)
     try:
-        prompts: list[Any] = []
-        for kind, value in items:
-            if kind == "chat":
-                prompts.append(engine.encode_chat(value))
-            elif args.chat:
-                msgs = [{"role": "system", "content": args.system}] if args.system else []
-                msgs.append({"role": "user", "content": value})
-                prompts.append(engine.encode_chat(msgs))
-            else:
-                prompts.append(value)
+        prompts = [_encode_item(engine, kind, value, args) for kind, value in items]
         t0 = time.perf_counter()
         outputs = engine.generate(prompts, sampling, progress=not args.no_progress)
         elapsed = time.perf_counter() - t0
@@ -558,29 +549,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out_stream = sys.stdout
         for i, ((kind, value), out) in enumerate(zip(items, outputs, strict=True)):
             if args.format == "jsonl":
-                record: dict[str, Any] = {
-                    "index": i,
-                    ("messages" if kind == "chat" else "prompt"): value,
-                    "text": out.text,
-                    "finish_reason": out.finish_reason,
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "completion_tokens": len(out.token_ids),
-                    "token_ids": list(out.token_ids),
-                    "ttft_s": out.ttft,
-                }
-                if out.logprobs is not None:
-                    record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
-                out_stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out_stream.write(_jsonl_record(i, kind, value, out) + "\n")
             else:
-                if len(items) > 1:
-                    shown = value if kind == "text" else value[-1].get("content", "")
-                    shown = str(shown).replace("\n", " ")
-                    if len(shown) > 60:
-                        shown = shown[:57] + "..."
-                    out_stream.write(f"=== [{i}] {shown}\n")
-                out_stream.write(out.text + "\n")
-                if len(items) > 1:
-                    out_stream.write("\n")
+                out_stream.write(_text_block(i, kind, value, out, several=len(items) > 1))
     total = sum(len(o.token_ids) for o in outputs)
     if not args.no_progress:
         print(
@@ -589,6 +560,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _encode_item(engine: Any, kind: str, value: Any, args: argparse.Namespace) -> Any:
+    """The prompt to generate for: chat messages (and --chat text) through the template."""
+    if kind == "chat":
+        return engine.encode_chat(value)
+    if args.chat:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        msgs.append({"role": "user", "content": value})
+        return engine.encode_chat(msgs)
+    return value
+
+
+def _jsonl_record(index: int, kind: str, value: Any, out: Any) -> str:
+    """One output as a JSON line (without the newline)."""
+    record: dict[str, Any] = {
+        "index": index,
+        ("messages" if kind == "chat" else "prompt"): value,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+        "token_ids": list(out.token_ids),
+        "ttft_s": out.ttft,
+    }
+    if out.logprobs is not None:
+        record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
+    return json.dumps(record, ensure_ascii=False)
+
+
+def _text_block(index: int, kind: str, value: Any, out: Any, *, several: bool) -> str:
+    """One output as text; with several prompts, under a header and followed by a blank line."""
+    if not several:
+        return out.text + "\n"
+    shown = value if kind == "text" else value[-1].get("content", "")
+    shown = str(shown).replace("\n", " ")
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"=== [{index}] {shown}\n{out.text}\n\n"
 
 
 # ---------------------------------------------------------------------------------------
