@@ -1,4 +1,4 @@
-"""Tests of the ``ferrobatch`` command (python/ferrobatch/cli.py).
+"""Tests of the ``ferrobatch`` command (python/ferrobatch/cli/).
 
 Flag parsing runs everywhere; generate / serve / bench run on a tiny random-init Llama
 saved to a temporary directory, and are skipped when the engine's extension is not built.

@@ -1,0 +1,54 @@
+"""From parsed flags to a ``ContinuousBatchingConfig``, an ``Engine`` and ``SamplingParams``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ferrobatch.cli.flags import CONFIG_FLAGS, SAMPLING_FLAGS
+
+__all__ = ["build_config", "build_engine", "build_sampling"]
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """``ContinuousBatchingConfig`` from the config flags that were given (ValueError if bad)."""
+    from ferrobatch.config import ContinuousBatchingConfig
+
+    given = {name: getattr(args, name) for name, _ in CONFIG_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    return ContinuousBatchingConfig(**given)
+
+
+def _dtype(name: str) -> Any:
+    if name == "auto":
+        return None
+    import torch
+
+    return getattr(torch, name)
+
+
+def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
+    """An ``Engine`` from the model, config and device flags (``model`` overrides MODEL)."""
+    from ferrobatch.engine import Engine
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return Engine(
+        model if model is not None else args.model,
+        config=build_config(args),
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=_dtype(args.dtype),
+        seed=args.engine_seed,
+    )
+
+
+def build_sampling(args: argparse.Namespace) -> Any:
+    """``SamplingParams`` from the sampling flags."""
+    from ferrobatch.sampling import SamplingParams
+
+    fields = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS}
+    fields["stop"] = tuple(fields["stop"])
+    return SamplingParams(max_new_tokens=args.max_new_tokens, **fields)

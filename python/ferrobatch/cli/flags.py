@@ -1,0 +1,348 @@
+"""The ``ferrobatch`` argument parser: model, sampling and config flags, one table each."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CONFIG_FLAGS", "DEFAULT_SERVED_NAME", "SAMPLING_FLAGS", "build_parser"]
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
+
+
+# (flag dest = ContinuousBatchingConfig field, argparse kwargs). Defaults are None: a flag
+# that is not given leaves the config's own default in place.
+CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("page_size", dict(type=int, metavar="TOKENS",
+     help="Tokens per KV-cache page (>= 4); a block is one page per layer of an "
+          "attention type.")),
+    ("num_blocks", dict(type=_positive_int, metavar="N",
+     help="KV-cache capacity in full-attention blocks. Default: sized from free memory "
+          "(see --max-memory-percent).")),
+    ("max_batch_tokens", dict(type=_positive_int, metavar="TOKENS",
+     help="Query tokens per forward pass; longer prompts are prefilled in chunks.")),
+    ("max_memory_percent", dict(type=float, metavar="FRACTION",
+     help="Share (0..1] of free memory the cache may take when --num-blocks is not given. "
+          "Default: 0.9 on CUDA, 0.3 on CPU.")),
+    ("max_requests_per_batch", dict(type=_positive_int, metavar="N",
+     help="Rows per forward pass; caps logits memory for large vocabularies.")),
+    ("scheduler_type", dict(choices=("fifo", "prefill_first"),
+     help="fifo: decodes first, then in-flight prefills, then new requests in arrival order; "
+          "prefill_first: finish chunked prefills before resuming decodes.")),
+    ("safety_margin", dict(type=float, metavar="FRACTION",
+     help="Share [0, 1) of the cache held in reserve for running decodes: below it no new "
+          "prefill is admitted. Default: 0.15 for fifo, 0 for prefill_first.")),
+    ("allow_block_sharing", dict(action=argparse.BooleanOptionalAction,
+     help="Prefix caching: share full blocks between requests with the same prompt prefix "
+          "(full-attention-only models). Default: on.")),
+    ("cpu_offload_space", dict(type=float, metavar="GIB",
+     help="GiB of CPU swap pool for preempted requests; 0 = off (preempted requests are "
+          "soft-reset and recomputed). Default: 0.")),
+    ("q_padding_interval_size", dict(type=_nonneg_int, metavar="TOKENS",
+     help="CUDA-graph query-length padding interval; 0 = preset.")),
+    ("kv_padding_interval_size", dict(type=_nonneg_int, metavar="TOKENS",
+     help="CUDA-graph key-length padding interval; 0 = preset.")),
+    ("use_cuda_graph", dict(action=argparse.BooleanOptionalAction,
+     help="Capture CUDA graphs for decode steps. Default: decided automatically "
+          "(off on CPU).")),
+    ("use_async_batching", dict(action=argparse.BooleanOptionalAction,
+     help="Overlap CPU scheduling with GPU compute (two I/O buffer sets; needs CUDA graphs). "
+          "Default: decided automatically.")),
+    ("max_queue_size", dict(type=_nonneg_int, metavar="N",
+     help="Engine-side bound on waiting requests; 0 = unlimited. (serve's --max-queue bounds "
+          "the HTTP queue.)")),
+]  # fmt: skip
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "cache and scheduler (ContinuousBatchingConfig fields, one flag per field)"
+    )
+    defaults = _config_defaults()
+    for name, kwargs in CONFIG_FLAGS:
+        kwargs = dict(kwargs)
+        if "Default" not in kwargs["help"] and defaults.get(name) is not None:
+            kwargs["help"] += f" Default: {defaults[name]}."
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, **kwargs)
+
+
+def _config_defaults() -> dict[str, Any]:
+    """ContinuousBatchingConfig's field defaults (for --help)."""
+    import dataclasses
+
+    from ferrobatch.config import ContinuousBatchingConfig
+
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(ContinuousBatchingConfig)
+        if f.default is not dataclasses.MISSING
+    }
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="Logging level. Default: warning.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Local checkpoint directory (config, weights, tokenizer). Default: the bundled "
+        "SmolLM2-135M-Instruct (prepared into a cache directory on first use).",
+    )
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="Tokenizer directory, when it is not beside the model.",
+    )
+    group.add_argument(
+        "--device", default=None, help="torch device (cpu, cuda, cuda:1, mps). Default: cpu."
+    )
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=_DTYPES,
+        help="Weights and cache dtype. auto: float32 on CPU, bfloat16 on CUDA.",
+    )
+    group.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (torch.set_num_threads). Default: torch's choice.",
+    )
+    group.add_argument(
+        "--engine-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="Seed of the engine's sampler for requests without their own seed.",
+    )
+
+
+# (flag dest = SamplingParams field, argparse kwargs), after --max-new-tokens whose default
+# depends on the command.
+SAMPLING_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("temperature", dict(type=float, default=0.0,
+     help="0 = greedy (the default, as model.generate); > 0 samples.")),
+    ("top_k", dict(type=int, default=0, help="Keep the k most likely; 0 = off.")),
+    ("top_p", dict(type=float, default=1.0, help="Nucleus sampling mass (0, 1].")),
+    ("min_p", dict(type=float, default=0.0, help="Min-p filter [0, 1]; 0 = off.")),
+    ("repetition_penalty", dict(type=float, default=1.0,
+     help="transformers-style penalty on prompt and generated tokens; 1 = off.")),
+    ("presence_penalty", dict(type=float, default=0.0,
+     help="OpenAI-style penalty [-2, 2] on tokens already generated.")),
+    ("frequency_penalty", dict(type=float, default=0.0,
+     help="OpenAI-style penalty [-2, 2] proportional to generated counts.")),
+    ("seed", dict(type=int, default=None, help="Per-request sampling seed (reproducible).")),
+    ("stop", dict(action="append", default=[], metavar="TEXT",
+     help="Stop string (repeatable); the output excludes it.")),
+    ("ignore_eos", dict(action="store_true", help="Keep generating past the EOS token.")),
+    ("logprobs", dict(type=_nonneg_int, default=None, metavar="N",
+     help="Record the top-N log-probabilities per token (JSONL output).")),
+]  # fmt: skip
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    group = parser.add_argument_group("sampling (SamplingParams)")
+    group.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=max_new_tokens,
+        metavar="N",
+        help=f"Tokens to generate per prompt at most. Default: {max_new_tokens}.",
+    )
+    for name, kwargs in SAMPLING_FLAGS:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ferrobatch`` argument parser (subcommands serve, generate, bench)."""
+    parser = argparse.ArgumentParser(
+        prog="ferrobatch",
+        description="Continuous-batching LLM inference: Rust scheduler and paged KV cache, "
+        "PyTorch forward.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'ferrobatch COMMAND --help' for the flags of each command.",
+    )
+    parser.add_argument("--version", action="store_true", help="Print the version and exit.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    # serve ------------------------------------------------------------------------------
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server.",
+        description="Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/completions, "
+        "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). "
+        "Every connection joins the same continuous batch.",
+    )
+    _add_model_flags(serve)
+    group = serve.add_argument_group("server")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind. Default: 127.0.0.1 (loopback only); use 0.0.0.0 to expose "
+        "it, ideally with --api-key.",
+    )
+    group.add_argument("--port", type=int, default=8000, help="TCP port. Default: 8000.")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("FERROBATCH_API_KEY"),
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 endpoints (401 otherwise). "
+        "Default: $FERROBATCH_API_KEY, else no key.",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="Requests (choices) that may wait for their first token; more get 429 with "
+        "Retry-After. Default: 1024.",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=2 * 1024 * 1024,
+        metavar="BYTES",
+        help="Largest request body accepted; larger get 413. Default: 2 MiB.",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="Name clients pass as 'model'. Default: the MODEL directory's name "
+        f"({DEFAULT_SERVED_NAME} for the bundled model).",
+    )
+    _add_config_flags(serve)
+
+    # generate ---------------------------------------------------------------------------
+    gen = sub.add_parser(
+        "generate",
+        help="Generate for prompts given on the command line or in a JSONL file.",
+        description="Generate completions offline, all prompts in one continuous batch.",
+    )
+    _add_model_flags(gen)
+    group = gen.add_argument_group("input and output")
+    group.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="A prompt (repeatable).",
+    )
+    group.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        metavar="PROMPTS.jsonl",
+        help='One prompt per line: a JSON string, {"prompt": "..."} or '
+        '{"messages": [{"role": ..., "content": ...}, ...]} (chat template). \'-\' reads '
+        "standard input.",
+    )
+    group.add_argument(
+        "--chat",
+        action="store_true",
+        help="Wrap every plain prompt as a user message and apply the chat template.",
+    )
+    group.add_argument(
+        "--system", default=None, metavar="TEXT", help="System message for --chat prompts."
+    )
+    group.add_argument(
+        "--format",
+        choices=("text", "jsonl"),
+        default="text",
+        help="text: the completions, separated by headers when there are several; jsonl: one "
+        "JSON object per prompt (text, finish_reason, token counts, ...). Default: text.",
+    )
+    group.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Write here instead of standard output.",
+    )
+    group.add_argument(
+        "--no-progress", action="store_true", help="Hide the progress bar (shown on stderr)."
+    )
+    _add_sampling_flags(gen, max_new_tokens=128)
+    _add_config_flags(gen)
+
+    # bench ------------------------------------------------------------------------------
+    bench = sub.add_parser(
+        "bench",
+        help="Offline throughput benchmark; prints a table.",
+        description="Throughput of the end-to-end benchmark (benches/e2e_cpu.py's workload): "
+        "without MODEL, the design brief's random-init tiny Llama with random prompts of "
+        "16..256 tokens; with MODEL (or --smollm2), chat prompts through its template. "
+        "Greedy, EOS off; the median of --repeats timed runs after one warm-up.",
+    )
+    _add_model_flags(bench)
+    group = bench.add_argument_group("workload")
+    group.add_argument(
+        "--smollm2", action="store_true", help="Use the bundled SmolLM2-135M-Instruct."
+    )
+    group.add_argument(
+        "--prompts", type=_positive_int, default=64, metavar="N", help="Default: 64."
+    )
+    group.add_argument(
+        "--min-len",
+        type=_positive_int,
+        default=16,
+        metavar="TOKENS",
+        help="Shortest random prompt (tiny model). Default: 16.",
+    )
+    group.add_argument(
+        "--max-len",
+        type=_positive_int,
+        default=256,
+        metavar="TOKENS",
+        help="Longest random prompt (tiny model). Default: 256.",
+    )
+    group.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="Tokens per prompt (EOS off). Default: 64.",
+    )
+    group.add_argument(
+        "--repeats", type=_positive_int, default=3, metavar="N", help="Timed runs. Default: 3."
+    )
+    group.add_argument(
+        "--compare",
+        action="store_true",
+        help="Also time transformers' padded generate and generate_batch on the same "
+        "prompts (needs benches/e2e_cpu.py from a source checkout).",
+    )
+    group.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="Also write the figures here."
+    )
+    _add_config_flags(bench)
+    return parser
