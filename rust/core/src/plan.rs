@@ -91,6 +91,30 @@ impl StepPlan {
         spare.full_width = self.full_width;
         spare.sliding_width = self.sliding_width;
     }
+    /// Copy every array but `rows` into `spare`, reusing its buffers' capacity.
+    pub fn copy_arrays_to(&self, spare: &mut StepPlan) {
+        spare.rows.clear();
+        spare.input_ids.clone_from(&self.input_ids);
+        spare.positions.clone_from(&self.positions);
+        spare.cu_seqlens_q.clone_from(&self.cu_seqlens_q);
+        spare.seqlens_k.clone_from(&self.seqlens_k);
+        spare.logits_indices.clone_from(&self.logits_indices);
+        spare.logits_rows.clone_from(&self.logits_rows);
+        spare.slot_mapping_full.clone_from(&self.slot_mapping_full);
+        spare
+            .slot_mapping_sliding
+            .clone_from(&self.slot_mapping_sliding);
+        spare.block_table_full.clone_from(&self.block_table_full);
+        spare
+            .block_table_sliding
+            .clone_from(&self.block_table_sliding);
+        spare.swap_out.clone_from(&self.swap_out);
+        spare.swap_in.clone_from(&self.swap_in);
+        spare.has_full = self.has_full;
+        spare.has_sliding = self.has_sliding;
+        spare.full_width = self.full_width;
+        spare.sliding_width = self.sliding_width;
+    }
     /// B.
     pub fn num_rows(&self) -> usize {
         self.rows.len()

@@ -185,6 +185,15 @@ pub struct Scheduler {
     outstanding: bool,
     /// Sampled rows of the outstanding plan.
     plan_sampled: usize,
+    /// `plan` is a steady decode plan: full attention only, no swaps, one row per running
+    /// request in running order, each one sampled token.
+    steady_plan: bool,
+    /// Set by an `update()` of a steady plan in which nothing finished or was cancelled:
+    /// the next `schedule()` may advance the previous plan in place (`schedule_steady`).
+    /// Cleared by every other update, by `cancel()` and by `schedule()`.
+    steady_ready: bool,
+    /// The last `schedule()` advanced the previous plan in place (same rows, same order).
+    repeated_rows: bool,
     out: StepOutput,
     pending_cancel: Vec<u32>,
     /// Finished requests reported by the last update: slab slots freed at the next update.
@@ -307,6 +316,9 @@ impl Scheduler {
             deferred_slots: Vec::new(),
             order_buf: Vec::new(),
             hits_buf: Vec::new(),
+            steady_plan: false,
+            steady_ready: false,
+            repeated_rows: false,
             stats,
         })
     }
@@ -356,10 +368,11 @@ impl Scheduler {
     pub fn plan(&self) -> &StepPlan {
         &self.plan
     }
-    /// Export the arrays of the plan just built without copying: they are exchanged with
-    /// `spare`'s buffers (see [`StepPlan::swap_arrays`]); `rows` stay, `update()` needs them.
+    /// Export the arrays of the plan just built: they are copied into `spare`'s buffers
+    /// (reusing their capacity; see [`StepPlan::copy_arrays_to`]). The scheduler keeps its
+    /// own, which a steady decode step advances in place.
     pub fn export_plan(&mut self, spare: &mut StepPlan) {
-        self.plan.swap_arrays(spare);
+        self.plan.copy_arrays_to(spare);
     }
     /// Export the deltas of the last `update()` by exchanging buffers with `spare` (cleared).
     pub fn export_output(&mut self, spare: &mut StepOutput) {
@@ -523,6 +536,7 @@ impl Scheduler {
                 self.free_chunks(idx);
             }
         }
+        self.steady_ready = false;
         let r = self.req_mut(idx);
         r.state = RequestState::Finished;
         r.finish = Some(FinishReason::Cancelled);
@@ -575,6 +589,11 @@ impl Scheduler {
             return Err(Error::runtime(
                 "schedule() called while a plan is outstanding: call update() first",
             ));
+        }
+        self.repeated_rows = false;
+        if std::mem::take(&mut self.steady_ready) && self.schedule_steady() {
+            self.repeated_rows = true;
+            return Ok(Some(&self.plan));
         }
         self.step += 1;
         self.plan.clear();
@@ -632,7 +651,115 @@ impl Scheduler {
         self.outstanding = true;
         self.plan_sampled = self.plan.logits_indices.len();
         self.stats.steps += 1;
+        let p = &self.plan;
+        let n = p.rows.len();
+        self.steady_plan = self.layout.has_full
+            && !self.layout.has_sliding
+            && p.swap_out.is_empty()
+            && p.swap_in.is_empty()
+            && n == self.running.len()
+            && p.input_ids.len() == n
+            && p.logits_indices.len() == n
+            && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
         Ok(Some(&self.plan))
+    }
+
+    /// Whether the last `schedule()` returned the same rows (requests, order) as the plan
+    /// before it, advanced in place by one decode token each.
+    pub fn plan_repeats_rows(&self) -> bool {
+        self.repeated_rows
+    }
+
+    /// The steady decode step, done in place on the previous plan: every running request
+    /// was a sampled one-token row of it, none finished, nothing was added, cancelled or
+    /// preempted since (`steady_ready`), so this step's rows are the same in the same order,
+    /// one token further. Only the per-row columns that move are written (token, position,
+    /// seqlen, slot); a row whose token starts a block gets a chunk (the pool is checked to
+    /// have one for every row, so no preemption can be needed) and its block-table entry.
+    /// Returns false, having changed nothing, when the step is not that simple (another
+    /// request waits or is swapped, the pool may run short, the cache-read budget may bind).
+    fn schedule_steady(&mut self) -> bool {
+        let n = self.plan.rows.len();
+        if !self.steady_plan
+            || !self.waiting.is_empty()
+            || !self.swapped.is_empty()
+            || self.pool.num_free() < n
+        {
+            return false;
+        }
+        if let Some(c) = self.cfg.max_batch_cache_tokens {
+            let reads: usize = self.plan.seqlens_k.iter().map(|&k| k as usize + 1).sum();
+            if reads > c {
+                return false;
+            }
+        }
+        self.step += 1;
+        self.stats.stalled_requests = 0;
+        self.stats.stalled_blocks = 0;
+        let step = self.step;
+        let page = self.cfg.page_size;
+        let p = &mut self.plan;
+        let width = p.full_width;
+        let mut widen = false;
+        debug_assert!(
+            p.input_ids.len() == n
+                && p.positions.len() == n
+                && p.seqlens_k.len() == n
+                && p.slot_mapping_full.len() == n
+                && p.block_table_full.len() == n * width
+        );
+        for (i, row) in p.rows.iter_mut().enumerate() {
+            let r = self.reqs[row.req as usize].as_mut().expect("live");
+            let start = r.num_computed;
+            debug_assert!(
+                r.state == RequestState::Decoding
+                    && start == row.start as usize + 1
+                    && start + 1 == r.tokens.len()
+            );
+            row.start = start as u32;
+            r.touched_step = step;
+            p.input_ids[i] = r.last_token as i32;
+            p.positions[i] = start as i32;
+            p.seqlens_k[i] = start as i32 + 1;
+            // Blocks cover exactly the cached tokens, so the token starts a new block iff
+            // the blocks are full; otherwise it follows the previous token in its block.
+            if r.full.len() * page <= start {
+                let c = self.pool.allocate().expect("checked: a free chunk per row");
+                r.full.push(c);
+                let len = r.full.len();
+                if len > width {
+                    widen = true;
+                } else {
+                    p.block_table_full[i * width + len - 1] = c as i32;
+                }
+                p.slot_mapping_full[i] = (c as usize * page) as i32;
+            } else {
+                p.slot_mapping_full[i] += 1;
+            }
+            debug_assert_eq!(
+                p.slot_mapping_full[i],
+                self.layout.full_slot(&r.full, start)
+            );
+        }
+        if widen {
+            // A row outgrew the table (each row grows by at most one block): rebuild it.
+            let width = width + 1;
+            p.full_width = width;
+            p.block_table_full.clear();
+            p.block_table_full.resize(n * width, 0);
+            for (row, dst) in p
+                .rows
+                .iter()
+                .zip(p.block_table_full.chunks_exact_mut(width))
+            {
+                let full = &self.reqs[row.req as usize].as_ref().expect("live").full;
+                dst[..full.len()].copy_from_slice(crate::chunk_ids_as_i32(full));
+            }
+        }
+        self.outstanding = true;
+        self.plan_sampled = n;
+        self.stats.steps += 1;
+        true
     }
 
     /// Try to place a running request as a row (preempting if allowed and needed).
@@ -1071,6 +1198,7 @@ impl Scheduler {
             self.free_idx.push(idx);
         }
         self.out.clear();
+        self.steady_ready = false;
         let page = self.cfg.page_size;
         let mut k = 0usize;
         let mut any_finished = false;
@@ -1106,6 +1234,7 @@ impl Scheduler {
                     self.finish(row.req, f);
                 }
             }
+            self.steady_ready = self.steady_plan && !any_finished;
         } else if self.outstanding {
             self.out
                 .reserve(self.plan.rows.len() + self.pending_cancel.len());

@@ -453,3 +453,76 @@ fn prefill_first_finishes_prefills_before_decodes() {
     s.update(&vec![1; p.num_sampled()]).unwrap();
     run(&mut s, 1);
 }
+
+/// Every array of `plan` as a from-scratch build would write it for a plan whose rows are all
+/// one-token sampled decode rows (checks the in-place steady step).
+fn check_decode_plan(s: &Scheduler) {
+    let p = s.plan();
+    let page = s.config().page_size;
+    let n = p.rows.len();
+    let width = p
+        .rows
+        .iter()
+        .map(|r| s.request(r.req).unwrap().full.len())
+        .max()
+        .unwrap();
+    assert_eq!(p.full_width, width);
+    assert_eq!(p.cu_seqlens_q, (0..=n as i32).collect::<Vec<_>>());
+    assert_eq!(p.logits_indices, (0..n as i32).collect::<Vec<_>>());
+    assert_eq!(p.logits_rows, (0..n as i32).collect::<Vec<_>>());
+    assert_eq!(p.block_table_full.len(), n * width);
+    for (i, row) in p.rows.iter().enumerate() {
+        let r = s.request(row.req).unwrap();
+        let start = r.num_computed;
+        assert_eq!(row.start as usize, start);
+        assert_eq!((row.q, row.sampled), (1, true));
+        assert_eq!(p.input_ids[i], *r.tokens.last().unwrap() as i32);
+        assert_eq!(p.positions[i], start as i32);
+        assert_eq!(p.seqlens_k[i], start as i32 + 1);
+        let bt = &p.block_table_full[i * width..(i + 1) * width];
+        let mut want: Vec<i32> = r.full.iter().map(|&c| c as i32).collect();
+        want.resize(width, 0);
+        assert_eq!(bt, &want[..]);
+        let b = r.full[start / page] as usize;
+        assert_eq!(p.slot_mapping_full[i], (b * page + start % page) as i32);
+    }
+}
+
+#[test]
+fn steady_decode_steps_match_a_fresh_build() {
+    // Page 4, prompts of different lengths (rows cross blocks at different steps, the table
+    // widens), requests finishing, a cancel, a late arrival and an exported plan in between.
+    let mut s = Scheduler::new(cfg(400, 4, 64)).unwrap();
+    for i in 0..6u32 {
+        let prompt = (0..3 + 2 * i).map(|j| 10 + i * 100 + j).collect();
+        s.add_request(&format!("r{i}"), prompt, stop(8 + 3 * i as usize), 0)
+            .unwrap();
+    }
+    let mut spare = crate::StepPlan::default();
+    let mut repeated = 0;
+    for k in 0..40 {
+        if k == 12 {
+            assert!(s.cancel("r5"));
+        }
+        if k == 20 {
+            s.add_request("late", vec![7, 8, 9, 10, 11], stop(6), 0)
+                .unwrap();
+        }
+        let Some(p) = s.schedule().unwrap() else {
+            break;
+        };
+        let (n, all_decode) = (p.num_sampled(), p.num_tokens() == p.num_rows());
+        if all_decode && p.num_sampled() == p.num_rows() {
+            check_decode_plan(&s);
+        }
+        repeated += s.plan_repeats_rows() as usize;
+        if k % 3 == 0 {
+            s.export_plan(&mut spare);
+            assert_eq!(spare.input_ids, s.plan().input_ids);
+            assert_eq!(spare.block_table_full, s.plan().block_table_full);
+        }
+        s.update(&vec![1; n]).unwrap();
+        s.check_invariants().unwrap();
+    }
+    assert!(repeated > 5, "the steady path ran ({repeated} steps)");
+}
