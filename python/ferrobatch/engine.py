@@ -85,35 +85,12 @@ class Engine:
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
 
-        mcfg = loaded.config
-        tcfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-        self.model_name = str(
-            getattr(mcfg, "_name_or_path", "") or getattr(mcfg, "model_type", "model")
-        )
-        self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
-        self.vocab_size = int(tcfg.vocab_size)
-        self.eos_token_ids = _eos_ids(loaded, self.tokenizer)
-        self.layer_types = list(models.layer_types_of(tcfg))
-        self.sliding_window = models.sliding_window_of(tcfg)
-        self.default_max_new_tokens = 128
-
-        cfg = self.config
-        self.chunk_bytes = _chunk_bytes(tcfg, cfg.page_size, self.dtype)
-        self.memory_explanation = ""
-        num_blocks = cfg.num_blocks
-        if num_blocks is None:
-            num_blocks, self.memory_explanation = _choose_num_blocks(self, loaded)
-            logger.info("ferrobatch cache: %s", self.memory_explanation)
-        self.num_blocks = int(num_blocks)
-        self.cpu_offload_blocks = (
-            int(cfg.cpu_offload_space * (1 << 30)) // self.chunk_bytes
-            if cfg.cpu_offload_space > 0
-            else 0
-        )
+        tcfg = self._read_model_config(loaded)
+        self._size_cache(loaded, tcfg)
         self.runner = ModelRunner(
             loaded,
             num_blocks=self.num_blocks,
-            page_size=cfg.page_size,
+            page_size=self.config.page_size,
             cpu_offload_blocks=self.cpu_offload_blocks,
             device=self.device,
             dtype=dtype,
@@ -136,6 +113,39 @@ class Engine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ construction
+
+    def _read_model_config(self, loaded: Any) -> Any:
+        """Name, context, vocabulary, EOS ids and layer types; returns the text config."""
+        from ferrobatch import models
+
+        mcfg = loaded.config
+        tcfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+        self.model_name = str(
+            getattr(mcfg, "_name_or_path", "") or getattr(mcfg, "model_type", "model")
+        )
+        self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
+        self.vocab_size = int(tcfg.vocab_size)
+        self.eos_token_ids = _eos_ids(loaded, self.tokenizer)
+        self.layer_types = list(models.layer_types_of(tcfg))
+        self.sliding_window = models.sliding_window_of(tcfg)
+        self.default_max_new_tokens = 128
+        return tcfg
+
+    def _size_cache(self, loaded: Any, tcfg: Any) -> None:
+        """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
+        cfg = self.config
+        self.chunk_bytes = _chunk_bytes(tcfg, cfg.page_size, self.dtype)
+        self.memory_explanation = ""
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            num_blocks, self.memory_explanation = _choose_num_blocks(self, loaded)
+            logger.info("ferrobatch cache: %s", self.memory_explanation)
+        self.num_blocks = int(num_blocks)
+        self.cpu_offload_blocks = (
+            int(cfg.cpu_offload_space * (1 << 30)) // self.chunk_bytes
+            if cfg.cpu_offload_space > 0
+            else 0
+        )
 
     def _build_scheduler(self) -> Any:
         from ferrobatch.core import Scheduler
