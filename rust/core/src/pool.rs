@@ -121,7 +121,12 @@ impl ChunkPool {
             } else {
                 Vec::new()
             },
-            table: HashTable::default(),
+            // At most one hash per chunk: sized once, never rehashed.
+            table: if prefix_cache {
+                HashTable::with_capacity_and_hasher(n, Default::default())
+            } else {
+                HashTable::default()
+            },
             num_evictions: 0,
         }
     }

@@ -139,7 +139,7 @@ impl Request {
 
     /// Append a sampled token and return the finish reason it causes, if any.
     /// Stop (EOS, stop ids, stop sequences) wins over length.
-    #[inline]
+    #[inline(always)]
     pub fn append(&mut self, t: Token) -> Option<FinishReason> {
         self.tokens.push(t);
         self.last_token = t;
