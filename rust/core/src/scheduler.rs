@@ -194,6 +194,10 @@ pub struct Scheduler {
     steady_ready: bool,
     /// The last `schedule()` advanced the previous plan in place (same rows, same order).
     repeated_rows: bool,
+    /// The last `update()` wrote one delta per plan row, in row order.
+    bulk_update: bool,
+    /// ... and so did the one before, for the same rows: same requests as its deltas.
+    out_repeats: bool,
     out: StepOutput,
     pending_cancel: Vec<u32>,
     /// Finished requests reported by the last update: slab slots freed at the next update.
@@ -319,6 +323,8 @@ impl Scheduler {
             steady_plan: false,
             steady_ready: false,
             repeated_rows: false,
+            bulk_update: false,
+            out_repeats: false,
             stats,
         })
     }
@@ -662,6 +668,12 @@ impl Scheduler {
             && p.logits_indices.len() == n
             && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
         Ok(Some(&self.plan))
+    }
+
+    /// Whether the deltas of the last `update()` name the same requests, in the same order,
+    /// as the update before it (both one delta per row of the same rows).
+    pub fn output_repeats_requests(&self) -> bool {
+        self.out_repeats
     }
 
     /// Whether the last `schedule()` returned the same rows (requests, order) as the plan
@@ -1199,6 +1211,8 @@ impl Scheduler {
         }
         self.out.clear();
         self.steady_ready = false;
+        let prev_bulk = std::mem::take(&mut self.bulk_update);
+        self.out_repeats = false;
         let page = self.cfg.page_size;
         let mut k = 0usize;
         let mut any_finished = false;
@@ -1235,6 +1249,8 @@ impl Scheduler {
                 }
             }
             self.steady_ready = self.steady_plan && !any_finished;
+            self.bulk_update = true;
+            self.out_repeats = prev_bulk && self.repeated_rows;
         } else if self.outstanding {
             self.out
                 .reserve(self.plan.rows.len() + self.pending_cancel.len());

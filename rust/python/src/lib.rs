@@ -464,6 +464,24 @@ struct NameCache {
 }
 
 impl NameCache {
+    /// As `get`, but when the caller knows the slots are the ones of the last call
+    /// (`same`), the cached tuple is returned without comparing keys.
+    fn get_or_same(
+        &mut self,
+        py: Python<'_>,
+        same: bool,
+        slots: impl Iterator<Item = u32>,
+        names: &[Option<Py<PyString>>],
+        gens: &[u32],
+    ) -> PyResult<Py<PyTuple>> {
+        if same {
+            if let Some(t) = &self.tuple {
+                return Ok(t.clone_ref(py));
+            }
+        }
+        self.get(py, slots, names, gens)
+    }
+
     fn get(
         &mut self,
         py: Python<'_>,
@@ -679,8 +697,9 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
             Some(p) => (p.num_rows(), p.num_tokens(), p.num_sampled()),
             None => return Ok(None),
         };
-        let row_names = self.plan_names.get(
+        let row_names = self.plan_names.get_or_same(
             py,
+            self.inner.plan_repeats_rows(),
             self.inner.plan().rows.iter().map(|r| r.req),
             &self.names,
             &self.gens,
@@ -763,11 +782,15 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         let num_finished = out.finished.iter().filter(|&&f| f).count();
         let all_have_token = out.all_have_token;
         let len = out.len();
-        let row_names =
-            self.out_names
-                .get(py, out.reqs.iter().copied(), &self.names, &self.gens)?;
         let mut d = self.recycle.take_output();
         self.inner.export_output(&mut d);
+        let row_names = self.out_names.get_or_same(
+            py,
+            self.inner.output_repeats_requests(),
+            d.reqs.iter().copied(),
+            &self.names,
+            &self.gens,
+        )?;
         Ok(StepOutput {
             d,
             recycle: self.recycle.clone(),
