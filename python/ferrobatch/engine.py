@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -87,6 +88,7 @@ class Engine:
 
         tcfg = self._read_model_config(loaded)
         self._size_cache(loaded, tcfg)
+        self._warn_unimplemented_features()
         self.runner = ModelRunner(
             loaded,
             num_blocks=self.num_blocks,
@@ -130,6 +132,16 @@ class Engine:
         self.sliding_window = models.sliding_window_of(tcfg)
         self.default_max_new_tokens = 128
         return tcfg
+
+    def _warn_unimplemented_features(self) -> None:
+        """Say plainly when a requested CUDA feature is not available, instead of ignoring it."""
+        for name in ("use_cuda_graph", "use_async_batching"):
+            if getattr(self.config, name) is True:
+                warnings.warn(
+                    f"{name}=True: not implemented yet in ferrobatch (CUDA graphs and async "
+                    "batching are the open CUDA work); running eager and synchronous",
+                    stacklevel=3,
+                )
 
     def _size_cache(self, loaded: Any, tcfg: Any) -> None:
         """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
