@@ -87,11 +87,18 @@ def main() -> None:
     hidden = torch.randn(batch, cfg.hidden_size)
     with torch.inference_mode():
         t_head = timeit(lambda: model.lm_head(hidden))
+        t_runner_head = timeit(lambda: runner._head_logits(hidden))
+    head_gflop = 2 * batch * cfg.hidden_size * cfg.vocab_size / 1e9
+    path = ("oneDNN, reordered weight" if runner._use_head_packed
+            else "transposed copy" if runner._use_head_wt else "F.linear")
     print(f"decode step, batch {batch}, page {page}, keys {min(lens)}..{lmax} "
           f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
     print(f"  plain padded forward (HF sdpa) : {t_plain:7.2f} ms")
-    print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms")
+    print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms  "
+          f"({head_gflop / t_head * 1e3:.0f} GFLOP/s, nn.Linear)")
+    print(f"  lm head as the runner runs it  : {t_runner_head:7.2f} ms  "
+          f"({head_gflop / t_runner_head * 1e3:.0f} GFLOP/s, {path})")
 
 
 if __name__ == "__main__":
