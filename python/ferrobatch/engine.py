@@ -87,6 +87,7 @@ class Engine:
         self.dtype = dtype or param.dtype
 
         tcfg = self._read_model_config(loaded)
+        _check_architecture(loaded, tcfg)
         self._size_cache(loaded, tcfg)
         self._warn_unimplemented_features()
         self.runner = ModelRunner(
@@ -98,6 +99,11 @@ class Engine:
             dtype=dtype,
         )
         self.scheduler = self._build_scheduler()
+        try:
+            self._probe_model()
+        except BaseException:
+            self.runner.close()
+            raise
         self.sampler = Sampler(self.device, seed=seed)
 
         self._stats: collections.Counter[str] = collections.Counter()
@@ -158,6 +164,63 @@ class Engine:
             if cfg.cpu_offload_space > 0
             else 0
         )
+
+    def _probe_model(self) -> None:
+        """Run a short prompt and one decode step through the paged path (a scratch
+        scheduler over the same cache) and compare the logits with the model's own forward.
+
+        A model whose attention does not go through transformers' attention interface, or
+        goes through it with something the paged attention ignores, fails here with a
+        `NotImplementedError` instead of generating wrong tokens later. The chunks it
+        writes are rewritten before any real request reads them.
+        """
+        from ferrobatch.runner import _eval_mode
+
+        name = type(self.model).__name__
+        n = max(2, min(12, self.max_model_len - 3))
+        prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
+        scratch = self._build_scheduler()
+        try:
+            scratch.add_request("ferrobatch-probe", prompt, 2)
+        except ValueError:
+            return  # a cache too small for even the probe: requests will be refused anyway
+        got: list[torch.Tensor] = []
+        tokens = list(prompt)
+        try:
+            while len(got) < 2:
+                plan = scratch.schedule()
+                if plan is None:
+                    break
+                logits = self.runner.execute(plan)
+                if len(plan.logits_indices):
+                    got.append(logits[-1].detach().float().cpu())
+                    tokens.append(int(logits[-1].argmax()))
+                scratch.update([int(logits[i].argmax()) for i in range(len(plan.logits_indices))])
+            with torch.inference_mode(), _eval_mode(self.model):
+                ids = torch.tensor([tokens[: n + 1]], device=self.device)
+                ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise NotImplementedError(
+                f"{name} cannot run through ferrobatch's paged attention: the probe forward "
+                f"failed with {type(exc).__name__}: {exc}"
+            ) from exc
+        ref = ref.detach().float().cpu()
+        if len(got) != 2 or ref.shape[0] != 2:
+            return
+        out = torch.stack(got)
+        half = self.runner.cache.keys[0].dtype in (torch.float16, torch.bfloat16) or (
+            next(self.model.parameters()).dtype in (torch.float16, torch.bfloat16)
+        )
+        tol = 5e-2 if half else 2e-3
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-6))
+        if not err <= tol:
+            raise NotImplementedError(
+                f"{name}: logits through ferrobatch's paged attention differ from the model's "
+                f"own forward (relative error {err:.2g} > {tol}); this architecture uses "
+                "attention features the paged attention does not implement"
+            )
 
     def _build_scheduler(self) -> Any:
         from ferrobatch.core import Scheduler
@@ -603,6 +666,27 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if isinstance(eos, int):
         return [eos]
     return [int(e) for e in eos]
+
+
+def _check_architecture(model: Any, tcfg: Any) -> None:
+    """Refuse, with a clear error, models the paged attention cannot run."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise NotImplementedError(
+            f"{name} does not dispatch attention through transformers' AttentionInterface "
+            "(_supports_attention_backend is False); ferrobatch cannot run it"
+        )
+    if getattr(tcfg, "kv_lora_rank", None):
+        raise NotImplementedError(
+            f"{name} uses multi-head latent attention (kv_lora_rank): keys and values of "
+            "different head sizes are not supported by ferrobatch's paged cache"
+        )
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise NotImplementedError(
+                f"{name} uses attention sinks ({type(module).__name__}.sinks), which "
+                "ferrobatch's paged attention does not implement"
+            )
 
 
 def _chunk_bytes(tcfg: Any, page_size: int, dtype: torch.dtype) -> int:
