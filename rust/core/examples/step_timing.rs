@@ -5,7 +5,8 @@
 //! of the per-repeat means.
 //!
 //! `cargo run -p ferrobatch-core --release --example step_timing [N] [page]`
-//! Env: `STEPS`, `REPEATS`, `NO_SHARING` (prefix caching off).
+//! Env: `STEPS`, `REPEATS`, `NO_SHARING` (prefix caching off), `WAITING` (requests queued
+//! behind the full batch while timed).
 use ferrobatch_core::request::StopConditions;
 use ferrobatch_core::{Scheduler, SchedulerConfig};
 use std::time::Instant;
@@ -85,6 +86,15 @@ fn main() {
     let mut width = 0;
     for _ in 0..env("REPEATS", 7) {
         let mut s = make(n, steps + 8, page);
+        // Requests queued behind a full batch (max_requests_per_batch = N): they wait.
+        for i in 0..env("WAITING", 0) {
+            let stop = StopConditions {
+                max_new_tokens: 16,
+                ..Default::default()
+            };
+            s.add_request(&format!("wait-{i}"), vec![5; PROMPT_LEN], stop, 0)
+                .unwrap();
+        }
         for _ in 0..8 {
             s.schedule().unwrap().unwrap();
             s.update(&toks).unwrap();

@@ -64,33 +64,6 @@ impl StepPlan {
         self.swap_out.clear();
         self.swap_in.clear();
     }
-    /// Exchange every array but `rows` with `spare`'s (cleared first): `spare` receives this
-    /// plan's data, the plan keeps `spare`'s buffers (and their capacity) for the next step.
-    pub fn swap_arrays(&mut self, spare: &mut StepPlan) {
-        spare.clear();
-        std::mem::swap(&mut self.input_ids, &mut spare.input_ids);
-        std::mem::swap(&mut self.positions, &mut spare.positions);
-        std::mem::swap(&mut self.cu_seqlens_q, &mut spare.cu_seqlens_q);
-        std::mem::swap(&mut self.seqlens_k, &mut spare.seqlens_k);
-        std::mem::swap(&mut self.logits_indices, &mut spare.logits_indices);
-        std::mem::swap(&mut self.logits_rows, &mut spare.logits_rows);
-        std::mem::swap(&mut self.slot_mapping_full, &mut spare.slot_mapping_full);
-        std::mem::swap(
-            &mut self.slot_mapping_sliding,
-            &mut spare.slot_mapping_sliding,
-        );
-        std::mem::swap(&mut self.block_table_full, &mut spare.block_table_full);
-        std::mem::swap(
-            &mut self.block_table_sliding,
-            &mut spare.block_table_sliding,
-        );
-        std::mem::swap(&mut self.swap_out, &mut spare.swap_out);
-        std::mem::swap(&mut self.swap_in, &mut spare.swap_in);
-        spare.has_full = self.has_full;
-        spare.has_sliding = self.has_sliding;
-        spare.full_width = self.full_width;
-        spare.sliding_width = self.sliding_width;
-    }
     /// Copy every array but `rows` into `spare`, reusing its buffers' capacity.
     pub fn copy_arrays_to(&self, spare: &mut StepPlan) {
         spare.rows.clear();

@@ -597,12 +597,7 @@ impl Scheduler {
             ));
         }
         self.repeated_rows = false;
-        if std::mem::take(&mut self.steady_ready) && self.schedule_steady() {
-            self.repeated_rows = true;
-            return Ok(Some(&self.plan));
-        }
         self.step += 1;
-        self.plan.clear();
         self.stats.stalled_requests = 0;
         self.stats.stalled_blocks = 0;
         let mut b = Budget {
@@ -610,6 +605,46 @@ impl Scheduler {
             rows: self.cfg.max_requests_per_batch,
             cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
         };
+        let steady = std::mem::take(&mut self.steady_ready) && self.advance_steady(&mut b);
+        // Rows `..from` were advanced in place (all their columns written).
+        let from = if steady { self.plan.rows.len() } else { 0 };
+        if !steady {
+            self.plan.clear();
+            self.place_running_rows(&mut b);
+        }
+        self.admit(&mut b);
+        if self.plan.rows.is_empty() {
+            debug_assert!(self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty());
+            debug_assert!(
+                self.running.is_empty() && self.waiting.is_empty() && self.swapped.is_empty()
+            );
+            if self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty() {
+                return Ok(None);
+            }
+        }
+        Self::fill_row_arrays(&mut self.plan, from);
+        self.build_block_tables(from);
+        self.outstanding = true;
+        self.plan_sampled = self.plan.logits_indices.len();
+        self.stats.steps += 1;
+        let p = &self.plan;
+        let n = p.rows.len();
+        // Advanced in place with nothing appended: still the running rows in order.
+        self.steady_plan = (steady && n == from)
+            || self.layout.has_full
+                && !self.layout.has_sliding
+                && p.swap_out.is_empty()
+                && p.swap_in.is_empty()
+                && n == self.running.len()
+                && p.input_ids.len() == n
+                && p.logits_indices.len() == n
+                && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
+        self.repeated_rows = steady && n == from;
+        Ok(Some(&self.plan))
+    }
+
+    /// Phase 1 of the general path: place the running requests in queue order.
+    fn place_running_rows(&mut self, b: &mut Budget) {
         let mut order = std::mem::take(&mut self.order_buf);
         order.clear();
         order.extend_from_slice(&self.running);
@@ -635,39 +670,13 @@ impl Scheduler {
                 if r.touched_step == self.step {
                     continue;
                 }
-                if want == RequestState::Decoding && self.decode_fast(idx, &mut b) {
+                if want == RequestState::Decoding && self.decode_fast(idx, b) {
                     continue;
                 }
-                self.place_running(idx, &mut b, true);
+                self.place_running(idx, b, true);
             }
         }
         self.order_buf = order;
-        self.admit(&mut b);
-        if self.plan.rows.is_empty() {
-            debug_assert!(self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty());
-            debug_assert!(
-                self.running.is_empty() && self.waiting.is_empty() && self.swapped.is_empty()
-            );
-            if self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty() {
-                return Ok(None);
-            }
-        }
-        Self::fill_row_arrays(&mut self.plan);
-        self.build_block_tables();
-        self.outstanding = true;
-        self.plan_sampled = self.plan.logits_indices.len();
-        self.stats.steps += 1;
-        let p = &self.plan;
-        let n = p.rows.len();
-        self.steady_plan = self.layout.has_full
-            && !self.layout.has_sliding
-            && p.swap_out.is_empty()
-            && p.swap_in.is_empty()
-            && n == self.running.len()
-            && p.input_ids.len() == n
-            && p.logits_indices.len() == n
-            && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
-        Ok(Some(&self.plan))
     }
 
     /// Whether the deltas of the last `update()` name the same requests, in the same order,
@@ -682,32 +691,30 @@ impl Scheduler {
         self.repeated_rows
     }
 
-    /// The steady decode step, done in place on the previous plan: every running request
-    /// was a sampled one-token row of it, none finished, nothing was added, cancelled or
-    /// preempted since (`steady_ready`), so this step's rows are the same in the same order,
-    /// one token further. Only the per-row columns that move are written (token, position,
-    /// seqlen, slot); a row whose token starts a block gets a chunk (the pool is checked to
-    /// have one for every row, so no preemption can be needed) and its block-table entry.
-    /// Returns false, having changed nothing, when the step is not that simple (another
-    /// request waits or is swapped, the pool may run short, the cache-read budget may bind).
-    fn schedule_steady(&mut self) -> bool {
+    /// Phase 1 of a steady decode step, done in place on the previous plan: every running
+    /// request was a sampled one-token row of it, none finished, was cancelled or preempted
+    /// since (`steady_ready`), so the running rows are the same in the same order, one token
+    /// further. Only the per-row columns that move are written (token, position, seqlen,
+    /// slot); a row whose token starts a block gets a chunk (the pool is checked to have one
+    /// for every row, so no preemption can be needed) and its block-table entry (a row that
+    /// outgrows the table widens it: `build_block_tables` then rebuilds it).
+    /// cu_seqlens_q / logits_* are unchanged. Returns false, having changed nothing, when
+    /// the step is not that simple (the pool may run short, the cache-read budget binds).
+    /// Admission then runs as usual and appends its rows.
+    fn advance_steady(&mut self, b: &mut Budget) -> bool {
         let n = self.plan.rows.len();
-        if !self.steady_plan
-            || !self.waiting.is_empty()
-            || !self.swapped.is_empty()
-            || self.pool.num_free() < n
-        {
+        if !self.steady_plan || self.pool.num_free() < n || n > b.rows.min(b.tokens) {
             return false;
         }
-        if let Some(c) = self.cfg.max_batch_cache_tokens {
+        if self.cfg.max_batch_cache_tokens.is_some() {
             let reads: usize = self.plan.seqlens_k.iter().map(|&k| k as usize + 1).sum();
-            if reads > c {
+            if reads > b.cache {
                 return false;
             }
+            b.cache -= reads;
         }
-        self.step += 1;
-        self.stats.stalled_requests = 0;
-        self.stats.stalled_blocks = 0;
+        b.rows -= n;
+        b.tokens -= n;
         let step = self.step;
         let page = self.cfg.page_size;
         let p = &mut self.plan;
@@ -754,23 +761,9 @@ impl Scheduler {
             );
         }
         if widen {
-            // A row outgrew the table (each row grows by at most one block): rebuild it.
-            let width = width + 1;
-            p.full_width = width;
-            p.block_table_full.clear();
-            p.block_table_full.resize(n * width, 0);
-            for (row, dst) in p
-                .rows
-                .iter()
-                .zip(p.block_table_full.chunks_exact_mut(width))
-            {
-                let full = &self.reqs[row.req as usize].as_ref().expect("live").full;
-                dst[..full.len()].copy_from_slice(crate::chunk_ids_as_i32(full));
-            }
+            // Each row grows by at most one block.
+            p.full_width = width + 1;
         }
-        self.outstanding = true;
-        self.plan_sampled = n;
-        self.stats.steps += 1;
         true
     }
 
@@ -901,9 +894,24 @@ impl Scheduler {
     /// Write `positions`, `cu_seqlens_q`, `seqlens_k`, `logits_indices` and `logits_rows`
     /// from the placed rows, column by column (a steady decode step: every row one sampled
     /// token, so most columns are plain ranges).
-    fn fill_row_arrays(p: &mut StepPlan) {
+    fn fill_row_arrays(p: &mut StepPlan, from: usize) {
         let rows = &p.rows;
         let b = rows.len();
+        if from > 0 {
+            // Rows `..from` are written (one token each); append the others'.
+            let mut cum = from as i32;
+            for (i, r) in rows.iter().enumerate().skip(from) {
+                p.positions.extend(r.start as i32..(r.start + r.q) as i32);
+                cum += r.q as i32;
+                p.cu_seqlens_q.push(cum);
+                p.seqlens_k.push((r.start + r.q) as i32);
+                if r.sampled {
+                    p.logits_indices.push(cum - 1);
+                    p.logits_rows.push(i as i32);
+                }
+            }
+            return;
+        }
         p.seqlens_k
             .extend(rows.iter().map(|r| (r.start + r.q) as i32));
         if p.input_ids.len() == b {
@@ -1127,14 +1135,28 @@ impl Scheduler {
         ok
     }
 
-    fn build_block_tables(&mut self) {
+    /// Block tables of every row, and full-attention slots of rows `from..` (rows `..from`
+    /// were advanced in place: their table rows are valid unless the width changed).
+    fn build_block_tables(&mut self, from: usize) {
         let layout = self.layout;
         let reqs = &self.reqs;
         let p = &mut self.plan;
         if p.has_full {
-            // `full_width` was tracked by `emit_row`.
+            // `full_width` was tracked by `emit_row` / `advance_steady`.
             let width = p.full_width;
+            // Rows whose table row is already laid out at this width.
+            let valid = if p.block_table_full.len() == from * width {
+                from
+            } else {
+                0
+            };
+            if valid == p.rows.len() {
+                // A steady step with nothing appended and no widening (full attention only).
+                debug_assert!(!p.has_sliding);
+                return;
+            }
             // Zero-filled (the padding), then each row's blocks copied into its slice.
+            p.block_table_full.truncate(valid * width);
             p.block_table_full.resize(width * p.rows.len(), 0);
             p.slot_mapping_full.reserve(p.input_ids.len());
             let page = layout.page;
@@ -1144,6 +1166,7 @@ impl Scheduler {
                 .iter()
                 .zip(p.block_table_full.chunks_exact_mut(width.max(1)))
                 .enumerate()
+                .skip(valid)
             {
                 if let Some(next) = p.rows.get(i + 4) {
                     let f = &reqs[next.req as usize].as_ref().expect("live").full;
@@ -1153,6 +1176,9 @@ impl Scheduler {
                 }
                 let full = &reqs[row.req as usize].as_ref().expect("live").full;
                 dst[..full.len()].copy_from_slice(crate::chunk_ids_as_i32(full));
+                if i < from {
+                    continue;
+                }
                 let start = row.start as usize;
                 if row.q == 1 {
                     // The token lives in the last block (blocks are allocated as needed).
@@ -1168,7 +1194,7 @@ impl Scheduler {
         }
         if p.has_sliding {
             p.sliding_width = layout.ring;
-            for row in &p.rows {
+            for row in p.rows.iter().skip(from) {
                 let ring = &reqs[row.req as usize].as_ref().expect("live").ring;
                 p.block_table_sliding.extend(ring.iter().map(|&c| c as i32));
                 p.block_table_sliding

@@ -454,9 +454,9 @@ fn prefill_first_finishes_prefills_before_decodes() {
     run(&mut s, 1);
 }
 
-/// Every array of `plan` as a from-scratch build would write it for a plan whose rows are all
-/// one-token sampled decode rows (checks the in-place steady step).
-fn check_decode_plan(s: &Scheduler) {
+/// Every array of the current plan (full attention only) as a from-scratch build would
+/// write it from the requests' state (checks the in-place steady step and rows appended to it).
+fn check_plan(s: &Scheduler) {
     let p = s.plan();
     let page = s.config().page_size;
     let n = p.rows.len();
@@ -467,25 +467,38 @@ fn check_decode_plan(s: &Scheduler) {
         .max()
         .unwrap();
     assert_eq!(p.full_width, width);
-    assert_eq!(p.cu_seqlens_q, (0..=n as i32).collect::<Vec<_>>());
-    assert_eq!(p.logits_indices, (0..n as i32).collect::<Vec<_>>());
-    assert_eq!(p.logits_rows, (0..n as i32).collect::<Vec<_>>());
     assert_eq!(p.block_table_full.len(), n * width);
+    assert_eq!(p.cu_seqlens_q.len(), n + 1);
+    let (mut li, mut lr) = (Vec::new(), Vec::new());
     for (i, row) in p.rows.iter().enumerate() {
         let r = s.request(row.req).unwrap();
-        let start = r.num_computed;
-        assert_eq!(row.start as usize, start);
-        assert_eq!((row.q, row.sampled), (1, true));
-        assert_eq!(p.input_ids[i], *r.tokens.last().unwrap() as i32);
-        assert_eq!(p.positions[i], start as i32);
-        assert_eq!(p.seqlens_k[i], start as i32 + 1);
-        let bt = &p.block_table_full[i * width..(i + 1) * width];
+        let (start, q) = (row.start as usize, row.q as usize);
+        assert_eq!(start, r.num_computed);
+        let (t0, t1) = (p.cu_seqlens_q[i] as usize, p.cu_seqlens_q[i + 1] as usize);
+        assert_eq!(t1 - t0, q);
+        let want: Vec<i32> = r.tokens[start..start + q]
+            .iter()
+            .map(|&t| t as i32)
+            .collect();
+        assert_eq!(&p.input_ids[t0..t1], &want[..]);
+        let want: Vec<i32> = (start..start + q).map(|x| x as i32).collect();
+        assert_eq!(&p.positions[t0..t1], &want[..]);
+        let want: Vec<i32> = (start..start + q)
+            .map(|x| (r.full[x / page] as usize * page + x % page) as i32)
+            .collect();
+        assert_eq!(&p.slot_mapping_full[t0..t1], &want[..]);
+        assert_eq!(p.seqlens_k[i], (start + q) as i32);
+        assert_eq!(row.sampled, start + q == r.tokens.len());
+        if row.sampled {
+            li.push(t1 as i32 - 1);
+            lr.push(i as i32);
+        }
         let mut want: Vec<i32> = r.full.iter().map(|&c| c as i32).collect();
         want.resize(width, 0);
-        assert_eq!(bt, &want[..]);
-        let b = r.full[start / page] as usize;
-        assert_eq!(p.slot_mapping_full[i], (b * page + start % page) as i32);
+        assert_eq!(&p.block_table_full[i * width..(i + 1) * width], &want[..]);
     }
+    assert_eq!((p.logits_indices.clone(), p.logits_rows.clone()), (li, lr));
+    assert_eq!(p.input_ids.len(), p.cu_seqlens_q[n] as usize);
 }
 
 #[test]
@@ -495,26 +508,26 @@ fn steady_decode_steps_match_a_fresh_build() {
     let mut s = Scheduler::new(cfg(400, 4, 64)).unwrap();
     for i in 0..6u32 {
         let prompt = (0..3 + 2 * i).map(|j| 10 + i * 100 + j).collect();
-        s.add_request(&format!("r{i}"), prompt, stop(8 + 3 * i as usize), 0)
+        s.add_request(&format!("r{i}"), prompt, stop(30 + 3 * i as usize), 0)
             .unwrap();
     }
     let mut spare = crate::StepPlan::default();
     let mut repeated = 0;
-    for k in 0..40 {
+    for k in 0..80 {
         if k == 12 {
             assert!(s.cancel("r5"));
         }
-        if k == 20 {
-            s.add_request("late", vec![7, 8, 9, 10, 11], stop(6), 0)
+        if k == 20 || k == 26 {
+            // Admitted behind the steady rows (a prefill row appended to them).
+            let prompt = (0..5 + k as u32).collect();
+            s.add_request(&format!("late{k}"), prompt, stop(6), 0)
                 .unwrap();
         }
         let Some(p) = s.schedule().unwrap() else {
             break;
         };
-        let (n, all_decode) = (p.num_sampled(), p.num_tokens() == p.num_rows());
-        if all_decode && p.num_sampled() == p.num_rows() {
-            check_decode_plan(&s);
-        }
+        let n = p.num_sampled();
+        check_plan(&s);
         repeated += s.plan_repeats_rows() as usize;
         if k % 3 == 0 {
             s.export_plan(&mut spare);

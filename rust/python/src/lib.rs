@@ -100,7 +100,8 @@ macro_rules! lazy_get {
 /// (device chunk, swap slot), `swap_in` [n, 2] (swap slot, device chunk), and the ints
 /// `num_rows`, `num_tokens`, `num_sampled`, `page_size`.
 ///
-/// The plan owns its data (moved out of the scheduler, no copy); each attribute's Python
+/// The plan owns its data (copied out of the scheduler's buffers, which a steady decode
+/// step advances in place; the copy reuses recycled buffers); each attribute's Python
 /// object is built on first access and cached, so repeated access returns the same object.
 #[pyclass(module = "ferrobatch._core", frozen)]
 pub struct StepPlan {
