@@ -280,3 +280,21 @@ def test_probe_catches_silently_wrong_attention() -> None:
     with Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), progress=False)[0]
     assert out.token_ids == reference(m, [5, 6, 7])[:4]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_pass_the_probe(dtype: torch.dtype) -> None:
+    """The construction probe must not refuse a supported model for rounding alone; a bf16
+    model passed with dtype=None runs in bf16 and matches its own bf16 `generate`."""
+    m = _build("Cohere2", dict(sliding_window=8, head_dim=16), ()).to(dtype)
+    with Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=64)) as eng:
+        assert eng.probe_relative_error is not None and eng.probe_relative_error < 0.05
+        assert eng.runner.cache.keys[0].dtype == dtype
+        ps = prompts(9, 3)
+        outs = eng.generate(ps, SamplingParams(max_new_tokens=6), progress=False)
+    assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+
+
+def test_fp32_probe_error_is_tiny() -> None:
+    with Engine(model("phi3"), config=ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
+        assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4

@@ -177,6 +177,7 @@ class Engine:
         from ferrobatch.runner import _eval_mode
 
         name = type(self.model).__name__
+        self.probe_relative_error: float | None = None
         n = max(2, min(12, self.max_model_len - 3))
         prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
         scratch = self._build_scheduler()
@@ -213,13 +214,26 @@ class Engine:
         half = self.runner.cache.keys[0].dtype in (torch.float16, torch.bfloat16) or (
             next(self.model.parameters()).dtype in (torch.float16, torch.bfloat16)
         )
-        tol = 5e-2 if half else 2e-3
+        # fp32 agrees to ~1e-6 on CPU (TF32 matmuls on CUDA: ~1e-3); half precision only
+        # rounds differently (bf16 SmolLM2: ~0.016), so there only a gross error is refused.
+        if half:
+            tol = 0.25
+        else:
+            tol = 2e-3 if self.device.type == "cpu" else 1e-2
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-6))
+        self.probe_relative_error = err
         if not err <= tol:
             raise NotImplementedError(
                 f"{name}: logits through ferrobatch's paged attention differ from the model's "
                 f"own forward (relative error {err:.2g} > {tol}); this architecture uses "
                 "attention features the paged attention does not implement"
+            )
+        if half and err > 0.05:
+            logger.warning(
+                "ferrobatch: %s logits through the paged attention differ from the model's own "
+                "forward by %.2g (relative); expected rounding in half precision is smaller",
+                name,
+                err,
             )
 
     def _build_scheduler(self) -> Any:
