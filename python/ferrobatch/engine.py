@@ -82,9 +82,12 @@ class Engine:
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        # A loaded model is never moved or converted (`load_model` says so when device/dtype
+        # differ), so the cache follows the model: a cache in another dtype would silently
+        # round every key and value, one on another device could not be read at all.
         param = next(loaded.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.dtype = dtype or param.dtype
+        self.device = param.device
+        self.dtype = param.dtype
 
         tcfg = self._read_model_config(loaded)
         _check_architecture(loaded, tcfg)
@@ -96,7 +99,7 @@ class Engine:
             page_size=self.config.page_size,
             cpu_offload_blocks=self.cpu_offload_blocks,
             device=self.device,
-            dtype=dtype,
+            dtype=self.dtype,
         )
         self.scheduler = self._build_scheduler()
         try:
@@ -288,6 +291,13 @@ class Engine:
         """Prompt token ids for a conversation, through the tokenizer's chat template."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; pass tokenizer= to Engine")
+        if getattr(self.tokenizer, "chat_template", None) is None and not kwargs.get(
+            "chat_template"
+        ):
+            raise ValueError(
+                "chat: the tokenizer has no chat template; pass token ids to generate(), or "
+                "a template as chat_template_kwargs={'chat_template': ...}"
+            )
         kwargs.setdefault("add_generation_prompt", True)
         out = self.tokenizer.apply_chat_template(list(messages), tokenize=True, **kwargs)
         if hasattr(out, "keys") and "input_ids" in out:
