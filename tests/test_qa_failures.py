@@ -471,3 +471,41 @@ def test_loaded_model_keeps_its_dtype_and_the_cache_follows_it() -> None:
         out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6), progress=False)[0]
     assert tuple(out.token_ids) == reference((5, 6, 7), 6)
     assert next(llama().parameters()).dtype == torch.float32
+
+
+# ---------------------------------------------------------------- cache-fit validation
+
+
+@pytest.mark.parametrize(("arch", "blocks"), [("gemma2", 12), ("mistral", 3)])
+def test_request_that_can_never_fit_is_refused_up_front_on_sliding_models(
+    arch: str, blocks: int
+) -> None:
+    """Hybrid and sliding-only models count the sliding ring too: `check_request` and
+    `generate` refuse at once (ValueError naming max_new_tokens) instead of failing the
+    whole `generate` call after running the other requests."""
+    m = getattr(tiny_models, arch)()
+    config = ContinuousBatchingConfig(page_size=5, num_blocks=blocks)
+    with Engine(m, config=config) as eng:
+        # 50 + 30 - 1 = 79 cached tokens: 16 full blocks (gemma2) + a ring of 3 (window 8)
+        # or 4 (mistral, window 12) chunks
+        long = list(range(3, 53))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.check_request(long, SamplingParams(max_new_tokens=30))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.generate([[5, 6], long], SamplingParams(max_new_tokens=30), progress=False)
+        assert eng.stats()["num_used_blocks"] == 0
+        out = eng.generate([[5, 6]], SamplingParams(max_new_tokens=4), progress=False)[0]
+    with torch.no_grad():
+        want = m.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False)
+    assert out.token_ids == want[0, 2:].tolist()
+
+
+def test_request_filling_the_pool_exactly_is_accepted() -> None:
+    """prompt 8 + 1 new token caches 8 keys: one block of 8 is enough (the last token is
+    never cached), as the scheduler itself counts."""
+    with engine(num_blocks=1) as eng:
+        p = list(range(3, 11))
+        out = eng.generate([p], SamplingParams(max_new_tokens=1), progress=False)[0]
+        assert tuple(out.token_ids) == reference(tuple(p), 1)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.check_request(p, SamplingParams(max_new_tokens=2))

@@ -200,13 +200,30 @@ def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
             f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
             f"model's context (max_position_embeddings={engine.max_model_len})"
         )
-    if "full_attention" in engine.layer_types:
-        need = math.ceil((len(ids) + sp.max_new_tokens) / engine.config.page_size)
-        if need > engine.num_blocks:
-            raise ValueError(
-                f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
-                f"cache has num_blocks={engine.num_blocks}"
-            )
+    need = lifetime_chunks(
+        len(ids) + sp.max_new_tokens - 1,
+        engine.config.page_size,
+        engine.layer_types,
+        getattr(engine, "sliding_window", None),
+    )
+    if need > engine.num_blocks:
+        raise ValueError(
+            f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
+            f"cache has num_blocks={engine.num_blocks}"
+        )
+
+
+def lifetime_chunks(
+    cached_tokens: int, page_size: int, layer_types: Sequence[str], sliding_window: int | None
+) -> int:
+    """Chunks a request holding `cached_tokens` keys needs at most: its full-attention blocks
+    plus its sliding ring (the scheduler's own rule, ARCHITECTURE.md §3: a request's last
+    token is never cached, so `prompt + max_new_tokens - 1`)."""
+    pages = math.ceil(cached_tokens / page_size)
+    need = pages if "full_attention" in layer_types else 0
+    if "sliding_attention" in layer_types and sliding_window:
+        need += min(pages, math.ceil(sliding_window / page_size) + 1)
+    return need
 
 
 def as_prompt_list(prompts: Any) -> list[Prompt]:
