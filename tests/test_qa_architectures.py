@@ -298,3 +298,14 @@ def test_half_precision_models_pass_the_probe(dtype: torch.dtype) -> None:
 def test_fp32_probe_error_is_tiny() -> None:
     with Engine(model("phi3"), config=ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4
+
+
+def test_probe_still_refuses_with_a_one_block_cache() -> None:
+    """The probe shrinks its prompt to the cache, so even `num_blocks=1` cannot let a model
+    that drops the attention kwargs slip through to wrong tokens."""
+    prefix, overrides, drop, words = UNSUPPORTED["nemotron"]
+    m = _build(prefix, overrides, drop)
+    with pytest.raises(NotImplementedError, match=words):
+        Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=1))
+    with Engine(model("phi3"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1)) as eng:
+        assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4

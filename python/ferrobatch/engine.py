@@ -181,7 +181,7 @@ class Engine:
 
         name = type(self.model).__name__
         self.probe_relative_error: float | None = None
-        n = max(2, min(12, self.max_model_len - 3))
+        n = max(2, min(12, self.max_model_len - 3, self.num_blocks * self.config.page_size - 1))
         prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
         scratch = self._build_scheduler()
         try:
