@@ -509,3 +509,43 @@ def test_request_filling_the_pool_exactly_is_accepted() -> None:
         assert tuple(out.token_ids) == reference(tuple(p), 1)
         with pytest.raises(ValueError, match="max_new_tokens"):
             eng.check_request(p, SamplingParams(max_new_tokens=2))
+
+
+# ---------------------------------------------------------------- one model, two engines
+
+
+def test_two_engines_on_one_model_step_concurrently() -> None:
+    """Each forward switches the model's attention and restores it; two engines on the same
+    model in two threads must not interleave those switches (a layer skipping the paged
+    attention mid-forward, or the caller's config left switched for good)."""
+    m = tiny_models.llama()
+    impl = m.config.__dict__.get("_attn_implementation_internal")
+    with torch.no_grad():
+        want = m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=24, do_sample=False)
+    want = want[0, 3:].tolist()
+    engines = [
+        Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=64)) for _ in range(2)
+    ]
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                outs = engines[i].generate(
+                    [[5, 6, 7]] * 3, SamplingParams(max_new_tokens=24), progress=False
+                )
+                results.setdefault(i, []).extend(o.token_ids for o in outs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for eng in engines:
+        eng.close()
+    assert not errors, errors
+    assert all(tokens == want for i in range(2) for tokens in results[i])
+    assert m.config.__dict__.get("_attn_implementation_internal") == impl

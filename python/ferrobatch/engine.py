@@ -37,7 +37,7 @@ from ferrobatch.request import (
 )
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import Sampler, SamplingParams
-from ferrobatch.step import Stepper
+from ferrobatch.step import Stepper, model_lock
 
 __all__ = ["Engine", "EngineClosedError", "Listener", "Prompt", "QueueFullError"]
 
@@ -191,18 +191,22 @@ class Engine:
         got: list[torch.Tensor] = []
         tokens = list(prompt)
         try:
-            while len(got) < 2:
-                plan = scratch.schedule()
-                if plan is None:
-                    break
-                logits = self.runner.execute(plan)
-                if len(plan.logits_indices):
-                    got.append(logits[-1].detach().float().cpu())
-                    tokens.append(int(logits[-1].argmax()))
-                scratch.update([int(logits[i].argmax()) for i in range(len(plan.logits_indices))])
-            with torch.inference_mode(), _eval_mode(self.model):
-                ids = torch.tensor([tokens[: n + 1]], device=self.device)
-                ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
+            # another engine on the same model must not switch its attention meanwhile
+            with model_lock(self.model):
+                while len(got) < 2:
+                    plan = scratch.schedule()
+                    if plan is None:
+                        break
+                    logits = self.runner.execute(plan)
+                    if len(plan.logits_indices):
+                        got.append(logits[-1].detach().float().cpu())
+                        tokens.append(int(logits[-1].argmax()))
+                    scratch.update(
+                        [int(logits[i].argmax()) for i in range(len(plan.logits_indices))]
+                    )
+                with torch.inference_mode(), _eval_mode(self.model):
+                    ids = torch.tensor([tokens[: n + 1]], device=self.device)
+                    ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
         except NotImplementedError:
             raise
         except Exception as exc:

@@ -4,7 +4,9 @@ forward → sample → scheduler update → outputs routed to their requests."""
 from __future__ import annotations
 
 import collections
+import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,25 @@ from ferrobatch.request import Request
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import Sampler
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "model_lock"]
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.Lock:
+    """The process-wide lock of one model object, held around every ferrobatch forward.
+
+    A forward switches the model's config to the paged attention and restores it
+    afterwards; two engines on the same model (or an engine and its construction probe)
+    stepping at once would interleave those switches: one engine's layers would skip the
+    paged attention mid-forward, and the caller's config could be left switched for good.
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.Lock()
+        return lock
 
 
 class Stepper:
@@ -41,6 +61,8 @@ class Stepper:
         self.inbox: collections.deque[Request] = collections.deque()
         self.cancel_inbox: collections.deque[str] = collections.deque()
         self.busy_time = 0.0
+        model = getattr(runner, "model", None)
+        self.forward_lock = model_lock(model) if model is not None else threading.Lock()
 
     def has_mail(self) -> bool:
         """Whether requests or cancellations wait for the next step."""
@@ -53,7 +75,8 @@ class Stepper:
         if plan is None:
             return changed
         t0 = time.perf_counter()
-        logits = self.runner.execute(plan)
+        with self.forward_lock:
+            logits = self.runner.execute(plan)
         rids = list(plan.request_ids)
         rows = np.asarray(plan.logits_rows).tolist()
         requests = self.router.requests
