@@ -549,3 +549,47 @@ def test_two_engines_on_one_model_step_concurrently() -> None:
     assert not errors, errors
     assert all(tokens == want for i in range(2) for tokens in results[i])
     assert m.config.__dict__.get("_attn_implementation_internal") == impl
+
+
+# ---------------------------------------------------------------- astream task cancellation
+
+
+def test_astream_wait_does_not_swallow_a_cancellation_racing_an_item() -> None:
+    """An item and the task's cancellation arriving in the same loop iteration: the task
+    must end cancelled (asyncio.wait_for before 3.12 returns the item instead)."""
+    from ferrobatch.engine import _get_or_none
+
+    async def main() -> BaseException | object:
+        q: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(_get_or_none(q, 5.0))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        q.put_nowait("item")
+        task.cancel()
+        (res,) = await asyncio.gather(task, return_exceptions=True)
+        return res
+
+    assert isinstance(asyncio.run(main()), asyncio.CancelledError)
+
+
+def test_cancelled_astream_tasks_cancel_their_requests() -> None:
+    with engine(num_blocks=512) as eng:
+
+        async def main() -> list:
+            async def consume() -> None:
+                async for _ in eng.astream([5, 6, 7], SamplingParams(max_new_tokens=1000)):
+                    pass
+
+            tasks = [asyncio.ensure_future(consume()) for _ in range(6)]
+            await asyncio.sleep(0.2)
+            for t in tasks:
+                t.cancel()
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+
+        results = asyncio.run(main())
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        deadline = time.time() + 5
+        while eng.stats()["num_used_blocks"] and time.time() < deadline:
+            time.sleep(0.01)
+        stats = eng.stats()
+        assert stats["running_requests"] == 0 and stats["num_used_blocks"] == 0

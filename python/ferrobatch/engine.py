@@ -406,9 +406,8 @@ class Engine:
         sub = _Subscription(self, req)
         try:
             while not sub.finished:
-                try:
-                    item = await asyncio.wait_for(aq.get(), timeout=0.5)
-                except TimeoutError:
+                item = await _get_or_none(aq, 0.5)
+                if item is None:
                     self._raise_if_dead(req)
                     continue
                 yield sub.take(item)
@@ -680,6 +679,23 @@ class _Subscription:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:
+    """The next item of `aq`, or None after `timeout` seconds.
+
+    Not `asyncio.wait_for`: before Python 3.12 it swallows a cancellation of the caller
+    that arrives just as the item does (the queue is busy while tokens stream), so a
+    cancelled `astream` task would keep streaming its request to the end."""
+    if not aq.empty():
+        return aq.get_nowait()
+    getter = asyncio.ensure_future(aq.get())
+    try:
+        done, _ = await asyncio.wait((getter,), timeout=timeout)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    return getter.result() if done else None
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
