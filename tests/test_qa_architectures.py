@@ -130,12 +130,6 @@ UNSUPPORTED: dict[str, tuple[str, dict, tuple[str, ...], str]] = {
     ),
     "bloom": ("Bloom", dict(n_layer=2, n_head=4), (), "AttentionInterface"),
     "stablelm": ("StableLm", dict(partial_rotary_factor=0.25), (), "AttentionInterface"),
-    "gpt_oss_sinks": (
-        "GptOss",
-        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, head_dim=16),
-        (),
-        "sinks",
-    ),
     "deepseek_v3_mla": (
         "DeepseekV3",
         dict(
@@ -154,8 +148,6 @@ UNSUPPORTED: dict[str, tuple[str, dict, tuple[str, ...], str]] = {
         (),
         "latent attention",
     ),
-    # dispatches through the interface but its decoder layers drop the forward kwargs
-    "nemotron": ("Nemotron", dict(head_dim=16, partial_rotary_factor=0.5), (), "paged attention"),
     "gpt_neo": (
         "GPTNeo",
         dict(num_layers=2, num_heads=4, window_size=8, attention_types=[[["global", "local"], 1]]),
@@ -301,11 +293,22 @@ def test_fp32_probe_error_is_tiny() -> None:
 
 
 def test_probe_still_refuses_with_a_one_block_cache() -> None:
-    """The probe shrinks its prompt to the cache, so even `num_blocks=1` cannot let a model
-    that drops the attention kwargs slip through to wrong tokens."""
-    prefix, overrides, drop, words = UNSUPPORTED["nemotron"]
-    m = _build(prefix, overrides, drop)
-    with pytest.raises(NotImplementedError, match=words):
-        Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=1))
+    """The probe shrinks its prompt to the cache, so even `num_blocks=1` cannot let an
+    attention that computes something else slip through to wrong tokens. (GPT-OSS sinks and
+    Nemotron's kwargs-dropping layers, once refused here, are supported: see
+    tests/test_attention_sinks.py.)"""
+    from ferrobatch import attention
+
+    real = attention.paged_attention_forward
+
+    def skewed(module, query, key, value, *args, **kwargs):
+        return real(module, query, key * 3.0, value, *args, **kwargs)
+
+    attention.AttentionInterface.register(attention.ATTENTION_NAME, skewed)
+    try:
+        with pytest.raises(NotImplementedError, match="differ from the model's own forward"):
+            Engine(model("qwen2_tied"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1))
+    finally:
+        attention.AttentionInterface.register(attention.ATTENTION_NAME, real)
     with Engine(model("phi3"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1)) as eng:
         assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4

@@ -4,8 +4,11 @@
 `transformers.AttentionInterface`; a mask function returning None is registered under the
 same name with `AttentionMaskInterface`, so a packed forward builds no dense mask. The step's
 metadata (`PagedStep`, built once per step by `build_step`) reaches every layer through the
-forward kwarg `STEP_KWARG`. Calls without it (another thread using the caller's model while a
-ferrobatch forward has its config switched) are delegated to the model's own implementation.
+forward kwarg `STEP_KWARG`, or, for decoder layers that drop their **kwargs, through the
+thread-local step `paged_attention_enabled` sets for the forward. Calls with neither (another
+thread using the caller's model while a ferrobatch forward has its config switched) are
+delegated to the model's own implementation. Attention sinks (GPT-OSS `s_aux`) are applied
+as one extra softmax column per head whose probability mass is dropped.
 
 Per layer and attention type the work is: gather the cached keys prefill rows need (before
 any write: sliding rings may be overwritten by this step), write the step's new K/V with the
@@ -351,10 +354,14 @@ def _attend(
     scale: float,
     softcap: float | None,
     causal: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D] with an additive mask."""
+    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D] with an additive mask.
+
+    `sinks` [H] (GPT-OSS `s_aux`): one extra logit per head in every query's softmax whose
+    probability mass is dropped, as transformers' `eager_attention_forward` of GPT-OSS."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=heads != kv_heads,
@@ -364,13 +371,22 @@ def _attend(
     g = heads // kv_heads
     qg = q.reshape(b, kv_heads, g * lq, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, g, lq, lk)
     if causal:
         keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
         scores = scores + (mask if mask.dim() == 2 else mask.view(b, 1, 1, mask.shape[-2], lk))
+    if sinks is not None:
+        # query head h = kv * g + i shares KV head kv (repeat_kv's order)
+        sink = sinks.to(scores.dtype).view(1, kv_heads, g, 1, 1).expand(b, -1, -1, lq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :lk]
+        probs = probs.reshape(b, kv_heads, g * lq, lk)
+        return torch.matmul(probs.to(v.dtype), v).view(b, heads, lq, d)
     probs = torch.softmax(scores.view(b, kv_heads, g * lq, lk), dim=-1, dtype=torch.float32)
     return torch.matmul(probs.to(v.dtype), v).view(b, heads, lq, d)
 
@@ -390,11 +406,24 @@ def paged_attention_forward(
     packed step → output [1, T, H, D], reading and writing the paged cache."""
     step: PagedStep | KernelStep | None = kwargs.get(STEP_KWARG)
     if step is None:
-        return _delegate(module, query, key, value, attention_mask, scaling=scaling,
-                         dropout=dropout, softcap=softcap, **kwargs)
+        # A decoder layer that drops its **kwargs (Nemotron) loses the forward kwarg: the
+        # step set for this thread's ferrobatch forward (never another thread's) stands in.
+        step = getattr(_STATE, "step", None)
+        layer = getattr(module, "layer_idx", None)
+        if step is None or not isinstance(layer, int) or not 0 <= layer < _num_layers(step):
+            return _delegate(module, query, key, value, attention_mask, scaling=scaling,
+                             dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
     step.calls += 1
+    sinks = kwargs.get("s_aux")
+    if not isinstance(sinks, torch.Tensor):
+        sinks = None
     if isinstance(step, KernelStep):
+        if sinks is not None:
+            raise NotImplementedError(
+                "attention sinks (s_aux) are not implemented by ferrobatch's GPU kernels; "
+                "use attention_backend='sdpa'"
+            )
         if scaling is None:
             scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         return _kernel_attention(step, layer, query, key, value, scaling, softcap or None), None
@@ -435,12 +464,12 @@ def paged_attention_forward(
         if k.dtype != q_dec.dtype:  # a cache dtype other than the model's
             k, v = k.to(q_dec.dtype), v.to(q_dec.dtype)
             mask = mask.to(q_dec.dtype) if mask is not None else None
-        if softcap is None:
+        if softcap is None and sinks is None:
             # The query heads sharing a KV head become that head's query rows: no GQA expansion.
             qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
         else:
-            o = _attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False)
+            o = _attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False, sinks)
         o = o.reshape(bd, heads, dim)
         if bucket.tokens is None:
             return o.unsqueeze(0), None
@@ -464,7 +493,8 @@ def paged_attention_forward(
         mask = row.mask
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap, row.causal)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap, row.causal,
+                    sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -473,6 +503,10 @@ def paged_attention_forward(
 
 _ORIGINAL: dict[int, str | None] = {}
 _STATE = threading.local()
+
+
+def _num_layers(step: PagedStep | KernelStep) -> int:
+    return len(step.groups) if isinstance(step, PagedStep) else len(step.layer_types)
 
 
 def _delegate(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -517,18 +551,26 @@ def model_configs(model: torch.nn.Module) -> list[PretrainedConfig]:
 
 
 @contextmanager
-def paged_attention_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None]:
+def paged_attention_enabled(
+    configs: Iterable[PretrainedConfig], step: PagedStep | KernelStep | None = None
+) -> Iterator[None]:
     """Switch `configs` to the paged attention for the duration of the block, then restore
-    exactly what was there."""
+    exactly what was there. `step`, when given, is also this thread's step for the block:
+    attention calls that lost the `STEP_KWARG` forward kwarg (decoder layers that drop
+    their **kwargs) use it."""
     saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs]
     for cfg, impl in saved:
         if impl != ATTENTION_NAME:
             _ORIGINAL[id(cfg)] = impl
         cfg._attn_implementation_internal = ATTENTION_NAME
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    prev_step = getattr(_STATE, "step", None)
+    if step is not None:
+        _STATE.step = step
     try:
         yield
     finally:
+        _STATE.step = prev_step
         _STATE.depth -= 1
         for cfg, impl in saved:
             cfg._attn_implementation_internal = impl

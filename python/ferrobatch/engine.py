@@ -725,12 +725,7 @@ def _check_architecture(model: Any, tcfg: Any) -> None:
             f"{name} uses multi-head latent attention (kv_lora_rank): keys and values of "
             "different head sizes are not supported by ferrobatch's paged cache"
         )
-    for module in model.modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            raise NotImplementedError(
-                f"{name} uses attention sinks ({type(module).__name__}.sinks), which "
-                "ferrobatch's paged attention does not implement"
-            )
+    # Attention sinks (GPT-OSS) run on the SDPA path (the runner routes them there).
 
 
 def _chunk_bytes(tcfg: Any, page_size: int, dtype: torch.dtype) -> int:

@@ -95,11 +95,21 @@ class ModelRunner:
         self._closed = False
 
     def _choose_backend(self, requested: str | None) -> str:
+        # Attention sinks (GPT-OSS `sinks`, passed as `s_aux`) are implemented by the SDPA
+        # path only, not by the kernels of `ferrobatch.cuda`.
+        sinks = any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.model.modules()
+        )
         if requested is not None:
             if requested not in ("sdpa", "triton", "flash_attn", "torch"):
                 raise ValueError(f"unknown attention_backend {requested!r}")
+            if sinks and requested != "sdpa":
+                raise NotImplementedError(
+                    f"attention_backend={requested!r} does not implement attention sinks "
+                    f"({type(self.model).__name__}); use 'sdpa'"
+                )
             return requested
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or sinks:
             return "sdpa"
         from .cuda import triton_attention as ta
 
@@ -267,7 +277,7 @@ class ModelRunner:
         step: attention.PagedStep | attention.KernelStep,
     ) -> torch.Tensor:
         kwargs = {attention.STEP_KWARG: step, "use_cache": False}
-        with attention.paged_attention_enabled(self._configs):
+        with attention.paged_attention_enabled(self._configs, step):
             if self._split_head:
                 out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
                 hidden = out[0][0].index_select(0, logits_indices)
