@@ -102,7 +102,7 @@ class PagedStep:
 @dataclass
 class KernelStep:
     """Per-step device metadata for the GPU kernels of `ferrobatch.cuda.triton_attention`
-    (built once per step by `build_kernel_step`; see `.notes/cuda-wiring.md`)."""
+    (built once per step by `build_kernel_step`; see `docs/cuda-wiring.md`)."""
 
     cache: PagedKVCache
     layer_types: list[str]

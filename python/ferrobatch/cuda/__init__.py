@@ -3,7 +3,7 @@ and CUDA-graph shape bucketing with a bounded graph cache.
 
 Nothing here imports triton or touches CUDA at import time: `triton_attention` defines its
 kernels only when triton is importable, and `graphs` only captures when CUDA is available.
-See `.notes/cuda-wiring.md` for how the runner calls these.
+See `docs/cuda-wiring.md` for how the runner calls these.
 """
 
 from __future__ import annotations

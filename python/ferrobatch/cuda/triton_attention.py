@@ -97,7 +97,7 @@ def select_backend(device: torch.device | str, *, page_size: int | None = None) 
     requires), else "triton" on CUDA when triton imports, else "torch".
 
     "flash_attn" covers full-attention layers; sliding layers use the Triton kernels (or the
-    torch reference without triton) under every backend, see `.notes/cuda-wiring.md`.
+    torch reference without triton) under every backend, see `docs/cuda-wiring.md`.
     """
     dev = torch.device(device)
     if dev.type != "cuda":
