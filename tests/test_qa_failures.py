@@ -97,6 +97,25 @@ def test_prompt_at_exactly_the_context_limit() -> None:
         assert again.token_ids == out.token_ids
 
 
+def test_default_max_new_tokens_fits_a_short_context() -> None:
+    """With no max_new_tokens given, the default (128) is capped to the context left;
+    an explicit value past the context is still refused."""
+    m = tiny_models.llama(max_position_embeddings=32)
+    with Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=16)) as eng:
+        p = list(range(3, 23))  # 20 tokens: 12 positions left
+        out = eng.generate([p], progress=False)[0]
+        assert len(out.token_ids) <= 12
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == 12
+        with torch.no_grad():
+            want = m.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)
+        assert out.token_ids == want[0, 20 : 20 + len(out.token_ids)].tolist()
+        auto = eng.generate([p], SamplingParams(max_new_tokens=None), progress=False)[0]
+        assert auto.token_ids == out.token_ids
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.generate([p], SamplingParams(max_new_tokens=13), progress=False)
+
+
 def test_duplicate_prompts_and_one_new_token() -> None:
     p = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # more than a page: shared full blocks
     with engine(num_blocks=32, allow_block_sharing=True) as eng:

@@ -508,7 +508,7 @@ class Engine:
     def _params_list(
         self, sampling: Any, n: int, max_new_tokens: int | None
     ) -> list[SamplingParams]:
-        return sampling_list(sampling, n, max_new_tokens, self.default_max_new_tokens)
+        return sampling_list(sampling, n, max_new_tokens)
 
     def _make_request(
         self, prompt: Prompt, sp: SamplingParams, request_id: str | None, **kwargs: Any

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -95,9 +96,7 @@ class Request:
         )
 
 
-def sampling_list(
-    sampling: Any, n: int, max_new_tokens: int | None, default_max_new_tokens: int
-) -> list[SamplingParams]:
+def sampling_list(sampling: Any, n: int, max_new_tokens: int | None) -> list[SamplingParams]:
     """One `SamplingParams` per prompt from one value or a list (`max_new_tokens` wins)."""
     if isinstance(sampling, list | tuple):
         if len(sampling) != n:
@@ -107,7 +106,7 @@ def sampling_list(
         items = [sampling] * n
     out = []
     for s in items:
-        sp = coerce_sampling(s, default_max_new_tokens=default_max_new_tokens)
+        sp = coerce_sampling(s)  # max_new_tokens=None is resolved per prompt in make_request
         if max_new_tokens is not None:
             sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": max_new_tokens})
         out.append(sp)
@@ -127,6 +126,11 @@ def make_request(
     """A validated request for `engine` (its tokenizer, vocabulary, context and cache);
     `new_id()` names it when `request_id` is None."""
     ids, prompt_text = _prompt_ids(engine, prompt)
+    if sp.max_new_tokens is None:  # not given: the engine's default, capped to the context left
+        room = engine.max_model_len - len(ids)
+        sp = dataclasses.replace(
+            sp, max_new_tokens=max(1, min(engine.default_max_new_tokens, room))
+        )
     _check_fits(engine, ids, sp)
     if sp.stop and engine.tokenizer is None:
         raise ValueError("stop: stop strings need a tokenizer")

@@ -379,7 +379,7 @@ def _pad_ids(rows: Sequence[Sequence[int]], *, pad: int, dev: torch.device) -> t
 def coerce_sampling(value: Any, *, default_max_new_tokens: int | None = None) -> SamplingParams:
     """Accept None, a `SamplingParams`, a `GenerationConfig` or a dict."""
     if value is None:
-        sp = SamplingParams()
+        sp = SamplingParams(max_new_tokens=None)  # the engine's default, fitted to the context
     elif isinstance(value, SamplingParams):
         sp = value
     elif isinstance(value, dict):
