@@ -17,8 +17,8 @@ import threading
 
 import pytest
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, attention
-from test_qa_architectures import NEW, SCENARIOS, _build, prompts, reference
+from ferrobatch import attention
+from test_qa_architectures import _build, assert_parity, prompts, reference
 
 torch.set_num_threads(1)
 
@@ -47,18 +47,7 @@ def nemotron():
 
 
 def _parity(m, name: str) -> None:
-    for scenario, (seed, shared, cfg) in SCENARIOS.items():
-        ps = prompts(seed, 6, shared)
-        config = ContinuousBatchingConfig(page_size=8, **{"num_blocks": 128, **cfg})
-        with Engine(m, config=config) as eng:
-            assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4
-            outs = eng.generate(ps, SamplingParams(max_new_tokens=NEW), progress=False)
-            stats = eng.stats()
-        for p, o in zip(ps, outs, strict=True):
-            assert o.token_ids == reference(m, p), f"{name}/{scenario}: {len(p)}-token prompt"
-        assert stats["num_used_blocks"] == 0
-        if scenario == "preempt":
-            assert stats["num_preemptions"] > 0
+    assert_parity(m, name, probe_below=1e-4)
     assert getattr(attention._STATE, "step", None) is None
 
 

@@ -9,31 +9,20 @@ shared prefixes with block sharing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 import transformers
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from tiny_models import COMMON, VOCAB
 
 torch.set_num_threads(1)
 
-VOCAB = 512
 NEW = 10
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 _GPT = (
     "num_key_value_heads",
     "hidden_size",
@@ -223,13 +212,16 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SUPPORTED))
-def test_parity_beyond_tiny_models(name: str) -> None:
-    m = model(name)
+def assert_parity(m, name: str, *, probe_below: float | None = None) -> None:
+    """Every SCENARIOS run of `m` gives `model.generate`'s tokens and frees every block
+    (and the construction probe's error is below `probe_below` when given)."""
     for scenario, (seed, shared, cfg) in SCENARIOS.items():
         ps = prompts(seed, 6, shared)
         config = ContinuousBatchingConfig(page_size=8, **{"num_blocks": 128, **cfg})
         with Engine(m, config=config) as eng:
+            if probe_below is not None:
+                assert eng.probe_relative_error is not None
+                assert eng.probe_relative_error < probe_below
             outs = eng.generate(ps, SamplingParams(max_new_tokens=NEW), progress=False)
             stats = eng.stats()
         for p, o in zip(ps, outs, strict=True):
@@ -237,6 +229,11 @@ def test_parity_beyond_tiny_models(name: str) -> None:
         assert stats["num_used_blocks"] == 0
         if scenario == "preempt":
             assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_parity_beyond_tiny_models(name: str) -> None:
+    assert_parity(model(name), name)
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
@@ -252,12 +249,11 @@ def test_unsupported_architecture_fails_at_construction(name: str) -> None:
         m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
-def test_probe_catches_silently_wrong_attention() -> None:
-    """An attention that runs but computes something else (here: keys scaled) is refused at
-    construction, not discovered as wrong tokens."""
+@contextlib.contextmanager
+def skewed_attention() -> Iterator[None]:
+    """ferrobatch's paged attention registered with its keys scaled ×3: runs, but wrong."""
     from ferrobatch import attention
 
-    m = model("qwen2_tied")
     real = attention.paged_attention_forward
 
     def skewed(module, query, key, value, *args, **kwargs):
@@ -265,10 +261,18 @@ def test_probe_catches_silently_wrong_attention() -> None:
 
     attention.AttentionInterface.register(attention.ATTENTION_NAME, skewed)
     try:
-        with pytest.raises(NotImplementedError, match="differ from the model's own forward"):
-            Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32))
+        yield
     finally:
         attention.AttentionInterface.register(attention.ATTENTION_NAME, real)
+
+
+def test_probe_catches_silently_wrong_attention() -> None:
+    """An attention that runs but computes something else (here: keys scaled) is refused at
+    construction, not discovered as wrong tokens."""
+    m = model("qwen2_tied")
+    refused = pytest.raises(NotImplementedError, match="differ from the model's own forward")
+    with skewed_attention(), refused:
+        Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32))
     with Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32)) as eng:
         out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), progress=False)[0]
     assert out.token_ids == reference(m, [5, 6, 7])[:4]
@@ -297,18 +301,8 @@ def test_probe_still_refuses_with_a_one_block_cache() -> None:
     attention that computes something else slip through to wrong tokens. (GPT-OSS sinks and
     Nemotron's kwargs-dropping layers, once refused here, are supported: see
     tests/test_attention_sinks.py.)"""
-    from ferrobatch import attention
-
-    real = attention.paged_attention_forward
-
-    def skewed(module, query, key, value, *args, **kwargs):
-        return real(module, query, key * 3.0, value, *args, **kwargs)
-
-    attention.AttentionInterface.register(attention.ATTENTION_NAME, skewed)
-    try:
-        with pytest.raises(NotImplementedError, match="differ from the model's own forward"):
-            Engine(model("qwen2_tied"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1))
-    finally:
-        attention.AttentionInterface.register(attention.ATTENTION_NAME, real)
+    refused = pytest.raises(NotImplementedError, match="differ from the model's own forward")
+    with skewed_attention(), refused:
+        Engine(model("qwen2_tied"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1))
     with Engine(model("phi3"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1)) as eng:
         assert eng.probe_relative_error is not None and eng.probe_relative_error < 1e-4
