@@ -71,6 +71,7 @@ except ImportError:  # not installed: the repository's own package (with its bui
     import ferrobatch  # noqa: F401
 
 import transformers  # noqa: E402
+from ferrobatch.workloads import left_padded  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -237,12 +238,8 @@ def run_padded_generate(model: Any, prompts: list[list[int]], new: int, bs: int)
     with torch.inference_mode():
         for start in range(0, len(prompts), bs):
             chunk = prompts[start : start + bs]
-            width = max(len(p) for p in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
+            ids, mask = left_padded(chunk)
+            width = ids.shape[1]
             gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
