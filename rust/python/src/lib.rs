@@ -93,6 +93,19 @@ macro_rules! lazy_get {
     };
 }
 
+/// The request-id tuple as a list, built on first access and cached in `cell`.
+fn names_list(
+    py: Python<'_>,
+    cell: &PyOnceLock<Py<PyList>>,
+    names: &Py<PyTuple>,
+) -> PyResult<Py<PyList>> {
+    Ok(cell
+        .get_or_try_init(py, || {
+            PyList::new(py, names.bind(py).iter()).map(Bound::unbind)
+        })?
+        .clone_ref(py))
+}
+
 /// One step of work for the model runner (ARCHITECTURE.md §3). Attributes: `request_ids`
 /// (list[str], B), int32 arrays `input_ids` [T], `positions` [T], `cu_seqlens_q` [B+1],
 /// `seqlens_k` [B], `logits_indices` [N], `logits_rows` [N], dicts keyed by attention type
@@ -133,12 +146,7 @@ pub struct StepPlan {
 impl StepPlan {
     #[getter]
     fn request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        Ok(self
-            .request_ids_c
-            .get_or_try_init(py, || {
-                PyList::new(py, self.names.bind(py).iter()).map(Bound::unbind)
-            })?
-            .clone_ref(py))
+        names_list(py, &self.request_ids_c, &self.names)
     }
     #[getter]
     fn input_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
@@ -338,12 +346,7 @@ impl StepOutput {
     }
     #[getter]
     fn request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        Ok(self
-            .request_ids_c
-            .get_or_try_init(py, || {
-                PyList::new(py, self.names.bind(py).iter()).map(Bound::unbind)
-            })?
-            .clone_ref(py))
+        names_list(py, &self.request_ids_c, &self.names)
     }
     #[getter]
     fn token_ids(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
