@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -82,10 +82,10 @@ class ModelRunner:
             cfg, "logit_scale", None
         )
         self._logits_scaling = getattr(cfg, "logits_scaling", None)
-        self._head_wt: torch.Tensor | None = None
-        self._head_wt_key: tuple[int, int] | None = None
-        self._head_packed: torch.Tensor | None = None
-        self._head_packed_key: tuple[int, int] | None = None
+        self._head_wt = _WeightDerived(lambda w: w.t().contiguous())
+        self._head_packed = _WeightDerived(
+            lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        )
         self._use_head_wt = False
         self._use_head_packed = False
         self._split_head = self._check_split_head()
@@ -142,35 +142,23 @@ class ModelRunner:
         x = torch.randn(64, weight.shape[1])
         try:
             with torch.inference_mode():
-                packed = self._head_weight_packed()
+                packed = self._head_packed.get(head.weight)
                 got = _mkldnn_linear(x, packed, bias)
                 ref = F.linear(x, weight, bias)
         except Exception as exc:  # noqa: BLE001 - an op missing from this build: skip it
             logger.info("ferrobatch: no packed output head (%s)", exc)
-            self._head_packed = self._head_packed_key = None
+            self._head_packed.clear()
             return False
         if got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
-            self._head_packed = self._head_packed_key = None
+            self._head_packed.clear()
             return False
         t_packed, t_linear = _best_times(
             (lambda: _mkldnn_linear(x, packed, bias), lambda: F.linear(x, weight, bias))
         )
         if t_packed < 0.9 * t_linear:
             return True
-        self._head_packed = self._head_packed_key = None
+        self._head_packed.clear()
         return False
-
-    def _head_weight_packed(self) -> torch.Tensor:
-        """The reordered head weight, refreshed when the caller changes the weight."""
-        weight = self._head.weight
-        key = (id(weight), weight._version)
-        if self._head_packed_key != key:
-            with torch.no_grad():
-                self._head_packed = torch.ops.mkldnn._reorder_linear_weight(
-                    weight.detach(), 64
-                )
-            self._head_packed_key = key
-        return self._head_packed
 
     def _transposed_head_wins(self) -> bool:
         """On CPU, time the output head as `F.linear` against a product with a transposed
@@ -179,26 +167,20 @@ class ModelRunner:
         if not self._cpu_fp32_linear_head():
             return False
         weight = self._head.weight.detach()
-        wt = weight.t().contiguous()
+        wt = self._head_wt.get(self._head.weight)
         x = torch.randn(64, weight.shape[1])
         best = _best_times((lambda: F.linear(x, weight), lambda: torch.mm(x, wt)))
-        return best[1] < 0.93 * best[0]
-
-    def _head_weight_t(self) -> torch.Tensor | None:
-        """The transposed head weight copy, refreshed when the caller changes the weight."""
-        weight = self._head.weight
-        key = (id(weight), weight._version)
-        if self._head_wt_key != key:
-            with torch.no_grad():
-                self._head_wt = weight.detach().t().contiguous()
-            self._head_wt_key = key
-        return self._head_wt
+        if best[1] < 0.93 * best[0]:
+            return True
+        self._head_wt.clear()
+        return False
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._use_head_packed:
-            logits = _mkldnn_linear(hidden, self._head_weight_packed(), self._head.bias)
+            packed = self._head_packed.get(self._head.weight)
+            logits = _mkldnn_linear(hidden, packed, self._head.bias)
         elif self._use_head_wt:
-            logits = torch.mm(hidden, self._head_weight_t())
+            logits = torch.mm(hidden, self._head_wt.get(self._head.weight))
             if self._head.bias is not None:
                 logits += self._head.bias
         else:
@@ -295,8 +277,8 @@ class ModelRunner:
         self._closed = True
         attention.forget(self._configs)
         self.cache = None  # type: ignore[assignment]
-        self._head_wt = None
-        self._head_packed = None
+        self._head_wt.clear()
+        self._head_packed.clear()
 
     def __enter__(self) -> ModelRunner:
         return self
@@ -310,6 +292,27 @@ _HAVE_MKLDNN_LINEAR = bool(
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+
+
+class _WeightDerived:
+    """A tensor derived from a weight (a transposed copy, a reordered layout), recomputed
+    only when the weight object or its in-place version counter changes."""
+
+    def __init__(self, derive: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._derive = derive
+        self._key: tuple[int, int] | None = None
+        self._value: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (id(weight), weight._version)
+        if self._value is None or self._key != key:
+            with torch.no_grad():
+                self._value = self._derive(weight.detach())
+            self._key = key
+        return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
 
 
 def _mkldnn_linear(
