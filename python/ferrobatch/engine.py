@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ferrobatch import memory
 from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.request import (
@@ -155,11 +156,17 @@ class Engine:
     def _size_cache(self, loaded: Any, tcfg: Any) -> None:
         """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
         cfg = self.config
-        self.chunk_bytes = _chunk_bytes(tcfg, cfg.page_size, self.dtype)
+        self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype)
         self.memory_explanation = ""
         num_blocks = cfg.num_blocks
         if num_blocks is None:
-            num_blocks, self.memory_explanation = _choose_num_blocks(self, loaded)
+            num_blocks, self.memory_explanation = memory.choose_num_blocks(
+                loaded,
+                config=cfg,
+                device=self.device,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+            )
             logger.info("ferrobatch cache: %s", self.memory_explanation)
         self.num_blocks = int(num_blocks)
         self.cpu_offload_blocks = (
@@ -726,25 +733,3 @@ def _check_architecture(model: Any, tcfg: Any) -> None:
             "different head sizes are not supported by ferrobatch's paged cache"
         )
     # Attention sinks (GPT-OSS) run on the SDPA path (the runner routes them there).
-
-
-def _chunk_bytes(tcfg: Any, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one chunk across all layers (K and V)."""
-    heads = int(tcfg.num_attention_heads)
-    kv_heads = int(getattr(tcfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads)
-    layers = int(tcfg.num_hidden_layers)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * page_size * kv_heads * head_dim * elem
-
-
-def _choose_num_blocks(engine: Engine, model: Any) -> tuple[int, str]:
-    from ferrobatch import memory
-
-    return memory.choose_num_blocks(
-        model,
-        config=engine.config,
-        device=engine.device,
-        dtype=engine.dtype,
-        max_model_len=engine.max_model_len,
-    )
