@@ -965,3 +965,22 @@ def test_load_with_preemption(offload: float, tokenizer: Any) -> None:
         assert st.get(key, 0) > 0, st
     finally:
         engine.close()
+
+
+def test_engine_admission_checks_answer_400_before_a_stream_starts() -> None:
+    """A request the server's own context check lets through but the engine cannot admit
+    (a hybrid model's sliding-window ring chunks count too) is a 400 naming max_tokens, not
+    an error event after the stream's headers."""
+    from fastapi.testclient import TestClient
+    from ferrobatch import ContinuousBatchingConfig, Engine
+
+    config = ContinuousBatchingConfig(page_size=8, num_blocks=6)
+    with Engine(tiny_models.gemma3(), config=config, tokenizer=build_tokenizer()) as eng:
+        client = TestClient(create_app(eng, model_name="t"))
+        body = {"model": "t", "prompt": [5] * 10, "max_tokens": 20, "stream": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens" and "num_blocks=6" in err["message"]
+        ok = client.post("/v1/completions", json={**body, "max_tokens": 4, "stream": False})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 4

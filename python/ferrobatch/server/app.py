@@ -251,6 +251,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if req.echo:
             texts = params.prompt_texts(engine, req.prompt, prompts)
             echo_texts = {job.index: texts[job.index // req.n] for job in jobs}
+        params.check_with_engine(engine, jobs, "prompt")
         fmt = CompletionFormat(state, req.logprobs, echo_texts)
         prompt_tokens = sum(len(p) for p in prompts)
         return await _respond(state, request, engine, "completions", jobs, fmt, req, rid,
@@ -273,6 +274,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             Job(i, prompt_ids, sp, f"{rid}-{i}", arrival)
             for i, sp in enumerate(params.choice_samplings(base, req.n))
         ]
+        params.check_with_engine(engine, jobs, "messages")
         fmt = ChatFormat(state, top_n)
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip

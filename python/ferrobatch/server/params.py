@@ -3,6 +3,7 @@ choice, and the context-length checks the engine would make (before any header i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ferrobatch.server.protocol import SamplingFields, bad_request
@@ -194,3 +195,18 @@ def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: s
             "context_length_exceeded",
         )
     return max_tokens
+
+
+def check_with_engine(engine: Any, jobs: Sequence[Any], param: str) -> None:
+    """The engine's own admission checks (`Engine.check_request`) on every choice before
+    any response starts, so what `check_context` cannot see (sliding-window rings, the
+    exact cache arithmetic) is a 400 here, never an error after a stream's headers."""
+    check = getattr(engine, "check_request", None)
+    if check is None:
+        return
+    for job in jobs:
+        try:
+            check(job.prompt_ids, job.sampling)
+        except ValueError as exc:
+            field = "max_tokens" if str(exc).startswith("max_new_tokens") else param
+            raise bad_request(f"The engine rejected the request: {exc}", field) from None
