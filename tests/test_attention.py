@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from types import SimpleNamespace
 
@@ -102,12 +103,14 @@ def test_mask_function_returns_none_only_inside_a_ferrobatch_forward():
     cfg._attn_implementation = "sdpa"
     emb = torch.zeros(1, 5, 32)
     mask2d = torch.tensor([[0, 1, 1, 1, 1]])
-    ref = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=mask2d, cache=None,
-                             position_ids=torch.arange(5)[None])
+    # the cache argument is `cache` in transformers 5.2x, `past_key_values` in 5.17
+    params = inspect.signature(create_causal_mask).parameters
+    no_cache = {"cache" if "cache" in params else "past_key_values": None}
+    kwargs = dict(config=cfg, inputs_embeds=emb, attention_mask=mask2d,
+                  position_ids=torch.arange(5)[None], **no_cache)
+    ref = create_causal_mask(**kwargs)
     with attention.paged_attention_enabled([cfg]):
-        assert create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=mask2d,
-                                  cache=None, position_ids=torch.arange(5)[None]) is None
+        assert create_causal_mask(**kwargs) is None
     assert cfg._attn_implementation == "sdpa"
-    again = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=mask2d, cache=None,
-                               position_ids=torch.arange(5)[None])
+    again = create_causal_mask(**kwargs)
     assert torch.equal(again, ref)

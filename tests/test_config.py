@@ -6,8 +6,8 @@ import copy
 import math
 
 import pytest
-import transformers
 from ferrobatch import ContinuousBatchingConfig
+from tiny_models import transformers_cb_config
 
 
 def test_defaults_are_valid_and_bounded() -> None:
@@ -50,7 +50,7 @@ def test_validation_names_the_field(field: str, value: object) -> None:
 
 
 def test_from_transformers_converts_without_mutating() -> None:
-    tcfg = transformers.ContinuousBatchingConfig(
+    tcfg = transformers_cb_config(
         page_size=64,
         num_blocks=100,
         max_batch_tokens=None,
@@ -71,7 +71,7 @@ def test_from_transformers_converts_without_mutating() -> None:
 
 def test_from_transformers_validates() -> None:
     with pytest.raises(ValueError, match="page_size"):
-        ContinuousBatchingConfig.from_transformers(transformers.ContinuousBatchingConfig(page_size=2))
+        ContinuousBatchingConfig.from_transformers(transformers_cb_config(page_size=2))
 
 
 def test_coerce_dict_and_bad_type() -> None:

@@ -260,7 +260,7 @@ def test_caller_model_config_and_generation_config_untouched() -> None:
     gen_before = copy.deepcopy(model.generation_config.to_dict())
     attn_before = model.config._attn_implementation
     params_before = {k: v.clone() for k, v in model.state_dict().items()}
-    tcfg = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    tcfg = tiny_models.transformers_cb_config(page_size=16, num_blocks=64)
     tcfg_before = copy.deepcopy(vars(tcfg))
     with Engine(model, config=tcfg) as eng:
         eng.generate(prompts(3, seed=14), GREEDY, progress=False)

@@ -104,3 +104,14 @@ BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
 def bench_llama(seed: int = 0) -> PreTrainedModel:
     """The design brief §4 benchmark model: hidden 256, 4 layers, 4/2 heads, vocab 32000."""
     return brief_model(seed)
+
+
+def transformers_cb_config(**fields: Any) -> Any:
+    """A `transformers.ContinuousBatchingConfig` with `page_size` given under whichever name
+    this transformers release uses (`page_size` since 5.2x, `block_size` in 5.17)."""
+    import inspect
+
+    params = inspect.signature(transformers.ContinuousBatchingConfig.__init__).parameters
+    if "page_size" in fields and "page_size" not in params:
+        fields["block_size"] = fields.pop("page_size")
+    return transformers.ContinuousBatchingConfig(**fields)
