@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,10 +41,20 @@ class ModelRunner:
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
+        use_cuda_graph: bool | None = None,
+        config: Any = None,
+        max_graphs: int | None = None,
     ) -> None:
         """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
         flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
-        "triton", "flash_attn" or "torch" (the kernels' reference) force one."""
+        "triton", "flash_attn" or "torch" (the kernels' reference) force one.
+
+        `use_cuda_graph`: None = CUDA graphs for decode-only steps when on CUDA with a kernel
+        backend (no dense mask), else eager (logged); True forces them where possible and
+        warns + runs eager where not (CPU, the SDPA backend); False = always eager.
+        `config` (a `ContinuousBatchingConfig`) supplies the graph padding intervals and
+        `max_requests_per_batch`; `max_graphs` bounds the graph cache (default
+        `DEFAULT_MAX_GRAPHS`)."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.model = model
@@ -93,6 +104,27 @@ class ModelRunner:
             self._use_head_packed = self._packed_head_wins()
             self._use_head_wt = not self._use_head_packed and self._transposed_head_wins()
         self._closed = False
+        self.use_cuda_graph = self._resolve_cuda_graph(use_cuda_graph)
+
+    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
+        """Whether decode-only steps run through CUDA graphs (see `__init__`)."""
+        if requested is False:
+            return False
+        why = None
+        if self.device.type != "cuda":
+            why = f"the model is on {self.device.type}, not CUDA"
+        elif self.attention_backend not in ("triton", "flash_attn", "torch"):
+            why = f"attention backend {self.attention_backend!r} builds masks per step"
+        elif not self._split_head:
+            why = "the output head is not separable from the base model"
+        if why is None:
+            return True
+        msg = f"ferrobatch: CUDA graphs off ({why}); running eager"
+        if requested:
+            warnings.warn(msg, stacklevel=3)
+        else:
+            logger.info(msg)
+        return False
 
     def _choose_backend(self, requested: str | None) -> str:
         # Attention sinks (GPT-OSS `sinks`, passed as `s_aux`) are implemented by the SDPA
@@ -220,14 +252,61 @@ class ModelRunner:
         arr = np.ascontiguousarray(values, dtype=np.int64)
         return torch.from_numpy(arr).to(self.device, non_blocking=True)
 
-    def execute(self, plan: Any) -> torch.Tensor:
+    def _prev_token_fill(
+        self, plan: Any, prev_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Device (token index, index into `prev_tokens`) pairs for the tokens whose input id
+        is the previous plan's sample (`plan.prev_token_index >= 0`); None when there are
+        none. Checked on the host (the index array is host data): no device sync."""
+        idx = getattr(plan, "prev_token_index", None)
+        if idx is None:
+            return None
+        idx = np.asarray(idx, dtype=np.int64)
+        pos = np.flatnonzero(idx >= 0)
+        if not len(pos):
+            return None
+        if prev_tokens is None:
+            raise ValueError(
+                "the plan takes input ids from the previous step's samples "
+                "(prev_token_index >= 0) but execute() got no prev_tokens"
+            )
+        src = idx[pos]
+        if int(src.max()) >= prev_tokens.shape[0]:
+            raise ValueError(
+                f"prev_token_index {int(src.max())} out of range for {prev_tokens.shape[0]} "
+                "previous samples"
+            )
+        return self._tensor(pos), self._tensor(src)
+
+    def _fill_prev_tokens(
+        self,
+        input_ids: torch.Tensor,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        prev_tokens: torch.Tensor | None,
+    ) -> None:
+        """`input_ids[pos] = prev_tokens[src]` on the device, in place (any int dtype)."""
+        if fill is None or prev_tokens is None:
+            return
+        pos, src = fill
+        prev = prev_tokens.reshape(-1).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, pos, prev.index_select(0, src).to(input_ids.dtype))
+
+    def execute(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
-        tokens of `plan.logits_indices`, in that order."""
+        tokens of `plan.logits_indices`, in that order.
+
+        `prev_tokens` (int tensor [N_prev], any device): the previous plan's sampled tokens,
+        in its `logits_indices` order. Where `plan.prev_token_index[t] >= 0`, the input id of
+        token `t` is `prev_tokens[prev_token_index[t]]` (filled on the device, before the
+        forward); elsewhere `plan.input_ids[t]`."""
         if self._closed:
             raise RuntimeError("ModelRunner is closed")
         with torch.inference_mode():
             self.cache.swap(getattr(plan, "swap_out", None), getattr(plan, "swap_in", None))
-            input_ids = self._tensor(plan.input_ids).unsqueeze(0)
+            fill = self._prev_token_fill(plan, prev_tokens)
+            flat_ids = self._tensor(plan.input_ids)
+            self._fill_prev_tokens(flat_ids, fill, prev_tokens)
+            input_ids = flat_ids.unsqueeze(0)
             positions = self._tensor(plan.positions).unsqueeze(0)
             logits_indices = self._tensor(plan.logits_indices)
             if input_ids.shape[1] == 0:
