@@ -81,3 +81,138 @@ def test_use_cuda_graph_on_cpu_warns_and_runs_eager():
     assert runner.use_cuda_graph is False
     runner.close()
     assert ModelRunner(model, num_blocks=16, page_size=4).use_cuda_graph is False
+
+
+# ----------------------------------------------------------------------------- padded path
+
+PAGE = 4
+
+
+def _padded_runner(model, *, max_graphs=3, num_blocks=128, kv_interval=8):
+    """A runner whose decode-only steps take the padded graph path without capture (the
+    exact forward a CUDA graph captures, over the same static inputs), torch backend."""
+    from ferrobatch.cuda.graphs import GraphBuckets
+
+    runner = ModelRunner(model, num_blocks=num_blocks, page_size=PAGE, attention_backend="torch")
+    runner._setup_graphs("eager", max_graphs=max_graphs, buckets=GraphBuckets(
+        q_interval=4, kv_interval=kv_interval, max_tokens=64, max_rows=64,
+        num_kv_heads=runner.cache.num_kv_heads))
+    return runner
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+def test_padded_decode_steps_match_unpadded_and_generate(name):
+    """Greedy decoding where every decode-only step runs padded (rows and kv padded, several
+    keys, LRU hits and evictions): logits equal the unpadded runner's each step, tokens equal
+    `model.generate` per prompt."""
+    model = tm.BUILDERS[name]()
+    padded = _padded_runner(model)
+    plain = ModelRunner(model, num_blocks=128, page_size=PAGE)
+    planner = RefPlanner(page_size=PAGE, num_blocks=128, layer_types=plain.layer_types,
+                         sliding_window=plain.sliding_window)
+    prompts = _prompts(5, 5, 2, 30)
+    new = 12
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        planner.add(rid, p)
+    plen = dict(zip(rids, map(len, prompts), strict=True))
+    for step in range(80):
+        live = [r for r in rids if len(planner.reqs[r].tokens) - plen[r] < new]
+        if not live:
+            break
+        # Rows sit out in turns, so the row count (and the key) changes between steps.
+        rows = [(r, min(planner.remaining(r), 9)) for j, r in enumerate(live)
+                if (step + j) % 3 or len(live) == 1]
+        plan = planner.plan(rows or [(live[0], min(planner.remaining(live[0]), 9))])
+        got = padded.execute(plan)
+        want = plain.execute(plan)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for i, b in enumerate(plan.logits_rows):
+            planner.append(plan.request_ids[b], int(want[i].argmax()))
+    stats = padded.graph_stats()
+    assert stats["graph_steps"] >= 10 and stats["eager_steps"] >= 1
+    assert stats["hits"] >= 3 and stats["evictions"] >= 1 and stats["graphs"] <= 3, stats
+    for rid, p in zip(rids, prompts, strict=True):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        got = planner.reqs[rid].tokens[len(p):len(p) + new]
+        eos = model.generation_config.eos_token_id
+        if eos in got:
+            got = got[: got.index(eos) + 1]
+        assert got == ref, (name, rid)
+    padded.close()
+    plain.close()
+
+
+def _decode_setup(name: str, num_blocks: int = 64):
+    model = tm.BUILDERS[name]()
+    runner = _padded_runner(model, num_blocks=num_blocks)
+    planner = RefPlanner(page_size=PAGE, num_blocks=num_blocks, layer_types=runner.layer_types,
+                         sliding_window=runner.sliding_window)
+    prompts = _prompts(9, 3, 5, 22)
+    for i, p in enumerate(prompts):
+        planner.add(f"r{i}", p)
+    logits = runner.execute(planner.plan([(f"r{i}", len(p)) for i, p in enumerate(prompts)]))
+    for i in range(len(prompts)):
+        planner.append(f"r{i}", int(logits[i].argmax()))
+    return model, runner, planner, len(prompts)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_padding_writes_only_the_scratch_chunk_and_reads_only_the_zero_chunk(name):
+    """A dummy (all-padding) step changes no data chunk and leaves the zero chunk zero; in a
+    real padded step with every chunk the plan does not name (scratch included) poisoned
+    with NaN, real rows get the unpadded logits and the padding rows' hidden states stay
+    finite: padding read nothing but the zero chunk."""
+    from ferrobatch.cuda import graphs
+
+    model, runner, planner, n = _decode_setup(name)
+    plain = ModelRunner(model, num_blocks=64, page_size=PAGE)
+    plain.cache.storage.copy_(runner.cache.storage)
+    plan = planner.plan([(f"r{i}", 1) for i in range(n)])  # 3 rows -> padded to 4
+    padded = graphs.pad_plan(plan, runner._buckets, page_size=PAGE,
+                             sliding_window=runner.sliding_window)
+    assert padded.key.tokens > n
+    graph = runner._graphs.get(padded.key)
+    cache = runner.cache
+    store = cache.storage.view(cache.num_layers, 2, cache.num_chunks, PAGE, -1)
+    before = store.clone()
+    with torch.inference_mode():
+        graph.load(graphs.dummy_plan(padded.key))
+        graph.run()
+    assert torch.equal(store[:, :, 2:], before[:, :, 2:]), "a dummy step wrote a data chunk"
+    assert not store[:, :, 0].any(), "the zero chunk was written"
+
+    used = {int(c) for t in plan.block_tables.values() for c in np.asarray(t).ravel()}
+    used |= {int(s) // PAGE for t in plan.slot_mapping.values() for s in np.asarray(t)}
+    poison = [c for c in range(1, runner.cache.num_chunks) if c not in used]
+    assert 1 in poison
+    with torch.inference_mode():
+        store[:, :, poison] = float("nan")
+    want = plain.execute(plan)
+    got = runner.execute(plan)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(graph.output).all(), "a padding row read a poisoned chunk"
+    assert not store[:, :, 0].any()
+    runner.close()
+    plain.close()
+
+
+def test_graph_stats_and_the_eager_bound():
+    """Steps with more rows than the buckets allow, and prefill steps, run eager."""
+    from ferrobatch.cuda.graphs import GraphBuckets
+
+    _, runner, planner, n = _decode_setup("llama")
+    stats = runner.graph_stats()
+    assert stats["enabled"] and stats["mode"] == "eager" and stats["eager_steps"] == 1
+    runner._buckets = GraphBuckets(q_interval=2, kv_interval=8, max_tokens=2, max_rows=2,
+                                   num_kv_heads=2)
+    logits = runner.execute(planner.plan([(f"r{i}", 1) for i in range(n)]))
+    assert logits.shape[0] == n
+    stats = runner.graph_stats()
+    assert stats["eager_steps"] == 2 and stats["graph_steps"] == 0 and stats["captures"] == 0
+    runner.close()
+    off = ModelRunner(tm.llama(), num_blocks=8, page_size=4).graph_stats()
+    assert not off["enabled"] and off["graphs"] == 0

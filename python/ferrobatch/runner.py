@@ -20,7 +20,13 @@ from .models import layer_types_of, sliding_window_of, text_config
 
 logger = logging.getLogger("ferrobatch")
 
-__all__ = ["ModelRunner"]
+__all__ = ["DEFAULT_MAX_GRAPHS", "ModelRunner"]
+
+# Graph cache bound. Graphs share one memory pool (about the largest captured step's
+# activations); each adds its static inputs (a few int32 arrays of the padded shape) and its
+# output (hidden states [N_pad, hidden]), so 32 graphs of the largest bucket cost a few MiB
+# beyond the pool.
+DEFAULT_MAX_GRAPHS = 32
 
 
 class ModelRunner:
@@ -104,7 +110,21 @@ class ModelRunner:
             self._use_head_packed = self._packed_head_wins()
             self._use_head_wt = not self._use_head_packed and self._transposed_head_wins()
         self._closed = False
+        self._graphs: Any = None  # GraphCache when padded (graph) steps are on
+        self._graph_mode: str | None = None
+        self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
+        self._graph_pool_bytes = 0
+        self._graph_input_bytes = 0
+        if self.device.type == "cuda":
+            _install_packed_check_bypass()
         self.use_cuda_graph = self._resolve_cuda_graph(use_cuda_graph)
+        if self.use_cuda_graph:
+            self._setup_graphs("cuda", config=config, max_graphs=max_graphs)
+            logger.info(
+                "ferrobatch: CUDA graphs on for decode-only steps (backend %s, at most %d "
+                "graphs, q interval %d, kv interval %d)", self.attention_backend,
+                self._graphs.max_graphs, self._buckets.q_interval, self._buckets.kv_interval,
+            )
 
     def _resolve_cuda_graph(self, requested: bool | None) -> bool:
         """Whether decode-only steps run through CUDA graphs (see `__init__`)."""
@@ -149,6 +169,129 @@ class ModelRunner:
         backend = chosen if chosen in ("triton", "flash_attn") else "sdpa"
         logger.info("ferrobatch: attention backend %s", backend)
         return backend
+
+    # --- CUDA graphs ---------------------------------------------------------------------
+
+    def _setup_graphs(
+        self,
+        mode: str,
+        *,
+        config: Any = None,
+        max_graphs: int | None = None,
+        buckets: Any = None,
+    ) -> None:
+        """Run decode-only steps padded to graph shapes: `mode` "cuda" captures CUDA graphs;
+        "eager" runs the same padded forward over the same static inputs without capture
+        (`graphs.EagerReplay`: how the padded path is tested on CPU)."""
+        from .cuda import graphs
+
+        if mode not in ("cuda", "eager"):
+            raise ValueError(f"unknown graph mode {mode!r}")
+        if not self._split_head:
+            raise ValueError("padded graph steps need an output head separable from the model")
+        self._buckets = buckets or graphs.GraphBuckets.from_config(
+            config, num_kv_heads=self.cache.num_kv_heads, num_sms=self._num_sms
+        )
+        self._graph_backend = self.attention_backend if mode == "cuda" else "torch"
+        if self._graph_backend not in ("triton", "flash_attn", "torch"):
+            raise ValueError(f"no graphs with attention backend {self._graph_backend!r}")
+        self._graph_mode = mode
+        self._graph_pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self._graphs = graphs.GraphCache(self._capture, max_graphs=max_graphs or DEFAULT_MAX_GRAPHS)
+
+    def _padded_forward(self, a: Any, key: Any) -> torch.Tensor:
+        """The forward a graph captures: the base model over the static inputs `a` (padded
+        plan arrays, int32 device tensors) with a `KernelStep` whose integers all come from
+        `key`; returns the final hidden states at `a["logits_indices"]` ([N_pad, hidden])."""
+        from .cuda.graphs import SLIDING
+
+        widths = dict(key.table_widths)
+        types = list(widths)
+        step = attention.KernelStep(
+            cache=self.cache,
+            layer_types=self.layer_types,
+            backend=self._graph_backend,
+            cu_seqlens_q=a["cu_seqlens_q"],
+            seqlens_k=a["seqlens_k"],
+            slot_mapping={t: a[f"slot_mapping/{t}"].long() for t in types},
+            block_tables={t: a[f"block_tables/{t}"] for t in types},
+            max_seqlen_q=key.max_seqlen_q,
+            max_seqlen_k=key.max_seqlen_k,
+            num_splits=dict(key.num_splits),
+            sliding_window=self.sliding_window,
+            ring_size=widths.get(SLIDING),
+            num_tokens=key.tokens,
+        )
+        input_ids = a["input_ids"].long().unsqueeze(0)
+        positions = a["positions"].long().unsqueeze(0)
+        kwargs = {attention.STEP_KWARG: step, "use_cache": False}
+        with _eval_mode(self.model), attention.paged_attention_enabled(self._configs, step):
+            out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
+        # Host-side count: during a capture this runs once, at capture time.
+        self._check_calls(step)
+        return out[0][0].index_select(0, a["logits_indices"].long())
+
+    def _capture(self, key: Any) -> Any:
+        """A graph for `key` (GraphCache's capture function)."""
+        from .cuda import graphs
+
+        def fn(a: Any) -> torch.Tensor:
+            return self._padded_forward(a, key)
+
+        self._graph_counts["captures"] += 1
+        if self._graph_mode == "cuda":
+            before = torch.cuda.memory_reserved(self.device)
+            graph = graphs.CapturedGraph.for_plan(fn, key, self.device, pool=self._graph_pool)
+            self._graph_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        else:
+            graph = graphs.EagerReplay.for_plan(fn, key, self.device)
+        self._graph_input_bytes += graph.inputs.nbytes
+        return graph
+
+    def _execute_graph(
+        self, plan: Any, fill: Any, prev_tokens: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Hidden states [N, hidden] of `plan` through its padded graph, or None when the
+        step runs eager (not decode-only, or beyond the buckets)."""
+        from .cuda import graphs
+
+        padded = graphs.pad_plan(
+            plan, self._buckets, page_size=self.page_size, sliding_window=self.sliding_window
+        )
+        if padded is None:
+            return None
+        graph = self._graphs.get(padded.key)
+        graph.load(padded)
+        self._fill_prev_tokens(graph.static_inputs["input_ids"], fill, prev_tokens)
+        self._graph_counts["graph_steps"] += 1
+        return graph.run()[: padded.num_logits]
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Graph counters: `enabled`, `mode` ("cuda" | "eager" | None), `graphs` (cached now),
+        `max_graphs`, `captures`, `hits`, `misses`, `evictions`, `graph_steps` /
+        `eager_steps` (steps run padded / eager), `pool_bytes` (device memory reserved while
+        capturing: the shared pool and the graphs' outputs; 0 off CUDA), `input_bytes`
+        (static inputs of every graph captured so far)."""
+        out: dict[str, Any] = {
+            "enabled": self._graphs is not None, "mode": self._graph_mode, "graphs": 0,
+            "max_graphs": 0, "hits": 0, "misses": 0, "evictions": 0,
+            **self._graph_counts,
+            "pool_bytes": self._graph_pool_bytes, "input_bytes": self._graph_input_bytes,
+        }
+        if self._graphs is not None:
+            st = self._graphs.stats()
+            out.update(graphs=st["graphs"], max_graphs=self._graphs.max_graphs,
+                       hits=st["graph_hits"], misses=st["graph_misses"],
+                       evictions=st["graph_evictions"])
+        return out
+
+    def _check_calls(self, step: attention.PagedStep | attention.KernelStep) -> None:
+        if step.calls != len(self.layer_types):
+            raise RuntimeError(
+                f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
+                "attention layers went through ferrobatch's paged attention; the model must "
+                "dispatch attention through transformers' AttentionInterface"
+            )
 
     # --- logits ----------------------------------------------------------------------------
 
@@ -305,12 +448,17 @@ class ModelRunner:
             self.cache.swap(getattr(plan, "swap_out", None), getattr(plan, "swap_in", None))
             fill = self._prev_token_fill(plan, prev_tokens)
             flat_ids = self._tensor(plan.input_ids)
+            if flat_ids.shape[0] == 0:
+                return torch.empty(0, self.vocab_size, device=self.device)
+            if self._graphs is not None:
+                hidden = self._execute_graph(plan, fill, prev_tokens)
+                if hidden is not None:
+                    return self._head_logits(hidden).float()
+                self._graph_counts["eager_steps"] += 1
             self._fill_prev_tokens(flat_ids, fill, prev_tokens)
             input_ids = flat_ids.unsqueeze(0)
             positions = self._tensor(plan.positions).unsqueeze(0)
             logits_indices = self._tensor(plan.logits_indices)
-            if input_ids.shape[1] == 0:
-                return torch.empty(0, self.vocab_size, device=self.device)
             if self.attention_backend == "sdpa":
                 step = attention.build_step(
                     plan, self.cache, self.layer_types, self.sliding_window
@@ -322,12 +470,7 @@ class ModelRunner:
                 )
             with _eval_mode(self.model):
                 logits = self._forward(input_ids, positions, logits_indices, step)
-            if step.calls != len(self.layer_types):
-                raise RuntimeError(
-                    f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
-                    "attention layers went through ferrobatch's paged attention; the model must "
-                    "dispatch attention through transformers' AttentionInterface"
-                )
+            self._check_calls(step)
             return logits.float()
 
     def _forward(
@@ -354,6 +497,8 @@ class ModelRunner:
         if self._closed:
             return
         self._closed = True
+        if self._graphs is not None:
+            self._graphs.clear()
         attention.forget(self._configs)
         self.cache = None  # type: ignore[assignment]
         self._head_wt.clear()
@@ -412,6 +557,36 @@ def _best_times(fns: Any, rounds: int = 5) -> list[float]:
                 if rnd:
                     best[i] = min(best[i], time.process_time() - start)
     return best
+
+
+_PACKED_CHECK_BYPASS = False
+
+
+def _install_packed_check_bypass() -> None:
+    """transformers' mask preparation calls `find_packed_sequence_indices(position_ids)`
+    whenever a forward has position ids and no mask or cache, and decides on its result on
+    the host (`.all()`): a device sync every CUDA step, and an error inside a CUDA-graph
+    capture (transformers releases that do not skip it while capturing). Inside a
+    ferrobatch forward the mask function returns None whatever that finds, so on this
+    thread, while a ferrobatch forward runs, it returns None (no packing) without touching
+    the device; everywhere else the original runs. Installed once, process-wide."""
+    global _PACKED_CHECK_BYPASS
+    if _PACKED_CHECK_BYPASS:
+        return
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if getattr(attention._STATE, "depth", 0):  # this thread is in a ferrobatch forward
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices.__wrapped__ = original  # type: ignore[attr-defined]
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    _PACKED_CHECK_BYPASS = True
 
 
 @contextmanager

@@ -38,10 +38,12 @@ from .triton_attention import choose_num_splits
 __all__ = [
     "SLIDING",
     "CapturedGraph",
+    "EagerReplay",
     "GraphBuckets",
     "GraphCache",
     "GraphKey",
     "PaddedPlan",
+    "StaticInputs",
     "dummy_plan",
     "pad_plan",
 ]
@@ -401,36 +403,134 @@ class GraphCache:
         }
 
 
-class CapturedGraph:
+class StaticInputs:
+    """The static input tensors of one graph key: int32 views (by `PaddedPlan.arrays()`
+    names) of one flat device buffer, filled from a padded plan with one host→device copy.
+
+    On CUDA the host staging buffer is pinned and the copy is asynchronous on the current
+    stream; before the staging buffer is rewritten, the previous copy out of it is waited
+    for (an event: by then long done in a steady loop). Replays of a graph are ordered
+    after the copy on the same stream, and a copy for the next step is ordered after the
+    replay that reads the current inputs."""
+
+    def __init__(self, key: GraphKey, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        layout = dummy_plan(key).arrays()
+        self.shapes = {name: a.shape for name, a in layout.items()}
+        total = sum(a.size for a in layout.values())
+        cuda = self.device.type == "cuda"
+        self._host_t = torch.empty(total, dtype=torch.int32, pin_memory=cuda)
+        self._host = self._host_t.numpy()
+        self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._slices: dict[str, slice] = {}
+        off = 0
+        for name, a in layout.items():
+            self._slices[name] = slice(off, off + a.size)
+            self.tensors[name] = self.flat[off : off + a.size].view(a.shape)
+            off += a.size
+        self._copied = torch.cuda.Event() if cuda else None
+        self.load(dummy_plan(key))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the static inputs."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def load(self, plan: PaddedPlan) -> None:
+        """Copy `plan`'s arrays into the static inputs (shapes must match the key's)."""
+        arrays = plan.arrays()
+        if arrays.keys() != self.shapes.keys():
+            raise ValueError(f"plan arrays {sorted(arrays)} != graph inputs {sorted(self.shapes)}")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out of the staging buffer is done
+        for name, arr in arrays.items():
+            if arr.shape != self.shapes[name]:
+                raise ValueError(f"{name}: plan shape {arr.shape} != graph {self.shapes[name]}")
+            self._host[self._slices[name]] = arr.reshape(-1)
+        self.flat.copy_(self._host_t, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+class EagerReplay:
+    """What a `CapturedGraph` does, without capturing: `run()` calls `fn` over the same
+    static inputs every time. The runner uses it to run the exact padded, graph-shaped
+    forward on CPU (tests) or where capture is not wanted."""
+
+    def __init__(
+        self, fn: Callable[[Mapping[str, torch.Tensor]], torch.Tensor], inputs: StaticInputs
+    ) -> None:
+        self.fn = fn
+        self.inputs = inputs
+        self.output: torch.Tensor | None = None
+
+    @classmethod
+    def for_plan(
+        cls,
+        fn: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+        key: GraphKey,
+        device: torch.device | str,
+        **_: Any,
+    ) -> EagerReplay:
+        """Static inputs of `key`'s shape (filled with `dummy_plan(key)`); nothing runs yet."""
+        return cls(fn, StaticInputs(key, device))
+
+    @property
+    def static_inputs(self) -> dict[str, torch.Tensor]:
+        return self.inputs.tensors
+
+    def load(self, plan: PaddedPlan) -> None:
+        """Copy `plan` into the static inputs."""
+        self.inputs.load(plan)
+
+    def run(self) -> torch.Tensor:
+        """Run `fn` over the static inputs; returns its output."""
+        self.output = self.fn(self.inputs.tensors)
+        return self.output
+
+    def replay(self, plan: PaddedPlan) -> torch.Tensor:
+        """`load(plan)` then `run()`."""
+        self.load(plan)
+        return self.run()
+
+    def release(self) -> None:
+        """Drop the inputs and the output."""
+        self.output = None
+
+
+class CapturedGraph(EagerReplay):
     """One CUDA graph of `fn(static_inputs) -> tensor` over static device buffers.
 
-    `static_inputs` are device tensors (int32 plan arrays, by `PaddedPlan.arrays()` names);
-    `replay(plan)` copies a padded plan's arrays into them and replays; the returned output
-    tensor is overwritten by the next replay. Warm-up runs `fn` on a side stream before
-    capture (lazy initialization, Triton compilation, cuBLAS workspaces); fill the static
-    inputs with `dummy_plan(key)` first so warm-up writes only to the scratch chunk.
+    `load(plan)` copies a padded plan's arrays into the static inputs (one host→device copy),
+    `run()` replays; `replay(plan)` does both. The returned output tensor (allocated in the
+    graph's pool) is overwritten by the next replay. Warm-up runs `fn` on a side stream before
+    capture (lazy initialization, Triton compilation, cuBLAS workspaces) over the static
+    inputs filled with `dummy_plan(key)`, so warm-up and capture write only to the scratch
+    chunk. Pass one `pool` (`torch.cuda.graph_pool_handle()`) to every graph so their
+    intermediate memory is shared: graphs replay one at a time.
     """
 
     def __init__(
         self,
         fn: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-        static_inputs: Mapping[str, torch.Tensor],
+        inputs: StaticInputs,
         *,
         pool: Any = None,
         warmup: int = 2,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
-        self.static_inputs = dict(static_inputs)
+        super().__init__(fn, inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(max(1, warmup)):
-                fn(self.static_inputs)
+                fn(self.inputs.tensors)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn(self.static_inputs)
+            self.output = fn(self.inputs.tensors)
 
     @classmethod
     def for_plan(
@@ -442,25 +542,15 @@ class CapturedGraph:
     ) -> CapturedGraph:
         """Allocate static inputs of `key`'s shape (filled with `dummy_plan(key)`) and
         capture `fn` over them."""
-        inputs = {
-            name: torch.from_numpy(a.copy()).to(device)
-            for name, a in dummy_plan(key).arrays().items()
-        }
-        return cls(fn, inputs, **kwargs)
+        return cls(fn, StaticInputs(key, device), **kwargs)
 
-    def replay(self, plan: PaddedPlan) -> torch.Tensor:
-        """Copy `plan` into the static inputs (host → device, async from pinned staging
-        when the caller provides pinned arrays) and replay the graph."""
-        for name, arr in plan.arrays().items():
-            buf = self.static_inputs[name]
-            if tuple(buf.shape) != arr.shape:
-                raise ValueError(f"{name}: plan shape {arr.shape} != graph {tuple(buf.shape)}")
-            buf.copy_(torch.from_numpy(arr), non_blocking=True)
+    def run(self) -> torch.Tensor:
+        """Replay the graph over the static inputs as they are now."""
         self.graph.replay()
+        assert self.output is not None
         return self.output
 
     def release(self) -> None:
-        """Drop the graph (its pool memory returns to the shared pool)."""
+        """Drop the graph (its memory returns to the shared pool)."""
         self.graph.reset()
-        self.static_inputs.clear()
-        self.output = None  # type: ignore[assignment]
+        self.output = None
