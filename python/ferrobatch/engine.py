@@ -28,6 +28,7 @@ import torch
 from ferrobatch import memory
 from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.outputs import RequestOutput
+from ferrobatch.pipeline import AsyncStepper
 from ferrobatch.request import (
     Listener,
     Prompt,
@@ -114,8 +115,14 @@ class Engine:
         self._router = OutputRouter(self.scheduler, self._stats)
         self._requests = self._router.requests  # live requests by id (the router's table)
         self._table_lock = self._router.lock  # guards _requests
-        self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
-                                self._stats)  # fmt: skip
+        self.async_batching = self._resolve_async_batching()
+        self._stepper: Stepper
+        if self.async_batching:
+            self._stepper = AsyncStepper(self.scheduler, self.runner, self.sampler, self._router,
+                                         self._stats, device=self.device)  # fmt: skip
+        else:
+            self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
+                                    self._stats)  # fmt: skip
         self._step_lock = threading.RLock()  # one stepper at a time; guards the scheduler
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,13 +152,32 @@ class Engine:
 
     def _warn_unimplemented_features(self) -> None:
         """Say plainly when a requested CUDA feature is not available, instead of ignoring it."""
-        for name in ("use_cuda_graph", "use_async_batching"):
-            if getattr(self.config, name) is True:
-                warnings.warn(
-                    f"{name}=True: not implemented yet in ferrobatch (CUDA graphs and async "
-                    "batching are the open CUDA work); running eager and synchronous",
-                    stacklevel=3,
-                )
+        if self.config.use_cuda_graph is True:
+            warnings.warn(
+                "use_cuda_graph=True: not implemented yet in ferrobatch (CUDA graphs are the "
+                "open CUDA work); running eager",
+                stacklevel=3,
+            )
+
+    def _resolve_async_batching(self) -> bool:
+        """`use_async_batching`: True → the async pipeline on any device (on CPU it runs
+        step after step, for testing); False → synchronous steps; None → on with CUDA
+        graphs on CUDA (the pipeline hides the host's planning behind the device's work,
+        which only pays once graph replays make the device side short), else off."""
+        want = self.config.use_async_batching
+        graphs = bool(getattr(self.runner, "use_cuda_graph", False))
+        if want is None:
+            on = self.device.type == "cuda" and graphs
+            why = "auto: " + (
+                "CUDA with CUDA graphs" if on
+                else "CUDA graphs are off" if self.device.type == "cuda"
+                else f"off on {self.device.type}"
+            )
+        else:
+            on = bool(want)
+            why = f"use_async_batching={want}"
+        logger.info("ferrobatch: async batching %s (%s)", "on" if on else "off", why)
+        return on
 
     def _size_cache(self, loaded: Any, tcfg: Any) -> None:
         """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
@@ -464,6 +490,10 @@ class Engine:
         self._closed = True
         with self._step_lock:  # a step running in a generate() caller's thread ends first
             self._fail_all(EngineClosedError("engine closed before the request finished"))
+            try:
+                self._stepper.close()  # the async pipeline's step in flight
+            except Exception:  # a dead device: nothing left to wait for
+                logger.exception("ferrobatch: dropping the step in flight failed")
             self.runner.close()
 
     def __enter__(self) -> Engine:
@@ -496,6 +526,9 @@ class Engine:
             submitted_prompt_tokens=self._stats["prompt_tokens"],
             finished_requests=self._stats["finished_requests"],
             busy_time_s=busy,
+            async_batching=self.async_batching,
+            ahead_steps=self._stats["ahead_steps"],
+            pipeline_drains=self._stats["pipeline_drains"],
             throughput_tok_s=gen / busy if busy > 0 else 0.0,
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),

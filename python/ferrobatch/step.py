@@ -95,6 +95,9 @@ class Stepper:
         self.busy_time += time.perf_counter() - t0
         return True
 
+    def close(self) -> None:
+        """Nothing is left in flight between synchronous steps."""
+
     def _drain_inboxes(self) -> bool:
         changed = False
         while self.inbox:

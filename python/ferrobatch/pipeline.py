@@ -1,0 +1,303 @@
+"""Async batching: the engine step with one step in flight (ARCHITECTURE.md §6).
+
+While step N's forward and sampling run on the device, the host plans step N+1
+(`Scheduler.schedule_ahead`, which assumes every row sampled in N gets one token) and
+queues its forward behind N's, its input ids taken on the device from N's sampled tokens
+(`plan.prev_token_index`). Only then does the host wait for N's tokens, record them
+(`update`), route the outputs, and queue N+1's sampling, which therefore sees token N in
+its penalties and seeded generators exactly as the synchronous `Stepper` does.
+
+    iteration:  drain inboxes → schedule_ahead(N+1) → forward(N+1, prev=tokens_N on device)
+                → tokens_N to host → update(N) → route(N) → sample(N+1) on device
+
+When `schedule_ahead` has nothing to run, N is finished alone and the next iteration starts
+over with `schedule()` (which may preempt and swap; `schedule_ahead` never does).
+
+On CUDA the sampled tokens come back through two pinned host buffers on a copy stream
+(`DeviceToHost`), and `HostToDevice` stages a plan's integer arrays through two pinned
+buffer sets on that stream. On CPU every torch op is synchronous and the same pipeline
+runs step after step; that is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrobatch.request import Request
+from ferrobatch.routing import OutputRouter
+from ferrobatch.sampling import DeviceSample, Sampler, SamplingParams, SamplingState
+from ferrobatch.step import Stepper
+
+__all__ = ["AsyncStepper", "DeviceToHost", "HostToDevice", "PendingCopy"]
+
+# Rows whose request left the engine's table before the row was planned (it cannot happen
+# with the engine's bookkeeping, but a wasted greedy row is the right answer if it does).
+_ORPHAN_STATE = SamplingState(SamplingParams(max_new_tokens=1), [])
+
+
+@dataclass
+class PendingCopy:
+    """Host copies of device tensors, valid once `wait()` returns (`event` None: ready)."""
+
+    host: list[torch.Tensor]
+    event: Any = None
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the copies landed; returns them."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
+class DeviceToHost:
+    """Brings a step's sampled tokens (and logprob tensors) back to the host.
+
+    On CUDA: copies on `stream` (a copy stream beside the compute stream), ordered after
+    everything queued on the compute stream so far (the sampling), into two alternating
+    pinned token buffers (a step's buffer is only reused two steps later, after its tokens
+    were read) plus fresh pinned tensors for logprobs; an event marks the end. The host
+    waits on that event only, never on the compute stream, so the next forward, already
+    queued, keeps the device busy. On CPU the tensors are already on the host.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
+        self._token_bufs: list[torch.Tensor | None] = [None, None]
+        self._next = 0
+
+    def start(self, tensors: list[torch.Tensor]) -> PendingCopy:
+        """Queue the copies of `tensors` (the first is the token ids); returns at once."""
+        if not self.cuda:
+            return PendingCopy([t if t.device.type == "cpu" else t.cpu() for t in tensors])
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        host: list[torch.Tensor] = []
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for i, t in enumerate(tensors):
+                if i == 0:
+                    buf = self._token_buffer(t.numel(), t.dtype).view(t.shape)
+                else:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                # the tensor was made on the compute stream: keep its memory until the copy ran
+                t.record_stream(self.stream)
+                host.append(buf)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return PendingCopy(host, done)
+
+    def _token_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        k = self._next
+        self._next ^= 1
+        buf = self._token_bufs[k]
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 256), dtype=dtype, pin_memory=True)
+            self._token_bufs[k] = buf
+        return buf[:n]
+
+
+class HostToDevice:
+    """Stages a step's int32 host arrays on the device with one copy per step.
+
+    The arrays are packed into one pinned int32 buffer (two alternating sets, host and
+    device), copied on the copy stream, and the compute stream is made to wait for that
+    copy (an event) before anything queued after `upload` returns, i.e. the forward. A
+    device set is only overwritten once the forward that read it finished: at each upload
+    an event recorded on the compute stream marks the end of every forward queued so far,
+    and the set's next copy waits for the event recorded one upload later than the one that
+    filled it. A host set is only refilled once its previous copy ran. On CPU the arrays are
+    returned as tensors sharing their memory.
+    """
+
+    def __init__(self, device: torch.device, stream: Any = None) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream: Any = None
+        if self.cuda:
+            self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._dev: list[torch.Tensor | None] = [None, None]
+        self._copied: list[Any] = [None, None]  # host set k may be refilled after this
+        self._consumed: list[Any] = [None, None]  # device set k may be overwritten after this
+        self._next = 0
+
+    def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device int32 tensors of `arrays` (same names and shapes)."""
+        if not self.cuda:
+            return {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+                    for k, a in arrays.items()}  # fmt: skip
+        flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays.values()]
+        total = sum(a.size for a in flat)
+        k = self._next
+        self._next ^= 1
+        compute = torch.cuda.current_stream(self.device)
+        # every forward queued so far has read the other set (or this one, earlier)
+        mark = torch.cuda.Event()
+        mark.record(compute)
+        consumed_this, self._consumed[k ^ 1] = self._consumed[k], mark
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()
+        host, dev = self._host[k], self._dev[k]
+        if host is None or dev is None or host.numel() < total:
+            cap = max(total, 1024, 2 * (host.numel() if host is not None else 0))
+            host = torch.empty(cap, dtype=torch.int32, pin_memory=True)
+            with torch.cuda.stream(self.stream):
+                dev = torch.empty(cap, dtype=torch.int32, device=self.device)
+            self._host[k], self._dev[k] = host, dev
+        hview = host.numpy()
+        off = 0
+        for a in flat:
+            hview[off : off + a.size] = a
+            off += a.size
+        with torch.cuda.stream(self.stream):
+            if consumed_this is not None:
+                self.stream.wait_event(consumed_this)
+            dev[:total].copy_(host[:total], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._copied[k] = done
+        compute.wait_event(done)
+        dev.record_stream(compute)
+        out: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, a, f in zip(arrays.keys(), arrays.values(), flat, strict=True):
+            out[name] = dev[off : off + f.size].view(np.shape(a))
+            off += f.size
+        return out
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its plan, the sampling state of each sampled row (captured when it
+    was planned: a request may leave the table before its row is sampled), and its logits,
+    then its samples on the device and their pending host copy."""
+
+    plan: Any
+    rids: list[str]
+    rows: list[int]
+    states: list[SamplingState]
+    logits: torch.Tensor | None = None
+    sample: DeviceSample | None = None
+    copy: PendingCopy | None = None
+
+
+class AsyncStepper(Stepper):
+    """`Stepper` with one step in flight (see the module docstring).
+
+    Same interface: `inbox` / `cancel_inbox` drained before each plan, `step()` (False when
+    there was nothing to do), `has_mail()`, `busy_time`, `stats` (also counts `ahead_steps`,
+    the steps planned by `schedule_ahead`, and `pipeline_drains`, the times it had nothing
+    to run ahead with a step in flight). `close()` waits for the step in flight and drops it.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        runner: Any,
+        sampler: Sampler,
+        router: OutputRouter,
+        stats: collections.Counter[str],
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(scheduler, runner, sampler, router, stats)
+        self.device = torch.device(device)
+        self.to_host = DeviceToHost(self.device)
+        self._inflight: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step was launched and its tokens not yet recorded."""
+        return self._inflight is not None
+
+    def step(self) -> bool:
+        """One pipeline iteration; False when there was nothing to do."""
+        changed = self._drain_inboxes()
+        prev = self._inflight
+        t0 = time.perf_counter()
+        if prev is None:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return changed
+            cur = self._launch(plan, None)
+            self._sample(cur)
+            self._inflight = cur
+            self.busy_time += time.perf_counter() - t0
+            return True
+        plan = self.scheduler.schedule_ahead()
+        nxt = None
+        if plan is not None:
+            assert prev.sample is not None
+            nxt = self._launch(plan, prev.sample.token_ids)
+        else:
+            self.stats["pipeline_drains"] += 1
+        self._inflight = nxt
+        self._finish(prev)
+        if nxt is not None:
+            self._sample(nxt)
+        self.busy_time += time.perf_counter() - t0
+        return True
+
+    def close(self) -> None:
+        """Wait for the step in flight (its copies must not land in freed memory) and drop
+        it; its plan stays outstanding in the scheduler, which is not used afterwards."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None and cur.copy is not None:
+            cur.copy.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _launch(self, plan: Any, prev_tokens: torch.Tensor | None) -> _InFlight:
+        """Queue `plan`'s forward (input ids from `prev_tokens` where the plan says so)."""
+        rids = list(plan.request_ids)
+        rows = np.asarray(plan.logits_rows).tolist()
+        requests = self.router.requests
+        states = []
+        for r in rows:
+            req: Request | None = requests.get(rids[r])
+            states.append(req.sstate if req is not None else _ORPHAN_STATE)
+        cur = _InFlight(plan, rids, rows, states)
+        if getattr(plan, "ahead", False):
+            self.stats["ahead_steps"] += 1
+        with self.forward_lock:
+            if prev_tokens is None:
+                cur.logits = self.runner.execute(plan)
+            else:
+                cur.logits = self.runner.execute(plan, prev_tokens=prev_tokens)
+        return cur
+
+    def _sample(self, cur: _InFlight) -> None:
+        """Queue the sampling of `cur` and the copy of its tokens to the host."""
+        assert cur.logits is not None
+        cur.sample = self.sampler.sample(cur.logits, cur.states)
+        cur.logits = None
+        cur.copy = self.to_host.start(cur.sample.device_tensors())
+
+    def _finish(self, cur: _InFlight) -> None:
+        """Wait for `cur`'s tokens, record them in the scheduler and route the outputs."""
+        assert cur.sample is not None and cur.copy is not None
+        result = cur.sample.finish(cur.copy.wait())
+        tokens = result.token_ids.numpy().astype(np.int32)
+        step_out = self.scheduler.update(tokens)
+        now = time.perf_counter()
+        lp_by_rid: dict[str, dict[int, float]] = {}
+        if result.logprobs is not None:
+            for r, lp in zip(cur.rows, result.logprobs, strict=True):
+                if lp is not None:
+                    lp_by_rid[cur.rids[r]] = lp
+        self.router.route(step_out, lp_by_rid, now)
+        self.stats["steps"] += 1
+        self.stats["step_tokens"] += len(cur.plan.input_ids)
