@@ -39,6 +39,47 @@ def kv_bytes_per_chunk(
     return len(layer_types_of(config)) * 2 * page_size * kv_heads * head_dim * elem
 
 
+def graph_pool_bytes(
+    config: PretrainedConfig,
+    *,
+    max_requests_per_batch: int,
+    dtype: torch.dtype = torch.bfloat16,
+    q_interval: int = 0,
+    max_graphs: int | None = None,
+) -> tuple[int, str]:
+    """Device memory the CUDA graphs of decode-only steps hold, and a phrase saying so.
+
+    All graphs share one pool, so it holds about the activations of the largest captured
+    step: `max_requests_per_batch` rows padded to the graph buckets (one query token each),
+    the same per-token estimate as eager activations, plus the split-K decode workspace
+    (rows x heads x up to 16 splits x head_dim, fp32). Each graph also keeps its output, the
+    hidden states `[rows, hidden]` (the LM head runs outside the graph), and its static
+    inputs (a few int32 arrays, counted as 8 per row)."""
+    from .cuda.graphs import DEFAULT_Q_INTERVAL, GraphBuckets
+    from .runner import DEFAULT_MAX_GRAPHS
+
+    cfg = text_config(config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    hidden = int(cfg.hidden_size)
+    inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    graphs = int(max_graphs or DEFAULT_MAX_GRAPHS)
+    rows = GraphBuckets(q_interval=q_interval or DEFAULT_Q_INTERVAL).pad_tokens(
+        max(1, max_requests_per_batch)
+    )
+    per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
+    activations = 2 * rows * per_token * elem
+    workspace = rows * heads * 16 * (head_dim + 2) * 4
+    outputs = graphs * rows * (hidden * elem + 8 * 4)
+    total = activations + workspace + outputs
+    note = (f"CUDA graph pool {_fmt(total)} (decode step of {rows} rows: activations "
+            f"{_fmt(activations)}, split-K workspace {_fmt(workspace)}; up to {graphs} graphs' "
+            f"outputs and inputs {_fmt(outputs)})")
+    return total, note
+
+
 def choose_num_blocks(
     model_config: PretrainedConfig | PreTrainedModel,
     *,
@@ -51,20 +92,26 @@ def choose_num_blocks(
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
     free_bytes: int | None = None,
+    use_cuda_graph: bool | None = None,
+    max_graphs: int | None = None,
 ) -> tuple[int, str]:
     """Number of data chunks the cache can take, and a sentence saying why.
 
     Budget = free memory (psutil on CPU, `torch.cuda.mem_get_info` on CUDA; `free_bytes`
-    overrides) × `max_memory_percent`, minus activations at `max_batch_tokens`, fp32 logits
-    at `max_requests_per_batch` × vocab (with sampling temporaries) and bookkeeping; each
-    chunk costs its KV bytes plus its share of the attention gather workspace. Without
+    overrides) × `max_memory_percent`, minus activations at `max_batch_tokens`, logits at
+    `max_requests_per_batch` × vocab (the head's output in the model dtype, fp32 logits and
+    sampling temporaries), on CUDA with graphs (`use_cuda_graph` not False) the graph pool
+    (activations of the largest captured decode step, `max_requests_per_batch` rows padded,
+    the split-K decode workspace, and every graph's hidden-state output), and bookkeeping;
+    each chunk costs its KV bytes plus its share of the attention gather workspace. Without
     `max_memory_percent`: 0.9 on CUDA; on CPU 0.25 of available memory capped at 4 GiB.
     Never more chunks than `max_requests_per_batch` sequences of `max_model_len` tokens need.
     Raises ValueError when not even a few chunks fit.
 
     `model_config` is the model's config (or the model). `config`, a
     `ContinuousBatchingConfig`, supplies `page_size`, `max_batch_tokens`,
-    `max_requests_per_batch` and `max_memory_percent` where they are not passed.
+    `max_requests_per_batch`, `max_memory_percent`, `use_cuda_graph` and the graph padding
+    interval where they are not passed.
     """
     if isinstance(model_config, PreTrainedModel):
         model_config = model_config.config
@@ -76,6 +123,9 @@ def choose_num_blocks(
             max_requests_per_batch = config.max_requests_per_batch
         if max_memory_percent is None:
             max_memory_percent = getattr(config, "max_memory_percent", None)
+        if use_cuda_graph is None:
+            use_cuda_graph = getattr(config, "use_cuda_graph", None)
+    q_interval = int(getattr(config, "q_padding_interval_size", 0) or 0) if config else 0
     if page_size is None or max_batch_tokens is None or max_requests_per_batch is None:
         raise ValueError("page_size, max_batch_tokens and max_requests_per_batch are needed")
     config = model_config
@@ -112,8 +162,17 @@ def choose_num_blocks(
     # attention projections, at the largest step; x2 for allocator slack.
     per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
     activations = 2 * max_batch_tokens * per_token * elem
-    logits = max_requests_per_batch * vocab * 4 * 3  # fp32 logits + sampler temporaries
-    overhead = activations + logits + BOOKKEEPING
+    # The head's output in the model dtype (a separate tensor unless fp32), its fp32 copy and
+    # two fp32 sampler temporaries.
+    logits = max_requests_per_batch * vocab * (4 * 3 + (elem if elem != 4 else 0))
+    graph_pool = 0
+    graph_note = ""
+    if dev.type == "cuda" and use_cuda_graph is not False:
+        graph_pool, graph_note = graph_pool_bytes(
+            cfg, max_requests_per_batch=max_requests_per_batch, dtype=dtype,
+            q_interval=q_interval, max_graphs=max_graphs,
+        )
+    overhead = activations + logits + graph_pool + BOOKKEEPING
     kv_chunk = kv_bytes_per_chunk(config, page_size, dtype)
     # Attention gathers one layer's K and V of the rows it reads into reusable workspaces:
     # at most about one layer's share of the cache (+50% for bucket padding and prefill).
@@ -132,7 +191,8 @@ def choose_num_blocks(
     why = (
         f"num_blocks={max(num, 0)}: budget {_fmt(budget)} = {rule}; minus activations "
         f"{_fmt(activations)} (max_batch_tokens={max_batch_tokens}), logits {_fmt(logits)} "
-        f"(max_requests_per_batch={max_requests_per_batch} x vocab {vocab}), bookkeeping "
+        f"(max_requests_per_batch={max_requests_per_batch} x vocab {vocab}), "
+        f"{graph_note + ', ' if graph_note else ''}bookkeeping "
         f"{_fmt(BOOKKEEPING)}; leaves {_fmt(max(kv_budget, 0))} for the cache at "
         f"{_fmt(per_chunk)} per chunk (KV {_fmt(kv_chunk)}: {page_size} tokens, all layers, "
         f"K and V, {dtype}; attention gather workspace {_fmt(gather_chunk)}; "
