@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -94,7 +93,6 @@ class Engine:
         tcfg = self._read_model_config(loaded)
         _check_architecture(loaded, tcfg)
         self._size_cache(loaded, tcfg)
-        self._warn_unimplemented_features()
         self.runner = ModelRunner(
             loaded,
             num_blocks=self.num_blocks,
@@ -102,6 +100,8 @@ class Engine:
             cpu_offload_blocks=self.cpu_offload_blocks,
             device=self.device,
             dtype=self.dtype,
+            use_cuda_graph=self.config.use_cuda_graph,  # None: on with CUDA + a kernel backend
+            config=self.config,
         )
         self.scheduler = self._build_scheduler()
         try:
@@ -149,15 +149,6 @@ class Engine:
         self.sliding_window = models.sliding_window_of(tcfg)
         self.default_max_new_tokens = 128
         return tcfg
-
-    def _warn_unimplemented_features(self) -> None:
-        """Say plainly when a requested CUDA feature is not available, instead of ignoring it."""
-        if self.config.use_cuda_graph is True:
-            warnings.warn(
-                "use_cuda_graph=True: not implemented yet in ferrobatch (CUDA graphs are the "
-                "open CUDA work); running eager",
-                stacklevel=3,
-            )
 
     def _resolve_async_batching(self) -> bool:
         """`use_async_batching`: True → the async pipeline on any device (on CPU it runs
