@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -16,7 +18,9 @@ class PagedKVCache:
     `keys[l]` and `values[l]` are `[(num_blocks + 2) * page_size, num_kv_heads, head_dim]`
     views; chunk `c` is slots `c*page_size .. (c+1)*page_size` in every layer. Chunk 0 stays
     zero (padding reads), chunk 1 takes padding writes. The swap pool holds
-    `cpu_offload_blocks` chunks (all layers) in CPU memory, pinned when the cache is on CUDA.
+    `cpu_offload_blocks` chunks (all layers) in CPU memory, pinned when the cache is on CUDA
+    (`[2 * num_layers, cpu_offload_blocks, chunk_elements]`, sized by the engine from
+    `cpu_offload_space`); `swap` moves chunks between the two, on CUDA on a copy stream.
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class PagedKVCache:
         self.values: list[torch.Tensor] = [self.storage[i, 1] for i in range(num_layers)]
         self._workspaces: list[torch.Tensor | None] = [None, None]
         self.cpu_offload_blocks = cpu_offload_blocks
+        self._copy_stream: Any = None  # CUDA: the swaps' copy stream (created on first use)
+        self._pending_out: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.swap_pool: torch.Tensor | None = None
         if cpu_offload_blocks:
             pin = self.device.type == "cuda"
@@ -106,7 +112,10 @@ class PagedKVCache:
         return self.storage.view(self.num_layers * 2, self.num_chunks, self.chunk_elements)
 
     def _index(self, values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values), dtype=torch.long).to(device, non_blocking=True)
+        t = torch.as_tensor(np.asarray(values), dtype=torch.long)
+        if device.type == "cuda":
+            t = t.pin_memory()  # a non-blocking copy that never waits for the stream
+        return t.to(device, non_blocking=True)
 
     def swap(
         self,
@@ -114,18 +123,29 @@ class PagedKVCache:
         swap_in: np.ndarray | None = None,
     ) -> None:
         """Run a step's swaps: `swap_out` (device chunk, swap slot) pairs first, then
-        `swap_in` (swap slot, device chunk) pairs, each as one batched copy over all layers."""
+        `swap_in` (swap slot, device chunk) pairs, each as one batched copy over all layers.
+
+        On CUDA the copies run on a copy stream (see `_swap_cuda`) and everything queued on
+        the current stream afterwards (the step's forward) waits for them; on CPU they are
+        done when this returns."""
         out_pairs = _pairs(swap_out)
         in_pairs = _pairs(swap_in)
         if not len(out_pairs) and not len(in_pairs):
             return
         if self.swap_pool is None:
             raise RuntimeError("swap requested but the cache has no CPU swap pool")
-        chunks = self._chunk_view()
-        pool = self.swap_pool
         if len(out_pairs):
             _check_range(out_pairs[:, 0], RESERVED_CHUNKS, self.num_chunks, "swap_out device chunk")
             _check_range(out_pairs[:, 1], 0, self.cpu_offload_blocks, "swap_out swap slot")
+        if len(in_pairs):
+            _check_range(in_pairs[:, 0], 0, self.cpu_offload_blocks, "swap_in swap slot")
+            _check_range(in_pairs[:, 1], RESERVED_CHUNKS, self.num_chunks, "swap_in device chunk")
+        if self.device.type == "cuda":
+            self._swap_cuda(out_pairs, in_pairs)
+            return
+        chunks = self._chunk_view()
+        pool = self.swap_pool
+        if len(out_pairs):
             src = self._index(out_pairs[:, 0], self.device)
             dst = self._index(out_pairs[:, 1], torch.device("cpu"))
             data = chunks.index_select(1, src)
@@ -133,14 +153,72 @@ class PagedKVCache:
                 data = data.to("cpu")
             pool.index_copy_(1, dst, data)
         if len(in_pairs):
-            _check_range(in_pairs[:, 0], 0, self.cpu_offload_blocks, "swap_in swap slot")
-            _check_range(in_pairs[:, 1], RESERVED_CHUNKS, self.num_chunks, "swap_in device chunk")
             src = self._index(in_pairs[:, 0], torch.device("cpu"))
             dst = self._index(in_pairs[:, 1], self.device)
             data = pool.index_select(1, src)
             if self.device.type != "cpu":
-                data = data.pin_memory().to(self.device, non_blocking=True)
+                data = data.to(self.device)
             chunks.index_copy_(1, dst, data)
+
+    def _swap_cuda(self, out_pairs: np.ndarray, in_pairs: np.ndarray) -> None:
+        """The swaps on a copy stream beside the current (compute) stream.
+
+        Order, all on the copy stream: wait for everything queued on the compute stream so
+        far (the forwards that wrote the chunks to swap out); gather the swap-out chunks of
+        every layer into one device staging tensor; copy the swap-in slots (gathered on the
+        host into one pinned staging tensor) up in one copy and scatter them into their
+        chunks (after the gather: a chunk freed by a swap-out may receive a swap-in);
+        record `ready`, which the compute stream waits for (the forward reads the swapped-in
+        chunks and may overwrite the swapped-out ones); then copy the swap-out staging down
+        in one copy into pinned host memory, overlapping the forward. That copy lands in the
+        pool slots on the host once its event completed: at the next `swap` (before any slot
+        is read) or `finish_swaps()`. A pinned staging buffer is never reused before its
+        copy ran (torch's caching host allocator records the copy's event)."""
+        chunks = self._chunk_view()
+        pool = self.swap_pool
+        assert pool is not None
+        self.finish_swaps()  # the previous swap-out's slots hold their data from here on
+        compute = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        host_in = None
+        if len(in_pairs):
+            slots = torch.as_tensor(np.asarray(in_pairs[:, 0]), dtype=torch.long)
+            host_in = torch.empty((pool.shape[0], len(slots), pool.shape[2]),
+                                  dtype=pool.dtype, pin_memory=True)  # fmt: skip
+            torch.index_select(pool, 1, slots, out=host_in)
+        with torch.cuda.stream(stream):
+            stream.wait_stream(compute)
+            staged = None
+            if len(out_pairs):
+                staged = chunks.index_select(1, self._index(out_pairs[:, 0], self.device))
+            if host_in is not None:
+                data = host_in.to(self.device, non_blocking=True)
+                chunks.index_copy_(1, self._index(in_pairs[:, 1], self.device), data)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+            if staged is not None:
+                host_out = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                host_out.copy_(staged, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                slots_out = torch.as_tensor(np.asarray(out_pairs[:, 1]), dtype=torch.long)
+                self._pending_out = (done, host_out, slots_out, staged)
+        compute.wait_event(ready)
+        # the cache storage was written on the copy stream: keep the allocator honest
+        self.storage.record_stream(stream)
+
+    def finish_swaps(self) -> None:
+        """Land the last CUDA swap-out's data in its pool slots (waits for its copy); a
+        no-op on CPU, where `swap` finishes everything itself."""
+        pending, self._pending_out = self._pending_out, None
+        if pending is None:
+            return
+        done, host_out, slots_out, _staged = pending
+        done.synchronize()
+        assert self.swap_pool is not None
+        self.swap_pool.index_copy_(1, slots_out, host_out)
 
 
 def _pairs(pairs: np.ndarray | None) -> np.ndarray:
