@@ -115,6 +115,7 @@ class ModelRunner:
         self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
         self._graph_pool_bytes = 0
         self._graph_input_bytes = 0
+        self._graph_error: str | None = None
         if self.device.type == "cuda":
             _install_packed_check_bypass()
         self.use_cuda_graph = self._resolve_cuda_graph(use_cuda_graph)
@@ -260,7 +261,20 @@ class ModelRunner:
         )
         if padded is None:
             return None
-        graph = self._graphs.get(padded.key)
+        try:
+            graph = self._graphs.get(padded.key)
+        except Exception as exc:
+            if self._graph_mode != "cuda":
+                raise
+            # A capture that fails (an op that cannot be captured in this model or this
+            # torch/transformers) must not stop the engine: eager from now on, said loudly.
+            self._graph_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("ferrobatch: CUDA graph capture failed for %s (%s); running eager "
+                           "from now on", padded.key, self._graph_error)
+            self._graphs.clear()
+            self._graphs = None
+            self.use_cuda_graph = False
+            return None
         graph.load(padded)
         self._fill_prev_tokens(graph.static_inputs["input_ids"], fill, prev_tokens)
         self._graph_counts["graph_steps"] += 1
@@ -271,12 +285,14 @@ class ModelRunner:
         `max_graphs`, `captures`, `hits`, `misses`, `evictions`, `graph_steps` /
         `eager_steps` (steps run padded / eager), `pool_bytes` (device memory reserved while
         capturing: the shared pool and the graphs' outputs; 0 off CUDA), `input_bytes`
-        (static inputs of every graph captured so far)."""
+        (static inputs of every graph captured so far), `capture_error` (why graphs were
+        turned off after a failed capture, else None)."""
         out: dict[str, Any] = {
             "enabled": self._graphs is not None, "mode": self._graph_mode, "graphs": 0,
             "max_graphs": 0, "hits": 0, "misses": 0, "evictions": 0,
             **self._graph_counts,
             "pool_bytes": self._graph_pool_bytes, "input_bytes": self._graph_input_bytes,
+            "capture_error": self._graph_error,
         }
         if self._graphs is not None:
             st = self._graphs.stats()

@@ -333,8 +333,9 @@ class GraphCache:
     object). `release(graph)` is called on eviction (default: the graph's own `release()`
     when it has one). Memory: graphs captured into one shared pool
     (`torch.cuda.graph_pool_handle()`) reuse each other's activation memory, so the pool is
-    about the largest captured step's activations; each graph adds its static I/O buffers
-    (a few int32 arrays of the padded shape plus the logits `[N_pad, vocab]`).
+    about the largest captured step's activations; each graph adds its static inputs (a
+    few int32 arrays of the padded shape) and its output (the runner's graphs return hidden
+    states `[N_pad, hidden]`: the LM head runs outside, so no graph pins `[N_pad, vocab]`).
     """
 
     def __init__(
@@ -529,7 +530,9 @@ class CapturedGraph(EagerReplay):
                 fn(self.inputs.tensors)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: CUDA calls other threads make meanwhile (the server's, the caller's)
+        # do not invalidate this capture.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = fn(self.inputs.tensors)
 
     @classmethod
