@@ -43,6 +43,12 @@ pub struct StepPlan {
     pub swap_out: Vec<i32>,
     /// `(swap slot, device chunk)` pairs.
     pub swap_in: Vec<i32>,
+    /// Per query token: `-1` when `input_ids` holds its id, else the index (in the previous
+    /// plan's `logits_indices` order) of the previous plan's sampled token that is its input
+    /// id (`input_ids` holds 0 there). Empty means all `-1` (every plan from `schedule()`).
+    pub prev_token_index: Vec<i32>,
+    /// Built by `schedule_ahead()` (one step ahead of an outstanding plan).
+    pub ahead: bool,
 }
 
 impl StepPlan {
@@ -63,6 +69,8 @@ impl StepPlan {
         self.sliding_width = 0;
         self.swap_out.clear();
         self.swap_in.clear();
+        self.prev_token_index.clear();
+        self.ahead = false;
     }
     /// Copy every array but `rows` into `spare`, reusing its buffers' capacity.
     pub fn copy_arrays_to(&self, spare: &mut StepPlan) {
@@ -83,6 +91,8 @@ impl StepPlan {
             .clone_from(&self.block_table_sliding);
         spare.swap_out.clone_from(&self.swap_out);
         spare.swap_in.clone_from(&self.swap_in);
+        spare.prev_token_index.clone_from(&self.prev_token_index);
+        spare.ahead = self.ahead;
         spare.has_full = self.has_full;
         spare.has_sliding = self.has_sliding;
         spare.full_width = self.full_width;
@@ -99,6 +109,10 @@ impl StepPlan {
     /// N.
     pub fn num_sampled(&self) -> usize {
         self.logits_indices.len()
+    }
+    /// `prev_token_index[t]` (`-1` when the array is empty: a plan from `schedule()`).
+    pub fn prev_token(&self, t: usize) -> i32 {
+        self.prev_token_index.get(t).copied().unwrap_or(-1)
     }
 }
 

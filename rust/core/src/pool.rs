@@ -260,6 +260,36 @@ impl ChunkPool {
         }
     }
 
+    /// Take one more reference on any data chunk, free or used, without changing its
+    /// content, hash or epoch (a free chunk leaves its free list; the scheduler pins the
+    /// swap-out sources of an outstanding plan this way, so nothing reallocates them before
+    /// the copy ran). Released with [`ChunkPool::free`].
+    pub fn pin(&mut self, c: ChunkId) {
+        let i = c as usize;
+        debug_assert!(c >= FIRST_DATA_CHUNK);
+        if self.refcount[i] == 0 {
+            match self.place[i] {
+                Place::Cached => self.unlink(c),
+                Place::Uninit => {
+                    let pos = self
+                        .uninit
+                        .iter()
+                        .rposition(|&u| u == c)
+                        .expect("free chunk in the uninitialized list");
+                    self.uninit.remove(pos);
+                }
+                p => unreachable!("pin: free chunk {c} in place {p:?}"),
+            }
+            self.place[i] = Place::Used;
+        }
+        self.refcount[i] += 1;
+    }
+
+    /// Allocation epoch of a chunk: bumped every time it is handed out by `allocate`.
+    pub fn epoch(&self, c: ChunkId) -> u32 {
+        self.epoch[c as usize]
+    }
+
     /// Take a reference on a hashed chunk found by a prefix lookup (removing it from the
     /// cached list when it was free).
     pub fn touch(&mut self, c: ChunkId) {

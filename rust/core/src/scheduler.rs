@@ -155,6 +155,26 @@ pub struct Stats {
     pub stalled_blocks: usize,
 }
 
+/// What one outstanding plan owes the pool, settled by its `update()`.
+#[derive(Clone, Debug, Default)]
+struct Flight {
+    /// `step` of the plan.
+    step: u64,
+    /// Sampled rows of the plan.
+    sampled: usize,
+    /// Chunk references held for the plan: chunks of requests that finished or were
+    /// cancelled while the plan (the last one referencing them) was outstanding, and pinned
+    /// swap-out sources. Freed by the plan's update.
+    chunks: Vec<ChunkId>,
+    /// Swap slots the plan reads by swap-in or writes by swap-out whose owner was cancelled:
+    /// released by the plan's update.
+    slots: Vec<u32>,
+    /// The plan may have rows of requests that finished or were cancelled (reported by an
+    /// update made while it was outstanding): its update takes the general path, which
+    /// skips them.
+    dead_rows: bool,
+}
+
 #[derive(Clone, Copy)]
 struct Budget {
     tokens: usize,
@@ -181,10 +201,19 @@ pub struct Scheduler {
     running: Vec<u32>,
     arrivals: u64,
     step: u64,
+    /// The newest plan (outstanding or not); its `Flight` is `cur`.
     plan: StepPlan,
-    outstanding: bool,
-    /// Sampled rows of the outstanding plan.
-    plan_sampled: usize,
+    /// With two plans outstanding: the oldest one (its `Flight` is `old`). Otherwise a spare
+    /// buffer.
+    prev_plan: StepPlan,
+    /// Outstanding plans: 0, 1 (`plan`) or 2 (`prev_plan`, then `plan`).
+    outstanding: u8,
+    cur: Flight,
+    old: Flight,
+    /// `schedule_ahead()` scratch: slab index -> row of the outstanding plan (`u32::MAX`).
+    row_of: Vec<u32>,
+    /// `schedule_ahead()` scratch: (token index, previous sampled index) of placeholders.
+    ahead_tokens: Vec<(u32, i32)>,
     /// `plan` is a steady decode plan: full attention only, no swaps, one row per running
     /// request in running order, each one sampled token.
     steady_plan: bool,
@@ -200,10 +229,10 @@ pub struct Scheduler {
     out_repeats: bool,
     out: StepOutput,
     pending_cancel: Vec<u32>,
-    /// Finished requests reported by the last update: slab slots freed at the next update.
-    to_remove: Vec<u32>,
-    /// Swap slots read by swap-in in the outstanding plan: released by the next update.
-    deferred_slots: Vec<u32>,
+    /// Finished requests already reported, with the step of the last plan that has a row of
+    /// theirs: the slab slot is freed by the first update after that plan's update (the
+    /// deltas name it until then, and that plan's update must still see it finished).
+    to_remove: Vec<(u32, u64)>,
     order_buf: Vec<u32>,
     hits_buf: Vec<ChunkId>,
     stats: Stats,
@@ -295,6 +324,7 @@ impl Scheduler {
             has_sliding,
             ..Default::default()
         };
+        let prev_plan = plan.clone();
         Ok(Scheduler {
             pool: ChunkPool::new(cfg.num_blocks, cfg.page_size, prefix),
             swap: SwapPool::new(cfg.cpu_offload_blocks),
@@ -312,12 +342,15 @@ impl Scheduler {
             arrivals: 0,
             step: 0,
             plan,
-            outstanding: false,
-            plan_sampled: 0,
+            prev_plan,
+            outstanding: 0,
+            cur: Flight::default(),
+            old: Flight::default(),
+            row_of: Vec::new(),
+            ahead_tokens: Vec::new(),
             out: StepOutput::default(),
             pending_cancel: Vec::new(),
             to_remove: Vec::new(),
-            deferred_slots: Vec::new(),
             order_buf: Vec::new(),
             hits_buf: Vec::new(),
             steady_plan: false,
@@ -367,12 +400,37 @@ impl Scheduler {
             _ => None,
         })
     }
-    /// Swap slots read by swap-in in the outstanding plan (released by the next update).
-    pub fn deferred_swap_slots(&self) -> &[u32] {
-        &self.deferred_slots
+    /// Swap slots held for outstanding plans: read by their swap-in, or written by their
+    /// swap-out for a request cancelled since (released by those plans' updates).
+    pub fn deferred_swap_slots(&self) -> Vec<u32> {
+        self.flights()
+            .flat_map(|f| f.slots.iter().copied())
+            .collect()
     }
+    /// Chunk references held for outstanding plans rather than by requests: chunks of
+    /// requests that finished or were cancelled while a plan referencing them was
+    /// outstanding, and pinned swap-out sources (freed by those plans' updates).
+    pub fn deferred_chunks(&self) -> Vec<ChunkId> {
+        self.flights()
+            .flat_map(|f| f.chunks.iter().copied())
+            .collect()
+    }
+    fn flights(&self) -> impl Iterator<Item = &Flight> {
+        let n = self.outstanding as usize;
+        [&self.old, &self.cur].into_iter().skip(2 - n)
+    }
+    /// The newest plan (the outstanding one, or the newer of two).
     pub fn plan(&self) -> &StepPlan {
         &self.plan
+    }
+    /// The outstanding plans, oldest first (0, 1 or 2).
+    pub fn outstanding_plans(&self) -> impl Iterator<Item = &StepPlan> {
+        let n = self.outstanding as usize;
+        [&self.prev_plan, &self.plan].into_iter().skip(2 - n)
+    }
+    /// Number of outstanding plans (0, 1 or 2).
+    pub fn num_outstanding(&self) -> usize {
+        self.outstanding as usize
     }
     /// Export the arrays of the plan just built: they are copied into `spare`'s buffers
     /// (reusing their capacity; see [`StepPlan::copy_arrays_to`]). The scheduler keeps its
@@ -386,7 +444,7 @@ impl Scheduler {
         std::mem::swap(&mut self.out, spare);
     }
     pub fn has_outstanding_plan(&self) -> bool {
-        self.outstanding
+        self.outstanding > 0
     }
     /// True while a request is waiting, running or swapped, or a cancellation is unreported.
     /// If `schedule()` returns None while this is true, only reports remain: `update(&[])`.
@@ -518,12 +576,18 @@ impl Scheduler {
 
     /// Cancel a request in any state, freeing everything it holds. It is reported once by
     /// the next `update()` with reason `cancelled`. Returns false if unknown or finished.
+    ///
+    /// Chunk lifetime: when an outstanding plan references the request (a row of it, or its
+    /// swap-out), its chunks (or swap slots) are not freed now but held for the last such
+    /// plan and freed by that plan's update, so nothing reallocates them while a forward
+    /// (or copy) may still use them.
     pub fn cancel(&mut self, id: &str) -> bool {
         let Some(&idx) = self.ids.get(id) else {
             return false;
         };
         let r = self.req(idx);
         let key = r.key;
+        let flight = self.flight_of(r.touched_step);
         match r.state {
             RequestState::Finished => return false,
             RequestState::Waiting => {
@@ -531,15 +595,24 @@ impl Scheduler {
             }
             RequestState::Swapped => {
                 self.swapped.remove(&key);
-                let r = self.req_mut(idx);
+                let r = self.reqs[idx as usize].as_mut().expect("live");
                 let slots = std::mem::take(&mut r.swap_slots);
-                for s in slots {
-                    self.swap.release(s);
+                match flight {
+                    // Swapped out by an outstanding plan: its copy writes these slots.
+                    Some(newest) => self.flight_mut(newest).slots.extend(slots),
+                    None => {
+                        for s in slots {
+                            self.swap.release(s);
+                        }
+                    }
                 }
             }
             RequestState::Prefilling | RequestState::Decoding => {
                 self.remove_running(idx);
-                self.free_chunks(idx);
+                match flight {
+                    Some(newest) => self.defer_chunks(idx, newest),
+                    None => self.free_chunks(idx),
+                }
             }
         }
         self.steady_ready = false;
@@ -563,6 +636,40 @@ impl Scheduler {
             .running
             .partition_point(|&i| reqs[i as usize].as_ref().expect("live").key <= key);
         self.running.insert(pos, idx);
+    }
+
+    /// The outstanding plan built in step `step`, if any: `Some(true)` for the newest,
+    /// `Some(false)` for the oldest of two.
+    #[inline]
+    fn flight_of(&self, step: u64) -> Option<bool> {
+        if self.outstanding >= 1 && step == self.cur.step {
+            Some(true)
+        } else if self.outstanding == 2 && step == self.old.step {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    fn flight_mut(&mut self, newest: bool) -> &mut Flight {
+        if newest {
+            &mut self.cur
+        } else {
+            &mut self.old
+        }
+    }
+
+    /// Hand a request's device chunks to an outstanding plan's flight (freed, in the order
+    /// `free_chunks` would, by that plan's update).
+    #[cold]
+    #[inline(never)]
+    fn defer_chunks(&mut self, idx: u32, newest: bool) {
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let f = if newest { &mut self.cur } else { &mut self.old };
+        f.chunks.extend(r.full.iter().rev());
+        f.chunks.extend(r.ring.iter());
+        r.full.clear();
+        r.ring.clear();
     }
 
     /// Free all device chunks of a request (full blocks in reverse order, so the deepest
@@ -591,7 +698,7 @@ impl Scheduler {
 
     /// Plan the next step (None when nothing can run). Errors if a plan is outstanding.
     pub fn schedule(&mut self) -> Result<Option<&StepPlan>> {
-        if self.outstanding {
+        if self.outstanding > 0 {
             return Err(Error::runtime(
                 "schedule() called while a plan is outstanding: call update() first",
             ));
@@ -624,8 +731,9 @@ impl Scheduler {
         }
         Self::fill_row_arrays(&mut self.plan, from);
         self.build_block_tables(from);
-        self.outstanding = true;
-        self.plan_sampled = self.plan.logits_indices.len();
+        self.outstanding = 1;
+        self.cur.step = self.step;
+        self.cur.sampled = self.plan.logits_indices.len();
         self.stats.steps += 1;
         let p = &self.plan;
         let n = p.rows.len();
@@ -641,6 +749,224 @@ impl Scheduler {
                 && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
         self.repeated_rows = steady && n == from;
         Ok(Some(&self.plan))
+    }
+
+    /// Plan the step that follows the outstanding plan, before its sampled tokens are known
+    /// (async batching: the engine plans step N+1 while step N runs). Requires exactly one
+    /// outstanding plan (else a `Runtime` error naming the problem); the new plan is then
+    /// outstanding too, and `update()` applies to the oldest first.
+    ///
+    /// Every request sampled in the outstanding plan is assumed to get one token whose value
+    /// is not known yet and not to stop; it gets a one-token row whose input id is that
+    /// token: `input_ids` holds 0 there and `prev_token_index` the index of the token among
+    /// the outstanding plan's sampled tokens. Requests whose finish is certain (that token
+    /// reaches `max_new_tokens`) are left out. Prefill rows of the outstanding plan continue
+    /// their prompt; other running requests are placed from their state, and waiting
+    /// requests are admitted (budgets, safety margin and head of line as usual; a swapped
+    /// request at the head stops admission: resuming needs a swap-in).
+    ///
+    /// Never preempts: no swap-out, swap-in or soft reset; a row that cannot get its chunks
+    /// is left out (counted in `stalled_requests` / `stalled_blocks`), and chunks come only
+    /// from the free lists (uninitialized, then eviction of unreferenced cached blocks).
+    /// Returns None, with nothing changed but the stats, when no row fits: then `update()`
+    /// the outstanding plan and go back to `schedule()`.
+    ///
+    /// Chunk lifetime: no chunk referenced by an outstanding plan (block tables, slot
+    /// mappings, swap pairs) is freed, evicted or reallocated while it is outstanding:
+    /// frees of requests it references are deferred to its update (see `cancel`, `update`),
+    /// and swap-out sources it released at plan time are pinned here until its update.
+    /// Prefix lookups only see blocks registered by earlier updates (computed content).
+    pub fn schedule_ahead(&mut self) -> Result<Option<&StepPlan>> {
+        match self.outstanding {
+            0 => {
+                return Err(Error::runtime(
+                    "schedule_ahead() needs exactly one outstanding plan but none is: \
+                     call schedule() first",
+                ))
+            }
+            2 => {
+                return Err(Error::runtime(
+                    "schedule_ahead() needs exactly one outstanding plan but two are: \
+                     call update() first",
+                ))
+            }
+            _ => {}
+        }
+        self.repeated_rows = false;
+        self.steady_ready = false;
+        self.step += 1;
+        self.stats.stalled_requests = 0;
+        self.stats.stalled_blocks = 0;
+        let mut b = Budget {
+            tokens: self.cfg.max_batch_tokens,
+            rows: self.cfg.max_requests_per_batch,
+            cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
+        };
+        // Swap-out sources the outstanding plan freed at plan time (its copy runs before
+        // its forward): pinned until its update.
+        for i in 0..self.plan.swap_out.len() / 2 {
+            let c = self.plan.swap_out[2 * i] as ChunkId;
+            if self.pool.refcount(c) == 0 {
+                self.pool.pin(c);
+                self.cur.chunks.push(c);
+            }
+        }
+        self.row_of.clear();
+        self.row_of.resize(self.reqs.len(), u32::MAX);
+        for (ri, row) in self.plan.rows.iter().enumerate() {
+            self.row_of[row.req as usize] = ri as u32;
+        }
+        // Build into the spare buffer; the outstanding plan moves to `prev_plan`.
+        std::mem::swap(&mut self.plan, &mut self.prev_plan);
+        self.plan.clear();
+        self.plan.ahead = true;
+        self.ahead_tokens.clear();
+        let mut order = std::mem::take(&mut self.order_buf);
+        order.clear();
+        order.extend_from_slice(&self.running);
+        let phases = match self.cfg.scheduler_type {
+            SchedulerType::Fifo => [true, false],
+            SchedulerType::PrefillFirst => [false, true],
+        };
+        for decodes in phases {
+            for &idx in &order {
+                if b.rows == 0 || b.tokens == 0 {
+                    break;
+                }
+                let r = self.req(idx);
+                // Where the request stands once the outstanding plan is applied.
+                let ri = self.row_of[idx as usize];
+                let (start, pending) = if ri != u32::MAX {
+                    let row = self.prev_plan.rows[ri as usize];
+                    let pending = if row.sampled {
+                        let j = self
+                            .prev_plan
+                            .logits_rows
+                            .binary_search(&(ri as i32))
+                            .expect("sampled row in logits_rows");
+                        Some(j as i32)
+                    } else {
+                        None
+                    };
+                    ((row.start + row.q) as usize, pending)
+                } else {
+                    (r.num_computed, None)
+                };
+                let is_decode = match pending {
+                    Some(_) => true,
+                    None => ri == u32::MAX && r.state == RequestState::Decoding,
+                };
+                if is_decode != decodes {
+                    continue;
+                }
+                if pending.is_some() && r.num_generated() + 1 >= r.max_new_tokens {
+                    continue; // the pending token finishes it (length)
+                }
+                self.place_ahead(idx, start, pending, &mut b);
+            }
+        }
+        self.order_buf = order;
+        // New requests (no swap-in in ahead mode).
+        loop {
+            if b.rows == 0 || b.tokens == 0 {
+                break;
+            }
+            let Some((&kw, &iw)) = self.waiting.first_key_value() else {
+                break;
+            };
+            if matches!(self.swapped.first_key_value(), Some((ks, _)) if *ks < kw) {
+                break;
+            }
+            if !self.running.is_empty()
+                && (self.pool.num_free() as f64) < self.margin * self.cfg.num_blocks as f64
+            {
+                break;
+            }
+            if !self.admit_new(iw, &mut b) {
+                break;
+            }
+        }
+        if self.plan.rows.is_empty() {
+            std::mem::swap(&mut self.plan, &mut self.prev_plan);
+            return Ok(None);
+        }
+        Self::fill_row_arrays(&mut self.plan, 0);
+        self.build_block_tables(0);
+        let p = &mut self.plan;
+        p.prev_token_index.resize(p.input_ids.len(), -1);
+        for &(t, j) in &self.ahead_tokens {
+            p.prev_token_index[t as usize] = j;
+        }
+        // `cur` (the outstanding plan's flight) becomes `old`; `old` was settled: empty.
+        debug_assert!(self.old.chunks.is_empty() && self.old.slots.is_empty());
+        std::mem::swap(&mut self.old, &mut self.cur);
+        self.cur.step = self.step;
+        self.cur.sampled = self.plan.logits_indices.len();
+        self.outstanding = 2;
+        self.steady_plan = false;
+        self.stats.steps += 1;
+        Ok(Some(&self.plan))
+    }
+
+    /// Place a running request in an ahead plan from `start` (its progress once the
+    /// outstanding plan is applied); `pending` = index of its not yet known token among the
+    /// outstanding plan's sampled tokens. Prefills shrink to the chunks available; a row that
+    /// cannot get even one token's chunks is left out (stalled), never preempting.
+    fn place_ahead(&mut self, idx: u32, start: usize, pending: Option<i32>, b: &mut Budget) {
+        let layout = self.layout;
+        let r = self.req(idx);
+        let known = r.tokens.len();
+        let len = known + pending.is_some() as usize;
+        debug_assert!(start < len);
+        let mut q = (len - start)
+            .min(b.tokens)
+            .min(b.cache.saturating_sub(start));
+        if q == 0 {
+            return;
+        }
+        let free = self.pool.num_free();
+        let (nf, nr) = (r.full.len(), r.ring.len());
+        let need = layout.chunks_needed(nf, nr, start + q);
+        if need > free {
+            let fit = layout.fit(nf, nr, start, q, free);
+            if fit == 0 {
+                self.stats.stalled_requests += 1;
+                self.stats.stalled_blocks += need - free;
+                return;
+            }
+            q = fit;
+        }
+        let end = start + q;
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        layout.grow(&mut self.pool, &mut r.full, &mut r.ring, end);
+        r.touched_step = step;
+        let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: q as u32,
+            sampled: end == len,
+        });
+        for pos in start..end {
+            if pos < known {
+                p.input_ids.push(r.tokens[pos] as i32);
+            } else {
+                let j = pending.expect("only the pending token is unknown");
+                self.ahead_tokens.push((p.input_ids.len() as u32, j));
+                p.input_ids.push(0);
+            }
+        }
+        if layout.has_sliding {
+            for pos in start..end {
+                p.slot_mapping_sliding
+                    .push(layout.sliding_slot(&r.ring, pos, end));
+            }
+        }
+        b.tokens -= q;
+        b.rows -= 1;
+        b.cache = b.cache.saturating_sub(end);
     }
 
     /// Phase 1 of the general path: place the running requests in queue order.
@@ -1068,7 +1394,7 @@ impl Scheduler {
             } else {
                 r.ring.push(c);
             }
-            self.deferred_slots.push(s);
+            self.cur.slots.push(s);
         }
         r.swap_slots.clear();
         r.n_full_swapped = 0;
@@ -1205,16 +1531,27 @@ impl Scheduler {
 
     // ----- update ----------------------------------------------------------------------
 
-    /// Apply the sampled tokens (one per `logits_indices` entry, in order) of the
-    /// outstanding plan and return the deltas. Without an outstanding plan, `update(&[])`
-    /// only reports pending cancellations.
+    /// Apply the sampled tokens (one per `logits_indices` entry, in order) of the oldest
+    /// outstanding plan (FIFO) and return the deltas. Without an outstanding plan,
+    /// `update(&[])` only reports pending cancellations.
+    ///
+    /// Rows of requests that finished (stop) in an earlier update or were cancelled after
+    /// the plan was built are ignored: no delta, token dropped. Chunks whose frees were
+    /// deferred past this plan (see [`Scheduler::cancel`]) are freed first; a request that
+    /// finishes here while a newer outstanding plan has a row of it keeps its chunks held
+    /// for that plan until its update.
     pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput> {
-        if self.outstanding {
-            if sampled.len() != self.plan_sampled {
+        let two = self.outstanding == 2;
+        if self.outstanding > 0 {
+            let want = if two {
+                self.old.sampled
+            } else {
+                self.cur.sampled
+            };
+            if sampled.len() != want {
                 return Err(Error::value(format!(
-                    "sampled_token_ids has {} entries but the plan samples {} rows",
+                    "sampled_token_ids has {} entries but the plan samples {want} rows",
                     sampled.len(),
-                    self.plan_sampled
                 )));
             }
         } else if !sampled.is_empty() {
@@ -1227,13 +1564,28 @@ impl Scheduler {
                 "sampled_token_ids must be non-negative (got {t})"
             )));
         }
-        // The forward that read them by swap-in is done.
-        for s in self.deferred_slots.drain(..) {
-            self.swap.release(s);
-        }
-        for idx in self.to_remove.drain(..) {
-            self.reqs[idx as usize] = None;
-            self.free_idx.push(idx);
+        // The forward (and copies) of this plan are done: settle what it held.
+        let (upd_step, dead_rows) = if two {
+            (self.old.step, self.settle(false))
+        } else {
+            (self.cur.step, self.settle(true))
+        };
+        if !self.to_remove.is_empty() {
+            let limit = if self.outstanding > 0 {
+                upd_step
+            } else {
+                u64::MAX
+            };
+            let (reqs, free_idx) = (&mut self.reqs, &mut self.free_idx);
+            self.to_remove.retain(|&(idx, last)| {
+                if last < limit {
+                    reqs[idx as usize] = None;
+                    free_idx.push(idx);
+                    false
+                } else {
+                    true
+                }
+            });
         }
         self.out.clear();
         self.steady_ready = false;
@@ -1242,23 +1594,30 @@ impl Scheduler {
         let page = self.cfg.page_size;
         let mut k = 0usize;
         let mut any_finished = false;
-        if self.outstanding
-            && sampled.len() == self.plan.rows.len()
+        let rows = std::mem::take(if two {
+            &mut self.prev_plan.rows
+        } else {
+            &mut self.plan.rows
+        });
+        if self.outstanding > 0
+            && sampled.len() == rows.len()
             && self.pending_cancel.is_empty()
+            && !dead_rows
         {
-            // Every row sampled and nothing cancelled since `schedule()` (a cancellation is
-            // always queued in `pending_cancel`): one delta per row, in row order, so the
-            // request / token / row columns are written in bulk.
+            // Every row sampled, nothing cancelled since `schedule()` (a cancellation is
+            // always queued in `pending_cancel`) and no row finished by an earlier update:
+            // one delta per row, in row order, so the request / token / row columns are
+            // written in bulk.
             let n = sampled.len();
             let out = &mut self.out;
-            out.reqs.extend(self.plan.rows.iter().map(|r| r.req));
+            out.reqs.extend(rows.iter().map(|r| r.req));
             out.token_ids.extend_from_slice(sampled);
             out.finished.resize(n, false);
             out.finish_reasons.resize(n, None);
             out.rows.extend(0..n as i32);
             self.stats.generated_tokens += n as u64;
             for (ri, &t) in sampled.iter().enumerate() {
-                let row = self.plan.rows[ri];
+                let row = rows[ri];
                 let r = self.reqs[row.req as usize].as_mut().expect("live");
                 debug_assert!(r.state != RequestState::Finished);
                 r.num_computed = (row.start + row.q) as usize;
@@ -1271,17 +1630,15 @@ impl Scheduler {
                     self.out.finished[ri] = true;
                     self.out.finish_reasons[ri] = Some(f);
                     any_finished = true;
-                    self.finish(row.req, f);
+                    self.finish(row.req, f, upd_step);
                 }
             }
-            self.steady_ready = self.steady_plan && !any_finished;
+            self.steady_ready = self.steady_plan && !any_finished && !two;
             self.bulk_update = true;
             self.out_repeats = prev_bulk && self.repeated_rows;
-        } else if self.outstanding {
-            self.out
-                .reserve(self.plan.rows.len() + self.pending_cancel.len());
-            for ri in 0..self.plan.rows.len() {
-                let row = self.plan.rows[ri];
+        } else if self.outstanding > 0 {
+            self.out.reserve(rows.len() + self.pending_cancel.len());
+            for (ri, &row) in rows.iter().enumerate() {
                 let tok = if row.sampled {
                     k += 1;
                     Some(sampled[k - 1])
@@ -1290,7 +1647,8 @@ impl Scheduler {
                 };
                 let r = self.reqs[row.req as usize].as_mut().expect("live");
                 if r.state == RequestState::Finished {
-                    continue; // cancelled while the plan was outstanding
+                    // Cancelled since the plan was built, or stopped in an earlier update.
+                    continue;
                 }
                 r.num_computed = (row.start + row.q) as usize;
                 if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
@@ -1304,10 +1662,15 @@ impl Scheduler {
                     self.out.push(row.req, t, fin, ri as i32);
                     if let Some(f) = fin {
                         any_finished = true;
-                        self.finish(row.req, f);
+                        self.finish(row.req, f, upd_step);
                     }
                 }
             }
+        }
+        if two {
+            self.prev_plan.rows = rows;
+        } else {
+            self.plan.rows = rows;
         }
         if any_finished {
             let reqs = &self.reqs;
@@ -1315,15 +1678,36 @@ impl Scheduler {
                 reqs[i as usize].as_ref().expect("live").state != RequestState::Finished
             });
         }
+        // The newer plan, still outstanding, may have rows of what finished or was
+        // cancelled here.
+        if two && (any_finished || !self.pending_cancel.is_empty()) {
+            self.cur.dead_rows = true;
+        }
         for idx in std::mem::take(&mut self.pending_cancel) {
             self.out.push(idx, -1, Some(FinishReason::Cancelled), -1);
-            let id = self.req(idx).id.clone();
+            let r = self.req(idx);
+            let (id, last) = (r.id.clone(), r.touched_step);
             self.ids.remove(&id);
-            self.to_remove.push(idx);
+            self.to_remove.push((idx, last));
             self.stats.finished += 1;
         }
-        self.outstanding = false;
+        // With two, the newer plan (`plan`, `cur`) is now the only one.
+        self.outstanding = self.outstanding.saturating_sub(1);
         Ok(&self.out)
+    }
+
+    /// Free what the oldest outstanding flight held (`newest`: it is `cur`, the only one);
+    /// returns (and clears) its `dead_rows`.
+    fn settle(&mut self, newest: bool) -> bool {
+        let f = if newest { &mut self.cur } else { &mut self.old };
+        let dead = std::mem::take(&mut f.dead_rows);
+        for s in f.slots.drain(..) {
+            self.swap.release(s);
+        }
+        for c in f.chunks.drain(..) {
+            self.pool.free(c);
+        }
+        dead
     }
 
     /// Offer the request's newly full computed blocks to the prefix cache.
@@ -1346,18 +1730,26 @@ impl Scheduler {
         r.num_registered = n;
     }
 
-    /// A request finished in `update()`: free its chunks; its slab slot goes at the next
-    /// update (the deltas still name it).
+    /// A request finished in the update of the plan built in step `upd_step`: free its
+    /// chunks, unless a newer outstanding plan has a row of it (then they are held for that
+    /// plan and freed by its update); its slab slot goes at a later update (the deltas still
+    /// name it, and the newer plan's update must still see it finished).
     #[cold]
     #[inline(never)]
-    fn finish(&mut self, idx: u32, f: FinishReason) {
+    fn finish(&mut self, idx: u32, f: FinishReason, upd_step: u64) {
         let r = self.reqs[idx as usize].as_mut().expect("live");
         r.state = RequestState::Finished;
         r.finish = Some(f);
-        self.free_chunks(idx);
+        let last = r.touched_step;
+        if last > upd_step {
+            debug_assert!(self.outstanding == 2 && last == self.cur.step);
+            self.defer_chunks(idx, true);
+        } else {
+            self.free_chunks(idx);
+        }
         let r = self.reqs[idx as usize].as_ref().expect("live");
         self.ids.remove(&r.id);
-        self.to_remove.push(idx);
+        self.to_remove.push((idx, last));
         self.stats.finished += 1;
     }
 
@@ -1372,7 +1764,12 @@ impl Scheduler {
     fn check(&self) -> std::result::Result<(), String> {
         let n = self.cfg.num_blocks + 2;
         let mut holders = vec![0u32; n];
-        let mut held_slots: Vec<u32> = self.deferred_slots.clone();
+        for c in self.deferred_chunks() {
+            if (c as usize) < n {
+                holders[c as usize] += 1;
+            }
+        }
+        let mut held_slots: Vec<u32> = self.deferred_swap_slots();
         let (mut nw, mut nr, mut ns) = (0, 0, 0);
         let page = self.cfg.page_size;
         for (idx, r) in self.live_requests() {
@@ -1439,8 +1836,10 @@ impl Scheduler {
                     if !r.swap_slots.is_empty() {
                         return Err(format!("running request {:?} holds swap slots", r.id));
                     }
+                    // Each outstanding plan may have grown it by its pending token.
+                    let most = r.tokens.len() + self.outstanding as usize;
                     if r.full.len() < self.layout.full_blocks_for(r.num_computed)
-                        || r.full.len() > self.layout.full_blocks_for(r.tokens.len())
+                        || r.full.len() > self.layout.full_blocks_for(most)
                         || r.ring.len() < self.layout.ring_chunks_for(r.num_computed)
                     {
                         return Err(format!(
@@ -1478,6 +1877,77 @@ impl Scheduler {
         }
         self.pool.check(&holders)?;
         self.swap.check(&held_slots)?;
+        self.check_outstanding()?;
+        for &(idx, _) in &self.to_remove {
+            match self.request(idx) {
+                Some(r) if r.state == RequestState::Finished => {}
+                _ => {
+                    return Err(format!(
+                        "slab slot {idx} queued for removal is not finished"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Chunk lifetime: every chunk an outstanding plan references (block tables, slot
+    /// mappings, swap pairs) is held (refcount > 0), and so is every swap slot it
+    /// references. One exception: while a plan is the only one outstanding, its swap-out
+    /// sources may be free (the plan released them itself; nothing can allocate before its
+    /// update but `schedule_ahead()`, which pins them first).
+    fn check_outstanding(&self) -> std::result::Result<(), String> {
+        if self.outstanding > 2 {
+            return Err("more than two plans outstanding".into());
+        }
+        let page = self.cfg.page_size;
+        let n = (self.cfg.num_blocks + 2) as i32;
+        for (k, p) in self.outstanding_plans().enumerate() {
+            let held = |c: i32, what: &str| -> std::result::Result<(), String> {
+                if c < 0 || c >= n {
+                    return Err(format!(
+                        "outstanding plan {k}: {what} chunk {c} out of range"
+                    ));
+                }
+                if c as ChunkId >= crate::pool::FIRST_DATA_CHUNK
+                    && self.pool.refcount(c as ChunkId) == 0
+                {
+                    return Err(format!(
+                        "chunk lifetime: chunk {c} ({what}) of outstanding plan {k} is free"
+                    ));
+                }
+                Ok(())
+            };
+            for &c in p.block_table_full.iter().chain(&p.block_table_sliding) {
+                held(c, "block table")?;
+            }
+            for &s in p.slot_mapping_full.iter().chain(&p.slot_mapping_sliding) {
+                held(s / page as i32, "slot mapping")?;
+            }
+            for pr in p.swap_out.chunks_exact(2) {
+                if self.outstanding == 2 {
+                    held(pr[0], "swap_out source")?;
+                }
+                if self.swap.refcount(pr[1] as u32) == 0 {
+                    return Err(format!(
+                        "chunk lifetime: swap slot {} of outstanding plan {k} is free",
+                        pr[1]
+                    ));
+                }
+            }
+            for pr in p.swap_in.chunks_exact(2) {
+                held(pr[1], "swap_in destination")?;
+                if self.swap.refcount(pr[0] as u32) == 0 {
+                    return Err(format!(
+                        "chunk lifetime: swap slot {} of outstanding plan {k} is free",
+                        pr[0]
+                    ));
+                }
+            }
+            if !p.prev_token_index.is_empty() && p.prev_token_index.len() != p.input_ids.len() {
+                return Err(format!("outstanding plan {k}: prev_token_index length"));
+            }
+        }
         Ok(())
     }
 }

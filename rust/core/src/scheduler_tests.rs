@@ -539,3 +539,334 @@ fn steady_decode_steps_match_a_fresh_build() {
     }
     assert!(repeated > 5, "the steady path ran ({repeated} steps)");
 }
+
+// ----- one plan ahead (schedule_ahead) ------------------------------------------------
+
+fn eos_stop(max_new: usize, eos: u32) -> StopConditions {
+    StopConditions {
+        max_new_tokens: max_new,
+        eos_token_ids: vec![eos],
+        ..Default::default()
+    }
+}
+
+/// Chunks of request `id` (full then ring).
+fn chunks_of(s: &Scheduler, id: &str) -> Vec<u32> {
+    let r = s.request(idx(s, id)).unwrap();
+    r.full.iter().chain(&r.ring).copied().collect()
+}
+
+#[test]
+fn schedule_ahead_needs_exactly_one_outstanding_plan() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(8), 0).unwrap();
+    let e = s.schedule_ahead().unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Runtime);
+    assert!(e.message.contains("none"), "{}", e.message);
+    s.schedule().unwrap().unwrap();
+    assert_eq!(s.num_outstanding(), 1);
+    let p = s.schedule_ahead().unwrap().unwrap();
+    assert!(p.ahead);
+    assert_eq!(s.num_outstanding(), 2);
+    let e = s.schedule_ahead().unwrap_err();
+    assert!(e.message.contains("two"), "{}", e.message);
+    let e = s.schedule().unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Runtime);
+    assert!(e.message.contains("outstanding"));
+    s.check_invariants().unwrap();
+    // Wrong token count for the oldest plan (1 sampled row).
+    assert_eq!(s.update(&[4, 4]).unwrap_err().kind, ErrorKind::Value);
+    s.update(&[4]).unwrap();
+    assert_eq!(s.num_outstanding(), 1);
+    s.update(&[5]).unwrap();
+    assert_eq!(s.num_outstanding(), 0);
+    s.check_invariants().unwrap();
+    let r = s.request(idx(&s, "a")).unwrap();
+    assert_eq!(r.tokens, vec![1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn ahead_plan_has_placeholders_for_pending_tokens() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(8), 0).unwrap();
+    s.add_request("b", vec![4, 5], stop(8), 0).unwrap();
+    let n = s.schedule().unwrap().unwrap().clone();
+    assert!(!n.ahead && n.prev_token_index.is_empty() && n.prev_token(0) == -1);
+    let a = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(a.num_rows(), 2);
+    assert_eq!(a.input_ids, vec![0, 0]);
+    assert_eq!(a.prev_token_index, vec![0, 1]);
+    assert_eq!(a.positions, vec![3, 2]);
+    assert_eq!(a.seqlens_k, vec![4, 3]);
+    assert_eq!(a.logits_indices, vec![0, 1]);
+    // a's position 3 lives in its first block; b's position 2 too.
+    let ca = chunks_of(&s, "a");
+    assert_eq!(a.slot_mapping_full[0], (ca[0] * 4 + 3) as i32);
+    s.check_invariants().unwrap();
+    let out = s.update(&[7, 8]).unwrap().clone();
+    assert_eq!(out.token_ids, vec![7, 8]);
+    let out = s.update(&[9, 10]).unwrap().clone();
+    assert_eq!(out.token_ids, vec![9, 10]);
+    assert_eq!(s.request(idx(&s, "a")).unwrap().tokens, vec![1, 2, 3, 7, 9]);
+    assert_eq!(s.request(idx(&s, "b")).unwrap().tokens, vec![4, 5, 8, 10]);
+    // Back to schedule(): the next plan feeds the known last tokens.
+    let p = s.schedule().unwrap().unwrap();
+    assert_eq!(p.input_ids, vec![9, 10]);
+    assert_eq!(p.positions, vec![4, 3]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn ahead_eos_at_n_drops_row_and_frees_after_n_plus_1() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], eos_stop(10, 9), 0)
+        .unwrap();
+    s.add_request("b", vec![4, 5], stop(10), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    s.schedule_ahead().unwrap().unwrap();
+    let ca = chunks_of(&s, "a");
+    let used = s.stats().num_used_blocks;
+    // a stops (EOS) in N while it has a row in N+1.
+    let out = s.update(&[9, 7]).unwrap().clone();
+    assert_eq!(out.len(), 2);
+    assert_eq!(out.finish_reasons[0], Some(FinishReason::Stop));
+    assert_eq!(out.token_ids, vec![9, 7]);
+    s.check_invariants().unwrap();
+    // Its chunks are held for N+1 (which writes position 3 of a).
+    assert_eq!(s.stats().num_used_blocks, used);
+    assert!(ca.iter().all(|&c| s.pool().refcount(c) == 1));
+    assert_eq!(s.deferred_chunks(), ca);
+    let out = s.update(&[1, 2]).unwrap().clone();
+    assert_eq!(out.len(), 1, "a's row in N+1 is dropped");
+    assert_eq!(out.token_ids, vec![2]);
+    assert_eq!(s.request(out.reqs[0]).unwrap().id, "b");
+    assert!(ca.iter().all(|&c| s.pool().refcount(c) == 0));
+    assert!(s.deferred_chunks().is_empty());
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().finished, 1);
+    run(&mut s, 1);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn ahead_cancel_with_two_outstanding_defers_free_and_reports_once() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(10), 0).unwrap();
+    s.add_request("b", vec![4, 5], stop(10), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    s.schedule_ahead().unwrap().unwrap();
+    let cb = chunks_of(&s, "b");
+    assert!(s.cancel("b"));
+    assert!(!s.cancel("b"));
+    s.check_invariants().unwrap();
+    assert!(
+        cb.iter().all(|&c| s.pool().refcount(c) == 1),
+        "held for N and N+1"
+    );
+    let out = s.update(&[7, 8]).unwrap().clone();
+    // a's token, then b's cancellation (its token from N is dropped).
+    assert_eq!(out.len(), 2);
+    assert_eq!(out.token_ids, vec![7, -1]);
+    assert_eq!(out.finish_reasons[1], Some(FinishReason::Cancelled));
+    assert!(
+        cb.iter().all(|&c| s.pool().refcount(c) == 1),
+        "N+1 still uses them"
+    );
+    s.check_invariants().unwrap();
+    let out = s.update(&[9, 10]).unwrap().clone();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out.token_ids, vec![9]);
+    assert!(cb.iter().all(|&c| s.pool().refcount(c) == 0));
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().finished, 1);
+    // Cancel with one outstanding (a sync plan): deferred to that plan's update.
+    s.schedule().unwrap().unwrap();
+    let ca = chunks_of(&s, "a");
+    assert!(s.cancel("a"));
+    assert!(ca.iter().all(|&c| s.pool().refcount(c) == 1));
+    s.check_invariants().unwrap();
+    let out = s.update(&[1]).unwrap().clone();
+    assert_eq!(out.token_ids, vec![-1]);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn ahead_leaves_out_requests_whose_finish_is_certain() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("one", vec![1, 2], stop(1), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    // Its only token is sampled by N: nothing to plan.
+    assert!(s.schedule_ahead().unwrap().is_none());
+    assert_eq!(s.num_outstanding(), 1);
+    assert_eq!(s.stats().stalled_requests, 0);
+    s.add_request("two", vec![3, 4], stop(2), 0).unwrap();
+    let p = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(p.num_rows(), 1, "only the new request");
+    assert_eq!(s.request(p.rows[0].req).unwrap().id, "two");
+    assert_eq!(p.prev_token_index, vec![-1, -1]);
+    let out = s.update(&[5]).unwrap().clone();
+    assert_eq!(out.finish_reasons, vec![Some(FinishReason::Length)]);
+    // "two" got 1 token from N+1; its second one finishes it: nothing to plan ahead.
+    s.update(&[6]).unwrap();
+    s.schedule().unwrap().unwrap();
+    assert!(s.schedule_ahead().unwrap().is_none());
+    let out = s.update(&[7]).unwrap().clone();
+    assert_eq!(out.finish_reasons, vec![Some(FinishReason::Length)]);
+    assert!(!s.has_unfinished());
+    s.check_invariants().unwrap();
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn ahead_continues_a_chunked_prefill() {
+    // max_batch_tokens 4: a 10-token prompt runs 4 + 4 + 2.
+    let mut s = Scheduler::new(cfg(16, 4, 4)).unwrap();
+    let prompt: Vec<u32> = (10..20).collect();
+    s.add_request("a", prompt.clone(), stop(3), 0).unwrap();
+    let n = s.schedule().unwrap().unwrap().clone();
+    assert_eq!((n.num_tokens(), n.num_sampled()), (4, 0));
+    let a = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(a.positions, vec![4, 5, 6, 7]);
+    assert_eq!(a.input_ids, vec![14, 15, 16, 17]);
+    assert_eq!(a.prev_token_index, vec![-1; 4]);
+    assert_eq!(a.num_sampled(), 0);
+    assert_eq!(s.update(&[]).unwrap().len(), 0);
+    let b = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(b.positions, vec![8, 9]);
+    assert_eq!(b.num_sampled(), 1, "the prompt's last token is sampled");
+    s.update(&[]).unwrap();
+    let c = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(
+        (c.positions.clone(), c.input_ids.clone()),
+        (vec![10], vec![0])
+    );
+    assert_eq!(c.prev_token_index, vec![0]);
+    s.update(&[1]).unwrap();
+    s.check_invariants().unwrap();
+    let d = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(
+        (d.positions.clone(), d.prev_token_index.clone()),
+        (vec![11], vec![0])
+    );
+    s.update(&[2]).unwrap();
+    // D samples the third token, which finishes it.
+    assert!(s.schedule_ahead().unwrap().is_none());
+    let out = s.update(&[3]).unwrap().clone();
+    assert_eq!(out.finish_reasons, vec![Some(FinishReason::Length)]);
+    let r = s.request(out.reqs[0]).unwrap();
+    assert_eq!(&r.tokens[10..], &[1, 2, 3]);
+}
+
+#[test]
+fn ahead_never_preempts_and_returns_none_when_nothing_fits() {
+    // Two blocks of 2: a and b hold one each; both need a second one for position 2.
+    let mut c = cfg(2, 2, 64);
+    c.cpu_offload_blocks = 4;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("a", vec![1, 2], stop(3), 0).unwrap();
+    s.add_request("b", vec![3, 4], stop(3), 0).unwrap();
+    let n = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(n.num_rows(), 2);
+    assert!(s.schedule_ahead().unwrap().is_none());
+    let st = s.stats();
+    assert_eq!((st.stalled_requests, st.stalled_blocks), (2, 2));
+    assert_eq!(st.num_preemptions, 0);
+    assert_eq!(s.num_outstanding(), 1);
+    s.check_invariants().unwrap();
+    s.update(&[5, 6]).unwrap();
+    // The sync path preempts as usual.
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(p.num_rows(), 1);
+    assert_eq!(s.stats().num_preemptions, 1);
+    assert_eq!(p.swap_out.len(), 2);
+    s.update(&[7]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn ahead_pins_the_free_swap_out_sources_of_the_outstanding_plan() {
+    // Three blocks of 2: a holds 1, b holds 2. a's position 2 needs a block: b is swapped
+    // out; a takes one of its chunks, the other stays free while the copy is pending.
+    let mut c = cfg(3, 2, 64);
+    c.cpu_offload_blocks = 4;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("a", vec![1, 2], stop(3), 0).unwrap();
+    s.add_request("b", vec![3, 4, 5], stop(2), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    s.update(&[5, 6]).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!((p.num_rows(), p.swap_out.len()), (1, 4));
+    let free_src: Vec<u32> = p
+        .swap_out
+        .chunks(2)
+        .map(|pr| pr[0] as u32)
+        .filter(|&c| s.pool().refcount(c) == 0)
+        .collect();
+    assert_eq!(free_src.len(), 1);
+    let src = free_src[0];
+    s.check_invariants().unwrap();
+    let a = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(a.num_rows(), 1, "b is swapped: no swap-in ahead");
+    assert!(a.swap_in.is_empty() && a.swap_out.is_empty());
+    assert_eq!(s.pool().refcount(src), 1, "pinned until the plan's update");
+    assert_eq!(s.deferred_chunks(), vec![src]);
+    s.check_invariants().unwrap();
+    s.update(&[7]).unwrap();
+    assert_eq!(s.pool().refcount(src), 0);
+    s.check_invariants().unwrap();
+    s.update(&[8]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    assert_eq!(s.stats().num_soft_resets, 0);
+}
+
+#[test]
+fn ahead_admits_new_requests_but_not_past_a_swapped_one() {
+    let mut s = Scheduler::new(cfg(16, 4, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(8), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    s.add_request("b", vec![4, 5, 6, 7, 8], stop(8), 0).unwrap();
+    let p = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(p.num_rows(), 2);
+    assert_eq!(p.input_ids, vec![0, 4, 5, 6, 7, 8]);
+    assert_eq!(p.prev_token_index, vec![0, -1, -1, -1, -1, -1]);
+    assert_eq!(p.positions, vec![3, 0, 1, 2, 3, 4]);
+    assert_eq!(p.logits_indices, vec![0, 5]);
+    s.check_invariants().unwrap();
+    s.update(&[1]).unwrap();
+    let out = s.update(&[2, 3]).unwrap().clone();
+    assert_eq!(out.token_ids, vec![2, 3]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn ahead_prefix_hits_only_registered_blocks() {
+    // Page 2. "a" computes [1,2,3,4] in N; "b" shares [1,2,3,4,5]. Ahead of N, a's blocks
+    // are not registered yet: b computes everything. After N's update they are hits.
+    let mut s = Scheduler::new(cfg(32, 2, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3, 4, 9], stop(4), 0).unwrap();
+    s.schedule().unwrap().unwrap();
+    s.add_request("b", vec![1, 2, 3, 4, 5], stop(4), 0).unwrap();
+    let p = s.schedule_ahead().unwrap().unwrap().clone();
+    assert_eq!(p.num_rows(), 2);
+    assert_eq!(p.positions[1], 0, "no hit before a's blocks are registered");
+    assert_eq!(s.stats().prefix_hit_tokens, 0);
+    s.update(&[1]).unwrap();
+    s.add_request("c", vec![1, 2, 3, 4, 6], stop(4), 0).unwrap();
+    let p2 = s.schedule_ahead().unwrap().unwrap().clone();
+    let rc = p2
+        .rows
+        .iter()
+        .position(|r| s.request(r.req).unwrap().id == "c")
+        .unwrap();
+    assert_eq!(p2.rows[rc].start, 4, "hits a's two registered blocks");
+    assert_eq!(s.stats().prefix_hit_tokens, 4);
+    s.check_invariants().unwrap();
+    s.update(&[1, 1]).unwrap();
+    s.update(&[1, 1, 1]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}

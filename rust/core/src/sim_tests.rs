@@ -4,13 +4,15 @@
 //! equal an unconstrained run. Proptests drive random op sequences with tiny pools and check
 //! the invariants after every op.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use proptest::prelude::*;
 
 use crate::pool::SCRATCH_CHUNK;
 use crate::request::StopConditions;
-use crate::{AttentionType, FinishReason, Scheduler, SchedulerConfig, SchedulerType};
+use crate::{
+    AttentionType, ErrorKind, FinishReason, Scheduler, SchedulerConfig, SchedulerType, StepPlan,
+};
 
 const VOCAB: u64 = 13;
 
@@ -84,6 +86,23 @@ pub struct Sim {
     pub cancelled: HashSet<String>,
     pending_cancel: HashSet<String>,
     pub steps: usize,
+    /// Launched (forwarded) plans awaiting `update()`, oldest first.
+    queue: VecDeque<Launched>,
+    /// Per live request: caller-visible tokens plus the tokens sampled by launched plans
+    /// not updated yet (what the device "knows").
+    virt: HashMap<String, Vec<u32>>,
+    /// Ahead plans launched.
+    pub ahead_steps: usize,
+}
+
+/// A plan whose forward ran, awaiting its update.
+struct Launched {
+    plan: StepPlan,
+    sampled: Vec<i32>,
+    /// (chunk, pool epoch) of every data chunk the plan references, at plan time.
+    chunks: Vec<(u32, u32)>,
+    /// Swap slots the plan references.
+    slots: Vec<u32>,
 }
 
 const GARBAGE: u64 = u64::MAX;
@@ -109,6 +128,9 @@ impl Sim {
             cancelled: HashSet::new(),
             pending_cancel: HashSet::new(),
             steps: 0,
+            queue: VecDeque::new(),
+            virt: HashMap::new(),
+            ahead_steps: 0,
         }
     }
 
@@ -121,6 +143,7 @@ impl Sim {
         ) {
             Ok(_) => {
                 self.tokens.insert(spec.id.clone(), spec.prompt.clone());
+                self.virt.insert(spec.id.clone(), spec.prompt.clone());
                 self.prompt_len.insert(spec.id.clone(), spec.prompt.len());
                 true
             }
@@ -143,31 +166,206 @@ impl Sim {
         dst[dc * page..(dc + 1) * page].copy_from_slice(&src[sc * page..(sc + 1) * page]);
     }
 
-    /// One schedule + simulated forward + update. Returns false when nothing ran.
+    /// Outstanding plans (launched, not updated).
+    pub fn num_outstanding(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// One schedule + simulated forward + update (with no plan outstanding), or the update
+    /// of the oldest outstanding plan. Returns false when nothing ran.
     pub fn step(&mut self) -> bool {
-        let cfg = self.s.config().clone();
-        let page = self.page;
-        let plan = match self.s.schedule().expect("schedule") {
-            Some(p) => p.clone(),
-            None => {
-                // Only cancellation reports may remain.
-                let out = self.s.update(&[]).expect("flush").clone();
-                let names: Vec<String> = out
-                    .reqs
-                    .iter()
-                    .map(|&i| self.s.request(i).unwrap().id.clone())
-                    .collect();
-                for (k, id) in names.iter().enumerate() {
-                    assert_eq!(out.finish_reasons[k], Some(FinishReason::Cancelled));
-                    assert!(self.pending_cancel.remove(id));
-                    self.cancelled.insert(id.clone());
+        if !self.queue.is_empty() {
+            self.complete();
+            return true;
+        }
+        if !self.launch(false) {
+            return self.flush();
+        }
+        self.complete();
+        true
+    }
+
+    /// `update(&[])` with nothing outstanding: only cancellation reports may come back.
+    fn flush(&mut self) -> bool {
+        assert!(self.queue.is_empty());
+        let out = self.s.update(&[]).expect("flush").clone();
+        let names: Vec<String> = out
+            .reqs
+            .iter()
+            .map(|&i| self.s.request(i).unwrap().id.clone())
+            .collect();
+        for (k, id) in names.iter().enumerate() {
+            assert_eq!(out.finish_reasons[k], Some(FinishReason::Cancelled));
+            assert!(self.pending_cancel.remove(id));
+            self.cancelled.insert(id.clone());
+            self.tokens.remove(id);
+            self.virt.remove(id);
+        }
+        self.check();
+        !names.is_empty()
+    }
+
+    /// `schedule()` (or `schedule_ahead()` when `ahead`), then the plan's simulated forward
+    /// (its sampled tokens are kept for its update). Checks the call's preconditions: the
+    /// wrong number of outstanding plans must be refused. Returns false when no plan came.
+    pub fn launch(&mut self, ahead: bool) -> bool {
+        let n = self.queue.len();
+        let res = if ahead {
+            self.s.schedule_ahead()
+        } else {
+            self.s.schedule()
+        };
+        let ok_call = if ahead { n == 1 } else { n == 0 };
+        let plan = match res {
+            Err(e) => {
+                assert!(!ok_call, "refused with {n} outstanding: {e}");
+                assert_eq!(e.kind, ErrorKind::Runtime);
+                return false;
+            }
+            Ok(p) => {
+                assert!(ok_call, "accepted with {n} outstanding (ahead={ahead})");
+                match p {
+                    Some(p) => p.clone(),
+                    None => {
+                        assert_eq!(self.s.num_outstanding(), n);
+                        self.check();
+                        return false;
+                    }
                 }
-                self.s.check_invariants().unwrap();
-                return !names.is_empty();
             }
         };
+        assert_eq!(plan.ahead, ahead);
+        if !ahead {
+            assert!(plan.prev_token_index.iter().all(|&j| j == -1));
+        } else {
+            self.ahead_steps += 1;
+            assert!(
+                plan.swap_out.is_empty() && plan.swap_in.is_empty(),
+                "ahead plans never swap"
+            );
+        }
         self.steps += 1;
         self.s.check_invariants().unwrap();
+        let prev = self.queue.back().map(|l| l.sampled.clone());
+        let sampled = self.forward(&plan, prev.as_deref());
+        let mut chunks = Vec::new();
+        let page = self.page;
+        let fw = plan.full_width;
+        let mut note = |c: i32| {
+            if c >= 2 {
+                chunks.push((c as u32, self.s.pool().epoch(c as u32)));
+            }
+        };
+        for (r, _) in plan.rows.iter().enumerate() {
+            for &c in &plan.block_table_full[r * fw..(r + 1) * fw] {
+                note(c);
+            }
+        }
+        for &c in &plan.block_table_sliding {
+            note(c);
+        }
+        for &sl in plan
+            .slot_mapping_full
+            .iter()
+            .chain(&plan.slot_mapping_sliding)
+        {
+            note(sl / page as i32);
+        }
+        for pr in plan.swap_out.chunks(2) {
+            note(pr[0]);
+        }
+        for pr in plan.swap_in.chunks(2) {
+            note(pr[1]);
+        }
+        let slots = plan
+            .swap_out
+            .chunks(2)
+            .map(|pr| pr[1] as u32)
+            .chain(plan.swap_in.chunks(2).map(|pr| pr[0] as u32))
+            .collect();
+        self.queue.push_back(Launched {
+            plan,
+            sampled,
+            chunks,
+            slots,
+        });
+        self.check();
+        true
+    }
+
+    /// Invariants, plus the chunk lifetime seen from outside: every chunk a launched plan
+    /// references is still held and was not reallocated (same epoch), every swap slot held.
+    pub fn check(&self) {
+        self.s.check_invariants().unwrap();
+        assert_eq!(self.s.num_outstanding(), self.queue.len());
+        let pool = self.s.pool();
+        let sole = self.queue.len() == 1;
+        for (k, l) in self.queue.iter().enumerate() {
+            let out_src: HashSet<u32> = l.plan.swap_out.chunks(2).map(|p| p[0] as u32).collect();
+            for &(c, e) in &l.chunks {
+                assert_eq!(
+                    pool.epoch(c),
+                    e,
+                    "plan {k}: chunk {c} reallocated while outstanding"
+                );
+                if !(sole && out_src.contains(&c)) {
+                    assert!(
+                        pool.refcount(c) > 0,
+                        "plan {k}: chunk {c} freed while outstanding"
+                    );
+                }
+            }
+            for &sl in &l.slots {
+                assert!(
+                    self.s.swap_pool().refcount(sl) > 0,
+                    "plan {k}: swap slot {sl} free"
+                );
+            }
+        }
+    }
+
+    /// Update the oldest launched plan with its sampled tokens and check the deltas.
+    pub fn complete(&mut self) {
+        let l = self.queue.pop_front().expect("a launched plan");
+        let out = self.s.update(&l.sampled).expect("update").clone();
+        for k in 0..out.len() {
+            let id = self.s.request(out.reqs[k]).unwrap().id.clone();
+            if out.token_ids[k] >= 0 {
+                let t = out.token_ids[k] as u32;
+                assert!(out.rows[k] >= 0);
+                let toks = self.tokens.get_mut(&id).unwrap();
+                assert_eq!(
+                    Some(&t),
+                    self.virt[&id].get(toks.len()),
+                    "{id}: delta token is the one the forward sampled"
+                );
+                toks.push(t);
+            }
+            match out.finish_reasons[k] {
+                Some(FinishReason::Cancelled) => {
+                    assert!(self.pending_cancel.remove(&id), "cancel reported once");
+                    self.cancelled.insert(id.clone());
+                    self.tokens.remove(&id);
+                    self.virt.remove(&id);
+                }
+                Some(f) => {
+                    let toks = self.tokens.remove(&id).unwrap();
+                    self.virt.remove(&id);
+                    let pl = self.prompt_len[&id];
+                    assert!(self.outputs.insert(id, (toks[pl..].to_vec(), f)).is_none());
+                }
+                None => {}
+            }
+        }
+        self.check();
+    }
+
+    /// The simulated forward of `plan`: checks every read and write through its tables,
+    /// resolves `prev_token_index` from `prev` (the sampled tokens of the plan launched just
+    /// before), applies the swaps and writes, and returns the sampled tokens.
+    fn forward(&mut self, plan: &StepPlan, prev: Option<&[i32]>) -> Vec<i32> {
+        let cfg = self.s.config().clone();
+        let page = self.page;
         // Budgets.
         let b = plan.num_rows();
         assert!(b >= 1 || !plan.swap_out.is_empty());
@@ -204,10 +402,11 @@ impl Sim {
         let mut writes_slide = HashSet::new();
         let mut sampled = Vec::new();
         let mut pending_writes: Vec<(bool, usize, u64)> = Vec::new();
+        let mut new_tokens: Vec<(String, u32)> = Vec::new();
         let fw = plan.full_width;
         for (r, row) in plan.rows.iter().enumerate() {
             let id = self.s.request(row.req).unwrap().id.clone();
-            let toks = &self.tokens[&id];
+            let toks = &self.virt[&id];
             let vals = kv_values(toks);
             let (t0, t1) = (
                 plan.cu_seqlens_q[r] as usize,
@@ -223,7 +422,14 @@ impl Sim {
                     start + i - t0,
                     "positions continue"
                 );
-                assert_eq!(plan.input_ids[i] as u32, toks[start + i - t0], "input ids");
+                let j = plan.prev_token(i);
+                let input = if j >= 0 {
+                    assert_eq!(plan.input_ids[i], 0, "placeholder input id");
+                    prev.expect("prev_token_index needs a previous plan")[j as usize]
+                } else {
+                    plan.input_ids[i]
+                };
+                assert_eq!(input as u32, toks[start + i - t0], "input ids");
             }
             if plan.has_full {
                 let bt = &plan.block_table_full[r * fw..(r + 1) * fw];
@@ -282,7 +488,9 @@ impl Sim {
             }
             if row.sampled {
                 assert_eq!(end, toks.len());
-                sampled.push(model(&toks[..end]) as i32);
+                let t = model(&toks[..end]);
+                sampled.push(t as i32);
+                new_tokens.push((id, t));
             } else {
                 assert!(end < toks.len());
             }
@@ -309,35 +517,36 @@ impl Sim {
                 self.slide_kv[slot] = v;
             }
         }
-        // Cached list chunks must not be garbage: scribble nothing, but check prefix content
-        // lazily through the reads above.
-        let out = self.s.update(&sampled).expect("update").clone();
-        for k in 0..out.len() {
-            let id = self.s.request(out.reqs[k]).unwrap().id.clone();
-            if out.token_ids[k] >= 0 {
-                let t = out.token_ids[k] as u32;
-                assert!(out.rows[k] >= 0);
-                self.tokens.get_mut(&id).unwrap().push(t);
-            }
-            match out.finish_reasons[k] {
-                Some(FinishReason::Cancelled) => {
-                    assert!(self.pending_cancel.remove(&id), "cancel reported once");
-                    self.cancelled.insert(id.clone());
-                    self.tokens.remove(&id);
-                }
-                Some(f) => {
-                    let toks = self.tokens.remove(&id).unwrap();
-                    let pl = self.prompt_len[&id];
-                    assert!(self.outputs.insert(id, (toks[pl..].to_vec(), f)).is_none());
-                }
-                None => {}
-            }
+        for (id, t) in new_tokens {
+            self.virt.get_mut(&id).unwrap().push(t);
         }
-        self.s.check_invariants().unwrap();
-        let _ = &cfg;
         let _ = AttentionType::Full;
         let _ = SchedulerType::Fifo;
-        true
+        sampled
+    }
+
+    /// Pipelined: run until nothing is unfinished keeping a plan ahead whenever one is
+    /// outstanding (schedule, schedule_ahead, update oldest, schedule_ahead, ...).
+    pub fn drain_ahead(&mut self, max_steps: usize) {
+        let mut n = 0;
+        loop {
+            if self.queue.is_empty() {
+                if !self.s.has_unfinished() {
+                    break;
+                }
+                if !self.launch(false) {
+                    assert!(self.flush(), "has_unfinished() but nothing ran: deadlock");
+                    continue;
+                }
+            }
+            if self.queue.len() == 1 {
+                self.launch(true);
+            }
+            self.complete();
+            n += 1;
+            assert!(n <= max_steps, "no progress after {max_steps} steps");
+        }
+        self.check_drained();
     }
 
     /// Run until nothing is unfinished; panics on a livelock.
@@ -352,6 +561,11 @@ impl Sim {
                 "no progress after {max_steps} steps (livelock?)"
             );
         }
+        self.check_drained();
+    }
+
+    fn check_drained(&self) {
+        assert!(self.queue.is_empty());
         assert!(self.pending_cancel.is_empty());
         let st = self.s.stats();
         assert_eq!(st.num_used_blocks, 0, "leak: blocks still used at the end");
@@ -396,6 +610,21 @@ fn run_all(cfg: SchedulerConfig, specs: &[Spec]) -> Sim {
     for s in specs {
         assert!(sim.outputs.contains_key(&s.id), "lost request {}", s.id);
     }
+    sim
+}
+
+/// As `run_all`, pipelined: one plan always ahead of the outstanding one.
+fn run_all_ahead(cfg: SchedulerConfig, specs: &[Spec]) -> Sim {
+    let mut sim = Sim::new(cfg);
+    // Requests that could never fit the tiny pools are rejected; most must fit.
+    let added: Vec<Spec> = specs.iter().filter(|s| sim.add(s)).cloned().collect();
+    assert!(added.len() * 2 >= specs.len(), "most requests fit");
+    sim.drain_ahead(100_000);
+    sim.check_outputs(&added);
+    for s in &added {
+        assert!(sim.outputs.contains_key(&s.id), "lost request {}", s.id);
+    }
+    assert!(sim.ahead_steps > 0, "no ahead plan was built");
     sim
 }
 
@@ -466,6 +695,47 @@ fn sliding_and_hybrid() {
     }
 }
 
+#[test]
+fn ahead_pipeline_matches_reference() {
+    // Unconstrained, tiny pools (stalls, soft resets / offload in the sync plans), prefix
+    // sharing, both schedulers, sliding / hybrid, a cache-read budget.
+    let mut cases = vec![SchedulerConfig::new(1000, 4, 4096)];
+    for st in [SchedulerType::Fifo, SchedulerType::PrefillFirst] {
+        for offload in [0, 64] {
+            let mut c = SchedulerConfig::new(12, 4, 7);
+            c.scheduler_type = st;
+            c.cpu_offload_blocks = offload;
+            cases.push(c);
+        }
+    }
+    for layers in [
+        vec![AttentionType::Sliding],
+        vec![AttentionType::Full, AttentionType::Sliding],
+    ] {
+        let mut c = SchedulerConfig::new(14, 3, 5);
+        c.layer_types = layers;
+        c.sliding_window = Some(4);
+        cases.push(c);
+    }
+    let mut c = SchedulerConfig::new(40, 4, 64);
+    c.max_batch_cache_tokens = Some(60);
+    cases.push(c);
+    for (k, cfg) in cases.into_iter().enumerate() {
+        let mut specs = workload(12, 20 + k as u64, 9);
+        for (i, sp) in specs.iter_mut().enumerate() {
+            if i % 3 == 0 {
+                sp.stop.eos_token_ids = vec![5];
+            }
+            if i % 4 == 1 {
+                sp.stop.stop_sequences = vec![vec![2, 3]];
+            }
+        }
+        let sim = run_all_ahead(cfg, &specs);
+        let st = sim.s.stats();
+        assert_eq!(st.num_used_blocks, 0);
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Add {
@@ -478,14 +748,23 @@ enum Op {
     },
     Step,
     Cancel(usize),
+    /// `schedule()` (refused unless nothing is outstanding); the plan stays outstanding.
+    Launch,
+    /// `schedule_ahead()` (refused unless exactly one plan is outstanding).
+    Ahead,
+    /// Update the oldest outstanding plan (if any).
+    Update,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (1usize..14, 0usize..10, 1usize..10, 0i64..3, any::<bool>(), any::<bool>())
             .prop_map(|(len, shared, max_new, prio, eos, seq)| Op::Add { len, shared, max_new, prio, eos, seq }),
-        6 => Just(Op::Step),
+        4 => Just(Op::Step),
         1 => (0usize..64).prop_map(Op::Cancel),
+        2 => Just(Op::Launch),
+        3 => Just(Op::Ahead),
+        3 => Just(Op::Update),
     ]
 }
 
@@ -568,6 +847,11 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
     cfg
 }
 
+/// Drain pipelined or not, decided by the op sequence (both get exercised).
+fn k_ahead_drain(ops: &[Op]) -> bool {
+    ops.len().is_multiple_of(2)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -592,6 +876,13 @@ proptest! {
                     }
                 }
                 Op::Step => { sim.step(); }
+                Op::Launch => { sim.launch(false); }
+                Op::Ahead => { sim.launch(true); }
+                Op::Update => {
+                    if sim.num_outstanding() > 0 {
+                        sim.complete();
+                    }
+                }
                 Op::Cancel(i) => {
                     if !ids.is_empty() {
                         let id = ids[i % ids.len()].clone();
@@ -599,13 +890,20 @@ proptest! {
                     }
                 }
             }
-            sim.s.check_invariants().unwrap();
+            sim.check();
         }
-        sim.drain(20_000);
+        if k_ahead_drain(&ops) {
+            sim.drain_ahead(20_000);
+        } else {
+            while sim.num_outstanding() > 0 {
+                sim.complete();
+            }
+            sim.drain(20_000);
+        }
         sim.check_outputs(&specs);
         if std::env::var("SIM_DEBUG").is_ok() {
             let st = sim.s.stats();
-            eprintln!("SIMSTAT specs={} out={} canc={} steps={} pre={} off={} soft={} hit={} ev={}", specs.len(), sim.outputs.len(), sim.cancelled.len(), sim.steps, st.num_preemptions, st.num_offloads, st.num_soft_resets, st.prefix_hit_tokens, st.num_evictions);
+            eprintln!("SIMSTAT ahead={} specs={} out={} canc={} steps={} pre={} off={} soft={} hit={} ev={}", sim.ahead_steps, specs.len(), sim.outputs.len(), sim.cancelled.len(), sim.steps, st.num_preemptions, st.num_offloads, st.num_soft_resets, st.prefix_hit_tokens, st.num_evictions);
         }
         for s in &specs {
             prop_assert!(sim.outputs.contains_key(&s.id) || sim.cancelled.contains(&s.id), "lost {}", s.id);
