@@ -85,6 +85,10 @@ class FakeScheduler:
         self.pids = 0
         self.pending_cancels: list[str] = []
         self.plans: list[_Plan] = []
+        self.stall_at: set[int] = set()  # plan ids after which stats() reports a stall
+
+    def stats(self) -> dict[str, int]:
+        return {"stalled_requests": int(self.pids in self.stall_at)}
 
     @property
     def num_outstanding(self) -> int:
@@ -354,3 +358,14 @@ def test_cpu_transfers_are_identity_views() -> None:
     got = HostToDevice(torch.device("cpu")).upload(arrays)
     assert got["a"].shape == (2, 3) and got["a"].dtype == torch.int32
     assert got["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and got["b"].tolist() == [7]
+
+
+def test_a_stalled_row_drains_the_pipeline_after_the_step() -> None:
+    stepper, sched, runner, sampler, log = _setup()
+    a = _submit(stepper, [4, 5], SamplingParams(max_new_tokens=8), "a")
+    sched.stall_at = {3}  # the third plan (an ahead plan) leaves a row out
+    _run(stepper)
+    assert a.output.token_ids == reference([4, 5], 8)
+    # plan 3 was followed by a drain: plan 4 came from schedule(), not schedule_ahead
+    assert [p.ahead for p in sched.plans] == [False, True, True, False, True, True, True, True]
+    assert stepper.stats["pipeline_drains"] == 2  # the stall, and the end

@@ -197,8 +197,10 @@ class AsyncStepper(Stepper):
 
     Same interface: `inbox` / `cancel_inbox` drained before each plan, `step()` (False when
     there was nothing to do), `has_mail()`, `busy_time`, `stats` (also counts `ahead_steps`,
-    the steps planned by `schedule_ahead`, and `pipeline_drains`, the times it had nothing
-    to run ahead with a step in flight). `close()` waits for the step in flight and drops it.
+    the steps planned by `schedule_ahead`, and `pipeline_drains`, the times a step in flight
+    was finished alone: nothing to run ahead, or the last ahead plan left a request out for
+    want of chunks, which `schedule()` resolves by preemption). `close()` waits for the
+    step in flight and drops it.
     """
 
     def __init__(
@@ -215,6 +217,7 @@ class AsyncStepper(Stepper):
         self.device = torch.device(device)
         self.to_host = DeviceToHost(self.device)
         self._inflight: _InFlight | None = None
+        self._drain_next = False
 
     @property
     def in_flight(self) -> bool:
@@ -235,11 +238,16 @@ class AsyncStepper(Stepper):
             self._inflight = cur
             self.busy_time += time.perf_counter() - t0
             return True
-        plan = self.scheduler.schedule_ahead()
+        plan = None if self._drain_next else self.scheduler.schedule_ahead()
+        self._drain_next = False
         nxt = None
         if plan is not None:
             assert prev.sample is not None
             nxt = self._launch(plan, prev.sample.token_ids)
+            # a row left out for want of chunks: drain after this step, so that `schedule()`
+            # preempts (newest first) as in synchronous mode instead of letting newer
+            # requests run ahead while an older one waits
+            self._drain_next = self._stalled()
         else:
             self.stats["pipeline_drains"] += 1
         self._inflight = nxt
@@ -248,6 +256,17 @@ class AsyncStepper(Stepper):
             self._sample(nxt)
         self.busy_time += time.perf_counter() - t0
         return True
+
+    def _stalled(self) -> bool:
+        """Whether the last plan left a running request out for want of chunks."""
+        stats_fn = getattr(self.scheduler, "stats", None)
+        if stats_fn is None:
+            return False
+        st = stats_fn()
+        n = st.get("stalled_requests", 0) if isinstance(st, dict) else getattr(
+            st, "stalled_requests", 0
+        )
+        return bool(n)
 
     def close(self) -> None:
         """Wait for the step in flight (its copies must not land in freed memory) and drop
