@@ -581,11 +581,11 @@ _PACKED_CHECK_BYPASS = False
 def _install_packed_check_bypass() -> None:
     """transformers' mask preparation calls `find_packed_sequence_indices(position_ids)`
     whenever a forward has position ids and no mask or cache, and decides on its result on
-    the host (`.all()`): a device sync every CUDA step, and an error inside a CUDA-graph
-    capture (transformers releases that do not skip it while capturing). Inside a
-    ferrobatch forward the mask function returns None whatever that finds, so on this
-    thread, while a ferrobatch forward runs, it returns None (no packing) without touching
-    the device; everywhere else the original runs. Installed once, process-wide."""
+    the host (`.all()`): a device sync on every eager CUDA step, which would stall the async
+    pipeline (transformers 5.17+ skip it while a CUDA graph is being captured). Inside a
+    ferrobatch forward the mask function returns None whatever that finds, so on a thread
+    that is inside a ferrobatch forward it returns None (no packing) without touching the
+    device; everywhere else the original runs. Installed once, process-wide."""
     global _PACKED_CHECK_BYPASS
     if _PACKED_CHECK_BYPASS:
         return

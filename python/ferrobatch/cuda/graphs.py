@@ -451,7 +451,7 @@ class StaticInputs:
             self._host[self._slices[name]] = arr.reshape(-1)
         self.flat.copy_(self._host_t, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
 
 class EagerReplay:
