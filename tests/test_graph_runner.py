@@ -216,3 +216,42 @@ def test_graph_stats_and_the_eager_bound():
     runner.close()
     off = ModelRunner(tm.llama(), num_blocks=8, page_size=4).graph_stats()
     assert not off["enabled"] and off["graphs"] == 0
+
+
+def test_failed_capture_turns_graphs_off_and_runs_eager(caplog):
+    """On CUDA a capture that raises must not stop the engine: graphs off, eager logits."""
+    model, runner, planner, n = _decode_setup("llama")
+    plain = ModelRunner(model, num_blocks=64, page_size=PAGE)
+    plain.cache.storage.copy_(runner.cache.storage)
+
+    def broken(key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner._graphs._capture = broken
+    runner._graph_mode = "cuda"  # the fallback only applies to real captures
+    plan = planner.plan([(f"r{i}", 1) for i in range(n)])
+    with caplog.at_level("WARNING", logger="ferrobatch"):
+        got = runner.execute(plan)
+    torch.testing.assert_close(got, plain.execute(plan), atol=1e-4, rtol=1e-4)
+    assert "capture failed" in caplog.text
+    stats = runner.graph_stats()
+    assert not stats["enabled"] and "not permitted" in stats["capture_error"]
+    assert runner.use_cuda_graph is False and stats["eager_steps"] == 2
+    runner.close()
+    plain.close()
+
+
+def test_packed_sequence_check_bypassed_only_inside_a_ferrobatch_forward():
+    from ferrobatch import attention
+    from ferrobatch import runner as runner_mod
+    from transformers import masking_utils
+
+    runner_mod._install_packed_check_bypass()
+    runner_mod._install_packed_check_bypass()  # idempotent
+    fn = masking_utils.find_packed_sequence_indices
+    original = fn.__wrapped__
+    assert getattr(original, "__wrapped__", None) is None
+    packed = torch.tensor([[0, 1, 2, 0, 1]])
+    assert torch.equal(fn(packed), original(packed))  # outside: the original
+    with attention.paged_attention_enabled([]):
+        assert fn(packed) is None
