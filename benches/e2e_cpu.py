@@ -10,6 +10,7 @@ CPU time (the latter is steadier when other work shares the cores), with ratios.
     python benches/e2e_cpu.py                  # the brief's workload
     python benches/e2e_cpu.py --smollm2        # bundled SmolLM2-135M-Instruct, 64 chat prompts
     python benches/e2e_cpu.py --only ferrobatch --page-size 64 --max-batch-tokens 1024
+    python benches/e2e_cpu.py --only ferrobatch --async   # the async pipeline on CPU
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def run_ferrobatch(model: Any, prompts: list[list[int]], new: int, args: Any) ->
         max_batch_tokens=args.max_batch_tokens,
         num_blocks=args.num_blocks,
         scheduler_type=args.scheduler,
+        use_async_batching=True if args.async_batching else None,
     )
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
     rng = random.Random(99)
@@ -166,6 +168,11 @@ def main() -> None:
     ap.add_argument("--scheduler", default="fifo", choices=("fifo", "prefill_first"))
     ap.add_argument("--padded-batch", type=int, default=64)
     ap.add_argument(
+        "--async", dest="async_batching", action="store_true",
+        help="ferrobatch with use_async_batching=True (the one-step-in-flight pipeline; on CPU "
+        "it runs step after step, so this measures its bookkeeping cost)",
+    )
+    ap.add_argument(
         "--generate-batch-repeats", type=int, default=1,
         help="timed runs of generate_batch (slow; at most --repeats)",
     )
@@ -198,7 +205,8 @@ def main() -> None:
         f"workload: {workload}; {new} new tokens each (greedy, EOS off); "
         f"torch threads={torch.get_num_threads()}; repeats={args.repeats} (median)\n"
         f"ferrobatch config: page_size={args.page_size} max_batch_tokens={args.max_batch_tokens} "
-        f"num_blocks={args.num_blocks or 'auto'} scheduler={args.scheduler}",
+        f"num_blocks={args.num_blocks or 'auto'} scheduler={args.scheduler} "
+        f"async={args.async_batching}",
         flush=True,
     )
 

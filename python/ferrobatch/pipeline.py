@@ -85,6 +85,9 @@ class DeviceToHost:
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             for i, t in enumerate(tensors):
+                if t.device.type == "cpu":  # nothing to copy
+                    host.append(t)
+                    continue
                 if i == 0:
                     buf = self._token_buffer(t.numel(), t.dtype).view(t.shape)
                 else:
