@@ -233,7 +233,13 @@ def assert_parity(m, name: str, *, probe_below: float | None = None) -> None:
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_parity_beyond_tiny_models(name: str) -> None:
-    assert_parity(model(name), name)
+    m = model(name)
+    if not getattr(m, "_supports_attention_backend", True):
+        # older transformers releases (GPT-J in 5.17) hard-wire their attention: refused
+        with pytest.raises(NotImplementedError, match="AttentionInterface"):
+            Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32))
+        return
+    assert_parity(m, name)
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
