@@ -255,3 +255,27 @@ def test_packed_sequence_check_bypassed_only_inside_a_ferrobatch_forward():
     assert torch.equal(fn(packed), original(packed))  # outside: the original
     with attention.paged_attention_enabled([]):
         assert fn(packed) is None
+
+
+def test_a_shape_gets_its_graph_on_its_second_step():
+    """capture_after=2 (the CUDA default): a key's first step runs eager, the second captures."""
+    from ferrobatch.cuda.graphs import GraphBuckets
+
+    model, runner, planner, n = _decode_setup("llama")
+    runner._setup_graphs("eager", capture_after=2, buckets=GraphBuckets(
+        q_interval=4, kv_interval=64, max_tokens=64, max_rows=64, num_kv_heads=2))
+    plain = ModelRunner(model, num_blocks=64, page_size=PAGE)
+    plain.cache.storage.copy_(runner.cache.storage)
+    counts = []
+    for _ in range(3):
+        plan = planner.plan([(f"r{i}", 1) for i in range(n)])
+        got = runner.execute(plan)
+        torch.testing.assert_close(got, plain.execute(plan), atol=1e-4, rtol=1e-4)
+        for i in range(n):
+            planner.append(f"r{i}", int(got[i].argmax()))
+        st = runner.graph_stats()
+        counts.append((st["eager_steps"], st["captures"], st["hits"]))
+    assert counts == [(2, 0, 0), (2, 1, 0), (2, 1, 1)], counts
+    assert runner.graph_stats()["capture_after"] == 2
+    runner.close()
+    plain.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +28,9 @@ __all__ = ["DEFAULT_MAX_GRAPHS", "ModelRunner"]
 # output (hidden states [N_pad, hidden]), so 32 graphs of the largest bucket cost a few MiB
 # beyond the pool.
 DEFAULT_MAX_GRAPHS = 32
+# A decode shape gets its CUDA graph on its second step (the first runs eager).
+CAPTURE_AFTER = 2
+_KEYS_REMEMBERED = 4096
 
 
 class ModelRunner:
@@ -180,10 +184,15 @@ class ModelRunner:
         config: Any = None,
         max_graphs: int | None = None,
         buckets: Any = None,
+        capture_after: int | None = None,
     ) -> None:
         """Run decode-only steps padded to graph shapes: `mode` "cuda" captures CUDA graphs;
         "eager" runs the same padded forward over the same static inputs without capture
-        (`graphs.EagerReplay`: how the padded path is tested on CPU)."""
+        (`graphs.EagerReplay`: how the padded path is tested on CPU).
+
+        `capture_after`: a key gets its graph on its n-th step (default: 2 with "cuda", 1
+        with "eager"); before that the step runs eager. A capture costs a few forwards, so
+        shapes seen once (the tail of a wave of finishing requests) are not worth one."""
         from .cuda import graphs
 
         if mode not in ("cuda", "eager"):
@@ -197,6 +206,8 @@ class ModelRunner:
         if self._graph_backend not in ("triton", "flash_attn", "torch"):
             raise ValueError(f"no graphs with attention backend {self._graph_backend!r}")
         self._graph_mode = mode
+        self._capture_after = max(1, capture_after or (CAPTURE_AFTER if mode == "cuda" else 1))
+        self._key_seen: OrderedDict[Any, int] = OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._graphs = graphs.GraphCache(self._capture, max_graphs=max_graphs or DEFAULT_MAX_GRAPHS)
 
@@ -261,8 +272,16 @@ class ModelRunner:
         )
         if padded is None:
             return None
+        key = padded.key
+        if key not in self._graphs and self._capture_after > 1:
+            seen = self._key_seen.pop(key, 0) + 1
+            if seen < self._capture_after:
+                self._key_seen[key] = seen  # most recent last; bounded below
+                while len(self._key_seen) > _KEYS_REMEMBERED:
+                    self._key_seen.popitem(last=False)
+                return None
         try:
-            graph = self._graphs.get(padded.key)
+            graph = self._graphs.get(key)
         except Exception as exc:
             if self._graph_mode != "cuda":
                 raise
@@ -297,6 +316,7 @@ class ModelRunner:
         if self._graphs is not None:
             st = self._graphs.stats()
             out.update(graphs=st["graphs"], max_graphs=self._graphs.max_graphs,
+                       capture_after=self._capture_after,
                        hits=st["graph_hits"], misses=st["graph_misses"],
                        evictions=st["graph_evictions"])
         return out
