@@ -608,7 +608,12 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
     num_blocks = rows * (ctx // page + 2) + 8
     runner = ModelRunner(model, num_blocks=num_blocks, page_size=page, device=dev, dtype=dtype)
     if dev.type != "cuda":
-        runner._setup_graphs("eager", max_graphs=4)
+        # The padded graph forward without capture; through the Triton kernels when they
+        # run here (the interpreter), else the torch reference.
+        from ferrobatch.cuda import triton_attention as ta
+
+        interp = ta.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+        runner._setup_graphs("eager", max_graphs=4, backend="triton" if interp else "torch")
     planner = RefPlanner(page_size=page, num_blocks=num_blocks, layer_types=[FULL],
                          sliding_window=None)
     rng = random.Random(0)
@@ -623,10 +628,13 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
     plan = planner.plan([(f"r{r}", 1) for r in range(rows)])
     out: dict[str, Any] = {"rows": rows, "ctx": ctx, "dtype": str(dtype),
                            "attention_backend": runner.attention_backend,
+                           "graph_backend": getattr(runner, "_graph_backend", None),
                            "use_cuda_graph": runner.use_cuda_graph}
 
-    def wall_us(n: int = 20) -> float:
-        for _ in range(3):
+    reps = 20 if not args.smoke else 2
+
+    def wall_us(n: int = reps) -> float:
+        for _ in range(3 if not args.smoke else 1):
             runner.execute(plan)  # same slots rewritten: fine for timing
         sync(dev)
         t0 = time.perf_counter()
@@ -635,7 +643,7 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
         sync(dev)
         return (time.perf_counter() - t0) / n * 1e6
 
-    def event_us(n: int = 20) -> float | None:
+    def event_us(n: int = reps) -> float | None:
         if dev.type != "cuda":
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -185,6 +185,7 @@ class ModelRunner:
         max_graphs: int | None = None,
         buckets: Any = None,
         capture_after: int | None = None,
+        backend: str | None = None,
     ) -> None:
         """Run decode-only steps padded to graph shapes: `mode` "cuda" captures CUDA graphs;
         "eager" runs the same padded forward over the same static inputs without capture
@@ -192,7 +193,9 @@ class ModelRunner:
 
         `capture_after`: a key gets its graph on its n-th step (default: 2 with "cuda", 1
         with "eager"); before that the step runs eager. A capture costs a few forwards, so
-        shapes seen once (the tail of a wave of finishing requests) are not worth one."""
+        shapes seen once (the tail of a wave of finishing requests) are not worth one.
+        `backend`: the attention backend inside the graphs (default: the runner's with
+        "cuda", "torch" with "eager"; "triton" runs on CPU under `TRITON_INTERPRET=1`)."""
         from .cuda import graphs
 
         if mode not in ("cuda", "eager"):
@@ -202,7 +205,7 @@ class ModelRunner:
         self._buckets = buckets or graphs.GraphBuckets.from_config(
             config, num_kv_heads=self.cache.num_kv_heads, num_sms=self._num_sms
         )
-        self._graph_backend = self.attention_backend if mode == "cuda" else "torch"
+        self._graph_backend = backend or (self.attention_backend if mode == "cuda" else "torch")
         if self._graph_backend not in ("triton", "flash_attn", "torch"):
             raise ValueError(f"no graphs with attention backend {self._graph_backend!r}")
         self._graph_mode = mode
