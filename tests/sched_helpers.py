@@ -170,6 +170,10 @@ class Snap:
     swap_deferred: list[int]
     hashed: set[int]
     raw: object
+    # chunk references held for outstanding plans (finished / cancelled requests' chunks,
+    # pinned swap-out sources), one entry per reference
+    deferred: list[int] = dataclasses.field(default_factory=list)
+    num_outstanding: int = 0
 
     def held_chunks(self) -> set[int]:
         return {c for r in self.requests.values() for cs in r.held.values() for c in cs}
@@ -212,6 +216,8 @@ def read_snapshot(s: Scheduler) -> Snap:
         swap_deferred=[int(c) for c in _get(raw, "swap_deferred_slots") or []],
         hashed={int(c) for c in _get(raw, "hashed_chunks") or []},
         raw=raw,
+        deferred=[int(c) for c in _get(raw, "deferred_chunks") or []],
+        num_outstanding=int(_get(raw, "num_outstanding", 0) or 0),
     )
 
 
@@ -724,6 +730,10 @@ class Harness:
                 check(len(sr.held[SLIDING]) <= cfg.ring, "request %s holds %d ring chunks > R=%d",
                       rid, len(sr.held[SLIDING]), cfg.ring)
             used_slots += sr.swap_slots
+        # references held for outstanding plans count as holders (chunk lifetime)
+        for c in snap.deferred:
+            check(2 <= c < nb2, "deferred chunk %d out of range", c)
+            holders[c] = holders.get(c, 0) + 1
         for c in range(nb2):
             rc = snap.refcounts.get(c, 0)
             if c < 2:
@@ -928,3 +938,330 @@ class Harness:
 
     def outputs(self) -> dict[str, tuple[list[int], str | None]]:
         return {r: (t.generated, t.finish_reason) for r, t in self.tracks.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# One plan ahead: schedule_ahead() with up to two plans outstanding
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Launched:
+    """A plan whose simulated forward ran, waiting for its update()."""
+
+    plan: object
+    rows: list[str]  # request id per row
+    sampled_rids: list[str]  # request id per sampled token (logits_indices order)
+    tokens: list[int]  # the tokens the simulated model sampled, same order
+    # (chunk, request id of the row that references it) from the block tables / slots
+    refs: list[tuple[int, str]]
+    swap_out_src: list[int]
+    swap_in_dst: list[int]
+    swap_slots: list[int]
+
+
+class AheadHarness:
+    """Drives a Scheduler with up to two plans outstanding, as an async engine does:
+    ``schedule()`` with none outstanding, ``schedule_ahead()`` with one (planning step N+1
+    before step N's tokens are known), ``update()`` of the oldest, ``cancel()``, ``add``.
+
+    It plays the device: each plan's forward runs when the plan is made (in plan order),
+    resolving ``prev_token_index`` from the previous plan's sampled tokens, reading every
+    cached key back through ``block_tables`` from a simulated KV cache (asserting the content)
+    and writing through ``slot_mapping``; sampled tokens come from the read-back keys. After
+    every call it checks from outside (``snapshot()``): chunk and swap-slot conservation with
+    the references held for outstanding plans (``deferred_chunks``), and the chunk lifetime:
+    every chunk an outstanding plan references is held, not free or cached, and held by no
+    other request than its row's (unless it is a shared hashed block).
+    """
+
+    def __init__(self, cfg: SchedConfig, vocab: int = 64) -> None:
+        self.cfg = cfg
+        self.s = cfg.make()
+        self.model = dataclasses.replace(cfg.model, vocab=vocab)
+        self.types = self.model.types
+        self.ps = cfg.page_size
+        self.kv: dict[str, dict[int, int]] = {ty: {} for ty in self.types}
+        self.swap: dict[int, dict[str, list[int | None]]] = {}
+        self.specs: dict[str, ReqSpec] = {}
+        self.generated: dict[str, list[int]] = {}  # caller-visible (from deltas)
+        self.device: dict[str, list[int]] = {}  # prompt + tokens sampled by forwards so far
+        self.queue: list[Launched] = []
+        self.results: dict[str, tuple[list[int], str]] = {}
+        self.cancel_pending: set[str] = set()
+        self.ahead_plans = 0
+        self.ahead_none = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, spec: ReqSpec) -> None:
+        self.s.add_request(
+            spec.request_id, list(spec.prompt), spec.max_new_tokens,
+            eos_token_ids=list(spec.eos_token_ids), stop_token_ids=list(spec.stop_token_ids),
+            priority=spec.priority, stop_sequences=[list(q) for q in spec.stop_sequences],
+        )
+        self.specs[spec.request_id] = spec
+        self.generated[spec.request_id] = []
+        self.device[spec.request_id] = list(spec.prompt)
+        self.check_state()
+
+    def live(self) -> list[str]:
+        return [r for r in self.specs if r not in self.results and r not in self.cancel_pending]
+
+    def cancel(self, rid: str) -> bool:
+        ok = self.s.cancel(rid)
+        check(ok == (rid in self.specs and rid not in self.results
+                     and rid not in self.cancel_pending), "cancel(%r) returned %r", rid, ok)
+        if ok:
+            self.cancel_pending.add(rid)
+        self.check_state()
+        return ok
+
+    # ------------------------------------------------------------------ plans
+    def schedule(self) -> object | None:
+        """schedule(): refused (RuntimeError) unless nothing is outstanding."""
+        return self._launch(ahead=False)
+
+    def schedule_ahead(self) -> object | None:
+        """schedule_ahead(): refused (RuntimeError) unless exactly one plan is outstanding."""
+        return self._launch(ahead=True)
+
+    def _launch(self, ahead: bool) -> object | None:
+        n = len(self.queue)
+        allowed = n == 1 if ahead else n == 0
+        try:
+            plan = self.s.schedule_ahead() if ahead else self.s.schedule()
+        except RuntimeError as e:
+            check(not allowed, "refused with %d outstanding: %s", n, e)
+            check("outstanding" in str(e), "error does not name the problem: %s", e)
+            check(self.s.num_outstanding == n, "num_outstanding changed by a refused call")
+            return None
+        check(allowed, "%s accepted with %d outstanding", "schedule_ahead" if ahead else
+              "schedule", n)
+        if plan is None:
+            if ahead:
+                self.ahead_none += 1
+            check(self.s.num_outstanding == n, "num_outstanding %d after None (was %d)",
+                  self.s.num_outstanding, n)
+            self.check_state()
+            return None
+        check(bool(plan.ahead) == ahead, "plan.ahead %r", plan.ahead)
+        check(self.s.num_outstanding == n + 1, "num_outstanding %d", self.s.num_outstanding)
+        check(self.s.has_outstanding_plan, "has_outstanding_plan")
+        if ahead:
+            self.ahead_plans += 1
+        prev = self.queue[-1] if self.queue else None
+        self.queue.append(self._forward(plan, prev))
+        self.check_state()
+        return plan
+
+    def _forward(self, plan, prev: Launched | None) -> Launched:
+        cfg, ps = self.cfg, self.ps
+        rids = [str(r) for r in plan.request_ids]
+        B = len(rids)
+        check(B >= 1 and len(set(rids)) == B, "plan rows %s", rids)
+        ids, pos, cu, sk = (np.asarray(getattr(plan, n)) for n in
+                            ("input_ids", "positions", "cu_seqlens_q", "seqlens_k"))
+        pti = np.asarray(plan.prev_token_index)
+        li = np.asarray(plan.logits_indices)
+        T = len(ids)
+        check(pti.dtype == np.int32 and pti.shape == (T,), "prev_token_index %s %s",
+              pti.dtype, pti.shape)
+        check(T <= cfg.max_batch_tokens and B <= cfg.max_requests_per_batch, "budgets")
+        if cfg.max_batch_cache_tokens is not None:
+            check(int(sk.sum()) <= cfg.max_batch_cache_tokens, "cache-read budget")
+        if not plan.ahead:
+            check(bool((pti == -1).all()), "schedule() plan with prev_token_index >= 0")
+        swap_out, swap_in = np.asarray(plan.swap_out), np.asarray(plan.swap_in)
+        if plan.ahead:
+            check(len(swap_out) == 0 and len(swap_in) == 0, "ahead plan swaps")
+        for c, sl in swap_out.tolist():
+            self.swap[sl] = {ty: [self.kv[ty].get(c * ps + i) for i in range(ps)]
+                             for ty in self.types}
+        for sl, c in swap_in.tolist():
+            data = self.swap.pop(sl)
+            for ty in self.types:
+                for i in range(ps):
+                    if data[ty][i] is None:
+                        self.kv[ty].pop(c * ps + i, None)
+                    else:
+                        self.kv[ty][c * ps + i] = data[ty][i]
+        bt = {ty: np.asarray(a) for ty, a in dict(plan.block_tables).items()}
+        sm = {ty: np.asarray(a) for ty, a in dict(plan.slot_mapping).items()}
+        refs: list[tuple[int, str]] = []
+        writes: dict[str, dict[int, int]] = {ty: {} for ty in self.types}
+        sampled_rids, sampled_toks, want_li = [], [], []
+        for r, rid in enumerate(rids):
+            check(rid in self.specs and rid not in self.results, "row for finished %s", rid)
+            check(rid not in self.cancel_pending, "row for cancelled %s", rid)
+            toks = self.device[rid]
+            cont = contents_of(toks)
+            a, b = int(cu[r]), int(cu[r + 1])
+            start, end = int(pos[a]), int(pos[a]) + (b - a)
+            check(b > a and list(pos[a:b]) == list(range(start, end)), "row %s positions", rid)
+            check(int(sk[r]) == end and end <= len(toks), "row %s seqlens_k/end", rid)
+            for i in range(a, b):
+                j = int(pti[i])
+                if j >= 0:
+                    check(prev is not None and j < len(prev.tokens), "prev_token_index %d", j)
+                    check(int(ids[i]) == 0, "placeholder input id %d", int(ids[i]))
+                    check(prev.sampled_rids[j] == rid, "prev_token_index %d names %s's token "
+                          "for row %s", j, prev.sampled_rids[j], rid)
+                    tok = prev.tokens[j]
+                else:
+                    tok = int(ids[i])
+                check(tok == toks[start + i - a], "row %s input at position %d: %d != %d", rid,
+                      start + i - a, tok, toks[start + i - a])
+            visible = {}
+            for ty in self.types:
+                row = [int(c) for c in bt[ty][r]]
+                refs += [(c, rid) for c in row if c >= 2]
+                lo = 0 if ty == FULL else max(0, start - cfg.sliding_window + 1)
+                vals = []
+                for p in range(lo, start):
+                    c = (row[p // ps] if ty == FULL else row[(p // ps) % cfg.ring])
+                    v = self.kv[ty].get(c * ps + p % ps)
+                    check(c >= 2 and v == cont[p], "row %s reads %s position %d from chunk %d: "
+                          "wrong content", rid, ty, p, c)
+                    vals.append(v)
+                new = cont[start:end]
+                seen = vals + new
+                lo_vis = visible_window(self.model, ty, end).start
+                visible[ty] = seen[lo_vis - lo:]
+                for i in range(a, b):
+                    slot = int(sm[ty][i])
+                    c, p = slot // ps, start + i - a
+                    if c == SCRATCH_CHUNK:
+                        check(ty == SLIDING and p < end - cfg.sliding_window + 1, "scratch")
+                        continue
+                    want = (row[p // ps] if ty == FULL else row[(p // ps) % cfg.ring])
+                    check(c == want and slot % ps == p % ps, "row %s slot of position %d", rid, p)
+                    check(slot not in writes[ty], "%s slot %d written twice", ty, slot)
+                    writes[ty][slot] = cont[p]
+                    refs.append((c, rid))
+            if end == len(toks):
+                want_li.append(b - 1)
+                sampled_rids.append(rid)
+                sampled_toks.append(next_token_from_visible(self.model, visible))
+        check([int(x) for x in li] == want_li, "logits_indices %s != %s", list(li), want_li)
+        for ty in self.types:
+            self.kv[ty].update(writes[ty])
+        for rid, t in zip(sampled_rids, sampled_toks, strict=True):
+            self.device[rid].append(t)
+        return Launched(plan=plan, rows=rids, sampled_rids=sampled_rids, tokens=sampled_toks,
+                        refs=refs, swap_out_src=[int(c) for c in swap_out[:, 0]],
+                        swap_in_dst=[int(c) for c in swap_in[:, 1]],
+                        swap_slots=[int(x) for x in swap_out[:, 1]] +
+                        [int(x) for x in swap_in[:, 0]])
+
+    # ------------------------------------------------------------------ update
+    def update(self) -> object | None:
+        """update() of the oldest outstanding plan (or update(()) with none: only reports)."""
+        if self.queue:
+            fl = self.queue.pop(0)
+            out = self.s.update(np.asarray(fl.tokens, dtype=np.int32))
+        else:
+            fl = None
+            out = self.s.update(())
+        seen = set()
+        for d in out:
+            rid = str(d.request_id)
+            check(rid not in seen and rid not in self.results, "second delta for %s", rid)
+            seen.add(rid)
+            new = [int(x) for x in d.new_token_ids]
+            if rid in self.cancel_pending:
+                check(d.finished and d.finish_reason == "cancelled" and not new,
+                      "cancel of %s reported as %r %s", rid, d.finish_reason, new)
+                self.cancel_pending.discard(rid)
+                self.results[rid] = (self.generated[rid], "cancelled")
+                continue
+            check(fl is not None and rid in fl.sampled_rids and len(new) == 1,
+                  "delta %s %s not from a sampled row", rid, new)
+            gen = self.generated[rid]
+            check(new[0] == self.device[rid][len(self.specs[rid].prompt) + len(gen)],
+                  "delta of %s is not the token its forward sampled", rid)
+            gen.append(new[0])
+            want = finish_reason_after(self.specs[rid], gen)
+            check(d.finish_reason == want and bool(d.finished) == (want is not None),
+                  "%s finish %r, expected %r", rid, d.finish_reason, want)
+            if want is not None:
+                self.results[rid] = (gen, want)
+        check(not self.cancel_pending, "cancellations %s not reported", self.cancel_pending)
+        if fl is not None:
+            for rid in fl.sampled_rids:
+                # a row is dropped only when its request finished before this update
+                check(rid in seen or rid in self.results, "sampled row of %s lost", rid)
+        self.check_state()
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def check_state(self) -> None:
+        self.s.check_invariants()
+        snap = read_snapshot(self.s)
+        cfg, nb2 = self.cfg, self.cfg.num_blocks + 2
+        check(snap.num_outstanding == len(self.queue) == self.s.num_outstanding,
+              "num_outstanding %d / %d, harness %d", snap.num_outstanding,
+              self.s.num_outstanding, len(self.queue))
+        live = set(self.specs) - set(self.results) - self.cancel_pending
+        check(live <= set(snap.requests) <= live | self.cancel_pending,
+              "requests lost or kept: %s vs %s", sorted(live), sorted(snap.requests))
+        holders: dict[int, set[str]] = {}
+        count: dict[int, int] = {}
+        slots: list[int] = []
+        for rid, sr in snap.requests.items():
+            for cs in sr.held.values():
+                for c in cs:
+                    holders.setdefault(c, set()).add(rid)
+                    count[c] = count.get(c, 0) + 1
+            slots += sr.swap_slots
+        for c in snap.deferred:
+            count[c] = count.get(c, 0) + 1
+        for c in range(2, nb2):
+            check(snap.refcounts.get(c, 0) == count.get(c, 0), "chunk %d refcount %d, %d "
+                  "references (requests + deferred)", c, snap.refcounts.get(c, 0),
+                  count.get(c, 0))
+        free = set(snap.free) | set(snap.cached)
+        check(len(free) + len(count) == cfg.num_blocks, "chunks not conserved")
+        check(not free & set(count), "a held chunk is free")
+        check(sorted(slots + snap.swap_free + snap.swap_deferred)
+              == list(range(cfg.cpu_offload_blocks)), "swap slots not conserved")
+        sole = len(self.queue) == 1
+        for k, fl in enumerate(self.queue):
+            for c, rid in fl.refs:
+                check(snap.refcounts.get(c, 0) > 0 and c not in free,
+                      "chunk lifetime: chunk %d of outstanding plan %d (row %s) is free", c, k,
+                      rid)
+                others = holders.get(c, set()) - {rid}
+                check(not others or c in snap.hashed, "chunk lifetime: chunk %d of outstanding "
+                      "plan %d (row %s) now held by %s", c, k, rid, sorted(others))
+            for c in fl.swap_in_dst + ([] if sole else fl.swap_out_src):
+                check(snap.refcounts.get(c, 0) > 0, "chunk lifetime: swap chunk %d free", c)
+            for sl in fl.swap_slots:
+                check(sl not in snap.swap_free, "swap slot %d of outstanding plan free", sl)
+
+    # ------------------------------------------------------------------ driving
+    def drain(self, *, ahead: bool = True, max_steps: int = 20000) -> None:
+        """Run to completion: pipelined (a plan ahead whenever one is outstanding) or not."""
+        for _ in range(max_steps):
+            if not self.queue:
+                if not self.s.has_unfinished():
+                    break
+                if self.schedule() is None:
+                    self.update()  # only cancellation reports remain
+                    continue
+            if ahead and len(self.queue) == 1:
+                self.schedule_ahead()
+            self.update()
+        else:
+            raise ContractError(f"did not finish in {max_steps} steps")
+        check(not self.queue and not self.s.has_unfinished(), "not drained")
+        check(set(self.results) == set(self.specs), "requests never finished: %s",
+              sorted(set(self.specs) - set(self.results)))
+        st = dict(self.s.stats())
+        check(st["num_used_blocks"] == 0, "blocks leaked: %s", st)
+
+    def check_outputs(self) -> None:
+        """Every request that was not cancelled produced what an unconstrained run does."""
+        for rid, (gen, reason) in self.results.items():
+            if reason != "cancelled":
+                want = reference_generate(self.model, self.specs[rid])
+                check((gen, reason) == want, "%s: %s, expected %s", rid, (gen, reason), want)

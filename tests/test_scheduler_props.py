@@ -1,10 +1,18 @@
-"""Hypothesis stateful tests: random add / schedule / update / cancel against the Scheduler.
+"""Hypothesis stateful tests: random add / schedule / update / cancel against the Scheduler,
+and (``InFlight*`` machines) the same with ``schedule_ahead()``: up to two plans outstanding.
 
 Tiny pools (few chunks, page_size 4-8) so preemption (offload or soft reset) is frequent. After
 every step the harness in sched_helpers checks the plan against the step contract, reads the
 simulated KV cache back through the block tables, checks snapshot() (conservation, refcounts =
 holders, reserved chunks, swap slots) and calls check_invariants(). At teardown everything is
 run to completion: every request must finish exactly once and every chunk be free or cached.
+
+The in-flight machines drive ``AheadHarness``: random interleavings of schedule / schedule_ahead
+/ update (oldest plan) / cancel / add, with the device simulated in plan order
+(``prev_token_index`` resolved from the previous plan's sampled tokens, every key read back);
+after every call conservation and the chunk lifetime are checked from outside through
+``snapshot()``; at teardown everything runs to completion (pipelined) and every request's output
+must equal an unconstrained synchronous run.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from sched_helpers import FULL, SLIDING, Harness, ReqSpec, SchedConfig
+from sched_helpers import FULL, SLIDING, AheadHarness, Harness, ReqSpec, SchedConfig
 
 settings.register_profile(
     "sched",
@@ -201,11 +209,134 @@ class CacheBudgetMachine(SchedulerMachine):
     cache_budget = st.sampled_from([16, 40, 100])
 
 
+class InFlightMachine(RuleBasedStateMachine):
+    """schedule / schedule_ahead / update / cancel / add with up to two plans outstanding."""
+
+    layer_types: tuple[str, ...] = (FULL,)
+    sharing = st.booleans()
+    offload = st.sampled_from([0, 0, 2, 6])
+    cache_budget = st.none()
+
+    def __init__(self):
+        super().__init__()
+        self.h: AheadHarness | None = None
+        self.n = 0
+
+    @initialize(
+        data=st.data(),
+        page_size=st.sampled_from([4, 5, 8]),
+        scheduler_type=st.sampled_from(["fifo", "prefill_first"]),
+    )
+    def setup(self, data, page_size, scheduler_type):
+        SchedulerMachine.setup(self, data, page_size, scheduler_type)  # draws cfg into self.h
+        self.h = AheadHarness(self.h.cfg, vocab=VOCAB)
+
+    @precondition(lambda self: len(self.h.live()) < MAX_LIVE)
+    @rule(
+        data=st.data(),
+        prefix=st.integers(-1, 2),
+        suffix_len=st.integers(0, 16),
+        priority=st.integers(0, 2),
+        stops=st.booleans(),
+    )
+    def add(self, data, prefix, suffix_len, priority, stops):
+        SchedulerMachine.add(self, data, prefix, suffix_len, priority, stops)
+
+    @precondition(lambda self: not self.h.queue)
+    @rule()
+    def schedule(self):
+        if self.h.schedule() is None:
+            self.h.update()  # only cancellation reports can remain
+            assert not self.h.live(), f"schedule() returned None with live {self.h.live()}"
+
+    @precondition(lambda self: len(self.h.queue) == 1)
+    @rule()
+    def schedule_ahead(self):
+        self.h.schedule_ahead()
+
+    @precondition(lambda self: bool(self.h.queue))
+    @rule()
+    def update(self):
+        self.h.update()
+
+    @rule(ahead=st.booleans())
+    def misuse(self, ahead):
+        """schedule() / schedule_ahead() in any state: refused unless allowed (checked)."""
+        if ahead:
+            self.h.schedule_ahead()
+        elif not self.h.queue:
+            self.schedule()
+        else:
+            self.h.schedule()
+
+    @rule(n=st.integers(1, 8))
+    def pipeline(self, n):
+        """n pipelined steps: keep one plan ahead, update the oldest."""
+        for _ in range(n):
+            if not self.h.queue:
+                if self.h.schedule() is None:
+                    self.h.update()
+                    return
+            if len(self.h.queue) == 1:
+                self.h.schedule_ahead()
+            self.h.update()
+
+    @rule(which=st.integers(0, 60))
+    def cancel(self, which):
+        """Cancel a known request (any state, also finished), or an unknown id."""
+        if which > 30:
+            return
+        ids = list(self.h.specs)
+        rid = ids[which % len(ids)] if ids and which < 28 else f"nope{which}"
+        self.h.cancel(rid)
+
+    @invariant()
+    def invariants(self):
+        if self.h is not None:
+            self.h.check_state()
+
+    def teardown(self):
+        if self.h is None:
+            return
+        self.h.drain(ahead=True)
+        self.h.check_outputs()
+
+
+class InFlightFullMachine(InFlightMachine):
+    layer_types = (FULL, FULL)
+
+
+class InFlightSharedOffloadMachine(InFlightMachine):
+    layer_types = (FULL,)
+    sharing = st.just(True)
+    offload = st.sampled_from([1, 3, 8])
+
+
+class InFlightSlidingMachine(InFlightMachine):
+    layer_types = (SLIDING, SLIDING)
+
+
+class InFlightHybridMachine(InFlightMachine):
+    layer_types = (SLIDING, FULL, SLIDING)
+
+
+class InFlightCacheBudgetMachine(InFlightMachine):
+    layer_types = (FULL,)
+    cache_budget = st.sampled_from([16, 40, 100])
+
+
 TestFullAttention = FullAttentionMachine.TestCase
 TestFullSharedOffload = FullSharedOffloadMachine.TestCase
 TestSliding = SlidingMachine.TestCase
 TestHybrid = HybridMachine.TestCase
 TestCacheBudget = CacheBudgetMachine.TestCase
-for _t in (TestFullAttention, TestFullSharedOffload, TestSliding, TestHybrid, TestCacheBudget):
+TestInFlightFull = InFlightFullMachine.TestCase
+TestInFlightSharedOffload = InFlightSharedOffloadMachine.TestCase
+TestInFlightSliding = InFlightSlidingMachine.TestCase
+TestInFlightHybrid = InFlightHybridMachine.TestCase
+TestInFlightCacheBudget = InFlightCacheBudgetMachine.TestCase
+for _t in (TestFullAttention, TestFullSharedOffload, TestSliding, TestHybrid, TestCacheBudget,
+           TestInFlightFull, TestInFlightSharedOffload, TestInFlightSliding, TestInFlightHybrid,
+           TestInFlightCacheBudget):
     _t.settings = settings.get_profile("sched")
 del _t

@@ -108,10 +108,12 @@ fn names_list(
 
 /// One step of work for the model runner (ARCHITECTURE.md §3). Attributes: `request_ids`
 /// (list[str], B), int32 arrays `input_ids` [T], `positions` [T], `cu_seqlens_q` [B+1],
-/// `seqlens_k` [B], `logits_indices` [N], `logits_rows` [N], dicts keyed by attention type
-/// `slot_mapping` ([T] each) and `block_tables` ([B, W] each), `swap_out` [n, 2]
-/// (device chunk, swap slot), `swap_in` [n, 2] (swap slot, device chunk), and the ints
-/// `num_rows`, `num_tokens`, `num_sampled`, `page_size`.
+/// `seqlens_k` [B], `logits_indices` [N], `logits_rows` [N], `prev_token_index` [T], dicts
+/// keyed by attention type `slot_mapping` ([T] each) and `block_tables` ([B, W] each),
+/// `swap_out` [n, 2] (device chunk, swap slot), `swap_in` [n, 2] (swap slot, device chunk),
+/// the ints `num_rows`, `num_tokens`, `num_sampled`, `page_size`, and `ahead` (bool: built by
+/// `schedule_ahead()`; its `prev_token_index` >= 0 entries take their input id from the
+/// previous plan's sampled tokens).
 ///
 /// The plan owns its data (copied out of the scheduler's buffers, which a steady decode
 /// step advances in place; the copy reuses recycled buffers); each attribute's Python
@@ -140,10 +142,36 @@ pub struct StepPlan {
     block_tables_c: PyOnceLock<Py<PyDict>>,
     swap_out_c: PyOnceLock<Py<PyArray2<i32>>>,
     swap_in_c: PyOnceLock<Py<PyArray2<i32>>>,
+    prev_token_index_c: PyOnceLock<Py<PyArray1<i32>>>,
 }
 
 #[pymethods]
 impl StepPlan {
+    /// int32 [T]: -1 where `input_ids` holds the token id; else the index, in the previous
+    /// plan's `logits_indices` order, of the previous plan's sampled token that is this
+    /// token's input id (`input_ids` holds 0 there). All -1 for plans from `schedule()`.
+    #[getter]
+    fn prev_token_index(&self, py: Python<'_>) -> Py<PyArray1<i32>> {
+        lazy_get!(self, py, prev_token_index_c, {
+            if self.d.prev_token_index.is_empty() {
+                let a = PyArray1::<i32>::zeros(py, self.num_tokens, false);
+                if self.num_tokens > 0 {
+                    a.readwrite()
+                        .as_slice_mut()
+                        .expect("fresh C-contiguous array")
+                        .fill(-1);
+                }
+                a.unbind()
+            } else {
+                arr1(py, &self.d.prev_token_index).unbind()
+            }
+        })
+    }
+    /// True for plans from `schedule_ahead()`.
+    #[getter]
+    fn ahead(&self) -> bool {
+        self.d.ahead
+    }
     #[getter]
     fn request_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
         names_list(py, &self.request_ids_c, &self.names)
@@ -244,12 +272,13 @@ impl StepPlan {
     }
     fn __repr__(&self) -> String {
         format!(
-            "StepPlan(rows={}, tokens={}, sampled={}, swap_out={}, swap_in={})",
+            "StepPlan(rows={}, tokens={}, sampled={}, swap_out={}, swap_in={}{})",
             self.num_rows,
             self.num_tokens,
             self.num_sampled,
             self.d.swap_out.len() / 2,
-            self.d.swap_in.len() / 2
+            self.d.swap_in.len() / 2,
+            if self.d.ahead { ", ahead=True" } else { "" }
         )
     }
 }
@@ -527,7 +556,9 @@ impl NameCache {
 /// stop_token_ids=(), priority=0, stop_sequences=())` (ValueError naming the field for a
 /// duplicate id, an empty prompt, `max_new_tokens < 1`, an empty stop sequence, or a request
 /// that could never fit the pool / the cache-read budget); `schedule() -> StepPlan | None`;
-/// `update(sampled_token_ids) -> StepOutput`; `cancel(request_id) -> bool`;
+/// `schedule_ahead() -> StepPlan | None` (one step ahead of the outstanding plan, for async
+/// batching); `update(sampled_token_ids) -> StepOutput` (applies to the oldest outstanding
+/// plan); properties `num_outstanding` (int) and `has_outstanding_plan` (bool); `cancel(request_id) -> bool`;
 /// `has_unfinished() -> bool` (also true while a cancellation is unreported: if schedule()
 /// returns None then, call `update(())` to get the report); `stats() -> dict`;
 /// `check_invariants()` (RuntimeError naming the broken invariant); `snapshot() -> dict`.
@@ -535,14 +566,21 @@ impl NameCache {
 /// `snapshot()` returns a dict for outside checks:
 /// * `"num_blocks"`, `"page_size"`, `"ring_size"` (R, 0 without sliding layers),
 ///   `"sliding_window"`, `"prefix_caching"` (bool), `"safety_margin"` (effective),
-///   `"outstanding"` (bool: a plan awaits update()),
+///   `"outstanding"` (bool: a plan awaits update()), `"num_outstanding"` (0, 1 or 2),
 /// * `"refcounts"`: list[int] of length num_blocks + 2 (chunk id -> references held),
 /// * `"free_chunks"`: list[int] of uninitialized free chunks,
 /// * `"cached_chunks"`: list[int] of free chunks that keep a hashed block, eviction order
 ///   (first = reclaimed first),
 /// * `"hashed_chunks"`: list[int] of every chunk registered in the prefix table,
-/// * `"swap_free_slots"`: list[int]; `"swap_deferred_slots"`: slots read by the outstanding
-///   plan's swap-in (released by the next update()),
+/// * `"swap_free_slots"`: list[int]; `"swap_deferred_slots"`: slots held for outstanding
+///   plans (read by their swap-in, or written by their swap-out for a request cancelled
+///   since; released by those plans' update()),
+/// * `"deferred_chunks"`: list[int], one entry per chunk reference held for an outstanding
+///   plan rather than by a request (chunks of requests that finished or were cancelled
+///   while a plan using them was outstanding, and pinned swap-out sources; freed by that
+///   plan's update()). Chunk lifetime: every chunk an outstanding plan references has
+///   refcount > 0, except the swap-out sources of a plan that is the only one outstanding
+///   (it released them itself; `schedule_ahead()` pins them),
 /// * `"requests"`: {request_id: {"state": "waiting"|"prefilling"|"decoding"|"swapped",
 ///   "num_computed_tokens", "num_tokens", "num_prompt_tokens", "num_generated_tokens",
 ///   "priority", "arrival", "blocks": {"full_attention": [...], "sliding_attention": [...]}
@@ -564,6 +602,46 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// The plan just built, copied out as a Python `StepPlan`.
+    fn export(
+        &mut self,
+        py: Python<'_>,
+        num_rows: usize,
+        num_tokens: usize,
+        num_sampled: usize,
+    ) -> PyResult<StepPlan> {
+        let row_names = self.plan_names.get_or_same(
+            py,
+            self.inner.plan_repeats_rows(),
+            self.inner.plan().rows.iter().map(|r| r.req),
+            &self.names,
+            &self.gens,
+        )?;
+        let mut d = self.recycle.take_plan();
+        self.inner.export_plan(&mut d);
+        Ok(StepPlan {
+            d,
+            recycle: self.recycle.clone(),
+            names: row_names,
+            num_rows,
+            num_tokens,
+            num_sampled,
+            page_size: self.inner.config().page_size,
+            request_ids_c: PyOnceLock::new(),
+            input_ids_c: PyOnceLock::new(),
+            positions_c: PyOnceLock::new(),
+            cu_seqlens_q_c: PyOnceLock::new(),
+            seqlens_k_c: PyOnceLock::new(),
+            logits_indices_c: PyOnceLock::new(),
+            logits_rows_c: PyOnceLock::new(),
+            slot_mapping_c: PyOnceLock::new(),
+            block_tables_c: PyOnceLock::new(),
+            swap_out_c: PyOnceLock::new(),
+            swap_in_c: PyOnceLock::new(),
+            prev_token_index_c: PyOnceLock::new(),
+        })
+    }
+
     fn name<'py>(&self, py: Python<'py>, idx: u32) -> &Bound<'py, PyString> {
         self.names[idx as usize]
             .as_ref()
@@ -695,43 +773,43 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         Ok(())
     }
 
-    /// Plan the next step: a StepPlan, or None when nothing can run.
+    /// Plan the next step: a StepPlan, or None when nothing can run. RuntimeError while a
+    /// plan is outstanding.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<StepPlan>> {
         let (num_rows, num_tokens, num_sampled) = match self.inner.schedule().map_err(to_py)? {
             Some(p) => (p.num_rows(), p.num_tokens(), p.num_sampled()),
             None => return Ok(None),
         };
-        let row_names = self.plan_names.get_or_same(
-            py,
-            self.inner.plan_repeats_rows(),
-            self.inner.plan().rows.iter().map(|r| r.req),
-            &self.names,
-            &self.gens,
-        )?;
-        let mut d = self.recycle.take_plan();
-        self.inner.export_plan(&mut d);
-        Ok(Some(StepPlan {
-            d,
-            recycle: self.recycle.clone(),
-            names: row_names,
-            num_rows,
-            num_tokens,
-            num_sampled,
-            page_size: self.inner.config().page_size,
-            request_ids_c: PyOnceLock::new(),
-            input_ids_c: PyOnceLock::new(),
-            positions_c: PyOnceLock::new(),
-            cu_seqlens_q_c: PyOnceLock::new(),
-            seqlens_k_c: PyOnceLock::new(),
-            logits_indices_c: PyOnceLock::new(),
-            logits_rows_c: PyOnceLock::new(),
-            slot_mapping_c: PyOnceLock::new(),
-            block_tables_c: PyOnceLock::new(),
-            swap_out_c: PyOnceLock::new(),
-            swap_in_c: PyOnceLock::new(),
-        }))
+        self.export(py, num_rows, num_tokens, num_sampled).map(Some)
     }
 
+    /// Plan the step after the outstanding one before its sampled tokens are known (async
+    /// batching): a StepPlan with `ahead=True`, or None when no row fits (then `update()`
+    /// the outstanding plan and go back to `schedule()`). Needs exactly one outstanding plan
+    /// (RuntimeError otherwise). Requests sampled by the outstanding plan get one-token rows
+    /// whose input id is their pending token (`prev_token_index`); those whose finish is
+    /// certain (`max_new_tokens` reached by it) are left out. Never preempts or swaps; may
+    /// admit new requests. `update()` always applies to the oldest outstanding plan.
+    fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<StepPlan>> {
+        let (num_rows, num_tokens, num_sampled) =
+            match self.inner.schedule_ahead().map_err(to_py)? {
+                Some(p) => (p.num_rows(), p.num_tokens(), p.num_sampled()),
+                None => return Ok(None),
+            };
+        self.export(py, num_rows, num_tokens, num_sampled).map(Some)
+    }
+
+    /// Outstanding plans (0, 1 or 2): scheduled, not yet updated.
+    #[getter]
+    fn num_outstanding(&self) -> usize {
+        self.inner.num_outstanding()
+    }
+
+    /// Whether a plan awaits `update()`.
+    #[getter]
+    fn has_outstanding_plan(&self) -> bool {
+        self.inner.has_outstanding_plan()
+    }
     /// Apply one sampled token per `logits_indices` entry (int32 numpy array or int
     /// sequence). Without an outstanding plan, `update(())` reports pending cancellations.
     fn update(
@@ -872,6 +950,8 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         d.set_item("prefix_caching", s.prefix_caching())?;
         d.set_item("safety_margin", s.safety_margin())?;
         d.set_item("outstanding", s.has_outstanding_plan())?;
+        d.set_item("num_outstanding", s.num_outstanding())?;
+        d.set_item("deferred_chunks", s.deferred_chunks())?;
         d.set_item("refcounts", pool.refcounts())?;
         d.set_item("free_chunks", pool.uninit_chunks())?;
         d.set_item("cached_chunks", pool.cached_chunks())?;
