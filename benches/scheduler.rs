@@ -4,6 +4,9 @@
 //!   requests, N = 64, 256, 1024, 4096, page_size 32. Requests (128-token prompts) are
 //!   prefilled before timing and never finish while timed; a scheduler is rebuilt, outside the
 //!   timed region, every 256 steps, so contexts stay between 128 and 384 tokens.
+//! * `decode_step_ahead/N`: the same decode steady state pipelined as an async engine runs
+//!   it: one `schedule_ahead()` + one `update()` (of the oldest plan) per step, with two
+//!   plans outstanding between the calls (N = 1024).
 //! * `prefill_heavy`: every step is a full `max_batch_tokens` of fresh prompt tokens
 //!   (16 distinct 512-token prompts per step, chunked, hashed, then finished after one token);
 //!   new requests are added to keep the queue full (the adds are part of the timed step).
@@ -123,6 +126,50 @@ fn bench_decode(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_decode_ahead(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_ahead");
+    {
+        let n = 1024usize;
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |bch, &n| {
+            let toks = vec![7i32; n];
+            let fresh = |n| {
+                let mut s = decode_scheduler(n);
+                s.schedule().expect("schedule").expect("plan");
+                s
+            };
+            let mut s = fresh(n);
+            let mut left = STEPS_PER_INSTANCE - 8;
+            bch.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut todo = iters as usize;
+                while todo > 0 {
+                    if left == 0 {
+                        s = fresh(n); // not timed
+                        left = STEPS_PER_INSTANCE - 8;
+                    }
+                    let k = todo.min(left);
+                    let t0 = Instant::now();
+                    for _ in 0..k {
+                        let plan = s.schedule_ahead().expect("ahead").expect("plan");
+                        debug_assert_eq!(plan.num_sampled(), n);
+                        black_box(plan.input_ids.as_ptr());
+                        let out = s.update(&toks).expect("update");
+                        black_box(out.len());
+                    }
+                    total += t0.elapsed();
+                    todo -= k;
+                    left -= k;
+                }
+                total
+            });
+            let st = s.stats();
+            assert_eq!(st.running, n, "requests finished during the bench");
+        });
+    }
+    g.finish();
+}
+
 /// Keeps `queue` requests waiting; every step prefills `max_batch_tokens` fresh tokens.
 fn bench_prefill_heavy(c: &mut Criterion) {
     const LEN: usize = 512;
@@ -216,6 +263,7 @@ fn bench_prefix_churn(c: &mut Criterion) {
 criterion_group!(
     benches,
     bench_decode,
+    bench_decode_ahead,
     bench_prefill_heavy,
     bench_prefix_churn
 );

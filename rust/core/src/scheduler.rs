@@ -18,7 +18,14 @@
 //!
 //! `update()` advances every row, appends sampled tokens, checks stop conditions, registers
 //! newly full computed blocks in the prefix cache, frees finished requests and returns the
-//! deltas. Only one plan may be outstanding.
+//! deltas.
+//!
+//! # One plan ahead
+//! `schedule()` needs no plan outstanding. `schedule_ahead()` needs exactly one and plans the
+//! step after it before its tokens are known (placeholders + `prev_token_index`, no
+//! preemption); `update()` applies to the oldest outstanding plan. Chunk lifetime: no chunk
+//! referenced by an outstanding plan is freed, evicted or reallocated while it is outstanding
+//! (frees of requests it references are deferred to its update; see `schedule_ahead`).
 //!
 //! # Deadlock freedom
 //! `add_request` rejects anything whose whole lifetime (`prompt + max_new_tokens - 1`
