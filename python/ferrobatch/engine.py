@@ -524,6 +524,9 @@ class Engine:
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
         )
+        graph_stats = getattr(self.runner, "graph_stats", None)
+        if graph_stats is not None:
+            out["cuda_graphs"] = graph_stats()
         out.setdefault("num_blocks", self.num_blocks)
         out.setdefault("cpu_offload_blocks", self.cpu_offload_blocks)
         used = sched_stats.get("num_used_blocks")
