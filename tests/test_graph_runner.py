@@ -33,12 +33,17 @@ def _with_prev_index(plan, prev_index: np.ndarray, placeholder: int = 0):
                            **fields)
 
 
-@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("backend", [None, "torch", "padded"])
 def test_input_ids_from_previous_samples(backend):
     """A decode plan whose input ids are placeholders filled from `prev_tokens` gives the
-    logits of the plan with the real ids; without prev_tokens it is refused."""
+    logits of the plan with the real ids; without prev_tokens it is refused. "padded": the
+    decode steps go through the graph path (ids filled into the static inputs)."""
     model = tm.llama()
-    runner = ModelRunner(model, num_blocks=64, page_size=4, attention_backend=backend)
+    if backend == "padded":
+        runner = _padded_runner(model, num_blocks=64)
+        backend = None
+    else:
+        runner = ModelRunner(model, num_blocks=64, page_size=4, attention_backend=backend)
     ref = ModelRunner(model, num_blocks=64, page_size=4, attention_backend=backend)
     planner = RefPlanner(page_size=4, num_blocks=64, layer_types=runner.layer_types,
                          sliding_window=None)
@@ -70,6 +75,8 @@ def test_input_ids_from_previous_samples(backend):
     fake2 = _with_prev_index(plan2, np.full(3, -1))
     torch.testing.assert_close(runner.execute(fake2, prev_tokens=sampled),
                                ref.execute(plan2), atol=1e-5, rtol=1e-5)
+    if runner._graphs is not None:
+        assert runner.graph_stats()["graph_steps"] == 2
     runner.close()
     ref.close()
 
