@@ -809,6 +809,8 @@ def section_offload(args: argparse.Namespace, dev: torch.device) -> dict[str, An
             "cpu_offload_blocks", "steps")
     res = {k: stats.get(k) for k in keys}
     res["blocks_needed_unconstrained"] = need
+    res["engine_modes"] = {k: stats.get(k) for k in (
+        "use_cuda_graph", "async_batching", "attention_backend", "cuda_graphs")}
     res["agreement_with_unconstrained"] = agreement(free_out, off_out)
     res["ok"] = bool(stats.get("num_offloads")) and res["agreement_with_unconstrained"][
         "requests"] == 1.0
