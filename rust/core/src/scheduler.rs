@@ -180,6 +180,9 @@ struct Flight {
     /// update made while it was outstanding): its update takes the general path, which
     /// skips them.
     dead_rows: bool,
+    /// The plan has the rows (requests, order) of the plan built just before it, so its
+    /// update's deltas repeat the previous update's requests (`output_repeats_requests`).
+    repeats: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -719,7 +722,12 @@ impl Scheduler {
             rows: self.cfg.max_requests_per_batch,
             cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
         };
-        let steady = std::mem::take(&mut self.steady_ready) && self.advance_steady(&mut b);
+        let steady = std::mem::take(&mut self.steady_ready) && self.advance_steady::<false>(&mut b);
+        if steady && self.plan.ahead {
+            // Advanced from an ahead plan: every input id is known now.
+            self.plan.ahead = false;
+            self.plan.prev_token_index.clear();
+        }
         // Rows `..from` were advanced in place (all their columns written).
         let from = if steady { self.plan.rows.len() } else { 0 };
         if !steady {
@@ -755,6 +763,7 @@ impl Scheduler {
                 && p.logits_indices.len() == n
                 && p.rows.iter().zip(&self.running).all(|(r, &i)| r.req == i);
         self.repeated_rows = steady && n == from;
+        self.cur.repeats = self.repeated_rows;
         Ok(Some(&self.plan))
     }
 
@@ -818,6 +827,63 @@ impl Scheduler {
                 self.cur.chunks.push(c);
             }
         }
+        self.ahead_tokens.clear();
+        // Steady decode: the outstanding plan is one sampled token for every running
+        // request, in running order, and none of them is certain to finish: keep a copy of
+        // it for its update and advance it in place, one token further (like `schedule()`).
+        let n = self.plan.rows.len();
+        let steady = self.steady_plan
+            && self.running.len() == n
+            && self.plan.rows.iter().zip(&self.running).all(|(row, &i)| {
+                let r = self.reqs[i as usize].as_ref().expect("live");
+                row.req == i && r.num_generated() + 1 < r.max_new_tokens
+            })
+            && {
+                self.plan.copy_arrays_to(&mut self.prev_plan);
+                self.prev_plan.rows.clone_from(&self.plan.rows);
+                self.advance_steady::<true>(&mut b)
+            };
+        let from = if steady {
+            let p = &mut self.plan;
+            p.ahead = true;
+            p.prev_token_index.clear();
+            p.prev_token_index.extend(0..n as i32);
+            n
+        } else {
+            self.place_ahead_rows(&mut b);
+            0
+        };
+        self.admit_ahead(&mut b);
+        if self.plan.rows.is_empty() {
+            std::mem::swap(&mut self.plan, &mut self.prev_plan);
+            return Ok(None);
+        }
+        Self::fill_row_arrays(&mut self.plan, from);
+        self.build_block_tables(from);
+        let p = &mut self.plan;
+        p.prev_token_index.resize(p.input_ids.len(), -1);
+        for &(t, j) in &self.ahead_tokens {
+            p.prev_token_index[t as usize] = j;
+        }
+        // `cur` (the outstanding plan's flight) becomes `old`; `old` was settled: empty.
+        debug_assert!(self.old.chunks.is_empty() && self.old.slots.is_empty());
+        std::mem::swap(&mut self.old, &mut self.cur);
+        let rows = self.plan.rows.len();
+        self.cur.step = self.step;
+        self.cur.sampled = self.plan.logits_indices.len();
+        self.outstanding = 2;
+        // Advanced in place with nothing appended: still every running request, in order.
+        self.steady_plan = steady && rows == from;
+        self.repeated_rows = self.steady_plan;
+        self.cur.repeats = self.repeated_rows;
+        self.stats.steps += 1;
+        Ok(Some(&self.plan))
+    }
+
+    /// General path of `schedule_ahead()` phase 1: the running requests, from where the
+    /// outstanding plan leaves them, into a fresh plan (the outstanding one moves to
+    /// `prev_plan`).
+    fn place_ahead_rows(&mut self, b: &mut Budget) {
         self.row_of.clear();
         self.row_of.resize(self.reqs.len(), u32::MAX);
         for (ri, row) in self.plan.rows.iter().enumerate() {
@@ -827,7 +893,6 @@ impl Scheduler {
         std::mem::swap(&mut self.plan, &mut self.prev_plan);
         self.plan.clear();
         self.plan.ahead = true;
-        self.ahead_tokens.clear();
         let mut order = std::mem::take(&mut self.order_buf);
         order.clear();
         order.extend_from_slice(&self.running);
@@ -869,11 +934,14 @@ impl Scheduler {
                 if pending.is_some() && r.num_generated() + 1 >= r.max_new_tokens {
                     continue; // the pending token finishes it (length)
                 }
-                self.place_ahead(idx, start, pending, &mut b);
+                self.place_ahead(idx, start, pending, b);
             }
         }
         self.order_buf = order;
-        // New requests (no swap-in in ahead mode).
+    }
+
+    /// `schedule_ahead()` phase 2: new requests (no swap-in in ahead mode).
+    fn admit_ahead(&mut self, b: &mut Budget) {
         loop {
             if b.rows == 0 || b.tokens == 0 {
                 break;
@@ -889,30 +957,10 @@ impl Scheduler {
             {
                 break;
             }
-            if !self.admit_new(iw, &mut b) {
+            if !self.admit_new(iw, b) {
                 break;
             }
         }
-        if self.plan.rows.is_empty() {
-            std::mem::swap(&mut self.plan, &mut self.prev_plan);
-            return Ok(None);
-        }
-        Self::fill_row_arrays(&mut self.plan, 0);
-        self.build_block_tables(0);
-        let p = &mut self.plan;
-        p.prev_token_index.resize(p.input_ids.len(), -1);
-        for &(t, j) in &self.ahead_tokens {
-            p.prev_token_index[t as usize] = j;
-        }
-        // `cur` (the outstanding plan's flight) becomes `old`; `old` was settled: empty.
-        debug_assert!(self.old.chunks.is_empty() && self.old.slots.is_empty());
-        std::mem::swap(&mut self.old, &mut self.cur);
-        self.cur.step = self.step;
-        self.cur.sampled = self.plan.logits_indices.len();
-        self.outstanding = 2;
-        self.steady_plan = false;
-        self.stats.steps += 1;
-        Ok(Some(&self.plan))
     }
 
     /// Place a running request in an ahead plan from `start` (its progress once the
@@ -1034,7 +1082,11 @@ impl Scheduler {
     /// cu_seqlens_q / logits_* are unchanged. Returns false, having changed nothing, when
     /// the step is not that simple (the pool may run short, the cache-read budget binds).
     /// Admission then runs as usual and appends its rows.
-    fn advance_steady(&mut self, b: &mut Budget) -> bool {
+    ///
+    /// With `AHEAD` (from `schedule_ahead()`, the plan being the outstanding one): each row
+    /// continues after its pending token, which is its input (a placeholder 0; the caller
+    /// writes `prev_token_index`).
+    fn advance_steady<const AHEAD: bool>(&mut self, b: &mut Budget) -> bool {
         let n = self.plan.rows.len();
         if !self.steady_plan || self.pool.num_free() < n || n > b.rows.min(b.tokens) {
             return false;
@@ -1062,15 +1114,21 @@ impl Scheduler {
         );
         for (i, row) in p.rows.iter_mut().enumerate() {
             let r = self.reqs[row.req as usize].as_mut().expect("live");
-            let start = r.num_computed;
-            debug_assert!(
+            let start = if AHEAD {
+                row.start as usize + 1
+            } else {
+                r.num_computed
+            };
+            debug_assert!(if AHEAD {
+                row.q == 1 && row.sampled && start == r.tokens.len()
+            } else {
                 r.state == RequestState::Decoding
                     && start == row.start as usize + 1
                     && start + 1 == r.tokens.len()
-            );
+            });
             row.start = start as u32;
             r.touched_step = step;
-            p.input_ids[i] = r.last_token as i32;
+            p.input_ids[i] = if AHEAD { 0 } else { r.last_token as i32 };
             p.positions[i] = start as i32;
             p.seqlens_k[i] = start as i32 + 1;
             // Blocks cover exactly the cached tokens, so the token starts a new block iff
@@ -1572,7 +1630,7 @@ impl Scheduler {
             )));
         }
         // The forward (and copies) of this plan are done: settle what it held.
-        let (upd_step, dead_rows) = if two {
+        let (upd_step, (dead_rows, repeats)) = if two {
             (self.old.step, self.settle(false))
         } else {
             (self.cur.step, self.settle(true))
@@ -1642,7 +1700,7 @@ impl Scheduler {
             }
             self.steady_ready = self.steady_plan && !any_finished && !two;
             self.bulk_update = true;
-            self.out_repeats = prev_bulk && self.repeated_rows;
+            self.out_repeats = prev_bulk && repeats;
         } else if self.outstanding > 0 {
             self.out.reserve(rows.len() + self.pending_cancel.len());
             for (ri, &row) in rows.iter().enumerate() {
@@ -1704,17 +1762,20 @@ impl Scheduler {
     }
 
     /// Free what the oldest outstanding flight held (`newest`: it is `cur`, the only one);
-    /// returns (and clears) its `dead_rows`.
-    fn settle(&mut self, newest: bool) -> bool {
+    /// returns (and clears) its `(dead_rows, repeats)`.
+    fn settle(&mut self, newest: bool) -> (bool, bool) {
         let f = if newest { &mut self.cur } else { &mut self.old };
-        let dead = std::mem::take(&mut f.dead_rows);
+        let flags = (
+            std::mem::take(&mut f.dead_rows),
+            std::mem::take(&mut f.repeats),
+        );
         for s in f.slots.drain(..) {
             self.swap.release(s);
         }
         for c in f.chunks.drain(..) {
             self.pool.free(c);
         }
-        dead
+        flags
     }
 
     /// Offer the request's newly full computed blocks to the prefix cache.

@@ -870,3 +870,69 @@ fn ahead_prefix_hits_only_registered_blocks() {
     run(&mut s, 1);
     assert_eq!(s.stats().num_used_blocks, 0);
 }
+
+#[test]
+fn steady_decode_ahead_advances_in_place_and_falls_back() {
+    // Page 4, three decoding requests: pipelined steps cross block boundaries.
+    let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+    for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
+        let mut st = eos_stop(40, 9);
+        st.max_new_tokens = 40;
+        s.add_request(id, vec![10 + i as u32; 3 + i], st, 0)
+            .unwrap();
+    }
+    s.schedule().unwrap().unwrap();
+    s.update(&[1, 1, 1]).unwrap();
+    // A steady decode plan outstanding: schedule_ahead advances it in place.
+    s.schedule().unwrap().unwrap();
+    let mut next_tok = 2;
+    let mut prev_pos: Vec<i32> = s.plan().positions.clone();
+    for step in 0..10 {
+        let p = s.schedule_ahead().unwrap().unwrap().clone();
+        assert!(s.plan_repeats_rows(), "step {step}: steady ahead path");
+        assert_eq!(p.prev_token_index, vec![0, 1, 2]);
+        assert_eq!(p.input_ids, vec![0, 0, 0]);
+        assert_eq!(
+            p.positions,
+            prev_pos.iter().map(|x| x + 1).collect::<Vec<_>>()
+        );
+        prev_pos = p.positions.clone();
+        s.check_invariants().unwrap();
+        let out = s.update(&[next_tok; 3]).unwrap().clone();
+        assert_eq!(out.token_ids, vec![next_tok; 3]);
+        next_tok += 1;
+        if next_tok == 9 {
+            next_tok = 10; // not EOS yet
+        }
+    }
+    // b stops (EOS) in the oldest plan: its row in the newer one is dead, the next ahead
+    // plan is built by the general path without b.
+    s.schedule_ahead().unwrap().unwrap();
+    let out = s.update(&[5, 9, 5]).unwrap().clone();
+    assert_eq!(out.finish_reasons[1], Some(FinishReason::Stop));
+    s.check_invariants().unwrap();
+    let p = s.schedule_ahead().unwrap().unwrap().clone();
+    assert!(!s.plan_repeats_rows());
+    assert_eq!(p.num_rows(), 2);
+    assert_eq!(
+        p.prev_token_index,
+        vec![0, 2],
+        "a and c's tokens of the plan with b"
+    );
+    let out = s.update(&[6, 6, 6]).unwrap().clone();
+    assert_eq!(out.len(), 2, "b's row dropped");
+    s.update(&[7, 7]).unwrap();
+    // Back to schedule(): known tokens, no placeholders.
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert!(!p.ahead && p.prev_token_index.is_empty());
+    assert_eq!(p.input_ids, vec![7, 7]);
+    s.update(&[8, 8]).unwrap();
+    // The in-place sync advance from a plan that followed an ahead plan.
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert!(s.plan_repeats_rows());
+    assert_eq!(p.input_ids, vec![8, 8]);
+    s.check_invariants().unwrap();
+    s.update(&[1, 1]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}

@@ -93,6 +93,8 @@ pub struct Sim {
     virt: HashMap<String, Vec<u32>>,
     /// Ahead plans launched.
     pub ahead_steps: usize,
+    /// ... of which advanced the outstanding plan in place (steady decode).
+    pub steady_ahead: usize,
 }
 
 /// A plan whose forward ran, awaiting its update.
@@ -131,6 +133,7 @@ impl Sim {
             queue: VecDeque::new(),
             virt: HashMap::new(),
             ahead_steps: 0,
+            steady_ahead: 0,
         }
     }
 
@@ -239,6 +242,7 @@ impl Sim {
             assert!(plan.prev_token_index.iter().all(|&j| j == -1));
         } else {
             self.ahead_steps += 1;
+            self.steady_ahead += self.s.plan_repeats_rows() as usize;
             assert!(
                 plan.swap_out.is_empty() && plan.swap_in.is_empty(),
                 "ahead plans never swap"
@@ -720,6 +724,7 @@ fn ahead_pipeline_matches_reference() {
     let mut c = SchedulerConfig::new(40, 4, 64);
     c.max_batch_cache_tokens = Some(60);
     cases.push(c);
+    let mut steady = 0;
     for (k, cfg) in cases.into_iter().enumerate() {
         let mut specs = workload(12, 20 + k as u64, 9);
         for (i, sp) in specs.iter_mut().enumerate() {
@@ -733,7 +738,9 @@ fn ahead_pipeline_matches_reference() {
         let sim = run_all_ahead(cfg, &specs);
         let st = sim.s.stats();
         assert_eq!(st.num_used_blocks, 0);
+        steady += sim.steady_ahead;
     }
+    assert!(steady > 0, "the steady in-place ahead path never ran");
 }
 
 #[derive(Clone, Debug)]
