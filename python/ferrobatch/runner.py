@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from . import attention
+from .greedy_head import GreedyHead
 from .kv_cache import PagedKVCache
 from .models import layer_types_of, sliding_window_of, text_config
+from .sampling import _argmax_rows
 
 logger = logging.getLogger("ferrobatch")
 
@@ -113,6 +115,9 @@ class ModelRunner:
         if self._split_head:
             self._use_head_packed = self._packed_head_wins()
             self._use_head_wt = not self._use_head_packed and self._transposed_head_wins()
+        self._greedy_head = self._make_greedy_head()
+        # execute_greedy screens the vocabulary instead of computing every fp32 logit
+        self.fast_greedy: bool = self._greedy_head is not None
         self._closed = False
         self._graphs: Any = None  # GraphCache when padded (graph) steps are on
         self._graph_mode: str | None = None
@@ -407,6 +412,32 @@ class ModelRunner:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits
 
+    def _make_greedy_head(self) -> GreedyHead | None:
+        """The bounded bf16 screen of `ferrobatch.greedy_head` for greedy rows, when the
+        head is a plain fp32 CPU `nn.Linear` (no bias, scale or softcap) and the screen agrees
+        with the fp32 argmax and is clearly faster here; else None."""
+        head = self._head
+        if not (
+            self._split_head
+            and type(head) is torch.nn.Linear
+            and head.bias is None
+            and self.device.type == "cpu"
+            and self._logit_scale is None
+            and self._logits_scaling is None
+            and not self._final_softcap
+            and GreedyHead.supported(head.weight)
+        ):
+            return None
+        greedy = GreedyHead(head.weight)
+        return greedy if greedy.wins() else None
+
+    def execute_greedy(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy next tokens [N] (int64, CPU) of `plan`'s sampled tokens: the argmax (first
+        maximum) of the logits `execute` returns, without those logits when `fast_greedy`
+        (bounded bf16 screen + fp32 rescoring of the candidates)."""
+        out = self.execute(plan, prev_tokens, _greedy=True)
+        return out if out.dtype == torch.int64 else _argmax_rows(out)
+
     def _check_split_head(self) -> bool:
         """Whether base model + output head on the sampled rows reproduces the full forward
         (checked once on a short input with the model's own attention)."""
@@ -473,7 +504,9 @@ class ModelRunner:
         prev = prev_tokens.reshape(-1).to(self.device, non_blocking=True)
         input_ids.index_copy_(0, pos, prev.index_select(0, src).to(input_ids.dtype))
 
-    def execute(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(
+        self, plan: Any, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False
+    ) -> torch.Tensor:
         """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
         tokens of `plan.logits_indices`, in that order.
 
@@ -508,9 +541,9 @@ class ModelRunner:
                     self.attention_backend, self._num_sms,
                 )
             with _eval_mode(self.model):
-                logits = self._forward(input_ids, positions, logits_indices, step)
+                logits = self._forward(input_ids, positions, logits_indices, step, _greedy)
             self._check_calls(step)
-            return logits.float()
+            return logits if logits.dtype == torch.int64 else logits.float()
 
     def _forward(
         self,
@@ -518,12 +551,19 @@ class ModelRunner:
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
         step: attention.PagedStep | attention.KernelStep,
+        greedy: bool = False,
     ) -> torch.Tensor:
+        """Logits of the sampled tokens; with `greedy` and a greedy head, their argmax
+        token ids (int64) when the screen decides."""
         kwargs = {attention.STEP_KWARG: step, "use_cache": False}
         with attention.paged_attention_enabled(self._configs, step):
             if self._split_head:
                 out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
                 hidden = out[0][0].index_select(0, logits_indices)
+                if greedy and self._greedy_head is not None:
+                    tokens = self._greedy_head.argmax(hidden)
+                    if tokens is not None:
+                        return tokens
                 return self._head_logits(hidden)
             out = self.model(
                 input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
@@ -542,6 +582,8 @@ class ModelRunner:
         self.cache = None  # type: ignore[assignment]
         self._head_wt.clear()
         self._head_packed.clear()
+        self._greedy_head = None
+        self.fast_greedy = False
 
     def __enter__(self) -> ModelRunner:
         return self

@@ -13,7 +13,7 @@ import numpy as np
 
 from ferrobatch.request import Request
 from ferrobatch.routing import OutputRouter
-from ferrobatch.sampling import Sampler
+from ferrobatch.sampling import Sampler, SampleResult
 
 __all__ = ["Stepper", "model_lock"]
 
@@ -75,12 +75,21 @@ class Stepper:
         if plan is None:
             return changed
         t0 = time.perf_counter()
-        with self.forward_lock:
-            logits = self.runner.execute(plan)
         rids = list(plan.request_ids)
         rows = np.asarray(plan.logits_rows).tolist()
         requests = self.router.requests
-        result = self.sampler(logits, [requests[rids[r]].sstate for r in rows])
+        states = [requests[rids[r]].sstate for r in rows]
+        # every sampled row plain greedy: the runner's screened argmax, no full logits
+        greedy = getattr(self.runner, "fast_greedy", False) and all(
+            s.plain_greedy for s in states
+        )
+        with self.forward_lock:
+            if greedy:
+                result = SampleResult(self.runner.execute_greedy(plan))
+            else:
+                logits = self.runner.execute(plan)
+        if not greedy:
+            result = self.sampler(logits, states)
         tokens = result.token_ids.numpy().astype(np.int32)
         step_out = self.scheduler.update(tokens)
         now = time.perf_counter()
