@@ -220,6 +220,8 @@ pub struct Scheduler {
     outstanding: u8,
     cur: Flight,
     old: Flight,
+    /// `step` of the plan the running `update()` applies.
+    upd_step: u64,
     /// `schedule_ahead()` scratch: slab index -> row of the outstanding plan (`u32::MAX`).
     row_of: Vec<u32>,
     /// `schedule_ahead()` scratch: (token index, previous sampled index) of placeholders.
@@ -356,6 +358,7 @@ impl Scheduler {
             outstanding: 0,
             cur: Flight::default(),
             old: Flight::default(),
+            upd_step: 0,
             row_of: Vec::new(),
             ahead_tokens: Vec::new(),
             out: StepOutput::default(),
@@ -1630,14 +1633,11 @@ impl Scheduler {
             )));
         }
         // The forward (and copies) of this plan are done: settle what it held.
-        let (upd_step, (dead_rows, repeats)) = if two {
-            (self.old.step, self.settle(false))
-        } else {
-            (self.cur.step, self.settle(true))
-        };
+        let dead_rows = self.settle(!two);
+        self.upd_step = if two { self.old.step } else { self.cur.step };
         if !self.to_remove.is_empty() {
             let limit = if self.outstanding > 0 {
-                upd_step
+                self.upd_step
             } else {
                 u64::MAX
             };
@@ -1657,15 +1657,13 @@ impl Scheduler {
         let prev_bulk = std::mem::take(&mut self.bulk_update);
         self.out_repeats = false;
         let page = self.cfg.page_size;
-        let mut k = 0usize;
         let mut any_finished = false;
-        let rows = std::mem::take(if two {
-            &mut self.prev_plan.rows
-        } else {
-            &mut self.plan.rows
-        });
+        if two {
+            // The rows below are the oldest plan's: swapped back after the loop.
+            std::mem::swap(&mut self.plan.rows, &mut self.prev_plan.rows);
+        }
         if self.outstanding > 0
-            && sampled.len() == rows.len()
+            && sampled.len() == self.plan.rows.len()
             && self.pending_cancel.is_empty()
             && !dead_rows
         {
@@ -1675,14 +1673,14 @@ impl Scheduler {
             // written in bulk.
             let n = sampled.len();
             let out = &mut self.out;
-            out.reqs.extend(rows.iter().map(|r| r.req));
+            out.reqs.extend(self.plan.rows.iter().map(|r| r.req));
             out.token_ids.extend_from_slice(sampled);
             out.finished.resize(n, false);
             out.finish_reasons.resize(n, None);
             out.rows.extend(0..n as i32);
             self.stats.generated_tokens += n as u64;
             for (ri, &t) in sampled.iter().enumerate() {
-                let row = rows[ri];
+                let row = self.plan.rows[ri];
                 let r = self.reqs[row.req as usize].as_mut().expect("live");
                 debug_assert!(r.state != RequestState::Finished);
                 r.num_computed = (row.start + row.q) as usize;
@@ -1695,47 +1693,26 @@ impl Scheduler {
                     self.out.finished[ri] = true;
                     self.out.finish_reasons[ri] = Some(f);
                     any_finished = true;
-                    self.finish(row.req, f, upd_step);
+                    self.finish(row.req, f);
                 }
             }
+            let two = self.outstanding == 2;
             self.steady_ready = self.steady_plan && !any_finished && !two;
             self.bulk_update = true;
+            // Plans are updated in the order they were built: the previous update was the
+            // plan built just before this one.
+            let repeats = if two {
+                self.old.repeats
+            } else {
+                self.cur.repeats
+            };
             self.out_repeats = prev_bulk && repeats;
         } else if self.outstanding > 0 {
-            self.out.reserve(rows.len() + self.pending_cancel.len());
-            for (ri, &row) in rows.iter().enumerate() {
-                let tok = if row.sampled {
-                    k += 1;
-                    Some(sampled[k - 1])
-                } else {
-                    None
-                };
-                let r = self.reqs[row.req as usize].as_mut().expect("live");
-                if r.state == RequestState::Finished {
-                    // Cancelled since the plan was built, or stopped in an earlier update.
-                    continue;
-                }
-                r.num_computed = (row.start + row.q) as usize;
-                if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
-                    self.register_blocks(row.req);
-                }
-                if let Some(t) = tok {
-                    let r = self.reqs[row.req as usize].as_mut().expect("live");
-                    r.state = RequestState::Decoding;
-                    let fin = r.append(t as Token);
-                    self.stats.generated_tokens += 1;
-                    self.out.push(row.req, t, fin, ri as i32);
-                    if let Some(f) = fin {
-                        any_finished = true;
-                        self.finish(row.req, f, upd_step);
-                    }
-                }
-            }
+            any_finished = self.update_rows(sampled);
         }
+        let two = self.outstanding == 2;
         if two {
-            self.prev_plan.rows = rows;
-        } else {
-            self.plan.rows = rows;
+            std::mem::swap(&mut self.plan.rows, &mut self.prev_plan.rows);
         }
         if any_finished {
             let reqs = &self.reqs;
@@ -1761,21 +1738,60 @@ impl Scheduler {
         Ok(&self.out)
     }
 
+    /// The general path of `update()`: rows in order, skipping those of finished requests
+    /// (cancelled since the plan was built, or stopped in an earlier update), tokens only for
+    /// sampled rows. Returns whether a request finished.
+    #[inline(never)]
+    fn update_rows(&mut self, sampled: &[i32]) -> bool {
+        let page = self.cfg.page_size;
+        let mut k = 0usize;
+        let mut any_finished = false;
+        self.out
+            .reserve(self.plan.rows.len() + self.pending_cancel.len());
+        for ri in 0..self.plan.rows.len() {
+            let row = self.plan.rows[ri];
+            let tok = if row.sampled {
+                k += 1;
+                Some(sampled[k - 1])
+            } else {
+                None
+            };
+            let r = self.reqs[row.req as usize].as_mut().expect("live");
+            if r.state == RequestState::Finished {
+                // Cancelled since the plan was built, or stopped in an earlier update.
+                continue;
+            }
+            r.num_computed = (row.start + row.q) as usize;
+            if self.prefix && r.num_computed >= (r.num_registered + 1) * page {
+                self.register_blocks(row.req);
+            }
+            if let Some(t) = tok {
+                let r = self.reqs[row.req as usize].as_mut().expect("live");
+                r.state = RequestState::Decoding;
+                let fin = r.append(t as Token);
+                self.stats.generated_tokens += 1;
+                self.out.push(row.req, t, fin, ri as i32);
+                if let Some(f) = fin {
+                    any_finished = true;
+                    self.finish(row.req, f);
+                }
+            }
+        }
+        any_finished
+    }
+
     /// Free what the oldest outstanding flight held (`newest`: it is `cur`, the only one);
-    /// returns (and clears) its `(dead_rows, repeats)`.
-    fn settle(&mut self, newest: bool) -> (bool, bool) {
+    /// returns (and clears) its `dead_rows`.
+    fn settle(&mut self, newest: bool) -> bool {
         let f = if newest { &mut self.cur } else { &mut self.old };
-        let flags = (
-            std::mem::take(&mut f.dead_rows),
-            std::mem::take(&mut f.repeats),
-        );
+        let dead = std::mem::take(&mut f.dead_rows);
         for s in f.slots.drain(..) {
             self.swap.release(s);
         }
         for c in f.chunks.drain(..) {
             self.pool.free(c);
         }
-        flags
+        dead
     }
 
     /// Offer the request's newly full computed blocks to the prefix cache.
@@ -1798,18 +1814,18 @@ impl Scheduler {
         r.num_registered = n;
     }
 
-    /// A request finished in the update of the plan built in step `upd_step`: free its
+    /// A request finished in the update of the plan built in step `self.upd_step`: free its
     /// chunks, unless a newer outstanding plan has a row of it (then they are held for that
     /// plan and freed by its update); its slab slot goes at a later update (the deltas still
     /// name it, and the newer plan's update must still see it finished).
     #[cold]
     #[inline(never)]
-    fn finish(&mut self, idx: u32, f: FinishReason, upd_step: u64) {
+    fn finish(&mut self, idx: u32, f: FinishReason) {
         let r = self.reqs[idx as usize].as_mut().expect("live");
         r.state = RequestState::Finished;
         r.finish = Some(f);
         let last = r.touched_step;
-        if last > upd_step {
+        if last > self.upd_step {
             debug_assert!(self.outstanding == 2 && last == self.cur.step);
             self.defer_chunks(idx, true);
         } else {
