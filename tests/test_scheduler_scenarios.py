@@ -799,3 +799,95 @@ def test_simulated_model_output_changes_with_a_wrong_block_table():
     h.run_to_completion()
     assert h.s.done and h.read_mismatches > 0
     assert h.tracks["m"].generated != reference_generate(h.model, spec)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# One plan ahead (schedule_ahead), through the bindings
+# ----------------------------------------------------------------------------------------------
+
+
+def test_schedule_ahead_bindings_contract():
+    s = Scheduler(32, PS, 64, safety_margin=0.0)
+    assert s.num_outstanding == 0 and not s.has_outstanding_plan
+    with pytest.raises(RuntimeError, match="outstanding"):
+        s.schedule_ahead()
+    s.add_request("a", toks(0, 3), 8)
+    s.add_request("b", toks(10, 2), 8)
+    p0 = s.schedule()
+    assert not p0.ahead
+    pti = p0.prev_token_index
+    assert pti.dtype == np.int32 and pti.flags["C_CONTIGUOUS"] and list(pti) == [-1] * 5
+    assert p0.prev_token_index is pti  # cached like every attribute
+    assert s.num_outstanding == 1 and s.has_outstanding_plan
+    p1 = s.schedule_ahead()
+    assert p1.ahead and "ahead=True" in repr(p1)
+    assert s.num_outstanding == 2 and s.snapshot()["num_outstanding"] == 2
+    assert list(p1.request_ids) == ["a", "b"]
+    assert list(p1.input_ids) == [0, 0] and list(p1.prev_token_index) == [0, 1]
+    assert list(p1.positions) == [3, 2]
+    with pytest.raises(RuntimeError, match="two"):
+        s.schedule_ahead()
+    with pytest.raises(RuntimeError, match="outstanding"):
+        s.schedule()
+    with pytest.raises(ValueError, match="samples 2 rows"):
+        s.update(np.array([5], dtype=np.int32))
+    out = s.update(np.array([5, 6], dtype=np.int32))  # the oldest plan
+    assert [(d.request_id, list(d.new_token_ids)) for d in out] == [("a", [5]), ("b", [6])]
+    assert s.num_outstanding == 1
+    out = s.update([7, 8])
+    assert list(out.token_ids) == [7, 8] and s.num_outstanding == 0
+    p = s.schedule()
+    assert list(p.input_ids) == [7, 8] and list(p.prev_token_index) == [-1, -1]
+    s.update([1, 1])
+    s.check_invariants()
+
+
+def test_schedule_ahead_eos_in_flight_defers_the_free():
+    s = Scheduler(32, PS, 64, safety_margin=0.0)
+    s.add_request("a", toks(0, 3), 8, eos_token_ids=[2])
+    s.add_request("b", toks(10, 2), 8)
+    s.schedule()
+    s.schedule_ahead()
+    a_chunks = s.snapshot()["requests"]["a"]["blocks"][FULL]
+    out = s.update([2, 5])  # a stops while it has a row in the newer plan
+    assert [d.finish_reason for d in out] == ["stop", None]
+    snap = s.snapshot()
+    assert "a" not in snap["requests"]
+    assert sorted(snap["deferred_chunks"]) == sorted(a_chunks)
+    assert all(snap["refcounts"][c] == 1 for c in a_chunks)
+    out = s.update([9, 9])  # a's row dropped
+    assert [d.request_id for d in out] == ["b"]
+    snap = s.snapshot()
+    assert snap["deferred_chunks"] == [] and all(snap["refcounts"][c] == 0 for c in a_chunks)
+    s.check_invariants()
+
+
+def test_schedule_ahead_cancel_with_two_outstanding_reported_once():
+    s = Scheduler(32, PS, 64, safety_margin=0.0)
+    s.add_request("a", toks(0, 3), 8)
+    s.add_request("b", toks(10, 2), 8)
+    s.schedule()
+    s.schedule_ahead()
+    assert s.cancel("b")
+    out = s.update([5, 6])
+    assert [(d.request_id, d.finish_reason, list(d.new_token_ids)) for d in out] == [
+        ("a", None, [5]), ("b", "cancelled", [])]
+    assert s.snapshot()["deferred_chunks"], "b's chunks held for the newer plan"
+    out = s.update([7, 8])
+    assert [d.request_id for d in out] == ["a"]
+    assert s.snapshot()["deferred_chunks"] == []
+    s.check_invariants()
+
+
+def test_schedule_ahead_none_when_nothing_fits_and_no_preemption():
+    s = Scheduler(2, 2, 64, safety_margin=0.0, cpu_offload_blocks=4)
+    s.add_request("a", [1, 2], 3)
+    s.add_request("b", [3, 4], 3)
+    s.schedule()
+    assert s.schedule_ahead() is None
+    st = s.stats()
+    assert st["stalled_requests"] == 2 and st["num_preemptions"] == 0
+    assert s.num_outstanding == 1
+    s.update([5, 6])
+    p = s.schedule()  # the sync path preempts as usual
+    assert p.swap_out.shape == (1, 2) and s.stats()["num_preemptions"] == 1
