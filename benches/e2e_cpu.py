@@ -250,12 +250,16 @@ def main() -> None:
             results[name]["num_blocks"] = engine.num_blocks
             results[name]["steps_per_run"] = st.get("steps")
             results[name]["prefix_hit_tokens"] = st.get("prefix_hit_tokens")
+            results[name]["greedy_screen"] = bool(getattr(engine.runner, "fast_greedy", False))
             engine.close()
         print(
             f"{name:>16}: {got / med:8.1f} tok/s wall ({med:.2f} s median of "
             f"{[round(t, 2) for t in times[name]]}); {got / cpu:8.1f} tok per CPU-second",
             flush=True,
         )
+        if "greedy_screen" in results[name]:
+            print(f"{'':>16}  greedy tokens through the bounded bf16 head screen: "
+                  f"{'on' if results[name]['greedy_screen'] else 'off'}")
         if got != n_tokens:
             print(f"{'':>16}  warning: {got} tokens generated, expected {n_tokens}")
 

@@ -4,6 +4,8 @@ Compares `ModelRunner.execute` on a packed decode plan (ferrobatch paged cache) 
 model's plain forward for the same step (static padded batch with a DynamicCache, as
 `model.generate` does), and against the step's matrix work alone (base model without
 attention is not separable, so the lm head on 64 rows is shown as the floor's largest part).
+Also `execute_greedy` (greedy tokens through the bounded bf16 screen of
+`ferrobatch.greedy_head`, when the runner enabled it) and that screen alone.
 
     python benches/runner_step.py [page_size]
 """
@@ -56,6 +58,7 @@ def main() -> None:
     plan = planner.plan([(f"r{i}", 1) for i in range(batch)])
     step = lambda: runner.execute(plan)  # noqa: E731  (re-running the same plan is idempotent)
     t_runner = timeit(step)
+    t_greedy = timeit(lambda: runner.execute_greedy(plan)) if runner.fast_greedy else None
 
     # Plain forward: padded batch decode step with a DynamicCache of the longest length.
     lens = [len(p) + gen - 1 for p in prompts]
@@ -88,17 +91,24 @@ def main() -> None:
     with torch.inference_mode():
         t_head = timeit(lambda: model.lm_head(hidden))
         t_runner_head = timeit(lambda: runner._head_logits(hidden))
+        t_screen = (timeit(lambda: runner._greedy_head.argmax(hidden))
+                    if runner.fast_greedy else None)
     head_gflop = 2 * batch * cfg.hidden_size * cfg.vocab_size / 1e9
     path = ("oneDNN, reordered weight" if runner._use_head_packed
             else "transposed copy" if runner._use_head_wt else "F.linear")
     print(f"decode step, batch {batch}, page {page}, keys {min(lens)}..{lmax} "
           f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
+    if t_greedy is not None:
+        print(f"  ... execute_greedy (bf16 screen): {t_greedy:7.2f} ms")
     print(f"  plain padded forward (HF sdpa) : {t_plain:7.2f} ms")
     print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms  "
           f"({head_gflop / t_head * 1e3:.0f} GFLOP/s, nn.Linear)")
     print(f"  lm head as the runner runs it  : {t_runner_head:7.2f} ms  "
           f"({head_gflop / t_runner_head * 1e3:.0f} GFLOP/s, {path})")
+    if t_screen is not None:
+        print(f"  greedy tokens via the screen   : {t_screen:7.2f} ms  "
+              "(bf16 oneDNN product + fp32 rescoring of the candidates)")
 
 
 if __name__ == "__main__":
