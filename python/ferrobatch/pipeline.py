@@ -14,9 +14,10 @@ When `schedule_ahead` has nothing to run, N is finished alone and the next itera
 over with `schedule()` (which may preempt and swap; `schedule_ahead` never does).
 
 On CUDA the sampled tokens come back through two pinned host buffers on a copy stream
-(`DeviceToHost`), and `HostToDevice` stages a plan's integer arrays through two pinned
-buffer sets on that stream. On CPU every torch op is synchronous and the same pipeline
-runs step after step; that is what the tests exercise.
+(`DeviceToHost`); a plan's integer arrays go up inside `runner.execute` (for graph steps one
+copy into the graph's static inputs, ordered after the replay that reads the previous ones).
+On CPU every torch op is synchronous and the same pipeline runs step after step; that is
+what the tests exercise.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import DeviceSample, Sampler, SamplingParams, SamplingState
 from ferrobatch.step import Stepper
 
-__all__ = ["AsyncStepper", "DeviceToHost", "HostToDevice", "PendingCopy"]
+__all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
 
 # Rows whose request left the engine's table before the row was planned (it cannot happen
 # with the engine's bookkeeping, but a wasted greedy row is the right answer if it does).
@@ -108,76 +109,6 @@ class DeviceToHost:
             buf = torch.empty(max(n, 256), dtype=dtype, pin_memory=True)
             self._token_bufs[k] = buf
         return buf[:n]
-
-
-class HostToDevice:
-    """Stages a step's int32 host arrays on the device with one copy per step.
-
-    The arrays are packed into one pinned int32 buffer (two alternating sets, host and
-    device), copied on the copy stream, and the compute stream is made to wait for that
-    copy (an event) before anything queued after `upload` returns, i.e. the forward. A
-    device set is only overwritten once the forward that read it finished: at each upload
-    an event recorded on the compute stream marks the end of every forward queued so far,
-    and the set's next copy waits for the event recorded one upload later than the one that
-    filled it. A host set is only refilled once its previous copy ran. On CPU the arrays are
-    returned as tensors sharing their memory.
-    """
-
-    def __init__(self, device: torch.device, stream: Any = None) -> None:
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.stream: Any = None
-        if self.cuda:
-            self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        self._host: list[torch.Tensor | None] = [None, None]
-        self._dev: list[torch.Tensor | None] = [None, None]
-        self._copied: list[Any] = [None, None]  # host set k may be refilled after this
-        self._consumed: list[Any] = [None, None]  # device set k may be overwritten after this
-        self._next = 0
-
-    def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Device int32 tensors of `arrays` (same names and shapes)."""
-        if not self.cuda:
-            return {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-                    for k, a in arrays.items()}  # fmt: skip
-        flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays.values()]
-        total = sum(a.size for a in flat)
-        k = self._next
-        self._next ^= 1
-        compute = torch.cuda.current_stream(self.device)
-        # every forward queued so far has read the other set (or this one, earlier)
-        mark = torch.cuda.Event()
-        mark.record(compute)
-        consumed_this, self._consumed[k ^ 1] = self._consumed[k], mark
-        if self._copied[k] is not None:
-            self._copied[k].synchronize()
-        host, dev = self._host[k], self._dev[k]
-        if host is None or dev is None or host.numel() < total:
-            cap = max(total, 1024, 2 * (host.numel() if host is not None else 0))
-            host = torch.empty(cap, dtype=torch.int32, pin_memory=True)
-            with torch.cuda.stream(self.stream):
-                dev = torch.empty(cap, dtype=torch.int32, device=self.device)
-            self._host[k], self._dev[k] = host, dev
-        hview = host.numpy()
-        off = 0
-        for a in flat:
-            hview[off : off + a.size] = a
-            off += a.size
-        with torch.cuda.stream(self.stream):
-            if consumed_this is not None:
-                self.stream.wait_event(consumed_this)
-            dev[:total].copy_(host[:total], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._copied[k] = done
-        compute.wait_event(done)
-        dev.record_stream(compute)
-        out: dict[str, torch.Tensor] = {}
-        off = 0
-        for name, a, f in zip(arrays.keys(), arrays.values(), flat, strict=True):
-            out[name] = dev[off : off + f.size].view(np.shape(a))
-            off += f.size
-        return out
 
 
 @dataclass
