@@ -63,7 +63,8 @@ def test_async_parity_forced_preemption(arch: str, offload: float) -> None:
     stats = par.run_engine.last_stats
     assert stats["num_preemptions"] > 0
     assert stats["num_offloads" if offload else "num_soft_resets"] > 0
-    assert stats["pipeline_drains"] > 0  # preemption happens in schedule(), after a drain
+    # preemption happens in schedule(), after a drain: ahead plans left rows out (stalled)
+    assert stats["stall_drains"] > 0 and stats["pipeline_drains"] >= stats["stall_drains"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

@@ -365,3 +365,4 @@ def test_a_stalled_row_drains_the_pipeline_after_the_step() -> None:
     # plan 3 was followed by a drain: plan 4 came from schedule(), not schedule_ahead
     assert [p.ahead for p in sched.plans] == [False, True, True, False, True, True, True, True]
     assert stepper.stats["pipeline_drains"] == 2  # the stall, and the end
+    assert stepper.stats["stall_drains"] == 1

@@ -133,8 +133,8 @@ class AsyncStepper(Stepper):
     there was nothing to do), `has_mail()`, `busy_time`, `stats` (also counts `ahead_steps`,
     the steps planned by `schedule_ahead`, and `pipeline_drains`, the times a step in flight
     was finished alone: nothing to run ahead, or the last ahead plan left a request out for
-    want of chunks, which `schedule()` resolves by preemption). `close()` waits for the
-    step in flight and drops it.
+    want of chunks, which `schedule()` resolves by preemption: `stall_drains` counts those).
+    `close()` waits for the step in flight and drops it.
     """
 
     def __init__(
@@ -172,7 +172,11 @@ class AsyncStepper(Stepper):
             self._inflight = cur
             self.busy_time += time.perf_counter() - t0
             return True
-        plan = None if self._drain_next else self.scheduler.schedule_ahead()
+        if self._drain_next:
+            plan = None
+            self.stats["stall_drains"] += 1
+        else:
+            plan = self.scheduler.schedule_ahead()
         self._drain_next = False
         nxt = None
         if plan is not None:
