@@ -84,37 +84,54 @@ fn decode_scheduler(n: usize) -> Scheduler {
     s
 }
 
+/// Time `k` steps at a time of `step` on schedulers from `fresh`, replaced (untimed) every
+/// `STEPS_PER_INSTANCE - 8` steps so no request reaches its length limit.
+fn time_steps(
+    bch: &mut criterion::Bencher,
+    fresh: impl Fn() -> Scheduler,
+    mut step: impl FnMut(&mut Scheduler),
+) -> Scheduler {
+    let mut s = fresh();
+    let mut left = STEPS_PER_INSTANCE - 8;
+    bch.iter_custom(|iters| {
+        let mut total = Duration::ZERO;
+        let mut todo = iters as usize;
+        while todo > 0 {
+            if left == 0 {
+                s = fresh(); // not timed
+                left = STEPS_PER_INSTANCE - 8;
+            }
+            let k = todo.min(left);
+            let t0 = Instant::now();
+            for _ in 0..k {
+                step(&mut s);
+            }
+            total += t0.elapsed();
+            todo -= k;
+            left -= k;
+        }
+        total
+    });
+    s
+}
+
 fn bench_decode(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_step");
     for &n in &[64usize, 256, 1024, 4096] {
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(BenchmarkId::from_parameter(n), &n, |bch, &n| {
             let toks = vec![7i32; n];
-            let mut s = decode_scheduler(n);
-            let mut left = STEPS_PER_INSTANCE - 8;
-            bch.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                let mut todo = iters as usize;
-                while todo > 0 {
-                    if left == 0 {
-                        s = decode_scheduler(n); // not timed
-                        left = STEPS_PER_INSTANCE - 8;
-                    }
-                    let k = todo.min(left);
-                    let t0 = Instant::now();
-                    for _ in 0..k {
-                        let plan = s.schedule().expect("schedule").expect("plan");
-                        debug_assert_eq!(plan.num_sampled(), n);
-                        black_box(plan.input_ids.as_ptr());
-                        let out = s.update(&toks).expect("update");
-                        black_box(out.len());
-                    }
-                    total += t0.elapsed();
-                    todo -= k;
-                    left -= k;
-                }
-                total
-            });
+            let s = time_steps(
+                bch,
+                || decode_scheduler(n),
+                |s| {
+                    let plan = s.schedule().expect("schedule").expect("plan");
+                    debug_assert_eq!(plan.num_sampled(), n);
+                    black_box(plan.input_ids.as_ptr());
+                    let out = s.update(&toks).expect("update");
+                    black_box(out.len());
+                },
+            );
             let st = s.stats();
             assert_eq!(
                 st.running, n,
@@ -126,47 +143,27 @@ fn bench_decode(c: &mut Criterion) {
     g.finish();
 }
 
+/// `schedule_ahead()` + `update()` of the older plan per step (one plan always in flight).
 fn bench_decode_ahead(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_step_ahead");
-    {
-        let n = 1024usize;
-        g.throughput(Throughput::Elements(n as u64));
-        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |bch, &n| {
-            let toks = vec![7i32; n];
-            let fresh = |n| {
-                let mut s = decode_scheduler(n);
-                s.schedule().expect("schedule").expect("plan");
-                s
-            };
-            let mut s = fresh(n);
-            let mut left = STEPS_PER_INSTANCE - 8;
-            bch.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                let mut todo = iters as usize;
-                while todo > 0 {
-                    if left == 0 {
-                        s = fresh(n); // not timed
-                        left = STEPS_PER_INSTANCE - 8;
-                    }
-                    let k = todo.min(left);
-                    let t0 = Instant::now();
-                    for _ in 0..k {
-                        let plan = s.schedule_ahead().expect("ahead").expect("plan");
-                        debug_assert_eq!(plan.num_sampled(), n);
-                        black_box(plan.input_ids.as_ptr());
-                        let out = s.update(&toks).expect("update");
-                        black_box(out.len());
-                    }
-                    total += t0.elapsed();
-                    todo -= k;
-                    left -= k;
-                }
-                total
-            });
-            let st = s.stats();
-            assert_eq!(st.running, n, "requests finished during the bench");
+    let n = 1024usize;
+    g.throughput(Throughput::Elements(n as u64));
+    g.bench_with_input(BenchmarkId::from_parameter(n), &n, |bch, &n| {
+        let toks = vec![7i32; n];
+        let fresh = || {
+            let mut s = decode_scheduler(n);
+            s.schedule().expect("schedule").expect("plan");
+            s
+        };
+        let s = time_steps(bch, fresh, |s| {
+            let plan = s.schedule_ahead().expect("ahead").expect("plan");
+            debug_assert_eq!(plan.num_sampled(), n);
+            black_box(plan.input_ids.as_ptr());
+            let out = s.update(&toks).expect("update");
+            black_box(out.len());
         });
-    }
+        assert_eq!(s.stats().running, n, "requests finished during the bench");
+    });
     g.finish();
 }
 

@@ -709,6 +709,19 @@ impl Scheduler {
 
     // ----- schedule --------------------------------------------------------------------
 
+    /// Start a new step: counters reset, full budgets returned.
+    fn begin_step(&mut self) -> Budget {
+        self.repeated_rows = false;
+        self.step += 1;
+        self.stats.stalled_requests = 0;
+        self.stats.stalled_blocks = 0;
+        Budget {
+            tokens: self.cfg.max_batch_tokens,
+            rows: self.cfg.max_requests_per_batch,
+            cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
+        }
+    }
+
     /// Plan the next step (None when nothing can run). Errors if a plan is outstanding.
     pub fn schedule(&mut self) -> Result<Option<&StepPlan>> {
         if self.outstanding > 0 {
@@ -716,15 +729,7 @@ impl Scheduler {
                 "schedule() called while a plan is outstanding: call update() first",
             ));
         }
-        self.repeated_rows = false;
-        self.step += 1;
-        self.stats.stalled_requests = 0;
-        self.stats.stalled_blocks = 0;
-        let mut b = Budget {
-            tokens: self.cfg.max_batch_tokens,
-            rows: self.cfg.max_requests_per_batch,
-            cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
-        };
+        let mut b = self.begin_step();
         let steady = std::mem::take(&mut self.steady_ready) && self.advance_steady::<false>(&mut b);
         if steady && self.plan.ahead {
             // Advanced from an ahead plan: every input id is known now.
@@ -811,16 +816,8 @@ impl Scheduler {
             }
             _ => {}
         }
-        self.repeated_rows = false;
         self.steady_ready = false;
-        self.step += 1;
-        self.stats.stalled_requests = 0;
-        self.stats.stalled_blocks = 0;
-        let mut b = Budget {
-            tokens: self.cfg.max_batch_tokens,
-            rows: self.cfg.max_requests_per_batch,
-            cache: self.cfg.max_batch_cache_tokens.unwrap_or(usize::MAX),
-        };
+        let mut b = self.begin_step();
         // Swap-out sources the outstanding plan freed at plan time (its copy runs before
         // its forward): pinned until its update.
         for i in 0..self.plan.swap_out.len() / 2 {
