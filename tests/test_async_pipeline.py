@@ -86,9 +86,13 @@ class FakeScheduler:
         self.pending_cancels: list[str] = []
         self.plans: list[_Plan] = []
         self.stall_at: set[int] = set()  # plan ids after which stats() reports a stall
+        self.free_at: dict[int, int] = {}  # free chunks after a plan (with a swapped request)
 
     def stats(self) -> dict[str, int]:
-        return {"stalled_requests": int(self.pids in self.stall_at)}
+        out = {"stalled_requests": int(self.pids in self.stall_at)}
+        if self.free_at:
+            out.update(swapped=1, num_free_blocks=self.free_at.get(self.pids, 10))
+        return out
 
     @property
     def num_outstanding(self) -> int:
@@ -366,3 +370,16 @@ def test_a_stalled_row_drains_the_pipeline_after_the_step() -> None:
     assert [p.ahead for p in sched.plans] == [False, True, True, False, True, True, True, True]
     assert stepper.stats["pipeline_drains"] == 2  # the stall, and the end
     assert stepper.stats["stall_drains"] == 1
+
+
+def test_chunks_freed_while_a_request_is_swapped_drain_the_pipeline() -> None:
+    stepper, sched, runner, sampler, log = _setup()
+    a = _submit(stepper, [4, 5], SamplingParams(max_new_tokens=10), "a")
+    # a swapped request exists throughout; free chunks: 10 after plans 2-3, 12 after plan 4
+    sched.free_at = {4: 12}
+    _run(stepper)
+    assert a.output.token_ids == reference([4, 5], 10)
+    ahead = [p.ahead for p in sched.plans]
+    # plan 2 sets the baseline, plan 4 saw more free chunks: plan 5 came from schedule()
+    assert ahead[:6] == [False, True, True, True, False, True]
+    assert stepper.stats["swap_drains"] == 1 and stepper.stats["stall_drains"] == 0

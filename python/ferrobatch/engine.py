@@ -521,6 +521,7 @@ class Engine:
             ahead_steps=self._stats["ahead_steps"],
             pipeline_drains=self._stats["pipeline_drains"],
             stall_drains=self._stats["stall_drains"],
+            swap_drains=self._stats["swap_drains"],
             throughput_tok_s=gen / busy if busy > 0 else 0.0,
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),

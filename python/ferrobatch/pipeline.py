@@ -132,8 +132,8 @@ class AsyncStepper(Stepper):
     Same interface: `inbox` / `cancel_inbox` drained before each plan, `step()` (False when
     there was nothing to do), `has_mail()`, `busy_time`, `stats` (also counts `ahead_steps`,
     the steps planned by `schedule_ahead`, and `pipeline_drains`, the times a step in flight
-    was finished alone: nothing to run ahead, or the last ahead plan left a request out for
-    want of chunks, which `schedule()` resolves by preemption: `stall_drains` counts those).
+    was finished alone: nothing to run ahead, or the last ahead plan calls for `schedule()`,
+    counted in `stall_drains` / `swap_drains`, see `_drain_reason`).
     `close()` waits for the step in flight and drops it.
     """
 
@@ -151,7 +151,8 @@ class AsyncStepper(Stepper):
         self.device = torch.device(device)
         self.to_host = DeviceToHost(self.device)
         self._inflight: _InFlight | None = None
-        self._drain_next = False
+        self._drain_next = ""  # the stats key of the drain the next iteration makes, if any
+        self._last_free: int | None = None  # free chunks after the previous ahead plan
 
     @property
     def in_flight(self) -> bool:
@@ -167,6 +168,7 @@ class AsyncStepper(Stepper):
             plan = self.scheduler.schedule()
             if plan is None:
                 return changed
+            self._last_free = None  # `schedule()` may have swapped: a fresh baseline
             cur = self._launch(plan, None)
             self._sample(cur)
             self._inflight = cur
@@ -174,18 +176,15 @@ class AsyncStepper(Stepper):
             return True
         if self._drain_next:
             plan = None
-            self.stats["stall_drains"] += 1
+            self.stats[self._drain_next] += 1
         else:
             plan = self.scheduler.schedule_ahead()
-        self._drain_next = False
+        self._drain_next = ""
         nxt = None
         if plan is not None:
             assert prev.sample is not None
             nxt = self._launch(plan, prev.sample.token_ids)
-            # a row left out for want of chunks: drain after this step, so that `schedule()`
-            # preempts (newest first) as in synchronous mode instead of letting newer
-            # requests run ahead while an older one waits
-            self._drain_next = self._stalled()
+            self._drain_next = self._drain_reason()
         else:
             self.stats["pipeline_drains"] += 1
         self._inflight = nxt
@@ -195,16 +194,31 @@ class AsyncStepper(Stepper):
         self.busy_time += time.perf_counter() - t0
         return True
 
-    def _stalled(self) -> bool:
-        """Whether the last plan left a running request out for want of chunks."""
+    def _drain_reason(self) -> str:
+        """After an ahead plan: the stats key to count when the next iteration should drain
+        (finish the step in flight alone and plan with `schedule()`), else "".
+
+        * `stall_drains`: the plan left a running request out for want of chunks; only
+          `schedule()` preempts (newest first), as in synchronous mode, instead of letting
+          newer requests run ahead while an older one waits.
+        * `swap_drains`: requests are swapped out and chunks were freed since the previous
+          ahead plan; only `schedule()` swaps in (an ahead plan stops admission at a swapped
+          request), so without this a swapped request would wait for the running ones to
+          finish even when it fits again.
+        """
         stats_fn = getattr(self.scheduler, "stats", None)
         if stats_fn is None:
-            return False
+            return ""
         st = stats_fn()
-        n = st.get("stalled_requests", 0) if isinstance(st, dict) else getattr(
-            st, "stalled_requests", 0
-        )
-        return bool(n)
+        if not isinstance(st, dict):
+            st = {k: getattr(st, k) for k in dir(st) if not k.startswith("_")}
+        free = st.get("num_free_blocks")
+        last, self._last_free = self._last_free, free
+        if st.get("stalled_requests", 0):
+            return "stall_drains"
+        if st.get("swapped", 0) and free is not None and last is not None and free > last:
+            return "swap_drains"
+        return ""
 
     def close(self) -> None:
         """Wait for the step in flight (its copies must not land in freed memory) and drop
