@@ -317,3 +317,35 @@ def test_many_short_requests_in_a_small_pool(arch: str) -> None:
         assert tuple(o.token_ids) == par.reference(arch, p, n)
     assert stats["ahead_steps"] > 0 and stats["finished_requests"] == 60
     assert stats["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_runner_greedy_tokens_in_flight(arch: str) -> None:
+    """With the runner's greedy head (`fast_greedy`, forced on here: on these tiny models
+    it would lose its timing check), plain greedy steps take their tokens from
+    `execute_greedy(plan, prev_tokens)`, ahead plans included, and mixed batches sample."""
+    ps = par.make_prompts(1)
+    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=512, use_async_batching=True)
+    with Engine(par.model(arch), config=config) as eng:
+        eng.runner.fast_greedy = True
+        real = eng.runner.execute_greedy
+        calls = {"ahead": 0, "all": 0}
+
+        def execute_greedy(plan, prev_tokens=None):
+            calls["all"] += 1
+            calls["ahead"] += bool(plan.ahead)
+            return real(plan, prev_tokens)
+
+        eng.runner.execute_greedy = execute_greedy
+        outs = eng.generate([list(p) for p in ps], SamplingParams(max_new_tokens=par.NEW),
+                            progress=False)  # fmt: skip
+        par.check(arch, ps, [o.token_ids for o in outs])
+        assert calls["ahead"] > 0 and calls["all"] == eng.stats()["steps"]
+        # one seeded request in the batch: those steps go through the sampler
+        sps = [SamplingParams(max_new_tokens=par.NEW)] * (len(ps) - 1) + [
+            SamplingParams(max_new_tokens=par.NEW, temperature=1.0, seed=3)]
+        greedy_before, steps_before = calls["all"], eng.stats()["steps"]
+        mixed = eng.generate([list(p) for p in ps], sps, progress=False)
+        par.check(arch, ps[:-1], [o.token_ids for o in mixed[:-1]])
+        # while the seeded request runs, steps sample (not every step went the greedy way)
+        assert calls["all"] - greedy_before < eng.stats()["steps"] - steps_before

@@ -243,18 +243,29 @@ class AsyncStepper(Stepper):
         cur = _InFlight(plan, rids, rows, states)
         if getattr(plan, "ahead", False):
             self.stats["ahead_steps"] += 1
+        # every sampled row plain greedy (no history, no seed, no logprobs: its token does
+        # not depend on the step before): the runner's screened argmax, no full logits
+        greedy = (
+            self.device.type == "cpu"
+            and getattr(self.runner, "fast_greedy", False)
+            and all(s.plain_greedy for s in states)
+        )
         with self.forward_lock:
-            if prev_tokens is None:
+            if greedy:
+                cur.sample = DeviceSample(self.runner.execute_greedy(plan, prev_tokens))
+            elif prev_tokens is None:
                 cur.logits = self.runner.execute(plan)
             else:
                 cur.logits = self.runner.execute(plan, prev_tokens=prev_tokens)
         return cur
 
     def _sample(self, cur: _InFlight) -> None:
-        """Queue the sampling of `cur` and the copy of its tokens to the host."""
-        assert cur.logits is not None
-        cur.sample = self.sampler.sample(cur.logits, cur.states)
-        cur.logits = None
+        """Queue the sampling of `cur` (unless the runner already picked its greedy tokens)
+        and the copy of its tokens to the host."""
+        if cur.sample is None:
+            assert cur.logits is not None
+            cur.sample = self.sampler.sample(cur.logits, cur.states)
+            cur.logits = None
         cur.copy = self.to_host.start(cur.sample.device_tensors())
 
     def _finish(self, cur: _InFlight) -> None:
