@@ -349,3 +349,68 @@ def test_runner_greedy_tokens_in_flight(arch: str) -> None:
         par.check(arch, ps[:-1], [o.token_ids for o in mixed[:-1]])
         # while the seeded request runs, steps sample (not every step went the greedy way)
         assert calls["all"] - greedy_before < eng.stats()["steps"] - steps_before
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("llama", 1), ("mistral", 2),
+                                       ("gemma3", 3)])  # fmt: skip
+def test_random_arrivals_cancels_and_stops_step_by_step(arch: str, seed: int) -> None:
+    """The pipeline driven one iteration at a time in a small pool (preemption, offload),
+    with requests arriving, being cancelled and hitting stop tokens at random iterations:
+    the core's invariants hold after every iteration, finished requests match
+    `model.generate`, cancelled ones are prefixes of it, and nothing leaks."""
+    import random
+
+    rng = random.Random(seed)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16,
+                                      cpu_offload_space=0.001 * (seed % 2),
+                                      use_async_batching=True)  # fmt: skip
+    eng = Engine(par.model(arch), config=config)
+    reqs = []
+    try:
+        pending = [tuple(rng.randrange(3, tiny_models.VOCAB) for _ in range(rng.randint(1, 14)))
+                   for _ in range(24)]  # fmt: skip
+        it = 0
+        while pending or any(not r.done.is_set() for r, *_ in reqs):
+            for _ in range(rng.choice((0, 0, 1, 3)) if pending else 0):  # bursts of arrivals
+                if not pending:
+                    break
+                p = pending.pop()
+                new = rng.randint(1, 10)
+                stop = ()
+                if rng.random() < 0.3:  # a stop token that the greedy answer contains
+                    ref = par.reference(arch, p, new)
+                    stop = (ref[rng.randrange(len(ref))],)
+                req = eng._make_request(list(p), SamplingParams(max_new_tokens=new,
+                                                                stop_token_ids=stop), None)
+                eng._submit(req)
+                reqs.append((req, p, new, stop))
+            live = [r for r, *_ in reqs if not r.done.is_set()]
+            if live and rng.random() < 0.08:
+                assert eng.cancel(rng.choice(live).request_id)
+            eng._step()
+            eng.scheduler.check_invariants()
+            it += 1
+            assert it < 2000
+        while eng._step():  # the last step in flight
+            eng.scheduler.check_invariants()
+        stats = eng.stats()
+    finally:
+        eng.close()
+    assert stats["ahead_steps"] > 0 and stats["num_used_blocks"] == 0
+    assert eng.scheduler.num_outstanding == 0
+    reasons = [r.output.finish_reason for r, *_ in reqs]
+    assert {"cancelled", "stop", "length"} <= set(reasons)  # the seeds cover every ending
+    assert stats["num_preemptions"] > 0 and stats["stall_drains"] > 0
+    if seed % 2:
+        assert stats["num_offloads"] > 0
+    for req, p, new, stop in reqs:
+        out = req.output
+        ref = list(par.reference(arch, p, new))
+        if stop:
+            ref = ref[: ref.index(stop[0]) + 1]
+        if out.finish_reason == "cancelled":
+            assert out.token_ids == ref[: len(out.token_ids)]
+        else:
+            assert out.token_ids == ref, (p, new, stop)
+            ends = set(stop) | set(eng.eos_token_ids)
+            assert out.finish_reason == ("stop" if ref[-1] in ends else "length")
