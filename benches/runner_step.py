@@ -4,7 +4,7 @@ Compares `ModelRunner.execute` on a packed decode plan (ferrobatch paged cache) 
 model's plain forward for the same step (static padded batch with a DynamicCache, as
 `model.generate` does), and against the step's matrix work alone (base model without
 attention is not separable, so the lm head on 64 rows is shown as the floor's largest part).
-Also `execute_greedy` (greedy tokens through the bounded bf16 screen of
+Also `execute_greedy` (greedy tokens through the bounded int8 screen of
 `ferrobatch.greedy_head`, when the runner enabled it) and that screen alone.
 
     python benches/runner_step.py [page_size]
@@ -100,7 +100,7 @@ def main() -> None:
           f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
     if t_greedy is not None:
-        print(f"  ... execute_greedy (bf16 screen): {t_greedy:7.2f} ms")
+        print(f"  ... execute_greedy (int8 screen): {t_greedy:7.2f} ms")
     print(f"  plain padded forward (HF sdpa) : {t_plain:7.2f} ms")
     print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms  "
           f"({head_gflop / t_head * 1e3:.0f} GFLOP/s, nn.Linear)")
@@ -108,7 +108,7 @@ def main() -> None:
           f"({head_gflop / t_runner_head * 1e3:.0f} GFLOP/s, {path})")
     if t_screen is not None:
         print(f"  greedy tokens via the screen   : {t_screen:7.2f} ms  "
-              "(bf16 oneDNN product + fp32 rescoring of the candidates)")
+              "(int8 product + fp32 rescoring of the candidates)")
 
 
 if __name__ == "__main__":

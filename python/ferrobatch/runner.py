@@ -413,7 +413,7 @@ class ModelRunner:
         return logits
 
     def _make_greedy_head(self) -> GreedyHead | None:
-        """The bounded bf16 screen of `ferrobatch.greedy_head` for greedy rows, when the
+        """The bounded int8 screen of `ferrobatch.greedy_head` for greedy rows, when the
         head is a plain fp32 CPU `nn.Linear` (no bias, scale or softcap) and the screen agrees
         with the fp32 argmax and is clearly faster here; else None."""
         head = self._head
@@ -434,7 +434,7 @@ class ModelRunner:
     def execute_greedy(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy next tokens [N] (int64, CPU) of `plan`'s sampled tokens: the argmax (first
         maximum) of the logits `execute` returns, without those logits when `fast_greedy`
-        (bounded bf16 screen + fp32 rescoring of the candidates)."""
+        (bounded int8 screen + fp32 rescoring of the candidates)."""
         out = self.execute(plan, prev_tokens, _greedy=True)
         return out if out.dtype == torch.int64 else _argmax_rows(out)
 
