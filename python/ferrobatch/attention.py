@@ -139,7 +139,8 @@ def build_kernel_step(
         raise ValueError("every row needs >= 1 query token and seqlens_k >= its query length")
 
     def i32(a: Any) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+        return host.to(device, non_blocking=True)  # no stream sync on CUDA
 
     max_k = int(seqlens.max())
     types = sorted(set(layer_types))
@@ -157,7 +158,7 @@ def build_kernel_step(
         seqlens_k=i32(seqlens),
         slot_mapping={
             t: torch.from_numpy(np.ascontiguousarray(plan.slot_mapping[t], dtype=np.int64))
-            .to(device) for t in types
+            .to(device, non_blocking=True) for t in types
         },
         block_tables=tables,
         max_seqlen_q=int(qlen.max()),
@@ -226,12 +227,13 @@ def build_step(
     all_decode = len(decode_rows) == len(qlen)
 
     def to_long(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        return host.to(device, non_blocking=True)  # no stream sync on CUDA
 
     def additive(valid: np.ndarray) -> torch.Tensor:
         # Additive masks built once per step: SDPA would convert a bool mask in every layer.
         m = np.where(valid, np.float32(0.0), np.float32(-np.inf))
-        return torch.from_numpy(m).to(device=device, dtype=cache.dtype)
+        return torch.from_numpy(m).to(device=device, dtype=cache.dtype, non_blocking=True)
 
     groups: dict[str, _Group] = {}
     for typ in set(layer_types):
