@@ -258,7 +258,7 @@ def main() -> None:
             flush=True,
         )
         if "greedy_screen" in results[name]:
-            print(f"{'':>16}  greedy tokens through the bounded int8 head screen: "
+            print(f"{'':>16}  greedy tokens through the bounded head screen (int8 or bf16): "
                   f"{'on' if results[name]['greedy_screen'] else 'off'}")
         if got != n_tokens:
             print(f"{'':>16}  warning: {got} tokens generated, expected {n_tokens}")
