@@ -100,7 +100,7 @@ def main() -> None:
           f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
     if t_greedy is not None:
-        print(f"  ... execute_greedy (int8 screen): {t_greedy:7.2f} ms")
+        print(f"  ... execute_greedy (head screen) : {t_greedy:7.2f} ms")
     print(f"  plain padded forward (HF sdpa) : {t_plain:7.2f} ms")
     print(f"  lm head alone (64 x 32000)     : {t_head:7.2f} ms  "
           f"({head_gflop / t_head * 1e3:.0f} GFLOP/s, nn.Linear)")
@@ -108,7 +108,8 @@ def main() -> None:
           f"({head_gflop / t_runner_head * 1e3:.0f} GFLOP/s, {path})")
     if t_screen is not None:
         print(f"  greedy tokens via the screen   : {t_screen:7.2f} ms  "
-              "(int8 product + fp32 rescoring of the candidates)")
+              f"({'int8' if runner._greedy_head.int8 else 'bf16'} product + fp32 rescoring "
+              "of the candidates)")
 
 
 if __name__ == "__main__":
