@@ -186,29 +186,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.run_to_completion(sampler=sampler)
 
 
-class FullAttentionMachine(SchedulerMachine):
-    layer_types = (FULL, FULL)
-
-
-class FullSharedOffloadMachine(SchedulerMachine):
-    layer_types = (FULL,)
-    sharing = st.just(True)
-    offload = st.sampled_from([1, 3, 8])
-
-
-class SlidingMachine(SchedulerMachine):
-    layer_types = (SLIDING, SLIDING)
-
-
-class HybridMachine(SchedulerMachine):
-    layer_types = (SLIDING, FULL, SLIDING)
-
-
-class CacheBudgetMachine(SchedulerMachine):
-    layer_types = (FULL,)
-    cache_budget = st.sampled_from([16, 40, 100])
-
-
 class InFlightMachine(RuleBasedStateMachine):
     """schedule / schedule_ahead / update / cancel / add with up to two plans outstanding."""
 
@@ -302,41 +279,20 @@ class InFlightMachine(RuleBasedStateMachine):
         self.h.check_outputs()
 
 
-class InFlightFullMachine(InFlightMachine):
-    layer_types = (FULL, FULL)
+# Each machine under each pool layout: (layer types, extra class attributes).
+VARIANTS: dict[str, dict] = {
+    "FullAttention": dict(layer_types=(FULL, FULL)),
+    "FullSharedOffload": dict(
+        layer_types=(FULL,), sharing=st.just(True), offload=st.sampled_from([1, 3, 8])
+    ),
+    "Sliding": dict(layer_types=(SLIDING, SLIDING)),
+    "Hybrid": dict(layer_types=(SLIDING, FULL, SLIDING)),
+    "CacheBudget": dict(layer_types=(FULL,), cache_budget=st.sampled_from([16, 40, 100])),
+}
 
-
-class InFlightSharedOffloadMachine(InFlightMachine):
-    layer_types = (FULL,)
-    sharing = st.just(True)
-    offload = st.sampled_from([1, 3, 8])
-
-
-class InFlightSlidingMachine(InFlightMachine):
-    layer_types = (SLIDING, SLIDING)
-
-
-class InFlightHybridMachine(InFlightMachine):
-    layer_types = (SLIDING, FULL, SLIDING)
-
-
-class InFlightCacheBudgetMachine(InFlightMachine):
-    layer_types = (FULL,)
-    cache_budget = st.sampled_from([16, 40, 100])
-
-
-TestFullAttention = FullAttentionMachine.TestCase
-TestFullSharedOffload = FullSharedOffloadMachine.TestCase
-TestSliding = SlidingMachine.TestCase
-TestHybrid = HybridMachine.TestCase
-TestCacheBudget = CacheBudgetMachine.TestCase
-TestInFlightFull = InFlightFullMachine.TestCase
-TestInFlightSharedOffload = InFlightSharedOffloadMachine.TestCase
-TestInFlightSliding = InFlightSlidingMachine.TestCase
-TestInFlightHybrid = InFlightHybridMachine.TestCase
-TestInFlightCacheBudget = InFlightCacheBudgetMachine.TestCase
-for _t in (TestFullAttention, TestFullSharedOffload, TestSliding, TestHybrid, TestCacheBudget,
-           TestInFlightFull, TestInFlightSharedOffload, TestInFlightSliding, TestInFlightHybrid,
-           TestInFlightCacheBudget):
-    _t.settings = settings.get_profile("sched")
-del _t
+for _prefix, _base in (("", SchedulerMachine), ("InFlight", InFlightMachine)):
+    for _name, _attrs in VARIANTS.items():
+        _machine = type(f"{_prefix}{_name}Machine", (_base,), dict(_attrs))
+        _machine.TestCase.settings = settings.get_profile("sched")
+        globals()[f"Test{_prefix}{_name}"] = _machine.TestCase
+del _prefix, _base, _name, _attrs, _machine
