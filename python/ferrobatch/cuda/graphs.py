@@ -28,7 +28,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -472,10 +472,12 @@ class EagerReplay:
         fn: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
         key: GraphKey,
         device: torch.device | str,
-        **_: Any,
-    ) -> EagerReplay:
-        """Static inputs of `key`'s shape (filled with `dummy_plan(key)`); nothing runs yet."""
-        return cls(fn, StaticInputs(key, device))
+        **kwargs: Any,
+    ) -> Self:
+        """An instance over new static inputs of `key`'s shape (filled with
+        `dummy_plan(key)`); `kwargs` go to the constructor (`CapturedGraph`: `pool`,
+        `warmup`)."""
+        return cls(fn, StaticInputs(key, device), **kwargs)
 
     @property
     def static_inputs(self) -> dict[str, torch.Tensor]:
@@ -534,18 +536,6 @@ class CapturedGraph(EagerReplay):
         # do not invalidate this capture.
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = fn(self.inputs.tensors)
-
-    @classmethod
-    def for_plan(
-        cls,
-        fn: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-        key: GraphKey,
-        device: torch.device | str,
-        **kwargs: Any,
-    ) -> CapturedGraph:
-        """Allocate static inputs of `key`'s shape (filled with `dummy_plan(key)`) and
-        capture `fn` over them."""
-        return cls(fn, StaticInputs(key, device), **kwargs)
 
     def run(self) -> torch.Tensor:
         """Replay the graph over the static inputs as they are now."""
