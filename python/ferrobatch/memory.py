@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -27,16 +28,44 @@ def _fmt(n: float) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes of a text config that memory estimates use."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> _Shape:
+        cfg = text_config(config)
+        hidden = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        return cls(
+            hidden=hidden,
+            intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
+            heads=heads,
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+        )
+
+    @property
+    def activation_elems_per_token(self) -> int:
+        """A few live [T, hidden] residual/norm tensors, the MLP's [T, intermediate] triple
+        and the attention projections."""
+        h = self
+        return 6 * h.hidden + 3 * h.intermediate + 2 * (h.heads + 2 * h.kv_heads) * h.head_dim
+
+
 def kv_bytes_per_chunk(
     config: PretrainedConfig, page_size: int, dtype: torch.dtype = torch.float32
 ) -> int:
     """Bytes of one chunk: all layers, K and V, `page_size` slots."""
-    cfg = text_config(config)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    shape = _Shape.of(config)
     elem = torch.empty((), dtype=dtype).element_size()
-    return len(layer_types_of(config)) * 2 * page_size * kv_heads * head_dim * elem
+    return len(layer_types_of(config)) * 2 * page_size * shape.kv_heads * shape.head_dim * elem
 
 
 def graph_pool_bytes(
@@ -58,21 +87,15 @@ def graph_pool_bytes(
     from .cuda.graphs import DEFAULT_Q_INTERVAL, GraphBuckets
     from .runner import DEFAULT_MAX_GRAPHS
 
-    cfg = text_config(config)
+    shape = _Shape.of(config)
     elem = torch.empty((), dtype=dtype).element_size()
-    hidden = int(cfg.hidden_size)
-    inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     graphs = int(max_graphs or DEFAULT_MAX_GRAPHS)
     rows = GraphBuckets(q_interval=q_interval or DEFAULT_Q_INTERVAL).pad_tokens(
         max(1, max_requests_per_batch)
     )
-    per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
-    activations = 2 * rows * per_token * elem
-    workspace = rows * heads * 16 * (head_dim + 2) * 4
-    outputs = graphs * rows * (hidden * elem + 8 * 4)
+    activations = 2 * rows * shape.activation_elems_per_token * elem
+    workspace = rows * shape.heads * 16 * (shape.head_dim + 2) * 4
+    outputs = graphs * rows * (shape.hidden * elem + 8 * 4)
     total = activations + workspace + outputs
     note = (f"CUDA graph pool {_fmt(total)} (decode step of {rows} rows: activations "
             f"{_fmt(activations)}, split-K workspace {_fmt(workspace)}; up to {graphs} graphs' "
@@ -152,16 +175,9 @@ def choose_num_blocks(
                f"{_fmt(free_bytes)}"
 
     elem = torch.empty((), dtype=dtype).element_size()
-    hidden = int(cfg.hidden_size)
-    inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     vocab = int(cfg.vocab_size)
-    # A few live [T, hidden] residual/norm tensors, the MLP's [T, intermediate] triple and the
-    # attention projections, at the largest step; x2 for allocator slack.
-    per_token = 6 * hidden + 3 * inter + 2 * (heads + 2 * kv_heads) * head_dim
-    activations = 2 * max_batch_tokens * per_token * elem
+    # Activations at the largest step; x2 for allocator slack.
+    activations = 2 * max_batch_tokens * _Shape.of(cfg).activation_elems_per_token * elem
     # The head's output in the model dtype (a separate tensor unless fp32), its fp32 copy and
     # two fp32 sampler temporaries.
     logits = max_requests_per_batch * vocab * (4 * 3 + (elem if elem != 4 else 0))
