@@ -153,3 +153,13 @@ def test_engine_greedy_parity_with_the_screen(monkeypatch) -> None:
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                  min_new_tokens=0)
         assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_not_supported_when_its_copies_would_take_too_much_memory(monkeypatch) -> None:
+    import ferrobatch.greedy_head as gh
+
+    w = torch.zeros(1000, 64)
+    assert GreedyHead.supported(w)
+    tight = type("Mem", (), {"available": w.numel() * gh._EXTRA_BYTES_PER_WEIGHT})()
+    monkeypatch.setattr(gh.psutil, "virtual_memory", lambda: tight)
+    assert not GreedyHead.supported(w)

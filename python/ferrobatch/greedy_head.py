@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 logger = logging.getLogger("ferrobatch")
@@ -44,6 +45,8 @@ _MAX_CANDIDATES = 64  # per row on average; beyond it the screen is not worth it
 _MAX_STAGE1 = 1024  # per row on average after the first (coarse) selection
 _INT8_TRIAL_CALLS = 16  # the int8 screen is judged after this many calls ...
 _INT8_MAX_MISS_SHARE = 0.25  # ... and dropped when it failed to decide more often than this
+_EXTRA_BYTES_PER_WEIGHT = 2 + 1 + 4 + 4  # see `GreedyHead.supported`
+_MAX_AVAILABLE_SHARE = 0.1
 
 _HAVE_INT_MM = hasattr(torch, "_int_mm")
 _HAVE_MKLDNN = bool(
@@ -78,14 +81,26 @@ class GreedyHead:
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        """An fp32 2-D CPU weight with at most 4096 input features, and oneDNN present."""
-        return (
+        """An fp32 2-D CPU weight with at most 4096 input features, oneDNN present, and the
+        memory the screen takes (`_EXTRA_BYTES_PER_WEIGHT` per weight element: the bf16 and
+        int8 copies it keeps, fp32 temporaries while deriving them and the construction
+        check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE` of available memory."""
+        if not (
             _HAVE_MKLDNN
             and weight.dtype == torch.float32
             and weight.device.type == "cpu"
             and weight.dim() == 2
             and weight.shape[1] <= 4096
-        )
+        ):
+            return False
+        need = weight.numel() * _EXTRA_BYTES_PER_WEIGHT
+        available = psutil.virtual_memory().available
+        if need > _MAX_AVAILABLE_SHARE * available:
+            logger.info("ferrobatch: no greedy head screen (it needs %.0f MiB, more than %.0f%% "
+                        "of the %.0f MiB available)", need / 2**20, 100 * _MAX_AVAILABLE_SHARE,
+                        available / 2**20)
+            return False
+        return True
 
     def _prepare(self) -> None:
         w = self._weight
