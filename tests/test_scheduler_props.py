@@ -51,8 +51,10 @@ MAX_LIVE = 10
 token_st = st.integers(0, 99).map(lambda x: SPECIAL[x % len(SPECIAL)] if x < 12 else 10 + x % 54)
 
 
-class SchedulerMachine(RuleBasedStateMachine):
-    """Base machine; subclasses fix the family of configurations."""
+class _RequestMachine(RuleBasedStateMachine):
+    """What both machines share: a configuration drawn from the class's families (variants
+    fix them, see VARIANTS), request arrivals and cancellations. Subclasses say which
+    harness drives the scheduler and which request ids it knows."""
 
     layer_types: tuple[str, ...] = (FULL,)
     sharing = st.booleans()
@@ -61,8 +63,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.h: Harness | None = None
+        self.h: Harness | AheadHarness | None = None
         self.n = 0
+
+    def new_harness(self, cfg: SchedConfig) -> Harness | AheadHarness:
+        raise NotImplementedError
+
+    def known_ids(self) -> list[str]:
+        raise NotImplementedError
 
     @initialize(
         data=st.data(),
@@ -91,7 +99,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             cpu_offload_blocks=data.draw(self.offload),
             max_batch_cache_tokens=data.draw(self.cache_budget),
         )
-        self.h = Harness(cfg, strict=True, vocab=VOCAB)
+        self.h = self.new_harness(cfg)
         # a request must always fit alone (with room to spare): cap its total length
         full_chunks = num_blocks - ring
         self.max_len = (max(3, (full_chunks * 2 // 3) * ps) if FULL in self.layer_types
@@ -129,6 +137,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             priority=priority,
         ))
 
+    @rule(which=st.integers(0, 60))
+    def cancel(self, which):
+        """Cancel a known request (any state, also finished), or an unknown id."""
+        if which > 30:
+            return
+        ids = self.known_ids()
+        rid = ids[which % len(ids)] if ids and which < 28 else f"nope{which}"
+        self.h.cancel(rid)
+
+
+class SchedulerMachine(_RequestMachine):
+    """schedule / update / cancel / add with at most one plan outstanding."""
+
+    def new_harness(self, cfg: SchedConfig) -> Harness:
+        return Harness(cfg, strict=True, vocab=VOCAB)
+
+    def known_ids(self) -> list[str]:
+        return list(self.h.tracks)
+
     @precondition(lambda self: self.h.plan is None)
     @rule()
     def schedule(self):
@@ -160,15 +187,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.h.update([rnd.choice(SPECIAL) if rnd.random() < 0.04
                            else rnd.randrange(10, VOCAB) for _ in range(k)])
 
-    @rule(which=st.integers(0, 60))
-    def cancel(self, which):
-        """Cancel a known request (any state, also finished), or an unknown id."""
-        if which > 30:
-            return
-        ids = list(self.h.tracks)
-        rid = ids[which % len(ids)] if ids and which < 28 else f"nope{which}"
-        self.h.cancel(rid)
-
     @invariant()
     def invariants(self):
         if self.h is not None:
@@ -186,38 +204,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.run_to_completion(sampler=sampler)
 
 
-class InFlightMachine(RuleBasedStateMachine):
+class InFlightMachine(_RequestMachine):
     """schedule / schedule_ahead / update / cancel / add with up to two plans outstanding."""
 
-    layer_types: tuple[str, ...] = (FULL,)
-    sharing = st.booleans()
-    offload = st.sampled_from([0, 0, 2, 6])
-    cache_budget = st.none()
+    def new_harness(self, cfg: SchedConfig) -> AheadHarness:
+        return AheadHarness(cfg, vocab=VOCAB)
 
-    def __init__(self):
-        super().__init__()
-        self.h: AheadHarness | None = None
-        self.n = 0
-
-    @initialize(
-        data=st.data(),
-        page_size=st.sampled_from([4, 5, 8]),
-        scheduler_type=st.sampled_from(["fifo", "prefill_first"]),
-    )
-    def setup(self, data, page_size, scheduler_type):
-        SchedulerMachine.setup(self, data, page_size, scheduler_type)  # draws cfg into self.h
-        self.h = AheadHarness(self.h.cfg, vocab=VOCAB)
-
-    @precondition(lambda self: len(self.h.live()) < MAX_LIVE)
-    @rule(
-        data=st.data(),
-        prefix=st.integers(-1, 2),
-        suffix_len=st.integers(0, 16),
-        priority=st.integers(0, 2),
-        stops=st.booleans(),
-    )
-    def add(self, data, prefix, suffix_len, priority, stops):
-        SchedulerMachine.add(self, data, prefix, suffix_len, priority, stops)
+    def known_ids(self) -> list[str]:
+        return list(self.h.specs)
 
     @precondition(lambda self: not self.h.queue)
     @rule()
@@ -257,15 +251,6 @@ class InFlightMachine(RuleBasedStateMachine):
             if len(self.h.queue) == 1:
                 self.h.schedule_ahead()
             self.h.update()
-
-    @rule(which=st.integers(0, 60))
-    def cancel(self, which):
-        """Cancel a known request (any state, also finished), or an unknown id."""
-        if which > 30:
-            return
-        ids = list(self.h.specs)
-        rid = ids[which % len(ids)] if ids and which < 28 else f"nope{which}"
-        self.h.cancel(rid)
 
     @invariant()
     def invariants(self):
