@@ -250,44 +250,28 @@ pub struct Scheduler {
     stats: Stats,
 }
 
+/// A `Value` error naming `field` unless `value >= 1`.
+fn at_least_one(field: &str, value: usize) -> Result<()> {
+    if value < 1 {
+        return Err(Error::value(format!("{field} must be >= 1 (got {value})")));
+    }
+    Ok(())
+}
+
 impl Scheduler {
     /// Validate `cfg` (errors name the field) and build an empty scheduler.
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
-        if cfg.num_blocks < 1 {
-            return Err(Error::value(format!(
-                "num_blocks must be >= 1 (got {})",
-                cfg.num_blocks
-            )));
-        }
-        if cfg.page_size < 1 {
-            return Err(Error::value(format!(
-                "page_size must be >= 1 (got {})",
-                cfg.page_size
-            )));
-        }
+        at_least_one("num_blocks", cfg.num_blocks)?;
+        at_least_one("page_size", cfg.page_size)?;
         if cfg.num_blocks > ((i32::MAX as usize) / cfg.page_size).saturating_sub(2) {
             return Err(Error::value(
                 "num_blocks: (num_blocks + 2) * page_size must fit in int32",
             ));
         }
-        if cfg.max_batch_tokens < 1 {
-            return Err(Error::value(format!(
-                "max_batch_tokens must be >= 1 (got {})",
-                cfg.max_batch_tokens
-            )));
-        }
-        if cfg.max_requests_per_batch < 1 {
-            return Err(Error::value(format!(
-                "max_requests_per_batch must be >= 1 (got {})",
-                cfg.max_requests_per_batch
-            )));
-        }
+        at_least_one("max_batch_tokens", cfg.max_batch_tokens)?;
+        at_least_one("max_requests_per_batch", cfg.max_requests_per_batch)?;
         if let Some(c) = cfg.max_batch_cache_tokens {
-            if c < 1 {
-                return Err(Error::value(format!(
-                    "max_batch_cache_tokens must be >= 1 (got {c})"
-                )));
-            }
+            at_least_one("max_batch_cache_tokens", c)?;
         }
         let margin = match cfg.safety_margin {
             Some(m) if !(0.0..1.0).contains(&m) || m.is_nan() => {
