@@ -271,15 +271,4 @@ class AsyncStepper(Stepper):
     def _finish(self, cur: _InFlight) -> None:
         """Wait for `cur`'s tokens, record them in the scheduler and route the outputs."""
         assert cur.sample is not None and cur.copy is not None
-        result = cur.sample.finish(cur.copy.wait())
-        tokens = result.token_ids.numpy().astype(np.int32)
-        step_out = self.scheduler.update(tokens)
-        now = time.perf_counter()
-        lp_by_rid: dict[str, dict[int, float]] = {}
-        if result.logprobs is not None:
-            for r, lp in zip(cur.rows, result.logprobs, strict=True):
-                if lp is not None:
-                    lp_by_rid[cur.rids[r]] = lp
-        self.router.route(step_out, lp_by_rid, now)
-        self.stats["steps"] += 1
-        self.stats["step_tokens"] += len(cur.plan.input_ids)
+        self._record(cur.plan, cur.rids, cur.rows, cur.sample.finish(cur.copy.wait()))

@@ -90,6 +90,13 @@ class Stepper:
                 logits = self.runner.execute(plan)
         if not greedy:
             result = self.sampler(logits, states)
+        self._record(plan, rids, rows, result)
+        self.busy_time += time.perf_counter() - t0
+        return True
+
+    def _record(self, plan: Any, rids: list[str], rows: list[int], result: SampleResult) -> None:
+        """`plan`'s sampled tokens into the scheduler (the oldest outstanding plan's update),
+        the resulting deltas and logprobs routed to their requests, step counters."""
         tokens = result.token_ids.numpy().astype(np.int32)
         step_out = self.scheduler.update(tokens)
         now = time.perf_counter()
@@ -101,8 +108,6 @@ class Stepper:
         self.router.route(step_out, lp_by_rid, now)
         self.stats["steps"] += 1
         self.stats["step_tokens"] += len(plan.input_ids)
-        self.busy_time += time.perf_counter() - t0
-        return True
 
     def close(self) -> None:
         """Nothing is left in flight between synchronous steps."""
