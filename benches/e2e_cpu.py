@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from ferrobatch.workloads import (  # noqa: E402
+    agreement,
     brief_model,
     brief_prompts,
     chat_prompts,
@@ -135,19 +136,6 @@ RUNNERS = {
     "generate_batch": run_generate_batch,
     "padded_generate": run_padded_generate,
 }
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
-    """(share of identical requests, share of tokens before the first divergence)."""
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    agree = total = 0
-    for x, y in zip(a, b, strict=True):
-        total += max(len(x), len(y))
-        for s, t in zip(x, y, strict=False):
-            if s != t:
-                break
-            agree += 1
-    return same / max(1, len(a)), agree / max(1, total)
 
 
 def main() -> None:
@@ -275,12 +263,13 @@ def main() -> None:
     names = list(outputs)
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
-            same, tok = agreement(outputs[a], outputs[b])
+            agree = agreement(outputs[a], outputs[b])
+            same, tok = agree["requests"], agree["tokens"]
             print(
                 f"agreement {a} vs {b}: {same:.0%} of requests identical, "
                 f"{tok:.1%} of tokens before the first divergence"
             )
-            results.setdefault("agreement", {})[f"{a}~{b}"] = {"requests": same, "tokens": tok}
+            results.setdefault("agreement", {})[f"{a}~{b}"] = agree
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

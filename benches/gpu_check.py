@@ -71,7 +71,7 @@ except ImportError:  # not installed: the repository's own package (with its bui
     import ferrobatch  # noqa: F401
 
 import transformers  # noqa: E402
-from ferrobatch.workloads import left_padded  # noqa: E402
+from ferrobatch.workloads import agreement, left_padded  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -117,21 +117,6 @@ def peak_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
-    """Share of identical sequences, and of tokens before each pair's first divergence
-    (over the longer list: a missing sequence counts as different)."""
-    n = max(len(a), len(b))
-    same = sum(x == y for x, y in zip(a, b, strict=False))
-    agree = total = 0
-    for x, y in zip(a, b, strict=False):
-        total += max(len(x), len(y))
-        for s, t in zip(x, y, strict=False):
-            if s != t:
-                break
-            agree += 1
-    return {"requests": same / max(1, n), "tokens": agree / max(1, total)}
 
 
 def prompts_for(n: int, lo: int, hi: int, vocab: int, seed: int = 1234) -> list[list[int]]:

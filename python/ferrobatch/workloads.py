@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "BRIEF_VOCAB",
+    "agreement",
     "CHAT_QUESTIONS",
     "brief_llama_config",
     "brief_model",
@@ -112,3 +113,19 @@ def left_padded(prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     return ids, mask
+
+
+def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, float]:
+    """How far two methods' outputs for the same prompts agree: `requests`, the share of
+    identical sequences, and `tokens`, the share of tokens before each pair's first
+    divergence (over the longer of the two lists: a missing sequence counts as different)."""
+    n = max(len(a), len(b))
+    same = sum(list(x) == list(y) for x, y in zip(a, b, strict=False))
+    agree = total = 0
+    for x, y in zip(a, b, strict=False):
+        total += max(len(x), len(y))
+        for s, t in zip(x, y, strict=False):
+            if s != t:
+                break
+            agree += 1
+    return {"requests": same / max(1, n), "tokens": agree / max(1, total)}
