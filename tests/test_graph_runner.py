@@ -140,10 +140,7 @@ def test_padded_decode_steps_match_unpadded_and_generate(name):
     assert stats["graph_steps"] >= 10 and stats["eager_steps"] >= 1
     assert stats["hits"] >= 3 and stats["evictions"] >= 1 and stats["graphs"] <= 3, stats
     for rid, p in zip(rids, prompts, strict=True):
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist()
+        ref = tm.generate_greedy(model, p, new)
         got = planner.reqs[rid].tokens[len(p):len(p) + new]
         eos = model.generation_config.eos_token_id
         if eos in got:

@@ -102,10 +102,7 @@ def test_greedy_matches_generate(name):
     gen_cfg = copy.deepcopy(model.generation_config)
     for rid, p in zip(rids, prompts, strict=True):
         got = planner.reqs[rid].tokens[len(p):len(p) + new]
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist()
+        ref = tm.generate_greedy(model, p, new)
         eos = model.generation_config.eos_token_id
         if eos in got:  # generate stops at EOS, the planner does not
             got = got[: got.index(eos) + 1]
@@ -292,10 +289,7 @@ def test_rust_scheduler_greedy_matches_generate(name):
     new = 8
     got, _ = _drive(model, prompts, new, num_blocks=64, page_size=4, max_batch_tokens=24)
     for i, p in enumerate(prompts):
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist()
+        ref = tm.generate_greedy(model, p, new)
         assert got[f"r{i}"] == ref, (name, i)
 
 
@@ -310,10 +304,7 @@ def test_rust_scheduler_under_memory_pressure_with_offload(name):
                         cpu_offload_blocks=40)
     assert stats["num_preemptions"] >= 1
     for i, p in enumerate(prompts):
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                 dtype=torch.long), max_new_tokens=new, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist()
+        ref = tm.generate_greedy(model, p, new)
         assert got[f"r{i}"] == ref, (name, i)
 
 

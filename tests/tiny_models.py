@@ -115,3 +115,15 @@ def transformers_cb_config(**fields: Any) -> Any:
     if "page_size" in fields and "page_size" not in params:
         fields["block_size"] = fields.pop("page_size")
     return transformers.ContinuousBatchingConfig(**fields)
+
+
+def generate_greedy(model: PreTrainedModel, prompt: list[int], new: int, *,
+                    ignore_eos: bool = False) -> list[int]:
+    """The correctness oracle: `model.generate`'s greedy continuation of `prompt` alone (at
+    most `new` tokens; it stops at EOS unless `ignore_eos`)."""
+    stop = dict(min_new_tokens=new, eos_token_id=None) if ignore_eos else {}
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, do_sample=False, pad_token_id=0, **stop)
+    return out[0, len(prompt):].tolist()
