@@ -115,17 +115,31 @@ def left_padded(prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
     return ids, mask
 
 
-def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, float]:
+def agreement(
+    a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]
+) -> dict[str, float | None]:
     """How far two methods' outputs for the same prompts agree: `requests`, the share of
-    identical sequences, and `tokens`, the share of tokens before each pair's first
-    divergence (over the longer of the two lists: a missing sequence counts as different)."""
+    identical sequences; `tokens`, the share of tokens before each pair's first divergence
+    (over the longer of the two lists: a missing sequence counts as different); and
+    `first_divergence`, the mean 0-based position of the first differing token over the
+    pairs that differ (a length mismatch diverges where the shorter ends; None when all
+    pairs are identical)."""
     n = max(len(a), len(b))
     same = sum(list(x) == list(y) for x, y in zip(a, b, strict=False))
     agree = total = 0
+    firsts: list[int] = [0] * abs(len(a) - len(b))  # missing sequences differ at once
     for x, y in zip(a, b, strict=False):
         total += max(len(x), len(y))
+        pos = 0
         for s, t in zip(x, y, strict=False):
             if s != t:
                 break
-            agree += 1
-    return {"requests": same / max(1, n), "tokens": agree / max(1, total)}
+            pos += 1
+        agree += pos
+        if list(x) != list(y):
+            firsts.append(pos)
+    return {
+        "requests": same / max(1, n),
+        "tokens": agree / max(1, total),
+        "first_divergence": sum(firsts) / len(firsts) if firsts else None,
+    }
