@@ -152,6 +152,8 @@ pub struct Stats {
     pub num_preemptions: u64,
     pub num_offloads: u64,
     pub num_soft_resets: u64,
+    /// Requests recomputed on the caller's demand (`recompute()`), not by preemption.
+    pub num_recomputes: u64,
     pub num_evictions: u64,
     pub num_swap_free: usize,
     pub steps: u64,
@@ -618,6 +620,50 @@ impl Scheduler {
         r.finish = Some(FinishReason::Cancelled);
         self.pending_cancel.push(idx);
         true
+    }
+
+    /// Recompute a request from scratch: the soft reset of preemption (generated tokens
+    /// appended to the prompt, chunks freed, hashed full blocks kept in the cached list,
+    /// back to `Waiting` at its original queue position), asked for by the caller, e.g.
+    /// when the model's forward would compute its cached keys differently from now on.
+    /// A swapped request's swap slots are released. Returns false (nothing done) when the
+    /// request is unknown, finished, or waiting with nothing computed. Errors while a plan
+    /// is outstanding (its forward may still read the chunks).
+    pub fn recompute(&mut self, id: &str) -> Result<bool> {
+        if self.outstanding > 0 {
+            return Err(Error::runtime(
+                "recompute() called while a plan is outstanding: call update() first",
+            ));
+        }
+        let Some(&idx) = self.ids.get(id) else {
+            return Ok(false);
+        };
+        let r = self.req(idx);
+        let key = r.key;
+        match r.state {
+            // a waiting request holds nothing and computes from scratch anyway
+            RequestState::Finished | RequestState::Waiting => return Ok(false),
+            RequestState::Swapped => {
+                self.swapped.remove(&key);
+                let r = self.reqs[idx as usize].as_mut().expect("live");
+                for s in std::mem::take(&mut r.swap_slots) {
+                    self.swap.release(s);
+                }
+                r.n_full_swapped = 0;
+            }
+            RequestState::Prefilling | RequestState::Decoding => {
+                self.remove_running(idx);
+                self.free_chunks(idx);
+            }
+        }
+        self.steady_ready = false;
+        let r = self.req_mut(idx);
+        r.num_computed = 0;
+        r.num_registered = 0;
+        r.state = RequestState::Waiting;
+        self.waiting.insert(key, idx);
+        self.stats.num_recomputes += 1;
+        Ok(true)
     }
 
     fn remove_running(&mut self, idx: u32) {

@@ -405,6 +405,109 @@ fn swapped_request_cancel_releases_slots() {
 }
 
 #[test]
+fn recompute_resets_a_request_which_then_prefills_prompt_and_generated() {
+    let mut s = Scheduler::new(cfg(8, 2, 64)).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(6), 0).unwrap();
+    s.add_request("b", vec![4, 5], stop(6), 0).unwrap();
+    step(&mut s, 7); // both prefilled, one token each
+    step(&mut s, 8); // one decode each: a holds 3 + 2 tokens, 4 computed
+    assert_eq!(
+        s.request(idx(&s, "a")).unwrap().state,
+        RequestState::Decoding
+    );
+    let used = s.stats().num_used_blocks;
+    // while a plan is outstanding: refused, nothing changed
+    s.schedule().unwrap().unwrap();
+    let e = s.recompute("a").unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Runtime);
+    assert!(e.message.contains("outstanding"));
+    s.update(&[9, 9]).unwrap();
+    s.check_invariants().unwrap();
+    assert!(s.recompute("a").unwrap());
+    s.check_invariants().unwrap();
+    let r = s.request(idx(&s, "a")).unwrap();
+    assert_eq!(r.state, RequestState::Waiting);
+    assert_eq!(r.num_computed, 0);
+    assert!(s.stats().num_used_blocks < used + 1);
+    assert_eq!(s.stats().num_recomputes, 1);
+    assert_eq!(s.stats().num_soft_resets, 0);
+    // waiting, unknown: nothing to do
+    assert!(!s.recompute("a").unwrap());
+    assert!(!s.recompute("nope").unwrap());
+    // the next plan prefills a's prompt + its 3 generated tokens in one row, sampling the
+    // last (its two full blocks come back from the prefix cache: prefix caching is on)
+    let plan = s.schedule().unwrap().unwrap().clone();
+    let row = plan
+        .rows
+        .iter()
+        .position(|r| s.request(r.req).unwrap().id == "a")
+        .unwrap();
+    let (r, t0) = (plan.rows[row], plan.cu_seqlens_q[row] as usize);
+    assert_eq!((r.start, r.q, r.sampled), (4, 2, true));
+    assert_eq!(&plan.input_ids[t0..t0 + 2], &[8, 9]);
+    assert_eq!(&plan.positions[t0..t0 + 2], &[4, 5]);
+    let n = plan.num_sampled();
+    s.update(&vec![3; n]).unwrap();
+    run(&mut s, 3);
+    // a got exactly max_new_tokens tokens in total, nothing leaks
+    assert_eq!(s.stats().generated_tokens, 12);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    // a finished request: false
+    s.add_request("c", vec![1], stop(1), 0).unwrap();
+    run(&mut s, 3);
+    assert!(!s.recompute("c").unwrap());
+}
+
+#[test]
+fn recompute_without_prefix_caching_prefills_everything() {
+    let mut c = cfg(8, 2, 64);
+    c.allow_block_sharing = false;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("a", vec![1, 2, 3], stop(6), 0).unwrap();
+    step(&mut s, 7);
+    step(&mut s, 8);
+    assert!(s.recompute("a").unwrap());
+    let plan = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(plan.rows.len(), 1);
+    assert_eq!((plan.rows[0].start, plan.rows[0].q), (0, 5));
+    assert_eq!(&plan.input_ids, &[1, 2, 3, 7, 8]);
+    assert_eq!(&plan.positions, &[0, 1, 2, 3, 4]);
+    assert_eq!(plan.logits_indices, vec![4]);
+    s.update(&[5]).unwrap();
+    run(&mut s, 3);
+    assert_eq!(s.stats().generated_tokens, 6);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn recompute_of_a_swapped_request_releases_its_slots() {
+    let mut c = cfg(6, 2, 64);
+    c.cpu_offload_blocks = 32;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("a", vec![1, 2, 3, 4], stop(7), 0).unwrap();
+    s.add_request("b", vec![5, 6, 7, 8], stop(7), 0).unwrap();
+    let mut victim = None;
+    for _ in 0..50 {
+        step(&mut s, 3);
+        victim = s
+            .live_requests()
+            .find(|(_, r)| r.state == RequestState::Swapped)
+            .map(|(_, r)| r.id.clone());
+        if victim.is_some() {
+            break;
+        }
+    }
+    let victim = victim.expect("a request was swapped out");
+    assert!(s.recompute(&victim).unwrap());
+    s.check_invariants().unwrap();
+    assert_eq!(s.swap_pool().num_free(), 32);
+    assert_eq!(s.stats().swapped, 0);
+    run(&mut s, 3);
+    assert_eq!(s.stats().generated_tokens, 14);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
 fn safety_margin_blocks_new_admissions_only() {
     let mut c = SchedulerConfig::new(10, 2, 64);
     c.safety_margin = Some(0.5);

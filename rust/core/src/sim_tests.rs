@@ -165,6 +165,27 @@ impl Sim {
         ok
     }
 
+    /// `recompute(id)`: refused (runtime error) exactly while a plan is outstanding.
+    pub fn recompute(&mut self, id: &str) -> bool {
+        match self.s.recompute(id) {
+            Ok(done) => {
+                assert!(
+                    self.queue.is_empty(),
+                    "recompute accepted with a plan outstanding"
+                );
+                done
+            }
+            Err(e) => {
+                assert!(
+                    !self.queue.is_empty(),
+                    "recompute refused with nothing outstanding: {e}"
+                );
+                assert_eq!(e.kind, ErrorKind::Runtime);
+                false
+            }
+        }
+    }
+
     fn copy_chunk(src: &[u64], sc: usize, dst: &mut [u64], dc: usize, page: usize) {
         dst[dc * page..(dc + 1) * page].copy_from_slice(&src[sc * page..(sc + 1) * page]);
     }
@@ -761,6 +782,8 @@ enum Op {
     Ahead,
     /// Update the oldest outstanding plan (if any).
     Update,
+    /// `recompute()` of a known request (refused while a plan is outstanding).
+    Recompute(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -772,6 +795,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Launch),
         3 => Just(Op::Ahead),
         3 => Just(Op::Update),
+        1 => (0usize..64).prop_map(Op::Recompute),
     ]
 }
 
@@ -894,6 +918,12 @@ proptest! {
                     if !ids.is_empty() {
                         let id = ids[i % ids.len()].clone();
                         sim.cancel(&id);
+                    }
+                }
+                Op::Recompute(i) => {
+                    if !ids.is_empty() {
+                        let id = ids[i % ids.len()].clone();
+                        sim.recompute(&id);
                     }
                 }
             }

@@ -892,6 +892,13 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         self.inner.cancel(request_id)
     }
 
+    /// Recompute a request from scratch (soft reset: generated tokens join the prompt, its
+    /// chunks or swap slots are freed, it waits at its queue position). False if unknown,
+    /// finished or waiting; RuntimeError while a plan is outstanding.
+    fn recompute(&mut self, request_id: &str) -> PyResult<bool> {
+        self.inner.recompute(request_id).map_err(to_py)
+    }
+
     fn has_unfinished(&self) -> bool {
         self.inner.has_unfinished()
     }
@@ -901,7 +908,8 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
     /// LRU-first); `num_used_blocks` (refcount > 0; used + free = num_blocks); `waiting`,
     /// `running`, `swapped` (request counts); `finished` (finished or cancelled, reported);
     /// `prefix_hit_tokens` and `prompt_tokens` (summed over admissions, re-admissions after a
-    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`;
+    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`; `num_recomputes` (`recompute()`
+    /// calls that reset a request);
     /// `num_evictions` (cached blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`;
     /// `steps`, `generated_tokens`; `stalled_requests`, `stalled_blocks` (last schedule():
     /// rows that found the pool short and the chunks they missed, before preemption);
@@ -922,6 +930,7 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_offloads", s.num_offloads)?;
         d.set_item("num_soft_resets", s.num_soft_resets)?;
+        d.set_item("num_recomputes", s.num_recomputes)?;
         d.set_item("num_evictions", s.num_evictions)?;
         d.set_item("num_swap_free", s.num_swap_free)?;
         d.set_item("cpu_offload_blocks", self.inner.config().cpu_offload_blocks)?;
