@@ -36,6 +36,7 @@ from ferrobatch.request import (
     make_request,
     sampling_list,
 )
+from ferrobatch.rope import LongRope
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import Sampler, SamplingParams
 from ferrobatch.step import Stepper, model_lock
@@ -92,6 +93,16 @@ class Engine:
 
         tcfg = self._read_model_config(loaded)
         _check_architecture(loaded, tcfg)
+        # rope factors that transformers takes from the whole forward, made per request
+        self.rope = LongRope.of(loaded, self.max_model_len)
+        use_cuda_graph = self.config.use_cuda_graph  # None: on with CUDA + a kernel backend
+        if self.rope is not None:
+            logger.info(
+                "ferrobatch: %s uses longrope (short/long factors at %d tokens): per-request "
+                "factors, recompute on crossing=%s, no prefix caching, no CUDA graphs",
+                type(loaded).__name__, self.rope.threshold, self.rope.recompute,
+            )
+            use_cuda_graph = False
         self._size_cache(loaded, tcfg)
         self.runner = ModelRunner(
             loaded,
@@ -100,9 +111,10 @@ class Engine:
             cpu_offload_blocks=self.cpu_offload_blocks,
             device=self.device,
             dtype=self.dtype,
-            use_cuda_graph=self.config.use_cuda_graph,  # None: on with CUDA + a kernel backend
+            use_cuda_graph=use_cuda_graph,
             config=self.config,
         )
+        self.runner.rope = self.rope
         self.scheduler = self._build_scheduler()
         try:
             self._probe_model()
@@ -193,18 +205,100 @@ class Engine:
         )
 
     def _probe_model(self) -> None:
-        """Run a short prompt and one decode step through the paged path (a scratch
-        scheduler over the same cache) and compare the logits with the model's own forward.
+        """Check at construction that the paged path computes what the model computes.
 
-        A model whose attention does not go through transformers' attention interface, or
-        goes through it with something the paged attention ignores, fails here with a
-        `NotImplementedError` instead of generating wrong tokens later. The chunks it
-        writes are rewritten before any real request reads them.
+        1. A short prompt and one decode step through the paged path (a scratch scheduler
+           over the same cache), compared with the model's own forward: a model whose
+           attention does not go through transformers' attention interface, or goes through
+           it with something the paged attention ignores, fails here.
+        2. A packed step (`_probe_packed`): several requests of different lengths in one
+           batch, one of them a chunked prefill, then decode steps side by side, each
+           compared with the same request run alone through the same runner: a model that
+           derives something from the whole forward (the batch, the step's length, the
+           cache) fails here instead of answering differently next to other requests.
+
+        Failures raise `NotImplementedError`. The chunks the probe writes are rewritten
+        before any real request reads them.
         """
+        self.probe_relative_error: float | None = None
+        self.probe_packed_error: float | None = None
+        try:
+            # another engine on the same model must not switch its attention meanwhile
+            with model_lock(self.model):
+                self._probe_own_forward()
+                self._probe_packed()
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise NotImplementedError(
+                f"{type(self.model).__name__} cannot run through ferrobatch's paged attention: "
+                f"the probe forward failed with {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _half_precision(self) -> bool:
+        """Whether the runner's products round to half precision (a bf16 / fp16 model or
+        cache, or linears run in half precision by the runner)."""
+        half = (torch.float16, torch.bfloat16)
+        act = getattr(self.runner, "activation_dtype", None)
+        return (
+            self.runner.cache.keys[0].dtype in half
+            or next(self.model.parameters()).dtype in half
+            or act in half
+        )
+
+    def _probe_tolerance(self) -> float:
+        # fp32 agrees to ~1e-6 on CPU (TF32 matmuls on CUDA: ~1e-3); half precision only
+        # rounds differently (bf16 SmolLM2: ~0.016), so there only a gross error is refused.
+        if self._half_precision():
+            return 0.25
+        return 2e-3 if self.device.type == "cpu" else 1e-2
+
+    def _probe_drive(
+        self, prompts: dict[str, list[int]], decodes: int, max_batch_tokens: int
+    ) -> dict[str, list[torch.Tensor]] | None:
+        """Run `prompts` together through a scratch scheduler (`max_batch_tokens` per step)
+        and the runner, feeding each request fixed tokens (not its samples, so two runs see
+        the same inputs whatever their logits); returns each request's `decodes + 1`
+        sampled logits (fp32, CPU), or None when the cache cannot hold them."""
+        scratch = self._build_scheduler(max_batch_tokens=max_batch_tokens)
+        try:
+            for rid, p in prompts.items():
+                scratch.add_request(rid, p, decodes + 1)
+        except ValueError:
+            return None
+        got: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
+        rope = self.rope
+        for rid, p in prompts.items():
+            if rope is not None:
+                rope.add(rid, len(p))
+        try:
+            for _ in range(64 * (decodes + 1) * len(prompts)):
+                plan = scratch.schedule()
+                if plan is None:
+                    break
+                logits = self.runner.execute(plan)
+                rids = list(plan.request_ids)
+                tokens = []
+                for i, row in enumerate(plan.logits_rows):
+                    rid = rids[int(row)]
+                    got[rid].append(logits[i].detach().float().cpu())
+                    tokens.append((13 * len(got[rid]) + 7 * len(rid) + 5) % self.vocab_size)
+                out = scratch.update(tokens)
+                if rope is not None:
+                    rope.after_update(scratch, plan, out.finished_request_ids)
+        finally:
+            if rope is not None:
+                for rid in prompts:
+                    rope.forget(rid)
+        if any(len(v) != decodes + 1 for v in got.values()):
+            return None
+        return got
+
+    def _probe_own_forward(self) -> None:
+        """Probe 1 (see `_probe_model`)."""
         from ferrobatch.runner import _eval_mode
 
         name = type(self.model).__name__
-        self.probe_relative_error: float | None = None
         n = max(2, min(12, self.max_model_len - 3, self.num_blocks * self.config.page_size - 1))
         prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
         scratch = self._build_scheduler()
@@ -214,43 +308,23 @@ class Engine:
             return  # a cache too small for even the probe: requests will be refused anyway
         got: list[torch.Tensor] = []
         tokens = list(prompt)
-        try:
-            # another engine on the same model must not switch its attention meanwhile
-            with model_lock(self.model):
-                while len(got) < 2:
-                    plan = scratch.schedule()
-                    if plan is None:
-                        break
-                    logits = self.runner.execute(plan)
-                    if len(plan.logits_indices):
-                        got.append(logits[-1].detach().float().cpu())
-                        tokens.append(int(logits[-1].argmax()))
-                    scratch.update(
-                        [int(logits[i].argmax()) for i in range(len(plan.logits_indices))]
-                    )
-                with torch.inference_mode(), _eval_mode(self.model):
-                    ids = torch.tensor([tokens[: n + 1]], device=self.device)
-                    ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise NotImplementedError(
-                f"{name} cannot run through ferrobatch's paged attention: the probe forward "
-                f"failed with {type(exc).__name__}: {exc}"
-            ) from exc
+        while len(got) < 2:
+            plan = scratch.schedule()
+            if plan is None:
+                break
+            logits = self.runner.execute(plan)
+            if len(plan.logits_indices):
+                got.append(logits[-1].detach().float().cpu())
+                tokens.append(int(logits[-1].argmax()))
+            scratch.update([int(logits[i].argmax()) for i in range(len(plan.logits_indices))])
+        with torch.inference_mode(), _eval_mode(self.model):
+            ids = torch.tensor([tokens[: n + 1]], device=self.device)
+            ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
         ref = ref.detach().float().cpu()
         if len(got) != 2 or ref.shape[0] != 2:
             return
         out = torch.stack(got)
-        half = self.runner.cache.keys[0].dtype in (torch.float16, torch.bfloat16) or (
-            next(self.model.parameters()).dtype in (torch.float16, torch.bfloat16)
-        )
-        # fp32 agrees to ~1e-6 on CPU (TF32 matmuls on CUDA: ~1e-3); half precision only
-        # rounds differently (bf16 SmolLM2: ~0.016), so there only a gross error is refused.
-        if half:
-            tol = 0.25
-        else:
-            tol = 2e-3 if self.device.type == "cpu" else 1e-2
+        tol = self._probe_tolerance()
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-6))
         self.probe_relative_error = err
         if not err <= tol:
@@ -259,7 +333,7 @@ class Engine:
                 f"own forward (relative error {err:.2g} > {tol}); this architecture uses "
                 "attention features the paged attention does not implement"
             )
-        if half and err > 0.05:
+        if self._half_precision() and err > 0.05:
             logger.warning(
                 "ferrobatch: %s logits through the paged attention differ from the model's own "
                 "forward by %.2g (relative); expected rounding in half precision is smaller",
@@ -267,18 +341,72 @@ class Engine:
                 err,
             )
 
-    def _build_scheduler(self) -> Any:
+    def _probe_lengths(self) -> list[int]:
+        """Prompt lengths of the packed probe: short and page-crossing ones, plus lengths
+        on both sides of every length the model's config names (sliding window, attention
+        chunk, rope switch: `_config_lengths`) when small enough to run at construction;
+        all within the context and the cache."""
+        page = self.config.page_size
+        lengths = [3, 9, page + 5]
+        small = 4 * page + 8
+        for v in _config_lengths(self.model.config):
+            if v + 3 <= small:
+                lengths += [v - 2, v + 3]
+        room = min(self.max_model_len - 6, self.num_blocks * page // 2 - 6)
+        return sorted({max(1, min(n, room)) for n in lengths})
+
+    def _probe_packed(self) -> None:
+        """Probe 2 (see `_probe_model`): the lengths of `_probe_lengths`, 4 decode steps
+        each, packed with a token budget that chunks the longest prompt, against each
+        request alone (one prefill step, then its decodes)."""
+        name = type(self.model).__name__
+        lengths = self._probe_lengths()
+        if len(lengths) < 2:
+            return
+        decodes = 4
+        prompts = {
+            f"ferrobatch-probe-{i}": [(11 * j + 17 * i + 3) % self.vocab_size for j in range(n)]
+            for i, n in enumerate(lengths)
+        }
+        longest = max(lengths)
+        budget = max(len(lengths) + 1, sum(lengths[:-1]) + max(1, longest // 3))
+        packed = self._probe_drive(prompts, decodes, budget)
+        if packed is None:
+            return
+        err = 0.0
+        worst = ""
+        for rid, p in prompts.items():
+            alone = self._probe_drive({rid: p}, decodes, len(p) + 1)
+            if alone is None:
+                return
+            a, b = torch.stack(packed[rid]), torch.stack(alone[rid])
+            e = float((a - b).norm() / b.norm().clamp_min(1e-6))
+            if e > err:
+                err, worst = e, f"{len(p)}-token prompt"
+        self.probe_packed_error = err
+        tol = self._probe_tolerance()
+        if not err <= tol:
+            raise NotImplementedError(
+                f"{name}: a request's logits in a packed step (next to requests of other "
+                f"lengths, with a chunked prefill) differ from the same request run alone "
+                f"(relative error {err:.2g} > {tol}, {worst}); the model derives something "
+                "from the whole forward (the batch, the step's length or the cache) that "
+                "ferrobatch does not make per request"
+            )
+
+    def _build_scheduler(self, max_batch_tokens: int | None = None) -> Any:
         from ferrobatch.core import Scheduler
 
         cfg = self.config
         return Scheduler(
             self.num_blocks,
             cfg.page_size,
-            cfg.max_batch_tokens,
+            max_batch_tokens or cfg.max_batch_tokens,
             max_requests_per_batch=cfg.max_requests_per_batch,
             scheduler_type=cfg.scheduler_type,
             safety_margin=cfg.resolved_safety_margin,
-            allow_block_sharing=cfg.allow_block_sharing,
+            # a longrope request's keys depend on its length, not on its tokens alone
+            allow_block_sharing=cfg.allow_block_sharing and self.rope is None,
             layer_types=list(self.layer_types),
             sliding_window=self.sliding_window,
             cpu_offload_blocks=self.cpu_offload_blocks,
@@ -732,6 +860,33 @@ async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:
         if not getter.done():
             getter.cancel()
     return getter.result() if done else None
+
+
+_LENGTH_KEYS = ("sliding_window", "attention_chunk_size", "original_max_position_embeddings",
+                "window_size", "local_window_size")
+
+
+def _config_lengths(config: Any) -> set[int]:
+    """Sequence lengths a model's config names (windows, chunks, rope switch points), in the
+    config, its text config and their rope parameters (per layer type too)."""
+    out: set[int] = set()
+    cfgs = [config]
+    getter = getattr(config, "get_text_config", None)
+    if getter is not None:
+        cfgs.append(getter())
+    dicts: list[dict[str, Any]] = []
+    for cfg in cfgs:
+        dicts.append({k: getattr(cfg, k, None) for k in _LENGTH_KEYS})
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        if isinstance(rope, dict):
+            dicts.append(rope)
+            dicts.extend(v for v in rope.values() if isinstance(v, dict))
+    for d in dicts:
+        for k in _LENGTH_KEYS:
+            v = d.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 2:
+                out.add(v)
+    return out
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -133,7 +133,8 @@ class AsyncStepper(Stepper):
     there was nothing to do), `has_mail()`, `busy_time`, `stats` (also counts `ahead_steps`,
     the steps planned by `schedule_ahead`, and `pipeline_drains`, the times a step in flight
     was finished alone: nothing to run ahead, or the last ahead plan calls for `schedule()`,
-    counted in `stall_drains` / `swap_drains`, see `_drain_reason`).
+    counted in `stall_drains` / `swap_drains`, see `_drain_reason`, or `rope_drains`: a
+    request crosses the longrope threshold, `ferrobatch.rope`).
     `close()` waits for the step in flight and drops it.
     """
 
@@ -174,6 +175,10 @@ class AsyncStepper(Stepper):
             self._inflight = cur
             self.busy_time += time.perf_counter() - t0
             return True
+        if self.rope is not None and self.rope.crossing(prev.plan):
+            # a request crosses the longrope threshold with this step's token: it is
+            # recomputed by the update, before anything plans its next token
+            self._drain_next = "rope_drains"
         if self._drain_next:
             plan = None
             self.stats[self._drain_next] += 1

@@ -7,7 +7,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,9 @@ class ModelRunner:
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self._greedy_head is not None
         self._closed = False
+        # Set by the engine: a `ferrobatch.rope.LongRope` giving each request its own rope
+        # factors (the rotary module would take them from the whole packed step).
+        self.rope: Any = None
         self._graphs: Any = None  # GraphCache when padded (graph) steps are on
         self._graph_mode: str | None = None
         self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
@@ -522,7 +525,7 @@ class ModelRunner:
             flat_ids = self._tensor(plan.input_ids)
             if flat_ids.shape[0] == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
-            if self._graphs is not None:
+            if self._graphs is not None and self.rope is None:
                 hidden = self._execute_graph(plan, fill, prev_tokens)
                 if hidden is not None:
                     return self._head_logits(hidden).float()
@@ -540,7 +543,8 @@ class ModelRunner:
                     plan, self.cache, self.layer_types, self.sliding_window,
                     self.attention_backend, self._num_sms,
                 )
-            with _eval_mode(self.model):
+            rope = self.rope.forward(plan, self.device) if self.rope is not None else nullcontext()
+            with _eval_mode(self.model), rope:
                 logits = self._forward(input_ids, positions, logits_indices, step, _greedy)
             self._check_calls(step)
             return logits if logits.dtype == torch.int64 else logits.float()

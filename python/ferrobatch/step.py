@@ -61,6 +61,8 @@ class Stepper:
         self.inbox: collections.deque[Request] = collections.deque()
         self.cancel_inbox: collections.deque[str] = collections.deque()
         self.busy_time = 0.0
+        # per-request rope factors (`ferrobatch.rope.LongRope`), when the model needs them
+        self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
         self.forward_lock = model_lock(model) if model is not None else threading.Lock()
 
@@ -99,6 +101,9 @@ class Stepper:
         the resulting deltas and logprobs routed to their requests, step counters."""
         tokens = result.token_ids.numpy().astype(np.int32)
         step_out = self.scheduler.update(tokens)
+        if self.rope is not None:  # crossing the longrope threshold: recompute, as generate
+            n = self.rope.after_update(self.scheduler, plan, step_out.finished_request_ids)
+            self.stats["rope_recomputes"] += n
         now = time.perf_counter()
         lp_by_rid: dict[str, dict[int, float]] = {}
         if result.logprobs is not None:
@@ -130,6 +135,8 @@ class Stepper:
                 self.router.fail(req, exc)
                 continue
             req.in_scheduler = True
+            if self.rope is not None:
+                self.rope.add(req.request_id, len(req.prompt_ids))
             self.stats["prompt_tokens"] += len(req.prompt_ids)
             changed = True
         while self.cancel_inbox:
