@@ -157,8 +157,9 @@ class Engine:
         self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
         self.vocab_size = int(tcfg.vocab_size)
         self.eos_token_ids = _eos_ids(loaded, self.tokenizer)
-        self.layer_types = list(models.layer_types_of(tcfg))
-        self.sliding_window = models.sliding_window_of(tcfg)
+        # what the forward does, not what the config declares (`models.attention_layout`)
+        self.layer_types = list(models.layer_types_of(loaded))
+        self.sliding_window = models.sliding_window_of(loaded)
         self.default_max_new_tokens = 128
         return tcfg
 
@@ -917,3 +918,35 @@ def _check_architecture(model: Any, tcfg: Any) -> None:
             "different head sizes are not supported by ferrobatch's paged cache"
         )
     # Attention sinks (GPT-OSS) run on the SDPA path (the runner routes them there).
+    for m in model.modules():
+        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
+            raise NotImplementedError(
+                f"{name} uses attention temperature tuning on its no-rope layers (Llama-4): the "
+                "layer computes its positions from the cache length inside its forward, which "
+                "in a packed step are not each request's positions; not supported"
+            )
+    from ferrobatch.models import attention_layout
+
+    layout = attention_layout(model)
+    shapes = layout.shapes
+    if layout.recorded and len(set(shapes)) > 1:
+        per_layer = ", ".join(f"layer {i}: {kv} KV heads x {d}" for i, (_, kv, d, _) in
+                              enumerate(shapes))
+        raise NotImplementedError(
+            f"{name} has per-layer KV shapes ({per_layer}): ferrobatch's paged cache holds "
+            "one KV shape for every layer"
+        )
+    if layout.recorded and shapes and shapes[0][2] != shapes[0][3]:
+        raise NotImplementedError(
+            f"{name}: keys and values of different head sizes ({shapes[0][2]} and "
+            f"{shapes[0][3]}) are not supported by ferrobatch's paged cache"
+        )
+    heads = int(getattr(tcfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(tcfg, "num_key_value_heads", None) or heads)
+    hd = int(getattr(tcfg, "head_dim", None) or (tcfg.hidden_size // heads if heads else 0))
+    if layout.recorded and shapes and shapes[0][1:3] != (kv, hd):
+        raise NotImplementedError(
+            f"{name}: its attention layers get {shapes[0][1]} KV heads of size {shapes[0][2]} "
+            f"(grouped or repeated KV heads), not the config's num_key_value_heads={kv} x "
+            f"head_dim={hd} ferrobatch's paged cache is built with; not supported"
+        )

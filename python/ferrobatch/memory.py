@@ -40,15 +40,17 @@ class _Shape:
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> _Shape:
+        """Per-layer sizes (lists, as Gemma3n's `intermediate_size`) count at their largest:
+        the estimates are per step and per chunk, bounded by the widest layer."""
         cfg = text_config(config)
-        hidden = int(cfg.hidden_size)
-        heads = int(cfg.num_attention_heads)
+        hidden = _largest(cfg.hidden_size)
+        heads = _largest(cfg.num_attention_heads)
         return cls(
             hidden=hidden,
-            intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
+            intermediate=_largest(getattr(cfg, "intermediate_size", None) or 4 * hidden),
             heads=heads,
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+            kv_heads=_largest(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=_largest(getattr(cfg, "head_dim", None) or hidden // heads),
         )
 
     @property
@@ -57,6 +59,16 @@ class _Shape:
         and the attention projections."""
         h = self
         return 6 * h.hidden + 3 * h.intermediate + 2 * (h.heads + 2 * h.kv_heads) * h.head_dim
+
+
+def _largest(value: Any) -> int:
+    """An int config field, or the largest entry of a per-layer list / tuple of them."""
+    if isinstance(value, list | tuple):
+        ints = [int(v) for v in value if v is not None]
+        if not ints:
+            raise ValueError(f"empty per-layer size {value!r}")
+        return max(ints)
+    return int(value)
 
 
 def kv_bytes_per_chunk(

@@ -8,7 +8,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +52,18 @@ def num_layers_of(config: PretrainedConfig) -> int:
     return int(text_config(config).num_hidden_layers)
 
 
-def layer_types_of(config: PretrainedConfig) -> list[str]:
+def layer_types_of(config: PretrainedConfig | PreTrainedModel) -> list[str]:
     """Per layer `"full_attention"` or `"sliding_attention"`.
 
-    Reads `config.layer_types` when present, else `sliding_window` applies to every layer when
-    set, else every layer is full attention. Other layer kinds raise `NotImplementedError`.
+    Given a model: what its forward does (`attention_layout`: the window each layer's
+    attention is given, by keyword or by mask). Given a config, what it declares:
+    `config.layer_types` when present, else `sliding_window` on every layer when set, else
+    every layer full attention (a declaration only: Llama and Gemma never read
+    `sliding_window`, so for a model the forward decides). Other layer kinds raise
+    `NotImplementedError`.
     """
+    if isinstance(config, PreTrainedModel):
+        return list(attention_layout(config).layer_types)
     cfg = text_config(config)
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
@@ -71,11 +80,173 @@ def layer_types_of(config: PretrainedConfig) -> list[str]:
     return [FULL] * n
 
 
-def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The sliding window `w` (a query at q sees keys q-w+1..=q) or None if no layer slides."""
+def sliding_window_of(config: PretrainedConfig | PreTrainedModel) -> int | None:
+    """The sliding window `w` (a query at q sees keys q-w+1..=q) or None if no layer slides
+    (given a model: the window its forward applies, `attention_layout`)."""
+    if isinstance(config, PreTrainedModel):
+        return attention_layout(config).sliding_window
     if SLIDING not in layer_types_of(config):
         return None
     return int(text_config(config).sliding_window)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a model's forward gives its attention layers (`attention_layout`)."""
+
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    # per layer (query heads, KV heads, key head size, value head size)
+    shapes: tuple[tuple[int, int, int, int], ...]
+    recorded: bool  # False: the forward could not be recorded; the config's declaration
+
+
+_LAYOUT_NAME = "ferrobatch_layout"
+_LAYOUTS: weakref.WeakKeyDictionary[Any, AttentionLayout] = weakref.WeakKeyDictionary()
+_RECORDING = threading.local()
+_FAR = 1 << 20  # a query position far beyond any window a config names
+
+
+def _mask_window(mask_function: Any) -> int | None:
+    """The window of a transformers mask function (`mask_function(b, h, q, kv)` is True
+    where a query sees a key), found by asking it: None when a query at `_FAR` sees key 0
+    (no window), else the smallest distance it does not see (transformers' sliding window:
+    a key is seen iff `q - kv < w`)."""
+
+    def sees(d: int) -> bool:
+        q = torch.tensor(_FAR)
+        return bool(mask_function(torch.tensor(0), torch.tensor(0), q, q - d))
+
+    if mask_function is None or sees(_FAR):
+        return None
+    lo, hi = 0, _FAR  # sees(lo) (distance 0: a query sees itself), not sees(hi)
+    if not sees(lo):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sees(mid):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _layout_mask(*args: Any, mask_function: Any = None, **kwargs: Any) -> Any:
+    """Recording mask function: a marker tensor standing for the mask the model asked for,
+    remembered with the window that mask would apply."""
+    rec = getattr(_RECORDING, "rec", None)
+    marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    if rec is not None:
+        try:
+            window = _mask_window(mask_function)
+        except Exception:  # noqa: BLE001 - a mask this cannot read: no window learned
+            window = None
+        rec["masks"][id(marker)] = (marker, window)
+    return marker
+
+
+def _layout_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                      *args: Any, **kwargs: Any) -> Any:
+    """Recording attention function: notes the layer's window (keyword or mask) and shapes,
+    returns plain causal attention (the values do not matter)."""
+    rec = getattr(_RECORDING, "rec", None)
+    if rec is not None:
+        window = kwargs.get("sliding_window")
+        entry = rec["masks"].get(id(attention_mask)) if attention_mask is not None else None
+        if entry is not None and entry[1] is not None:
+            window = entry[1]
+        rec["layers"].append((getattr(module, "layer_idx", None),
+                              int(window) if window else None,
+                              (int(query.shape[1]), int(key.shape[1]), int(key.shape[-1]),
+                               int(value.shape[-1]))))
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads != heads and heads % kv_heads == 0:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.to(query.dtype), value.to(query.dtype), is_causal=query.shape[2] > 1
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _declared_layout(model: PreTrainedModel) -> AttentionLayout:
+    cfg = text_config(model.config)
+    types = layer_types_of(model.config)
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return AttentionLayout(tuple(types), sliding_window_of(model.config),
+                           tuple((heads, kv, hd, hd) for _ in types), recorded=False)
+
+
+def attention_layout(model: PreTrainedModel) -> AttentionLayout:
+    """Per layer the attention type, the sliding window and the Q/KV shapes the model's
+    forward actually uses, recorded once per model with one short forward through a
+    recording attention function and mask function: a layer slides when its attention is
+    given a `sliding_window` keyword or a mask with a window (so a `sliding_window` a model
+    never reads, as in Llama or Gemma, is ignored, and one it applies through its mask only,
+    as in PhiMoE, is kept). Declared layer kinds other than full / sliding attention raise
+    `NotImplementedError` first (`layer_types_of` of the config); a forward that cannot be
+    recorded falls back to the config's declaration. Raises `NotImplementedError` when the
+    sliding layers use different windows."""
+    cached = _LAYOUTS.get(model)
+    if cached is not None:
+        return cached
+    declared = _declared_layout(model)  # raises for unsupported layer kinds
+    layout = _record_layout(model, declared)
+    _LAYOUTS[model] = layout
+    return layout
+
+
+def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> AttentionLayout:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .attention import model_configs
+
+    AttentionInterface.register(_LAYOUT_NAME, _layout_attention)
+    AttentionMaskInterface.register(_LAYOUT_NAME, _layout_mask)
+    n = len(declared.layer_types)
+    rec: dict[str, Any] = {"masks": {}, "layers": []}
+    configs = model_configs(model)
+    saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs]
+    vocab = int(text_config(model.config).vocab_size)
+    ids = (torch.arange(5, 13) % vocab).unsqueeze(0).to(model.device)
+    modes = [(m, m.training) for m in model.modules()]
+    _RECORDING.rec = rec
+    try:
+        for cfg, _ in saved:
+            cfg._attn_implementation_internal = _LAYOUT_NAME
+        model.eval()
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - the probe reports what fails later
+        logger.info("ferrobatch: attention layout not recorded (%s: %s); using the config's",
+                    type(exc).__name__, exc)
+        return declared
+    finally:
+        _RECORDING.rec = None
+        for cfg, impl in saved:
+            cfg._attn_implementation_internal = impl
+        for m, mode in modes:
+            m.training = mode
+    layers = rec["layers"]
+    idx = [i for i, _, _ in layers]
+    if len(layers) != n:
+        logger.info("ferrobatch: %d attention calls for %d layers; using the config's "
+                    "layer types", len(layers), n)
+        return declared
+    order = sorted(range(n), key=lambda k: idx[k] if isinstance(idx[k], int) else k)
+    windows = [layers[k][1] for k in order]
+    shapes = tuple(layers[k][2] for k in order)
+    slid = sorted({w for w in windows if w})
+    if len(slid) > 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}: sliding layers with different windows {slid} are not "
+            "supported (one sliding window per model)"
+        )
+    types = tuple(SLIDING if w else FULL for w in windows)
+    return AttentionLayout(types, slid[0] if slid else None, shapes, recorded=True)
 
 
 def cache_root() -> Path:

@@ -72,8 +72,9 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)
-        self.layer_types: list[str] = layer_types_of(model.config)
-        self.sliding_window: int | None = sliding_window_of(model.config)
+        # what the model's forward does (models.attention_layout), not what its config says
+        self.layer_types: list[str] = layer_types_of(model)
+        self.sliding_window: int | None = sliding_window_of(model)
         self.vocab_size: int = int(cfg.vocab_size)
         self.page_size = page_size
         self.num_blocks = num_blocks
