@@ -50,6 +50,7 @@ __all__ = [
     "PagedStep",
     "build_kernel_step",
     "build_step",
+    "in_ferrobatch_forward",
     "paged_attention_enabled",
     "paged_attention_forward",
     "register",
@@ -463,9 +464,8 @@ def paged_attention_forward(
         k = k.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         v = v.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         mask = bucket.mask
-        if k.dtype != q_dec.dtype:  # a cache dtype other than the model's
-            k, v = k.to(q_dec.dtype), v.to(q_dec.dtype)
-            mask = mask.to(q_dec.dtype) if mask is not None else None
+        if q_dec.dtype != k.dtype:  # attention runs in the cache's dtype
+            q_dec = q_dec.to(k.dtype)
         if softcap is None and sinks is None:
             # The query heads sharing a KV head become that head's query rows: no GQA expansion.
             qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
@@ -473,6 +473,8 @@ def paged_attention_forward(
         else:
             o = _attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False, sinks)
         o = o.reshape(bd, heads, dim)
+        if o.dtype != query.dtype:
+            o = o.to(query.dtype)
         if bucket.tokens is None:
             return o.unsqueeze(0), None
         if out is None:
@@ -490,13 +492,13 @@ def paged_attention_forward(
         else:
             k = key[:, :, s:e]
             v = value[:, :, s:e]
-            if k.dtype != q.dtype:
-                k, v = k.to(q.dtype), v.to(q.dtype)
+        # attention runs in the cache's dtype (the keys of a chunked prompt are rounded
+        # alike whether they come from the cache or from this forward)
+        dt = k_cache.dtype
         mask = row.mask
-        if mask is not None and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap, row.causal,
-                    sinks)
+        if mask is not None and mask.dtype != dt:
+            mask = mask.to(dt)
+        o = _attend(q.to(dt), k.to(dt), v.to(dt), mask, scaling, softcap, row.causal, sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -536,6 +538,11 @@ def register() -> None:
     """Register the paged attention and its mask function with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+
+
+def in_ferrobatch_forward() -> bool:
+    """Whether the calling thread is inside a ferrobatch forward (`paged_attention_enabled`)."""
+    return getattr(_STATE, "depth", 0) > 0
 
 
 def model_configs(model: torch.nn.Module) -> list[PretrainedConfig]:

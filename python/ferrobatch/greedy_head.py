@@ -1,4 +1,7 @@
-"""Greedy tokens from an fp32 linear output head without computing every fp32 logit.
+"""Greedy tokens from a linear output head without computing every fp32 logit.
+
+The head's weight is fp32, or bf16 / fp16 (then "fp32 logits" are the fp32 products of the
+rows with the exactly widened weight, and bf16 / fp16 rows are widened exactly too).
 
 For greedy rows only the argmax of `hidden @ W.T` is needed. `GreedyHead` screens the
 vocabulary with a cheap low-precision product, keeps every token whose screened score is
@@ -87,7 +90,7 @@ class GreedyHead:
         check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE` of available memory."""
         if not (
             _HAVE_MKLDNN
-            and weight.dtype == torch.float32
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and weight.device.type == "cpu"
             and weight.dim() == 2
             and weight.shape[1] <= 4096
@@ -107,8 +110,9 @@ class GreedyHead:
         key = (id(w), w._version)
         if self._packed is None or self._key != key:
             with torch.no_grad():
-                wd = w.detach()
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(wd.bfloat16(), 64)
+                wd = w.detach().float()  # exact for a half-precision weight
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                    w.detach().bfloat16(), 64)
                 # fp32 norms rounded up (relative error <= K 2^-24 <= 2^-12)
                 self._w2 = wd.norm(dim=1).double().numpy() * (1 + 2.0**-10)
                 self._w1 = wd.abs().sum(dim=1).double().numpy() * (1 + 2.0**-10)
@@ -130,7 +134,11 @@ class GreedyHead:
         n, k = hidden.shape
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        if hidden.device.type != "cpu":
+            return None
+        if hidden.dtype in (torch.bfloat16, torch.float16):
+            hidden = hidden.float()  # exact widening
+        elif hidden.dtype != torch.float32:
             return None
         hidden = hidden.contiguous()
         h64 = hidden.double()
@@ -225,7 +233,7 @@ class GreedyHead:
         """The fp32 argmax among each row's candidates (ties: lowest token id)."""
         n = hidden.shape[0]
         cols, where = np.unique(c, return_inverse=True)
-        weight = self._weight.detach().index_select(0, torch.from_numpy(cols))
+        weight = self._weight.detach().index_select(0, torch.from_numpy(cols)).float()
         e = torch.mm(hidden, weight.t()).numpy()[r, where]
         if not np.isfinite(e).all():
             return None
@@ -245,7 +253,7 @@ class GreedyHead:
         gen = torch.Generator().manual_seed(0)
         k = self._weight.shape[1]
         x = torch.randn(rows, k, generator=gen)
-        w = self._weight.detach()
+        w = self._weight.detach().float()
         timed: dict[bool, float] = {}
         try:
             with torch.inference_mode():
@@ -274,6 +282,8 @@ class GreedyHead:
         self.int8 = min(timed, key=timed.__getitem__)
         if not self.int8:
             self._qweight = None
+        if self._weight.dtype != torch.float32:
+            return True  # exact fp32-accumulated argmax of a half head: worth it at any speed
         return timed[self.int8] <= 0.8 * full
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from . import attention
+from .cpu_linear import PackedLinears
 from .greedy_head import GreedyHead
 from .kv_cache import PagedKVCache
 from .models import layer_types_of, sliding_window_of, text_config
@@ -56,6 +57,7 @@ class ModelRunner:
         use_cuda_graph: bool | None = None,
         config: Any = None,
         max_graphs: int | None = None,
+        activations: str = "auto",
     ) -> None:
         """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
         flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
@@ -66,7 +68,13 @@ class ModelRunner:
         warns + runs eager where not (CPU, the SDPA backend); False = always eager.
         `config` (a `ContinuousBatchingConfig`) supplies the graph padding intervals and
         `max_requests_per_batch`; `max_graphs` bounds the graph cache (default
-        `DEFAULT_MAX_GRAPHS`)."""
+        `DEFAULT_MAX_GRAPHS`).
+
+        `activations` (bf16 / fp16 models on CPU, whose linear layers then run on weights
+        packed once for oneDNN, `ferrobatch.cpu_linear`): "float32" keeps activations in
+        fp32 between the half-precision products (the default, "auto", when the model runs
+        that way: checked once against its own forward), "model" keeps the model's dtype
+        throughout (what the model's own forward computes)."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.model = model
@@ -112,6 +120,12 @@ class ModelRunner:
         )
         self._use_head_wt = False
         self._use_head_packed = False
+        if activations not in ("auto", "float32", "model"):
+            raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
+                             f"not {activations!r}")
+        self._linears: PackedLinears | None = None
+        if self.device.type == "cpu":
+            self._linears = self._make_packed_linears(activations)
         self._split_head = self._check_split_head()
         if self._split_head:
             self._use_head_packed = self._packed_head_wins()
@@ -442,6 +456,69 @@ class ModelRunner:
         out = self.execute(plan, prev_tokens, _greedy=True)
         return out if out.dtype == torch.int64 else _argmax_rows(out)
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the activations between the linear layers."""
+        return self._linears.activation_dtype if self._linears is not None else self.dtype
+
+    def _linears_active(self) -> Any:
+        return self._linears.active() if self._linears is not None else nullcontext()
+
+    def _make_packed_linears(self, activations: str) -> PackedLinears | None:
+        """Packed half-precision linears (`ferrobatch.cpu_linear`), fp32 activations when
+        asked or, with "auto", when a forward that way is at least about as close to the
+        exact computation as the model's own (a model whose code mixes its activations with
+        half-precision tensors outside `nn.Linear` fails that check and keeps its dtype);
+        layers sharing an input grouped from one calibration forward."""
+        if self.model.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        in_fwd = attention.in_ferrobatch_forward
+        linears = None
+        if activations != "model":
+            linears = PackedLinears.of(
+                self.model, activation_dtype=torch.float32, in_thread=in_fwd
+            )
+            if linears is not None and activations == "auto" and not self._widening_holds(
+                linears
+            ):
+                logger.info("ferrobatch: %s keeps %s activations (its forward with fp32 "
+                            "activations is further from the exact one than its own)",
+                            type(self.model).__name__, self.model.dtype)
+                linears = None
+        if linears is None:
+            linears = PackedLinears.of(self.model, in_thread=in_fwd)
+        if linears is not None:
+            ids = self._check_ids(16)
+            with torch.inference_mode(), _eval_mode(self.model):
+                linears.calibrate(lambda: self.model(input_ids=ids, use_cache=False))
+            logger.info("ferrobatch: %d linear layers on packed %s weights (%d stacked groups, "
+                        "%.0f MiB), %s activations", linears.num_layers, linears.weight_dtype,
+                        linears.num_groups, linears.packed_bytes / 2**20,
+                        linears.activation_dtype)
+        return linears
+
+    def _check_ids(self, n: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, self.vocab_size, (1, n), generator=gen).to(self.device)
+
+    def _widening_holds(self, wide: PackedLinears) -> bool:
+        """Whether the model's forward with fp32 activations runs and is at least as close
+        to the exact computation (fp32 products of the same weights) as its own forward."""
+        ids = self._check_ids(16)
+        try:
+            with torch.inference_mode(), _eval_mode(self.model):
+                own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                with wide.active(everywhere=True):
+                    got = self.model(input_ids=ids, use_cache=False).logits[0]
+                with wide.active(exact=True):
+                    ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        except Exception as exc:  # noqa: BLE001 - a model that can't: keep its dtype
+            logger.info("ferrobatch: fp32 activations fail (%s: %s)", type(exc).__name__, exc)
+            return False
+        if got.dtype != torch.float32 or not bool(torch.isfinite(got).all()):
+            return False
+        return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())
+
     def _check_split_head(self) -> bool:
         """Whether base model + output head on the sampled rows reproduces the full forward
         (checked once on a short input with the model's own attention)."""
@@ -561,7 +638,7 @@ class ModelRunner:
         """Logits of the sampled tokens; with `greedy` and a greedy head, their argmax
         token ids (int64) when the screen decides."""
         kwargs = {attention.STEP_KWARG: step, "use_cache": False}
-        with attention.paged_attention_enabled(self._configs, step):
+        with attention.paged_attention_enabled(self._configs, step), self._linears_active():
             if self._split_head:
                 out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
                 hidden = out[0][0].index_select(0, logits_indices)

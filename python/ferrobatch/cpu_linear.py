@@ -1,0 +1,338 @@
+"""Half-precision linear layers on the CPU's matrix units, weights packed once.
+
+On CPU, `F.linear` with a bf16 (or fp16) weight hands oneDNN the weight in its plain layout,
+and oneDNN reorders it into its blocked layout for the AMX / AVX512-BF16 kernels on every
+call: at decode batch sizes that reorder costs as much as the product. `PackedLinears`
+reorders each `nn.Linear` weight of a model once (`torch.ops.mkldnn._reorder_linear_weight`,
+the op inductor uses for frozen linears) and, for the duration of a ferrobatch forward,
+runs every such layer as one `_linear_pointwise` call on the packed weight.
+
+Layers seen (in one calibration forward) to take the same input one after the other, such as
+q/k/v or gate/up projections, form a group: its first member runs one product with the
+group's weights stacked, and the others take their slice of it when their input is the same
+tensor, unchanged (else they run alone, unpacked). No layer names are assumed.
+
+Two numerics (`activation_dtype`):
+
+* the model's own dtype: each product is what the model computes (inputs and outputs in the
+  weight dtype, fp32 accumulation), only faster;
+* `torch.float32` ("half-precision weights, fp32 activations", as llama.cpp runs a BF16
+  model on CPU): inputs are rounded to the weight dtype for the product, outputs widened to
+  fp32, and the input embeddings widened too, so the residual stream, norms and rotary
+  embeddings stay in fp32 between the products. Rounding the residual stream to bf16 after
+  every layer is where a bf16 model loses much of its agreement with fp32.
+
+The caller's model is never changed: the packed weights live here, each layer's `forward`
+is replaced by an instance attribute only inside `active()` (and the replacement runs the
+layer's own forward on any other thread), and weights changed in place are packed again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("ferrobatch")
+
+__all__ = ["HALF_DTYPES", "PackedLinears", "packing_available"]
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# the packed copies may take at most this share of available memory
+_MAX_AVAILABLE_SHARE = 0.5
+_BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear ops."""
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
+    return tuple((id(m.weight), m.weight._version) for m in layers)
+
+
+class _Packed:
+    """Packed weight (the stacked weights of a group) and bias in the weight dtype, derived
+    again when a weight object or its version changes."""
+
+    __slots__ = ("layers", "key", "weight", "bias", "sizes")
+
+    def __init__(self, layers: list[torch.nn.Linear]) -> None:
+        self.layers = layers
+        self.key: tuple[tuple[int, int], ...] | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.sizes = [m.out_features for m in layers]
+
+    def refresh(self) -> None:
+        key = _weights_key(self.layers)
+        if self.key == key:
+            return
+        with torch.no_grad():
+            w = torch.cat([m.weight.detach() for m in self.layers]) if len(self.layers) > 1 \
+                else self.layers[0].weight.detach()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+            dtype = w.dtype
+            if all(m.bias is None for m in self.layers):
+                self.bias = None
+            else:
+                self.bias = torch.cat([
+                    m.bias.detach().to(dtype) if m.bias is not None
+                    else torch.zeros(m.out_features, dtype=dtype) for m in self.layers
+                ])
+        self.key = key
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+
+
+class _Group:
+    """The slices of a group's last product, held for its other members until they ask with
+    the same input tensor object."""
+
+    __slots__ = ("packed", "x", "parts")
+
+    def __init__(self, packed: _Packed) -> None:
+        self.packed = packed
+        self.x: torch.Tensor | None = None
+        self.parts: list[torch.Tensor | None] = []
+
+    def take(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
+        # (inference tensors keep no version counter: the same object, taken at once by
+        # the next layers of the same module, is what the calibration saw)
+        if self.x is not x:
+            return None
+        part, self.parts[index] = self.parts[index], None
+        return part
+
+    def clear(self) -> None:
+        self.x, self.parts = None, []
+
+
+class PackedLinears:
+    """The `nn.Linear` layers of a half-precision CPU model run on weights packed once for
+    oneDNN, with outputs in `activation_dtype` (see the module docstring). Build with
+    `PackedLinears.of(...)`, which returns None when nothing applies."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layers: list[torch.nn.Linear],
+        activation_dtype: torch.dtype,
+        in_thread: Callable[[], bool],
+    ) -> None:
+        self.model = model
+        self.weight_dtype = layers[0].weight.dtype
+        self.activation_dtype = activation_dtype
+        self._in_thread = in_thread
+        self._active = False
+        self._everywhere = False
+        self._exact = False
+        self._recording: list[tuple[int, torch.Tensor]] | None = None
+        self._layers = layers
+        self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self._packs: list[_Packed] = []
+        self._groups: list[_Group] = []
+        self._set_groups([[i] for i in range(len(layers))])
+        emb = model.get_input_embeddings() if self.widens else None
+        # a module whose forward is already an instance attribute (hooks) is left alone
+        self._embeddings = emb if emb is not None and "forward" not in emb.__dict__ else None
+        self._embedding_fwd = (
+            self._embedding_forward(self._embeddings) if self._embeddings is not None else None
+        )
+
+    @classmethod
+    def of(
+        cls,
+        model: torch.nn.Module,
+        *,
+        activation_dtype: torch.dtype | None = None,
+        in_thread: Callable[[], bool],
+    ) -> PackedLinears | None:
+        """The packed layers of `model`, or None: no oneDNN, no plain `nn.Linear` in bf16 /
+        fp16 on CPU, or the copies would take more than half of available memory.
+        `activation_dtype` None = the weights' dtype. `in_thread()` tells whether the
+        calling thread is inside a ferrobatch forward."""
+        if not packing_available():
+            return None
+        layers = [
+            m for m in model.modules()
+            if type(m) is torch.nn.Linear and "forward" not in m.__dict__
+            and m.weight.device.type == "cpu" and m.weight.dtype in HALF_DTYPES
+        ]
+        if not layers or len({m.weight.dtype for m in layers}) > 1:
+            return None
+        need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        available = psutil.virtual_memory().available
+        if need > _MAX_AVAILABLE_SHARE * available:
+            logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
+                        "%.0f%% of the %.0f MiB available)", need / 2**20,
+                        100 * _MAX_AVAILABLE_SHARE, available / 2**20)
+            return None
+        return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread)
+
+    @property
+    def widens(self) -> bool:
+        """Whether activations are kept wider than the weights (fp32 between products)."""
+        return self.activation_dtype != self.weight_dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def num_groups(self) -> int:
+        """Groups of two or more layers sharing one product."""
+        return sum(len(p.layers) > 1 for p in self._packs)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(p.nbytes for p in self._packs)
+
+    # --- groups ----------------------------------------------------------------------------
+
+    def _set_groups(self, groups: list[list[int]]) -> None:
+        self._forwards = [None] * len(self._layers)  # type: ignore[list-item]
+        self._packs, self._groups = [], []
+        for members in groups:
+            packed = _Packed([self._layers[i] for i in members])
+            packed.refresh()
+            group = _Group(packed)
+            self._packs.append(packed)
+            self._groups.append(group)
+            for pos, i in enumerate(members):
+                self._forwards[i] = self._linear_forward(i, group, pos)
+
+    def calibrate(self, forward: Callable[[], Any]) -> None:
+        """Run `forward()` (a short forward of the model) on the packed layers and group the
+        layers that took the same input tensor one after the other."""
+        self._recording = []
+        try:
+            with self.active(everywhere=True):
+                forward()
+            calls = self._recording
+        finally:
+            self._recording = None
+        runs: list[list[int]] = []
+        for n, (i, x) in enumerate(calls):
+            if n and calls[n - 1][1] is x and i not in runs[-1]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        group_of: dict[int, tuple[int, ...]] = {}
+        conflict: set[int] = set()
+        for run in runs:
+            key = tuple(run)
+            for i in run:
+                if group_of.setdefault(i, key) != key:
+                    conflict.add(i)
+        seen: set[int] = set()
+        groups: list[list[int]] = []
+        for key in dict.fromkeys(group_of.values()):
+            if len(key) > 1 and not any(i in conflict for i in key):
+                groups.append(list(key))
+                seen.update(key)
+        groups += [[i] for i in range(len(self._layers)) if i not in seen]
+        self._set_groups(groups)
+
+    # --- forwards --------------------------------------------------------------------------
+
+    def _linear_forward(
+        self, index: int, group: _Group, pos: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        module = self._layers[index]
+        own = type(module).forward
+        wdt, adt = self.weight_dtype, self.activation_dtype
+        linear = torch.ops.mkldnn._linear_pointwise
+        in_thread = self._in_thread
+        packed = group.packed
+        alone = len(packed.layers) == 1
+
+        def widen(y: torch.Tensor) -> torch.Tensor:
+            return y if y.dtype == adt else y.to(adt)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not (in_thread() or self._everywhere):
+                return own(module, x)
+            if self._exact:
+                b = module.bias
+                return F.linear(x.float(), module.weight.float(), None if b is None else b.float())
+            if self._recording is not None:
+                self._recording.append((index, x))
+            if alone:
+                return widen(linear(x if x.dtype == wdt else x.to(wdt), packed.weight,
+                                    packed.bias, "none", [], ""))
+            if pos:
+                part = group.take(x, pos)
+                if part is not None:
+                    return part
+                return widen(own(module, x if x.dtype == wdt else x.to(wdt)))  # unpacked
+            y = linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
+                       "none", [], "")
+            parts = [widen(s) if s.dtype != adt else s.contiguous()
+                     for s in y.split(packed.sizes, dim=-1)]
+            group.x, group.parts = x, parts
+            return parts[0]
+
+        return forward
+
+    def _embedding_forward(self, module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        own = type(module).forward
+        adt, in_thread = self.activation_dtype, self._in_thread
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = own(module, *args, **kwargs)
+            if (in_thread() or self._everywhere) and out.is_floating_point():
+                return out.to(torch.float32 if self._exact else adt)
+            return out
+
+        return forward
+
+    @contextmanager
+    def active(self, everywhere: bool = False, exact: bool = False) -> Iterator[None]:
+        """Inside the block, the layers run on their packed weights in ferrobatch forwards
+        (on every thread and in any forward with `everywhere`: for construction checks);
+        weights changed in place since the last call are packed again first. `exact`
+        (checks only): fp32 products of the widened weights instead, fp32 activations (the
+        exact computation the half-precision forwards approximate). On exit each layer's
+        own `forward` is back."""
+        if self._active:  # nested: the outer block restores
+            yield
+            return
+        self._active = True
+        self._everywhere = everywhere or exact
+        self._exact = exact
+        patched: list[torch.nn.Module] = []
+        try:
+            for packed in self._packs:
+                packed.refresh()
+            for module, forward in zip(self._layers, self._forwards, strict=True):
+                module.forward = forward
+                patched.append(module)
+            if self._embeddings is not None:
+                self._embeddings.forward = self._embedding_fwd
+                patched.append(self._embeddings)
+            yield
+        finally:
+            for m in patched:
+                m.__dict__.pop("forward", None)
+            for group in self._groups:
+                group.clear()
+            self._active = self._everywhere = self._exact = False
+
+    def clear(self) -> None:
+        """Drop the packed copies."""
+        self._layers, self._forwards, self._packs, self._groups = [], [], [], []
+        self._embeddings = None
+
