@@ -61,6 +61,13 @@ class Engine:
     SmolLM2-135M-Instruct. `config` is a ferrobatch or transformers
     `ContinuousBatchingConfig` (never mutated). The caller's model, model config and
     generation config are left as they were.
+
+    `dtype` (a path or the bundled model; a loaded model keeps its own and a different
+    request is warned about, never applied): None = float32 on CPU (greedy output equal to
+    `model.generate` in fp32), "auto" = bf16 on CPUs with native bf16 for checkpoints stored
+    in half precision (`models.resolve_dtype`), or "float32" / "bfloat16" / "float16" / a
+    `torch.dtype`. On CPU a bf16 / fp16 model runs its linear layers on weights packed once
+    for the matrix units, with fp32 activations between them (`ferrobatch.cpu_linear`).
     """
 
     def __init__(
@@ -70,7 +77,7 @@ class Engine:
         config: Any = None,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         seed: int | None = None,
     ) -> None:
         from ferrobatch import models
@@ -161,6 +168,7 @@ class Engine:
         self.layer_types = list(models.layer_types_of(loaded))
         self.sliding_window = models.sliding_window_of(loaded)
         self.default_max_new_tokens = 128
+        self.generation_defaults = _generation_defaults(loaded)
         return tcfg
 
     def _resolve_async_batching(self) -> bool:
@@ -673,7 +681,7 @@ class Engine:
     def _params_list(
         self, sampling: Any, n: int, max_new_tokens: int | None
     ) -> list[SamplingParams]:
-        return sampling_list(sampling, n, max_new_tokens)
+        return sampling_list(sampling, n, max_new_tokens, self.generation_defaults)
 
     def _make_request(
         self, prompt: Prompt, sp: SamplingParams, request_id: str | None, **kwargs: Any
@@ -888,6 +896,19 @@ def _config_lengths(config: Any) -> set[int]:
             if isinstance(v, int) and not isinstance(v, bool) and v > 2:
                 out.add(v)
     return out
+
+
+def _generation_defaults(model: Any) -> SamplingParams | None:
+    """What `sampling=None` means: the model's own `generation_config` (as `model.generate`
+    and vLLM apply it): its do_sample / temperature / top_k / top_p / min_p /
+    repetition_penalty / max_new_tokens, transformers' defaults for what it leaves unset,
+    except the length, which stays the engine's default unless the config sets
+    `max_new_tokens`. Fields ferrobatch cannot honour are named in a warning and left out.
+    None when the model has no generation config (greedy)."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return None
+    return SamplingParams.from_generation_config(gc, unsupported="warn", lengths=False)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -96,8 +96,11 @@ class Request:
         )
 
 
-def sampling_list(sampling: Any, n: int, max_new_tokens: int | None) -> list[SamplingParams]:
-    """One `SamplingParams` per prompt from one value or a list (`max_new_tokens` wins)."""
+def sampling_list(
+    sampling: Any, n: int, max_new_tokens: int | None, defaults: SamplingParams | None = None
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt from one value or a list (`max_new_tokens` wins;
+    `defaults` stand for None: the model's generation config)."""
     if isinstance(sampling, list | tuple):
         if len(sampling) != n:
             raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
@@ -106,7 +109,8 @@ def sampling_list(sampling: Any, n: int, max_new_tokens: int | None) -> list[Sam
         items = [sampling] * n
     out = []
     for s in items:
-        sp = coerce_sampling(s)  # max_new_tokens=None is resolved per prompt in make_request
+        # max_new_tokens=None is resolved per prompt in make_request
+        sp = coerce_sampling(s, defaults=defaults)
         if max_new_tokens is not None:
             sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": max_new_tokens})
         out.append(sp)
@@ -126,11 +130,10 @@ def make_request(
     """A validated request for `engine` (its tokenizer, vocabulary, context and cache);
     `new_id()` names it when `request_id` is None."""
     ids, prompt_text = _prompt_ids(engine, prompt)
-    if sp.max_new_tokens is None:  # not given: the engine's default, capped to the context left
-        room = engine.max_model_len - len(ids)
-        sp = dataclasses.replace(
-            sp, max_new_tokens=max(1, min(engine.default_max_new_tokens, room))
-        )
+    if sp.max_new_tokens is None:  # not given: max_length's rest, else the engine's default,
+        room = engine.max_model_len - len(ids)  # capped to the context left
+        want = engine.default_max_new_tokens if sp.max_length is None else sp.max_length - len(ids)
+        sp = dataclasses.replace(sp, max_new_tokens=max(1, min(want, room)))
     _check_fits(engine, ids, sp)
     if sp.stop and engine.tokenizer is None:
         raise ValueError("stop: stop strings need a tokenizer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,11 @@ class SamplingParams:
     sampling reproducible whatever else runs in the batch. `logprobs=n` returns, per
     generated token, the log-probabilities (of the model's raw distribution) of the top-n
     tokens plus the chosen one. `stop` strings end generation; the text excludes them.
-    `max_new_tokens=None` takes the engine's default (128 unless overridden).
+    `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
+    (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
+    means), else the engine's default (128 unless overridden). `temperature` is 0 or at
+    least `MIN_TEMPERATURE` (smaller ones overflow the scaled logits); `seed` is in
+    [0, 2**64).
     """
 
     max_new_tokens: int | None = 128
@@ -38,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,7 +52,13 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids or ())
         if self.max_new_tokens is not None:
             _int_field("max_new_tokens", self.max_new_tokens, minimum=1)
-        _float_field("temperature", self.temperature, low=0.0)
+        if self.max_length is not None:
+            _int_field("max_length", self.max_length, minimum=1)
+        temperature = _float_field("temperature", self.temperature, low=0.0)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}"
+            )
         _int_field("top_k", self.top_k, minimum=0)
         top_p = _float_field("top_p", self.top_p, low=0.0)
         if not 0.0 < top_p <= 1.0:
@@ -61,7 +73,9 @@ class SamplingParams:
             if abs(value) > 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
-            _int_field("seed", self.seed, minimum=-(2**63))
+            _int_field("seed", self.seed, minimum=0)
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
@@ -87,27 +101,45 @@ class SamplingParams:
         )
 
     @classmethod
-    def from_generation_config(cls, gc: Any, **overrides: Any) -> SamplingParams:
-        """Build from a `transformers.GenerationConfig` (read only, never mutated).
+    def from_generation_config(
+        cls, gc: Any, *, unsupported: str = "raise", lengths: bool = True, **overrides: Any
+    ) -> SamplingParams:
+        """Build from a `transformers.GenerationConfig` (read only, never mutated), with
+        transformers' defaults for the fields it leaves unset (`do_sample=True` samples
+        with `top_k=50`, temperature 1; no `max_new_tokens` means `max_length=20` in all).
 
         Settings ferrobatch cannot honour (beam search, n-gram bans, forced tokens, ...)
-        raise `ValueError` naming the field rather than being silently dropped.
+        raise `ValueError` naming the field (`unsupported="raise"`), or are named in a
+        warning and left out (`"warn"`). `lengths=False` leaves `max_new_tokens` unset
+        unless the config sets it (the engine's default then applies).
         """
+        bad = []
         for name, neutral in _UNSUPPORTED_GENERATION_FIELDS.items():
             value = getattr(gc, name, None)
             if value is not None and value != neutral and not (neutral is None and not value):
-                raise ValueError(
-                    f"{name}={value!r} in the GenerationConfig is not supported by ferrobatch"
-                )
+                bad.append(f"{name}={value!r}")
+        if bad and unsupported == "raise":
+            raise ValueError(
+                f"{bad[0]} in the GenerationConfig is not supported by ferrobatch"
+            )
+        if bad:
+            warnings.warn(
+                f"ferrobatch: the generation config's {', '.join(bad)} not supported: left "
+                "out, so outputs differ from model.generate", stacklevel=3,
+            )
+        defaults = _generation_defaults()
         kw: dict[str, Any] = {}
         do_sample = bool(getattr(gc, "do_sample", False))
+
+        def field_or_default(name: str, fallback: Any) -> Any:
+            value = getattr(gc, name, None)
+            return defaults.get(name, fallback) if value is None else value
+
         if do_sample:
-            temperature = getattr(gc, "temperature", None)
-            kw["temperature"] = 1.0 if temperature is None else float(temperature)
-            top_k = getattr(gc, "top_k", None)
+            kw["temperature"] = float(field_or_default("temperature", 1.0))
+            top_k = field_or_default("top_k", 50)
             kw["top_k"] = int(top_k) if top_k else 0
-            top_p = getattr(gc, "top_p", None)
-            kw["top_p"] = 1.0 if top_p is None else float(top_p)
+            kw["top_p"] = float(field_or_default("top_p", 1.0))
             min_p = getattr(gc, "min_p", None)
             kw["min_p"] = 0.0 if min_p is None else float(min_p)
         rp = getattr(gc, "repetition_penalty", None)
@@ -115,6 +147,15 @@ class SamplingParams:
             kw["repetition_penalty"] = float(rp)
         if getattr(gc, "max_new_tokens", None) is not None:
             kw["max_new_tokens"] = int(gc.max_new_tokens)
+        elif lengths and getattr(gc, "max_length", None) is not None:
+            kw["max_new_tokens"] = None  # the rest of max_length, per prompt
+            kw["max_length"] = int(gc.max_length)
+        elif lengths:
+            # neither set: transformers' default max_length (20) counts new tokens
+            # ("by default let's always generate 20 new tokens", transformers 5.2x)
+            kw["max_new_tokens"] = int(defaults.get("max_length", 20))
+        else:
+            kw["max_new_tokens"] = None
         stop = getattr(gc, "stop_strings", None)
         if stop:
             kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -123,6 +164,20 @@ class SamplingParams:
             kw["stop_token_ids"] = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         kw.update(overrides)
         return cls(**kw)
+
+
+MIN_TEMPERATURE = 1e-5
+
+
+def _generation_defaults() -> dict[str, Any]:
+    """transformers' values for GenerationConfig fields left None (top_k 50, max_length 20,
+    ...), read from transformers when it says them."""
+    try:
+        from transformers import GenerationConfig
+
+        return dict(GenerationConfig._get_default_generation_params())
+    except Exception:  # noqa: BLE001 - another transformers release: the documented values
+        return {"max_length": 20, "top_k": 50, "top_p": 1.0, "temperature": 1.0}
 
 
 # GenerationConfig fields with no ferrobatch equivalent, and the value that means "off".
@@ -444,10 +499,17 @@ def _pad_ids(rows: Sequence[Sequence[int]], *, pad: int, dev: torch.device) -> t
     return out.to(dev, non_blocking=True)
 
 
-def coerce_sampling(value: Any, *, default_max_new_tokens: int | None = None) -> SamplingParams:
-    """Accept None, a `SamplingParams`, a `GenerationConfig` or a dict."""
+def coerce_sampling(
+    value: Any,
+    *,
+    default_max_new_tokens: int | None = None,
+    defaults: SamplingParams | None = None,
+) -> SamplingParams:
+    """Accept None (`defaults`: the model's generation config, else greedy), a
+    `SamplingParams`, a `GenerationConfig` or a dict."""
     if value is None:
-        sp = SamplingParams(max_new_tokens=None)  # the engine's default, fitted to the context
+        # the engine's default length, fitted to the context, unless `defaults` says one
+        sp = defaults if defaults is not None else SamplingParams(max_new_tokens=None)
     elif isinstance(value, SamplingParams):
         sp = value
     elif isinstance(value, dict):
