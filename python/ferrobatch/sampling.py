@@ -24,9 +24,9 @@ class SamplingParams:
     tokens plus the chosen one. `stop` strings end generation; the text excludes them.
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
-    means), else the engine's default (128 unless overridden). `temperature` is 0 or at
-    least `MIN_TEMPERATURE` (smaller ones overflow the scaled logits); `seed` is in
-    [0, 2**64).
+    means), else the engine's default (128 unless overridden). A `temperature` below
+    `MIN_TEMPERATURE` (1e-5) is greedy (dividing the logits by it would overflow); `seed`
+    is in [0, 2**64).
     """
 
     max_new_tokens: int | None = 128
@@ -54,11 +54,7 @@ class SamplingParams:
             _int_field("max_new_tokens", self.max_new_tokens, minimum=1)
         if self.max_length is not None:
             _int_field("max_length", self.max_length, minimum=1)
-        temperature = _float_field("temperature", self.temperature, low=0.0)
-        if 0.0 < temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}"
-            )
+        _float_field("temperature", self.temperature, low=0.0)
         _int_field("top_k", self.top_k, minimum=0)
         top_p = _float_field("top_p", self.top_p, low=0.0)
         if not 0.0 < top_p <= 1.0:
@@ -88,8 +84,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when the next token is the argmax: temperature 0, or below
+        `MIN_TEMPERATURE` (dividing the logits by it would overflow; its distribution is the
+        argmax anyway, as vLLM defines it)."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
