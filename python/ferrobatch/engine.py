@@ -97,6 +97,7 @@ class Engine:
         param = next(loaded.parameters())
         self.device = param.device
         self.dtype = param.dtype
+        _note_spinning_threads(self.device)
 
         tcfg = self._read_model_config(loaded)
         _check_architecture(loaded, tcfg)
@@ -971,3 +972,24 @@ def _check_architecture(model: Any, tcfg: Any) -> None:
             f"(grouped or repeated KV heads), not the config's num_key_value_heads={kv} x "
             f"head_dim={hd} ferrobatch's paged cache is built with; not supported"
         )
+
+
+_SPIN_NOTED = False
+
+
+def _note_spinning_threads(device: torch.device) -> None:
+    """Warn once when torch's OpenMP threads spin-wait (torch imported before ferrobatch
+    with no OMP_WAIT_POLICY): steps then stall whenever other work shares the cores."""
+    global _SPIN_NOTED
+    import ferrobatch
+
+    if _SPIN_NOTED or device.type != "cpu" or not ferrobatch.OPENMP_SPINS:
+        return
+    if torch.get_num_threads() > 1:
+        _SPIN_NOTED = True
+        logger.warning(
+            "ferrobatch: torch was imported before ferrobatch, so its %d OpenMP threads "
+            "spin while they wait; on a busy machine steps can take many times longer. Set "
+            "OMP_WAIT_POLICY=PASSIVE before importing torch (or import ferrobatch first), or "
+            "use torch.set_num_threads(1).", torch.get_num_threads())
+

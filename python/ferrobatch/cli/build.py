@@ -19,14 +19,6 @@ def build_config(args: argparse.Namespace) -> Any:
     return ContinuousBatchingConfig(**given)
 
 
-def _dtype(name: str) -> Any:
-    if name == "auto":
-        return None
-    import torch
-
-    return getattr(torch, name)
-
-
 def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
     """An ``Engine`` from the model, config and device flags (``model`` overrides MODEL)."""
     from ferrobatch.engine import Engine
@@ -40,7 +32,7 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
         config=build_config(args),
         tokenizer=args.tokenizer,
         device=args.device,
-        dtype=_dtype(args.dtype),
+        dtype=args.dtype,
         seed=args.engine_seed,
     )
 

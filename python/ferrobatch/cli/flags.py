@@ -128,14 +128,20 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=_DTYPES,
-        help="Weights and cache dtype. auto: float32 on CPU, bfloat16 on CUDA.",
+        help="Weights and cache dtype. auto: on CPU bfloat16 when the checkpoint is stored "
+        "in bfloat16/float16 and the CPU has native bf16 (AMX or AVX512-BF16), else float32; "
+        "on CUDA bfloat16 (float16 without bf16 support). float32 is the exact mode (greedy "
+        "output equal to model.generate in fp32); bfloat16/float16 on CPU run the linear "
+        "layers on packed half-precision weights with fp32 activations.",
     )
     group.add_argument(
         "--threads",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="torch CPU threads (torch.set_num_threads). Default: torch's choice.",
+        help="torch CPU threads (torch.set_num_threads). Default: torch's choice (one per "
+        "physical core). ferrobatch sets OMP_WAIT_POLICY=PASSIVE unless it is set: waiting "
+        "threads sleep instead of spinning, so a busy machine does not stall every step.",
     )
     group.add_argument(
         "--engine-seed",
