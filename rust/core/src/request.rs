@@ -107,6 +107,8 @@ pub struct Request {
     pub n_full_swapped: usize,
     /// Chained hashes of the first full blocks of `tokens` (computed lazily, kept).
     pub block_hashes: Vec<u64>,
+    /// Never take prefix-cache hits (every prompt position is computed).
+    pub skip_prefix_lookup: bool,
 }
 
 impl Request {

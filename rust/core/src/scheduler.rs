@@ -488,6 +488,20 @@ impl Scheduler {
         stop: StopConditions,
         priority: i64,
     ) -> Result<u32> {
+        self.add_request_opts(id, prompt, stop, priority, false)
+    }
+
+    /// `add_request` with `skip_prefix_lookup`: the request never takes prefix-cache hits
+    /// (it computes every prompt position, e.g. because its caller wants the logits of each
+    /// one); its computed blocks are still offered to the cache for others.
+    pub fn add_request_opts(
+        &mut self,
+        id: &str,
+        prompt: Vec<Token>,
+        stop: StopConditions,
+        priority: i64,
+        skip_prefix_lookup: bool,
+    ) -> Result<u32> {
         if self.ids.contains_key(id) {
             return Err(Error::value(format!("request_id {id:?} is already in use")));
         }
@@ -555,6 +569,7 @@ impl Scheduler {
             n_stop_inline: 0,
             max_new_tokens: 0,
             has_stop_sequences: false,
+            skip_prefix_lookup,
         };
         let mut req = req;
         req.init_stop_inline();
@@ -1506,7 +1521,7 @@ impl Scheduler {
         let page = self.cfg.page_size;
         let mut hits = std::mem::take(&mut self.hits_buf);
         hits.clear();
-        if self.prefix {
+        if self.prefix && !self.req(idx).skip_prefix_lookup {
             let r = self.reqs[idx as usize].as_mut().expect("live");
             let max_hit = (r.tokens.len() - 1) / page;
             self.hasher

@@ -184,6 +184,33 @@ fn priority_then_arrival_order() {
 }
 
 #[test]
+fn skip_prefix_lookup_computes_every_position_and_still_registers() {
+    let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+    let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2
+    s.add_request("a", prompt.clone(), stop(3), 0).unwrap();
+    step(&mut s, 1);
+    let a_blocks = s.request(idx(&s, "a")).unwrap().full[..2].to_vec();
+    // "b" skips the lookup: it computes all 10 positions in fresh chunks.
+    s.add_request_opts("b", prompt.clone(), stop(3), 0, true)
+        .unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    let rows: Vec<(u32, u32)> = p.rows.iter().map(|r| (r.start, r.q)).collect();
+    assert_eq!(rows[1], (0, 10));
+    let ib = idx(&s, "b");
+    let b_blocks = s.request(ib).unwrap().full[..2].to_vec();
+    assert!(b_blocks.iter().all(|c| !a_blocks.contains(c)));
+    assert_eq!(s.stats().prefix_hit_tokens, 0);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    s.check_invariants().unwrap();
+    // "c" (no flag) still takes two verified full-block hits.
+    s.add_request("c", prompt, stop(3), 0).unwrap();
+    let _ = s.schedule().unwrap().unwrap();
+    assert_eq!(s.stats().prefix_hit_tokens, 8);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn prefix_hits_refcounts_and_last_token_computed() {
     let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
     let prompt: Vec<u32> = (0..8).collect(); // exactly 2 full blocks

@@ -46,6 +46,8 @@ pub struct Spec {
     pub prompt: Vec<u32>,
     pub stop: StopConditions,
     pub priority: i64,
+    /// Added with `skip_prefix_lookup`: every position must be computed (no hits).
+    pub skip_prefix_lookup: bool,
 }
 
 /// Reference output of an unconstrained run.
@@ -91,6 +93,9 @@ pub struct Sim {
     /// Per live request: caller-visible tokens plus the tokens sampled by launched plans
     /// not updated yet (what the device "knows").
     virt: HashMap<String, Vec<u32>>,
+    /// Requests added with `skip_prefix_lookup`: the furthest position computed so far
+    /// (a row of one never starts beyond it: no prefix hit skips a position).
+    no_hits: HashMap<String, usize>,
     /// Ahead plans launched.
     pub ahead_steps: usize,
     /// ... of which advanced the outstanding plan in place (steady decode).
@@ -132,19 +137,24 @@ impl Sim {
             steps: 0,
             queue: VecDeque::new(),
             virt: HashMap::new(),
+            no_hits: HashMap::new(),
             ahead_steps: 0,
             steady_ahead: 0,
         }
     }
 
     pub fn add(&mut self, spec: &Spec) -> bool {
-        match self.s.add_request(
+        match self.s.add_request_opts(
             &spec.id,
             spec.prompt.clone(),
             spec.stop.clone(),
             spec.priority,
+            spec.skip_prefix_lookup,
         ) {
             Ok(_) => {
+                if spec.skip_prefix_lookup {
+                    self.no_hits.insert(spec.id.clone(), 0);
+                }
                 self.tokens.insert(spec.id.clone(), spec.prompt.clone());
                 self.virt.insert(spec.id.clone(), spec.prompt.clone());
                 self.prompt_len.insert(spec.id.clone(), spec.prompt.len());
@@ -441,6 +451,13 @@ impl Sim {
             let end = start + (t1 - t0);
             assert_eq!(plan.seqlens_k[r] as usize, end);
             assert!(end <= toks.len());
+            if let Some(seen) = self.no_hits.get_mut(&id) {
+                assert!(
+                    start <= *seen,
+                    "{id}: skip_prefix_lookup row starts at {start} > {seen}"
+                );
+                *seen = (*seen).max(end);
+            }
             for i in t0..t1 {
                 assert_eq!(
                     plan.positions[i] as usize,
@@ -622,6 +639,7 @@ fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
             ..Default::default()
         },
         priority: 0,
+        skip_prefix_lookup: false,
     }
 }
 
@@ -899,6 +917,7 @@ proptest! {
                     p.extend((0..*len).map(|j| (mix((k * 131 + j) as u64) % 4) as u32));
                     let mut sp = spec(&format!("q{k}"), p, *max_new);
                     sp.priority = *prio;
+                    sp.skip_prefix_lookup = k % 3 == 0;
                     if *eos { sp.stop.eos_token_ids = vec![5]; }
                     if *seq { sp.stop.stop_sequences = vec![vec![2, 3], vec![7]]; }
                     if sim.add(&sp) {

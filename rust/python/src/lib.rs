@@ -553,8 +553,8 @@ impl NameCache {
 /// `max_batch_cache_tokens` bounds the sum of `seqlens_k` of a step.
 ///
 /// Methods: `add_request(request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(),
-/// stop_token_ids=(), priority=0, stop_sequences=())` (ValueError naming the field for a
-/// duplicate id, an empty prompt, `max_new_tokens < 1`, an empty stop sequence, or a request
+/// stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)` (ValueError
+/// naming the field for a duplicate id, an empty prompt, `max_new_tokens < 1`, an empty stop sequence, or a request
 /// that could never fit the pool / the cache-read budget); `schedule() -> StepPlan | None`;
 /// `schedule_ahead() -> StepPlan | None` (one step ahead of the outstanding plan, for async
 /// batching); `update(sampled_token_ids) -> StepOutput` (applies to the oldest outstanding
@@ -716,10 +716,12 @@ max_batch_cache_tokens=None)")]
     }
 
     /// Add a request; ValueError naming the field on bad input or if it could never fit.
+    /// `skip_prefix_lookup=True`: the request takes no prefix-cache hits (every prompt
+    /// position is computed; its blocks are still offered to the cache).
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, eos_token_ids=None,
-        stop_token_ids=None, priority=0, stop_sequences=None),
+        stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false),
         text_signature = "($self, request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(), \
-stop_token_ids=(), priority=0, stop_sequences=())")]
+stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -730,6 +732,7 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         priority: i64,
         stop_sequences: Option<&Bound<'_, PyAny>>,
+        skip_prefix_lookup: bool,
     ) -> PyResult<()> {
         let prompt = tokens_from(prompt_token_ids, "prompt_token_ids")?;
         if max_new_tokens < 1 {
@@ -762,7 +765,7 @@ stop_token_ids=(), priority=0, stop_sequences=())")]
         let id = request_id.to_str()?;
         let idx = self
             .inner
-            .add_request(id, prompt, stop, priority)
+            .add_request_opts(id, prompt, stop, priority, skip_prefix_lookup)
             .map_err(to_py)? as usize;
         if self.names.len() <= idx {
             self.names.resize_with(idx + 1, || None);
