@@ -234,6 +234,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         engine, req = await accept(request, CompletionRequest)
         _check_completion_options(req)
+        count = _prompt_count(req.prompt)
+        state.check_size(count, req.n, "prompt")  # cheap checks before any tokenizing
+        state.admit(count * req.n)
         prompts = await tokenize(params.completion_prompts, engine, req.prompt)
         max_tokens_each = []
         for ids in prompts:
@@ -263,6 +266,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         engine, req = await accept(request, ChatCompletionRequest)
         _check_chat_options(req)
+        state.check_size(1, req.n, "messages")
+        state.admit(req.n)
         messages = [m.as_dict() for m in req.messages]
         prompt_ids = list(await tokenize(engine.encode_chat, messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
@@ -278,6 +283,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         fmt = ChatFormat(state, top_n)
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a ``/v1/completions`` body holds (without tokenizing)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def _check_completion_options(req: CompletionRequest) -> None:

@@ -158,8 +158,22 @@ class ServerState:
             code="model_not_found",
         )
 
+    def check_size(self, prompts: int, n: int, prompt_param: str) -> None:
+        """400 when one request has more choices (``prompts`` x ``n``) than ``max_queue``
+        admits at all: waiting would never help, so it is not a 429."""
+        if self.max_queue is None or prompts * n <= self.max_queue:
+            return
+        param = "n" if n > self.max_queue or prompts == 1 else prompt_param
+        raise bad_request(
+            f"The request asks for {prompts * n} choices ({prompts} prompt(s) x n={n}), more "
+            f"than this server ever queues at once ({self.max_queue}, --max-queue); split it "
+            "into smaller requests.",
+            param,
+            "too_many_choices",
+        )
+
     def admit(self, count: int) -> None:
-        """429 when ``count`` more choices would overflow ``max_queue``."""
+        """429 when ``count`` more choices would overflow ``max_queue`` now."""
         if self.max_queue is not None and self.waiting + count > self.max_queue:
             raise APIError(
                 429,
