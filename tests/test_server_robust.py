@@ -7,6 +7,11 @@ Every server listens on 127.0.0.1 (a free port); every loop is bounded in count 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +21,9 @@ from test_server import (
     MODEL,
     FakeEngine,
     build_tokenizer,
+    client,
     serve,
+    wait_until,
 )
 
 
@@ -60,3 +67,66 @@ def test_request_larger_than_max_queue_is_400(tokenizer: Any) -> None:
         assert len(out.choices) == 4  # exactly at the limit still runs
         text = httpx.get(url + "/metrics").text
         assert 'ferrobatch_http_errors_total{code="400"} 4' in text
+
+
+# ---------------------------------------------------------------------------------------
+# 6. a client that leaves while sending its body is a client gone, not a 500
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _logs(*names: str) -> Iterator[list[logging.LogRecord]]:
+    handler = _Records()
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield handler.records
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+def _raw(url: str, data: bytes, *, timeout: float = 10.0) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(data)
+    return sock
+
+
+def _metric(url: str, line_start: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_client_leaving_mid_body_is_not_a_server_error(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    with serve(engine) as srv, _logs("uvicorn.error", "ferrobatch.server") as records:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    "Content-Length: 5000\r\n\r\n").encode()  # fmt: skip
+            sock = _raw(srv.url, head + b'{"prompt": "abc' + b"x" * 500)
+            time.sleep(0.2)
+            sock.close()
+        gone = 'ferrobatch_client_disconnects_total{stage="body"}'
+        assert wait_until(lambda: _metric(srv.url, gone) == 2)
+        assert _metric(srv.url, 'ferrobatch_http_errors_total{code="500"}') == 0
+        out = client(srv.url).completions.create(model=MODEL, prompt="a", max_tokens=1)
+        assert out.usage.completion_tokens == 1
+    bad = [r for r in records if r.levelno >= logging.WARNING]
+    assert not bad, [r.getMessage() for r in bad]
+    assert any("left while sending its body" in r.getMessage() for r in records)
+    assert not engine.submitted[:-1]

@@ -306,6 +306,12 @@ class ServerMetrics:
             "http_errors_total", "Requests rejected with an error status, by HTTP status code.",
             ("code",),
         )  # fmt: skip
+        self.client_gone = self._counter(
+            "client_disconnects_total",
+            "Clients that left before their answer: while sending the body (body) or while "
+            "waiting for a non-streaming answer (response). Not errors of the server.",
+            ("stage",),
+        )
         self.prompt_tokens = self._counter(
             "prompt_tokens_total", "Prompt tokens of admitted requests (per choice)."
         )
@@ -402,6 +408,10 @@ class ServerMetrics:
     def on_request_error(self, status: int) -> None:
         """A request was rejected with HTTP ``status``."""
         self.http_errors.inc(code=str(status))
+
+    def on_client_gone(self, stage: str) -> None:
+        """A client disconnected at ``stage`` (body, response)."""
+        self.client_gone.inc(stage=stage)
 
     def on_admitted(self, prompt_tokens: int) -> None:
         """A choice was submitted to the engine."""

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
@@ -31,6 +32,7 @@ from ferrobatch.server.run import ClientGone, Job, Run, collect
 from ferrobatch.server.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
+    BodyClientGone,
     ServerState,
     engine_error,
     read_body,
@@ -142,12 +144,25 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         err = APIError(exc.status_code, str(exc.detail), type=kind)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(BodyClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: Exception) -> Response:
+        # Nobody reads this answer: the client left while sending its body.
+        logger.info("client %s left while sending its body (%s %s)",
+                    _peer(request), request.method, request.url.path)  # fmt: skip
+        state.metrics.on_client_gone("body")
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         state.metrics.on_request_error(500)
         err = APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
@@ -337,6 +352,7 @@ async def _respond(
     try:
         accs = await collect(run, request.receive)
     except ClientGone:
+        state.metrics.on_client_gone("response")
         return Response(status_code=499)
     choices = [fmt.choice(job.index, accs[job.index]) for job in jobs]
     completion_tokens = sum(len(accs[job.index].token_ids) for job in jobs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server.protocol import APIError, bad_request
@@ -16,6 +17,7 @@ from ferrobatch.server.protocol import APIError, bad_request
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_QUEUE",
+    "BodyClientGone",
     "EngineLike",
     "ServerState",
     "engine_error",
@@ -46,6 +48,10 @@ class EngineLike(Protocol):
     def cancel(self, request_id: str) -> bool: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+class BodyClientGone(Exception):
+    """The client disconnected before its request body arrived in full."""
 
 
 def engine_error(engine: Any) -> BaseException | None:
@@ -186,6 +192,15 @@ class ServerState:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when it exceeds ``limit`` bytes (declared or streamed);
+    :class:`BodyClientGone` when the client leaves while sending it."""
+    try:
+        return await _read_body(request, limit)
+    except ClientDisconnect:
+        raise BodyClientGone() from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     """The request body; 413 when it exceeds ``limit`` bytes (declared or streamed)."""
     declared = request.headers.get("content-length")
     too_big = APIError(
