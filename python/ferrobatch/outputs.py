@@ -11,7 +11,10 @@ class RequestOutput:
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string), "length"
     (`max_new_tokens` reached), "cancelled", or None while running. `logprobs` has one
-    `{token_id: logprob}` dict per token (top-n plus the chosen token) when requested.
+    `{token_id: logprob}` dict per token (top-n plus the chosen token) when requested;
+    `prompt_logprobs` one per prompt token (None for the first, then the token's logprob
+    given the ones before it plus the top-n) with `SamplingParams.prompt_logprobs` (in a
+    stream: in the first delta only).
     `ttft` is seconds from arrival to the first token; `token_times` are seconds since
     arrival, one per token.
     """
@@ -26,6 +29,7 @@ class RequestOutput:
     ttft: float | None = None
     token_times: list[float] = field(default_factory=list)
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrobatch.prompt_logprobs import PromptJob
 from ferrobatch.request import Request
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import DeviceSample, Sampler, SamplingParams, SamplingState
@@ -255,8 +256,15 @@ class AsyncStepper(Stepper):
             and getattr(self.runner, "fast_greedy", False)
             and all(s.plain_greedy for s in states)
         )
+        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if greedy:
+            if job is not None:  # prompt positions' logits too (ferrobatch.prompt_logprobs)
+                cur.logits, prompt_logits = self.runner.execute_with_prompt(
+                    plan, job.indices, prev_tokens
+                )
+                job.record(prompt_logits)
+                del prompt_logits
+            elif greedy:
                 cur.sample = DeviceSample(self.runner.execute_greedy(plan, prev_tokens))
             elif prev_tokens is None:
                 cur.logits = self.runner.execute(plan)

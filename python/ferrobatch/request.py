@@ -49,6 +49,7 @@ class Request:
     error: BaseException | None = None
     in_scheduler: bool = False
     keep: bool = False  # stays in the table after finishing until get_output claims it
+    prompt_lp_sent: bool = False  # the prompt logprobs went out in a delta
 
     @property
     def plain(self) -> bool:
@@ -82,6 +83,9 @@ class Request:
         """The output holding only `new` (already recorded) and `text`."""
         n = len(new)
         out = self.output
+        prompt_lp = None
+        if out.prompt_logprobs is not None and not self.prompt_lp_sent:
+            prompt_lp, self.prompt_lp_sent = list(out.prompt_logprobs), True
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
@@ -93,6 +97,7 @@ class Request:
             ttft=out.ttft,
             token_times=list(out.token_times[-n:]) if n else [],
             prompt=self.prompt_text,
+            prompt_logprobs=prompt_lp,
         )
 
 
@@ -156,6 +161,7 @@ def make_request(
         prompt_token_ids=ids,
         prompt=prompt_text,
         logprobs=[] if sp.logprobs is not None else None,
+        prompt_logprobs=[None] if sp.prompt_logprobs is not None else None,
     )
     return Request(
         request_id=request_id,

@@ -456,6 +456,17 @@ class ModelRunner:
         out = self.execute(plan, prev_tokens, _greedy=True)
         return out if out.dtype == torch.int64 else _argmax_rows(out)
 
+    def execute_with_prompt(
+        self, plan: Any, prompt_indices: Any, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute`'s logits [N, vocab], and fp32 logits [M, vocab] of the tokens at
+        `prompt_indices` (token indices into the plan: prompt positions whose next-token
+        logprobs a request wants, `ferrobatch.prompt_logprobs`), from the same forward
+        (always eager)."""
+        n = len(plan.logits_indices)
+        out = self.execute(plan, prev_tokens, _extra=prompt_indices)
+        return out[:n], out[n:]
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of the activations between the linear layers."""
@@ -586,7 +597,8 @@ class ModelRunner:
         input_ids.index_copy_(0, pos, prev.index_select(0, src).to(input_ids.dtype))
 
     def execute(
-        self, plan: Any, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False
+        self, plan: Any, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False,
+        _extra: Any = None,
     ) -> torch.Tensor:
         """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
         tokens of `plan.logits_indices`, in that order.
@@ -603,7 +615,7 @@ class ModelRunner:
             flat_ids = self._tensor(plan.input_ids)
             if flat_ids.shape[0] == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
-            if self._graphs is not None and self.rope is None:
+            if self._graphs is not None and self.rope is None and _extra is None:
                 hidden = self._execute_graph(plan, fill, prev_tokens)
                 if hidden is not None:
                     return self._head_logits(hidden).float()
@@ -612,6 +624,9 @@ class ModelRunner:
             input_ids = flat_ids.unsqueeze(0)
             positions = self._tensor(plan.positions).unsqueeze(0)
             logits_indices = self._tensor(plan.logits_indices)
+            if _extra is not None:  # prompt positions too (execute_with_prompt)
+                logits_indices = torch.cat([logits_indices, self._tensor(_extra)])
+                _greedy = False
             if self.attention_backend == "sdpa":
                 step = attention.build_step(
                     plan, self.cache, self.layer_types, self.sliding_window

@@ -21,7 +21,10 @@ class SamplingParams:
     `frequency_penalty` follow OpenAI (generated tokens only). `seed` makes a request's
     sampling reproducible whatever else runs in the batch. `logprobs=n` returns, per
     generated token, the log-probabilities (of the model's raw distribution) of the top-n
-    tokens plus the chosen one. `stop` strings end generation; the text excludes them.
+    tokens plus the chosen one. `prompt_logprobs=n` returns, per prompt token (the first
+    has none: None), its log-probability given the tokens before it plus the top-n
+    alternatives (as vLLM; such a request takes no prefix-cache hits). `stop` strings end
+    generation; the text excludes them.
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
     means), else the engine's default (128 unless overridden). A `temperature` below
@@ -43,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
     max_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ class SamplingParams:
             _int_field("stop_token_ids", t, minimum=0)
         if self.logprobs is not None:
             _int_field("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

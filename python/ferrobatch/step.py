@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ferrobatch.prompt_logprobs import PromptJob
 from ferrobatch.request import Request
 from ferrobatch.routing import OutputRouter
 from ferrobatch.sampling import Sampler, SampleResult
@@ -61,6 +62,8 @@ class Stepper:
         self.inbox: collections.deque[Request] = collections.deque()
         self.cancel_inbox: collections.deque[str] = collections.deque()
         self.busy_time = 0.0
+        # requests with prompt logprobs still to compute, by id (empty: no step looks)
+        self.prompt_pending: dict[str, Request] = {}
         # per-request rope factors (`ferrobatch.rope.LongRope`), when the model needs them
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
@@ -85,8 +88,14 @@ class Stepper:
         greedy = getattr(self.runner, "fast_greedy", False) and all(
             s.plain_greedy for s in states
         )
+        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if greedy:
+            if job is not None:  # prompt positions' logits too (ferrobatch.prompt_logprobs)
+                greedy = False
+                logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices)
+                job.record(prompt_logits)
+                del prompt_logits
+            elif greedy:
                 result = SampleResult(self.runner.execute_greedy(plan))
             else:
                 logits = self.runner.execute(plan)
@@ -123,6 +132,8 @@ class Stepper:
             req = self.inbox.popleft()
             if req.done.is_set():
                 continue
+            # prompt logprobs need every prompt position computed: no prefix-cache hits
+            extra = {"skip_prefix_lookup": True} if req.params.prompt_logprobs is not None else {}
             try:
                 self.scheduler.add_request(
                     req.request_id,
@@ -130,11 +141,14 @@ class Stepper:
                     req.params.max_new_tokens,
                     eos_token_ids=req.eos_token_ids,
                     stop_token_ids=list(req.params.stop_token_ids),
+                    **extra,
                 )
             except (ValueError, KeyError, TypeError) as exc:  # this request only
                 self.router.fail(req, exc)
                 continue
             req.in_scheduler = True
+            if req.params.prompt_logprobs is not None and len(req.prompt_ids) > 1:
+                self.prompt_pending[req.request_id] = req
             if self.rope is not None:
                 self.rope.add(req.request_id, len(req.prompt_ids))
             self.stats["prompt_tokens"] += len(req.prompt_ids)
