@@ -8,6 +8,7 @@ Every server listens on 127.0.0.1 (a free port); every loop is bounded in count 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from ferrobatch.server import BackgroundServer, create_app
 from test_server import (
     MODEL,
     FakeEngine,
@@ -130,3 +132,157 @@ def test_client_leaving_mid_body_is_not_a_server_error(tokenizer: Any) -> None:
     assert not bad, [r.getMessage() for r in bad]
     assert any("left while sending its body" in r.getMessage() for r in records)
     assert not engine.submitted[:-1]
+
+
+# ---------------------------------------------------------------------------------------
+# 9. read deadlines: slow request heads, bodies shorter than their Content-Length
+
+
+@contextlib.contextmanager
+def _serve(engine: Any, *, server: dict[str, Any] | None = None,
+           **app_kwargs: Any) -> Iterator[BackgroundServer]:  # fmt: skip
+    app_kwargs.setdefault("model_name", MODEL)
+    srv = BackgroundServer(create_app(engine, **app_kwargs), "127.0.0.1", 0, **(server or {}))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing ``sock`` within ``seconds`` (None: still open)."""
+    sock.settimeout(0.1)
+    got = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return got
+        if not data:
+            return got
+        got += data
+    return None
+
+
+def test_slow_request_heads_are_closed(tokenizer: Any) -> None:
+    with _serve(FakeEngine(tokenizer), server={"read_timeout": 1.0}) as srv:
+        start = time.monotonic()
+        socks = [_raw(srv.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(20)]
+        socks.append(_raw(srv.url, b""))  # connects and says nothing
+        for _ in range(3):  # a byte now and then does not extend the deadline
+            time.sleep(0.2)
+            for s in socks[:5]:
+                s.sendall(b"X")
+        # a kept-alive connection that starts a second request head and stalls
+        kept = _raw(srv.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /health HTTP/1.1\r\n")
+        for s in [*socks, kept]:
+            assert _closed_within(s, 5.0) is not None
+            s.close()
+        assert time.monotonic() - start < 6.0
+        assert httpx.get(srv.url + "/health").status_code == 200  # the server is fine
+
+
+def test_body_shorter_than_content_length_gets_408(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    with _serve(engine, body_timeout=1.0) as srv:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n")  # fmt: skip
+        sock = _raw(srv.url, head + b'{"prompt": "a"}')
+        start = time.monotonic()
+        got = _closed_within(sock, 5.0)
+        sock.close()
+        assert got is not None and time.monotonic() - start < 4.0
+        status, _, rest = got.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), got
+        err = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert err["code"] == "request_timeout" and "Content-Length" in err["message"]
+        assert not engine.submitted
+        assert _metric(srv.url, 'ferrobatch_http_errors_total{code="408"}') == 1
+
+
+def test_stop_token_ids_out_of_vocabulary_names_the_field(tokenizer: Any) -> None:
+    with serve(FakeEngine(tokenizer)) as srv:
+        for path, body in (
+            ("/v1/completions", {"prompt": "a", "stop_token_ids": [3, 999999]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                      "stop_token_ids": [-1]}),
+        ):  # fmt: skip
+            r = httpx.post(srv.url + path, json=body)
+            _error(r, 400, "stop_token_ids", "not a token id of this model")
+        with pytest.raises(openai.BadRequestError) as info:
+            client(srv.url).completions.create(
+                model=MODEL, prompt="a", max_tokens=1, extra_body={"stop_token_ids": [10**6]}
+            )
+        assert info.value.body["param"] == "stop_token_ids"  # type: ignore[index]
+
+
+def test_lone_surrogate_escape_gets_a_clear_message(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    with serve(engine) as srv:
+        cases = [
+            ("/v1/completions", rb'{"prompt": "a\ud800b"}', "prompt"),
+            ("/v1/completions", rb'{"prompt": ["ok", "\udc00"]}', "prompt[1]"),
+            ("/v1/completions", rb'{"prompt": "a", "stop": "\ud83d"}', "stop"),
+            ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}',
+             "messages[0].content"),
+        ]  # fmt: skip
+        for path, body, param in cases:
+            r = httpx.post(srv.url + path, content=body,
+                           headers={"content-type": "application/json"})  # fmt: skip
+            err = _error(r, 400, param, "lone surrogate escape")
+            assert err["code"] == "invalid_unicode" and "surrogate pair" in err["message"]
+        r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "\xff"}',
+                       headers={"content-type": "application/json"})  # fmt: skip
+        _error(r, 400, None, "not valid UTF-8")
+        assert not engine.submitted
+        # a proper surrogate pair is an ordinary character
+        pair = rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}'
+        r = httpx.post(srv.url + "/v1/completions", content=pair,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------------------
+# 9. a stream the client never reads is bounded in server memory
+
+
+def test_unread_stream_is_bounded_then_cancelled(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer, delay=0.0, max_model_len=10**7)
+    engine.num_blocks = 10**6
+    with _serve(engine, stream_buffer=32, stream_stall_timeout=1.0) as srv:
+        state = srv.server.config.app.state.ferrobatch
+        body = json.dumps({"prompt": "a", "max_tokens": 2_000_000, "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        host, port = srv.url.removeprefix("http://").split(":")
+        sock.connect((host, int(port)))
+        sock.sendall(head + body)  # ... and never read
+        peak = 0
+        deadline = time.monotonic() + 60
+        while not engine.cancelled and time.monotonic() < deadline:
+            peak = max([peak, *(run.queue.qsize() for run in list(state.runs))])
+            time.sleep(0.01)
+        assert engine.cancelled, "the unread stream was never cancelled"
+        assert peak <= 32 + 1
+        produced = engine.submitted[0][2].max_new_tokens
+        assert produced == 2_000_000  # it asked for a lot; it got cancelled long before
+        assert wait_until(lambda: not engine.active)
+        # the stream itself is given up after another stall timeout: the connection closes
+        assert wait_until(lambda: not state.runs, 10)
+        assert _metric(srv.url, "ferrobatch_requests_waiting") == 0
+        assert _metric(srv.url, 'ferrobatch_requests_total{endpoint="completions",'
+                       'finish_reason="cancelled"}') == 1  # fmt: skip
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while sock.recv(1 << 20):
+                pass  # buffered chunks, then the end of the connection
+        sock.close()
+        assert httpx.get(srv.url + "/health").status_code == 200

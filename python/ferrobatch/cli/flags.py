@@ -30,6 +30,24 @@ _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
 
 
+def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number of seconds (> 0, or >= 0)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value < float("inf") or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if allow_zero else '>'} 0 seconds, got {text}"
+            )
+        return value
+
+    return parse
+
+
+_positive_float = _seconds(allow_zero=False)
+_non_negative_float = _seconds(allow_zero=True)
+
+
 # (flag dest = ContinuousBatchingConfig field, argparse kwargs). Defaults are None: a flag
 # that is not given leaves the config's own default in place.
 CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -238,6 +256,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=2 * 1024 * 1024,
         metavar="BYTES",
         help="Largest request body accepted; larger get 413. Default: 2 MiB.",
+    )
+    group.add_argument(
+        "--read-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="A connection must send a request's headers within SECONDS of connecting (or of "
+        "its previous response), and the body within SECONDS of the headers; slower headers "
+        "close the connection, a slower body (or one shorter than its Content-Length) gets "
+        "408. Default: 30.",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="On SIGTERM / SIGINT: stop accepting, give in-flight requests SECONDS to finish, "
+        "then end streams with an error event and [DONE] and answer the rest with 503; "
+        "exit 0. Default: 30.",
     )
     group.add_argument(
         "--served-model-name",

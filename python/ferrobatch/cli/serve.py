@@ -26,9 +26,8 @@ def _is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until interrupted."""
-    import uvicorn
-
     from ferrobatch.server import create_app
+    from ferrobatch.server.background import make_server
 
     build_config(args)  # fail fast on a bad flag, before binding the port
     name = args.served_model_name or (
@@ -56,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.read_timeout,
         engine_loader=load,
     )
     print(
@@ -64,14 +64,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(
+    server = make_server(
         app,
-        host=args.host,
-        port=args.port,
+        args.host,
+        args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=10,
+        read_timeout=args.read_timeout,
+        shutdown_timeout=args.shutdown_timeout,
     )
-    server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT after shutdown
         server.run()
     if failures:

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import params
+from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -51,6 +52,9 @@ def create_app(
     api_key: str | None = None,
     max_queue: int | None = DEFAULT_MAX_QUEUE,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float | None = DEFAULT_READ_TIMEOUT,
+    stream_buffer: int = 1024,
+    stream_stall_timeout: float = 60.0,
     engine_loader: Callable[[], Any] | None = None,
     close_engine: bool | None = None,
 ) -> FastAPI:
@@ -64,6 +68,12 @@ def create_app(
         max_queue: requests (choices) allowed to wait for their first token; more get 429.
             ``None`` = unbounded.
         max_body_bytes: request body cap; larger bodies get 413.
+        body_timeout: seconds a request body may take once its headers arrived; slower
+            (or shorter than its Content-Length) gets 408. ``None`` = no deadline.
+        stream_buffer: events (token deltas) one response holds for a client that does not
+            read its stream (its socket buffers full); the engine requests then wait for it.
+        stream_stall_timeout: seconds a full buffer may wait; then the requests are cancelled
+            (freeing their cache) and the stream ends with a ``stream_stalled`` error.
         engine_loader: builds the engine in a background thread at startup.
         close_engine: close the engine at shutdown (default: only an engine the app loaded).
     """
@@ -73,12 +83,19 @@ def create_app(
         raise ValueError("max_queue must be >= 1 or None")
     if max_body_bytes < 1024:
         raise ValueError("max_body_bytes must be >= 1024")
+    if stream_buffer < 1 or not stream_stall_timeout > 0:
+        raise ValueError("stream_buffer must be >= 1 and stream_stall_timeout > 0")
+    if body_timeout is not None and body_timeout <= 0:
+        raise ValueError("body_timeout must be > 0 or None")
     state = ServerState(
         engine=engine,
         model_name=model_name,
         api_key=api_key or None,
         max_queue=max_queue,
         max_body_bytes=max_body_bytes,
+        body_timeout=body_timeout,
+        stream_buffer=stream_buffer,
+        stream_stall_timeout=stream_stall_timeout,
         metrics=ServerMetrics(),
         owns_engine=bool(close_engine) if close_engine is not None else engine is None,
     )
@@ -239,7 +256,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         """(engine, validated body) after auth, readiness and model checks."""
         state.require_auth(request)
         engine = state.require_engine()
-        req = parse(schema, await read_body(request, state.max_body_bytes))
+        req = parse(schema, await read_body(request, state.max_body_bytes, state.body_timeout))
         state.check_model(req.model)
         return engine, req
 
@@ -249,6 +266,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         engine, req = await accept(request, CompletionRequest)
         _check_completion_options(req)
+        _check_stop_token_ids(engine, req)
         count = _prompt_count(req.prompt)
         state.check_size(count, req.n, "prompt")  # cheap checks before any tokenizing
         state.admit(count * req.n)
@@ -281,6 +299,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         engine, req = await accept(request, ChatCompletionRequest)
         _check_chat_options(req)
+        _check_stop_token_ids(engine, req)
         state.check_size(1, req.n, "messages")
         state.admit(req.n)
         messages = [m.as_dict() for m in req.messages]
@@ -298,6 +317,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         fmt = ChatFormat(state, top_n)
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
+
+
+def _check_stop_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """``stop_token_ids`` must be token ids of the model (a 400 naming the field)."""
+    vocab = params._vocab_size(engine)
+    for i, t in enumerate(req.stop_token_ids or ()):
+        if not 0 <= t < (vocab or 1 << 62):
+            raise bad_request(
+                f"Invalid value for 'stop_token_ids[{i}]': {t} is not a token id of this model "
+                f"(the vocabulary is [0, {vocab})).",
+                "stop_token_ids",
+            )
 
 
 def _prompt_count(prompt: Any) -> int:
@@ -343,17 +374,23 @@ async def _respond(
     prompt_tokens: int,
 ) -> Response:
     """Admit and start the choices; answer with their SSE stream or the whole response."""
+    if state.shutdown_expired:
+        raise state.shutdown_error()
     state.admit(len(jobs))
     run = Run(state, engine, endpoint, jobs)
     run.start()
+    state.runs.add(run)
     meta = ResponseMeta(rid, int(time.time()), req.model or state.primary_name(), prompt_tokens)
     if req.stream:
-        return EventStreamResponse(sse_chunks(run, meta, fmt, req.include_usage), run)
+        content = sse_chunks(run, meta, fmt, req.include_usage)
+        return EventStreamResponse(content, run, on_close=lambda: state.runs.discard(run))
     try:
         accs = await collect(run, request.receive)
     except ClientGone:
         state.metrics.on_client_gone("response")
         return Response(status_code=499)
+    finally:
+        state.runs.discard(run)
     choices = [fmt.choice(job.index, accs[job.index]) for job in jobs]
     completion_tokens = sum(len(accs[job.index].token_ids) for job in jobs)
     return JSONResponse({

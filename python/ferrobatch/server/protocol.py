@@ -189,7 +189,7 @@ def parse(schema: type[BaseModel], body: bytes) -> Any:
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, body) from None
 
 
 # Friendly descriptions of union-typed fields for validation messages.
@@ -202,11 +202,13 @@ _FIELD_TYPES = {
 }
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def _validation_error(exc: ValidationError, body: bytes = b"") -> APIError:
     """Turn pydantic's first error into a 400 naming the field."""
     err = exc.errors(include_url=False)[0]
     etype = err.get("type", "")
     if etype == "json_invalid":
+        if (unicode := _unicode_error(body)) is not None:
+            return unicode
         return APIError(
             400,
             f"Request body is not valid JSON: {err.get('msg', '')}. "
@@ -231,6 +233,59 @@ def _validation_error(exc: ValidationError) -> APIError:
     if given is not None and not isinstance(given, dict | list) and err.get("loc"):
         shown = f" (got {json.dumps(given)[:80]})"
     return bad_request(f"Invalid value for '{param}': {msg}{shown}.", param, code)
+
+
+def _unicode_error(body: bytes) -> APIError | None:
+    """A clear 400 for JSON that is well formed but not valid Unicode: a body that is not
+    UTF-8, or a lone surrogate escape such as ``"\\ud800"`` (pydantic's parser calls it an
+    "unexpected end of hex escape"); names the field holding it."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return APIError(
+            400,
+            f"Request body is not valid UTF-8 (byte {exc.start}): send JSON encoded as UTF-8.",
+            code="invalid_json",
+        )
+    try:
+        value = json.loads(text)  # Python's parser accepts lone surrogates; find the field
+    except (ValueError, RecursionError):
+        return None
+    found = _find_surrogate(value, "")
+    if found is None:
+        return None
+    path, char = found
+    where = f"'{path}'" if path else "the request body"
+    return bad_request(
+        f"Invalid value for {where}: it contains the lone surrogate escape \\u{ord(char):04x}, "
+        "which is not a Unicode character. Send text as UTF-8, or characters outside the "
+        "Basic Multilingual Plane as a surrogate pair (\\ud83d\\ude00).",
+        path or None,
+        "invalid_unicode",
+    )
+
+
+def _find_surrogate(value: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
+    """(field path, the surrogate) of the first string holding a lone surrogate."""
+    if depth > 64:
+        return None
+    if isinstance(value, str):
+        for ch in value:
+            if "\ud800" <= ch <= "\udfff":
+                return path, ch
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if (found := _find_surrogate(key, sub, depth + 1)) is not None:
+                return found
+            if (found := _find_surrogate(item, sub, depth + 1)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _find_surrogate(item, f"{path}[{i}]", depth + 1)) is not None:
+                return found
+    return None
 
 
 def _error_path(loc: tuple[Any, ...]) -> tuple[str | None, bool]:

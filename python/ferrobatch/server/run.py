@@ -16,7 +16,16 @@ from starlette.types import Receive
 from ferrobatch.server.protocol import APIError, bad_request
 from ferrobatch.server.state import ServerState
 
-__all__ = ["Accumulator", "ClientGone", "Event", "Job", "Run", "collect", "error_payload"]
+__all__ = [
+    "Accumulator",
+    "ClientGone",
+    "Event",
+    "Job",
+    "Run",
+    "StreamStalled",
+    "collect",
+    "error_payload",
+]
 
 logger = logging.getLogger("ferrobatch.server")
 
@@ -55,6 +64,7 @@ class Run:
         self.endpoint = endpoint
         self.jobs = jobs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._space = asyncio.Event()  # set when the consumer is below the buffer bound
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
 
@@ -74,11 +84,14 @@ class Run:
                 if delta.finished:
                     job.finished = True
                     reason = delta.finish_reason or "stop"
-                self.queue.put_nowait(Event(job.index, delta=delta))
+                await self._put(Event(job.index, delta=delta))
                 if job.finished:
                     break
         except asyncio.CancelledError:
             raise
+        except StreamStalled as exc:  # the client stopped reading: free the engine request
+            logger.info("request %s cancelled: %s", job.request_id, exc.error.message)
+            self.queue.put_nowait(Event(job.index, error=exc.error))
         except Exception as exc:  # delivered to the client as an error
             reason = "error"
             logger.warning("request %s failed: %s", job.request_id, exc)
@@ -90,6 +103,19 @@ class Run:
                 if closer is not None:
                     await closer()
         self.queue.put_nowait(Event(job.index, done=True))
+
+    async def _put(self, event: Event) -> None:
+        """Queue a delta; while the consumer (the client's socket) is ``stream_buffer``
+        events behind, wait for it, up to ``stream_stall_timeout`` seconds."""
+        limit = self.state.stream_buffer
+        while limit and self.queue.qsize() >= limit:
+            self._space.clear()
+            try:
+                async with asyncio.timeout(self.state.stream_stall_timeout):
+                    await self._space.wait()
+            except TimeoutError:
+                raise StreamStalled(self.state.stream_stall_timeout) from None
+        self.queue.put_nowait(event)
 
     def _on_delta(self, job: Job, delta: Any) -> None:
         """Token metrics of one delta (first token, inter-token gaps)."""
@@ -124,10 +150,16 @@ class Run:
         remaining = len(self.jobs)
         while remaining:
             event = await self.queue.get()
+            if self.queue.qsize() < self.state.stream_buffer:
+                self._space.set()
             if event.done:
                 remaining -= 1
                 continue
             yield event
+
+    def abort(self, exc: BaseException) -> None:
+        """End the event stream with ``exc`` (server shutdown); ``close`` cancels the rest."""
+        self.queue.put_nowait(Event(-1, error=exc))
 
     async def close(self) -> None:
         """Cancel whatever still runs (idempotent); cancels engine requests first."""
@@ -164,6 +196,18 @@ class Accumulator:
             self.logprobs.extend(delta.logprobs)
         if delta.finished:
             self.finish_reason = delta.finish_reason or "stop"
+
+
+class StreamStalled(Exception):
+    """The client read nothing of its stream for too long while the buffer was full."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the client read nothing for {seconds:g} s")
+        self.error = APIError(
+            408,
+            f"The stream was cancelled: the client read nothing of it for {seconds:g} s.",
+            code="stream_stalled",
+        )
 
 
 class ClientGone(Exception):

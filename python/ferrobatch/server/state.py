@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +25,8 @@ __all__ = [
     "engine_error",
     "read_body",
 ]
+
+logger = logging.getLogger("ferrobatch.server")
 
 #: Default cap on a request body (bytes); larger bodies get 413.
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -77,6 +81,11 @@ class ServerState:
     closing: bool = False
     load_error: str | None = None
     waiting: int = 0  # choices accepted, no token yet
+    body_timeout: float | None = None  # seconds to receive a body once its head arrived
+    stream_buffer: int = 1024  # events a run may hold for a client that does not read
+    stream_stall_timeout: float = 60.0  # then seconds before its requests are cancelled
+    runs: set[Any] = field(default_factory=set)  # the Runs answering right now
+    shutdown_expired: bool = False  # the drain's deadline has passed
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ferrobatch-tok")
     )
@@ -178,6 +187,35 @@ class ServerState:
             "too_many_choices",
         )
 
+    def shutdown_error(self) -> APIError:
+        """What requests still running at the end of the shutdown timeout get."""
+        return APIError(
+            503,
+            "The server is shutting down and the request did not finish in time; retry it "
+            "against another instance.",
+            type="service_unavailable",
+            code="shutting_down",
+        )
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown: refuse new requests (503), give the running ones ``timeout``
+        seconds, then end every run still going with :meth:`shutdown_error` (streams get
+        it as an error event and ``[DONE]``)."""
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.runs:
+            logger.info("shutting down: waiting up to %.0f s for %d request(s)", timeout,
+                        len(self.runs))  # fmt: skip
+        while self.runs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.shutdown_expired = True
+        if self.runs:
+            logger.warning("shutdown timeout (%.0f s): ending %d running request(s)", timeout,
+                           len(self.runs))  # fmt: skip
+        for run in list(self.runs):
+            run.abort(self.shutdown_error())
+
     def admit(self, count: int) -> None:
         """429 when ``count`` more choices would overflow ``max_queue`` now."""
         if self.max_queue is not None and self.waiting + count > self.max_queue:
@@ -191,13 +229,23 @@ class ServerState:
             )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 when it exceeds ``limit`` bytes (declared or streamed);
-    :class:`BodyClientGone` when the client leaves while sending it."""
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The request body; 413 when it exceeds ``limit`` bytes (declared or streamed), 408
+    when it takes more than ``timeout`` seconds (say a body shorter than its
+    Content-Length); :class:`BodyClientGone` when the client leaves while sending it."""
     try:
-        return await _read_body(request, limit)
+        async with asyncio.timeout(timeout):
+            return await _read_body(request, limit)
     except ClientDisconnect:
         raise BodyClientGone() from None
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout:g} s (is Content-Length "
+            "larger than the body?).",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -16,6 +17,8 @@ from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMe
 from ferrobatch.server.run import Run, error_payload, wait_disconnect
 
 __all__ = ["EventStreamResponse", "sse_chunks"]
+
+logger = logging.getLogger("ferrobatch.server")
 
 _DONE = "data: [DONE]\n\n"
 
@@ -69,7 +72,9 @@ class EventStreamResponse(StreamingResponse):
     the server speaks), so a client that goes away mid-stream cancels its requests at once.
     """
 
-    def __init__(self, content: AsyncIterator[str], run: Run) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], run: Run, on_close: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -77,9 +82,22 @@ class EventStreamResponse(StreamingResponse):
         )
         self._run = run
         self._content = content
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streamer = asyncio.create_task(self.stream_response(send))
+        deadline = self._run.state.stream_stall_timeout
+
+        async def send_or_give_up(message: Any) -> None:
+            # A send waits while the socket's buffers are full; a client that reads nothing
+            # for the stall timeout is given up on (uvicorn then closes the connection).
+            try:
+                async with asyncio.timeout(deadline):
+                    await send(message)
+            except TimeoutError:
+                logger.info("giving up on a stream: the client read nothing for %g s", deadline)
+                raise OSError("the client stopped reading") from None
+
+        streamer = asyncio.create_task(self.stream_response(send_or_give_up))
         watcher = asyncio.create_task(wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -91,6 +109,8 @@ class EventStreamResponse(StreamingResponse):
             for task in (streamer, watcher):
                 task.cancel()
             await self._run.close()
+            if self._on_close is not None:
+                self._on_close()
             await asyncio.gather(streamer, watcher, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self._content.aclose()  # type: ignore[attr-defined]
