@@ -10,7 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,8 +27,10 @@ from ferrobatch.server import BackgroundServer, create_app
 from test_server import (
     MODEL,
     FakeEngine,
+    build_model,
     build_tokenizer,
     client,
+    parse_sse,
     serve,
     wait_until,
 )
@@ -286,3 +293,109 @@ def test_unread_stream_is_bounded_then_cancelled(tokenizer: Any) -> None:
                 pass  # buffered chunks, then the end of the connection
         sock.close()
         assert httpx.get(srv.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------
+# 7. SIGTERM with requests in flight: a real `ferrobatch serve` process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_path: Any) -> None:
+    model_dir = tmp_path / "tiny"
+    build_model(tokenizer, max_len=8192).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ferrobatch.cli", "serve", str(model_dir), "--port", str(port),
+         "--served-model-name", MODEL, "--shutdown-timeout", "2", "--num-blocks", "2048",
+         "--page-size", "16", "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the server did not become ready")
+        long = {"model": MODEL, "prompt": "The capital", "max_tokens": 8000, "ignore_eos": True}
+        results: dict[str, Any] = {}
+        started = threading.Event()
+
+        def stream(key: str, body: dict[str, Any]) -> None:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                              timeout=60) as r:  # fmt: skip
+                text = ""
+                for chunk in r.iter_text():
+                    text += chunk
+                    started.set()
+                results[key] = (r.status_code, text)
+
+        def whole(key: str, body: dict[str, Any]) -> None:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            results[key] = (r.status_code, r.headers.get("content-type"), r.json())
+
+        def official() -> None:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            try:
+                for _ in c.completions.create(model=MODEL, prompt="Hello", max_tokens=8000,
+                                              stream=True, extra_body={"ignore_eos": True}):
+                    pass  # fmt: skip
+                results["official"] = "finished"
+            except openai.APIError as exc:
+                results["official"] = exc
+
+        threads = [
+            threading.Thread(target=stream, args=("long_stream", long)),
+            threading.Thread(target=whole, args=("long_whole", long)),
+            threading.Thread(target=official),
+        ]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.3)
+        short = threading.Thread(target=stream, args=("short", {**long, "max_tokens": 24}))
+        short.start()  # in flight at SIGTERM, finishes well within the shutdown timeout
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sigterm = time.monotonic()
+        for t in [*threads, short]:
+            t.join(60)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert time.monotonic() - sigterm < 2 + 5, out
+        # the short stream ran to its end
+        status, text = results["short"]
+        payloads, done = parse_sse(text)
+        assert status == 200 and done and payloads[-1]["choices"][0]["finish_reason"] == "length"
+        # the long stream: an OpenAI-shaped error event, then [DONE]
+        status, text = results["long_stream"]
+        payloads, done = parse_sse(text)
+        assert status == 200 and done, text[-300:]
+        err = payloads[-1]["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "service_unavailable"
+        assert set(err) == {"message", "type", "param", "code"}
+        # the non-streaming one: a JSON error, not a text/plain 500
+        status, ctype, body = results["long_whole"]
+        assert status == 503 and ctype.startswith("application/json"), body
+        assert body["error"]["code"] == "shutting_down"
+        # the official client surfaces the error event as an APIError
+        assert isinstance(results["official"], openai.APIError), results["official"]
+        assert "shutting down" in str(results["official"])
+        assert "Traceback" not in out and "Exception in ASGI" not in out, out
+        with pytest.raises(httpx.ConnectError):  # nothing listens any more
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
