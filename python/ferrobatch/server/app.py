@@ -282,13 +282,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             base = params.base_sampling(req, max_tokens_each[p], req.logprobs)
             for i, sp in enumerate(params.choice_samplings(base, req.n)):
                 index = p * req.n + i
-                jobs.append(Job(index, ids, sp, f"{rid}-{index}", arrival))
+                jobs.append(Job(index, ids, sp, f"{rid}-{index}", arrival,
+                                prompt_only=req.max_tokens == 0))  # fmt: skip
         echo_texts: dict[int, str] = {}
         if req.echo:
             texts = params.prompt_texts(engine, req.prompt, prompts)
             echo_texts = {job.index: texts[job.index // req.n] for job in jobs}
         params.check_with_engine(engine, jobs, "prompt")
-        fmt = CompletionFormat(state, req.logprobs, echo_texts)
+        fmt = CompletionFormat(state, req.logprobs, echo_texts, req.skip_special_tokens)
         prompt_tokens = sum(len(p) for p in prompts)
         return await _respond(state, request, engine, "completions", jobs, fmt, req, rid,
                               prompt_tokens)  # fmt: skip
@@ -314,7 +315,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             for i, sp in enumerate(params.choice_samplings(base, req.n))
         ]
         params.check_with_engine(engine, jobs, "messages")
-        fmt = ChatFormat(state, top_n)
+        fmt = ChatFormat(state, top_n, req.skip_special_tokens)
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
 
@@ -344,8 +345,8 @@ def _check_completion_options(req: CompletionRequest) -> None:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (or be left out).", "best_of", "unsupported")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported.", "echo", "unsupported")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 (prompt scoring) needs echo=true.", "max_tokens")
 
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:

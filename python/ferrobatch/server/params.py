@@ -38,16 +38,22 @@ def base_sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) ->
     if len(stops) > 16:
         raise bad_request("At most 16 stop strings are allowed.", "stop")
     top_k = req.top_k if req.top_k is not None else 0
+    # /v1/completions echo + logprobs: the prompt tokens' logprobs too (the engine's
+    # prompt_logprobs). A scoring request (max_tokens 0 or 1, lm-eval's loglikelihood)
+    # ignores EOS, so its one generated token is always returned (0: generated, not sent).
+    echo_lp = bool(getattr(req, "echo", False)) and logprobs is not None
+    scoring = echo_lp and max_tokens <= 1
     kwargs: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
+        "max_new_tokens": max(max_tokens, 1),
         "temperature": 1.0 if req.temperature is None else float(req.temperature),
         "top_k": max(top_k, 0),
         "top_p": 1.0 if req.top_p is None else float(req.top_p),
         "stop": tuple(stops),
-        "ignore_eos": req.ignore_eos,
+        "ignore_eos": req.ignore_eos or scoring,
         "skip_special_tokens": req.skip_special_tokens,
         "logprobs": logprobs,
         "seed": req.seed,
+        "prompt_logprobs": logprobs if echo_lp else None,
     }
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)

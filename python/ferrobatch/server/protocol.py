@@ -130,7 +130,8 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions`` body."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    # 0 with echo: prompt scoring (vLLM's), no generated token returned
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,8 @@ class Job:
     finished: bool = False
     accounted: bool = False
     last: float | None = None
+    # max_tokens=0 (prompt scoring): the one token generated is not returned
+    prompt_only: bool = False
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Run:
         reason = "cancelled"
         try:
             async for delta in stream:
+                if job.prompt_only:
+                    delta = _without_tokens(delta)
                 self._on_delta(job, delta)
                 if delta.finished:
                     job.finished = True
@@ -186,9 +191,14 @@ class Accumulator:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: Any) -> None:
         """Append one delta."""
+        if getattr(delta, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_token_ids = list(delta.prompt_token_ids)
         self.token_ids.extend(delta.token_ids or ())
         if delta.text:
             self.text.append(delta.text)
@@ -208,6 +218,16 @@ class StreamStalled(Exception):
             f"The stream was cancelled: the client read nothing of it for {seconds:g} s.",
             code="stream_stalled",
         )
+
+
+def _without_tokens(delta: Any) -> Any:
+    """A delta of a prompt-only choice (max_tokens=0): no tokens, no text; a finish is
+    "length" (the prompt was all that was asked for)."""
+    return dataclasses.replace(
+        delta, token_ids=[], text="", token_times=[],
+        logprobs=[] if delta.logprobs is not None else None,
+        finish_reason="length" if delta.finished else None,
+    )  # fmt: skip
 
 
 class ClientGone(Exception):
