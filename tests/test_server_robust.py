@@ -11,6 +11,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -348,8 +351,13 @@ def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_pat
         def official() -> None:
             c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
             try:
-                for _ in c.completions.create(model=MODEL, prompt="Hello", max_tokens=8000,
-                                              stream=True, extra_body={"ignore_eos": True}):
+                for _ in c.completions.create(
+                    model=MODEL,
+                    prompt="Hello",
+                    max_tokens=8000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
                     pass  # fmt: skip
                 results["official"] = "finished"
             except openai.APIError as exc:
@@ -399,3 +407,112 @@ def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# ---------------------------------------------------------------------------------------
+# 8. typed OpenAPI; schemathesis against the served document
+
+
+def test_openapi_declares_bodies_and_typed_responses(tokenizer: Any) -> None:
+    with serve(FakeEngine(tokenizer)) as srv:
+        doc = httpx.get(srv.url + "/openapi.json").json()
+    comps = doc["components"]["schemas"]
+    for path, req, resp in (
+        ("/v1/completions", "CompletionRequest", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse"),
+    ):
+        op = doc["paths"][path]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]
+        assert op["requestBody"]["required"] and body == {"$ref": f"#/components/schemas/{req}"}
+        ok = op["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{resp}"}
+        assert "text/event-stream" in ok
+        for code in ("400", "429", "503"):
+            err = op["responses"][code]["content"]["application/json"]["schema"]
+            assert err == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "prompt" in comps["CompletionRequest"]["required"]
+    assert comps["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert {"choices", "usage", "id"} <= set(comps["CompletionResponse"]["required"])
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    for path in ("/health", "/v1/models"):
+        assert doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]
+
+
+def _schemathesis() -> str:
+    pytest.importorskip("schemathesis")
+    exe = Path(sys.executable).with_name("schemathesis")
+    return str(exe) if exe.exists() else (shutil.which("schemathesis") or "schemathesis")
+
+
+def test_schemathesis_positive_and_negative(tokenizer: Any, tmp_path: Any) -> None:
+    """Generated valid and invalid requests against the served document: no 5xx, every
+    response (JSON and SSE events) conforms, invalid data is rejected. Bounded: a fixed
+    number of cases per operation on the fast fake engine (a few seconds)."""
+    exe = _schemathesis()
+    engine = FakeEngine(tokenizer, delay=0.0)
+    with serve(engine, max_queue=256) as srv:
+        r = subprocess.run(
+            [exe, "run", srv.url + "/openapi.json", "--checks", "all",
+             # valid by the schema but refused on meaning (a prompt over the context, 17
+             # stop strings, ...) is a 400 the schema cannot express
+             "--exclude-checks", "positive_data_acceptance",
+             "--mode", "all", "-n", "25", "--seed", "10", "--workers", "1",
+             "--request-timeout", "30", "--no-color"],
+            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    # (a warning may say most generated /v1/completions bodies were refused: they are valid
+    # JSON Schema instances the server rejects on meaning, see above)
+    counts = re.search(r"(\d+) generated, (\d+) passed", out)
+    assert counts and counts[1] == counts[2] and int(counts[1]) > 100, out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------
+# 5. a huge body of tiny prompts does not block the event loop
+
+
+def _health_while(url: str, work: Any) -> tuple[Any, float, int]:
+    """(work's result, the slowest /health answer meanwhile, how many were answered)."""
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", work()))
+    worst, count = 0.0, 0
+    with httpx.Client(timeout=30) as hc:
+        hc.get(url + "/health")
+        thread.start()
+        while thread.is_alive() and count < 2000:
+            t = time.perf_counter()
+            assert hc.get(url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - t)
+            count += 1
+            time.sleep(0.005)
+    thread.join(60)
+    return result["r"], worst, count
+
+
+def test_huge_body_of_tiny_prompts_keeps_the_loop_responsive(tokenizer: Any) -> None:
+    engine = FakeEngine(tokenizer)
+    prompts = ["a"] * 380_000
+    body = json.dumps({"prompt": prompts, "max_tokens": 1}, separators=(",", ":")).encode()
+    assert len(body) > 1_500_000
+    with serve(engine, max_body_bytes=4 * 1024 * 1024) as srv:
+
+        def post() -> httpx.Response:
+            return httpx.post(srv.url + "/v1/completions", content=body, timeout=60,
+                              headers={"content-type": "application/json"})  # fmt: skip
+
+        r, worst, count = _health_while(srv.url, post)
+        _error(r, 400, "prompt", "380000 choices")  # refused on its count, before tokenizing
+        assert count >= 1 and worst < 1.0, (worst, count)
+        assert not engine.submitted
+    # as many as the queue takes, each a paragraph: tokenized off the loop
+    text = " ".join(["Paged attention stores keys and values in fixed-size blocks."] * 8)
+    body = json.dumps({"prompt": [text] * 1000, "max_tokens": 1}).encode()
+    engine = FakeEngine(tokenizer, max_model_len=4096)
+    with serve(engine) as srv:
+        r, worst, count = _health_while(srv.url, lambda: httpx.post(
+            srv.url + "/v1/completions", content=body, timeout=120,
+            headers={"content-type": "application/json"}))  # fmt: skip
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1000
+        assert count >= 1 and worst < 1.0, (worst, count)

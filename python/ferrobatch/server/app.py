@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -23,7 +23,13 @@ from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
     bad_request,
     parse,
     usage,
@@ -110,7 +116,96 @@ def create_app(
     _add_error_handlers(app, state)
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
+    _install_openapi(app)
     return app
+
+
+# Bodies larger than this are validated in the tokenizer thread, not on the event loop.
+_PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries of the error statuses a route answers."""
+    text = {400: "Invalid request (the field is named in param)", 401: "Missing or wrong key",
+            404: "Unknown model", 408: "Body too slow", 413: "Body too large",
+            429: "Queue full; retry after Retry-After", 500: "Server error",
+            503: "Engine loading, failed, or shutting down"}  # fmt: skip
+    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
+
+
+# One Server-Sent Event (OpenAPI 3.1: a text/event-stream schema describes each event).
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "A JSON chunk (object text_completion / chat.completion.chunk), an "
+            "error object {error: {...}} (the stream then ends), or the literal [DONE] last.",
+        },
+        "event": {"type": "string"},
+    },
+}
+
+_GENERATION_ERRORS = _errors(400, 401, 404, 408, 413, 429, 500, 503)
+
+
+def _generation_responses(model: type[Any]) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "description": "The whole response (JSON), or with stream=true Server-Sent Events "
+            "of chunks ending with 'data: [DONE]'.",
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        },
+        **_GENERATION_ERRORS,
+    }
+
+
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """Optional fields accept ``null`` ("not given"); say so in the schema."""
+    required = set(schema.get("required", ()))
+    for name, prop in (schema.get("properties") or {}).items():
+        if name in required:
+            continue
+        branches = prop.get("anyOf", [prop])
+        if any(b.get("type") == "null" for b in branches):
+            continue
+        meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Declare the request bodies (the routes read and validate them themselves, for the
+    body-size limit and OpenAI-shaped errors, so FastAPI cannot see them)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, description=app.description,
+                          routes=app.routes)  # fmt: skip
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (
+            ("/v1/completions", CompletionRequest),
+            ("/v1/chat/completions", ChatCompletionRequest),
+        ):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            defs = body.pop("$defs", {})
+            for part in (body, *defs.values()):
+                _nullable_optionals(part)
+            schemas.update(defs)
+            schemas[model.__name__] = body
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }  # fmt: skip
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _lifespan(state: ServerState, engine_loader: Callable[[], Any] | None) -> Any:
@@ -185,7 +280,10 @@ def _peer(request: Request) -> str:
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     """``/health``, ``/metrics`` and ``/v1/models``."""
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={200: {"model": Health}, 503: {"model": Health, "description": "Not ready"}},
+    )
     async def health() -> Response:
         """200 when the engine is ready, 503 while it loads or when it failed."""
         err = engine_error(state.engine) if state.engine is not None else None
@@ -203,7 +301,12 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "model": state.primary_name()})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                         "description": "Prometheus text exposition format 0.0.4"}},
+    )  # fmt: skip
     async def metrics() -> Response:
         """Prometheus text format."""
         stats = None
@@ -224,14 +327,17 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(401, 503)})
     async def models(request: Request) -> Response:
         """The served model."""
         state.require_auth(request)
         engine = state.require_engine()
         return JSONResponse({"object": "list", "data": [model_entry(engine)]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses={200: {"model": ModelCard}, **_errors(401, 404, 503)},
+    )
     async def model(model_id: str, request: Request) -> Response:
         """One model by name (404 unless it is the served one)."""
         state.require_auth(request)
@@ -256,11 +362,16 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         """(engine, validated body) after auth, readiness and model checks."""
         state.require_auth(request)
         engine = state.require_engine()
-        req = parse(schema, await read_body(request, state.max_body_bytes, state.body_timeout))
+        body = await read_body(request, state.max_body_bytes, state.body_timeout)
+        if len(body) > _PARSE_ON_LOOP_BYTES:  # validating a big body takes the loop too long
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(state.tokenize_pool, parse, schema, body)
+        else:
+            req = parse(schema, body)
         state.check_model(req.model)
         return engine, req
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
     async def completions(request: Request) -> Response:
         """OpenAI text completions."""
         arrival = time.perf_counter()
@@ -270,12 +381,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         count = _prompt_count(req.prompt)
         state.check_size(count, req.n, "prompt")  # cheap checks before any tokenizing
         state.admit(count * req.n)
-        prompts = await tokenize(params.completion_prompts, engine, req.prompt)
-        max_tokens_each = []
-        for ids in prompts:
-            params.check_vocab(engine, ids)
-            max_tokens_each.append(params.check_context(engine, len(ids), req.max_tokens,
-                                                        "prompt"))  # fmt: skip
+
+        def prepare() -> tuple[list[list[int]], list[int]]:  # in the tokenizer thread
+            prompts = params.completion_prompts(engine, req.prompt)
+            max_tokens_each = []
+            for ids in prompts:
+                params.check_vocab(engine, ids)
+                max_tokens_each.append(params.check_context(engine, len(ids), req.max_tokens,
+                                                            "prompt"))  # fmt: skip
+            return prompts, max_tokens_each
+
+        prompts, max_tokens_each = await tokenize(prepare)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
@@ -294,7 +410,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(state, request, engine, "completions", jobs, fmt, req, rid,
                               prompt_tokens)  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (the model's chat template)."""
         arrival = time.perf_counter()

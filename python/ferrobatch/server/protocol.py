@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "APIError",
+    "ChatCompletionResponse",
+    "CompletionResponse",
+    "ErrorResponse",
+    "Health",
+    "ModelCard",
+    "ModelList",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -177,6 +183,120 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+
+
+# ---------------------------------------------------------------------------------------
+# response schemas (for the OpenAPI document; the routes build plain dicts of this shape)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Usage(_Out):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Out):
+    """``logprobs`` of a text-completion choice (OpenAI's legacy shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Out):
+    """``POST /v1/completions`` answer (``stream: false``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    """``POST /v1/chat/completions`` answer (``stream: false``)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(_Out):
+    """``/health``: ``ok`` (200), or ``loading`` / ``failed`` / ``shutting_down`` (503)."""
+
+    status: Literal["ok", "loading", "failed", "shutting_down"]
+    model: str | None = None
+    error: str | None = None
 
 
 # ---------------------------------------------------------------------------------------
