@@ -48,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# ferrobatch sets OMP_WAIT_POLICY=PASSIVE for its own process when imported; vLLM's processes
+# get the caller's setting instead (vLLM sets its own KMP_BLOCKTIME when it binds threads)
+_CALLER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "benches"))
@@ -206,11 +209,9 @@ class VllmPeer:
 
     def __init__(self, venv: Path, model_dir: Path, args: argparse.Namespace,
                  cpus: list[int] | None, max_model_len: int, log_path: Path) -> None:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+        env = {**peer_base_env(), "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPATH", None)
-        env.pop("VIRTUAL_ENV", None)
         if cpus:
             # vLLM binds its OpenMP threads itself: OMP_NUM_THREADS = len(list) + KMP_AFFINITY
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus[: args.threads]))
@@ -292,6 +293,16 @@ class VllmPeer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def peer_base_env() -> dict[str, str]:
+    """The environment for a process in the peer venv: this one's, without the project's
+    Python paths and with the caller's own ``OMP_WAIT_POLICY`` (not ferrobatch's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.pop("OMP_WAIT_POLICY", None)
+    if _CALLER_OMP_WAIT_POLICY is not None:
+        env["OMP_WAIT_POLICY"] = _CALLER_OMP_WAIT_POLICY
+    return env
 
 
 def find_peer_venv(arg: Path | None) -> Path | None:
@@ -384,6 +395,7 @@ def main() -> None:
             ap.error(f"--pin {cpus} has fewer cores than --threads {args.threads}")
         pin_self(cpus)
 
+    import ferrobatch  # noqa: F401 - before torch: it sets OMP_WAIT_POLICY=PASSIVE for OpenMP
     import torch
     import transformers
 

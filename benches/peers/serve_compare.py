@@ -216,7 +216,7 @@ def main() -> None:
     max_model_len = -(-(max(len(p) for p in prompts) + new) // 64) * 64
     stamp = time.strftime("%Y%m%d-%H%M%S")
     taskset = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-    base_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    base_env = compare_cpu.peer_base_env()  # each server picks its own OpenMP wait policy
     base_env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
     servers: dict[str, Server] = {}
