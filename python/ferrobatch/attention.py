@@ -50,6 +50,7 @@ __all__ = [
     "PagedStep",
     "build_kernel_step",
     "build_step",
+    "decode_kernel_available",
     "in_ferrobatch_forward",
     "paged_attention_enabled",
     "paged_attention_forward",
@@ -81,6 +82,17 @@ class _DecodeBucket:
 
 
 @dataclass
+class _KernelDecode:
+    """All single-token rows of one attention type, for the in-place CPU kernel
+    (`ferrobatch._core.paged_decode_attention`)."""
+
+    tokens: torch.Tensor | None  # [Bd] token indices; None when the rows are all T tokens
+    block_tables: np.ndarray  # [Bd, W] int32
+    seqlens: np.ndarray  # [Bd] int32
+    window: int  # 0 = full attention
+
+
+@dataclass
 class _Group:
     """Per-step metadata of one attention type, shared by all its layers."""
 
@@ -88,6 +100,7 @@ class _Group:
     decode: list[_DecodeBucket]
     prefill_cached_slots: torch.Tensor | None  # all prefill rows' cached keys, row after row
     prefill: list[_PrefillRow]
+    kernel_decode: _KernelDecode | None = None
 
 
 @dataclass
@@ -98,6 +111,9 @@ class PagedStep:
     groups: list[_Group]  # per layer: the group of its attention type
     num_tokens: int
     calls: int = 0  # attention calls seen; the runner checks every layer came through here
+    # dtype of the attention output (None: the query's); the runner asks for the cache's
+    # when the next product rounds its input to it anyway (packed half-precision linears)
+    out_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -200,17 +216,31 @@ def _kernel_attention(
     return out.unsqueeze(0)
 
 
+def decode_kernel_available(cache: PagedKVCache) -> bool:
+    """Whether decode rows can use the in-place CPU kernel of `ferrobatch._core` with
+    `cache` (a CPU cache in fp32, bf16 or fp16)."""
+    from . import _core
+
+    return (
+        hasattr(_core, "paged_decode_attention")
+        and cache.device.type == "cpu"
+        and cache.dtype in _KERNEL_DTYPES
+    )
+
+
 def build_step(
     plan: Any,
     cache: PagedKVCache,
     layer_types: list[str],
     sliding_window: int | None,
+    decode_kernel: bool = False,
 ) -> PagedStep:
     """Precompute gather indices and masks for every attention type of `plan`.
 
     Follows ARCHITECTURE.md §3: full attention reads positions `0 .. seqlens_k` through
     `block_tables["full_attention"]`; sliding attention reads a row's last `w` positions
-    through its ring of `R` chunks.
+    through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
+    single-token rows are attended in place by the CPU kernel instead of gathered.
     """
     page = cache.page_size
     device = cache.device
@@ -261,7 +291,17 @@ def build_step(
         # key is then in the cache), keys outside the row's range masked; rows bucketed by
         # length so short rows do not pay for the longest.
         decode: list[_DecodeBucket] = []
-        if len(decode_rows):
+        kernel_decode = None
+        if len(decode_rows) and decode_kernel:
+            if not sliding and int(-(-seqlens[decode_rows].max() // page)) > table.shape[1]:
+                raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
+            kernel_decode = _KernelDecode(
+                tokens=None if all_decode else to_long(cu[decode_rows]),
+                block_tables=np.ascontiguousarray(table[decode_rows], dtype=np.int32),
+                seqlens=np.ascontiguousarray(seqlens[decode_rows], dtype=np.int32),
+                window=w,
+            )
+        elif len(decode_rows):
             total = seqlens[decode_rows]
             if sliding:
                 width = np.full(len(decode_rows), ring)
@@ -323,6 +363,7 @@ def build_step(
             decode=decode,
             prefill_cached_slots=cached,
             prefill=prefill,
+            kernel_decode=kernel_decode,
         )
     return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
 
@@ -454,6 +495,23 @@ def paged_attention_forward(
     v_cache.index_copy_(0, group.slot_mapping, v_new)
 
     out = None
+    out_dtype = step.out_dtype or query.dtype
+    kd = group.kernel_decode
+    if kd is not None:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks need the SDPA decode path")
+        q_dec = q_all.transpose(0, 1) if kd.tokens is None else q_all.index_select(
+            1, kd.tokens).transpose(0, 1)
+        if q_dec.dtype not in _KERNEL_DTYPES:
+            q_dec = q_dec.float()
+        q_dec = q_dec.contiguous()  # [Bd, H, D]
+        o = torch.empty(q_dec.shape, dtype=out_dtype if out_dtype in _KERNEL_DTYPES
+                        else torch.float32)
+        _decode_kernel(q_dec, k_cache, v_cache, kd, o, cache.page_size, scaling, softcap)
+        if kd.tokens is None:
+            return o.to(out_dtype).unsqueeze(0), None
+        out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+        out.index_copy_(0, kd.tokens, o.to(out_dtype))
     for bucket in group.decode:
         bd = bucket.rows
         if bucket.tokens is None:
@@ -473,15 +531,15 @@ def paged_attention_forward(
         else:
             o = _attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False, sinks)
         o = o.reshape(bd, heads, dim)
-        if o.dtype != query.dtype:
-            o = o.to(query.dtype)
+        if o.dtype != out_dtype:
+            o = o.to(out_dtype)
         if bucket.tokens is None:
             return o.unsqueeze(0), None
         if out is None:
-            out = query.new_empty(num_tokens, heads, dim)
+            out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
         out.index_copy_(0, bucket.tokens, o)
     if out is None:
-        out = query.new_empty(num_tokens, heads, dim)
+        out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
     for row in group.prefill:
         s, e = row.tok_start, row.tok_end
         q = query[:, :, s:e]
@@ -501,6 +559,29 @@ def paged_attention_forward(
         o = _attend(q.to(dt), k.to(dt), v.to(dt), mask, scaling, softcap, row.causal, sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                  torch.float16: "float16"}
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing `t`'s memory (bf16 / fp16 as their uint16 bit patterns)."""
+    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
+
+
+def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kd: _KernelDecode, out: torch.Tensor, page: int, scale: float,
+                   softcap: float | None) -> None:
+    from . import _core
+
+    _core.paged_decode_attention(
+        _numpy_view(q), _numpy_view(k_cache), _numpy_view(v_cache), kd.block_tables,
+        kd.seqlens, _numpy_view(out), q_dtype=_KERNEL_DTYPES[q.dtype],
+        cache_dtype=_KERNEL_DTYPES[k_cache.dtype], out_dtype=_KERNEL_DTYPES[out.dtype],
+        page=page, window=kd.window, scale=float(scale), softcap=float(softcap or 0.0),
+        threads=torch.get_num_threads(),
+    )
 
 
 # --- registration, switching, delegation -------------------------------------------------
@@ -534,10 +615,37 @@ def paged_mask(*args: Any, config: PretrainedConfig | None = None, **kwargs: Any
     return fn(*args, config=config, **kwargs)
 
 
+CAST_SDPA_NAME = "ferrobatch_cast_sdpa"
+
+
+def cast_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA attention with key and value cast to the query's dtype: the
+    model's own attention for construction checks of forwards whose q / k / v dtypes differ
+    (packed half-precision linears with an fp32 residual stream, `cpu_linear`)."""
+    return sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype),
+                                  *args, **kwargs)
+
+
 def register() -> None:
     """Register the paged attention and its mask function with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    AttentionInterface.register(CAST_SDPA_NAME, cast_sdpa_forward)
+    AttentionMaskInterface.register(CAST_SDPA_NAME, sdpa_mask)
+
+
+@contextmanager
+def cast_sdpa_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None]:
+    """Switch `configs` to `cast_sdpa_forward` for the block, then restore them exactly."""
+    saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs]
+    for cfg, _ in saved:
+        cfg._attn_implementation_internal = CAST_SDPA_NAME
+    try:
+        yield
+    finally:
+        for cfg, impl in saved:
+            cfg._attn_implementation_internal = impl
 
 
 def in_ferrobatch_forward() -> bool:

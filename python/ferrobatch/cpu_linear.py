@@ -16,11 +16,16 @@ Two numerics (`activation_dtype`):
 
 * the model's own dtype: each product is what the model computes (inputs and outputs in the
   weight dtype, fp32 accumulation), only faster;
-* `torch.float32` ("half-precision weights, fp32 activations", as llama.cpp runs a BF16
-  model on CPU): inputs are rounded to the weight dtype for the product, outputs widened to
-  fp32, and the input embeddings widened too, so the residual stream, norms and rotary
-  embeddings stay in fp32 between the products. Rounding the residual stream to bf16 after
-  every layer is where a bf16 model loses much of its agreement with fp32.
+* `torch.float32` ("half-precision weights, fp32 residual stream", close to how llama.cpp
+  runs a BF16 model on CPU): inputs are rounded to the weight dtype for the product, the
+  input embeddings are widened to fp32, and so are the outputs of the layers that write to
+  the residual stream (those outside a group whose width is the model's hidden size: the
+  attention output and MLP down projections), so the residual stream and the norms stay in
+  fp32. Grouped outputs (q/k/v, gate/up) stay in the weight dtype: a product's output is
+  already rounded to it, widening adds no information, and what follows them (rotary
+  embeddings against fp32 tables, the attention, the next product) widens or rounds as it
+  needs. Rounding the residual stream to bf16 after every layer is where a bf16 model loses
+  much of its agreement with fp32.
 
 The caller's model is never changed: the packed weights live here, each layer's `forward`
 is replaced by an instance attribute only inside `active()` (and the replacement runs the
@@ -131,8 +136,10 @@ class PackedLinears:
         layers: list[torch.nn.Linear],
         activation_dtype: torch.dtype,
         in_thread: Callable[[], bool],
+        hidden_size: int | None = None,
     ) -> None:
         self.model = model
+        self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
         self.activation_dtype = activation_dtype
         self._in_thread = in_thread
@@ -159,11 +166,13 @@ class PackedLinears:
         *,
         activation_dtype: torch.dtype | None = None,
         in_thread: Callable[[], bool],
+        hidden_size: int | None = None,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no oneDNN, no plain `nn.Linear` in bf16 /
         fp16 on CPU, or the copies would take more than half of available memory.
         `activation_dtype` None = the weights' dtype. `in_thread()` tells whether the
-        calling thread is inside a ferrobatch forward."""
+        calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
+        residual stream (which outputs are widened; None = every output)."""
         if not packing_available():
             return None
         layers = [
@@ -180,7 +189,8 @@ class PackedLinears:
                         "%.0f%% of the %.0f MiB available)", need / 2**20,
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             return None
-        return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread)
+        return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
+                   hidden_size)
 
     @property
     def widens(self) -> bool:
@@ -253,11 +263,13 @@ class PackedLinears:
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         module = self._layers[index]
         own = type(module).forward
-        wdt, adt = self.weight_dtype, self.activation_dtype
+        wdt = self.weight_dtype
         linear = torch.ops.mkldnn._linear_pointwise
         in_thread = self._in_thread
         packed = group.packed
         alone = len(packed.layers) == 1
+        writes_residual = alone and self.hidden_size in (None, module.out_features)
+        adt = self.activation_dtype if writes_residual else wdt
 
         def widen(y: torch.Tensor) -> torch.Tensor:
             return y if y.dtype == adt else y.to(adt)

@@ -102,6 +102,13 @@ class ModelRunner:
             cpu_offload_blocks=cpu_offload_blocks,
         )
         self.attention_backend = self._choose_backend(attention_backend)
+        # decode rows attended in place by the CPU kernel of `ferrobatch._core` (no gather);
+        # attention sinks keep the SDPA path
+        self.decode_kernel: bool = (
+            self.attention_backend == "sdpa"
+            and attention.decode_kernel_available(self.cache)
+            and not self._has_sinks()
+        )
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else 132
@@ -174,12 +181,16 @@ class ModelRunner:
             logger.info(msg)
         return False
 
+    def _has_sinks(self) -> bool:
+        """Attention sinks (GPT-OSS `sinks`, passed to attention as `s_aux`)."""
+        return any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.model.modules()
+        )
+
     def _choose_backend(self, requested: str | None) -> str:
         # Attention sinks (GPT-OSS `sinks`, passed as `s_aux`) are implemented by the SDPA
         # path only, not by the kernels of `ferrobatch.cuda`.
-        sinks = any(
-            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.model.modules()
-        )
+        sinks = self._has_sinks()
         if requested is not None:
             if requested not in ("sdpa", "triton", "flash_attn", "torch"):
                 raise ValueError(f"unknown attention_backend {requested!r}")
@@ -487,7 +498,8 @@ class ModelRunner:
         linears = None
         if activations != "model":
             linears = PackedLinears.of(
-                self.model, activation_dtype=torch.float32, in_thread=in_fwd
+                self.model, activation_dtype=torch.float32, in_thread=in_fwd,
+                hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
             )
             if linears is not None and activations == "auto" and not self._widening_holds(
                 linears
@@ -500,7 +512,8 @@ class ModelRunner:
             linears = PackedLinears.of(self.model, in_thread=in_fwd)
         if linears is not None:
             ids = self._check_ids(16)
-            with torch.inference_mode(), _eval_mode(self.model):
+            with torch.inference_mode(), _eval_mode(self.model), \
+                    attention.cast_sdpa_enabled(self._configs):
                 linears.calibrate(lambda: self.model(input_ids=ids, use_cache=False))
             logger.info("ferrobatch: %d linear layers on packed %s weights (%d stacked groups, "
                         "%.0f MiB), %s activations", linears.num_layers, linears.weight_dtype,
@@ -519,14 +532,15 @@ class ModelRunner:
         try:
             with torch.inference_mode(), _eval_mode(self.model):
                 own = self.model(input_ids=ids, use_cache=False).logits[0].float()
-                with wide.active(everywhere=True):
+                with wide.active(everywhere=True), attention.cast_sdpa_enabled(self._configs):
                     got = self.model(input_ids=ids, use_cache=False).logits[0]
                 with wide.active(exact=True):
                     ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
         except Exception as exc:  # noqa: BLE001 - a model that can't: keep its dtype
             logger.info("ferrobatch: fp32 activations fail (%s: %s)", type(exc).__name__, exc)
             return False
-        if got.dtype != torch.float32 or not bool(torch.isfinite(got).all()):
+        got = got.float()
+        if not bool(torch.isfinite(got).all()):
             return False
         return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())
 
@@ -629,8 +643,11 @@ class ModelRunner:
                 _greedy = False
             if self.attention_backend == "sdpa":
                 step = attention.build_step(
-                    plan, self.cache, self.layer_types, self.sliding_window
+                    plan, self.cache, self.layer_types, self.sliding_window,
+                    decode_kernel=self.decode_kernel,
                 )
+                if self._linears is not None and self._linears.widens:
+                    step.out_dtype = self.cache.dtype  # o_proj rounds its input to it
             else:
                 step = attention.build_kernel_step(
                     plan, self.cache, self.layer_types, self.sliding_window,

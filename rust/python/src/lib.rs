@@ -10,6 +10,8 @@
 
 use std::sync::{Arc, Mutex};
 
+mod kernels;
+
 use ferrobatch_core as core;
 use ferrobatch_core::request::StopConditions;
 use ferrobatch_core::{AttentionType, ErrorKind, FinishReason, SchedulerConfig, SchedulerType};
@@ -1057,6 +1059,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_class::<StepOutput>()?;
     m.add_class::<Delta>()?;
+    m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,917 @@
+//! Paged attention for decode rows (one query token per row), read in place.
+//!
+//! Layout (ARCHITECTURE.md §3): the cache of one layer is `[slots, kv_heads, dim]`, a chunk
+//! `c` owns slots `c * page .. (c + 1) * page`. Row `r` sees the positions of its request:
+//!
+//! * full attention: `0 .. seqlens[r]`, position `p` at slot
+//!   `table[r][p / page] * page + p % page`;
+//! * sliding window `w` with a ring of `R = width` chunks: `max(0, n - w) .. n`
+//!   (`n = seqlens[r]`), position `p` at slot `table[r][(p / page) % R] * page + p % page`.
+//!
+//! The step's own key and value are already in the cache (the caller writes first). Query
+//! head `h` reads KV head `h / (heads / kv_heads)`. Scores, softmax and the weighted sum are
+//! fp32 whatever the storage type (bf16 / fp16 values are widened exactly); the output is
+//! rounded once to its own type.
+
+use half::{bf16, f16};
+
+/// A read-only tensor's elements in one of the storage types.
+#[derive(Clone, Copy, Debug)]
+pub enum Elems<'a> {
+    F32(&'a [f32]),
+    /// bf16 bit patterns
+    Bf16(&'a [u16]),
+    /// IEEE half bit patterns
+    F16(&'a [u16]),
+}
+
+/// A writable tensor's elements in one of the storage types.
+#[derive(Debug)]
+pub enum ElemsMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+    F16(&'a mut [u16]),
+}
+
+/// Which positions a row's query sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Window {
+    Full,
+    /// the last `window` positions, through a ring of `width` chunks per row
+    Sliding {
+        window: usize,
+    },
+}
+
+/// What is wrong with a call (an argument that does not fit the layout).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelError(pub String);
+
+impl std::fmt::Display for KernelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+/// The inputs of one call; shapes in the field docs (row-major, contiguous).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs<'a> {
+    /// `[rows, heads, dim]`
+    pub q: Elems<'a>,
+    /// `[slots, kv_heads, dim]`, `slots` a multiple of `page`
+    pub k_cache: Elems<'a>,
+    /// same shape and type as `k_cache`
+    pub v_cache: Elems<'a>,
+    /// `[rows, width]` chunk ids
+    pub block_tables: &'a [i32],
+    /// `[rows]` keys of each row (its cached positions plus the new one), >= 1
+    pub seqlens: &'a [i32],
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    pub page: usize,
+    pub width: usize,
+    pub window: Window,
+    /// multiplies every score
+    pub scale: f32,
+    /// scores become `tanh(s / c) * c` (Gemma 2)
+    pub softcap: Option<f32>,
+    /// worker threads (rows are split between them); 1 runs on the caller's thread
+    pub threads: usize,
+}
+
+fn err<T>(msg: String) -> Result<T, KernelError> {
+    Err(KernelError(msg))
+}
+
+impl Elems<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Elems::F32(s) => s.len(),
+            Elems::Bf16(s) | Elems::F16(s) => s.len(),
+        }
+    }
+
+    /// `out[i] = self[start + i]` widened to f32.
+    #[inline(always)]
+    fn load(&self, start: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            Elems::F32(s) => out.copy_from_slice(&s[start..start + n]),
+            Elems::Bf16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[start..start + n]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            Elems::F16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[start..start + n]) {
+                    *o = f16::from_bits(b).to_f32();
+                }
+            }
+        }
+    }
+}
+
+impl<'a> ElemsMut<'a> {
+    fn len(&self) -> usize {
+        match self {
+            ElemsMut::F32(s) => s.len(),
+            ElemsMut::Bf16(s) | ElemsMut::F16(s) => s.len(),
+        }
+    }
+
+    /// Consecutive pieces of `piece` elements (the last may be shorter).
+    fn split(self, piece: usize) -> Vec<ElemsMut<'a>> {
+        match self {
+            ElemsMut::F32(s) => s.chunks_mut(piece).map(ElemsMut::F32).collect(),
+            ElemsMut::Bf16(s) => s.chunks_mut(piece).map(ElemsMut::Bf16).collect(),
+            ElemsMut::F16(s) => s.chunks_mut(piece).map(ElemsMut::F16).collect(),
+        }
+    }
+
+    /// `self[start + i] = vals[i] * mul`, rounded to nearest even.
+    fn store(&mut self, start: usize, vals: &[f32], mul: f32) {
+        let n = vals.len();
+        match self {
+            ElemsMut::F32(s) => {
+                for (o, &v) in s[start..start + n].iter_mut().zip(vals) {
+                    *o = v * mul;
+                }
+            }
+            ElemsMut::Bf16(s) => {
+                for (o, &v) in s[start..start + n].iter_mut().zip(vals) {
+                    *o = bf16::from_f32(v * mul).to_bits();
+                }
+            }
+            ElemsMut::F16(s) => {
+                for (o, &v) in s[start..start + n].iter_mut().zip(vals) {
+                    *o = f16::from_f32(v * mul).to_bits();
+                }
+            }
+        }
+    }
+}
+
+fn same_kind(a: &Elems<'_>, b: &Elems<'_>) -> bool {
+    std::mem::discriminant(a) == std::mem::discriminant(b)
+}
+
+/// Checks every shape, length and chunk id `paged_decode_attention` will use; returns the
+/// number of slots of the cache.
+fn validate(a: &DecodeArgs<'_>, out_len: usize) -> Result<usize, KernelError> {
+    let rows = a.seqlens.len();
+    if a.heads == 0 || a.kv_heads == 0 || a.dim == 0 || a.page == 0 || a.width == 0 {
+        return err("heads, kv_heads, dim, page and width must be >= 1".into());
+    }
+    if !a.heads.is_multiple_of(a.kv_heads) {
+        return err(format!(
+            "heads ({}) must be a multiple of kv_heads ({})",
+            a.heads, a.kv_heads
+        ));
+    }
+    let q_len = rows * a.heads * a.dim;
+    if a.q.len() != q_len || out_len != q_len {
+        return err(format!(
+            "q and out must have rows*heads*dim = {q_len} elements (q {}, out {out_len})",
+            a.q.len()
+        ));
+    }
+    if a.block_tables.len() != rows * a.width {
+        return err(format!(
+            "block_tables must have rows*width = {} entries, not {}",
+            rows * a.width,
+            a.block_tables.len()
+        ));
+    }
+    if !same_kind(&a.k_cache, &a.v_cache) || a.k_cache.len() != a.v_cache.len() {
+        return err("k_cache and v_cache must have the same type and length".into());
+    }
+    let row = a.kv_heads * a.dim;
+    if !a.k_cache.len().is_multiple_of(row * a.page) {
+        return err(format!(
+            "cache length {} is not a whole number of chunks of page*kv_heads*dim = {}",
+            a.k_cache.len(),
+            row * a.page
+        ));
+    }
+    let slots = a.k_cache.len() / row;
+    let chunks = slots / a.page;
+    if let Window::Sliding { window } = a.window {
+        if window == 0 {
+            return err("sliding window must be >= 1".into());
+        }
+    }
+    for (r, &n) in a.seqlens.iter().enumerate() {
+        if n < 1 {
+            return err(format!(
+                "seqlens[{r}] = {n}: every row needs at least one key"
+            ));
+        }
+        let n = n as usize;
+        let used = match a.window {
+            Window::Full => {
+                let need = n.div_ceil(a.page);
+                if need > a.width {
+                    return err(format!(
+                        "row {r}: {n} keys need {need} chunks, the table has {}",
+                        a.width
+                    ));
+                }
+                need
+            }
+            Window::Sliding { .. } => a.width,
+        };
+        for (col, &c) in a.block_tables[r * a.width..r * a.width + used]
+            .iter()
+            .enumerate()
+        {
+            if c < 0 || c as usize >= chunks {
+                return err(format!(
+                    "block_tables[{r}][{col}] = {c} is outside the cache's {chunks} chunks"
+                ));
+            }
+        }
+    }
+    Ok(slots)
+}
+
+/// Attention of each row's query over its cached keys and values; writes `out`
+/// (`[rows, heads, dim]`). Every index is checked first: a bad argument is an error, never
+/// a read outside the slices.
+pub fn paged_decode_attention(a: &DecodeArgs<'_>, out: ElemsMut<'_>) -> Result<(), KernelError> {
+    validate(a, out.len())?;
+    let rows = a.seqlens.len();
+    if rows == 0 {
+        return Ok(());
+    }
+    let threads = a.threads.clamp(1, rows);
+    if threads == 1 {
+        run_rows(a, 0..rows, out);
+        return Ok(());
+    }
+    let per = rows.div_ceil(threads);
+    let pieces = out.split(per * a.heads * a.dim);
+    std::thread::scope(|scope| {
+        for (i, piece) in pieces.into_iter().enumerate() {
+            let range = i * per..((i + 1) * per).min(rows);
+            scope.spawn(move || run_rows(a, range, piece));
+        }
+    });
+    Ok(())
+}
+
+/// Rows `range`, written to `out` (which starts at the first of them).
+fn run_rows(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, mut out: ElemsMut<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: `rows_avx512` only differs from `rows_portable` in the instructions the
+            // compiler may use (AVX-512F, FMA), and both were just detected on this CPU.
+            unsafe { rows_avx512(a, range, &mut out) };
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: as above, for AVX2 and FMA, detected on this CPU.
+            unsafe { rows_avx2(a, range, &mut out) };
+            return;
+        }
+    }
+    rows_portable(a, range, &mut out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn rows_avx512(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: &mut ElemsMut<'_>) {
+    rows_impl::<Avx512>(a, range, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn rows_avx2(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: &mut ElemsMut<'_>) {
+    rows_impl::<Portable>(a, range, out)
+}
+
+fn rows_portable(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: &mut ElemsMut<'_>) {
+    rows_impl::<Portable>(a, range, out)
+}
+
+/// The two inner products of the kernel.
+trait Vector {
+    /// `sum a[i] * b[i]` over the shorter length.
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// `acc[i] += w * x[i]` over the shorter length.
+    fn axpy(acc: &mut [f32], w: f32, x: &[f32]);
+}
+
+/// Plain Rust, vectorized as well as the compiler manages.
+struct Portable;
+
+impl Vector for Portable {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot(a, b)
+    }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
+        axpy(acc, w, x)
+    }
+}
+
+/// AVX-512F, 16 lanes. Only used by `rows_avx512`, i.e. after AVX-512F was detected.
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Vector for Avx512 {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: `Avx512` is only instantiated inside `rows_avx512`, which runs only after
+        // `is_x86_feature_detected!("avx512f")` (see `run_rows`).
+        unsafe { dot512(a, b) }
+    }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
+        // SAFETY: as in `dot`.
+        unsafe { axpy512(acc, w, x) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn dot512(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n <= both lengths, so the 16 floats read from each are in bounds.
+        let (x, y) = unsafe {
+            (
+                _mm512_loadu_ps(a.as_ptr().add(i)),
+                _mm512_loadu_ps(b.as_ptr().add(i)),
+            )
+        };
+        acc = _mm512_fmadd_ps(x, y, acc);
+        i += 16;
+    }
+    let mut sum = _mm512_reduce_add_ps(acc);
+    for j in i..n {
+        sum += a[j] * b[j];
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn axpy512(acc: &mut [f32], w: f32, x: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = acc.len().min(x.len());
+    let wv = _mm512_set1_ps(w);
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n <= both lengths: the 16 floats read from `x` and read and
+        // written in `acc` (a unique borrow) are in bounds.
+        unsafe {
+            let p = acc.as_mut_ptr().add(i);
+            let v = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(p));
+            _mm512_storeu_ps(p, v);
+        }
+        i += 16;
+    }
+    for j in i..n {
+        acc[j] += w * x[j];
+    }
+}
+
+/// Per-thread buffers.
+struct Scratch {
+    slots: Vec<usize>, // [n] the row's key slots, in position order
+    q: Vec<f32>,       // [heads, dim] scaled queries
+    kv: Vec<f32>,      // [kv_heads, dim] one widened key or value slot
+    scores: Vec<f32>,  // [heads, n]
+    acc: Vec<f32>,     // [heads, dim]
+    inv: Vec<f32>,     // [heads] 1 / softmax denominators
+}
+
+/// The slots of positions `start .. end` of a row with chunk table `table`.
+#[inline(always)]
+fn row_slots(a: &DecodeArgs<'_>, table: &[i32], start: usize, end: usize, out: &mut Vec<usize>) {
+    out.clear();
+    let mut p = start;
+    while p < end {
+        let col = match a.window {
+            Window::Full => p / a.page,
+            Window::Sliding { .. } => (p / a.page) % a.width,
+        };
+        let off = p % a.page;
+        let take = (a.page - off).min(end - p);
+        let base = table[col] as usize * a.page + off;
+        out.extend(base..base + take);
+        p += take;
+    }
+}
+
+#[inline(always)]
+fn rows_impl<V: Vector>(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: &mut ElemsMut<'_>) {
+    let g = a.heads / a.kv_heads;
+    let d = a.dim;
+    let row_len = a.kv_heads * d;
+    let mut s = Scratch {
+        slots: Vec::new(),
+        q: vec![0.0; a.heads * d],
+        kv: vec![0.0; row_len],
+        scores: Vec::new(),
+        acc: vec![0.0; a.heads * d],
+        inv: vec![0.0; a.heads],
+    };
+    let first_row = range.start;
+    for r in range {
+        let n = a.seqlens[r] as usize;
+        let start = match a.window {
+            Window::Full => 0,
+            Window::Sliding { window } => n - n.min(window),
+        };
+        let keys = n - start;
+        row_slots(
+            a,
+            &a.block_tables[r * a.width..(r + 1) * a.width],
+            start,
+            n,
+            &mut s.slots,
+        );
+        a.q.load(r * a.heads * d, &mut s.q);
+        for x in s.q.iter_mut() {
+            *x *= a.scale;
+        }
+        s.scores.clear();
+        s.scores.resize(a.heads * keys, 0.0);
+        for (t, &slot) in s.slots.iter().enumerate() {
+            a.k_cache.load(slot * row_len, &mut s.kv);
+            for ((kv, qs), scores) in
+                s.kv.chunks_exact(d)
+                    .zip(s.q.chunks_exact(g * d))
+                    .zip(s.scores.chunks_exact_mut(g * keys))
+            {
+                for (qh, sh) in qs.chunks_exact(d).zip(scores.chunks_exact_mut(keys)) {
+                    sh[t] = V::dot(qh, kv);
+                }
+            }
+        }
+        for h in 0..a.heads {
+            let row = &mut s.scores[h * keys..(h + 1) * keys];
+            if let Some(cap) = a.softcap {
+                for x in row.iter_mut() {
+                    *x = (*x / cap).tanh() * cap;
+                }
+            }
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for x in row.iter_mut() {
+                *x -= m;
+            }
+            exp_in_place(row);
+            s.inv[h] = 1.0 / row.iter().sum::<f32>();
+        }
+        s.acc.iter_mut().for_each(|x| *x = 0.0);
+        for (t, &slot) in s.slots.iter().enumerate() {
+            a.v_cache.load(slot * row_len, &mut s.kv);
+            for ((kv, accs), scores) in
+                s.kv.chunks_exact(d)
+                    .zip(s.acc.chunks_exact_mut(g * d))
+                    .zip(s.scores.chunks_exact(g * keys))
+            {
+                for (acc, sh) in accs.chunks_exact_mut(d).zip(scores.chunks_exact(keys)) {
+                    V::axpy(acc, sh[t], kv);
+                }
+            }
+        }
+        for h in 0..a.heads {
+            let at = ((r - first_row) * a.heads + h) * d;
+            out.store(at, &s.acc[h * d..(h + 1) * d], s.inv[h]);
+        }
+    }
+}
+
+/// `sum a[i] * b[i]` with 16 independent partial sums, reduced as a tree (vectorizable).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut ca = a.chunks_exact(16);
+    let mut cb = b.chunks_exact(16);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for j in 0..16 {
+            lanes[j] += x[j] * y[j];
+        }
+    }
+    let mut half = 8;
+    while half > 0 {
+        for j in 0..half {
+            lanes[j] += lanes[j + half];
+        }
+        half /= 2;
+    }
+    let mut sum = lanes[0];
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        sum += x * y;
+    }
+    sum
+}
+
+/// `acc[i] += w * x[i]`.
+#[inline(always)]
+fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * v;
+    }
+}
+
+/// `x = exp(x)` for `x <= 0` (after the max is subtracted), Cephes' single-precision
+/// polynomial: relative error below 2e-7 over the range; `exp(x) = 0` below -87.
+#[inline(always)]
+fn exp_in_place(xs: &mut [f32]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    for x in xs.iter_mut() {
+        let v = x.max(-87.0);
+        let fx = (v * LOG2E + ROUND) - ROUND;
+        let r = v - fx * C1 - fx * C2;
+        let mut y = 1.987_569_1e-4_f32;
+        y = y * r + 1.398_2e-3;
+        y = y * r + 8.333_452e-3;
+        y = y * r + 4.166_579_6e-2;
+        y = y * r + 1.666_666_5e-1;
+        y = y * r + 0.5;
+        y = y * r * r + r + 1.0;
+        let pow2 = f32::from_bits((((fx as i32) + 127) as u32) << 23);
+        *x = if *x < -87.0 { 0.0 } else { y * pow2 };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// f64 reference of the same semantics, from widened values.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        table: &[i32],
+        seqlens: &[i32],
+        heads: usize,
+        kv_heads: usize,
+        dim: usize,
+        page: usize,
+        width: usize,
+        window: Window,
+        scale: f32,
+        softcap: Option<f32>,
+    ) -> Vec<f64> {
+        let g = heads / kv_heads;
+        let mut out = vec![0f64; q.len()];
+        for (r, &n) in seqlens.iter().enumerate() {
+            let n = n as usize;
+            let pos: Vec<usize> = match window {
+                Window::Full => (0..n).collect(),
+                Window::Sliding { window } => (n.saturating_sub(window)..n).collect(),
+            };
+            for h in 0..heads {
+                let kvh = h / g;
+                let qv = &q[(r * heads + h) * dim..][..dim];
+                let slots: Vec<usize> = pos
+                    .iter()
+                    .map(|&p| {
+                        let col = match window {
+                            Window::Full => p / page,
+                            Window::Sliding { .. } => (p / page) % width,
+                        };
+                        table[r * width + col] as usize * page + p % page
+                    })
+                    .collect();
+                let mut sc: Vec<f64> = slots
+                    .iter()
+                    .map(|&s| {
+                        let kr = &k[(s * kv_heads + kvh) * dim..][..dim];
+                        let mut x: f64 =
+                            qv.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        x *= scale as f64;
+                        if let Some(c) = softcap {
+                            x = (x / c as f64).tanh() * c as f64;
+                        }
+                        x
+                    })
+                    .collect();
+                let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                sc.iter_mut().for_each(|x| *x = (*x - m).exp());
+                let z: f64 = sc.iter().sum();
+                for (w, &s) in sc.iter().zip(&slots) {
+                    let vr = &v[(s * kv_heads + kvh) * dim..][..dim];
+                    for j in 0..dim {
+                        out[(r * heads + h) * dim + j] += w / z * vr[j] as f64;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    struct Case {
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        table: Vec<i32>,
+        seqlens: Vec<i32>,
+        heads: usize,
+        kv_heads: usize,
+        dim: usize,
+        page: usize,
+        width: usize,
+        window: Window,
+    }
+
+    fn case(
+        seed: u64,
+        rows: usize,
+        kv_heads: usize,
+        g: usize,
+        dim: usize,
+        page: usize,
+        window: Window,
+    ) -> Case {
+        let mut s = seed;
+        let heads = kv_heads * g;
+        let chunks = 40;
+        let width = match window {
+            Window::Full => 6,
+            Window::Sliding { window } => window.div_ceil(page) + 1,
+        };
+        let max_keys = match window {
+            Window::Full => width * page,
+            Window::Sliding { .. } => 5 * page * width,
+        };
+        let mut table = Vec::new();
+        let mut seqlens = Vec::new();
+        for _ in 0..rows {
+            let n = 1 + ((lcg(&mut s) + 1.0) * 0.5 * (max_keys - 1) as f32) as usize;
+            seqlens.push(n.min(max_keys) as i32);
+            for _ in 0..width {
+                table.push(2 + ((lcg(&mut s) + 1.0) * 0.5 * (chunks - 3) as f32) as i32);
+            }
+        }
+        let n = |len: usize, s: &mut u64| (0..len).map(|_| lcg(s) * 3.0).collect::<Vec<_>>();
+        Case {
+            q: n(rows * heads * dim, &mut s),
+            k: n(chunks * page * kv_heads * dim, &mut s),
+            v: n(chunks * page * kv_heads * dim, &mut s),
+            table,
+            seqlens,
+            heads,
+            kv_heads,
+            dim,
+            page,
+            width,
+            window,
+        }
+    }
+
+    fn run(
+        c: &Case,
+        softcap: Option<f32>,
+        threads: usize,
+        bf16_cache: bool,
+    ) -> (Vec<f32>, Vec<f64>) {
+        let to_bf = |x: &[f32]| {
+            x.iter()
+                .map(|&v| bf16::from_f32(v).to_bits())
+                .collect::<Vec<_>>()
+        };
+        let widen = |x: &[u16]| {
+            x.iter()
+                .map(|&b| bf16::from_bits(b).to_f32())
+                .collect::<Vec<_>>()
+        };
+        let (kb, vb) = (to_bf(&c.k), to_bf(&c.v));
+        let (kw, vw) = if bf16_cache {
+            (widen(&kb), widen(&vb))
+        } else {
+            (c.k.clone(), c.v.clone())
+        };
+        let args = DecodeArgs {
+            q: Elems::F32(&c.q),
+            k_cache: if bf16_cache {
+                Elems::Bf16(&kb)
+            } else {
+                Elems::F32(&c.k)
+            },
+            v_cache: if bf16_cache {
+                Elems::Bf16(&vb)
+            } else {
+                Elems::F32(&c.v)
+            },
+            block_tables: &c.table,
+            seqlens: &c.seqlens,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            dim: c.dim,
+            page: c.page,
+            width: c.width,
+            window: c.window,
+            scale: 0.125,
+            softcap,
+            threads,
+        };
+        let mut out = vec![0f32; c.q.len()];
+        paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap();
+        let want = reference(
+            &c.q, &kw, &vw, &c.table, &c.seqlens, c.heads, c.kv_heads, c.dim, c.page, c.width,
+            c.window, 0.125, softcap,
+        );
+        (out, want)
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], tol: f64) {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                "elem {i}: {g} vs {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn full_attention_matches_the_reference() {
+        for (rows, kvh, g, dim, page) in [(5, 2, 3, 64, 8), (1, 1, 1, 16, 4), (9, 3, 4, 20, 16)] {
+            let c = case(rows as u64, rows, kvh, g, dim, page, Window::Full);
+            for threads in [1, 2, 3] {
+                for bf in [false, true] {
+                    let (got, want) = run(&c, None, threads, bf);
+                    assert_close(&got, &want, 2e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sliding_window_and_softcap_match_the_reference() {
+        for window in [1, 7, 16, 33] {
+            let c = case(
+                window as u64 + 7,
+                6,
+                2,
+                2,
+                32,
+                8,
+                Window::Sliding { window },
+            );
+            let (got, want) = run(&c, None, 2, true);
+            assert_close(&got, &want, 2e-5);
+            let (got, want) = run(&c, Some(5.0), 1, false);
+            assert_close(&got, &want, 2e-5);
+        }
+    }
+
+    #[test]
+    fn bf16_output_is_the_rounded_fp32_output() {
+        let c = case(3, 4, 2, 2, 64, 16, Window::Full);
+        let (f, _) = run(&c, None, 1, true);
+        let kb: Vec<u16> = c.k.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let vb: Vec<u16> = c.v.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let args = DecodeArgs {
+            q: Elems::F32(&c.q),
+            k_cache: Elems::Bf16(&kb),
+            v_cache: Elems::Bf16(&vb),
+            block_tables: &c.table,
+            seqlens: &c.seqlens,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            dim: c.dim,
+            page: c.page,
+            width: c.width,
+            window: c.window,
+            scale: 0.125,
+            softcap: None,
+            threads: 1,
+        };
+        let mut out = vec![0u16; c.q.len()];
+        paged_decode_attention(&args, ElemsMut::Bf16(&mut out)).unwrap();
+        for (o, x) in out.iter().zip(&f) {
+            assert_eq!(*o, bf16::from_f32(*x).to_bits());
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors_not_reads() {
+        let c = case(1, 3, 1, 2, 16, 4, Window::Full);
+        let base = DecodeArgs {
+            q: Elems::F32(&c.q),
+            k_cache: Elems::F32(&c.k),
+            v_cache: Elems::F32(&c.v),
+            block_tables: &c.table,
+            seqlens: &c.seqlens,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            dim: c.dim,
+            page: c.page,
+            width: c.width,
+            window: c.window,
+            scale: 1.0,
+            softcap: None,
+            threads: 1,
+        };
+        let mut out = vec![0f32; c.q.len()];
+        let mut bad_table = c.table.clone();
+        bad_table[0] = 1000;
+        let cases: Vec<(DecodeArgs, &str)> = vec![
+            (
+                DecodeArgs {
+                    block_tables: &bad_table,
+                    ..base
+                },
+                "outside",
+            ),
+            (
+                DecodeArgs {
+                    seqlens: &[0, 1, 1],
+                    ..base
+                },
+                "at least one key",
+            ),
+            (
+                DecodeArgs {
+                    seqlens: &[1000, 1, 1],
+                    ..base
+                },
+                "chunks",
+            ),
+            (
+                DecodeArgs {
+                    kv_heads: 3,
+                    ..base
+                },
+                "multiple",
+            ),
+            (
+                DecodeArgs {
+                    q: Elems::F32(&c.q[1..]),
+                    ..base
+                },
+                "elements",
+            ),
+            (
+                DecodeArgs {
+                    v_cache: Elems::Bf16(&[]),
+                    ..base
+                },
+                "same type",
+            ),
+        ];
+        for (args, msg) in cases {
+            let e = paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap_err();
+            assert!(e.0.contains(msg), "{e} lacks {msg:?}");
+        }
+    }
+
+    #[test]
+    fn exp_is_accurate() {
+        let mut x: Vec<f32> = (0..2000).map(|i| -(i as f32) * 0.05).collect();
+        let want: Vec<f64> = x.iter().map(|&v| (v as f64).exp()).collect();
+        exp_in_place(&mut x);
+        for (g, w) in x.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() <= 3e-7 * w + 2e-38, "{g} vs {w}");
+        }
+        let mut y = [f32::NEG_INFINITY, -1e30, -88.0];
+        exp_in_place(&mut y);
+        assert_eq!(y, [0.0, 0.0, 0.0]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn random_layouts_match_the_reference(seed in 0u64..1000, rows in 1usize..8,
+                                              kvh in 1usize..4, g in 1usize..5,
+                                              dim in 1usize..40, page in 1usize..10,
+                                              window in 0usize..20, threads in 1usize..4) {
+            let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
+            let c = case(seed, rows, kvh, g, dim, page, w);
+            let (got, want) = run(&c, None, threads, seed % 2 == 0);
+            assert_close(&got, &want, 3e-5);
+        }
+    }
+}

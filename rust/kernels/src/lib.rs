@@ -1,0 +1,10 @@
+//! CPU kernels of ferrobatch. They work on plain slices (the PyO3 layer hands them numpy
+//! views of torch tensors), check every index they read before reading it, and keep no
+//! state: the scheduling core (`ferrobatch-core`) stays tensor-free.
+//!
+//! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
+//!   place through the block tables (no gather), fp32 scores, softmax and accumulation.
+
+pub mod decode;
+
+pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};
