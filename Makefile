@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests benches
 
 test-rust:
-	PYO3_PYTHON=$(abspath $(PY)) cargo test -p ferrobatch-core --release
+	PYO3_PYTHON=$(abspath $(PY)) cargo test -p ferrobatch-core -p ferrobatch-kernels --release
 
 test-python: setup
 	$(PY) -m pytest tests

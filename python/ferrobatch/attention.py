@@ -615,37 +615,54 @@ def paged_mask(*args: Any, config: PretrainedConfig | None = None, **kwargs: Any
     return fn(*args, config=config, **kwargs)
 
 
-CAST_SDPA_NAME = "ferrobatch_cast_sdpa"
+CAST_NAME = "ferrobatch_cast"
+_CAST_ORIGINAL: dict[int, str | None] = {}
 
 
-def cast_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """transformers' SDPA attention with key and value cast to the query's dtype: the
-    model's own attention for construction checks of forwards whose q / k / v dtypes differ
-    (packed half-precision linears with an fp32 residual stream, `cpu_linear`)."""
-    return sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype),
-                                  *args, **kwargs)
+def _own_attention(impl: str | None, module: torch.nn.Module) -> Any:
+    if impl in (None, "eager", ATTENTION_NAME, CAST_NAME):
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        return fn or sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, sdpa_attention_forward)
+
+
+def cast_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The model's own attention with key and value cast to the query's dtype: for
+    construction checks of forwards whose q / k / v dtypes differ (packed half-precision
+    linears with an fp32 residual stream, `cpu_linear`)."""
+    fn = _own_attention(_CAST_ORIGINAL.get(id(getattr(module, "config", None))), module)
+    return fn(module, query, key.to(query.dtype), value.to(query.dtype), *args, **kwargs)
+
+
+def cast_mask(*args: Any, config: PretrainedConfig | None = None, **kwargs: Any) -> Any:
+    """The model's own mask function under `cast_attention_enabled`."""
+    impl = _CAST_ORIGINAL.get(id(config)) or "sdpa"
+    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl, sdpa_mask)
+    return fn(*args, config=config, **kwargs)
 
 
 def register() -> None:
     """Register the paged attention and its mask function with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
-    AttentionInterface.register(CAST_SDPA_NAME, cast_sdpa_forward)
-    AttentionMaskInterface.register(CAST_SDPA_NAME, sdpa_mask)
+    AttentionInterface.register(CAST_NAME, cast_attention_forward)
+    AttentionMaskInterface.register(CAST_NAME, cast_mask)
 
 
 @contextmanager
-def cast_sdpa_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None]:
-    """Switch `configs` to `cast_sdpa_forward` for the block, then restore them exactly."""
+def cast_attention_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None]:
+    """Switch `configs` to `cast_attention_forward` for the block, then restore them."""
     saved = [(c, c.__dict__.get("_attn_implementation_internal")) for c in configs]
-    for cfg, _ in saved:
-        cfg._attn_implementation_internal = CAST_SDPA_NAME
+    for cfg, impl in saved:
+        _CAST_ORIGINAL[id(cfg)] = impl
+        cfg._attn_implementation_internal = CAST_NAME
     try:
         yield
     finally:
         for cfg, impl in saved:
             cfg._attn_implementation_internal = impl
+            _CAST_ORIGINAL.pop(id(cfg), None)
 
 
 def in_ferrobatch_forward() -> bool:

@@ -1,0 +1,216 @@
+"""The CPU half-precision path: packed linears (`ferrobatch.cpu_linear`), fp32 residual
+stream, the in-place decode attention kernel, dtype resolution, and bf16 quality under
+every scheduling mode."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
+from ferrobatch.attention import _numpy_view
+from ferrobatch.cpu_linear import PackedLinears, packing_available
+from ferrobatch.models import resolve_dtype
+from ferrobatch.runner import ModelRunner
+from ferrobatch.workloads import agreement
+from ref_planner import RefPlanner
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
+
+
+def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _half(name: str, dtype: torch.dtype = torch.bfloat16):
+    return tm.BUILDERS[name]().to(dtype)
+
+
+def _drive(runner: ModelRunner, prompts: list[list[int]], new: int,
+           forced: bool = False) -> list[torch.Tensor]:
+    """Prefill every prompt in one packed step, then `new` packed decode steps; the logits
+    of every sampled row, step after step. Each row's next input is its argmax, or with
+    `forced` a fixed token (so that runs that round differently see the same inputs)."""
+    planner = RefPlanner(page_size=runner.page_size, num_blocks=runner.num_blocks,
+                         layer_types=runner.layer_types, sliding_window=runner.sliding_window)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        planner.add(rid, p)
+    out = []
+    rows = [(rid, len(p)) for rid, p in zip(rids, prompts, strict=True)]
+    for _ in range(new):
+        plan = planner.plan(rows)
+        logits = runner.execute(plan)
+        out.append(logits)
+        for i, b in enumerate(plan.logits_rows):
+            tok = (7 * len(out) + i) % tm.VOCAB if forced else int(logits[i].argmax())
+            planner.append(plan.request_ids[b], tok)
+        rows = [(rid, 1) for rid in rids]
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_the_gathered_sdpa_path(name, dtype):
+    """The in-place kernel (full and sliding windows, softcap, GQA) against the gather +
+    SDPA path on the same steps: fp32 to rounding, bf16 to bf16 rounding."""
+    model = tm.BUILDERS[name]().to(dtype)
+    prompts = _prompts(3, 5, 2, 40)
+    got = {}
+    for kernel in (True, False):
+        runner = ModelRunner(model, num_blocks=128, page_size=4)
+        assert runner.decode_kernel  # on by default on CPU
+        runner.decode_kernel = kernel
+        got[kernel] = _drive(runner, prompts, 6, forced=True)
+        runner.close()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_decode_kernel_refuses_bad_arguments():
+    q = torch.zeros(2, 4, 8)
+    k = torch.zeros(4 * 4, 2, 8, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    table = np.array([[1, 2], [3, 9]], dtype=np.int32)  # chunk 9 is outside a 4-chunk cache
+    kw = dict(q_dtype="float32", cache_dtype="bfloat16", out_dtype="float32", page=4,
+              window=0, scale=1.0, softcap=0.0, threads=1)
+    with pytest.raises(ValueError, match="outside the cache"):
+        _core.paged_decode_attention(q.numpy(), _numpy_view(k), _numpy_view(k), table,
+                                     np.array([3, 6], dtype=np.int32), out.numpy(), **kw)
+    with pytest.raises(ValueError, match="dtype"):
+        _core.paged_decode_attention(q.numpy(), _numpy_view(k), _numpy_view(k), table,
+                                     np.array([3, 3], dtype=np.int32), out.numpy(),
+                                     **{**kw, "cache_dtype": "int8"})
+
+
+def test_packed_linears_group_and_leave_the_model_as_it_was():
+    model = _half("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    lin = runner._linears
+    assert lin is not None and lin.weight_dtype == torch.bfloat16
+    assert lin.num_groups == 2 * model.config.num_hidden_layers  # q/k/v and gate/up
+    assert runner.activation_dtype == torch.float32  # the fp32 residual stream holds here
+    _drive(runner, _prompts(1, 3, 3, 9), 3)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    torch.testing.assert_close(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits, ref,
+                               atol=0, rtol=0)
+    runner.close()
+
+
+def test_packed_linears_run_the_own_forward_on_other_threads():
+    model = _half("llama")
+    ids = torch.tensor([[9, 10, 11]])
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+    main = threading.current_thread()
+    lin = PackedLinears.of(model, activation_dtype=torch.float32,
+                           in_thread=lambda: threading.current_thread() is main)
+    got = {}
+
+    def other_thread() -> None:
+        with torch.inference_mode():
+            got["x"] = model(input_ids=ids).logits
+
+    with lin.active():  # the gate says "inside" only for this thread's forwards here
+        for layer in lin._layers:
+            assert "forward" in layer.__dict__
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert torch.equal(got["x"], ref)
+
+
+def test_weights_changed_in_place_are_packed_again():
+    model = _half("llama")
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    prompts = _prompts(2, 2, 4, 8)
+    first = _drive(runner, prompts, 1)[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3)
+    runner2 = ModelRunner(model, num_blocks=64, page_size=4)
+    want = _drive(runner2, prompts, 1)[0]
+    got = _drive(runner, prompts, 1)[0]
+    assert not torch.allclose(first, want)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def test_model_activations_keep_the_model_dtype():
+    model = _half("llama")
+    runner = ModelRunner(model, num_blocks=64, page_size=4, activations="model")
+    assert runner.activation_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="activations"):
+        ModelRunner(model, num_blocks=64, page_size=4, activations="fp8")
+
+
+def _generate_each(model, prompts, new):
+    return [tm.generate_greedy(model, p, new, ignore_eos=True) for p in prompts]
+
+
+SETUPS = {
+    "default": dict(),
+    "chunked": dict(max_batch_tokens=16),
+    "preempt": dict(num_blocks=24, page_size=4),
+    "offload": dict(num_blocks=24, page_size=4, cpu_offload_space=0.01),
+    "prefix": dict(),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_bf16_engine_is_at_least_as_close_to_fp32_as_bf16_generate(setup):
+    """bf16 outputs against the fp32 greedy reference: the batch (chunking, preemption,
+    offload, shared prefixes) must not make them worse than the model's own bf16
+    `generate` on each prompt alone."""
+    fp32 = tm.llama(seed=3)
+    bf16 = tm.llama(seed=3).to(torch.bfloat16)
+    prompts = _prompts(11, 60, 4, 20)  # enough requests that one near-tie is not the verdict
+    if setup == "prefix":
+        prompts = [prompts[0][:12] + p for p in prompts]
+    new = 16
+    ref = _generate_each(fp32, prompts, new)
+    own = agreement(_generate_each(bf16, prompts, new), ref)
+    with Engine(bf16, config=ContinuousBatchingConfig(**SETUPS[setup])) as engine:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True),
+                               progress=False)
+        stats = engine.stats()
+    ours = agreement([o.token_ids for o in outs], ref)
+    assert ours["tokens"] >= own["tokens"] - 0.05, (ours, own)
+    if setup in ("preempt", "offload"):
+        assert stats["num_preemptions"] > 0, stats
+
+
+def test_dtype_names_and_auto(tmp_path):
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype(torch.float16, cpu) == torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int8", cpu)
+    with pytest.raises(ValueError, match="floating"):
+        resolve_dtype(torch.int8, cpu)
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))
+    native = any(getattr(torch._C._cpu, n, lambda: False)()
+                 for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    assert resolve_dtype("auto", cpu, tmp_path) == (torch.bfloat16 if native else torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert resolve_dtype("auto", cpu, tmp_path) == torch.float32
+
+
+def test_a_loaded_model_is_never_converted(caplog):
+    model = tm.llama()
+    with caplog.at_level("WARNING", logger="ferrobatch"):
+        engine = Engine(model, dtype="bfloat16", config=ContinuousBatchingConfig(num_blocks=32))
+    assert engine.dtype == torch.float32 and model.dtype == torch.float32
+    assert "never converted" in caplog.text
+    engine.close()
