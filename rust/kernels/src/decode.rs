@@ -395,8 +395,9 @@ struct Scratch {
     slots: Vec<usize>, // [n] the row's key slots, in position order
     q: Vec<f32>,       // [heads, dim] scaled queries
     kv: Vec<f32>,      // [kv_heads, dim] one widened key or value slot
-    scores: Vec<f32>,  // [heads, n]
+    scores: Vec<f32>,  // [n, heads]
     acc: Vec<f32>,     // [heads, dim]
+    max: Vec<f32>,     // [heads] score maxima
     inv: Vec<f32>,     // [heads] 1 / softmax denominators
 }
 
@@ -429,6 +430,7 @@ fn rows_impl<V: Vector>(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: 
         kv: vec![0.0; row_len],
         scores: Vec::new(),
         acc: vec![0.0; a.heads * d],
+        max: Vec::with_capacity(a.heads),
         inv: vec![0.0; a.heads],
     };
     let first_row = range.start;
@@ -450,44 +452,55 @@ fn rows_impl<V: Vector>(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: 
         for x in s.q.iter_mut() {
             *x *= a.scale;
         }
+        // scores key-major: [keys, heads]
+        let heads = a.heads;
         s.scores.clear();
-        s.scores.resize(a.heads * keys, 0.0);
-        for (t, &slot) in s.slots.iter().enumerate() {
+        s.scores.resize(keys * heads, 0.0);
+        for (&slot, srow) in s.slots.iter().zip(s.scores.chunks_exact_mut(heads)) {
             a.k_cache.load(slot * row_len, &mut s.kv);
-            for ((kv, qs), scores) in
-                s.kv.chunks_exact(d)
-                    .zip(s.q.chunks_exact(g * d))
-                    .zip(s.scores.chunks_exact_mut(g * keys))
-            {
-                for (qh, sh) in qs.chunks_exact(d).zip(scores.chunks_exact_mut(keys)) {
-                    sh[t] = V::dot(qh, kv);
+            for kvh in 0..a.kv_heads {
+                let kv = &s.kv[kvh * d..(kvh + 1) * d];
+                for i in 0..g {
+                    let h = kvh * g + i;
+                    srow[h] = V::dot(&s.q[h * d..(h + 1) * d], kv);
                 }
             }
         }
-        for h in 0..a.heads {
-            let row = &mut s.scores[h * keys..(h + 1) * keys];
-            if let Some(cap) = a.softcap {
-                for x in row.iter_mut() {
-                    *x = (*x / cap).tanh() * cap;
-                }
+        if let Some(cap) = a.softcap {
+            for x in s.scores.iter_mut() {
+                *x = (*x / cap).tanh() * cap;
             }
-            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            for x in row.iter_mut() {
+        }
+        s.max.clear();
+        s.max.resize(heads, f32::NEG_INFINITY);
+        for srow in s.scores.chunks_exact(heads) {
+            for (m, &x) in s.max.iter_mut().zip(srow) {
+                *m = m.max(x);
+            }
+        }
+        for srow in s.scores.chunks_exact_mut(heads) {
+            for (x, &m) in srow.iter_mut().zip(&s.max) {
                 *x -= m;
             }
-            exp_in_place(row);
-            s.inv[h] = 1.0 / row.iter().sum::<f32>();
+        }
+        exp_in_place(&mut s.scores);
+        s.inv.iter_mut().for_each(|x| *x = 0.0);
+        for srow in s.scores.chunks_exact(heads) {
+            for (z, &x) in s.inv.iter_mut().zip(srow) {
+                *z += x;
+            }
+        }
+        for z in s.inv.iter_mut() {
+            *z = 1.0 / *z;
         }
         s.acc.iter_mut().for_each(|x| *x = 0.0);
-        for (t, &slot) in s.slots.iter().enumerate() {
+        for (&slot, srow) in s.slots.iter().zip(s.scores.chunks_exact(heads)) {
             a.v_cache.load(slot * row_len, &mut s.kv);
-            for ((kv, accs), scores) in
-                s.kv.chunks_exact(d)
-                    .zip(s.acc.chunks_exact_mut(g * d))
-                    .zip(s.scores.chunks_exact(g * keys))
-            {
-                for (acc, sh) in accs.chunks_exact_mut(d).zip(scores.chunks_exact(keys)) {
-                    V::axpy(acc, sh[t], kv);
+            for kvh in 0..a.kv_heads {
+                let kv = &s.kv[kvh * d..(kvh + 1) * d];
+                for i in 0..g {
+                    let h = kvh * g + i;
+                    V::axpy(&mut s.acc[h * d..(h + 1) * d], srow[h], kv);
                 }
             }
         }
