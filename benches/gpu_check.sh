@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of issue 5: kernels, parity, throughput, offload (< 8 minutes on
+# The one prepared GPU check of issue 5: kernels, parity, throughput, offload (< 9 minutes on
 # one H200). Needs python with torch, transformers and triton; no Rust, no network, no hub.
 #
 #   bash benches/gpu_check.sh                 # report: $OUT/gpu_check.json, else ./gpu_check.json
 #   bash benches/gpu_check.sh --only kernels  # extra arguments go to benches/gpu_check.py
+#   bash benches/gpu_check.sh --help          # this text, then gpu_check.py's options
 #
 # The Python sources under python/ are the code under test. The compiled core comes from
 # python/ferrobatch/_core.abi3.so when present, else from a prebuilt abi3 wheel in dist/
 # (its _core is extracted next to the sources; the wheel's own .py files are not used).
+#
+# CARRY THE CORE. .gitignore ignores *.so and /dist, and the device tool copies only tracked
+# and non-ignored files, so the core must be named in the run's `carry`:
+#   carry: ["python/ferrobatch/_core.abi3.so"]   (about 1 MB; built here by `make build`
+#                                                 or `maturin develop --release`)
+#   or     ["dist"]                               (`maturin build --release -o dist`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  echo
+  exec "${PYTHON:-python3}" benches/gpu_check.py --help
+fi
 PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,7 +29,12 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! ls python/ferrobatch/_core*.so >/dev/null 2>&1; then
   whl=$(ls dist/ferrobatch-*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$whl" ]; then
-    echo "gpu_check: no compiled core: build one with 'maturin build --release -o dist'" >&2
+    cat >&2 <<'MSG'
+gpu_check: no compiled core (python/ferrobatch/_core*.so or dist/ferrobatch-*.whl).
+  Both are git-ignored (*.so, /dist), so the device tool does not send them unless told to:
+  carry "python/ferrobatch/_core.abi3.so" (build it with `make build` or
+  `maturin develop --release`), or carry "dist" (build it with `maturin build --release -o dist`).
+MSG
     exit 2
   fi
   "$PY" - "$whl" <<'PYEOF'
@@ -45,6 +62,10 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     tests/test_graph_runner.py tests/test_cuda_graph_keys.py \
     tests/test_async_cuda.py tests/test_async_offload.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" \
     || status=$?
+  # The Triton kernels compiled (on CPU CI they run interpreted); last, with its own limit:
+  # many small variants to compile.
+  timeout 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py 2>&1 \
+    | tee -a "$OUT_DIR/gpu_tests.log" || status=$?
 else
   echo "gpu_check: pytest not installed; the CUDA-only tests did not run" | tee "$OUT_DIR/gpu_tests.log"
 fi

@@ -322,6 +322,22 @@ def test_full_forward_fallback_for_logits(monkeypatch):
     runner.close()
 
 
+def test_split_head_check_is_like_with_like_and_dtype_aware(monkeypatch):
+    """The check compares the full forward's logits with base + head over the same rows,
+    within a tolerance of the logits' dtype: a bf16 model passes (graphs are not switched
+    off for every bf16 run), a head that really differs fails and says by how much."""
+    model = tm.llama().to(torch.bfloat16)
+    runner, _ = _runner(model, num_blocks=16)
+    assert runner._split_head and runner.split_head_error is None
+    runner.close()
+    real = ModelRunner._head_logits
+    monkeypatch.setattr(ModelRunner, "_head_logits", lambda self, h: real(self, h) + 0.5)
+    runner, _ = _runner(model, num_blocks=16)
+    assert not runner._split_head
+    assert "max |logit diff|" in runner.split_head_error
+    runner.close()
+
+
 def test_model_not_using_the_attention_interface_is_refused(monkeypatch):
     from ferrobatch import attention
 

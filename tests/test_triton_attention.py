@@ -455,3 +455,22 @@ def test_half_precision_matches_reference(window):
                                  block_n=16, **kw)
         assert got.dtype == torch.float16
         torch.testing.assert_close(got.float(), ref.float(), atol=5e-3, rtol=5e-3)
+
+
+@needs_triton
+def test_step_varying_integers_are_not_specialised():
+    """The table width changes from step to step; triton must not compile a kernel variant
+    per its value (== 1, % 16). Checked on the compiled (non-interpreted) JIT functions, in a
+    subprocess: this module runs them interpreted."""
+    import subprocess
+
+    code = (
+        "from ferrobatch.cuda import triton_attention as ta\n"
+        "print(sorted(p.name for p in ta._decode_kernel.params if p.do_not_specialize),"
+        " sorted(p.name for p in ta._prefill_kernel.params if p.do_not_specialize))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip().splitlines()[-1]
+    assert out == "['stride_tb'] ['min_q_len', 'stride_tb']"

@@ -189,7 +189,11 @@ class Engine:
         else:
             on = bool(want)
             why = f"use_async_batching={want}"
-        logger.info("ferrobatch: async batching %s (%s)", "on" if on else "off", why)
+        # Off on CUDA by default only because graphs are off: a downgrade, said loudly (the
+        # runner's graph_stats()["off_reason"] says why graphs are off).
+        downgrade = want is None and self.device.type == "cuda" and not on
+        (logger.warning if downgrade else logger.info)(
+            "ferrobatch: async batching %s (%s)", "on" if on else "off", why)
         return on
 
     def _size_cache(self, loaded: Any, tcfg: Any) -> None:

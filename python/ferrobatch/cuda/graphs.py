@@ -404,6 +404,9 @@ class GraphCache:
         }
 
 
+ALIGN = 4  # int32s per 16 bytes: where each static input starts in the flat buffer
+
+
 class StaticInputs:
     """The static input tensors of one graph key: int32 views (by `PaddedPlan.arrays()`
     names) of one flat device buffer, filled from a padded plan with one host→device copy.
@@ -418,18 +421,24 @@ class StaticInputs:
         self.device = torch.device(device)
         layout = dummy_plan(key).arrays()
         self.shapes = {name: a.shape for name, a in layout.items()}
-        total = sum(a.size for a in layout.values())
+        # Every slice starts at a multiple of 16 bytes (ALIGN int32s): Triton specialises
+        # pointer arguments on 16-byte alignment, so an unaligned view would compile (and
+        # launch) other kernel variants than the eager steps' own tensors do.
+        offsets, off = {}, 0
+        for name, a in layout.items():
+            offsets[name] = off
+            off += -(-a.size // ALIGN) * ALIGN
+        total = max(off, ALIGN)
         cuda = self.device.type == "cuda"
-        self._host_t = torch.empty(total, dtype=torch.int32, pin_memory=cuda)
+        self._host_t = torch.zeros(total, dtype=torch.int32, pin_memory=cuda)
         self._host = self._host_t.numpy()
         self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.tensors: dict[str, torch.Tensor] = {}
         self._slices: dict[str, slice] = {}
-        off = 0
         for name, a in layout.items():
+            off = offsets[name]
             self._slices[name] = slice(off, off + a.size)
             self.tensors[name] = self.flat[off : off + a.size].view(a.shape)
-            off += a.size
         self._copied = torch.cuda.Event() if cuda else None
         self.load(dummy_plan(key))
 

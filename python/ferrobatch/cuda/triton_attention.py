@@ -306,7 +306,10 @@ if HAS_TRITON:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
         return s * 1.4426950408889634
 
-    @triton.jit
+    # Integer arguments that change from step to step are not specialised (triton compiles
+    # a variant per value == 1 / % 16 == 0 of a specialised integer): the table width
+    # `stride_tb` (eager steps: whatever the longest row needs; graphs: the bucket's).
+    @triton.jit(do_not_specialize=["stride_tb"])
     def _decode_kernel(
         Q, K, V, TABLE, CU, SEQLENS, OUT, PART_ACC, PART_M, PART_L,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -411,7 +414,7 @@ if HAS_TRITON:
         tl.store(OUT + q_tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
                  o.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_tb", "min_q_len"])
     def _prefill_kernel(
         Q, KN, VN, K, V, TABLE, CU, SEQLENS, OUT,
         stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
