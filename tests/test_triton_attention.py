@@ -309,6 +309,8 @@ def test_select_backend(monkeypatch):
     assert ta.select_backend("cuda") == "flash_attn"
     assert ta.select_backend("cuda", page_size=512) == "flash_attn"
     assert ta.select_backend("cuda", page_size=32) == "triton"  # flash-attn 2 needs % 256
+    assert ta.select_backend("cuda", dtype=torch.bfloat16) == "flash_attn"
+    assert ta.select_backend("cuda", dtype=torch.float32) == "triton"  # no fp32 flash-attn
     monkeypatch.setattr(ta, "flash_attn_available", lambda: False)
     assert ta.select_backend(torch.device("cuda", 0)) == "triton"
     monkeypatch.setattr(ta, "HAS_TRITON", False)

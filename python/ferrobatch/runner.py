@@ -211,7 +211,7 @@ class ModelRunner:
             return "sdpa"
         from .cuda import triton_attention as ta
 
-        chosen = ta.select_backend(self.device, page_size=self.page_size)
+        chosen = ta.select_backend(self.device, page_size=self.page_size, dtype=self.dtype)
         backend = chosen if chosen in ("triton", "flash_attn") else "sdpa"
         logger.info("ferrobatch: attention backend %s", backend)
         return backend

@@ -91,10 +91,14 @@ def flash_attn_available() -> bool:
         return False
 
 
-def select_backend(device: torch.device | str, *, page_size: int | None = None) -> str:
+def select_backend(
+    device: torch.device | str, *, page_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
     """The attention backend for `device`: "flash_attn" when flash-attn is installed (and,
     when `page_size` is given, it is a multiple of 256, which flash-attn 2's paged kernel
-    requires), else "triton" on CUDA when triton imports, else "torch".
+    requires, and when `dtype` is given, it is fp16 or bf16: flash-attn has no fp32
+    kernels), else "triton" on CUDA when triton imports, else "torch".
 
     "flash_attn" covers full-attention layers; sliding layers use the Triton kernels (or the
     torch reference without triton) under every backend, see `docs/cuda-wiring.md`.
@@ -102,7 +106,8 @@ def select_backend(device: torch.device | str, *, page_size: int | None = None) 
     dev = torch.device(device)
     if dev.type != "cuda":
         return "torch"
-    if flash_attn_available() and (page_size is None or page_size % 256 == 0):
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    if flash_attn_available() and half and (page_size is None or page_size % 256 == 0):
         return "flash_attn"
     if HAS_TRITON:
         return "triton"
