@@ -26,6 +26,7 @@ import torch
 
 from ferrobatch import memory
 from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.guided import GuideFactory
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.pipeline import AsyncStepper
 from ferrobatch.request import (
@@ -165,6 +166,8 @@ class Engine:
         self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
         self.vocab_size = int(tcfg.vocab_size)
         self.eos_token_ids = _eos_ids(loaded, self.tokenizer)
+        # grammar matchers of guided requests (json_schema / regex / grammar)
+        self.guides = GuideFactory(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # what the forward does, not what the config declares (`models.attention_layout`)
         self.layer_types = list(models.layer_types_of(loaded))
         self.sliding_window = models.sliding_window_of(loaded)

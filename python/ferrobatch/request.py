@@ -145,6 +145,12 @@ def make_request(
     for t in sp.stop_token_ids:
         if t >= engine.vocab_size:
             raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
+    guide = None
+    if sp.guided:  # compiled here, in the caller's thread, not in a step
+        factory = getattr(engine, "guides", None)
+        if factory is None:
+            raise ValueError("structured outputs are not supported by this engine")
+        guide = factory.guide(sp)
     if request_id is None:
         request_id = new_id()
     elif not isinstance(request_id, str) or not request_id:
@@ -168,7 +174,7 @@ def make_request(
         prompt_ids=ids,
         prompt_text=prompt_text,
         params=sp,
-        sstate=SamplingState(sp, ids),
+        sstate=SamplingState(sp, ids, guide=guide),
         detok=detok,
         eos_token_ids=[] if sp.ignore_eos else list(engine.eos_token_ids),
         arrival=time.perf_counter(),

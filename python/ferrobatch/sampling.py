@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrobatch.guided import mask_rows
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,10 @@ class SamplingParams:
     has none: None), its log-probability given the tokens before it plus the top-n
     alternatives (as vLLM; such a request takes no prefix-cache hits). `stop` strings end
     generation; the text excludes them.
+    `json_schema` (a JSON schema dict or string; True: any JSON value), `regex` or
+    `grammar` (a Lark grammar as llguidance reads it; at most one of the three) constrain
+    the output with a token mask (`ferrobatch.guided`, needs llguidance): end-of-sequence
+    only where the grammar accepts; not with `ignore_eos`.
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
     means), else the engine's default (128 unless overridden). A `temperature` below
@@ -48,6 +54,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     max_length: int | None = None
+    json_schema: Any = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +96,20 @@ class SamplingParams:
             _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.guided:
+            from ferrobatch.guided import check_grammar_fields
+
+            name = check_grammar_fields(self)
+            if self.ignore_eos:
+                raise ValueError(
+                    f"ignore_eos cannot be combined with {name}: the output ends where "
+                    "the grammar accepts"
+                )
+
+    @property
+    def guided(self) -> bool:
+        """True when a grammar (json_schema, regex or grammar) constrains the output."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -239,11 +262,15 @@ class SamplingState:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    guide: Any = None  # a `ferrobatch.guided.Guide` for guided requests
     plain_greedy: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain_greedy = p.greedy and not p.has_penalties and p.logprobs is None
+        # a guided row needs its full logits (masked): never the runner's greedy screen
+        self.plain_greedy = (
+            p.greedy and not p.has_penalties and p.logprobs is None and self.guide is None
+        )
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """The request's own generator when it is seeded (created on first use)."""
@@ -351,6 +378,8 @@ class Sampler:
         dev = scores.device
         vocab = scores.shape[1]
         self._apply_penalties(scores, states, dev, vocab)
+        if any(s.guide is not None for s in states):
+            mask_rows(scores, states)
 
         chosen = _argmax_rows(scores).to(dev)
         if not all(p.greedy for p in params):

@@ -1,0 +1,181 @@
+"""Guided (structured) decoding: a per-request token mask from a grammar, with llguidance.
+
+A request with `SamplingParams(json_schema=...)`, `regex=...` or `grammar=...` (Lark, as
+llguidance reads it) gets a `Guide` when it is made (`GuideFactory.guide`, in the caller's
+thread: the grammar is compiled there, not in a step). The sampler asks each guided row's
+`Guide` for the tokens the grammar allows next (`fill`) and masks the others out of its
+scores (`mask_rows`); the end-of-sequence tokens are allowed only where the grammar accepts.
+
+The matcher follows the request's own record of generated tokens (`SamplingState.output_ids`,
+what the router appended): `fill` first consumes the tokens it has not seen. So nothing has
+to be rolled back when a request is preempted (a soft reset re-feeds the generated tokens
+as prompt; they are already consumed, none is sampled again), and the async pipeline, which
+samples step N+1 after recording step N, needs nothing either.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["GRAMMAR_FIELDS", "Guide", "GuideFactory", "check_grammar_fields", "mask_rows"]
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - the extra is in requirements-dev
+        raise ValueError(
+            "structured outputs (json_schema / regex / grammar) need llguidance: "
+            "pip install 'ferrobatch[structured]'"
+        ) from exc
+    return llguidance
+
+
+def _grammar(name: str, value: Any) -> str:
+    """llguidance's grammar text for one field (json_schema: a dict, a JSON string or True
+    for any JSON value; regex and grammar: strings); `ValueError` naming the field."""
+    llg = _llguidance()
+    if name == "json_schema":
+        if value is True:
+            value = {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"json_schema must be a JSON schema object (a dict), got {type(value).__name__}"
+            )
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"json_schema is not JSON-serializable: {exc}") from None
+        # compact JSON (one space after ',' and ':', no free whitespace): small models
+        # otherwise spin in whitespace; a schema's own "x-guidance" options take precedence
+        return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if name == "regex":
+        return llg.LLMatcher.grammar_from_regex(value)
+    return llg.LLMatcher.grammar_from_lark(value)
+
+
+def check_grammar_fields(params: Any) -> str | None:
+    """Validate the grammar fields of `params` (at most one set, each compiles); the name of
+    the one set, else None. `ValueError` names the field."""
+    set_ = [n for n in GRAMMAR_FIELDS if getattr(params, n) is not None]
+    if not set_:
+        return None
+    if len(set_) > 1:
+        raise ValueError(f"at most one of json_schema, regex, grammar may be set, got {set_}")
+    name = set_[0]
+    grammar = _grammar(name, getattr(params, name))
+    err = _llguidance().LLMatcher.validate_grammar(grammar)
+    if err:
+        raise ValueError(f"{name} is invalid: {err.strip()}")
+    return name
+
+
+class GuideFactory:
+    """Builds `Guide`s for one engine's tokenizer (its llguidance tokenizer made once, on
+    first use; thread-safe)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer")
+                if not self.eos_token_ids:
+                    raise ValueError("structured outputs need an end-of-sequence token")
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def guide(self, params: Any) -> Guide | None:
+        """A fresh `Guide` for `params`, None without a grammar field."""
+        name = check_grammar_fields(params)
+        if name is None:
+            return None
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self.ll_tokenizer(), _grammar(name, getattr(params, name)))
+        if matcher.is_error():
+            raise ValueError(f"{name} is invalid: {matcher.get_error()}")
+        return Guide(matcher, self.vocab_size, self.eos_token_ids)
+
+
+class Guide:
+    """One request's grammar matcher and how many of its generated tokens it consumed."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.consumed = 0
+
+    def sync(self, output_ids: list[int]) -> None:
+        """Consume the generated tokens not consumed yet."""
+        m = self.matcher
+        while self.consumed < len(output_ids):
+            tok = output_ids[self.consumed]
+            self.consumed += 1
+            if m.is_stopped() or m.is_error():
+                continue
+            m.consume_token(int(tok))
+
+    def fill(self, output_ids: list[int], bitmask: np.ndarray, row: int) -> None:
+        """Row `row` of `bitmask` (int32 words, llguidance's layout): the tokens allowed after
+        `output_ids`. A stopped or failed matcher allows only the end-of-sequence tokens."""
+        self.sync(output_ids)
+        m = self.matcher
+        if m.is_stopped() or m.is_error():
+            bitmask[row] = 0
+            words = bitmask.view(np.uint32)
+            for t in self.eos_token_ids:
+                words[row, t // 32] |= np.uint32(1 << (t % 32))
+            return
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(m, bitmask, row)
+
+
+def mask_rows(scores: torch.Tensor, states: Any) -> None:
+    """Set to -inf, in place, the scores of the tokens the guided rows' grammars forbid."""
+    rows = [i for i, s in enumerate(states) if s.guide is not None]
+    if not rows:
+        return
+    vocab = scores.shape[1]
+    words = (max(vocab, states[rows[0]].guide.vocab_size) + 31) // 32
+    bitmask = np.zeros((len(rows), words), dtype=np.int32)
+    for j, i in enumerate(rows):
+        states[i].guide.fill(states[i].output_ids, bitmask, j)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    forbid = torch.from_numpy(allowed == 0)
+    dev = scores.device
+    if dev.type == "cpu":
+        idx = torch.tensor(rows, dtype=torch.int64)
+    else:
+        if dev.type == "cuda":
+            forbid = forbid.pin_memory()
+        forbid = forbid.to(dev, non_blocking=True)
+        idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    sub = scores.index_select(0, idx).masked_fill_(forbid, -torch.inf)
+    scores.index_copy_(0, idx, sub)
