@@ -381,6 +381,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         count = _prompt_count(req.prompt)
         state.check_size(count, req.n, "prompt")  # cheap checks before any tokenizing
         state.admit(count * req.n)
+        guided = params.response_format_sampling(req.response_format)
 
         def prepare() -> tuple[list[list[int]], list[int]]:  # in the tokenizer thread
             prompts = params.completion_prompts(engine, req.prompt)
@@ -396,6 +397,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
             base = params.base_sampling(req, max_tokens_each[p], req.logprobs)
+            base.update(guided)
             for i, sp in enumerate(params.choice_samplings(base, req.n)):
                 index = p * req.n + i
                 jobs.append(Job(index, ids, sp, f"{rid}-{index}", arrival,
@@ -425,6 +427,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         base = params.base_sampling(req, max_tokens, top_n)
+        base.update(params.response_format_sampling(req.response_format))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [
             Job(i, prompt_ids, sp, f"{rid}-{i}", arrival)
@@ -469,12 +472,6 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
     """Reject the ``/v1/chat/completions`` options the server does not support."""
     if req.tools or req.tool_choice not in (None, "none"):
         raise bad_request("Tool calling is not supported.", "tools", "unsupported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(
-            "Only response_format {'type': 'text'} is supported.",
-            "response_format",
-            "unsupported",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
 

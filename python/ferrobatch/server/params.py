@@ -15,6 +15,7 @@ __all__ = [
     "choice_samplings",
     "completion_prompts",
     "prompt_texts",
+    "response_format_sampling",
 ]
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -62,6 +63,56 @@ def base_sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) ->
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
     return kwargs
+
+
+def response_format_sampling(fmt: Any) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments of an OpenAI ``response_format`` (guided
+    decoding, `ferrobatch.guided`): ``text`` → none; ``json_object`` → any JSON object;
+    ``json_schema`` → its ``schema`` (``strict`` or not: the output always matches it).
+    A 400 naming ``response_format`` when it is malformed or its schema invalid."""
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise bad_request("response_format must be an object.", "response_format")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                "response_format json_schema needs a 'json_schema' object "
+                "({'name': ..., 'schema': {...}, 'strict': ...}).",
+                "response_format",
+            )
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_request("response_format.json_schema.name must be a string.",
+                              "response_format")  # fmt: skip
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
+                              "response_format")  # fmt: skip
+    else:
+        raise bad_request(
+            f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+            "response_format",
+        )
+    from ferrobatch.guided import check_grammar_fields
+
+    class _Fields:
+        json_schema, regex, grammar = schema, None, None
+
+    try:
+        check_grammar_fields(_Fields)
+    except ValueError as exc:
+        raise bad_request(
+            f"Invalid response_format: {str(exc).replace('json_schema is', 'the schema is')}",
+            "response_format",
+        ) from None
+    return {"json_schema": schema}
 
 
 def choice_samplings(base: dict[str, Any], n: int) -> list[Any]:

@@ -142,6 +142,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM accepts it here too)
 
 
 class ContentPart(_Schema):
