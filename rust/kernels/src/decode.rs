@@ -659,6 +659,32 @@ mod tests {
         window: Window,
     }
 
+    /// The kernel's arguments for case `c` over caches `k` / `v` (f32 queries, scale 1/8).
+    fn args_of<'a>(
+        c: &'a Case,
+        k: Elems<'a>,
+        v: Elems<'a>,
+        softcap: Option<f32>,
+        threads: usize,
+    ) -> DecodeArgs<'a> {
+        DecodeArgs {
+            q: Elems::F32(&c.q),
+            k_cache: k,
+            v_cache: v,
+            block_tables: &c.table,
+            seqlens: &c.seqlens,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            dim: c.dim,
+            page: c.page,
+            width: c.width,
+            window: c.window,
+            scale: 0.125,
+            softcap,
+            threads,
+        }
+    }
+
     fn case(
         seed: u64,
         rows: usize,
@@ -726,30 +752,12 @@ mod tests {
         } else {
             (c.k.clone(), c.v.clone())
         };
-        let args = DecodeArgs {
-            q: Elems::F32(&c.q),
-            k_cache: if bf16_cache {
-                Elems::Bf16(&kb)
-            } else {
-                Elems::F32(&c.k)
-            },
-            v_cache: if bf16_cache {
-                Elems::Bf16(&vb)
-            } else {
-                Elems::F32(&c.v)
-            },
-            block_tables: &c.table,
-            seqlens: &c.seqlens,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            dim: c.dim,
-            page: c.page,
-            width: c.width,
-            window: c.window,
-            scale: 0.125,
-            softcap,
-            threads,
+        let (k, v) = if bf16_cache {
+            (Elems::Bf16(&kb), Elems::Bf16(&vb))
+        } else {
+            (Elems::F32(&c.k), Elems::F32(&c.v))
         };
+        let args = args_of(c, k, v, softcap, threads);
         let mut out = vec![0f32; c.q.len()];
         paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap();
         let want = reference(
@@ -806,22 +814,7 @@ mod tests {
         let (f, _) = run(&c, None, 1, true);
         let kb: Vec<u16> = c.k.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
         let vb: Vec<u16> = c.v.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-        let args = DecodeArgs {
-            q: Elems::F32(&c.q),
-            k_cache: Elems::Bf16(&kb),
-            v_cache: Elems::Bf16(&vb),
-            block_tables: &c.table,
-            seqlens: &c.seqlens,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            dim: c.dim,
-            page: c.page,
-            width: c.width,
-            window: c.window,
-            scale: 0.125,
-            softcap: None,
-            threads: 1,
-        };
+        let args = args_of(&c, Elems::Bf16(&kb), Elems::Bf16(&vb), None, 1);
         let mut out = vec![0u16; c.q.len()];
         paged_decode_attention(&args, ElemsMut::Bf16(&mut out)).unwrap();
         for (o, x) in out.iter().zip(&f) {
@@ -833,20 +826,8 @@ mod tests {
     fn bad_arguments_are_errors_not_reads() {
         let c = case(1, 3, 1, 2, 16, 4, Window::Full);
         let base = DecodeArgs {
-            q: Elems::F32(&c.q),
-            k_cache: Elems::F32(&c.k),
-            v_cache: Elems::F32(&c.v),
-            block_tables: &c.table,
-            seqlens: &c.seqlens,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            dim: c.dim,
-            page: c.page,
-            width: c.width,
-            window: c.window,
             scale: 1.0,
-            softcap: None,
-            threads: 1,
+            ..args_of(&c, Elems::F32(&c.k), Elems::F32(&c.v), None, 1)
         };
         let mut out = vec![0f32; c.q.len()];
         let mut bad_table = c.table.clone();
