@@ -10,7 +10,9 @@ runs every such layer as one `_linear_pointwise` call on the packed weight.
 Layers seen (in one calibration forward) to take the same input one after the other, such as
 q/k/v or gate/up projections, form a group: its first member runs one product with the
 group's weights stacked, and the others take their slice of it when their input is the same
-tensor, unchanged (else they run alone, unpacked). No layer names are assumed.
+tensor (else they run alone, unpacked). The slices are views of the product (a second
+calibration forward checks the model accepts that; else they are copies). No layer names
+are assumed.
 
 Two numerics (`activation_dtype`):
 
@@ -147,6 +149,8 @@ class PackedLinears:
         self._everywhere = False
         self._exact = False
         self._recording: list[tuple[int, torch.Tensor]] | None = None
+        #: grouped layers return slices of their product (views) rather than copies
+        self.slice_views = True
         self._layers = layers
         self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self._packs: list[_Packed] = []
@@ -255,6 +259,21 @@ class PackedLinears:
                 seen.update(key)
         groups += [[i] for i in range(len(self._layers)) if i not in seen]
         self._set_groups(groups)
+        if not self.num_groups:
+            return
+        # the grouped layers hand out slices of one product (no copy); a model that needs
+        # its projections contiguous gets copies, and one that still fails no groups
+        for views in (True, False):
+            self.slice_views = views
+            try:
+                with self.active(everywhere=True):
+                    forward()
+                return
+            except Exception as exc:  # noqa: BLE001 - fall back, said in the log
+                logger.info("ferrobatch: grouped linears with %s fail here (%s: %s)",
+                            "slice views" if views else "copies", type(exc).__name__, exc)
+        self.slice_views = True
+        self._set_groups([[i] for i in range(len(self._layers))])
 
     # --- forwards --------------------------------------------------------------------------
 
@@ -292,7 +311,7 @@ class PackedLinears:
                 return widen(own(module, x if x.dtype == wdt else x.to(wdt)))  # unpacked
             y = linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
                        "none", [], "")
-            parts = [widen(s) if s.dtype != adt else s.contiguous()
+            parts = [widen(s) if s.dtype != adt else s if self.slice_views else s.contiguous()
                      for s in y.split(packed.sizes, dim=-1)]
             group.x, group.parts = x, parts
             return parts[0]
