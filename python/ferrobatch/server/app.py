@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
-from ferrobatch.server import params
+from ferrobatch.server import params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
 from ferrobatch.server.protocol import (
     APIError,
@@ -34,7 +35,7 @@ from ferrobatch.server.protocol import (
     parse,
     usage,
 )
-from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMeta
+from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMeta, ToolChatFormat
 from ferrobatch.server.run import ClientGone, Job, Run, collect
 from ferrobatch.server.state import (
     DEFAULT_MAX_BODY_BYTES,
@@ -421,20 +422,33 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_stop_token_ids(engine, req)
         state.check_size(1, req.n, "messages")
         state.admit(req.n)
-        messages = [m.as_dict() for m in req.messages]
-        prompt_ids = list(await tokenize(engine.encode_chat, messages))
+        setup = tools.prepare_tools(req.tools, req.tool_choice)
+        if setup.schema is not None and req.response_format not in (None, {"type": "text"}):
+            raise bad_request("response_format cannot be combined with a forced tool_choice "
+                              "('required' or a named function).", "tool_choice")  # fmt: skip
+        native = bool(setup.tools) and tools.template_supports_tools(engine)
+        messages = tools.chat_messages(req.messages, setup, native)
+        if native:
+            encode = functools.partial(engine.encode_chat, tools=setup.tools)
+        else:
+            encode = engine.encode_chat
+        prompt_ids = list(await tokenize(encode, messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
         max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         base = params.base_sampling(req, max_tokens, top_n)
         base.update(params.response_format_sampling(req.response_format))
+        if setup.schema is not None:
+            base["json_schema"] = setup.schema
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [
             Job(i, prompt_ids, sp, f"{rid}-{i}", arrival)
             for i, sp in enumerate(params.choice_samplings(base, req.n))
         ]
         params.check_with_engine(engine, jobs, "messages")
-        fmt = ChatFormat(state, top_n, req.skip_special_tokens)
+        fmt: ChatFormat = ChatFormat(state, top_n, req.skip_special_tokens)
+        if setup.parses_output:
+            fmt = ToolChatFormat(state, top_n, req.skip_special_tokens, setup.names)
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
 
@@ -470,8 +484,6 @@ def _check_completion_options(req: CompletionRequest) -> None:
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
     """Reject the ``/v1/chat/completions`` options the server does not support."""
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise bad_request("Tool calling is not supported.", "tools", "unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
 

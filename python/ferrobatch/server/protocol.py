@@ -158,6 +158,8 @@ class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it (content parts joined)."""
@@ -243,9 +245,21 @@ class ChatLogprobs(_Out):
     content: list[TokenLogprob] | None = None
 
 
+class ToolCallFunction(_Out):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Out):

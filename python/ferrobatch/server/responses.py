@@ -11,7 +11,7 @@ from typing import Any
 from ferrobatch.server.run import Accumulator
 from ferrobatch.server.state import ServerState
 
-__all__ = ["ChatFormat", "CompletionFormat", "ResponseMeta"]
+__all__ = ["ChatFormat", "CompletionFormat", "ResponseMeta", "ToolChatFormat"]
 
 
 @dataclass
@@ -80,6 +80,57 @@ class ChatFormat:
             "message": {"role": "assistant", "content": text},
             "logprobs": lp, "finish_reason": acc.finish_reason,
         }  # fmt: skip
+
+
+class ToolChatFormat(ChatFormat):
+    """Chat choices of a request whose output may be a tool call (``tools`` with
+    ``tool_choice`` other than ``"none"``): the text is parsed at the end
+    (`ferrobatch.server.tools.parse_tool_calls`). A tool call answers ``content: null``,
+    ``tool_calls`` and finish_reason ``"tool_calls"``; other output is plain content. When
+    streamed, a choice's text is held back and sent in its last chunk, as content or as one
+    ``tool_calls`` delta holding the whole call (with the logprobs of its tokens)."""
+
+    def __init__(
+        self, state: ServerState, top_n: int | None, skip_special_tokens: bool,
+        names: set[str],
+    ) -> None:  # fmt: skip
+        super().__init__(state, top_n, skip_special_tokens)
+        self.names = names
+        self._text: dict[int, list[str]] = {}
+        self._lp: dict[int, list[Any]] = {}
+
+    def _calls(self, text: str, reason: str | None) -> list[dict[str, Any]] | None:
+        from ferrobatch.server.tools import parse_tool_calls
+
+        if reason not in (None, "stop"):
+            return None  # cut (length, abort): not a whole call
+        return parse_tool_calls(text, self.names)
+
+    def piece(self, index: int, delta: Any, ids: list[int]) -> dict[str, Any] | None:
+        chunk = super().piece(index, delta, ids)
+        if chunk is not None:
+            self._text.setdefault(index, []).append(chunk["delta"].get("content") or "")
+            if chunk["logprobs"] is not None:
+                self._lp.setdefault(index, []).extend(chunk["logprobs"]["content"])
+        return None
+
+    def finish(self, index: int, reason: str) -> dict[str, Any]:
+        text = "".join(self._text.pop(index, []))
+        lp_entries = self._lp.pop(index, None)
+        lp = {"content": lp_entries} if self.top_n is not None else None
+        calls = self._calls(text, reason)
+        if calls is None:
+            return _chat_chunk(index, {"content": text} if text else {}, reason, lp)
+        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        return _chat_chunk(index, delta, "tool_calls", lp)
+
+    def choice(self, index: int, acc: Accumulator) -> dict[str, Any]:
+        out = super().choice(index, acc)
+        calls = self._calls(out["message"]["content"], acc.finish_reason)
+        if calls is not None:
+            out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            out["finish_reason"] = "tool_calls"
+        return out
 
 
 class CompletionFormat:
