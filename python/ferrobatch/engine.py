@@ -745,6 +745,13 @@ class Engine:
                         f"{(self._stats['generated_tokens'] - gen0) / max(dt, 1e-9):.0f} tok/s"
                     )
                 pending = still
+            if not background:
+                # an ahead plan still in flight holds the finished requests' chunks until
+                # its update: finish it, so the engine is idle when generate returns
+                for _ in range(4):  # at most two plans are outstanding
+                    if not self.scheduler.num_outstanding or self._router.unfinished():
+                        break
+                    self._drive_once()
         except BaseException:
             for r in reqs:
                 if not r.done.is_set():
