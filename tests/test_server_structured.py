@@ -8,10 +8,8 @@ from collections.abc import Iterator
 from typing import Literal
 
 import httpx
-import openai
 import pytest
-from ferrobatch import Engine
-from ferrobatch.server import BackgroundServer, create_app
+from bundled_server import bundled_server, openai_client
 from pydantic import BaseModel, Field
 
 
@@ -23,18 +21,11 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    engine = Engine()
-    srv = BackgroundServer(create_app(engine, model_name="smol"), "127.0.0.1", 0)
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        engine.close()
+    with bundled_server() as base:
+        yield base
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+_client = openai_client
 
 
 MESSAGES = [{"role": "user", "content": "Describe a pet as JSON: name, age, kind."}]

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from ferrobatch import Engine
-from ferrobatch.server import BackgroundServer, create_app
+from bundled_server import bundled_server, openai_client
 from ferrobatch.server.protocol import APIError, ChatMessage
 from ferrobatch.server.tools import chat_messages, parse_tool_calls, prepare_tools
 
@@ -41,18 +40,11 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    engine = Engine()
-    srv = BackgroundServer(create_app(engine, model_name="smol"), "127.0.0.1", 0)
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        engine.close()
+    with bundled_server() as base:
+        yield base
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+_client = openai_client
 
 
 def _check_call(call: object, name: str | None = None) -> dict:
