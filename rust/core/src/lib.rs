@@ -74,24 +74,45 @@ pub enum ErrorKind {
 }
 
 /// Error with a message that names the offending field or invariant.
+///
+/// `field` is the argument a `Value` error is about (`"max_new_tokens"`, `"page_size"`, ...),
+/// as the caller spelled it; the bindings raise it as `ferrobatch.errors.FieldError` with
+/// `.field` set, and the server reports it as OpenAI's `param`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Error {
     pub kind: ErrorKind,
+    pub field: Option<&'static str>,
     pub message: String,
 }
 
 impl Error {
+    /// A bad argument not tied to one field.
     pub fn value(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::Value,
+            field: None,
             message: message.into(),
         }
     }
+    /// A bad value of the argument `field`; the message should say what was wrong with it.
+    pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::Value,
+            field: Some(field),
+            message: message.into(),
+        }
+    }
+    /// A call at the wrong time or a broken invariant.
     pub fn runtime(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::Runtime,
+            field: None,
             message: message.into(),
         }
+    }
+    /// The argument this error is about, if any.
+    pub fn field(&self) -> Option<&'static str> {
+        self.field
     }
 }
 
