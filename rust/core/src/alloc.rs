@@ -11,6 +11,17 @@
 use crate::pool::{ChunkPool, SCRATCH_CHUNK};
 use crate::ChunkId;
 
+/// The block-table column that holds key `position`: `position / page_size` for full
+/// attention (`ring` None), `(position / page_size) % ring` in a sliding ring of `ring` chunks.
+#[inline]
+pub fn table_column(position: usize, page_size: usize, ring: Option<usize>) -> usize {
+    let block = position / page_size;
+    match ring {
+        Some(r) => block % r,
+        None => block,
+    }
+}
+
 /// Geometry shared by the allocators.
 #[derive(Clone, Copy, Debug)]
 pub struct Layout {
@@ -115,7 +126,7 @@ impl Layout {
     /// Full-attention slot of position `p`.
     #[inline]
     pub fn full_slot(&self, blocks: &[ChunkId], p: usize) -> i32 {
-        (blocks[p / self.page] as usize * self.page + p % self.page) as i32
+        (blocks[table_column(p, self.page, None)] as usize * self.page + p % self.page) as i32
     }
 
     /// Sliding slot of new position `p` in a step ending at `end` (scratch when the ring
@@ -123,7 +134,7 @@ impl Layout {
     #[inline]
     pub fn sliding_slot(&self, ring: &[ChunkId], p: usize, end: usize) -> i32 {
         let c = if p + self.window >= end {
-            ring[(p / self.page) % self.ring]
+            ring[table_column(p, self.page, Some(self.ring))]
         } else {
             SCRATCH_CHUNK
         };
@@ -152,6 +163,30 @@ mod tests {
             if s >= 8 {
                 assert!(seen.insert(s), "slot {s} written twice");
             }
+        }
+    }
+
+    #[test]
+    fn table_columns() {
+        assert_eq!(table_column(0, 4, None), 0);
+        assert_eq!(table_column(3, 4, None), 0);
+        assert_eq!(table_column(4, 4, None), 1);
+        assert_eq!(table_column(41, 4, None), 10);
+        // Ring of 3: blocks 0, 1, 2, 3, 4 -> columns 0, 1, 2, 0, 1.
+        let cols: Vec<_> = (0..20)
+            .step_by(4)
+            .map(|p| table_column(p, 4, Some(3)))
+            .collect();
+        assert_eq!(cols, vec![0, 1, 2, 0, 1]);
+        assert_eq!(table_column(15, 4, Some(3)), 0);
+        // The allocator's slots agree with the column arithmetic.
+        let l = Layout::new(4, true, Some(6));
+        let blocks: Vec<ChunkId> = (10..20).collect();
+        for p in 0..40 {
+            assert_eq!(
+                l.full_slot(&blocks, p),
+                (blocks[table_column(p, 4, None)] as usize * 4 + p % 4) as i32
+            );
         }
     }
 

@@ -55,7 +55,9 @@ pub(crate) fn chunk_ids_as_i32(ids: &[ChunkId]) -> &[i32] {
     unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<i32>(), ids.len()) }
 }
 
+pub use alloc::table_column;
 pub use plan::{StepOutput, StepPlan};
+pub use pool::{SCRATCH_CHUNK, ZERO_CHUNK};
 pub use request::{FinishReason, RequestState};
 pub use scheduler::{AttentionType, Scheduler, SchedulerConfig, SchedulerType, Stats};
 

@@ -59,9 +59,10 @@ impl SchedulerType {
         match s {
             "fifo" => Ok(SchedulerType::Fifo),
             "prefill_first" => Ok(SchedulerType::PrefillFirst),
-            _ => Err(Error::value(format!(
-                "scheduler_type must be 'fifo' or 'prefill_first' (got {s:?})"
-            ))),
+            _ => Err(Error::invalid(
+                "scheduler_type",
+                format!("scheduler_type must be 'fifo' or 'prefill_first' (got {s:?})"),
+            )),
         }
     }
 }
@@ -78,9 +79,12 @@ impl AttentionType {
         match s {
             "full_attention" => Ok(AttentionType::Full),
             "sliding_attention" => Ok(AttentionType::Sliding),
-            _ => Err(Error::value(format!(
-                "layer_types entries must be 'full_attention' or 'sliding_attention' (got {s:?})"
-            ))),
+            _ => Err(Error::invalid(
+                "layer_types",
+                format!(
+                    "layer_types entries must be 'full_attention' or 'sliding_attention' (got {s:?})"
+                ),
+            )),
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -201,6 +205,8 @@ pub struct Scheduler {
     layout: Layout,
     margin: f64,
     prefix: bool,
+    /// Longest request lifetime (`prompt + max_new_tokens - 1`) that `check_fits` accepts.
+    max_lifetime: usize,
     pool: ChunkPool,
     swap: SwapPool,
     hasher: BlockHasher,
@@ -253,11 +259,54 @@ pub struct Scheduler {
 }
 
 /// A `Value` error naming `field` unless `value >= 1`.
-fn at_least_one(field: &str, value: usize) -> Result<()> {
+fn at_least_one(field: &'static str, value: usize) -> Result<()> {
     if value < 1 {
-        return Err(Error::value(format!("{field} must be >= 1 (got {value})")));
+        return Err(Error::invalid(
+            field,
+            format!("{field} must be >= 1 (got {value})"),
+        ));
     }
     Ok(())
+}
+
+/// Longest lifetime (`prompt + max_new_tokens - 1` cached tokens) any request may have:
+/// positions stay far inside int32.
+const MAX_LIFETIME: usize = i32::MAX as usize / 2;
+
+/// The value half of `check_fits`: a non-empty prompt and at least one new token.
+fn check_lengths(prompt_len: usize, max_new_tokens: usize) -> Result<()> {
+    if prompt_len == 0 {
+        return Err(Error::invalid(
+            "prompt",
+            "prompt_token_ids must not be empty",
+        ));
+    }
+    if max_new_tokens < 1 {
+        return Err(Error::invalid(
+            "max_new_tokens",
+            format!("max_new_tokens must be >= 1 (got {max_new_tokens})"),
+        ));
+    }
+    Ok(())
+}
+
+/// The longest lifetime whose chunks fit the pool and whose reads fit the cache-read budget.
+fn max_lifetime(cfg: &SchedulerConfig, layout: &Layout) -> usize {
+    let mut most = MAX_LIFETIME.min(cfg.max_batch_cache_tokens.unwrap_or(usize::MAX));
+    if layout.max_chunks(most) > cfg.num_blocks {
+        // `max_chunks` is monotone: the largest n with max_chunks(n) <= num_blocks.
+        let (mut lo, mut hi) = (0usize, most); // fits(lo), !fits(hi)
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if layout.max_chunks(mid) <= cfg.num_blocks {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        most = lo;
+    }
+    most
 }
 
 impl Scheduler {
@@ -266,7 +315,8 @@ impl Scheduler {
         at_least_one("num_blocks", cfg.num_blocks)?;
         at_least_one("page_size", cfg.page_size)?;
         if cfg.num_blocks > ((i32::MAX as usize) / cfg.page_size).saturating_sub(2) {
-            return Err(Error::value(
+            return Err(Error::invalid(
+                "num_blocks",
                 "num_blocks: (num_blocks + 2) * page_size must fit in int32",
             ));
         }
@@ -277,9 +327,10 @@ impl Scheduler {
         }
         let margin = match cfg.safety_margin {
             Some(m) if !(0.0..1.0).contains(&m) || m.is_nan() => {
-                return Err(Error::value(format!(
-                    "safety_margin must be in [0, 1) (got {m})"
-                )));
+                return Err(Error::invalid(
+                    "safety_margin",
+                    format!("safety_margin must be in [0, 1) (got {m})"),
+                ));
             }
             Some(m) => m,
             None => match cfg.scheduler_type {
@@ -288,7 +339,10 @@ impl Scheduler {
             },
         };
         if cfg.layer_types.is_empty() {
-            return Err(Error::value("layer_types must not be empty"));
+            return Err(Error::invalid(
+                "layer_types",
+                "layer_types must not be empty",
+            ));
         }
         let has_full = cfg.layer_types.contains(&AttentionType::Full);
         let has_sliding = cfg.layer_types.contains(&AttentionType::Sliding);
@@ -296,12 +350,14 @@ impl Scheduler {
             match cfg.sliding_window {
                 Some(w) if w >= 1 => Some(w),
                 Some(w) => {
-                    return Err(Error::value(format!(
-                        "sliding_window must be >= 1 (got {w})"
-                    )))
+                    return Err(Error::invalid(
+                        "sliding_window",
+                        format!("sliding_window must be >= 1 (got {w})"),
+                    ))
                 }
                 None => {
-                    return Err(Error::value(
+                    return Err(Error::invalid(
+                        "sliding_window",
                         "sliding_window is required when layer_types has 'sliding_attention'",
                     ))
                 }
@@ -323,7 +379,9 @@ impl Scheduler {
             ..Default::default()
         };
         let prev_plan = plan.clone();
+        let max_lifetime = max_lifetime(&cfg, &layout);
         Ok(Scheduler {
+            max_lifetime,
             pool: ChunkPool::new(cfg.num_blocks, cfg.page_size, prefix),
             swap: SwapPool::new(cfg.cpu_offload_blocks),
             hasher,
@@ -454,6 +512,34 @@ impl Scheduler {
             || !self.pending_cancel.is_empty()
     }
 
+    /// Chunks `allocate` can hand out now: uninitialized ones *and* cached ones (free chunks
+    /// that still keep a hashed block, evicted LRU-first when needed). O(1).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+    /// Free chunks that keep a hashed block (part of `num_free_blocks`). O(1).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.pool.num_cached()
+    }
+    /// Requests waiting for admission (never run, or soft-reset). O(1).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    /// Requests holding device chunks (prefilling or decoding). O(1).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    /// Requests offloaded to the CPU swap pool. O(1).
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
+    }
+    /// Rows the last plan found short of chunks (`stats().stalled_requests`): in `schedule()`
+    /// counted before preemption makes room, in `schedule_ahead()` (which never preempts)
+    /// the running requests it left out. O(1).
+    pub fn num_stalled(&self) -> usize {
+        self.stats.stalled_requests
+    }
+
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.num_free_blocks = self.pool.num_free();
@@ -477,6 +563,71 @@ impl Scheduler {
     }
 
     // ----- requests --------------------------------------------------------------------
+
+    /// Whether a request of `prompt_len` prompt tokens and `max_new_tokens` could ever fit
+    /// the cache: exactly the length and capacity checks of `add_request`, adding nothing.
+    /// Errors (`Value`) name the field: `"prompt"` (empty, or too long even with one new
+    /// token) or `"max_new_tokens"` (below 1, or too many for what the prompt leaves).
+    pub fn check_fits(&self, prompt_len: usize, max_new_tokens: usize) -> Result<()> {
+        check_lengths(prompt_len, max_new_tokens)?;
+        self.check_capacity("the request", prompt_len, max_new_tokens)
+    }
+
+    /// Chunks a request holding `cached_tokens` keys needs at most: its full-attention blocks
+    /// plus its sliding ring. A request's whole lifetime holds `prompt + max_new_tokens - 1`.
+    pub fn lifetime_chunks(&self, cached_tokens: usize) -> usize {
+        self.layout.max_chunks(cached_tokens)
+    }
+
+    /// The largest `prompt_len + max_new_tokens` that [`Scheduler::check_fits`] accepts
+    /// (0 when not even a one-token prompt with one new token fits). O(1).
+    pub fn max_request_tokens(&self) -> usize {
+        if self.max_lifetime == 0 {
+            0
+        } else {
+            self.max_lifetime + 1
+        }
+    }
+
+    /// The capacity half of `check_fits` (`who` starts the message).
+    fn check_capacity(&self, who: &str, prompt_len: usize, max_new_tokens: usize) -> Result<()> {
+        // Blame the prompt when it cannot fit even with a single new token.
+        let field = if prompt_len > self.max_lifetime {
+            "prompt"
+        } else {
+            "max_new_tokens"
+        };
+        let lifetime = prompt_len.saturating_add(max_new_tokens - 1);
+        if lifetime > MAX_LIFETIME {
+            return Err(Error::invalid(
+                field,
+                "prompt_token_ids + max_new_tokens is too long",
+            ));
+        }
+        let need = self.layout.max_chunks(lifetime);
+        if need > self.cfg.num_blocks {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "{who} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
+                     ({max_new_tokens}) need {need} blocks of page_size {} but num_blocks is {}",
+                    self.cfg.page_size, self.cfg.num_blocks
+                ),
+            ));
+        }
+        if let Some(c) = self.cfg.max_batch_cache_tokens {
+            if lifetime > c {
+                return Err(Error::invalid(
+                    field,
+                    format!(
+                        "{who} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
+                         ({max_new_tokens}) - 1 exceeds max_batch_cache_tokens ({c})"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 
     /// Add a request. Errors (`Value`) name the field: duplicate `request_id`, empty
     /// `prompt_token_ids`, `max_new_tokens < 1`, an empty stop sequence, or a request that
@@ -503,49 +654,23 @@ impl Scheduler {
         skip_prefix_lookup: bool,
     ) -> Result<u32> {
         if self.ids.contains_key(id) {
-            return Err(Error::value(format!("request_id {id:?} is already in use")));
+            return Err(Error::invalid(
+                "request_id",
+                format!("request_id {id:?} is already in use"),
+            ));
         }
-        if prompt.is_empty() {
-            return Err(Error::value("prompt_token_ids must not be empty"));
-        }
-        if stop.max_new_tokens < 1 {
-            return Err(Error::value(format!(
-                "max_new_tokens must be >= 1 (got {})",
-                stop.max_new_tokens
-            )));
-        }
+        check_lengths(prompt.len(), stop.max_new_tokens)?;
         if stop.stop_sequences.iter().any(|s| s.is_empty()) {
-            return Err(Error::value(
+            return Err(Error::invalid(
+                "stop_sequences",
                 "stop_sequences must not contain an empty sequence",
             ));
         }
-        let lifetime = prompt.len() + stop.max_new_tokens - 1;
-        if lifetime > i32::MAX as usize / 2 {
-            return Err(Error::value(
-                "prompt_token_ids + max_new_tokens is too long",
-            ));
-        }
-        let need = self.layout.max_chunks(lifetime);
-        if need > self.cfg.num_blocks {
-            return Err(Error::value(format!(
-                "request {id:?} can never fit: prompt_token_ids ({}) + max_new_tokens ({}) need \
-                 {need} blocks of page_size {} but num_blocks is {}",
-                prompt.len(),
-                stop.max_new_tokens,
-                self.cfg.page_size,
-                self.cfg.num_blocks
-            )));
-        }
-        if let Some(c) = self.cfg.max_batch_cache_tokens {
-            if lifetime > c {
-                return Err(Error::value(format!(
-                    "request {id:?} can never fit: prompt_token_ids ({}) + max_new_tokens ({}) - 1 \
-                     exceeds max_batch_cache_tokens ({c})",
-                    prompt.len(),
-                    stop.max_new_tokens
-                )));
-            }
-        }
+        self.check_capacity(
+            &format!("request {id:?}"),
+            prompt.len(),
+            stop.max_new_tokens,
+        )?;
         let key = (priority, self.arrivals);
         self.arrivals += 1;
         let req = Request {
@@ -1659,10 +1784,13 @@ impl Scheduler {
                 self.cur.sampled
             };
             if sampled.len() != want {
-                return Err(Error::value(format!(
-                    "sampled_token_ids has {} entries but the plan samples {want} rows",
-                    sampled.len(),
-                )));
+                return Err(Error::invalid(
+                    "sampled_token_ids",
+                    format!(
+                        "sampled_token_ids has {} entries but the plan samples {want} rows",
+                        sampled.len(),
+                    ),
+                ));
             }
         } else if !sampled.is_empty() {
             return Err(Error::runtime(
@@ -1670,9 +1798,10 @@ impl Scheduler {
             ));
         }
         if let Some(t) = sampled.iter().find(|&&t| t < 0) {
-            return Err(Error::value(format!(
-                "sampled_token_ids must be non-negative (got {t})"
-            )));
+            return Err(Error::invalid(
+                "sampled_token_ids",
+                format!("sampled_token_ids must be non-negative (got {t})"),
+            ));
         }
         // The forward (and copies) of this plan are done: settle what it held.
         let dead_rows = self.settle(!two);

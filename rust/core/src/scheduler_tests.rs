@@ -2,7 +2,10 @@
 
 use crate::pool::Place;
 use crate::request::StopConditions;
-use crate::{ErrorKind, FinishReason, RequestState, Scheduler, SchedulerConfig, SchedulerType};
+use crate::{
+    AttentionType, ErrorKind, FinishReason, RequestState, Scheduler, SchedulerConfig,
+    SchedulerType, SCRATCH_CHUNK, ZERO_CHUNK,
+};
 
 fn stop(max_new: usize) -> StopConditions {
     StopConditions {
@@ -54,23 +57,156 @@ fn add_request_rejections_name_the_field() {
     let mut s = Scheduler::new(cfg(4, 4, 16)).unwrap();
     let e = s.add_request("a", vec![], stop(1), 0).unwrap_err();
     assert!(e.message.contains("prompt_token_ids") && e.kind == ErrorKind::Value);
+    assert_eq!(e.field(), Some("prompt"));
     let e = s.add_request("a", vec![1], stop(0), 0).unwrap_err();
     assert!(e.message.contains("max_new_tokens"));
+    assert_eq!(e.field(), Some("max_new_tokens"));
     // 4 blocks of 4 = 16 tokens: 10 + 7 - 1 = 16 fits, 10 + 8 - 1 = 17 does not.
     s.add_request("ok", vec![1; 10], stop(7), 0).unwrap();
     let e = s.add_request("big", vec![1; 10], stop(8), 0).unwrap_err();
     assert!(e.message.contains("num_blocks"), "{}", e.message);
+    assert_eq!(e.field(), Some("max_new_tokens"));
+    // A prompt that cannot fit even with one new token is the prompt's fault.
+    let e = s.add_request("huge", vec![1; 17], stop(1), 0).unwrap_err();
+    assert_eq!(e.field(), Some("prompt"));
     let e = s.add_request("ok", vec![1], stop(1), 0).unwrap_err();
     assert!(e.message.contains("request_id"));
+    assert_eq!(e.field(), Some("request_id"));
     let mut sq = stop(2);
     sq.stop_sequences = vec![vec![]];
     let e = s.add_request("sq", vec![1], sq, 0).unwrap_err();
     assert!(e.message.contains("stop_sequences"));
+    assert_eq!(e.field(), Some("stop_sequences"));
     let mut c = cfg(100, 4, 16);
     c.max_batch_cache_tokens = Some(8);
     let mut s = Scheduler::new(c).unwrap();
     let e = s.add_request("x", vec![1; 8], stop(2), 0).unwrap_err();
     assert!(e.message.contains("max_batch_cache_tokens"));
+    assert_eq!(e.field(), Some("max_new_tokens"));
+}
+
+/// Every configuration the fit tests run under: full, sliding, hybrid, cache-read budget.
+fn fit_configs() -> Vec<SchedulerConfig> {
+    let mut out = vec![cfg(4, 4, 16), cfg(1, 2, 16)];
+    let mut c = cfg(3, 4, 16);
+    c.layer_types = vec![AttentionType::Sliding];
+    c.sliding_window = Some(6);
+    out.push(c.clone());
+    c.num_blocks = 2; // smaller than the ring (3): the ring bounds nothing, the pool does
+    out.push(c);
+    let mut c = cfg(7, 4, 16);
+    c.layer_types = vec![AttentionType::Full, AttentionType::Sliding];
+    c.sliding_window = Some(5);
+    out.push(c.clone());
+    c.num_blocks = 1; // a hybrid request needs two chunks: nothing fits
+    out.push(c);
+    let mut c = cfg(100, 4, 16);
+    c.max_batch_cache_tokens = Some(9);
+    out.push(c);
+    out
+}
+
+#[test]
+fn check_fits_is_add_requests_check_and_max_request_tokens_its_bound() {
+    for c in fit_configs() {
+        let s = Scheduler::new(c.clone()).unwrap();
+        let most = s.max_request_tokens();
+        for p in 0..40usize {
+            for m in 0..40usize {
+                let fits = s.check_fits(p, m);
+                let mut t = Scheduler::new(c.clone()).unwrap();
+                let added = t.add_request("r", vec![1; p], stop(m), 0);
+                assert_eq!(fits.is_ok(), added.is_ok(), "{c:?} p={p} m={m}");
+                if let (Err(a), Err(b)) = (&fits, &added) {
+                    assert_eq!(a.field(), b.field(), "p={p} m={m}");
+                    assert_eq!(a.kind, ErrorKind::Value);
+                }
+                if p >= 1 && m >= 1 {
+                    assert_eq!(fits.is_ok(), p + m <= most, "{c:?} p={p} m={m} most={most}");
+                }
+            }
+        }
+        assert!(s.check_fits(usize::MAX / 2, usize::MAX / 2).is_err());
+    }
+    let s = Scheduler::new(cfg(4, 4, 16)).unwrap();
+    assert_eq!(s.max_request_tokens(), 17);
+    assert_eq!(s.check_fits(0, 1).unwrap_err().field(), Some("prompt"));
+    assert_eq!(
+        s.check_fits(1, 0).unwrap_err().field(),
+        Some("max_new_tokens")
+    );
+    assert_eq!(s.check_fits(17, 1).unwrap_err().field(), Some("prompt"));
+    assert_eq!(
+        s.check_fits(16, 2).unwrap_err().field(),
+        Some("max_new_tokens")
+    );
+}
+
+#[test]
+fn lifetime_chunks_counts_full_blocks_and_the_ring() {
+    let s = Scheduler::new(cfg(8, 4, 16)).unwrap();
+    assert_eq!(
+        (0..10).map(|n| s.lifetime_chunks(n)).collect::<Vec<_>>(),
+        vec![0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+    );
+    let mut c = cfg(8, 4, 16);
+    c.layer_types = vec![AttentionType::Full, AttentionType::Sliding];
+    c.sliding_window = Some(6); // ring of 3
+    let s = Scheduler::new(c).unwrap();
+    assert_eq!(s.lifetime_chunks(1), 2);
+    assert_eq!(s.lifetime_chunks(12), 3 + 3);
+    assert_eq!(s.lifetime_chunks(40), 10 + 3);
+    // A request whose lifetime needs exactly the pool fits; one more key does not.
+    let fits = (1..100)
+        .take_while(|&n| s.lifetime_chunks(n) <= 8)
+        .last()
+        .unwrap();
+    assert_eq!(s.max_request_tokens(), fits + 1);
+}
+
+#[test]
+fn reserved_chunk_ids() {
+    assert_eq!((ZERO_CHUNK, SCRATCH_CHUNK), (0, 1));
+    let mut s = Scheduler::new(cfg(3, 2, 16)).unwrap();
+    s.add_request("a", vec![1; 5], stop(1), 0).unwrap();
+    let p = s.schedule().unwrap().unwrap();
+    assert!(p
+        .block_table_full
+        .iter()
+        .all(|&c| c as u32 != ZERO_CHUNK && c as u32 != SCRATCH_CHUNK));
+}
+
+#[test]
+fn getters_match_stats() {
+    let mut c = cfg(6, 2, 4);
+    c.cpu_offload_blocks = 8;
+    let mut s = Scheduler::new(c).unwrap();
+    let same = |s: &Scheduler| {
+        let st = s.stats();
+        assert_eq!(s.num_free_blocks(), st.num_free_blocks);
+        assert_eq!(s.num_cached_blocks(), st.num_cached_blocks);
+        assert_eq!(s.num_waiting(), st.waiting);
+        assert_eq!(s.num_running(), st.running);
+        assert_eq!(s.num_swapped(), st.swapped);
+        assert_eq!(s.num_stalled(), st.stalled_requests);
+    };
+    same(&s);
+    for i in 0..5 {
+        s.add_request(&format!("r{i}"), vec![i as u32 + 1; 5], stop(6), i)
+            .unwrap();
+    }
+    same(&s);
+    let mut saw = (false, false, false);
+    while s.has_unfinished() {
+        let n = s.schedule().unwrap().map_or(0, |p| p.num_sampled());
+        same(&s);
+        saw.0 |= s.num_swapped() > 0;
+        saw.1 |= s.num_stalled() > 0;
+        saw.2 |= s.num_cached_blocks() > 0;
+        s.update(&vec![3; n]).unwrap();
+        same(&s);
+    }
+    assert!(saw.0 && saw.1 && saw.2, "{saw:?}");
 }
 
 #[test]
@@ -82,6 +218,7 @@ fn config_rejections_name_the_field() {
     ] {
         let e = Scheduler::new(c).unwrap_err();
         assert!(e.message.contains(field), "{}", e.message);
+        assert_eq!(e.field(), Some(field));
     }
     let mut c = SchedulerConfig::new(4, 4, 4);
     c.safety_margin = Some(1.5);
