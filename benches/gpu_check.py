@@ -703,7 +703,7 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
     the pure kernel time. On CPU (smoke) the padded graph forward runs without capture and
     its logits are compared with eager's."""
     sys.path.insert(0, str(REPO / "tests"))
-    from ferrobatch.runner import ModelRunner
+    from ferrobatch.runner.model_runner import ModelRunner
     from ref_planner import FULL, RefPlanner
 
     rows, ctx, page = (256, 256, 32) if not args.smoke else (8, 24, 8)

@@ -1,4 +1,5 @@
-"""Micro-benchmark: the per-step cost of guided decoding's token mask (`ferrobatch.guided`).
+"""Micro-benchmark: the per-step cost of guided decoding's token mask
+(`ferrobatch.sampling.guided`).
 
 For B guided rows (a JSON schema, llguidance matchers on the SmolLM2 tokenizer, vocabulary
 49,152), times one step's mask: each row's matcher consumes its last token and fills its
@@ -22,9 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python")]
 
-from ferrobatch.guided import GuideFactory, mask_rows  # noqa: E402
 from ferrobatch.models import bundled_model_dir  # noqa: E402
-from ferrobatch.sampling import Sampler, SamplingParams, SamplingState  # noqa: E402
+from ferrobatch.sampling.guided import GuideFactory, mask_rows  # noqa: E402
+from ferrobatch.sampling.params import SamplingParams  # noqa: E402
+from ferrobatch.sampling.sampler import Sampler, SamplingState  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 SCHEMA = {

@@ -5,7 +5,7 @@ model's plain forward for the same step (static padded batch with a DynamicCache
 `model.generate` does), and against the step's matrix work alone (base model without
 attention is not separable, so the lm head on 64 rows is shown as the floor's largest part).
 Also `execute_greedy` (greedy tokens through the bounded int8 screen of
-`ferrobatch.greedy_head`, when the runner enabled it) and that screen alone.
+`ferrobatch.runner.greedy_head`, when the runner enabled it) and that screen alone.
 
     python benches/runner_step.py [page_size]
 """
@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
 
-from ferrobatch.runner import ModelRunner  # noqa: E402
+from ferrobatch.runner.model_runner import ModelRunner  # noqa: E402
 from ref_planner import RefPlanner  # noqa: E402
 from tiny_models import bench_llama  # noqa: E402
 from transformers import DynamicCache  # noqa: E402

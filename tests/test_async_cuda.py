@@ -10,9 +10,10 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from ferrobatch.kv_cache import PagedKVCache
-from ferrobatch.pipeline import DeviceToHost
-from ferrobatch.sampling import Sampler, SamplingParams, SamplingState
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.engine.pipeline import DeviceToHost
+from ferrobatch.sampling.params import SamplingParams
+from ferrobatch.sampling.sampler import Sampler, SamplingState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,4 +1,4 @@
-"""The engine with `use_async_batching=True` on CPU (the pipeline of `ferrobatch.pipeline`
+"""The engine with `use_async_batching=True` on CPU (the pipeline of `ferrobatch.engine.pipeline`
 with one step in flight, run step after step): greedy parity with `model.generate` on
 tiny models under the same pressures as tests/test_engine_parity.py, and the engine
 behaviours that touch the step in flight (stop strings, EOS, cancellation, seeded

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ferrobatch.kv_cache import PagedKVCache
+from ferrobatch.attention.kv_cache import PagedKVCache
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))]  # fmt: skip

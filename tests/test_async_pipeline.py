@@ -1,4 +1,4 @@
-"""Bookkeeping of the async pipeline (`ferrobatch.pipeline.AsyncStepper`) against a fake
+"""Bookkeeping of the async pipeline (`ferrobatch.engine.pipeline.AsyncStepper`) against a fake
 scheduler and runner that follow the one-step-in-flight contract (ARCHITECTURE.md §3):
 step N+1 is launched before N's tokens are recorded, its input ids come from N's sampled
 tokens on the device, N+1 is sampled only after N's tokens reached the requests, and
@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from ferrobatch.pipeline import AsyncStepper, DeviceToHost
-from ferrobatch.request import make_request
-from ferrobatch.routing import OutputRouter
-from ferrobatch.sampling import Sampler, SamplingParams
-from ferrobatch.step import Stepper
+from ferrobatch.engine.pipeline import AsyncStepper, DeviceToHost
+from ferrobatch.engine.request import make_request
+from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.engine.stepper import Stepper
+from ferrobatch.sampling.params import SamplingParams
+from ferrobatch.sampling.sampler import Sampler
 
 V = 97
 

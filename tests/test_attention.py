@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ferrobatch import attention
-from ferrobatch.kv_cache import PagedKVCache
+from ferrobatch.attention import context, forward, paged_step, registry
+from ferrobatch.attention.kv_cache import PagedKVCache
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -38,7 +38,7 @@ def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
      (3, None, 2, 1, 4)],
 )
 def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, monkeypatch):
-    monkeypatch.setattr(attention, "_BUCKET_PENALTY_KEYS", 0)  # split decode rows in buckets
+    monkeypatch.setattr(paged_step, "_BUCKET_PENALTY_KEYS", 0)  # split decode rows in buckets
     rng = random.Random(7)
     torch.manual_seed(0)
     dim, num_blocks, scale = 16, 400, 0.3
@@ -70,10 +70,10 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, m
         q = torch.randn(1, heads, t, dim)
         k = torch.randn(1, kv_heads, t, dim)
         v = torch.randn(1, kv_heads, t, dim)
-        step_meta = attention.build_step(plan, cache, [typ], window)
-        out, _ = attention.paged_attention_forward(
+        step_meta = paged_step.build_step(plan, cache, [typ], window)
+        out, _ = forward.paged_attention_forward(
             module, q, k, v, None, scaling=scale, softcap=softcap,
-            **{attention.STEP_KWARG: step_meta},
+            **{context.STEP_KWARG: step_meta},
         )
         assert out.shape == (1, t, heads, dim)
         for b, rid in enumerate(plan.request_ids):
@@ -89,9 +89,9 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, m
 
 def test_decode_buckets_cover_every_row_once():
     width = torch.randint(1, 40, (37,)).numpy()
-    parts = attention._buckets(width, 16)
+    parts = paged_step._buckets(width, 16)
     assert sorted(int(i) for p in parts for i in p) == list(range(37))
-    assert len(attention._buckets(width[:5], 16)) == 1
+    assert len(paged_step._buckets(width[:5], 16)) == 1
 
 
 def test_mask_function_returns_none_only_inside_a_ferrobatch_forward():
@@ -109,7 +109,7 @@ def test_mask_function_returns_none_only_inside_a_ferrobatch_forward():
     kwargs = dict(config=cfg, inputs_embeds=emb, attention_mask=mask2d,
                   position_ids=torch.arange(5)[None], **no_cache)
     ref = create_causal_mask(**kwargs)
-    with attention.paged_attention_enabled([cfg]):
+    with registry.paged_attention_enabled([cfg]):
         assert create_causal_mask(**kwargs) is None
     assert cfg._attn_implementation == "sdpa"
     again = create_causal_mask(**kwargs)

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from ferrobatch import attention
+from ferrobatch.attention import context, paged_step, registry
 from test_qa_architectures import _build, assert_parity, prompts, reference
 
 torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def nemotron():
 
 def _parity(m, name: str) -> None:
     assert_parity(m, name, probe_below=1e-4)
-    assert getattr(attention._STATE, "step", None) is None
+    assert getattr(context.STATE, "step", None) is None
 
 
 def test_gpt_oss_config_is_hybrid_moe() -> None:
@@ -70,7 +70,7 @@ def test_sinks_change_the_tokens() -> None:
 
 
 def test_sinks_refused_by_kernel_backends() -> None:
-    from ferrobatch.runner import ModelRunner
+    from ferrobatch.runner.model_runner import ModelRunner
 
     with pytest.raises(NotImplementedError, match="sinks"):
         ModelRunner(gpt_oss((3.0,)), num_blocks=8, page_size=8, attention_backend="torch")
@@ -93,12 +93,12 @@ def test_thread_local_step_is_not_seen_by_other_threads() -> None:
         with torch.no_grad():
             got.append(m(input_ids=ids).logits)
 
-    sentinel = attention.PagedStep(cache=None, groups=[], num_tokens=0)  # type: ignore[arg-type]
-    with attention.paged_attention_enabled(attention.model_configs(m), sentinel):
-        assert attention._STATE.step is sentinel
+    sentinel = paged_step.PagedStep(cache=None, groups=[], num_tokens=0)  # type: ignore[arg-type]
+    with registry.paged_attention_enabled(registry.model_configs(m), sentinel):
+        assert context.STATE.step is sentinel
         th = threading.Thread(target=other)
         th.start()
         th.join()
-    assert getattr(attention._STATE, "step", None) is None
+    assert getattr(context.STATE, "step", None) is None
     assert sentinel.calls == 0
     torch.testing.assert_close(got[0], want)

@@ -6,7 +6,7 @@ import copy
 import math
 
 import pytest
-from ferrobatch import ContinuousBatchingConfig
+from ferrobatch import ContinuousBatchingConfig, defaults
 from tiny_models import transformers_cb_config
 
 
@@ -18,8 +18,11 @@ def test_defaults_are_valid_and_bounded() -> None:
     assert cfg.scheduler_type == "fifo"
     assert cfg.resolved_safety_margin == 0.15
     assert ContinuousBatchingConfig(scheduler_type="prefill_first").resolved_safety_margin == 0.0
-    assert cfg.resolved_memory_percent("cpu") < 0.6  # never the reference's 60% of RAM
-    assert cfg.resolved_memory_percent("cuda") == 0.9
+    # unset max_memory_percent: the engine's shares (`ferrobatch.defaults`)
+    assert cfg.max_memory_percent is None
+    assert defaults.CPU_MEMORY_PERCENT < 0.6  # never the reference's 60% of RAM
+    assert defaults.CPU_MEMORY_CAP == 4 * 2**30
+    assert defaults.CUDA_MEMORY_PERCENT == 0.9
     assert cfg.cpu_offload_space == 0.0
 
 

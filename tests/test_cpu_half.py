@@ -1,4 +1,4 @@
-"""The CPU half-precision path: packed linears (`ferrobatch.cpu_linear`), fp32 residual
+"""The CPU half-precision path: packed linears (`ferrobatch.runner.cpu_linear`), fp32 residual
 stream, the in-place decode attention kernel, dtype resolution, and bf16 quality under
 every scheduling mode."""
 
@@ -13,10 +13,10 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
-from ferrobatch.attention import _numpy_view
-from ferrobatch.cpu_linear import PackedLinears, packing_available
+from ferrobatch.attention.kernels import numpy_view
 from ferrobatch.models import resolve_dtype
-from ferrobatch.runner import ModelRunner
+from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
+from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement
 from ref_planner import RefPlanner
 
@@ -83,10 +83,10 @@ def test_decode_kernel_refuses_bad_arguments():
     kw = dict(q_dtype="float32", cache_dtype="bfloat16", out_dtype="float32", page=4,
               window=0, scale=1.0, softcap=0.0, threads=1)
     with pytest.raises(ValueError, match="outside the cache"):
-        _core.paged_decode_attention(q.numpy(), _numpy_view(k), _numpy_view(k), table,
+        _core.paged_decode_attention(q.numpy(), numpy_view(k), numpy_view(k), table,
                                      np.array([3, 6], dtype=np.int32), out.numpy(), **kw)
     with pytest.raises(ValueError, match="dtype"):
-        _core.paged_decode_attention(q.numpy(), _numpy_view(k), _numpy_view(k), table,
+        _core.paged_decode_attention(q.numpy(), numpy_view(k), numpy_view(k), table,
                                      np.array([3, 3], dtype=np.int32), out.numpy(),
                                      **{**kw, "cache_dtype": "int8"})
 

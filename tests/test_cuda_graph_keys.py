@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     # ferrobatch.cuda defines its Triton kernels on import; without CUDA they can only run
     # interpreted (tests/test_triton_attention.py), which must be decided before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+from ferrobatch import defaults  # noqa: E402
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402
 from ferrobatch.cuda import graphs  # noqa: E402
 from ferrobatch.cuda import triton_attention as ta  # noqa: E402
@@ -46,7 +47,9 @@ def test_padding_arithmetic():
     fb = GraphBuckets.from_config(cfg, num_kv_heads=2)
     assert (fb.q_interval, fb.kv_interval, fb.max_rows, fb.num_kv_heads) == (16, 512, 112, 2)
     d = GraphBuckets.from_config(ContinuousBatchingConfig())
-    assert (d.q_interval, d.kv_interval) == (graphs.DEFAULT_Q_INTERVAL, graphs.DEFAULT_KV_INTERVAL)
+    assert (d.q_interval, d.kv_interval) == (
+        defaults.DEFAULT_Q_INTERVAL, defaults.DEFAULT_KV_INTERVAL
+    )
     with pytest.raises(ValueError):
         GraphBuckets(q_interval=0)
 

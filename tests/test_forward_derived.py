@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.rope import LongRope
+from ferrobatch.attention.rope import LongRope
 from tiny_models import COMMON, VOCAB, generate_greedy
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.sampling import MIN_TEMPERATURE
+from ferrobatch.sampling.params import MIN_TEMPERATURE
 from test_server import FakeEngine, _check_error, _post, build_tokenizer, serve
 from tiny_models import VOCAB, llama
 

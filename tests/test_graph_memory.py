@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import memory
 from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.engine import memory
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch.runner import ModelRunner
+from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -246,18 +246,18 @@ def test_failed_capture_turns_graphs_off_and_runs_eager(caplog):
 
 
 def test_packed_sequence_check_bypassed_only_inside_a_ferrobatch_forward():
-    from ferrobatch import attention
-    from ferrobatch import runner as runner_mod
+    from ferrobatch.attention import registry
+    from ferrobatch.runner import patches
     from transformers import masking_utils
 
-    runner_mod._install_packed_check_bypass()
-    runner_mod._install_packed_check_bypass()  # idempotent
+    patches.install_packed_check_bypass()
+    patches.install_packed_check_bypass()  # idempotent
     fn = masking_utils.find_packed_sequence_indices
     original = fn.__wrapped__
     assert getattr(original, "__wrapped__", None) is None
     packed = torch.tensor([[0, 1, 2, 0, 1]])
     assert torch.equal(fn(packed), original(packed))  # outside: the original
-    with attention.paged_attention_enabled([]):
+    with registry.paged_attention_enabled([]):
         assert fn(packed) is None
 
 

@@ -1,4 +1,4 @@
-"""The bounded int8 screen for greedy tokens (`ferrobatch.greedy_head`) and its use by the
+"""The bounded int8 screen for greedy tokens (`ferrobatch.runner.greedy_head`) and its use by the
 runner and the engine: always the fp32 argmax (first maximum), full logits when it cannot
 decide, greedy parity with `model.generate` when it is forced on."""
 
@@ -10,8 +10,8 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.greedy_head import GreedyHead
-from ferrobatch.runner import ModelRunner
+from ferrobatch.runner.greedy_head import GreedyHead
+from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -156,7 +156,7 @@ def test_engine_greedy_parity_with_the_screen(monkeypatch) -> None:
 
 
 def test_not_supported_when_its_copies_would_take_too_much_memory(monkeypatch) -> None:
-    import ferrobatch.greedy_head as gh
+    import ferrobatch.runner.greedy_head as gh
 
     w = torch.zeros(1000, 64)
     assert GreedyHead.supported(w)

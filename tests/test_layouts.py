@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 import transformers
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, memory
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.engine import memory
 from ferrobatch.models import attention_layout, layer_types_of
 from tiny_models import COMMON, VOCAB, generate_greedy
 

@@ -258,18 +258,18 @@ def test_unsupported_architecture_fails_at_construction(name: str) -> None:
 @contextlib.contextmanager
 def skewed_attention() -> Iterator[None]:
     """ferrobatch's paged attention registered with its keys scaled ×3: runs, but wrong."""
-    from ferrobatch import attention
+    from ferrobatch.attention import context, forward, registry
 
-    real = attention.paged_attention_forward
+    real = forward.paged_attention_forward
 
     def skewed(module, query, key, value, *args, **kwargs):
         return real(module, query, key * 3.0, value, *args, **kwargs)
 
-    attention.AttentionInterface.register(attention.ATTENTION_NAME, skewed)
+    registry.AttentionInterface.register(context.ATTENTION_NAME, skewed)
     try:
         yield
     finally:
-        attention.AttentionInterface.register(attention.ATTENTION_NAME, real)
+        registry.AttentionInterface.register(context.ATTENTION_NAME, real)
 
 
 def test_probe_catches_silently_wrong_attention() -> None:

@@ -18,7 +18,7 @@ import pytest
 import tiny_models
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.engine import EngineClosedError, QueueFullError
+from ferrobatch.engine.llm_engine import EngineClosedError, QueueFullError
 from test_server import CORPUS, build_model, build_tokenizer
 from transformers import GenerationConfig
 
@@ -576,7 +576,7 @@ def test_two_engines_on_one_model_step_concurrently() -> None:
 def test_astream_wait_does_not_swallow_a_cancellation_racing_an_item() -> None:
     """An item and the task's cancellation arriving in the same loop iteration: the task
     must end cancelled (asyncio.wait_for before 3.12 returns the item instead)."""
-    from ferrobatch.engine import _get_or_none
+    from ferrobatch.engine.llm_engine import _get_or_none
 
     async def main() -> BaseException | object:
         q: asyncio.Queue = asyncio.Queue()

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch.kv_cache import PagedKVCache
-from ferrobatch.memory import choose_num_blocks
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.engine.memory import choose_num_blocks
 from ferrobatch.models import layer_types_of, sliding_window_of
-from ferrobatch.runner import ModelRunner
+from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -152,21 +152,21 @@ def test_caller_model_left_untouched():
 
 def test_calls_without_step_metadata_delegate_to_the_model_implementation():
     """Another user of the model while its config is switched gets its own attention."""
-    from ferrobatch import attention
+    from ferrobatch.attention import context, registry
 
     model = tm.llama()
     ids = torch.tensor([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     with torch.inference_mode():
         ref = model(ids, attention_mask=mask).logits
-        configs = attention.model_configs(model)
-        with attention.paged_attention_enabled(configs):
-            assert model.config._attn_implementation == attention.ATTENTION_NAME
-            attention._STATE.depth -= 1  # as seen from another thread
+        configs = registry.model_configs(model)
+        with registry.paged_attention_enabled(configs):
+            assert model.config._attn_implementation == context.ATTENTION_NAME
+            context.STATE.depth -= 1  # as seen from another thread
             try:
                 got = model(ids, attention_mask=mask).logits
             finally:
-                attention._STATE.depth += 1
+                context.STATE.depth += 1
     torch.testing.assert_close(got[0, 2:], ref[0, 2:])
     torch.testing.assert_close(got[1], ref[1])
     assert model.config._attn_implementation == "sdpa"
@@ -339,12 +339,12 @@ def test_split_head_check_is_like_with_like_and_dtype_aware(monkeypatch):
 
 
 def test_model_not_using_the_attention_interface_is_refused(monkeypatch):
-    from ferrobatch import attention
+    from ferrobatch.attention import registry
 
     model = tm.llama()
     runner, planner = _runner(model)
     planner.add("x", [5, 6, 7])
-    monkeypatch.setattr(attention, "ATTENTION_NAME", "sdpa")  # as if the switch had no effect
+    monkeypatch.setattr(registry, "ATTENTION_NAME", "sdpa")  # as if the switch had no effect
     with pytest.raises(RuntimeError, match="AttentionInterface"):
         runner.execute(planner.plan([("x", 3)]))
 
@@ -395,9 +395,10 @@ def test_transposed_head_copy_follows_weight_changes(monkeypatch):
 def test_packed_head_follows_weight_changes(monkeypatch):
     """The oneDNN-reordered output head matches the model, also after the caller changes the
     head weight (and bias) between steps."""
-    from ferrobatch import runner as runner_mod
 
-    monkeypatch.setattr(runner_mod, "_best_times", lambda fns, rounds=5: [0.0, 1.0])
+    from ferrobatch.runner import output_head
+
+    monkeypatch.setattr(output_head, "_best_times", lambda fns, rounds=5: [0.0, 1.0])
     model = tm.llama()
     runner, planner = _runner(model)
     assert runner._use_head_packed and not runner._use_head_wt

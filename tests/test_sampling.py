@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from ferrobatch import SamplingParams
-from ferrobatch.sampling import Sampler, SamplingState
+from ferrobatch.sampling.sampler import Sampler, SamplingState
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     MinPLogitsWarper,

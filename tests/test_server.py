@@ -30,9 +30,9 @@ import openai
 import pytest
 import tiny_models
 import torch
+from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
-from ferrobatch.outputs import RequestOutput
-from ferrobatch.sampling import SamplingParams
+from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.server import BackgroundServer, create_app
 
 torch.set_num_threads(1)

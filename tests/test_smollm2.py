@@ -61,7 +61,7 @@ def test_chat_and_stream_with_real_tokenizer(engine) -> None:
 
 
 def test_incremental_detokenizer_multibyte(engine) -> None:
-    from ferrobatch.detok import IncrementalDetokenizer
+    from ferrobatch.engine.detok import IncrementalDetokenizer
 
     tok = engine.tokenizer
     text = " Voilà: naïve café, 東京 🚀🎉 — done.\n  indented\ttab"

@@ -19,11 +19,11 @@ OPENMP_SPINS = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402 - after the policy
-from ferrobatch.outputs import RequestOutput  # noqa: E402
-from ferrobatch.sampling import SamplingParams  # noqa: E402
+from ferrobatch.engine.outputs import RequestOutput  # noqa: E402
+from ferrobatch.sampling.params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
-    from ferrobatch.engine import Engine
+    from ferrobatch.engine.llm_engine import Engine
 
 __version__ = "0.1.0"
 __all__ = ["ContinuousBatchingConfig", "Engine", "RequestOutput", "SamplingParams"]
@@ -31,7 +31,7 @@ __all__ = ["ContinuousBatchingConfig", "Engine", "RequestOutput", "SamplingParam
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from ferrobatch.engine import Engine
+        from ferrobatch.engine.llm_engine import Engine
 
         return Engine
     raise AttributeError(f"module 'ferrobatch' has no attribute {name!r}")

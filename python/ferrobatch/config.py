@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SCHEDULER_TYPES = ("fifo", "prefill_first")
+from ferrobatch.defaults import SAFETY_MARGIN
+
+SCHEDULER_TYPES = tuple(SAFETY_MARGIN)
 
 
 @dataclass
@@ -31,7 +33,8 @@ class ContinuousBatchingConfig:
             per CPU-second on the same workload (flat); 2048 bounds activation memory.
         max_memory_percent: share of free memory the cache may take when `num_blocks` is None;
             None = 0.9 on CUDA; on CPU 0.25 of available memory capped at 4 GiB (bounded:
-            never the reference's 60% of RAM; see `memory.choose_num_blocks`).
+            never the reference's 60% of RAM; `ferrobatch.defaults`,
+            `ferrobatch.engine.memory.choose_num_blocks`).
         max_requests_per_batch: rows per forward; caps logits memory for large vocabularies.
         scheduler_type: "fifo" (decodes first, then in-flight prefills, then new requests) or
             "prefill_first" (finish chunked prefills before resuming decodes).
@@ -101,13 +104,7 @@ class ContinuousBatchingConfig:
         """The safety margin in effect (the scheduler type's default when unset)."""
         if self.safety_margin is not None:
             return float(self.safety_margin)
-        return 0.15 if self.scheduler_type == "fifo" else 0.0
-
-    def resolved_memory_percent(self, device_type: str) -> float:
-        """The share of free memory the cache may take on a device of this type."""
-        if self.max_memory_percent is not None:
-            return float(self.max_memory_percent)
-        return {"cuda": 0.9, "mps": 0.5}.get(device_type, 0.25)
+        return SAFETY_MARGIN[self.scheduler_type]
 
     def replace(self, **changes: Any) -> ContinuousBatchingConfig:
         """A validated copy with some fields changed."""

@@ -202,7 +202,7 @@ def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> Attenti
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from .attention import model_configs
+    from ferrobatch.attention.registry import model_configs
 
     AttentionInterface.register(_LAYOUT_NAME, _layout_attention)
     AttentionMaskInterface.register(_LAYOUT_NAME, _layout_mask)

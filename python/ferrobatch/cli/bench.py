@@ -71,7 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ferrobatch import workloads
-    from ferrobatch.sampling import SamplingParams
+    from ferrobatch.sampling.params import SamplingParams
 
     if args.min_len > args.max_len:
         raise ValueError("--min-len must be <= --max-len")

@@ -21,7 +21,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
     """An ``Engine`` from the model, config and device flags (``model`` overrides MODEL)."""
-    from ferrobatch.engine import Engine
+    from ferrobatch.engine.llm_engine import Engine
 
     if args.threads:
         import torch
@@ -39,7 +39,7 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
 
 def build_sampling(args: argparse.Namespace) -> Any:
     """``SamplingParams`` from the sampling flags."""
-    from ferrobatch.sampling import SamplingParams
+    from ferrobatch.sampling.params import SamplingParams
 
     fields = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS}
     fields["stop"] = tuple(fields["stop"])

@@ -33,6 +33,8 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from ferrobatch.defaults import DEFAULT_KV_INTERVAL, DEFAULT_Q_INTERVAL
+
 from .triton_attention import choose_num_splits
 
 __all__ = [
@@ -51,9 +53,6 @@ __all__ = [
 ZERO_CHUNK = 0
 SCRATCH_CHUNK = 1
 SLIDING = "sliding_attention"
-
-DEFAULT_Q_INTERVAL = 8
-DEFAULT_KV_INTERVAL = 256
 
 
 def _round_up(n: int, m: int) -> int:

@@ -67,7 +67,7 @@ def base_sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) ->
 
 def response_format_sampling(fmt: Any) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments of an OpenAI ``response_format`` (guided
-    decoding, `ferrobatch.guided`): ``text`` → none; ``json_object`` → any JSON object;
+    decoding, `ferrobatch.sampling.guided`): ``text`` → none; ``json_object`` → any JSON object;
     ``json_schema`` → its ``schema`` (``strict`` or not: the output always matches it).
     A 400 naming ``response_format`` when it is malformed or its schema invalid."""
     if fmt is None:
@@ -100,7 +100,7 @@ def response_format_sampling(fmt: Any) -> dict[str, Any]:
             f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
             "response_format",
         )
-    from ferrobatch.guided import check_grammar_fields
+    from ferrobatch.sampling.guided import check_grammar_fields
 
     class _Fields:
         json_schema, regex, grammar = schema, None, None
@@ -127,7 +127,7 @@ def choice_samplings(base: dict[str, Any], n: int) -> list[Any]:
 
 
 def _make_sampling(kwargs: dict[str, Any]) -> Any:
-    from ferrobatch.sampling import SamplingParams
+    from ferrobatch.sampling.params import SamplingParams
 
     try:
         return SamplingParams(**kwargs)

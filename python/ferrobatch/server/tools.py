@@ -69,7 +69,7 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_schema(schema: dict[str, Any], what: str, param: str) -> None:
-    from ferrobatch.guided import check_grammar_fields
+    from ferrobatch.sampling.guided import check_grammar_fields
 
     class _Fields:
         json_schema, regex, grammar = schema, None, None

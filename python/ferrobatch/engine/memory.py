@@ -9,16 +9,18 @@ import psutil
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .kv_cache import RESERVED_CHUNKS
-from .models import layer_types_of, text_config
+from ferrobatch.attention.kv_cache import RESERVED_CHUNKS
+from ferrobatch.defaults import (
+    CPU_MEMORY_CAP,
+    CPU_MEMORY_PERCENT,
+    CUDA_MEMORY_PERCENT,
+    DEFAULT_MAX_GRAPHS,
+    DEFAULT_Q_INTERVAL,
+    GiB,
+)
+from ferrobatch.models import layer_types_of, text_config
 
-GiB = 2**30
 MiB = 2**20
-# Without an explicit max_memory_percent the CPU cache takes at most this share of available
-# memory and never more than CPU_DEFAULT_CAP: RAM is shared with the rest of the machine.
-CPU_DEFAULT_PERCENT = 0.25
-CPU_DEFAULT_CAP = 4 * GiB
-CUDA_DEFAULT_PERCENT = 0.9
 BOOKKEEPING = 64 * MiB
 
 
@@ -96,8 +98,7 @@ def graph_pool_bytes(
     (rows x heads x up to 16 splits x head_dim, fp32). Each graph also keeps its output, the
     hidden states `[rows, hidden]` (the LM head runs outside the graph), and its static
     inputs (a few int32 arrays, counted as 8 per row)."""
-    from .cuda.graphs import DEFAULT_Q_INTERVAL, GraphBuckets
-    from .runner import DEFAULT_MAX_GRAPHS
+    from ferrobatch.cuda.graphs import GraphBuckets
 
     shape = _Shape.of(config)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -173,12 +174,12 @@ def choose_num_blocks(
             free_bytes = int(psutil.virtual_memory().available)
     if max_memory_percent is None:
         if dev.type == "cuda":
-            budget = free_bytes * CUDA_DEFAULT_PERCENT
-            rule = f"{CUDA_DEFAULT_PERCENT:.0%} of free {_fmt(free_bytes)}"
+            budget = free_bytes * CUDA_MEMORY_PERCENT
+            rule = f"{CUDA_MEMORY_PERCENT:.0%} of free {_fmt(free_bytes)}"
         else:
-            budget = min(free_bytes * CPU_DEFAULT_PERCENT, CPU_DEFAULT_CAP)
-            rule = (f"min({CPU_DEFAULT_PERCENT:.0%} of available {_fmt(free_bytes)}, "
-                    f"{_fmt(CPU_DEFAULT_CAP)})")
+            budget = min(free_bytes * CPU_MEMORY_PERCENT, CPU_MEMORY_CAP)
+            rule = (f"min({CPU_MEMORY_PERCENT:.0%} of available {_fmt(free_bytes)}, "
+                    f"{_fmt(CPU_MEMORY_CAP)})")
     else:
         if not 0.0 < max_memory_percent <= 1.0:
             raise ValueError("max_memory_percent must be in (0, 1]")

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrobatch.detok import IncrementalDetokenizer
-from ferrobatch.outputs import RequestOutput
-from ferrobatch.sampling import SamplingParams, SamplingState, coerce_sampling
+from ferrobatch.engine.detok import IncrementalDetokenizer
+from ferrobatch.engine.outputs import RequestOutput
+from ferrobatch.sampling.params import SamplingParams, coerce_sampling
+from ferrobatch.sampling.sampler import SamplingState
 
 __all__ = [
     "Listener",

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from ferrobatch import memory
+from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
-from ferrobatch.guided import GuideFactory
-from ferrobatch.outputs import RequestOutput
-from ferrobatch.pipeline import AsyncStepper
-from ferrobatch.request import (
+from ferrobatch.engine import memory
+from ferrobatch.engine.outputs import RequestOutput
+from ferrobatch.engine.pipeline import AsyncStepper
+from ferrobatch.engine.request import (
     Listener,
     Prompt,
     Request,
@@ -37,10 +37,11 @@ from ferrobatch.request import (
     make_request,
     sampling_list,
 )
-from ferrobatch.rope import LongRope
-from ferrobatch.routing import OutputRouter
-from ferrobatch.sampling import Sampler, SamplingParams
-from ferrobatch.step import Stepper, model_lock
+from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.engine.stepper import Stepper, model_lock
+from ferrobatch.sampling.guided import GuideFactory
+from ferrobatch.sampling.params import SamplingParams
+from ferrobatch.sampling.sampler import Sampler
 
 __all__ = ["Engine", "EngineClosedError", "Listener", "Prompt", "QueueFullError"]
 
@@ -68,7 +69,7 @@ class Engine:
     `model.generate` in fp32), "auto" = bf16 on CPUs with native bf16 for checkpoints stored
     in half precision (`models.resolve_dtype`), or "float32" / "bfloat16" / "float16" / a
     `torch.dtype`. On CPU a bf16 / fp16 model runs its linear layers on weights packed once
-    for the matrix units, with fp32 activations between them (`ferrobatch.cpu_linear`).
+    for the matrix units, with fp32 activations between them (`ferrobatch.runner.cpu_linear`).
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class Engine:
         seed: int | None = None,
     ) -> None:
         from ferrobatch import models
-        from ferrobatch.runner import ModelRunner
+        from ferrobatch.runner.model_runner import ModelRunner
 
         self.config = ContinuousBatchingConfig.coerce(config)
         loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
@@ -313,7 +314,7 @@ class Engine:
 
     def _probe_own_forward(self) -> None:
         """Probe 1 (see `_probe_model`)."""
-        from ferrobatch.runner import _eval_mode
+        from ferrobatch.runner.patches import eval_mode
 
         name = type(self.model).__name__
         n = max(2, min(12, self.max_model_len - 3, self.num_blocks * self.config.page_size - 1))
@@ -334,7 +335,7 @@ class Engine:
                 got.append(logits[-1].detach().float().cpu())
                 tokens.append(int(logits[-1].argmax()))
             scratch.update([int(logits[i].argmax()) for i in range(len(plan.logits_indices))])
-        with torch.inference_mode(), _eval_mode(self.model):
+        with torch.inference_mode(), eval_mode(self.model):
             ids = torch.tensor([tokens[: n + 1]], device=self.device)
             ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
         ref = ref.detach().float().cpu()

@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrobatch.prompt_logprobs import PromptJob
-from ferrobatch.request import Request
-from ferrobatch.routing import OutputRouter
-from ferrobatch.sampling import DeviceSample, Sampler, SamplingParams, SamplingState
-from ferrobatch.step import Stepper
+from ferrobatch.engine.request import Request
+from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.engine.stepper import Stepper
+from ferrobatch.sampling.params import SamplingParams
+from ferrobatch.sampling.prompt_logprobs import PromptJob
+from ferrobatch.sampling.sampler import DeviceSample, Sampler, SamplingState
 
 __all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
 
@@ -135,7 +136,7 @@ class AsyncStepper(Stepper):
     the steps planned by `schedule_ahead`, and `pipeline_drains`, the times a step in flight
     was finished alone: nothing to run ahead, or the last ahead plan calls for `schedule()`,
     counted in `stall_drains` / `swap_drains`, see `_drain_reason`, or `rope_drains`: a
-    request crosses the longrope threshold, `ferrobatch.rope`).
+    request crosses the longrope threshold, `ferrobatch.attention.rope`).
     `close()` waits for the step in flight and drops it.
     """
 
@@ -258,7 +259,7 @@ class AsyncStepper(Stepper):
         )
         job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (ferrobatch.prompt_logprobs)
+            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
                 cur.logits, prompt_logits = self.runner.execute_with_prompt(
                     plan, job.indices, prev_tokens
                 )

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ferrobatch.prompt_logprobs import PromptJob
-from ferrobatch.request import Request
-from ferrobatch.routing import OutputRouter
-from ferrobatch.sampling import Sampler, SampleResult
+from ferrobatch.engine.request import Request
+from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.sampling.prompt_logprobs import PromptJob
+from ferrobatch.sampling.sampler import Sampler, SampleResult
 
 __all__ = ["Stepper", "model_lock"]
 
@@ -64,7 +64,7 @@ class Stepper:
         self.busy_time = 0.0
         # requests with prompt logprobs still to compute, by id (empty: no step looks)
         self.prompt_pending: dict[str, Request] = {}
-        # per-request rope factors (`ferrobatch.rope.LongRope`), when the model needs them
+        # per-request rope factors (`ferrobatch.attention.rope.LongRope`), when the model needs them
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
         self.forward_lock = model_lock(model) if model is not None else threading.Lock()
@@ -90,7 +90,7 @@ class Stepper:
         )
         job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (ferrobatch.prompt_logprobs)
+            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
                 greedy = False
                 logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices)
                 job.record(prompt_logits)

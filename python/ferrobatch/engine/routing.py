@@ -7,7 +7,7 @@ import collections
 import threading
 from typing import Any
 
-from ferrobatch.request import Request
+from ferrobatch.engine.request import Request
 
 __all__ = ["OutputRouter"]
 

@@ -1,0 +1,160 @@
+"""Paged attention over ferrobatch's KV cache, plugged into transformers' attention interface.
+
+`paged_attention_forward` is registered under `ATTENTION_NAME` with
+`transformers.AttentionInterface`; a mask function returning None is registered under the
+same name with `AttentionMaskInterface`, so a packed forward builds no dense mask. The step's
+metadata (`PagedStep`, built once per step by `build_step`) reaches every layer through the
+forward kwarg `STEP_KWARG`, or, for decoder layers that drop their **kwargs, through the
+thread-local step `paged_attention_enabled` sets for the forward. Calls with neither (another
+thread using the caller's model while a ferrobatch forward has its config switched) are
+delegated to the model's own implementation. Attention sinks (GPT-OSS `s_aux`) are applied
+as one extra softmax column per head whose probability mass is dropped.
+
+Per layer and attention type the work is: gather the cached keys prefill rows need (before
+any write: sliding rings may be overwritten by this step), write the step's new K/V with the
+slot mapping, then one padded gather + one SDPA for all single-token rows, and one SDPA per
+multi-token row. Never a mask across requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ferrobatch.attention import context, kernels
+from ferrobatch.attention.kernel_step import KernelStep
+from ferrobatch.attention.paged_step import PagedStep
+from ferrobatch.attention.sdpa import attend
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] of a
+    packed step → output [1, T, H, D], reading and writing the paged cache."""
+    step: PagedStep | KernelStep | None = kwargs.get(context.STEP_KWARG)
+    if step is None:
+        # A decoder layer that drops its **kwargs (Nemotron) loses the forward kwarg: the
+        # step set for this thread's ferrobatch forward (never another thread's) stands in.
+        step = getattr(context.STATE, "step", None)
+        layer = getattr(module, "layer_idx", None)
+        if step is None or not isinstance(layer, int) or not 0 <= layer < num_layers(step):
+            return context.delegate(module, query, key, value, attention_mask, scaling=scaling,
+                             dropout=dropout, softcap=softcap, **kwargs)
+    layer = module.layer_idx
+    step.calls += 1
+    sinks = kwargs.get("s_aux")
+    if not isinstance(sinks, torch.Tensor):
+        sinks = None
+    if isinstance(step, KernelStep):
+        if sinks is not None:
+            raise NotImplementedError(
+                "attention sinks (s_aux) are not implemented by ferrobatch's GPU kernels; "
+                "use attention_backend='sdpa'"
+            )
+        if scaling is None:
+            scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        out = kernels.kernel_attention(step, layer, query, key, value, scaling, softcap or None)
+        return out, None
+    group = step.groups[layer]
+    k_cache = step.cache.keys[layer]
+    v_cache = step.cache.values[layer]
+    _, heads, num_tokens, dim = query.shape
+    kv_heads = key.shape[1]
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or dim**-0.5
+    softcap = softcap or None
+    q_all = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    if k_new.dtype != k_cache.dtype:
+        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+
+    cached_k = cached_v = None
+    cache = step.cache
+    if group.prefill_cached_slots is not None:
+        cached_k, cached_v = cache.gather_buffers(1, group.prefill_cached_slots.shape[0])
+        torch.index_select(k_cache, 0, group.prefill_cached_slots, out=cached_k)
+        torch.index_select(v_cache, 0, group.prefill_cached_slots, out=cached_v)
+    k_cache.index_copy_(0, group.slot_mapping, k_new)
+    v_cache.index_copy_(0, group.slot_mapping, v_new)
+
+    out = None
+    out_dtype = step.out_dtype or query.dtype
+    kd = group.kernel_decode
+    if kd is not None:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks need the SDPA decode path")
+        q_dec = q_all.transpose(0, 1) if kd.tokens is None else q_all.index_select(
+            1, kd.tokens).transpose(0, 1)
+        if q_dec.dtype not in kernels.KERNEL_DTYPES:
+            q_dec = q_dec.float()
+        q_dec = q_dec.contiguous()  # [Bd, H, D]
+        o = torch.empty(q_dec.shape, dtype=out_dtype if out_dtype in kernels.KERNEL_DTYPES
+                        else torch.float32)
+        kernels.decode_kernel(q_dec, k_cache, v_cache, kd, o, cache.page_size, scaling, softcap)
+        if kd.tokens is None:
+            return o.to(out_dtype).unsqueeze(0), None
+        out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+        out.index_copy_(0, kd.tokens, o.to(out_dtype))
+    for bucket in group.decode:
+        bd = bucket.rows
+        if bucket.tokens is None:
+            q_dec = q_all.transpose(0, 1)  # [Bd, H, D]
+        else:
+            q_dec = q_all.index_select(1, bucket.tokens).transpose(0, 1)
+        k, v = cache.gather_chunks(k_cache, v_cache, bucket.chunks)
+        k = k.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
+        v = v.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
+        mask = bucket.mask
+        if q_dec.dtype != k.dtype:  # attention runs in the cache's dtype
+            q_dec = q_dec.to(k.dtype)
+        if softcap is None and sinks is None:
+            # The query heads sharing a KV head become that head's query rows: no GQA expansion.
+            qg = q_dec.reshape(bd, kv_heads, heads // kv_heads, dim)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
+        else:
+            o = attend(q_dec.unsqueeze(2), k, v, mask, scaling, softcap, False, sinks)
+        o = o.reshape(bd, heads, dim)
+        if o.dtype != out_dtype:
+            o = o.to(out_dtype)
+        if bucket.tokens is None:
+            return o.unsqueeze(0), None
+        if out is None:
+            out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+        out.index_copy_(0, bucket.tokens, o)
+    if out is None:
+        out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+    for row in group.prefill:
+        s, e = row.tok_start, row.tok_end
+        q = query[:, :, s:e]
+        if row.cached_end > row.cached_start:
+            a, b = row.cached_start, row.cached_end
+            k = torch.cat([cached_k[a:b], k_new[s:e]]).transpose(0, 1).unsqueeze(0)
+            v = torch.cat([cached_v[a:b], v_new[s:e]]).transpose(0, 1).unsqueeze(0)
+        else:
+            k = key[:, :, s:e]
+            v = value[:, :, s:e]
+        # attention runs in the cache's dtype (the keys of a chunked prompt are rounded
+        # alike whether they come from the cache or from this forward)
+        dt = k_cache.dtype
+        mask = row.mask
+        if mask is not None and mask.dtype != dt:
+            mask = mask.to(dt)
+        o = attend(q.to(dt), k.to(dt), v.to(dt), mask, scaling, softcap, row.causal, sinks)
+        out[s:e] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def num_layers(step: PagedStep | KernelStep) -> int:
+    return len(step.groups) if isinstance(step, PagedStep) else len(step.layer_types)

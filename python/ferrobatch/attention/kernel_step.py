@@ -1,0 +1,84 @@
+"""`KernelStep`: the per-step device metadata of the GPU kernels, built once per step by
+`build_kernel_step`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.models import SLIDING
+
+
+@dataclass
+class KernelStep:
+    """Per-step device metadata for the GPU kernels of `ferrobatch.cuda.triton_attention`
+    (built once per step by `build_kernel_step`; see `docs/cuda-wiring.md`)."""
+
+    cache: PagedKVCache
+    layer_types: list[str]
+    backend: str  # "triton" | "flash_attn" | "torch"
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seqlens_k: torch.Tensor  # [B] int32
+    slot_mapping: dict[str, torch.Tensor]  # [T] int64 per type
+    block_tables: dict[str, torch.Tensor]  # [B, W] int32 per type
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_splits: dict[str, int]
+    sliding_window: int | None
+    ring_size: int | None
+    num_tokens: int
+    calls: int = 0
+
+
+def build_kernel_step(
+    plan: Any,
+    cache: PagedKVCache,
+    layer_types: list[str],
+    sliding_window: int | None,
+    backend: str,
+    num_sms: int = 132,
+) -> KernelStep:
+    """The device tensors and host integers the kernels need for `plan`."""
+    from ferrobatch.cuda import triton_attention as ta
+
+    device = cache.device
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    seqlens = np.asarray(plan.seqlens_k, dtype=np.int64)
+    qlen = np.diff(cu)
+    if (qlen < 1).any() or (seqlens < qlen).any():
+        raise ValueError("every row needs >= 1 query token and seqlens_k >= its query length")
+
+    def i32(a: Any) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+        return host.to(device, non_blocking=True)  # no stream sync on CUDA
+
+    max_k = int(seqlens.max())
+    types = sorted(set(layer_types))
+    num_splits = {}
+    for typ in types:
+        keys = min(max_k, int(sliding_window)) if typ == SLIDING else max_k
+        num_splits[typ] = ta.choose_num_splits(len(qlen), cache.num_kv_heads, keys,
+                                               num_sms=num_sms)
+    tables = {t: i32(plan.block_tables[t]) for t in types}
+    return KernelStep(
+        cache=cache,
+        layer_types=layer_types,
+        backend=backend,
+        cu_seqlens_q=i32(cu),
+        seqlens_k=i32(seqlens),
+        slot_mapping={
+            t: torch.from_numpy(np.ascontiguousarray(plan.slot_mapping[t], dtype=np.int64))
+            .to(device, non_blocking=True) for t in types
+        },
+        block_tables=tables,
+        max_seqlen_q=int(qlen.max()),
+        max_seqlen_k=max_k,
+        num_splits=num_splits,
+        sliding_window=sliding_window,
+        ring_size=int(tables[SLIDING].shape[1]) if SLIDING in tables else None,
+        num_tokens=int(cu[-1]),
+    )

@@ -1,0 +1,80 @@
+"""Attention through kernels instead of SDPA: the GPU kernels of
+`ferrobatch.cuda.triton_attention` (a `KernelStep`'s layers) and the in-place CPU decode
+kernel of `ferrobatch._core` (a `PagedStep`'s single-token rows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferrobatch.attention.kernel_step import KernelStep
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.attention.paged_step import _KernelDecode
+from ferrobatch.models import SLIDING
+
+KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                  torch.float16: "float16"}
+
+
+
+def kernel_attention(
+    step: KernelStep,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    from ferrobatch.cuda import triton_attention as ta
+
+    typ = step.layer_types[layer]
+    sliding = typ == SLIDING
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if k_new.dtype != k_cache.dtype:
+        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+    out = ta.paged_attention(
+        query[0].transpose(0, 1), k_new, v_new, k_cache, v_cache,
+        step.slot_mapping[typ], step.block_tables[typ], step.cu_seqlens_q, step.seqlens_k,
+        max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
+        page_size=step.cache.page_size, scale=scaling, softcap=softcap,
+        sliding_window=step.sliding_window if sliding else None,
+        ring_size=step.ring_size if sliding else None,
+        num_splits=step.num_splits[typ], backend=step.backend,
+    )
+    return out.unsqueeze(0)
+
+
+def decode_kernel_available(cache: PagedKVCache) -> bool:
+    """Whether decode rows can use the in-place CPU kernel of `ferrobatch._core` with
+    `cache` (a CPU cache in fp32, bf16 or fp16)."""
+    from ferrobatch import _core
+
+    return (
+        hasattr(_core, "paged_decode_attention")
+        and cache.device.type == "cpu"
+        and cache.dtype in KERNEL_DTYPES
+    )
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing `t`'s memory (bf16 / fp16 as their uint16 bit patterns)."""
+    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
+
+
+def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kd: _KernelDecode, out: torch.Tensor, page: int, scale: float,
+                   softcap: float | None) -> None:
+    from ferrobatch import _core
+
+    _core.paged_decode_attention(
+        numpy_view(q), numpy_view(k_cache), numpy_view(v_cache), kd.block_tables,
+        kd.seqlens, numpy_view(out), q_dtype=KERNEL_DTYPES[q.dtype],
+        cache_dtype=KERNEL_DTYPES[k_cache.dtype], out_dtype=KERNEL_DTYPES[out.dtype],
+        page=page, window=kd.window, scale=float(scale), softcap=float(softcap or 0.0),
+        threads=torch.get_num_threads(),
+    )
+
+
+# --- registration, switching, delegation -------------------------------------------------

@@ -1,0 +1,233 @@
+"""`PagedStep`: what the SDPA path of the attention layers needs for one step, built once
+per step from the plan by `build_step` (gather indices, slot mappings, additive masks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.models import SLIDING
+
+
+@dataclass
+class _PrefillRow:
+    """One multi-token row of one attention type."""
+
+    tok_start: int
+    tok_end: int
+    cached_start: int  # offsets into the group's cached-key gather
+    cached_end: int
+    mask: torch.Tensor | None  # [q, cached + q] additive (0 / -inf); None with causal
+    causal: bool
+
+
+@dataclass
+class _DecodeBucket:
+    """Single-token rows of similar key length, attended together."""
+
+    tokens: torch.Tensor | None  # [Bb] token indices; None when the bucket is all T tokens
+    chunks: torch.Tensor  # [Bb * Wb] chunk ids to gather, row after row
+    rows: int  # Bb
+    keys: int  # Wb * page_size gathered keys per row
+    mask: torch.Tensor | None  # [Bb, 1, 1, keys] additive; None when every key counts
+
+
+@dataclass
+class _KernelDecode:
+    """All single-token rows of one attention type, for the in-place CPU kernel
+    (`ferrobatch._core.paged_decode_attention`)."""
+
+    tokens: torch.Tensor | None  # [Bd] token indices; None when the rows are all T tokens
+    block_tables: np.ndarray  # [Bd, W] int32
+    seqlens: np.ndarray  # [Bd] int32
+    window: int  # 0 = full attention
+
+
+@dataclass
+class _Group:
+    """Per-step metadata of one attention type, shared by all its layers."""
+
+    slot_mapping: torch.Tensor  # [T] long
+    decode: list[_DecodeBucket]
+    prefill_cached_slots: torch.Tensor | None  # all prefill rows' cached keys, row after row
+    prefill: list[_PrefillRow]
+    kernel_decode: _KernelDecode | None = None
+
+
+@dataclass
+class PagedStep:
+    """What the attention layers need for one step (built once by `build_step`)."""
+
+    cache: PagedKVCache
+    groups: list[_Group]  # per layer: the group of its attention type
+    num_tokens: int
+    calls: int = 0  # attention calls seen; the runner checks every layer came through here
+    # dtype of the attention output (None: the query's); the runner asks for the cache's
+    # when the next product rounds its input to it anyway (packed half-precision linears)
+    out_dtype: torch.dtype | None = None
+
+
+def build_step(
+    plan: Any,
+    cache: PagedKVCache,
+    layer_types: list[str],
+    sliding_window: int | None,
+    decode_kernel: bool = False,
+) -> PagedStep:
+    """Precompute gather indices and masks for every attention type of `plan`.
+
+    Follows ARCHITECTURE.md §3: full attention reads positions `0 .. seqlens_k` through
+    `block_tables["full_attention"]`; sliding attention reads a row's last `w` positions
+    through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
+    single-token rows are attended in place by the CPU kernel instead of gathered.
+    """
+    page = cache.page_size
+    device = cache.device
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    seqlens = np.asarray(plan.seqlens_k, dtype=np.int64)
+    qlen = np.diff(cu)
+    num_tokens = int(cu[-1])
+    if (qlen < 1).any():
+        raise ValueError("every row of a plan must have at least one query token")
+    start = seqlens - qlen
+    if (start < 0).any():
+        raise ValueError("seqlens_k smaller than the row's query length")
+    decode_rows = np.flatnonzero(qlen == 1)
+    prefill_rows = np.flatnonzero(qlen > 1)
+    all_decode = len(decode_rows) == len(qlen)
+
+    def to_long(a: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        return host.to(device, non_blocking=True)  # no stream sync on CUDA
+
+    def additive(valid: np.ndarray) -> torch.Tensor:
+        # Additive masks built once per step: SDPA would convert a bool mask in every layer.
+        m = np.where(valid, np.float32(0.0), np.float32(-np.inf))
+        return torch.from_numpy(m).to(device=device, dtype=cache.dtype, non_blocking=True)
+
+    groups: dict[str, _Group] = {}
+    for typ in set(layer_types):
+        sliding = typ == SLIDING
+        if sliding and not sliding_window:
+            raise ValueError("sliding layers need a sliding window")
+        w = int(sliding_window) if sliding else 0
+        table = np.asarray(plan.block_tables[typ], dtype=np.int64)
+        if table.ndim != 2 or table.shape[0] != len(qlen):
+            raise ValueError(f"block_tables[{typ!r}] must be [B, W]")
+        ring = table.shape[1]
+        slot_mapping = np.asarray(plan.slot_mapping[typ], dtype=np.int64)
+        if slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping[{typ!r}] must have T={num_tokens} entries")
+
+        def slots_of(rows: np.ndarray, pos: np.ndarray, *, _table=table, _ring=ring,
+                     _sliding=sliding) -> np.ndarray:
+            col = pos // page
+            if _sliding:
+                col = col % _ring
+            return _table[rows, col] * page + pos % page
+
+        # Single-token rows: whole chunks gathered after this step's write (their one new
+        # key is then in the cache), keys outside the row's range masked; rows bucketed by
+        # length so short rows do not pay for the longest.
+        decode: list[_DecodeBucket] = []
+        kernel_decode = None
+        if len(decode_rows) and decode_kernel:
+            if not sliding and int(-(-seqlens[decode_rows].max() // page)) > table.shape[1]:
+                raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
+            kernel_decode = _KernelDecode(
+                tokens=None if all_decode else to_long(cu[decode_rows]),
+                block_tables=np.ascontiguousarray(table[decode_rows], dtype=np.int32),
+                seqlens=np.ascontiguousarray(seqlens[decode_rows], dtype=np.int32),
+                window=w,
+            )
+        elif len(decode_rows):
+            total = seqlens[decode_rows]
+            if sliding:
+                width = np.full(len(decode_rows), ring)
+            else:
+                width = -(-total // page)
+                if width.max() > table.shape[1]:
+                    raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
+            for idx in _buckets(width, page):
+                rows = decode_rows[idx]
+                wb = int(width[idx].max())
+                chunk_ids = table[rows, :wb]
+                last = total[idx][:, None, None] - 1
+                col = np.arange(wb)[None, :, None]
+                off = np.arange(page)[None, None, :]
+                if sliding:
+                    # The position a ring slot holds now: the latest p <= last in that slot.
+                    lb = last // page
+                    blk = lb - (lb - col) % wb
+                    blk = np.where(blk * page + off > last, blk - wb, blk)
+                    pos = blk * page + off
+                    valid = (pos >= 0) & (pos > last - w)
+                else:
+                    valid = np.broadcast_to(col * page + off <= last, (len(rows), wb, page))
+                valid = valid.reshape(len(rows), wb * page)
+                decode.append(_DecodeBucket(
+                    tokens=None if all_decode and len(idx) == len(qlen) else to_long(cu[rows]),
+                    chunks=to_long(chunk_ids.reshape(-1)),
+                    rows=len(rows),
+                    keys=wb * page,
+                    mask=None if valid.all() else additive(valid[:, None, None, :]),
+                ))
+
+        # Multi-token rows: cached keys gathered before the write, new keys from the forward.
+        prefill: list[_PrefillRow] = []
+        cached_parts: list[np.ndarray] = []
+        offset = 0
+        for r in prefill_rows:
+            s, q = int(start[r]), int(qlen[r])
+            c0 = max(0, s - w + 1) if sliding else 0
+            c = s - c0
+            if c:
+                cached_parts.append(slots_of(np.full(c, r), np.arange(c0, s)))
+            causal = c == 0 and (not sliding or q <= w)
+            mask = None
+            if not causal:
+                q_pos = np.arange(s, s + q)[:, None]
+                k_pos = np.arange(c0, s + q)[None, :]
+                m = k_pos <= q_pos
+                if sliding:
+                    m &= k_pos > q_pos - w
+                mask = additive(m)
+            prefill.append(
+                _PrefillRow(int(cu[r]), int(cu[r + 1]), offset, offset + c, mask, causal)
+            )
+            offset += c
+        cached = to_long(np.concatenate(cached_parts)) if cached_parts else None
+        groups[typ] = _Group(
+            slot_mapping=to_long(slot_mapping),
+            decode=decode,
+            prefill_cached_slots=cached,
+            prefill=prefill,
+            kernel_decode=kernel_decode,
+        )
+    return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
+
+
+_BUCKET_PENALTY_KEYS = 256  # one more gather + SDPA call costs about this many padded keys
+
+
+def _buckets(width: np.ndarray, page: int) -> list[np.ndarray]:
+    """Split rows (by gathered chunks `width`) into up to 4 equal-count length buckets when
+    that saves more padded keys than the extra calls cost."""
+    order = np.argsort(width, kind="stable")
+    n = len(order)
+    best_cost, best = n * int(width.max()) * page, [order]
+    for k in (2, 3, 4):
+        if n < 4 * k:
+            break
+        parts = np.array_split(order, k)
+        cost = sum(len(p) * int(width[p].max()) for p in parts) * page
+        cost += (k - 1) * _BUCKET_PENALTY_KEYS
+        if cost < best_cost:
+            best_cost, best = cost, parts
+    if len(best) == 1:
+        return [np.arange(n)]  # keep plan order: a single bucket needs no scatter
+    return best

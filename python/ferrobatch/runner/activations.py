@@ -1,0 +1,92 @@
+"""Half-precision linears on CPU: which activations dtype a bf16 / fp16 model runs with,
+decided once against its own forward (the runner's `PackedActivations` part; the packed
+layers themselves are `ferrobatch.runner.cpu_linear`)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ferrobatch.attention import context, registry
+from ferrobatch.models import text_config
+from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.patches import eval_mode
+
+logger = logging.getLogger("ferrobatch")
+
+
+class PackedActivations:
+    """`ModelRunner`'s packed half-precision linears (None unless a bf16 / fp16 CPU model)."""
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the activations between the linear layers."""
+        return self._linears.activation_dtype if self._linears is not None else self.dtype
+
+    def _linears_active(self) -> Any:
+        return self._linears.active() if self._linears is not None else nullcontext()
+
+    def _make_packed_linears(self, activations: str) -> PackedLinears | None:
+        """Packed half-precision linears (`ferrobatch.runner.cpu_linear`), fp32 activations when
+        asked or, with "auto", when a forward that way is at least about as close to the
+        exact computation as the model's own (a model whose code mixes its activations with
+        half-precision tensors outside `nn.Linear` fails that check and keeps its dtype);
+        layers sharing an input grouped from one calibration forward."""
+        if self.model.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        in_fwd = context.in_ferrobatch_forward
+        linears = None
+        if activations != "model":
+            linears = PackedLinears.of(
+                self.model, activation_dtype=torch.float32, in_thread=in_fwd,
+                hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
+            )
+            if linears is not None and activations == "auto" and not self._widening_holds(
+                linears
+            ):
+                logger.info("ferrobatch: %s keeps %s activations (its forward with fp32 "
+                            "activations is further from the exact one than its own)",
+                            type(self.model).__name__, self.model.dtype)
+                linears = None
+        if linears is None:
+            linears = PackedLinears.of(self.model, in_thread=in_fwd)
+        if linears is not None:
+            ids = self._check_ids(16)
+            try:
+                with torch.inference_mode(), eval_mode(self.model), \
+                        registry.cast_attention_enabled(self._configs):
+                    linears.calibrate(lambda: self.model(input_ids=ids, use_cache=False))
+            except Exception as exc:  # noqa: BLE001 - no groups then: each layer alone
+                logger.info("ferrobatch: no stacked linear groups (calibration forward "
+                            "failed: %s: %s)", type(exc).__name__, exc)
+            logger.info("ferrobatch: %d linear layers on packed %s weights (%d stacked groups, "
+                        "%.0f MiB), %s activations", linears.num_layers, linears.weight_dtype,
+                        linears.num_groups, linears.packed_bytes / 2**20,
+                        linears.activation_dtype)
+        return linears
+
+    def _check_ids(self, n: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, self.vocab_size, (1, n), generator=gen).to(self.device)
+
+    def _widening_holds(self, wide: PackedLinears) -> bool:
+        """Whether the model's forward with fp32 activations runs and is at least as close
+        to the exact computation (fp32 products of the same weights) as its own forward."""
+        ids = self._check_ids(16)
+        try:
+            with torch.inference_mode(), eval_mode(self.model):
+                own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                with wide.active(everywhere=True), registry.cast_attention_enabled(self._configs):
+                    got = self.model(input_ids=ids, use_cache=False).logits[0]
+                with wide.active(exact=True):
+                    ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        except Exception as exc:  # noqa: BLE001 - a model that can't: keep its dtype
+            logger.info("ferrobatch: fp32 activations fail (%s: %s)", type(exc).__name__, exc)
+            return False
+        got = got.float()
+        if not bool(torch.isfinite(got).all()):
+            return False
+        return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())

@@ -1,0 +1,376 @@
+"""`ModelRunner`: runs one `StepPlan` through a transformers causal LM over the paged cache."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ferrobatch.attention import context, registry
+from ferrobatch.attention.kernel_step import KernelStep, build_kernel_step
+from ferrobatch.attention.kernels import decode_kernel_available
+from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.attention.paged_step import PagedStep, build_step
+from ferrobatch.models import layer_types_of, sliding_window_of, text_config
+from ferrobatch.runner.activations import PackedActivations
+from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.graph_steps import GraphSteps
+from ferrobatch.runner.output_head import OutputHead, WeightDerived
+from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
+from ferrobatch.sampling.sampler import argmax_rows
+
+logger = logging.getLogger("ferrobatch")
+
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner(GraphSteps, OutputHead, PackedActivations):
+    """Executes step plans (ARCHITECTURE.md §3) on `model` with ferrobatch's paged KV cache.
+
+    The caller's model is used as is: its attention implementation is switched to the paged
+    one only for the duration of each forward and restored afterwards; its weights, config
+    and generation config are never changed.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        num_blocks: int,
+        page_size: int,
+        cpu_offload_blocks: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
+        use_cuda_graph: bool | None = None,
+        config: Any = None,
+        max_graphs: int | None = None,
+        activations: str = "auto",
+    ) -> None:
+        """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
+        flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
+        "triton", "flash_attn" or "torch" (the kernels' reference) force one.
+
+        `use_cuda_graph`: None = CUDA graphs for decode-only steps when on CUDA with a kernel
+        backend (no dense mask), else eager (logged); True forces them where possible and
+        warns + runs eager where not (CPU, the SDPA backend); False = always eager.
+        `config` (a `ContinuousBatchingConfig`) supplies the graph padding intervals and
+        `max_requests_per_batch`; `max_graphs` bounds the graph cache (default
+        `DEFAULT_MAX_GRAPHS`).
+
+        `activations` (bf16 / fp16 models on CPU, whose linear layers then run on weights
+        packed once for oneDNN, `ferrobatch.runner.cpu_linear`): "float32" keeps activations in
+        fp32 between the half-precision products (the default, "auto", when the model runs
+        that way: checked once against its own forward), "model" keeps the model's dtype
+        throughout (what the model's own forward computes)."""
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.model = model
+        self.config = model.config
+        cfg = text_config(model.config)
+        # what the model's forward does (models.attention_layout), not what its config says
+        self.layer_types: list[str] = layer_types_of(model)
+        self.sliding_window: int | None = sliding_window_of(model)
+        self.vocab_size: int = int(cfg.vocab_size)
+        self.page_size = page_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device) if device is not None else model.device
+        self.dtype = dtype if dtype is not None else model.dtype
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.cache = PagedKVCache(
+            num_layers=len(self.layer_types),
+            num_blocks=num_blocks,
+            page_size=page_size,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            device=self.device,
+            dtype=self.dtype,
+            cpu_offload_blocks=cpu_offload_blocks,
+        )
+        self.attention_backend = self._choose_backend(attention_backend)
+        # decode rows attended in place by the CPU kernel of `ferrobatch._core` (no gather);
+        # attention sinks keep the SDPA path
+        self.decode_kernel: bool = (
+            self.attention_backend == "sdpa"
+            and decode_kernel_available(self.cache)
+            and not self._has_sinks()
+        )
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda" else 132
+        )
+        self._configs = registry.model_configs(model)
+        self._base = getattr(model, "base_model", None)
+        self._head = model.get_output_embeddings()
+        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._logit_scale = getattr(model, "logit_scale", None) or getattr(
+            cfg, "logit_scale", None
+        )
+        self._logits_scaling = getattr(cfg, "logits_scaling", None)
+        self._head_wt = WeightDerived(lambda w: w.t().contiguous())
+        self._head_packed = WeightDerived(
+            lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        )
+        self._use_head_wt = False
+        self._use_head_packed = False
+        if activations not in ("auto", "float32", "model"):
+            raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
+                             f"not {activations!r}")
+        self._linears: PackedLinears | None = None
+        if self.device.type == "cpu":
+            self._linears = self._make_packed_linears(activations)
+        self._split_head = self._check_split_head()
+        if self._split_head:
+            self._use_head_packed = self._packed_head_wins()
+            self._use_head_wt = not self._use_head_packed and self._transposed_head_wins()
+        self._greedy_head = self._make_greedy_head()
+        # execute_greedy screens the vocabulary instead of computing every fp32 logit
+        self.fast_greedy: bool = self._greedy_head is not None
+        self._closed = False
+        # Set by the engine: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
+        # factors (the rotary module would take them from the whole packed step).
+        self.rope: Any = None
+        self._graphs: Any = None  # GraphCache when padded (graph) steps are on
+        self._graph_mode: str | None = None
+        self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
+        self._graph_pool_bytes = 0
+        self._graph_input_bytes = 0
+        self._graph_error: str | None = None
+        if self.device.type == "cuda":
+            install_packed_check_bypass()
+        self.cuda_graph_off_reason: str | None = None  # why graphs are off, when they are
+        self.use_cuda_graph = self._resolve_cuda_graph(use_cuda_graph)
+        if self.use_cuda_graph:
+            self._setup_graphs("cuda", config=config, max_graphs=max_graphs)
+            logger.info(
+                "ferrobatch: CUDA graphs on for decode-only steps (backend %s, at most %d "
+                "graphs, q interval %d, kv interval %d)", self.attention_backend,
+                self._graphs.max_graphs, self._buckets.q_interval, self._buckets.kv_interval,
+            )
+
+    def _resolve_cuda_graph(self, requested: bool | None) -> bool:
+        """Whether decode-only steps run through CUDA graphs (see `__init__`)."""
+        if requested is False:
+            return False
+        why = None
+        if self.device.type != "cuda":
+            why = f"the model is on {self.device.type}, not CUDA"
+        elif self.attention_backend not in ("triton", "flash_attn", "torch"):
+            why = f"attention backend {self.attention_backend!r} builds masks per step"
+        elif not self._split_head:
+            why = ("the output head is not separable from the base model: "
+                   f"{self.split_head_error}")
+        if why is None:
+            return True
+        self.cuda_graph_off_reason = why
+        msg = f"ferrobatch: CUDA graphs off ({why}); running eager"
+        if requested:
+            warnings.warn(msg, stacklevel=3)
+        elif self.device.type == "cuda":
+            # A downgrade the caller did not ask for (graphs are the CUDA default): loud,
+            # and kept in graph_stats()["off_reason"].
+            logger.warning(msg)
+        else:
+            logger.info(msg)
+        return False
+
+    def _has_sinks(self) -> bool:
+        """Attention sinks (GPT-OSS `sinks`, passed to attention as `s_aux`)."""
+        return any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.model.modules()
+        )
+
+    def _choose_backend(self, requested: str | None) -> str:
+        # Attention sinks (GPT-OSS `sinks`, passed as `s_aux`) are implemented by the SDPA
+        # path only, not by the kernels of `ferrobatch.cuda`.
+        sinks = self._has_sinks()
+        if requested is not None:
+            if requested not in ("sdpa", "triton", "flash_attn", "torch"):
+                raise ValueError(f"unknown attention_backend {requested!r}")
+            if sinks and requested != "sdpa":
+                raise NotImplementedError(
+                    f"attention_backend={requested!r} does not implement attention sinks "
+                    f"({type(self.model).__name__}); use 'sdpa'"
+                )
+            return requested
+        if self.device.type != "cuda" or sinks:
+            return "sdpa"
+        from ferrobatch.cuda import triton_attention as ta
+
+        chosen = ta.select_backend(self.device, page_size=self.page_size, dtype=self.dtype)
+        backend = chosen if chosen in ("triton", "flash_attn") else "sdpa"
+        logger.info("ferrobatch: attention backend %s", backend)
+        return backend
+
+    def _check_calls(self, step: PagedStep | KernelStep) -> None:
+        if step.calls != len(self.layer_types):
+            raise RuntimeError(
+                f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
+                "attention layers went through ferrobatch's paged attention; the model must "
+                "dispatch attention through transformers' AttentionInterface"
+            )
+    def execute_greedy(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy next tokens [N] (int64, CPU) of `plan`'s sampled tokens: the argmax (first
+        maximum) of the logits `execute` returns, without those logits when `fast_greedy`
+        (bounded int8 screen + fp32 rescoring of the candidates)."""
+        out = self.execute(plan, prev_tokens, _greedy=True)
+        return out if out.dtype == torch.int64 else argmax_rows(out)
+
+    def execute_with_prompt(
+        self, plan: Any, prompt_indices: Any, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute`'s logits [N, vocab], and fp32 logits [M, vocab] of the tokens at
+        `prompt_indices` (token indices into the plan: prompt positions whose next-token
+        logprobs a request wants, `ferrobatch.sampling.prompt_logprobs`), from the same forward
+        (always eager)."""
+        n = len(plan.logits_indices)
+        out = self.execute(plan, prev_tokens, _extra=prompt_indices)
+        return out[:n], out[n:]
+
+    # --- execution -------------------------------------------------------------------------
+
+    def _tensor(self, values: Any) -> torch.Tensor:
+        arr = np.ascontiguousarray(values, dtype=np.int64)
+        return torch.from_numpy(arr).to(self.device, non_blocking=True)
+
+    def _prev_token_fill(
+        self, plan: Any, prev_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Device (token index, index into `prev_tokens`) pairs for the tokens whose input id
+        is the previous plan's sample (`plan.prev_token_index >= 0`); None when there are
+        none. Checked on the host (the index array is host data): no device sync."""
+        idx = getattr(plan, "prev_token_index", None)
+        if idx is None:
+            return None
+        idx = np.asarray(idx, dtype=np.int64)
+        pos = np.flatnonzero(idx >= 0)
+        if not len(pos):
+            return None
+        if prev_tokens is None:
+            raise ValueError(
+                "the plan takes input ids from the previous step's samples "
+                "(prev_token_index >= 0) but execute() got no prev_tokens"
+            )
+        src = idx[pos]
+        if int(src.max()) >= prev_tokens.shape[0]:
+            raise ValueError(
+                f"prev_token_index {int(src.max())} out of range for {prev_tokens.shape[0]} "
+                "previous samples"
+            )
+        return self._tensor(pos), self._tensor(src)
+
+    def _fill_prev_tokens(
+        self,
+        input_ids: torch.Tensor,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        prev_tokens: torch.Tensor | None,
+    ) -> None:
+        """`input_ids[pos] = prev_tokens[src]` on the device, in place (any int dtype)."""
+        if fill is None or prev_tokens is None:
+            return
+        pos, src = fill
+        prev = prev_tokens.reshape(-1).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, pos, prev.index_select(0, src).to(input_ids.dtype))
+
+    def execute(
+        self, plan: Any, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False,
+        _extra: Any = None,
+    ) -> torch.Tensor:
+        """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
+        tokens of `plan.logits_indices`, in that order.
+
+        `prev_tokens` (int tensor [N_prev], any device): the previous plan's sampled tokens,
+        in its `logits_indices` order. Where `plan.prev_token_index[t] >= 0`, the input id of
+        token `t` is `prev_tokens[prev_token_index[t]]` (filled on the device, before the
+        forward); elsewhere `plan.input_ids[t]`."""
+        if self._closed:
+            raise RuntimeError("ModelRunner is closed")
+        with torch.inference_mode():
+            self.cache.swap(getattr(plan, "swap_out", None), getattr(plan, "swap_in", None))
+            fill = self._prev_token_fill(plan, prev_tokens)
+            flat_ids = self._tensor(plan.input_ids)
+            if flat_ids.shape[0] == 0:
+                return torch.empty(0, self.vocab_size, device=self.device)
+            if self._graphs is not None and self.rope is None and _extra is None:
+                hidden = self._execute_graph(plan, fill, prev_tokens)
+                if hidden is not None:
+                    return self._head_logits(hidden).float()
+                self._graph_counts["eager_steps"] += 1
+            self._fill_prev_tokens(flat_ids, fill, prev_tokens)
+            input_ids = flat_ids.unsqueeze(0)
+            positions = self._tensor(plan.positions).unsqueeze(0)
+            logits_indices = self._tensor(plan.logits_indices)
+            if _extra is not None:  # prompt positions too (execute_with_prompt)
+                logits_indices = torch.cat([logits_indices, self._tensor(_extra)])
+                _greedy = False
+            if self.attention_backend == "sdpa":
+                step = build_step(
+                    plan, self.cache, self.layer_types, self.sliding_window,
+                    decode_kernel=self.decode_kernel,
+                )
+                if self._linears is not None and self._linears.widens:
+                    step.out_dtype = self.cache.dtype  # o_proj rounds its input to it
+            else:
+                step = build_kernel_step(
+                    plan, self.cache, self.layer_types, self.sliding_window,
+                    self.attention_backend, self._num_sms,
+                )
+            rope = self.rope.forward(plan, self.device) if self.rope is not None else nullcontext()
+            with eval_mode(self.model), rope:
+                logits = self._forward(input_ids, positions, logits_indices, step, _greedy)
+            self._check_calls(step)
+            return logits if logits.dtype == torch.int64 else logits.float()
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        step: PagedStep | KernelStep,
+        greedy: bool = False,
+    ) -> torch.Tensor:
+        """Logits of the sampled tokens; with `greedy` and a greedy head, their argmax
+        token ids (int64) when the screen decides."""
+        kwargs = {context.STEP_KWARG: step, "use_cache": False}
+        with registry.paged_attention_enabled(self._configs, step), self._linears_active():
+            if self._split_head:
+                out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
+                hidden = out[0][0].index_select(0, logits_indices)
+                if greedy and self._greedy_head is not None:
+                    tokens = self._greedy_head.argmax(hidden)
+                    if tokens is not None:
+                        return tokens
+                return self._head_logits(hidden)
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
+                **kwargs,
+            )
+            return out.logits[0]
+
+    def close(self) -> None:
+        """Release the cache and forget the model (its config is already restored)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._graphs is not None:
+            self._graphs.clear()
+        registry.forget(self._configs)
+        self.cache = None  # type: ignore[assignment]
+        self._head_wt.clear()
+        self._head_packed.clear()
+        self._greedy_head = None
+        self.fast_greedy = False
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
