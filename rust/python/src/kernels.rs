@@ -1,14 +1,15 @@
 //! PyO3 wrappers of `ferrobatch-kernels`: numpy views in (of torch tensors: bf16 / fp16 as
-//! `uint16` bit patterns), slices out to the kernel, its errors as `ValueError`. The GIL is
-//! released while a kernel runs.
+//! `uint16` bit patterns), slices out to the kernel, its errors as `FieldError` (a
+//! `ValueError`). The GIL is released while a kernel runs.
 
 use ferrobatch_kernels as kernels;
 use kernels::{DecodeArgs, Elems, ElemsMut, Window};
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+
+use crate::errors::{field_error, invalid};
 
 /// A read-only contiguous array of the named storage type.
 enum Ro<'py> {
@@ -21,22 +22,24 @@ enum Rw<'py> {
     U16(PyReadwriteArrayDyn<'py, u16>, bool),
 }
 
-fn half_kind(dtype: &str, field: &str) -> PyResult<Option<bool>> {
+fn half_kind(dtype: &str, field: &'static str) -> PyResult<Option<bool>> {
     match dtype {
         "float32" => Ok(None),
         "bfloat16" => Ok(Some(true)),
         "float16" => Ok(Some(false)),
-        _ => Err(PyValueError::new_err(format!(
-            "{field}: dtype must be float32, bfloat16 or float16, not {dtype:?}"
-        ))),
+        _ => Err(invalid(
+            field,
+            format!("{field}: dtype must be float32, bfloat16 or float16, not {dtype:?}"),
+        )),
     }
 }
 
-fn readonly<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &str) -> PyResult<Ro<'py>> {
+fn readonly<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &'static str) -> PyResult<Ro<'py>> {
     let wrong = || {
-        PyValueError::new_err(format!(
-            "{field} must be a numpy array of {dtype} storage (bf16/fp16 as uint16)"
-        ))
+        invalid(
+            field,
+            format!("{field} must be a numpy array of {dtype} storage (bf16/fp16 as uint16)"),
+        )
     };
     Ok(match half_kind(dtype, field)? {
         None => Ro::F32(a.cast::<PyArrayDyn<f32>>().map_err(|_| wrong())?.readonly()),
@@ -47,11 +50,14 @@ fn readonly<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &str) -> PyResult<Ro
     })
 }
 
-fn readwrite<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &str) -> PyResult<Rw<'py>> {
+fn readwrite<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &'static str) -> PyResult<Rw<'py>> {
     let wrong = || {
-        PyValueError::new_err(format!(
-            "{field} must be a writable numpy array of {dtype} storage (bf16/fp16 as uint16)"
-        ))
+        invalid(
+            field,
+            format!(
+                "{field} must be a writable numpy array of {dtype} storage (bf16/fp16 as uint16)"
+            ),
+        )
     };
     Ok(match half_kind(dtype, field)? {
         None => Rw::F32(
@@ -68,11 +74,11 @@ fn readwrite<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &str) -> PyResult<R
     })
 }
 
-fn not_contiguous(field: &str) -> PyErr {
-    PyValueError::new_err(format!("{field} must be C-contiguous"))
+fn not_contiguous(field: &'static str) -> PyErr {
+    invalid(field, format!("{field} must be C-contiguous"))
 }
 
-fn elems<'a>(a: &'a Ro<'_>, field: &str) -> PyResult<Elems<'a>> {
+fn elems<'a>(a: &'a Ro<'_>, field: &'static str) -> PyResult<Elems<'a>> {
     Ok(match a {
         Ro::F32(x) => Elems::F32(x.as_slice().map_err(|_| not_contiguous(field))?),
         Ro::U16(x, true) => Elems::Bf16(x.as_slice().map_err(|_| not_contiguous(field))?),
@@ -80,7 +86,7 @@ fn elems<'a>(a: &'a Ro<'_>, field: &str) -> PyResult<Elems<'a>> {
     })
 }
 
-fn elems_mut<'a>(a: &'a mut Rw<'_>, field: &str) -> PyResult<ElemsMut<'a>> {
+fn elems_mut<'a>(a: &'a mut Rw<'_>, field: &'static str) -> PyResult<ElemsMut<'a>> {
     Ok(match a {
         Rw::F32(x) => ElemsMut::F32(x.as_slice_mut().map_err(|_| not_contiguous(field))?),
         Rw::U16(x, true) => ElemsMut::Bf16(x.as_slice_mut().map_err(|_| not_contiguous(field))?),
@@ -122,16 +128,20 @@ pub fn paged_decode_attention(
     let mut out = readwrite(out, out_dtype, "out")?;
     let (q_shape, k_shape, t_shape) = (q.shape(), k.shape(), block_tables.shape().to_vec());
     if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
-        return Err(PyValueError::new_err(
+        return Err(field_error(
+            None,
             "q must be [rows, heads, dim], the caches [slots, kv_heads, dim], block_tables \
              [rows, width]",
         ));
     }
     if k_shape[2] != q_shape[2] {
-        return Err(PyValueError::new_err(format!(
-            "q's head size {} differs from the cache's {}",
-            q_shape[2], k_shape[2]
-        )));
+        return Err(field_error(
+            None,
+            format!(
+                "q's head size {} differs from the cache's {}",
+                q_shape[2], k_shape[2]
+            ),
+        ));
     }
     let args = DecodeArgs {
         q: elems(&q, "q")?,
@@ -157,7 +167,7 @@ pub fn paged_decode_attention(
     };
     let out = elems_mut(&mut out, "out")?;
     py.detach(|| kernels::paged_decode_attention(&args, out))
-        .map_err(|e| PyValueError::new_err(e.0))
+        .map_err(|e| field_error(None, e.0))
 }
 
 impl Ro<'_> {

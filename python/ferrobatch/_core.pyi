@@ -1,0 +1,286 @@
+"""The Rust core of ferrobatch (PyO3 extension): scheduler, paged KV-cache allocator, CPU kernels.
+
+Bad values raise `ferrobatch.errors.FieldError` (a ValueError whose `.field` names the
+argument); calls at the wrong time and broken invariants raise RuntimeError. The step
+contract (what a `StepPlan` holds) is ARCHITECTURE.md section 3.
+"""
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal, TypedDict, final
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+"""The crate version."""
+
+_AttentionType = Literal["full_attention", "sliding_attention"]
+_FinishReason = Literal["stop", "length", "cancelled"]
+_Int32Array = npt.NDArray[np.int32]
+_TokenIds = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
+
+class _Stats(TypedDict):
+    """`Scheduler.stats()`: counters and gauges."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    waiting: int
+    running: int
+    swapped: int
+    finished: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    num_preemptions: int
+    num_offloads: int
+    num_soft_resets: int
+    num_recomputes: int
+    num_evictions: int
+    num_swap_free: int
+    cpu_offload_blocks: int
+    steps: int
+    generated_tokens: int
+    stalled_requests: int
+    stalled_blocks: int
+    prefix_caching: bool
+
+class _RequestSnapshot(TypedDict):
+    """One unfinished request in `Scheduler.snapshot()["requests"]`."""
+
+    state: Literal["waiting", "prefilling", "decoding", "swapped"]
+    num_computed_tokens: int
+    num_tokens: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    priority: int
+    arrival: int
+    blocks: dict[_AttentionType, list[int]]
+    swap_slots: list[int]
+
+class _Snapshot(TypedDict):
+    """`Scheduler.snapshot()`: the whole state, for outside checks."""
+
+    num_blocks: int
+    page_size: int
+    ring_size: int
+    sliding_window: int | None
+    prefix_caching: bool
+    safety_margin: float
+    outstanding: bool
+    num_outstanding: int
+    deferred_chunks: list[int]
+    refcounts: list[int]
+    free_chunks: list[int]
+    cached_chunks: list[int]
+    hashed_chunks: list[int]
+    swap_free_slots: list[int]
+    swap_deferred_slots: list[int]
+    requests: dict[str, _RequestSnapshot]
+
+@final
+class StepPlan:
+    """One step of work for the model runner; every attribute is built once, then cached."""
+
+    @property
+    def request_ids(self) -> list[str]:
+        """[B]: the requests in batch order."""
+    @property
+    def input_ids(self) -> _Int32Array:
+        """int32 [T]: token ids, rows concatenated in batch order."""
+    @property
+    def positions(self) -> _Int32Array:
+        """int32 [T]: absolute position of each token in its request."""
+    @property
+    def cu_seqlens_q(self) -> _Int32Array:
+        """int32 [B+1]: row r owns tokens `cu_seqlens_q[r] .. cu_seqlens_q[r+1]`."""
+    @property
+    def seqlens_k(self) -> _Int32Array:
+        """int32 [B]: keys visible to the row's last token (cached before this step + new)."""
+    @property
+    def logits_indices(self) -> _Int32Array:
+        """int32 [N]: token indices (into T) whose next token is sampled."""
+    @property
+    def logits_rows(self) -> _Int32Array:
+        """int32 [N]: batch row of each sampled token (ascending)."""
+    @property
+    def slot_mapping(self) -> dict[_AttentionType, _Int32Array]:
+        """{attention type: int32 [T]}: slot each new token's K/V is written to."""
+    @property
+    def block_tables(self) -> dict[_AttentionType, _Int32Array]:
+        """{attention type: int32 [B, W]}: chunk ids per row, padded with 0."""
+    @property
+    def swap_out(self) -> _Int32Array:
+        """int32 [n, 2]: (device chunk, swap slot) pairs, copied before swap_in and the forward."""
+    @property
+    def swap_in(self) -> _Int32Array:
+        """int32 [n, 2]: (swap slot, device chunk) pairs, copied after swap_out."""
+    @property
+    def prev_token_index(self) -> _Int32Array:
+        """int32 [T]: -1, or the previous plan's sampled token that is this token's input id."""
+    @property
+    def ahead(self) -> bool:
+        """True for plans from `schedule_ahead()`."""
+    @property
+    def num_rows(self) -> int:
+        """Rows B."""
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens T."""
+    @property
+    def num_sampled(self) -> int:
+        """Sampled rows N (entries of `logits_indices`)."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per chunk."""
+
+@final
+class Delta:
+    """One request's news in an update: its new tokens and whether it finished."""
+
+    @property
+    def request_id(self) -> str:
+        """The request this delta is about."""
+    @property
+    def new_token_ids(self) -> list[int]:
+        """Tokens generated since the last update (the stop or EOS token included)."""
+    @property
+    def finished(self) -> bool:
+        """Whether the request finished in this update."""
+    @property
+    def finish_reason(self) -> _FinishReason | None:
+        """The reason once finished ("stop", "length" or "cancelled"), else None."""
+
+@final
+class StepOutput:
+    """The result of `update()`: a sequence of deltas (built on access) plus array views."""
+
+    def __len__(self) -> int:
+        """Deltas n."""
+    def __getitem__(self, i: int) -> Delta:
+        """The i-th delta (negative i counts from the end)."""
+    def __iter__(self) -> Iterator[Delta]:
+        """The deltas in order."""
+    @property
+    def request_ids(self) -> list[str]:
+        """[n]: the request of each delta."""
+    @property
+    def token_ids(self) -> _Int32Array:
+        """int32 [n]: each delta's token, -1 for a delta without one (a cancellation)."""
+    @property
+    def finished(self) -> npt.NDArray[np.bool_]:
+        """bool [n]: whether each delta finishes its request."""
+    @property
+    def rows(self) -> _Int32Array:
+        """int32 [n]: the plan row each token came from, -1 for cancellations."""
+    @property
+    def finish_reasons(self) -> list[_FinishReason | None]:
+        """[n]: each delta's finish reason."""
+    @property
+    def finished_request_ids(self) -> list[str]:
+        """The requests that finished, in delta order."""
+    @property
+    def all_have_token(self) -> bool:
+        """Every delta has exactly one token (`token_ids` has no -1)."""
+    @property
+    def num_finished(self) -> int:
+        """Deltas that finish their request."""
+
+@final
+class Scheduler:
+    """Continuous-batching scheduler and paged KV-cache allocator (ARCHITECTURE.md section 3)."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        page_size: int,
+        max_batch_tokens: int,
+        max_requests_per_batch: int = 256,
+        scheduler_type: str = "fifo",
+        safety_margin: float | None = None,
+        allow_block_sharing: bool = True,
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
+        cpu_offload_blocks: int = 0,
+        max_batch_cache_tokens: int | None = None,
+    ) -> Scheduler:
+        """A scheduler over `num_blocks` chunks of `page_size` tokens; FieldError on bad values."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: _TokenIds,
+        max_new_tokens: int,
+        eos_token_ids: _TokenIds | None = None,
+        stop_token_ids: _TokenIds | None = None,
+        priority: int = 0,
+        stop_sequences: Iterable[_TokenIds] | None = None,
+        skip_prefix_lookup: bool = False,
+    ) -> None:
+        """Queue a request; FieldError naming the field on bad input or if it could never fit."""
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step (None when nothing can run); RuntimeError while a plan is out."""
+    def schedule_ahead(self) -> StepPlan | None:
+        """Plan the step after the one outstanding plan before its tokens are known, or None."""
+    def update(self, sampled_token_ids: _TokenIds) -> StepOutput:
+        """Apply one sampled token per `logits_indices` entry of the oldest outstanding plan."""
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in any state (frees everything); False if unknown or finished."""
+    def recompute(self, request_id: str) -> bool:
+        """Soft-reset a running or swapped request; False if unknown, finished or waiting."""
+    def has_unfinished(self) -> bool:
+        """Whether a request is waiting, running or swapped, or a cancellation is unreported."""
+    def stats(self) -> _Stats:
+        """Counters and gauges (a fresh dict)."""
+    def check_invariants(self) -> None:
+        """Raise RuntimeError naming the broken invariant, if any."""
+    def snapshot(self) -> _Snapshot:
+        """The whole state as a dict, for outside checks."""
+    @property
+    def num_outstanding(self) -> int:
+        """Outstanding plans (0, 1 or 2): scheduled, not yet updated."""
+    @property
+    def has_outstanding_plan(self) -> bool:
+        """Whether a plan awaits `update()`."""
+    @property
+    def num_blocks(self) -> int:
+        """Data chunks in the device pool (chunk ids `2 .. num_blocks + 2`)."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per chunk."""
+    @property
+    def layer_types(self) -> list[_AttentionType]:
+        """The attention type of each layer, as configured."""
+    @property
+    def attention_types(self) -> list[_AttentionType]:
+        """The attention types present ("full_attention" first): the keys of a plan's dicts."""
+    @property
+    def ring_size(self) -> int:
+        """Chunks in a sliding request's ring (the sliding table's width); 0 without sliding."""
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether full blocks are shared through the prefix cache."""
+    @property
+    def safety_margin(self) -> float:
+        """The effective admission margin (free fraction kept while something runs)."""
+    @property
+    def cpu_offload_blocks(self) -> int:
+        """Chunk slots in the CPU swap pool."""
+
+def paged_decode_attention(
+    q: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    block_tables: _Int32Array,
+    seqlens: _Int32Array,
+    out: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    *,
+    q_dtype: Literal["float32", "bfloat16", "float16"],
+    cache_dtype: Literal["float32", "bfloat16", "float16"],
+    out_dtype: Literal["float32", "bfloat16", "float16"],
+    page: int,
+    window: int,
+    scale: float,
+    softcap: float,
+    threads: int,
+) -> None:
+    """Decode rows' attention over the paged cache, read in place, written to `out`."""
