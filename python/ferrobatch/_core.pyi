@@ -13,11 +13,16 @@ import numpy.typing as npt
 
 __version__: str
 """The crate version."""
+ZERO_CHUNK: int
+"""The chunk padding reads point to (never written)."""
+SCRATCH_CHUNK: int
+"""The chunk padding writes and discarded sliding-window writes go to (never read)."""
 
 _AttentionType = Literal["full_attention", "sliding_attention"]
 _FinishReason = Literal["stop", "length", "cancelled"]
 _Int32Array = npt.NDArray[np.int32]
 _TokenIds = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
+_Indices = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
 class _Stats(TypedDict):
     """`Scheduler.stats()`: counters and gauges."""
@@ -235,6 +240,30 @@ class Scheduler:
         """Raise RuntimeError naming the broken invariant, if any."""
     def snapshot(self) -> _Snapshot:
         """The whole state as a dict, for outside checks."""
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """FieldError ("prompt" or "max_new_tokens") unless such a request could ever fit."""
+    def lifetime_chunks(self, cached_tokens: int) -> int:
+        """Chunks a request holding `cached_tokens` keys needs at most (blocks + ring)."""
+    def max_request_tokens(self) -> int:
+        """The largest `prompt_len + max_new_tokens` that `check_fits` accepts."""
+    @property
+    def num_free_blocks(self) -> int:
+        """Chunks allocatable now: uninitialized and cached (free, keeping a hashed block)."""
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free chunks that keep a hashed block (counted in `num_free_blocks` too)."""
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (never run, or soft-reset)."""
+    @property
+    def num_running(self) -> int:
+        """Requests holding device chunks (prefilling or decoding)."""
+    @property
+    def num_swapped(self) -> int:
+        """Requests offloaded to the CPU swap pool."""
+    @property
+    def num_stalled(self) -> int:
+        """Rows the last plan found short of chunks (`stats()["stalled_requests"]`)."""
     @property
     def num_outstanding(self) -> int:
         """Outstanding plans (0, 1 or 2): scheduled, not yet updated."""
@@ -265,6 +294,18 @@ class Scheduler:
     @property
     def cpu_offload_blocks(self) -> int:
         """Chunk slots in the CPU swap pool."""
+
+def table_columns(positions: _Indices, page_size: int, ring: int | None) -> npt.NDArray[np.int64]:
+    """int64: the block-table column of each key position (`ring` None: full attention)."""
+
+def slots(
+    table: _Indices,
+    rows: _Indices,
+    positions: _Indices,
+    page_size: int,
+    ring: int | None,
+) -> npt.NDArray[np.int64]:
+    """int64: `table[rows, table_columns(positions, ...)] * page_size + positions % page_size`."""
 
 def paged_decode_attention(
     q: npt.NDArray[np.float32] | npt.NDArray[np.uint16],

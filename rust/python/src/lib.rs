@@ -14,8 +14,9 @@
 //!
 //! Module map: [`scheduler`] (`Scheduler`), [`plan`] (`StepPlan`), [`output`]
 //! (`StepOutput`, `Delta`), [`config`] (the constructor's arguments), [`convert`]
-//! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`kernels`]
-//! (`paged_decode_attention`). The stub `python/ferrobatch/_core.pyi` describes the module.
+//! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`table`]
+//! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`); the constants
+//! `ZERO_CHUNK`, `SCRATCH_CHUNK`. The stub `python/ferrobatch/_core.pyi` describes the module.
 
 mod cache;
 mod config;
@@ -26,6 +27,7 @@ mod output;
 mod plan;
 mod recycle;
 mod scheduler;
+mod table;
 
 use pyo3::prelude::*;
 
@@ -35,7 +37,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::StepPlan>()?;
     m.add_class::<output::StepOutput>()?;
     m.add_class::<output::Delta>()?;
+    m.add_function(wrap_pyfunction!(table::table_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(table::slots, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
+    m.add("ZERO_CHUNK", ferrobatch_core::ZERO_CHUNK)?;
+    m.add("SCRATCH_CHUNK", ferrobatch_core::SCRATCH_CHUNK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

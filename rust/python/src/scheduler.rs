@@ -33,14 +33,19 @@ use crate::recycle::Recycler;
 /// plan); properties `num_outstanding` (int) and `has_outstanding_plan` (bool); `cancel(request_id) -> bool`;
 /// `has_unfinished() -> bool` (also true while a cancellation is unreported: if schedule()
 /// returns None then, call `update(())` to get the report); `stats() -> dict`;
-/// `check_invariants()` (RuntimeError naming the broken invariant); `snapshot() -> dict`.
+/// `check_invariants()` (RuntimeError naming the broken invariant); `snapshot() -> dict`;
+/// `check_fits(prompt_len, max_new_tokens)`, `lifetime_chunks(cached_tokens) -> int`,
+/// `max_request_tokens() -> int` (the core's fit rules, for callers that validate before
+/// adding); O(1) properties `num_free_blocks`, `num_cached_blocks`, `num_waiting`,
+/// `num_running`, `num_swapped`, `num_stalled` (cheaper than `stats()`).
 ///
 /// `snapshot()` returns a dict for outside checks:
 /// * `"num_blocks"`, `"page_size"`, `"ring_size"` (R, 0 without sliding layers),
 ///   `"sliding_window"`, `"prefix_caching"` (bool), `"safety_margin"` (effective),
 ///   `"outstanding"` (bool: a plan awaits update()), `"num_outstanding"` (0, 1 or 2),
 /// * `"refcounts"`: list[int] of length num_blocks + 2 (chunk id -> references held),
-/// * `"free_chunks"`: list[int] of uninitialized free chunks,
+/// * `"free_chunks"`: list[int] of uninitialized free chunks (`num_free_blocks` also counts
+///   the cached ones: it is `len(free_chunks) + len(cached_chunks)`),
 /// * `"cached_chunks"`: list[int] of free chunks that keep a hashed block, eviction order
 ///   (first = reclaimed first),
 /// * `"hashed_chunks"`: list[int] of every chunk registered in the prefix table,
@@ -292,17 +297,17 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         self.inner.has_unfinished()
     }
 
-    /// Counters and gauges (dict): `num_blocks`; `num_free_blocks` (allocatable:
-    /// uninitialized + cached); `num_cached_blocks` (free but keeping a hashed block, reclaimed
-    /// LRU-first); `num_used_blocks` (refcount > 0; used + free = num_blocks); `waiting`,
-    /// `running`, `swapped` (request counts); `finished` (finished or cancelled, reported);
+    /// Counters and gauges (a fresh dict; the O(1) properties are cheaper for one value):
+    /// `num_blocks`; `num_free_blocks` (allocatable: uninitialized + cached, as the property);
+    /// `num_cached_blocks` (free but keeping a hashed block, reclaimed LRU-first);
+    /// `num_used_blocks` (refcount > 0; used + free = num_blocks); `waiting`, `running`,
+    /// `swapped` (request counts); `finished` (finished or cancelled, reported);
     /// `prefix_hit_tokens` and `prompt_tokens` (summed over admissions, re-admissions after a
-    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`; `num_recomputes` (`recompute()`
-    /// calls that reset a request);
-    /// `num_evictions` (cached blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`;
-    /// `steps`, `generated_tokens`; `stalled_requests`, `stalled_blocks` (last schedule():
-    /// rows that found the pool short and the chunks they missed, before preemption);
-    /// `prefix_caching` (bool).
+    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`;
+    /// `num_recomputes` (`recompute()` calls that reset a request); `num_evictions` (cached
+    /// blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`; `steps`,
+    /// `generated_tokens`; `stalled_requests`, `stalled_blocks` (last plan: rows that found
+    /// the pool short and the chunks they missed, before preemption); `prefix_caching`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -384,6 +389,66 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         Ok(d)
     }
 
+    /// Whether a request of `prompt_len` prompt tokens and `max_new_tokens` could ever fit
+    /// the cache: exactly the length and capacity checks of `add_request`, adding nothing.
+    /// `FieldError` with field "prompt" (empty, or too long even with one new token) or
+    /// "max_new_tokens" (below 1, or more than the prompt leaves room for).
+    fn check_fits(&self, prompt_len: i64, max_new_tokens: i64) -> PyResult<()> {
+        self.inner
+            .check_fits(
+                usize_arg(prompt_len, "prompt")?,
+                usize_arg(max_new_tokens, "max_new_tokens")?,
+            )
+            .map_err(to_py)
+    }
+
+    /// Chunks a request holding `cached_tokens` keys needs at most (its full-attention
+    /// blocks plus its sliding ring); a request's lifetime holds `prompt + max_new_tokens - 1`.
+    fn lifetime_chunks(&self, cached_tokens: i64) -> PyResult<usize> {
+        Ok(self
+            .inner
+            .lifetime_chunks(usize_arg(cached_tokens, "cached_tokens")?))
+    }
+
+    /// The largest `prompt_len + max_new_tokens` that `check_fits` accepts (0 when nothing
+    /// fits).
+    fn max_request_tokens(&self) -> usize {
+        self.inner.max_request_tokens()
+    }
+
+    /// Chunks allocatable now: uninitialized *and* cached ones (free chunks that keep a
+    /// hashed block, evicted LRU-first), as `stats()["num_free_blocks"]`; `snapshot()` lists
+    /// the two kinds apart (`"free_chunks"`: uninitialized, `"cached_chunks"`).
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+    /// Free chunks that keep a hashed block (counted in `num_free_blocks` too).
+    #[getter]
+    fn num_cached_blocks(&self) -> usize {
+        self.inner.num_cached_blocks()
+    }
+    /// Requests waiting for admission (never run, or soft-reset).
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+    /// Requests holding device chunks (prefilling or decoding).
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+    /// Requests offloaded to the CPU swap pool.
+    #[getter]
+    fn num_swapped(&self) -> usize {
+        self.inner.num_swapped()
+    }
+    /// Rows the last plan found short of chunks (`stats()["stalled_requests"]`): counted
+    /// before preemption by `schedule()`; left out by `schedule_ahead()`, which never preempts.
+    #[getter]
+    fn num_stalled(&self) -> usize {
+        self.inner.num_stalled()
+    }
     /// Data chunks in the device pool (chunk ids `2 .. num_blocks + 2`).
     #[getter]
     fn num_blocks(&self) -> usize {
