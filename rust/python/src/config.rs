@@ -1,11 +1,11 @@
-//! `Scheduler(...)`'s arguments to a validated-by-type `SchedulerConfig` (the core checks
-//! the values: its errors name the field).
+//! `Scheduler(...)`'s arguments to the core's `SchedulerConfig` (the bindings check only
+//! what the Rust types cannot hold, negative counts; the core checks the values).
 
 use ferrobatch_core::{AttentionType, SchedulerConfig, SchedulerType};
 use pyo3::prelude::*;
 
 use crate::convert::usize_arg;
-use crate::errors::to_py_for;
+use crate::errors::to_py;
 
 /// The constructor's arguments as Python passed them.
 pub struct ConfigArgs<'a> {
@@ -32,7 +32,7 @@ impl ConfigArgs<'_> {
                 .iter()
                 .map(|s| AttentionType::parse(s))
                 .collect::<ferrobatch_core::Result<Vec<_>>>()
-                .map_err(to_py_for("layer_types"))?,
+                .map_err(to_py)?,
         };
         Ok(SchedulerConfig {
             num_blocks: usize_arg(self.num_blocks, "num_blocks")?,
@@ -46,8 +46,7 @@ impl ConfigArgs<'_> {
                 .max_batch_cache_tokens
                 .map(|v| usize_arg(v, "max_batch_cache_tokens"))
                 .transpose()?,
-            scheduler_type: SchedulerType::parse(self.scheduler_type)
-                .map_err(to_py_for("scheduler_type"))?,
+            scheduler_type: SchedulerType::parse(self.scheduler_type).map_err(to_py)?,
             safety_margin: self.safety_margin,
             allow_block_sharing: self.allow_block_sharing,
             layer_types,

@@ -34,14 +34,3 @@ pub fn to_py(e: Error) -> PyErr {
         ErrorKind::Runtime => PyRuntimeError::new_err(e.message),
     }
 }
-
-/// As [`to_py`], naming `field` when the core's error names none (a value the bindings
-/// parsed from that argument).
-pub fn to_py_for(field: &'static str) -> impl Fn(Error) -> PyErr {
-    move |mut e| {
-        if e.kind == ErrorKind::Value && e.field.is_none() {
-            e.field = Some(field);
-        }
-        to_py(e)
-    }
-}
