@@ -1,30 +1,31 @@
 //! ferrobatch-core: every decision about KV memory and request order.
 //!
-//! Pure Rust (no pyo3, no tensors). The Python layer (`rust/python`) only converts types.
-//! See `ARCHITECTURE.md` §2–§4 for the memory model and the per-step contract.
+//! Pure Rust (no pyo3, no tensors). The bindings (`rust/python`) convert types, reuse the
+//! plan and output buffers between steps and cache request-name objects; they decide
+//! nothing. See `ARCHITECTURE.md` §2–§4 for the memory model and the per-step contract.
 //!
 //! Module map:
-//! * [`pool`]: chunk pool (free lists, refcounts, reserved chunks, cached-LRU list,
-//!   prefix hash table storage).
-//! * [`prefix`]: chained block hashing and token-verified lookup.
-//! * [`alloc`]: block arithmetic of the full-attention allocator and the sliding ring.
+//! * [`pool`]: chunk pool (free lists, refcounts, reserved chunks, cached-LRU list, prefix
+//!   hash table and [`pool::ChunkPool::lookup`], the token-verified lookup of one block).
+//! * [`prefix`]: chained block hashing (hashes only find candidates; `lookup` verifies).
+//! * [`alloc`]: block arithmetic of the full-attention allocator and the sliding ring,
+//!   [`alloc::table_column`].
+//! * [`kv`]: [`kv::KvManager`], the one owner of KV memory: the only caller of the pool's
+//!   and the swap pool's mutating methods.
 //! * [`request`]: request state, token ids, stop conditions.
 //! * [`swap`]: CPU swap-slot allocator.
 //! * [`plan`]: the step plan buffers (reused between steps) and the step output.
-//! * [`scheduler`]: budgets, admission, chunked prefill, preemption, plan building, update.
+//! * [`scheduler`]: budgets, admission, chunked prefill, preemption, plan building, update
+//!   (a module tree by concern, see its docs).
 
 pub mod alloc;
+pub mod kv;
 pub mod plan;
 pub mod pool;
 pub mod prefix;
 pub mod request;
 pub mod scheduler;
 pub mod swap;
-
-#[cfg(test)]
-mod scheduler_tests;
-#[cfg(test)]
-mod sim_tests;
 
 pub(crate) mod hint {
     /// Prefetch hint for the cache line at `p` (no-op off x86_64).
@@ -88,14 +89,6 @@ pub struct Error {
 }
 
 impl Error {
-    /// A bad argument not tied to one field.
-    pub fn value(message: impl Into<String>) -> Self {
-        Error {
-            kind: ErrorKind::Value,
-            field: None,
-            message: message.into(),
-        }
-    }
     /// A bad value of the argument `field`; the message should say what was wrong with it.
     pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
         Error {

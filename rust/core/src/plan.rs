@@ -133,16 +133,6 @@ pub struct StepOutput {
 }
 
 impl StepOutput {
-    pub fn with_capacity(n: usize) -> Self {
-        StepOutput {
-            reqs: Vec::with_capacity(n),
-            token_ids: Vec::with_capacity(n),
-            finished: Vec::with_capacity(n),
-            finish_reasons: Vec::with_capacity(n),
-            rows: Vec::with_capacity(n),
-            all_have_token: true,
-        }
-    }
     pub fn clear(&mut self) {
         self.reqs.clear();
         self.token_ids.clear();
@@ -174,5 +164,84 @@ impl StepOutput {
     }
     pub fn is_empty(&self) -> bool {
         self.reqs.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> StepPlan {
+        let mut p = StepPlan {
+            has_full: true,
+            ..Default::default()
+        };
+        p.clear();
+        p.rows.push(Row {
+            req: 3,
+            start: 4,
+            q: 2,
+            sampled: true,
+        });
+        p.input_ids.extend([7, 8]);
+        p.positions.extend([4, 5]);
+        p.cu_seqlens_q.push(2);
+        p.seqlens_k.push(6);
+        p.logits_indices.push(1);
+        p.logits_rows.push(0);
+        p.slot_mapping_full.extend([20, 21]);
+        p.block_table_full.extend([5, 0]);
+        p.full_width = 2;
+        p.swap_out.extend([9, 0]);
+        p.prev_token_index.extend([-1, 0]);
+        p.ahead = true;
+        p
+    }
+
+    #[test]
+    fn counts_and_prev_token() {
+        let p = plan();
+        assert_eq!((p.num_rows(), p.num_tokens(), p.num_sampled()), (1, 2, 1));
+        assert_eq!((p.prev_token(0), p.prev_token(1)), (-1, 0));
+        let mut q = p.clone();
+        q.prev_token_index.clear();
+        assert_eq!(q.prev_token(1), -1, "empty means all -1");
+    }
+
+    #[test]
+    fn clear_keeps_flags_and_leaves_one_cu_seqlen() {
+        let mut p = plan();
+        p.clear();
+        assert_eq!(p.cu_seqlens_q, vec![0]);
+        assert!(p.rows.is_empty() && p.input_ids.is_empty() && p.swap_out.is_empty());
+        assert_eq!((p.full_width, p.ahead), (0, false));
+        assert!(p.has_full, "attention kinds are fixed per scheduler");
+    }
+
+    #[test]
+    fn copy_arrays_to_copies_everything_but_rows() {
+        let p = plan();
+        let mut spare = StepPlan::default();
+        spare.rows.push(p.rows[0]);
+        p.copy_arrays_to(&mut spare);
+        assert!(spare.rows.is_empty());
+        let mut want = p.clone();
+        want.rows.clear();
+        assert_eq!(format!("{spare:?}"), format!("{want:?}"));
+    }
+
+    #[test]
+    fn output_push_and_clear() {
+        let mut o = StepOutput::default();
+        o.clear();
+        assert!(o.is_empty() && o.all_have_token);
+        o.reserve(2);
+        o.push(1, 5, None, 0);
+        o.push(2, -1, Some(FinishReason::Cancelled), -1);
+        assert_eq!(o.len(), 2);
+        assert_eq!(o.finished, vec![false, true]);
+        assert!(!o.all_have_token, "a cancellation carries no token");
+        o.clear();
+        assert!(o.is_empty() && o.all_have_token);
     }
 }

@@ -2,8 +2,13 @@
 //!
 //! Narrow API in the style of vLLM v1's block pool: [`ChunkPool::allocate`],
 //! [`ChunkPool::free`], [`ChunkPool::touch`] (take a reference on a prefix-cache hit),
-//! [`ChunkPool::cache`] (register a full block's content hash) and eviction, which happens
-//! inside `allocate` only when the uninitialized list is empty.
+//! [`ChunkPool::pin`] (take a reference on any data chunk, free or used, keeping its
+//! content: O(1) for a used or cached chunk, O(free) for an uninitialized one, found by a
+//! search of the uninitialized stack; only used for the swap-out sources of an outstanding
+//! plan), [`ChunkPool::cache`] (register a full block's content hash),
+//! [`ChunkPool::lookup`] (the token-verified prefix lookup of one block) and eviction, which
+//! happens inside `allocate` only when the uninitialized list is empty. Only
+//! [`crate::kv::KvManager`] calls the mutating ones.
 //!
 //! Invariants (checked by [`ChunkPool::check`]):
 //! * Chunks `0` (zero) and `1` (scratch) are reserved: refcount 0, in no list, never hashed.
@@ -261,9 +266,11 @@ impl ChunkPool {
     }
 
     /// Take one more reference on any data chunk, free or used, without changing its
-    /// content, hash or epoch (a free chunk leaves its free list; the scheduler pins the
+    /// content, hash or epoch (a free chunk leaves its free list; the KV manager pins the
     /// swap-out sources of an outstanding plan this way, so nothing reallocates them before
-    /// the copy ran). Released with [`ChunkPool::free`].
+    /// the copy ran). Released with [`ChunkPool::free`]. O(1) unless the chunk is
+    /// uninitialized: then a search of the uninitialized stack, O(free chunks) (rare: the
+    /// order of that stack decides which chunk is handed out next, so it is kept).
     pub fn pin(&mut self, c: ChunkId) {
         let i = c as usize;
         debug_assert!(c >= FIRST_DATA_CHUNK);
@@ -516,6 +523,33 @@ mod tests {
         let c = p.allocate().unwrap();
         assert!(!p.cache(c, 1, None, &[9, 9]));
         assert!(!p.is_hashed(c));
+    }
+
+    #[test]
+    fn pin_takes_free_chunks_out_of_either_list() {
+        let mut p = ChunkPool::new(4, 2, true);
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        assert!(p.cache(a, 1, None, &[1, 1]));
+        p.free(a);
+        p.free(b);
+        assert_eq!((p.num_free(), p.num_cached()), (4, 1));
+        p.pin(a); // cached
+        p.pin(b); // uninitialized
+        assert_eq!((p.num_free(), p.num_cached()), (2, 0));
+        assert_eq!(p.lookup(1, None, &[1, 1]), Some(a), "pin keeps the content");
+        p.pin(a); // used: one more reference
+        assert_eq!(p.refcount(a), 2);
+        let mut h = vec![0; 6];
+        h[a as usize] = 2;
+        h[b as usize] = 1;
+        p.check(&h).unwrap();
+        p.free(a);
+        p.free(a);
+        p.free(b);
+        assert_eq!(p.num_free(), 4);
+        // The order of the uninitialized stack is unchanged by the pin of `b`.
+        assert_eq!(p.allocate(), Some(b));
     }
 
     #[test]

@@ -69,8 +69,10 @@ pub struct StopConditions {
 
 /// One request (owned by the scheduler's slab).
 ///
-/// `repr(C)` keeps the fields a decode step touches together in the first two cache lines;
-/// the rest (id, stop lists, hashes, swap state) follows.
+/// `repr(C)` keeps the fields a decode step touches together in the first three 64-byte
+/// cache lines (the hot fields end at byte 135 on 64-bit targets: three `Vec`s of 24 bytes,
+/// five `usize`/`u64`, then the inline stop ids; checked by a test); the rest (id, stop
+/// lists, hashes, swap state) follows.
 #[derive(Clone, Debug)]
 #[repr(C)]
 pub struct Request {
@@ -112,8 +114,44 @@ pub struct Request {
 }
 
 impl Request {
+    /// A waiting request with nothing computed. `key` = (priority, arrival); `tokens` is
+    /// the prompt (not empty).
+    pub fn new(
+        id: String,
+        key: (i64, u64),
+        tokens: Vec<Token>,
+        stop: StopConditions,
+        skip_prefix_lookup: bool,
+    ) -> Self {
+        let mut r = Request {
+            id,
+            key,
+            prompt_len: tokens.len(),
+            last_token: *tokens.last().expect("a non-empty prompt"),
+            tokens,
+            num_computed: 0,
+            stop,
+            state: RequestState::Waiting,
+            finish: None,
+            full: Vec::new(),
+            ring: Vec::new(),
+            swap_slots: Vec::new(),
+            n_full_swapped: 0,
+            block_hashes: Vec::new(),
+            num_registered: 0,
+            touched_step: 0,
+            stop_inline: [0; 4],
+            n_stop_inline: 0,
+            max_new_tokens: 0,
+            has_stop_sequences: false,
+            skip_prefix_lookup,
+        };
+        r.init_stop_inline();
+        r
+    }
+
     /// Fill the hot copies of the stop conditions.
-    pub fn init_stop_inline(&mut self) {
+    fn init_stop_inline(&mut self) {
         self.max_new_tokens = self.stop.max_new_tokens;
         self.has_stop_sequences = !self.stop.stop_sequences.is_empty();
         let n = self.stop.eos_token_ids.len() + self.stop.stop_token_ids.len();
@@ -164,5 +202,102 @@ impl Request {
             return Some(FinishReason::Length);
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(prompt: Vec<Token>, stop: StopConditions) -> Request {
+        Request::new("r".into(), (0, 0), prompt, stop, false)
+    }
+
+    fn stop(max_new_tokens: usize) -> StopConditions {
+        StopConditions {
+            max_new_tokens,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn new_is_waiting_with_the_prompt() {
+        let r = req(vec![5, 6, 7], stop(3));
+        assert_eq!(r.state, RequestState::Waiting);
+        assert_eq!((r.prompt_len, r.last_token, r.num_generated()), (3, 7, 0));
+        assert_eq!(r.max_new_tokens, 3);
+        assert!(r.full.is_empty() && r.ring.is_empty() && r.swap_slots.is_empty());
+    }
+
+    #[test]
+    fn length_stop_at_max_new_tokens() {
+        let mut r = req(vec![1], stop(3));
+        assert_eq!(r.append(4), None);
+        assert_eq!(r.append(4), None);
+        assert_eq!(r.append(4), Some(FinishReason::Length));
+        assert_eq!(r.tokens, vec![1, 4, 4, 4]);
+        assert_eq!(r.last_token, 4);
+    }
+
+    #[test]
+    fn eos_and_stop_ids_inline_and_in_vectors() {
+        for n in [1usize, 4, 5, 9] {
+            // n stop ids in total: inline up to 4, in the vectors beyond.
+            let mut s = stop(100);
+            s.eos_token_ids = vec![100];
+            s.stop_token_ids = (101..100 + n as u32).collect();
+            let mut r = req(vec![1], s.clone());
+            assert_eq!(r.n_stop_inline == u8::MAX, n > 4);
+            assert_eq!(r.append(7), None);
+            assert_eq!(r.append(100), Some(FinishReason::Stop), "eos, n={n}");
+            let mut r = req(vec![1], s);
+            let last = 99 + n as u32;
+            if n > 1 {
+                assert_eq!(r.append(last), Some(FinishReason::Stop), "stop id, n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn stop_sequences_match_generated_tokens_only() {
+        let mut s = stop(100);
+        s.stop_sequences = vec![vec![3, 4], vec![9]];
+        // The prompt ends with 3: a generated 4 alone does not complete [3, 4].
+        let mut r = req(vec![1, 3], s.clone());
+        assert_eq!(r.append(4), None);
+        assert_eq!(r.append(3), None);
+        assert_eq!(r.append(4), Some(FinishReason::Stop));
+        let mut r = req(vec![1], s);
+        assert_eq!(r.append(9), Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn stop_wins_over_length() {
+        let mut s = stop(1);
+        s.eos_token_ids = vec![2];
+        let mut r = req(vec![1], s.clone());
+        assert_eq!(r.append(2), Some(FinishReason::Stop));
+        s.eos_token_ids.clear();
+        s.stop_sequences = vec![vec![2]];
+        let mut r = req(vec![1], s);
+        assert_eq!(r.append(2), Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn hot_fields_fill_three_cache_lines() {
+        use std::mem::offset_of;
+        let hot_end = offset_of!(Request, state) + std::mem::size_of::<RequestState>();
+        assert!(
+            hot_end > 128 && hot_end <= 192,
+            "hot fields end at {hot_end}"
+        );
+        assert_eq!(offset_of!(Request, tokens), 0);
+        assert!(offset_of!(Request, id) >= hot_end);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(RequestState::Swapped.as_str(), "swapped");
+        assert_eq!(FinishReason::Cancelled.as_str(), "cancelled");
     }
 }

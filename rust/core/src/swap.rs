@@ -1,8 +1,11 @@
 //! CPU swap-slot allocator: slots `0 .. cpu_offload_blocks` of the pinned CPU pool.
 //!
 //! A slot is either free (exactly once in the free stack, refcount 0) or held with
-//! refcount = number of swapped-out request chunks referring to it (the scheduler only ever
-//! uses refcount 1: each held slot belongs to one request chunk). Free + held = capacity.
+//! refcount 1 by exactly one holder: a swapped-out request's chunk (`Request::swap_slots`),
+//! or an outstanding plan (`kv::Held`) whose swap-in still reads it, or whose swap-out
+//! still writes it for a request cancelled since. Held slots go back to the free stack when
+//! that request is resumed or recomputed, or when that plan's update runs.
+//! Free + held = capacity.
 
 /// Swap slot allocator.
 #[derive(Clone, Debug)]
@@ -38,11 +41,6 @@ impl SwapPool {
         self.refs[s as usize] = 1;
         Some(s)
     }
-    /// Take one more reference on a held slot.
-    pub fn retain(&mut self, slot: u32) {
-        debug_assert!(self.refs[slot as usize] > 0);
-        self.refs[slot as usize] += 1;
-    }
     /// Drop one reference; the slot is free again at zero.
     pub fn release(&mut self, slot: u32) {
         let r = &mut self.refs[slot as usize];
@@ -52,7 +50,8 @@ impl SwapPool {
             self.free.push(slot);
         }
     }
-    /// Check conservation given the slot references held by requests (with repetitions).
+    /// Check conservation given the slot references held by requests and outstanding plans
+    /// (with repetitions).
     pub fn check(&self, held: &[u32]) -> Result<(), String> {
         let mut count = vec![0u32; self.capacity];
         for &s in held {
@@ -87,5 +86,41 @@ impl SwapPool {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocate_release_conserve_slots() {
+        let mut p = SwapPool::new(3);
+        assert_eq!((p.capacity(), p.num_free()), (3, 3));
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        assert_eq!((a, b), (0, 1), "lowest slots first");
+        assert_eq!(p.refcount(a), 1);
+        p.check(&[a, b]).unwrap();
+        assert!(p.check(&[a]).is_err(), "a held slot without holder");
+        assert!(p.check(&[a, b, b]).is_err(), "refcount below holders");
+        p.release(a);
+        assert_eq!(p.refcount(a), 0);
+        assert_eq!(p.num_free(), 2);
+        assert_eq!(p.free_slots().last(), Some(&a));
+        p.check(&[b]).unwrap();
+        let c = p.allocate().unwrap();
+        assert_eq!(c, a, "last released is reused first");
+        let d = p.allocate().unwrap();
+        assert!(p.allocate().is_none());
+        p.check(&[b, c, d]).unwrap();
+        assert!(p.check(&[b, c, d, 7]).is_err(), "out of range");
+    }
+
+    #[test]
+    fn empty_pool() {
+        let mut p = SwapPool::new(0);
+        assert!(p.allocate().is_none());
+        p.check(&[]).unwrap();
     }
 }

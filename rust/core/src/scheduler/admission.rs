@@ -1,0 +1,125 @@
+//! Phase 2: swapped and waiting requests into rows, merged in `(priority, arrival)` order,
+//! head of line, while the pool's free fraction is at least the safety margin (ignored when
+//! nothing runs). Admission is atomic: prefix hits are taken and chunks allocated only once
+//! everything fits.
+
+use super::budget::Budget;
+use super::placement::OnShortfall;
+use super::Scheduler;
+
+impl Scheduler {
+    /// Admit swapped and waiting requests in key order (head of line).
+    pub(super) fn admit(&mut self, b: &mut Budget) {
+        loop {
+            if b.exhausted() {
+                return;
+            }
+            let w = self.waiting.first_key_value().map(|(k, &i)| (*k, i));
+            let s = self.swapped.first_key_value().map(|(k, &i)| (*k, i));
+            let (idx, is_swapped) = match (w, s) {
+                (None, None) => return,
+                (Some((_, i)), None) => (i, false),
+                (None, Some((_, i))) => (i, true),
+                (Some((kw, iw)), Some((ks, is))) => {
+                    if ks < kw {
+                        (is, true)
+                    } else {
+                        (iw, false)
+                    }
+                }
+            };
+            if self.req(idx).touched_step == self.step {
+                return; // preempted in this step
+            }
+            if self.below_margin() {
+                return;
+            }
+            let ok = if is_swapped {
+                self.resume(idx, b)
+            } else {
+                self.admit_new(idx, b)
+            };
+            if !ok {
+                return;
+            }
+        }
+    }
+
+    /// `schedule_ahead()` phase 2: waiting requests only (resuming needs a swap-in, so a
+    /// swapped request at the head stops admission).
+    pub(super) fn admit_ahead(&mut self, b: &mut Budget) {
+        loop {
+            if b.exhausted() {
+                break;
+            }
+            let Some((&kw, &iw)) = self.waiting.first_key_value() else {
+                break;
+            };
+            if matches!(self.swapped.first_key_value(), Some((ks, _)) if *ks < kw) {
+                break;
+            }
+            if self.below_margin() {
+                break;
+            }
+            if !self.admit_new(iw, b) {
+                break;
+            }
+        }
+    }
+
+    /// Requests are running and the free fraction of the pool is below the safety margin.
+    fn below_margin(&self) -> bool {
+        !self.running.is_empty()
+            && (self.kv.num_free() as f64) < self.margin * self.cfg.num_blocks as f64
+    }
+
+    /// Swap a swapped request back in and place it, if its chunks and one token fit.
+    fn resume(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let r = self.req(idx);
+        let start = r.num_computed;
+        let q = b.clamp(start, r.tokens.len() - start);
+        if q == 0 || !self.kv.swap_in_fits(r, start, q) {
+            return false;
+        }
+        let key = r.key;
+        self.swapped.remove(&key);
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        self.kv
+            .swap_in(r, &mut self.plan.swap_in, &mut self.cur.held);
+        r.state = Self::running_state(r);
+        self.insert_running(idx);
+        let placed = self.place_running(idx, b, OnShortfall::GiveUp);
+        debug_assert!(placed);
+        placed
+    }
+
+    /// Admit a waiting request with its prefix-cache hits and place it, if one token past
+    /// them fits.
+    pub(super) fn admit_new(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let page = self.cfg.page_size;
+        let mut hits = std::mem::take(&mut self.hits_buf);
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        self.kv.computed_prefix(r, &mut hits);
+        let r = self.req(idx);
+        let start = hits.len() * page;
+        let len = r.tokens.len();
+        let q = b.clamp(start, len - start);
+        let free = self.kv.free_after_taking(&hits);
+        let ok = q > 0 && self.kv.layout().fit(hits.len(), 0, start, q, free) > 0;
+        if ok {
+            let key = r.key;
+            self.waiting.remove(&key);
+            let r = self.reqs[idx as usize].as_mut().expect("live");
+            self.kv.take_prefix(r, &hits);
+            r.num_computed = start;
+            r.state = Self::running_state(r);
+            self.stats.prefix_hit_tokens += start as u64;
+            self.stats.prompt_tokens += len as u64;
+            self.insert_running(idx);
+            let placed = self.place_running(idx, b, OnShortfall::GiveUp);
+            debug_assert!(placed);
+        }
+        self.hits_buf = hits;
+        ok
+    }
+}

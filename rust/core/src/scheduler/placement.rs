@@ -1,0 +1,179 @@
+//! Phase 1 of `schedule()`: running requests into rows, in queue order, growing their
+//! chunks and preempting when the pool runs short.
+
+use super::budget::Budget;
+use super::{Scheduler, SchedulerType};
+use crate::plan::Row;
+use crate::RequestState;
+
+/// What a row that cannot get even one token's chunks does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum OnShortfall {
+    /// Preempt a victim (possibly itself) and retry (running requests in `schedule()`).
+    Preempt,
+    /// Give up (just-admitted requests, whose fit was checked).
+    GiveUp,
+}
+
+impl Scheduler {
+    /// Place the running requests in queue order (`fifo`: decodes first; `prefill_first`:
+    /// prefills first).
+    pub(super) fn place_running_rows(&mut self, b: &mut Budget) {
+        let mut order = std::mem::take(&mut self.order_buf);
+        order.clear();
+        order.extend_from_slice(&self.running);
+        let phases = match self.cfg.scheduler_type {
+            SchedulerType::Fifo => [RequestState::Decoding, RequestState::Prefilling],
+            SchedulerType::PrefillFirst => [RequestState::Prefilling, RequestState::Decoding],
+        };
+        let mut other_seen = true;
+        for (k, want) in phases.into_iter().enumerate() {
+            if k == 1 && !other_seen {
+                break;
+            }
+            other_seen = false;
+            for &idx in &order {
+                if b.exhausted() {
+                    break;
+                }
+                let r = self.req(idx);
+                if r.state != want {
+                    other_seen = true;
+                    continue;
+                }
+                if r.touched_step == self.step {
+                    continue;
+                }
+                if want == RequestState::Decoding && self.decode_fast(idx, b) {
+                    continue;
+                }
+                self.place_running(idx, b, OnShortfall::Preempt);
+            }
+        }
+        self.order_buf = order;
+    }
+
+    /// Try to place a running request as a row from its cached tokens: prefills shrink to
+    /// the chunks available; a row that cannot get even one token's chunks acts as
+    /// `on_shortfall` says. Returns whether it was placed.
+    pub(super) fn place_running(
+        &mut self,
+        idx: u32,
+        b: &mut Budget,
+        on_shortfall: OnShortfall,
+    ) -> bool {
+        loop {
+            let r = self.req(idx);
+            let start = r.num_computed;
+            let mut q = b.clamp(start, r.tokens.len() - start);
+            if q == 0 {
+                return false;
+            }
+            let free = self.kv.num_free();
+            let need = if q == 1 {
+                self.kv.need_one(r, start)
+            } else {
+                self.kv.need(r, start, q)
+            };
+            if need > free {
+                let fit = self.kv.fit(r, start, q);
+                if fit > 0 {
+                    q = fit;
+                } else if on_shortfall == OnShortfall::Preempt {
+                    self.stats.stalled_requests += 1;
+                    self.stats.stalled_blocks += need - free;
+                    match self.pick_victim(idx) {
+                        Some(v) => {
+                            self.preempt(v);
+                            if v == idx {
+                                return false;
+                            }
+                            continue;
+                        }
+                        None => return false,
+                    }
+                } else {
+                    return false;
+                }
+            }
+            self.emit_row(idx, start, q, need > 0 || q > 1);
+            b.debit(start, q);
+            return true;
+        }
+    }
+
+    /// Place a decode row (one token) when it needs no new chunk and fits the budgets: the
+    /// common case of a steady decode step, done with one request lookup. Returns false
+    /// (nothing changed) otherwise; the general path handles it.
+    #[inline]
+    fn decode_fast(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let page = self.cfg.page_size;
+        let l = *self.kv.layout();
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let start = r.num_computed;
+        let end = start + 1;
+        if end != r.tokens.len()
+            || b.clamp(start, 1) == 0
+            || (l.has_full && r.full.len() * page < end)
+            || (l.has_sliding && r.ring.len() < l.ring && r.ring.len() * page < end)
+        {
+            return false;
+        }
+        r.touched_step = step;
+        let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: 1,
+            sampled: true,
+        });
+        p.input_ids.push(r.last_token as i32);
+        if l.has_sliding {
+            p.slot_mapping_sliding
+                .push(l.sliding_slot(&r.ring, start, end));
+        }
+        b.debit(start, 1);
+        true
+    }
+
+    /// Grow the request (when `grow`) and write its row's entries of every per-token /
+    /// per-row array (block tables are written by `build_block_tables` once the width is
+    /// known).
+    pub(super) fn emit_row(&mut self, idx: u32, start: usize, q: usize, grow: bool) {
+        let layout = *self.kv.layout();
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let end = start + q;
+        if grow {
+            self.kv
+                .grow(r, end)
+                .expect("emit_row: the fit was checked by the caller");
+        }
+        r.touched_step = step;
+        let sampled = end == r.tokens.len();
+        let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: q as u32,
+            sampled,
+        });
+        if end == r.tokens.len() && q == 1 {
+            p.input_ids.push(r.last_token as i32);
+        } else {
+            p.input_ids
+                .extend(r.tokens[start..end].iter().map(|&t| t as i32));
+        }
+        // Full-attention slots are written with the block tables (one pass over `full`);
+        // positions, cu_seqlens_q, seqlens_k and logits_* by `fill_row_arrays` (from `rows`).
+        if layout.has_sliding {
+            for pos in start..end {
+                p.slot_mapping_sliding
+                    .push(layout.sliding_slot(&r.ring, pos, end));
+            }
+        }
+    }
+}
