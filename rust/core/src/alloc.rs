@@ -1,4 +1,5 @@
-//! Block arithmetic of the two allocators; both draw chunks from the same [`ChunkPool`].
+//! Block arithmetic of the two allocators (pure: no allocation here; both draw chunks from
+//! the same [`crate::pool::ChunkPool`] through [`crate::kv::KvManager`]).
 //!
 //! * **Full attention**: an append-only list of blocks; position `p` lives in block
 //!   `p / page_size`. Holding `n` cached tokens needs `ceil(n / page_size)` blocks.
@@ -8,7 +9,7 @@
 //!   the ring; new tokens of a step below `end - w` are written to the scratch chunk, so no
 //!   two tokens of a step write the same ring slot and no kept position is overwritten.
 
-use crate::pool::{ChunkPool, SCRATCH_CHUNK};
+use crate::pool::SCRATCH_CHUNK;
 use crate::ChunkId;
 
 /// The block-table column that holds key `position`: `position / page_size` for full
@@ -97,30 +98,6 @@ impl Layout {
             }
         }
         lo
-    }
-
-    /// Allocate the chunks needed to hold `end` tokens. The caller checked availability.
-    pub fn grow(
-        &self,
-        pool: &mut ChunkPool,
-        full: &mut Vec<ChunkId>,
-        ring: &mut Vec<ChunkId>,
-        end: usize,
-    ) {
-        let nf = self.full_blocks_for(end);
-        while full.len() < nf {
-            full.push(
-                pool.allocate()
-                    .expect("grow: availability checked by the caller"),
-            );
-        }
-        let nr = self.ring_chunks_for(end);
-        while ring.len() < nr {
-            ring.push(
-                pool.allocate()
-                    .expect("grow: availability checked by the caller"),
-            );
-        }
     }
 
     /// Full-attention slot of position `p`.

@@ -228,8 +228,15 @@ impl KvManager {
         if need > free {
             return Err(need - free);
         }
-        self.layout
-            .grow(&mut self.pool, &mut r.full, &mut r.ring, end);
+        let l = &self.layout;
+        for (blocks, n) in [
+            (&mut r.full, l.full_blocks_for(end)),
+            (&mut r.ring, l.ring_chunks_for(end)),
+        ] {
+            while blocks.len() < n {
+                blocks.push(self.pool.allocate().expect("grow: need <= free"));
+            }
+        }
         Ok(())
     }
 

@@ -108,9 +108,10 @@ pub struct Stats {
     pub num_swap_free: usize,
     pub steps: u64,
     pub generated_tokens: u64,
-    /// Last `schedule()`: rows that found the pool short of chunks (before preemption).
+    /// Last `schedule()` / `schedule_ahead()`: rows that found the pool short of chunks
+    /// (before preemption; `schedule_ahead()` leaves them out).
     pub stalled_requests: usize,
-    /// Last `schedule()`: chunks those rows were missing in total.
+    /// Last `schedule()` / `schedule_ahead()`: chunks those rows were missing in total.
     pub stalled_blocks: usize,
 }
 
