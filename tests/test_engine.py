@@ -362,7 +362,7 @@ def test_check_request_health_and_queue_bound(model) -> None:
             eng.astream([], GREEDY)  # validated at call time, before any iteration
         slow = SamplingParams(max_new_tokens=400, ignore_eos=True)
         a, b = eng.add_request([5, 6], slow), eng.add_request([7, 8], slow)
-        from ferrobatch.engine.llm_engine import QueueFullError
+        from ferrobatch.errors import QueueFullError
 
         with pytest.raises(QueueFullError):
             eng.add_request([9], GREEDY)

@@ -18,7 +18,7 @@ import pytest
 import tiny_models
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.engine.llm_engine import EngineClosedError, QueueFullError
+from ferrobatch.errors import EngineClosedError, QueueFullError
 from test_server import CORPUS, build_model, build_tokenizer
 from transformers import GenerationConfig
 

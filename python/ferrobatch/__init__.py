@@ -20,13 +20,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402 - after the policy
 from ferrobatch.engine.outputs import RequestOutput  # noqa: E402
+from ferrobatch.errors import FieldError  # noqa: E402
 from ferrobatch.sampling.params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from ferrobatch.engine.llm_engine import Engine
 
 __version__ = "0.1.0"
-__all__ = ["ContinuousBatchingConfig", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["ContinuousBatchingConfig", "Engine", "FieldError", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

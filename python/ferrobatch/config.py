@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ferrobatch.defaults import SAFETY_MARGIN
+from ferrobatch.errors import FieldError
 
 SCHEDULER_TYPES = tuple(SAFETY_MARGIN)
 
@@ -67,6 +68,7 @@ class ContinuousBatchingConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        # ferrobatch's one check of page_size (the runner and the cache take it from here)
         _check_int(self, "page_size", minimum=4)
         if self.num_blocks is not None:
             _check_int(self, "num_blocks", minimum=1)
@@ -79,14 +81,16 @@ class ContinuousBatchingConfig:
             self.max_requests_per_batch = 256
         _check_int(self, "max_requests_per_batch", minimum=1)
         if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(
-                f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}"
+            raise FieldError(
+                f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}",
+                "scheduler_type",
             )
         if self.safety_margin is not None:
             _check_float(self, "safety_margin", low=0.0, high=1.0, high_open=True)
         if not isinstance(self.allow_block_sharing, bool):
-            raise ValueError(
-                f"allow_block_sharing must be a bool, got {self.allow_block_sharing!r}"
+            raise FieldError(
+                f"allow_block_sharing must be a bool, got {self.allow_block_sharing!r}",
+                "allow_block_sharing",
             )
         if self.cpu_offload_space is None:
             self.cpu_offload_space = 0.0
@@ -97,7 +101,7 @@ class ContinuousBatchingConfig:
         for name in ("use_cuda_graph", "use_async_batching"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool or None, got {value!r}")
+                raise FieldError(f"{name} must be a bool or None, got {value!r}", name)
 
     @property
     def resolved_safety_margin(self) -> float:
@@ -159,9 +163,9 @@ class ContinuousBatchingConfig:
 def _check_int(obj: Any, name: str, *, minimum: int) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise FieldError(f"{name} must be an integer, got {value!r}", name)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise FieldError(f"{name} must be >= {minimum}, got {value}", name)
 
 
 def _check_float(
@@ -175,7 +179,7 @@ def _check_float(
 ) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise FieldError(f"{name} must be a number, got {value!r}", name)
     value = float(value)
     bad = (
         math.isnan(value)
@@ -185,4 +189,4 @@ def _check_float(
     if bad:
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
-        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
+        raise FieldError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}", name)

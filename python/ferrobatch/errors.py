@@ -1,4 +1,5 @@
-"""The exceptions ferrobatch raises for bad input, shared by the core, the engine and the server."""
+"""The exceptions ferrobatch raises: bad input (shared by the core, the engine and the server)
+and the engine's refusals."""
 
 from __future__ import annotations
 
@@ -18,3 +19,12 @@ class FieldError(ValueError):
 
     def __reduce__(self) -> tuple[type[FieldError], tuple[str, str | None]]:
         return (type(self), (str(self), self.field))
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed while the request was waiting (or before it was added)."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_queue_size` unfinished requests are already in the engine (the server answers
+    429)."""

@@ -35,8 +35,8 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         cpu_offload_blocks: int = 0,
     ) -> None:
-        if num_blocks < 1 or page_size < 1 or num_layers < 1:
-            raise ValueError("num_blocks, page_size and num_layers must be >= 1")
+        if num_blocks < 1 or num_layers < 1:  # page_size: checked by ContinuousBatchingConfig
+            raise ValueError("num_blocks and num_layers must be >= 1")
         if cpu_offload_blocks < 0:
             raise ValueError("cpu_offload_blocks must be >= 0")
         self.num_layers = num_layers

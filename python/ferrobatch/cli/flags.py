@@ -27,7 +27,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
 
 
 def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
@@ -49,20 +48,22 @@ _non_negative_float = _seconds(allow_zero=True)
 
 
 # (flag dest = ContinuousBatchingConfig field, argparse kwargs). Defaults are None: a flag
-# that is not given leaves the config's own default in place.
+# that is not given leaves the config's own default in place. Values are checked once, by
+# ContinuousBatchingConfig / SamplingParams (a FieldError, exit status 2), not here.
 CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("page_size", dict(type=int, metavar="TOKENS",
      help="Tokens per KV-cache page (>= 4); a block is one page per layer of an "
           "attention type.")),
-    ("num_blocks", dict(type=_positive_int, metavar="N",
+    ("num_blocks", dict(type=int, metavar="N",
      help="KV-cache capacity in full-attention blocks. Default: sized from free memory "
           "(see --max-memory-percent).")),
-    ("max_batch_tokens", dict(type=_positive_int, metavar="TOKENS",
+    ("max_batch_tokens", dict(type=int, metavar="TOKENS",
      help="Query tokens per forward pass; longer prompts are prefilled in chunks.")),
     ("max_memory_percent", dict(type=float, metavar="FRACTION",
      help="Share (0..1] of free memory the cache may take when --num-blocks is not given. "
-          "Default: 0.9 on CUDA, 0.3 on CPU.")),
-    ("max_requests_per_batch", dict(type=_positive_int, metavar="N",
+          "Default: 0.9 of free memory on CUDA; on CPU 0.25 of available memory, at most "
+          "4 GiB.")),
+    ("max_requests_per_batch", dict(type=int, metavar="N",
      help="Rows per forward pass; caps logits memory for large vocabularies.")),
     ("scheduler_type", dict(choices=("fifo", "prefill_first"),
      help="fifo: decodes first, then in-flight prefills, then new requests in arrival order; "
@@ -76,17 +77,18 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("cpu_offload_space", dict(type=float, metavar="GIB",
      help="GiB of CPU swap pool for preempted requests; 0 = off (preempted requests are "
           "soft-reset and recomputed). Default: 0.")),
-    ("q_padding_interval_size", dict(type=_nonneg_int, metavar="TOKENS",
+    ("q_padding_interval_size", dict(type=int, metavar="TOKENS",
      help="CUDA-graph query-length padding interval; 0 = preset.")),
-    ("kv_padding_interval_size", dict(type=_nonneg_int, metavar="TOKENS",
+    ("kv_padding_interval_size", dict(type=int, metavar="TOKENS",
      help="CUDA-graph key-length padding interval; 0 = preset.")),
     ("use_cuda_graph", dict(action=argparse.BooleanOptionalAction,
      help="Capture CUDA graphs for decode steps. Default: decided automatically "
           "(off on CPU).")),
     ("use_async_batching", dict(action=argparse.BooleanOptionalAction,
-     help="Overlap CPU scheduling with GPU compute (two I/O buffer sets; needs CUDA graphs). "
-          "Default: decided automatically.")),
-    ("max_queue_size", dict(type=_nonneg_int, metavar="N",
+     help="Plan the next step while the current one runs (one step in flight). Default: on "
+          "with CUDA graphs on CUDA, else off; --use-async-batching enables it on any "
+          "device, CPU included.")),
+    ("max_queue_size", dict(type=int, metavar="N",
      help="Engine-side bound on waiting requests; 0 = unlimited. (serve's --max-queue bounds "
           "the HTTP queue.)")),
 ]  # fmt: skip
@@ -188,7 +190,7 @@ SAMPLING_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("stop", dict(action="append", default=[], metavar="TEXT",
      help="Stop string (repeatable); the output excludes it.")),
     ("ignore_eos", dict(action="store_true", help="Keep generating past the EOS token.")),
-    ("logprobs", dict(type=_nonneg_int, default=None, metavar="N",
+    ("logprobs", dict(type=int, default=None, metavar="N",
      help="Record the top-N log-probabilities per token (JSONL output).")),
 ]  # fmt: skip
 
@@ -197,7 +199,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, *, max_new_tokens: int)
     group = parser.add_argument_group("sampling (SamplingParams)")
     group.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=int,
         default=max_new_tokens,
         metavar="N",
         help=f"Tokens to generate per prompt at most. Default: {max_new_tokens}.",
@@ -370,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=int,
         default=64,
         metavar="N",
         help="Tokens per prompt (EOS off). Default: 64.",

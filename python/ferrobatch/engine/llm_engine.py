@@ -39,21 +39,14 @@ from ferrobatch.engine.request import (
 )
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper, model_lock
+from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.sampler import Sampler
 
-__all__ = ["Engine", "EngineClosedError", "Listener", "Prompt", "QueueFullError"]
+__all__ = ["Engine", "Listener", "Prompt"]
 
 logger = logging.getLogger("ferrobatch")
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed while the request was waiting."""
-
-
-class QueueFullError(RuntimeError):
-    """`max_queue_size` unfinished requests are already in the engine."""
 
 
 class Engine:
@@ -707,7 +700,7 @@ class Engine:
             raise RuntimeError("the engine loop died earlier") from self._error
         with self._table_lock:
             if req.request_id in self._requests:
-                raise ValueError(f"request_id {req.request_id!r} is already in use")
+                raise FieldError(f"request_id {req.request_id!r} is already in use", "request_id")
             limit = self.config.max_queue_size
             busy = sum(not r.done.is_set() for r in self._requests.values()) if limit else 0
             if bounded and limit and busy >= limit:

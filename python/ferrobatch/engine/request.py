@@ -1,5 +1,5 @@
 """One request inside the engine: its state, how a prompt and `SamplingParams` become one
-(validated, `ValueError` naming the field), and the outputs it hands its caller."""
+(validated, `FieldError` naming the field), and the outputs it hands its caller."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from ferrobatch.engine.detok import IncrementalDetokenizer
 from ferrobatch.engine.outputs import RequestOutput
+from ferrobatch.errors import FieldError
 from ferrobatch.sampling.params import SamplingParams, coerce_sampling
 from ferrobatch.sampling.sampler import SamplingState
 
@@ -109,7 +110,9 @@ def sampling_list(
     `defaults` stand for None: the model's generation config)."""
     if isinstance(sampling, list | tuple):
         if len(sampling) != n:
-            raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {n} prompts")
+            raise FieldError(
+                f"sampling: got {len(sampling)} SamplingParams for {n} prompts", "sampling"
+            )
         items = list(sampling)
     else:
         items = [sampling] * n
@@ -142,20 +145,20 @@ def make_request(
         sp = dataclasses.replace(sp, max_new_tokens=max(1, min(want, room)))
     _check_fits(engine, ids, sp)
     if sp.stop and engine.tokenizer is None:
-        raise ValueError("stop: stop strings need a tokenizer")
+        raise FieldError("stop: stop strings need a tokenizer", "stop")
     for t in sp.stop_token_ids:
         if t >= engine.vocab_size:
-            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
+            raise FieldError(f"stop_token_ids: {t} is outside the vocabulary", "stop_token_ids")
     guide = None
     if sp.guided:  # compiled here, in the caller's thread, not in a step
         factory = getattr(engine, "guides", None)
         if factory is None:
-            raise ValueError("structured outputs are not supported by this engine")
+            raise FieldError("structured outputs are not supported by this engine")
         guide = factory.guide(sp)
     if request_id is None:
         request_id = new_id()
     elif not isinstance(request_id, str) or not request_id:
-        raise ValueError("request_id must be a non-empty string")
+        raise FieldError("request_id must be a non-empty string", "request_id")
     detok = IncrementalDetokenizer(
         engine.tokenizer,
         ids,
@@ -189,20 +192,20 @@ def _prompt_ids(engine: Any, prompt: Prompt) -> tuple[list[int], str | None]:
     prompt_text = None
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt must not be empty", "prompt")
         if engine.tokenizer is None:
-            raise ValueError("prompt: a string prompt needs a tokenizer; pass token ids")
+            raise FieldError("prompt: a string prompt needs a tokenizer; pass token ids", "prompt")
         prompt_text = prompt
         ids = list(engine.tokenizer(prompt)["input_ids"])
     else:
         ids = _as_id_list(prompt)
     if not ids:
-        raise ValueError("prompt must not be empty")
+        raise FieldError("prompt must not be empty", "prompt")
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= engine.vocab_size:
         bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})"
+        raise FieldError(
+            f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})", "prompt"
         )
     return ids, prompt_text
 
@@ -211,14 +214,16 @@ def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
     """The prompt and its `max_new_tokens` fit the model's context and the cache."""
     assert sp.max_new_tokens is not None
     if len(ids) >= engine.max_model_len:
-        raise ValueError(
+        raise FieldError(
             f"prompt is {len(ids)} tokens, longer than the model's context "
-            f"(max_position_embeddings={engine.max_model_len})"
+            f"(max_position_embeddings={engine.max_model_len})",
+            "prompt",
         )
     if len(ids) + sp.max_new_tokens > engine.max_model_len:
-        raise ValueError(
+        raise FieldError(
             f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-            f"model's context (max_position_embeddings={engine.max_model_len})"
+            f"model's context (max_position_embeddings={engine.max_model_len})",
+            "max_new_tokens",
         )
     need = lifetime_chunks(
         len(ids) + sp.max_new_tokens - 1,
@@ -227,9 +232,10 @@ def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
         getattr(engine, "sliding_window", None),
     )
     if need > engine.num_blocks:
-        raise ValueError(
+        raise FieldError(
             f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
-            f"cache has num_blocks={engine.num_blocks}"
+            f"cache has num_blocks={engine.num_blocks}",
+            "max_new_tokens",
         )
 
 
@@ -264,10 +270,10 @@ def _as_id_list(prompt: Any) -> list[int]:
     try:
         ids = list(prompt)
     except TypeError:
-        raise ValueError(
-            f"prompt must be a string or a list of token ids, got {prompt!r}"
+        raise FieldError(
+            f"prompt must be a string or a list of token ids, got {prompt!r}", "prompt"
         ) from None
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int | np.integer):
-            raise ValueError(f"prompt: token ids must be integers, got {t!r}")
+            raise FieldError(f"prompt: token ids must be integers, got {t!r}", "prompt")
     return [int(t) for t in ids]

@@ -69,8 +69,6 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         fp32 between the half-precision products (the default, "auto", when the model runs
         that way: checked once against its own forward), "model" keeps the model's dtype
         throughout (what the model's own forward computes)."""
-        if page_size < 1:
-            raise ValueError("page_size must be >= 1")
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)

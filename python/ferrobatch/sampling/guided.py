@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrobatch.errors import FieldError
+
 __all__ = ["GRAMMAR_FIELDS", "Guide", "GuideFactory", "check_grammar_fields", "mask_rows"]
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
@@ -41,7 +43,7 @@ def _llguidance() -> Any:
 
 def _grammar(name: str, value: Any) -> str:
     """llguidance's grammar text for one field (json_schema: a dict, a JSON string or True
-    for any JSON value; regex and grammar: strings); `ValueError` naming the field."""
+    for any JSON value; regex and grammar: strings); `FieldError` naming the field."""
     llg = _llguidance()
     if name == "json_schema":
         if value is True:
@@ -50,20 +52,22 @@ def _grammar(name: str, value: Any) -> str:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+                raise FieldError(f"json_schema is not valid JSON: {exc}", "json_schema") from None
         if not isinstance(value, dict):
-            raise ValueError(
-                f"json_schema must be a JSON schema object (a dict), got {type(value).__name__}"
+            raise FieldError(
+                f"json_schema must be a JSON schema object (a dict), got {type(value).__name__}",
+                "json_schema",
             )
         try:
             text = json.dumps(value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"json_schema is not JSON-serializable: {exc}") from None
+            msg = f"json_schema is not JSON-serializable: {exc}"
+            raise FieldError(msg, "json_schema") from None
         # compact JSON (one space after ',' and ':', no free whitespace): small models
         # otherwise spin in whitespace; a schema's own "x-guidance" options take precedence
         return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        raise FieldError(f"{name} must be a non-empty string, got {value!r}", name)
     if name == "regex":
         return llg.LLMatcher.grammar_from_regex(value)
     return llg.LLMatcher.grammar_from_lark(value)
@@ -71,17 +75,19 @@ def _grammar(name: str, value: Any) -> str:
 
 def check_grammar_fields(params: Any) -> str | None:
     """Validate the grammar fields of `params` (at most one set, each compiles); the name of
-    the one set, else None. `ValueError` names the field."""
+    the one set, else None. `FieldError` names the field."""
     set_ = [n for n in GRAMMAR_FIELDS if getattr(params, n) is not None]
     if not set_:
         return None
     if len(set_) > 1:
-        raise ValueError(f"at most one of json_schema, regex, grammar may be set, got {set_}")
+        raise FieldError(
+            f"at most one of json_schema, regex, grammar may be set, got {set_}"
+        )
     name = set_[0]
     grammar = _grammar(name, getattr(params, name))
     err = _llguidance().LLMatcher.validate_grammar(grammar)
     if err:
-        raise ValueError(f"{name} is invalid: {err.strip()}")
+        raise FieldError(f"{name} is invalid: {err.strip()}", name)
     return name
 
 
@@ -118,7 +124,7 @@ class GuideFactory:
         llg = _llguidance()
         matcher = llg.LLMatcher(self.ll_tokenizer(), _grammar(name, getattr(params, name)))
         if matcher.is_error():
-            raise ValueError(f"{name} is invalid: {matcher.get_error()}")
+            raise FieldError(f"{name} is invalid: {matcher.get_error()}", name)
         return Guide(matcher, self.vocab_size, self.eos_token_ids)
 
 

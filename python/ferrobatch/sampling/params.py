@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ferrobatch.errors import FieldError
+
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. Validated on construction (`ValueError` names the field).
+    """How one request is decoded. Validated on construction (`FieldError`, a `ValueError`,
+    names the field).
 
     `temperature=0` is greedy (the `model.generate` default). `repetition_penalty` follows
     transformers (applies to prompt and generated tokens); `presence_penalty` and
@@ -66,23 +69,23 @@ class SamplingParams:
         _int_field("top_k", self.top_k, minimum=0)
         top_p = _float_field("top_p", self.top_p, low=0.0)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         min_p = _float_field("min_p", self.min_p, low=0.0)
         if min_p > 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if _float_field("repetition_penalty", self.repetition_penalty, low=0.0) == 0.0:
-            raise ValueError("repetition_penalty must be > 0, got 0")
+            raise FieldError("repetition_penalty must be > 0, got 0", "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float_field(name, getattr(self, name), low=-math.inf)
             if abs(value) > 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise FieldError(f"{name} must be in [-2, 2], got {value}", name)
         if self.seed is not None:
             _int_field("seed", self.seed, minimum=0)
             if self.seed >= 2**64:
-                raise ValueError(f"seed must be < 2**64, got {self.seed}")
+                raise FieldError(f"seed must be < 2**64, got {self.seed}", "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise FieldError(f"stop must hold non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             _int_field("stop_token_ids", t, minimum=0)
         if self.logprobs is not None:
@@ -90,15 +93,15 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise FieldError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         if self.guided:
             from ferrobatch.sampling.guided import check_grammar_fields
 
             name = check_grammar_fields(self)
             if self.ignore_eos:
-                raise ValueError(
+                raise FieldError(
                     f"ignore_eos cannot be combined with {name}: the output ends where "
-                    "the grammar accepts"
+                    "the grammar accepts", "ignore_eos"
                 )
 
     @property
@@ -141,8 +144,9 @@ class SamplingParams:
             if value is not None and value != neutral and not (neutral is None and not value):
                 bad.append(f"{name}={value!r}")
         if bad and unsupported == "raise":
-            raise ValueError(
-                f"{bad[0]} in the GenerationConfig is not supported by ferrobatch"
+            raise FieldError(
+                f"{bad[0]} in the GenerationConfig is not supported by ferrobatch",
+                bad[0].split("=", 1)[0],
             )
         if bad:
             warnings.warn(
@@ -232,20 +236,20 @@ _UNSUPPORTED_GENERATION_FIELDS: dict[str, Any] = {
 
 def _int_field(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise FieldError(f"{name} must be an integer, got {value!r}", name)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise FieldError(f"{name} must be >= {minimum}, got {value}", name)
     return value
 
 
 def _float_field(name: str, value: Any, *, low: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise FieldError(f"{name} must be a number, got {value!r}", name)
     value = float(value)
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise FieldError(f"{name} must be finite, got {value}", name)
     if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise FieldError(f"{name} must be >= {low}, got {value}", name)
     return value
 
 

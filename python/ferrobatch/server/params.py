@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ferrobatch.errors import FieldError
 from ferrobatch.server.protocol import SamplingFields, bad_request
 
 __all__ = [
@@ -131,13 +132,22 @@ def _make_sampling(kwargs: dict[str, Any]) -> Any:
 
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
+    except FieldError as exc:
+        param = openai_param(exc.field)
         text = str(exc)
-        first = text.split(" ", 1)[0]
-        param = _SAMPLING_TO_OPENAI.get(first, first if first in kwargs else None)
-        if param in _SAMPLING_TO_OPENAI:
-            text = text.replace(param, _SAMPLING_TO_OPENAI[param], 1)
+        if exc.field in _SAMPLING_TO_OPENAI:
+            text = text.replace(exc.field, param, 1)
         raise bad_request(f"Invalid sampling parameters: {text}", param) from None
+    except TypeError as exc:
+        raise bad_request(f"Invalid sampling parameters: {exc}") from None
+
+
+def openai_param(field: str | None, prompt_param: str | None = None) -> str | None:
+    """OpenAI's name for the `SamplingParams` / engine argument `field` (`FieldError.field`);
+    the engine's `"prompt"` is the request's `prompt_param` ("prompt" or "messages")."""
+    if field == "prompt" and prompt_param is not None:
+        return prompt_param
+    return _SAMPLING_TO_OPENAI.get(field, field) if field is not None else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,6 +274,7 @@ def check_with_engine(engine: Any, jobs: Sequence[Any], param: str) -> None:
     for job in jobs:
         try:
             check(job.prompt_ids, job.sampling)
-        except ValueError as exc:
-            field = "max_tokens" if str(exc).startswith("max_new_tokens") else param
+        except ValueError as exc:  # FieldError names the argument; others: the prompt
+            field = exc.field if isinstance(exc, FieldError) else None
+            field = openai_param(field or "prompt", param)
             raise bad_request(f"The engine rejected the request: {exc}", field) from None

@@ -14,6 +14,8 @@ from typing import Any
 
 from starlette.types import Receive
 
+from ferrobatch.errors import FieldError, QueueFullError
+from ferrobatch.server.params import openai_param
 from ferrobatch.server.protocol import APIError, bad_request
 from ferrobatch.server.state import ServerState
 
@@ -276,7 +278,7 @@ async def collect(run: Run, receive: Receive) -> dict[int, Accumulator]:
 
 def _queue_full(exc: BaseException) -> APIError | None:
     """The engine's own queue bound (``max_queue_size``) answers like --max-queue: 429."""
-    if type(exc).__name__ in ("QueueFullError", "QueueFull"):
+    if isinstance(exc, QueueFullError):
         return APIError(
             429,
             f"The engine's queue is full ({exc}); retry later.",
@@ -295,7 +297,12 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
         return full.body()
     status = 400 if isinstance(exc, ValueError) else 500
     kind = "invalid_request_error" if status == 400 else "server_error"
-    return APIError(status, f"Generation failed: {exc}", type=kind).body()
+    return APIError(status, f"Generation failed: {exc}", type=kind, param=_param(exc)).body()
+
+
+def _param(exc: BaseException) -> str | None:
+    """The OpenAI `param` of an engine error: the field a `FieldError` names."""
+    return openai_param(exc.field) if isinstance(exc, FieldError) else None
 
 
 def _raise_for(exc: BaseException) -> None:
@@ -304,5 +311,5 @@ def _raise_for(exc: BaseException) -> None:
     if (full := _queue_full(exc)) is not None:
         raise full from exc
     if isinstance(exc, ValueError):
-        raise bad_request(f"The engine rejected the request: {exc}") from exc
+        raise bad_request(f"The engine rejected the request: {exc}", _param(exc)) from exc
     raise APIError(500, f"Generation failed: {exc}", type="server_error") from exc

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -20,7 +19,6 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_QUEUE",
     "BodyClientGone",
-    "EngineLike",
     "ServerState",
     "engine_error",
     "read_body",
@@ -34,24 +32,6 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_QUEUE = 1024
 # Bodies larger than this multiple of the cap are not drained before answering 413.
 _DRAIN_FACTOR = 16
-
-
-class EngineLike(Protocol):
-    """The part of ``ferrobatch.Engine`` (ARCHITECTURE.md §6) the server uses."""
-
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
-
-    def astream(
-        self, prompt: str | list[int], sampling: Any = None, *, request_id: str | None = None
-    ) -> AsyncIterator[Any]: ...
-
-    def cancel(self, request_id: str) -> bool: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
 
 class BodyClientGone(Exception):
