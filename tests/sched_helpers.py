@@ -15,12 +15,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from ferrobatch.core import Scheduler
+from ferrobatch.core import SCRATCH_CHUNK, ZERO_CHUNK, Scheduler
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-ZERO_CHUNK = 0
-SCRATCH_CHUNK = 1
 
 MASK64 = (1 << 64) - 1
 SEED = 0x243F6A8885A308D3

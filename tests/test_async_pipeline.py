@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from ferrobatch.core import Scheduler
 from ferrobatch.engine.pipeline import AsyncStepper, DeviceToHost
 from ferrobatch.engine.request import make_request
 from ferrobatch.engine.routing import OutputRouter
@@ -75,6 +76,26 @@ class _Delta:
     finish_reason: str | None
 
 
+class _StepOutput:
+    """The part of `ferrobatch.core.StepOutput` the router reads: one row per delta, its
+    token (-1: none), whether it finished and why."""
+
+    def __init__(self, deltas: list[_Delta]) -> None:
+        self.deltas = deltas
+        self.request_ids = [d.request_id for d in deltas]
+        self.token_ids = np.asarray([d.new_token_ids[0] if d.new_token_ids else -1
+                                     for d in deltas], dtype=np.int32)  # fmt: skip
+        self.finished = np.asarray([d.finished for d in deltas], dtype=bool)
+        self.finish_reasons = [d.finish_reason for d in deltas]
+        self.num_finished = int(self.finished.sum())
+
+    def __iter__(self):
+        return iter(self.deltas)
+
+    def __len__(self) -> int:
+        return len(self.deltas)
+
+
 class FakeScheduler:
     """Whole-prompt prefills, one decode token per step, at most two outstanding plans."""
 
@@ -86,14 +107,21 @@ class FakeScheduler:
         self.pids = 0
         self.pending_cancels: list[str] = []
         self.plans: list[_Plan] = []
-        self.stall_at: set[int] = set()  # plan ids after which stats() reports a stall
+        self.stall_at: set[int] = set()  # plan ids after which num_stalled reports a stall
         self.free_at: dict[int, int] = {}  # free chunks after a plan (with a swapped request)
 
-    def stats(self) -> dict[str, int]:
-        out = {"stalled_requests": int(self.pids in self.stall_at)}
-        if self.free_at:
-            out.update(swapped=1, num_free_blocks=self.free_at.get(self.pids, 10))
-        return out
+    # the scheduler's O(1) getters the pipeline reads after each ahead plan
+    @property
+    def num_stalled(self) -> int:
+        return int(self.pids in self.stall_at)
+
+    @property
+    def num_swapped(self) -> int:
+        return int(bool(self.free_at))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_at.get(self.pids, 10)
 
     @property
     def num_outstanding(self) -> int:
@@ -157,11 +185,11 @@ class FakeScheduler:
                 rows.append((r, toks, r.computed, [-1] * len(toks)))
         return self._build(rows, True) if rows else None
 
-    def update(self, tokens) -> list[_Delta]:
+    def update(self, tokens) -> _StepOutput:
         out = [_Delta(rid, [], True, "cancelled") for rid in self.pending_cancels]
         self.pending_cancels = []
         if not self.outstanding:
-            return out
+            return _StepOutput(out)
         plan = self.outstanding.popleft()
         self.log.append(("update", plan.pid))
         tokens = np.asarray(tokens).tolist()
@@ -180,7 +208,7 @@ class FakeScheduler:
                 reason = "length"
             r.finished = reason is not None
             out.append(_Delta(rid, [int(tok)], r.finished, reason))
-        return out
+        return _StepOutput(out)
 
 
 class FakeRunner:
@@ -218,10 +246,10 @@ class SpySampler(Sampler):
 
 
 def _engine_like() -> types.SimpleNamespace:
+    """What `make_request` reads of an engine; the fit check is a real scheduler's."""
     return types.SimpleNamespace(
         tokenizer=None, vocab_size=V, max_model_len=10_000, eos_token_ids=[],
-        config=types.SimpleNamespace(page_size=8), layer_types=["full_attention"],
-        sliding_window=None, num_blocks=10_000,
+        scheduler=Scheduler(num_blocks=10_000, page_size=8, max_batch_tokens=64),
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     # ferrobatch.cuda defines its Triton kernels on import; without CUDA they can only run
     # interpreted (tests/test_triton_attention.py), which must be decided before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from ferrobatch import defaults  # noqa: E402
+from ferrobatch import _core, defaults  # noqa: E402
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402
 from ferrobatch.cuda import graphs  # noqa: E402
 from ferrobatch.cuda import triton_attention as ta  # noqa: E402
@@ -177,7 +177,7 @@ def test_dummy_plan_matches_key_and_touches_only_scratch():
         for typ, width in key.table_widths:
             assert d.block_tables[typ].shape == (key.rows, width)
             assert not d.block_tables[typ].any()
-            assert ((d.slot_mapping[typ] // PAGE) == graphs.SCRATCH_CHUNK).all()
+            assert ((d.slot_mapping[typ] // PAGE) == _core.SCRATCH_CHUNK).all()
         assert len(d.logits_indices) == key.logits_rows
 
 

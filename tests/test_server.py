@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -120,9 +119,7 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
-        self.layer_types = ["full_attention"]
         self.num_blocks = 4096
-        self.config = SimpleNamespace(page_size=16)
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
@@ -132,6 +129,10 @@ class FakeEngine:
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.closed = False
         self._cancel_set: set[str] = set()
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.num_blocks * 16  # blocks of 16 tokens, full attention
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

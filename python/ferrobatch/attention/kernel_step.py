@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.models import SLIDING
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 
 @dataclass
@@ -35,7 +38,7 @@ class KernelStep:
 
 
 def build_kernel_step(
-    plan: Any,
+    plan: StepPlan,
     cache: PagedKVCache,
     layer_types: list[str],
     sliding_window: int | None,

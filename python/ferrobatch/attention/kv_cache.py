@@ -7,9 +7,11 @@ from typing import Any
 import numpy as np
 import torch
 
-ZERO_CHUNK = 0
-SCRATCH_CHUNK = 1
-RESERVED_CHUNKS = 2
+from ferrobatch._core import SCRATCH_CHUNK, ZERO_CHUNK
+
+# chunks before the first allocatable one: the zero chunk (padding reads) and the scratch
+# chunk (padding writes), ids of the core's
+RESERVED_CHUNKS = max(ZERO_CHUNK, SCRATCH_CHUNK) + 1
 
 
 class PagedKVCache:

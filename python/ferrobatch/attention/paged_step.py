@@ -4,13 +4,17 @@ per step from the plan by `build_step` (gather indices, slot mappings, additive 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ferrobatch import _core
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.models import SLIDING
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 
 @dataclass
@@ -72,7 +76,7 @@ class PagedStep:
 
 
 def build_step(
-    plan: Any,
+    plan: StepPlan,
     cache: PagedKVCache,
     layer_types: list[str],
     sliding_window: int | None,
@@ -115,7 +119,7 @@ def build_step(
         if sliding and not sliding_window:
             raise ValueError("sliding layers need a sliding window")
         w = int(sliding_window) if sliding else 0
-        table = np.asarray(plan.block_tables[typ], dtype=np.int64)
+        table = np.asarray(plan.block_tables[typ], dtype=np.int32)
         if table.ndim != 2 or table.shape[0] != len(qlen):
             raise ValueError(f"block_tables[{typ!r}] must be [B, W]")
         ring = table.shape[1]
@@ -123,12 +127,7 @@ def build_step(
         if slot_mapping.shape != (num_tokens,):
             raise ValueError(f"slot_mapping[{typ!r}] must have T={num_tokens} entries")
 
-        def slots_of(rows: np.ndarray, pos: np.ndarray, *, _table=table, _ring=ring,
-                     _sliding=sliding) -> np.ndarray:
-            col = pos // page
-            if _sliding:
-                col = col % _ring
-            return _table[rows, col] * page + pos % page
+        ring_arg = ring if sliding else None  # the core's column rule (`_core.table_columns`)
 
         # Single-token rows: whole chunks gathered after this step's write (their one new
         # key is then in the cache), keys outside the row's range masked; rows bucketed by
@@ -156,19 +155,17 @@ def build_step(
                 rows = decode_rows[idx]
                 wb = int(width[idx].max())
                 chunk_ids = table[rows, :wb]
-                last = total[idx][:, None, None] - 1
-                col = np.arange(wb)[None, :, None]
-                off = np.arange(page)[None, None, :]
+                last = total[idx][:, None] - 1
                 if sliding:
-                    # The position a ring slot holds now: the latest p <= last in that slot.
-                    lb = last // page
-                    blk = lb - (lb - col) % wb
-                    blk = np.where(blk * page + off > last, blk - wb, blk)
-                    pos = blk * page + off
-                    valid = (pos >= 0) & (pos > last - w)
+                    # The keys the ring holds now: the row's last w positions, each at the
+                    # column the core puts it in; every other gathered key is masked.
+                    pos = last - np.arange(w)[None, :]
+                    r_of, k_of = np.nonzero(pos >= 0)
+                    p = pos[r_of, k_of]
+                    valid = np.zeros((len(rows), wb * page), dtype=bool)
+                    valid[r_of, _core.table_columns(p, page, ring) * page + p % page] = True
                 else:
-                    valid = np.broadcast_to(col * page + off <= last, (len(rows), wb, page))
-                valid = valid.reshape(len(rows), wb * page)
+                    valid = np.arange(wb * page)[None, :] <= last
                 decode.append(_DecodeBucket(
                     tokens=None if all_decode and len(idx) == len(qlen) else to_long(cu[rows]),
                     chunks=to_long(chunk_ids.reshape(-1)),
@@ -186,7 +183,9 @@ def build_step(
             c0 = max(0, s - w + 1) if sliding else 0
             c = s - c0
             if c:
-                cached_parts.append(slots_of(np.full(c, r), np.arange(c0, s)))
+                cached_parts.append(
+                    _core.slots(table, np.full(c, r), np.arange(c0, s), page, ring_arg)
+                )
             causal = c == 0 and (not sliding or q <= w)
             mask = None
             if not causal:

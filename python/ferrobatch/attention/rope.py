@@ -33,10 +33,13 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ferrobatch.core import Scheduler, StepPlan
 
 logger = logging.getLogger("ferrobatch")
 
@@ -149,7 +152,7 @@ class LongRope:
     def forget(self, request_id: str) -> None:
         self.long.discard(request_id)
 
-    def crossing(self, plan: Any) -> list[str]:
+    def crossing(self, plan: StepPlan) -> list[str]:
         """Requests of `plan` that cross the threshold with the token it samples (a short
         request sampled at position `threshold - 1`): with `recompute`, each must be
         recomputed before its next forward. Empty without `recompute`."""
@@ -166,7 +169,7 @@ class LongRope:
         rids = list(plan.request_ids)
         return [rids[r] for r in rows if rids[r] not in self.long]
 
-    def after_update(self, scheduler: Any, plan: Any, finished: list[str]) -> int:
+    def after_update(self, scheduler: Scheduler, plan: StepPlan, finished: list[str]) -> int:
         """After `scheduler.update()` of `plan`: forget finished requests; recompute (with
         long factors from now on) the ones that crossed the threshold. Returns how many
         were recomputed."""
@@ -184,7 +187,7 @@ class LongRope:
 
     # -- the forward --------------------------------------------------------------------------
 
-    def token_flags(self, plan: Any) -> np.ndarray | None:
+    def token_flags(self, plan: StepPlan) -> np.ndarray | None:
         """Per token of `plan`: long (True) or short; None when every token is short."""
         pos = np.asarray(plan.positions, dtype=np.int64)
         flags = pos >= self.threshold
@@ -197,7 +200,7 @@ class LongRope:
         return flags if flags.any() else None
 
     @contextmanager
-    def forward(self, plan: Any, device: torch.device) -> Iterator[None]:
+    def forward(self, plan: StepPlan, device: torch.device) -> Iterator[None]:
         """Within the block, the rotary modules give each token of `plan` its own factors.
         The modules' `forward` is replaced on the instances for the block only, and their
         frequency buffers are restored afterwards."""

@@ -28,14 +28,18 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
 
+from ferrobatch._core import SCRATCH_CHUNK
 from ferrobatch.defaults import DEFAULT_KV_INTERVAL, DEFAULT_Q_INTERVAL
 
 from .triton_attention import choose_num_splits
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 __all__ = [
     "SLIDING",
@@ -50,8 +54,6 @@ __all__ = [
     "pad_plan",
 ]
 
-ZERO_CHUNK = 0
-SCRATCH_CHUNK = 1
 SLIDING = "sliding_attention"
 
 
@@ -184,7 +186,7 @@ def _i32(a: Any) -> np.ndarray:
 
 
 def pad_plan(
-    plan: Any,
+    plan: StepPlan,
     buckets: GraphBuckets,
     *,
     page_size: int,

@@ -10,7 +10,10 @@ row's last token, this step's tokens included), `block_tables [B, W]` int32 and 
 
 Key position `p` of row `r` lives at slot `table[r][c] * page_size + p % page_size` with
 `c = p // page_size` for full attention and `c = (p // page_size) % ring` for a sliding
-layer (`ring` = the ring's chunk count R, by default the table width). A query at position
+layer (`ring` = the ring's chunk count R, by default the table width): the core's rule
+(`_core.table_columns` / `_core.slots`), which the host-side reference calls. The Triton
+kernels and `static_decode_attention` (captured into CUDA graphs, so no host round trip)
+compute the same column arithmetic on the device, in-kernel. A query at position
 `q` sees keys `0 ..= q` (full) or `q - w + 1 ..= q` (sliding window `w`).
 
 Order of work per layer and attention type (`paged_attention` does exactly this):
@@ -47,8 +50,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ferrobatch import _core
 
 try:  # triton is optional: the engine runs on CPU without it
     import triton
@@ -138,15 +144,6 @@ def choose_num_splits(
 # ------------------------------------------------------------------------ torch reference
 
 
-def _slots(
-    table_row: torch.Tensor, pos: torch.Tensor, page_size: int, ring: int | None
-) -> torch.Tensor:
-    col = torch.div(pos, page_size, rounding_mode="floor")
-    if ring:
-        col = col % ring
-    return table_row.long()[col] * page_size + pos % page_size
-
-
 def reference_paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -179,6 +176,7 @@ def reference_paged_attention(
         out = torch.zeros_like(q)
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     lens = [int(x) for x in seqlens_k.tolist()]
+    tables = block_tables.cpu().numpy().astype(np.int32, copy=False)
     dev = q.device
     for r in range(len(lens)):
         s, e = cu[r], cu[r + 1]
@@ -189,8 +187,10 @@ def reference_paged_attention(
         if start < 0:
             raise ValueError(f"row {r}: seqlens_k {lens[r]} < query length {q_len}")
         c0 = max(0, start - sliding_window + 1) if sliding_window else 0
-        pos = torch.arange(c0, start, device=dev)
-        slots = _slots(block_tables[r].to(dev), pos, page_size, ring)
+        # the core's slot rule (`_core.slots`: ring column for sliding layers), on the host
+        pos = np.arange(c0, start)
+        slots = _core.slots(tables, np.full(len(pos), r), pos, page_size, ring)
+        slots = torch.from_numpy(slots).to(dev)
         k = torch.cat([k_cache.index_select(0, slots), k_new[s:e]]).float()  # [Lk, Hkv, D]
         v = torch.cat([v_cache.index_select(0, slots), v_new[s:e]]).float()
         qp = torch.arange(start, start + q_len, device=dev)[:, None]
@@ -259,6 +259,7 @@ def static_decode_attention(
         ring = 0
     pos = pos.clamp(min=0)
     col = torch.div(pos, page_size, rounding_mode="floor")
+    # the core's column rule (`_core.table_columns`) on the device: this runs inside graphs
     col = col % ring if ring else col.clamp(max=block_tables.shape[1] - 1)
     slots = block_tables.long().gather(1, col) * page_size + pos % page_size  # [B, K]
     k = k_cache.index_select(0, slots.reshape(-1)).view(rows, keys, kv_heads, dim)
@@ -357,6 +358,7 @@ if HAS_TRITON:
         for start in range(s_lo, s_hi, BLOCK_N):
             pos = start + offs_n
             k_mask = pos < s_hi
+            # the core's column rule (`_core.table_columns`), in-kernel
             col = pos // page_size
             if SLIDING:
                 col = col % ring
@@ -463,6 +465,7 @@ if HAS_TRITON:
             in_range = pos < hi
             cached = in_range & (pos < ctx)
             new = in_range & (pos >= ctx)
+            # the core's column rule (`_core.table_columns`), in-kernel
             col = pos // page_size
             if SLIDING:
                 col = col % ring

@@ -587,6 +587,13 @@ class Engine:
         return self._make_request(prompt, sp, "check").prompt_ids
 
     @property
+    def max_request_tokens(self) -> int:
+        """The largest `prompt + max_new_tokens` the cache can ever hold for one request (the
+        scheduler's rule, `Scheduler.max_request_tokens`; the model's context,
+        `max_model_len`, is a limit of its own)."""
+        return self.scheduler.max_request_tokens()
+
+    @property
     def error(self) -> BaseException | None:
         """The exception that killed the stepping loop, or None while healthy."""
         return self._error
@@ -644,9 +651,7 @@ class Engine:
         """Scheduler statistics plus throughput, cache usage, prefix hits, preemptions."""
         out: dict[str, Any] = {}
         with self._step_lock:
-            sched_stats = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
-        if not isinstance(sched_stats, dict):
-            sched_stats = {k: getattr(sched_stats, k) for k in dir(sched_stats) if k[0] != "_"}
+            sched_stats = self.scheduler.stats()
         out.update(sched_stats)
         gen = self._stats["generated_tokens"]
         busy = self._stepper.busy_time

@@ -25,23 +25,21 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
-from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import DeviceSample, Sampler, SamplingState
 
-__all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
+if TYPE_CHECKING:
+    from ferrobatch.core import Scheduler, StepPlan
+    from ferrobatch.runner.model_runner import ModelRunner
 
-# Rows whose request left the engine's table before the row was planned (it cannot happen
-# with the engine's bookkeeping, but a wasted greedy row is the right answer if it does).
-_ORPHAN_STATE = SamplingState(SamplingParams(max_new_tokens=1), [])
+__all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
 
 
 @dataclass
@@ -119,7 +117,7 @@ class _InFlight:
     was planned: a request may leave the table before its row is sampled), and its logits,
     then its samples on the device and their pending host copy."""
 
-    plan: Any
+    plan: StepPlan
     rids: list[str]
     rows: list[int]
     states: list[SamplingState]
@@ -142,8 +140,8 @@ class AsyncStepper(Stepper):
 
     def __init__(
         self,
-        scheduler: Any,
-        runner: Any,
+        scheduler: Scheduler,
+        runner: ModelRunner,
         sampler: Sampler,
         router: OutputRouter,
         stats: collections.Counter[str],
@@ -213,17 +211,12 @@ class AsyncStepper(Stepper):
           request), so without this a swapped request would wait for the running ones to
           finish even when it fits again.
         """
-        stats_fn = getattr(self.scheduler, "stats", None)
-        if stats_fn is None:
-            return ""
-        st = stats_fn()
-        if not isinstance(st, dict):
-            st = {k: getattr(st, k) for k in dir(st) if not k.startswith("_")}
-        free = st.get("num_free_blocks")
+        sched = self.scheduler  # O(1) getters, no stats() dict per ahead step
+        free = sched.num_free_blocks
         last, self._last_free = self._last_free, free
-        if st.get("stalled_requests", 0):
+        if sched.num_stalled:
             return "stall_drains"
-        if st.get("swapped", 0) and free is not None and last is not None and free > last:
+        if sched.num_swapped and last is not None and free > last:
             return "swap_drains"
         return ""
 
@@ -238,15 +231,16 @@ class AsyncStepper(Stepper):
 
     # -- pieces ---------------------------------------------------------------------------
 
-    def _launch(self, plan: Any, prev_tokens: torch.Tensor | None) -> _InFlight:
+    def _launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> _InFlight:
         """Queue `plan`'s forward (input ids from `prev_tokens` where the plan says so)."""
         rids = list(plan.request_ids)
         rows = np.asarray(plan.logits_rows).tolist()
         requests = self.router.requests
         states = []
         for r in rows:
-            req: Request | None = requests.get(rids[r])
-            states.append(req.sstate if req is not None else _ORPHAN_STATE)
+            # every planned request is in the table: one leaves it only with its update,
+            # and updates run after the launch of the plan that follows
+            states.append(requests[rids[r]].sstate)
         cur = _InFlight(plan, rids, rows, states)
         if getattr(plan, "ahead", False):
             self.stats["ahead_steps"] += 1

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +18,9 @@ from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.params import SamplingParams, coerce_sampling
 from ferrobatch.sampling.sampler import SamplingState
+
+if TYPE_CHECKING:
+    from ferrobatch.engine.llm_engine import Engine
 
 __all__ = [
     "Listener",
@@ -127,7 +129,7 @@ def sampling_list(
 
 
 def make_request(
-    engine: Any,
+    engine: Engine,
     prompt: Prompt,
     sp: SamplingParams,
     request_id: str | None,
@@ -187,7 +189,7 @@ def make_request(
     )
 
 
-def _prompt_ids(engine: Any, prompt: Prompt) -> tuple[list[int], str | None]:
+def _prompt_ids(engine: Engine, prompt: Prompt) -> tuple[list[int], str | None]:
     """(token ids in the vocabulary, the prompt text when it was a string)."""
     prompt_text = None
     if isinstance(prompt, str):
@@ -210,8 +212,10 @@ def _prompt_ids(engine: Any, prompt: Prompt) -> tuple[list[int], str | None]:
     return ids, prompt_text
 
 
-def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
-    """The prompt and its `max_new_tokens` fit the model's context and the cache."""
+def _check_fits(engine: Engine, ids: list[int], sp: SamplingParams) -> None:
+    """The prompt and its `max_new_tokens` fit the model's context, and the cache (the
+    scheduler's own rule, `Scheduler.check_fits`: a `FieldError` naming "prompt" or
+    "max_new_tokens")."""
     assert sp.max_new_tokens is not None
     if len(ids) >= engine.max_model_len:
         raise FieldError(
@@ -225,31 +229,7 @@ def _check_fits(engine: Any, ids: list[int], sp: SamplingParams) -> None:
             f"model's context (max_position_embeddings={engine.max_model_len})",
             "max_new_tokens",
         )
-    need = lifetime_chunks(
-        len(ids) + sp.max_new_tokens - 1,
-        engine.config.page_size,
-        engine.layer_types,
-        getattr(engine, "sliding_window", None),
-    )
-    if need > engine.num_blocks:
-        raise FieldError(
-            f"max_new_tokens: prompt + max_new_tokens needs {need} cache blocks but the "
-            f"cache has num_blocks={engine.num_blocks}",
-            "max_new_tokens",
-        )
-
-
-def lifetime_chunks(
-    cached_tokens: int, page_size: int, layer_types: Sequence[str], sliding_window: int | None
-) -> int:
-    """Chunks a request holding `cached_tokens` keys needs at most: its full-attention blocks
-    plus its sliding ring (the scheduler's own rule, ARCHITECTURE.md §3: a request's last
-    token is never cached, so `prompt + max_new_tokens - 1`)."""
-    pages = math.ceil(cached_tokens / page_size)
-    need = pages if "full_attention" in layer_types else 0
-    if "sliding_attention" in layer_types and sliding_window:
-        need += min(pages, math.ceil(sliding_window / page_size) + 1)
-    return need
+    engine.scheduler.check_fits(len(ids), sp.max_new_tokens)
 
 
 def as_prompt_list(prompts: Any) -> list[Prompt]:

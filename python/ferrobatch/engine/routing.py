@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferrobatch.engine.request import Request
+
+if TYPE_CHECKING:
+    from ferrobatch.core import Scheduler, StepOutput
 
 __all__ = ["OutputRouter"]
 
@@ -21,28 +24,20 @@ class OutputRouter:
     A stop string cancels its request in `scheduler`.
     """
 
-    def __init__(self, scheduler: Any, stats: collections.Counter[str]) -> None:
+    def __init__(self, scheduler: Scheduler, stats: collections.Counter[str]) -> None:
         self.requests: dict[str, Request] = {}
         self.lock = threading.Lock()
         self.scheduler = scheduler
         self.stats = stats
 
-    def route(self, step_out: Any, lp_by_rid: dict[str, dict[int, float]], now: float) -> None:
+    def route(
+        self, step_out: StepOutput, lp_by_rid: dict[str, dict[int, float]], now: float
+    ) -> None:
         """Hand each request its delta; the common case (one token, no streaming, no stop
         string, no logprobs) touches only plain lists."""
-        bulk = hasattr(step_out, "token_ids") and hasattr(step_out, "request_ids")
-        if not bulk:  # any iterable of deltas (request_id, new_token_ids, finished, ...)
-            for d in step_out:
-                reason = _reason(d.finish_reason) if d.finished else None
-                req = self.requests.get(d.request_id)
-                if req is None or req.done.is_set():
-                    continue
-                new = [int(t) for t in d.new_token_ids]
-                self.deliver(req, new, reason, lp_by_rid.get(d.request_id), now)
-            return
         rids = step_out.request_ids
         toks = step_out.token_ids.tolist()
-        finished = step_out.finished.tolist() if getattr(step_out, "num_finished", 1) else None
+        finished = step_out.finished.tolist() if step_out.num_finished else None
         reasons = step_out.finish_reasons if finished is not None else None
         requests = self.requests
         generated = 0

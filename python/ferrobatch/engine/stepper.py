@@ -7,7 +7,7 @@ import collections
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import Sampler, SampleResult
+
+if TYPE_CHECKING:
+    from ferrobatch.core import Scheduler, StepPlan
+    from ferrobatch.runner.model_runner import ModelRunner
 
 __all__ = ["Stepper", "model_lock"]
 
@@ -48,8 +52,8 @@ class Stepper:
 
     def __init__(
         self,
-        scheduler: Any,
-        runner: Any,
+        scheduler: Scheduler,
+        runner: ModelRunner,
         sampler: Sampler,
         router: OutputRouter,
         stats: collections.Counter[str],
@@ -105,7 +109,9 @@ class Stepper:
         self.busy_time += time.perf_counter() - t0
         return True
 
-    def _record(self, plan: Any, rids: list[str], rows: list[int], result: SampleResult) -> None:
+    def _record(
+        self, plan: StepPlan, rids: list[str], rows: list[int], result: SampleResult
+    ) -> None:
         """`plan`'s sampled tokens into the scheduler (the oldest outstanding plan's update),
         the resulting deltas and logprobs routed to their requests, step counters."""
         tokens = result.token_ids.numpy().astype(np.int32)

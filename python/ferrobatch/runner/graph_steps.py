@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from ferrobatch.attention import context, registry
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.defaults import CAPTURE_AFTER, DEFAULT_MAX_GRAPHS
 from ferrobatch.runner.patches import eval_mode
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 logger = logging.getLogger("ferrobatch")
 
@@ -109,7 +112,7 @@ class GraphSteps:
         return graph
 
     def _execute_graph(
-        self, plan: Any, fill: Any, prev_tokens: torch.Tensor | None
+        self, plan: StepPlan, fill: Any, prev_tokens: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Hidden states [N, hidden] of `plan` through its padded graph, or None when the
         step runs eager (not decode-only, or beyond the buckets)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from ferrobatch.runner.graph_steps import GraphSteps
 from ferrobatch.runner.output_head import OutputHead, WeightDerived
 from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
 from ferrobatch.sampling.sampler import argmax_rows
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 logger = logging.getLogger("ferrobatch")
 
@@ -215,7 +218,9 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
                 "attention layers went through ferrobatch's paged attention; the model must "
                 "dispatch attention through transformers' AttentionInterface"
             )
-    def execute_greedy(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute_greedy(
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Greedy next tokens [N] (int64, CPU) of `plan`'s sampled tokens: the argmax (first
         maximum) of the logits `execute` returns, without those logits when `fast_greedy`
         (bounded int8 screen + fp32 rescoring of the candidates)."""
@@ -223,7 +228,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         return out if out.dtype == torch.int64 else argmax_rows(out)
 
     def execute_with_prompt(
-        self, plan: Any, prompt_indices: Any, prev_tokens: torch.Tensor | None = None
+        self, plan: StepPlan, prompt_indices: Any, prev_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`execute`'s logits [N, vocab], and fp32 logits [M, vocab] of the tokens at
         `prompt_indices` (token indices into the plan: prompt positions whose next-token
@@ -240,7 +245,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         return torch.from_numpy(arr).to(self.device, non_blocking=True)
 
     def _prev_token_fill(
-        self, plan: Any, prev_tokens: torch.Tensor | None
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Device (token index, index into `prev_tokens`) pairs for the tokens whose input id
         is the previous plan's sample (`plan.prev_token_index >= 0`); None when there are
@@ -279,7 +284,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         input_ids.index_copy_(0, pos, prev.index_select(0, src).to(input_ids.dtype))
 
     def execute(
-        self, plan: Any, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False,
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False,
         _extra: Any = None,
     ) -> torch.Tensor:
         """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the

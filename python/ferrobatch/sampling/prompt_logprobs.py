@@ -17,10 +17,13 @@ some step; requests that don't ask cost nothing (no extra logits, no extra work)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ferrobatch.core import StepPlan
 
 __all__ = ["PromptJob"]
 
@@ -42,7 +45,7 @@ class PromptJob:
     spans: list[tuple[Any, int, int, int]]
 
     @classmethod
-    def of(cls, plan: Any, pending: dict[str, Any]) -> PromptJob | None:
+    def of(cls, plan: StepPlan, pending: dict[str, Any]) -> PromptJob | None:
         """The job of `plan` for the requests in `pending` (by id: those with prompt
         positions left; the ones done or finished are dropped from it). None when no row
         needs any; the caller skips this altogether while `pending` is empty."""

@@ -208,25 +208,14 @@ def _vocab_size(engine: Any) -> int:
     return 0
 
 
-def _cache_tokens(engine: Any) -> int | None:
-    """Tokens one request may hold in the cache (full-attention models), else None."""
-    layer_types = getattr(engine, "layer_types", None)
-    num_blocks = getattr(engine, "num_blocks", None)
-    page_size = getattr(getattr(engine, "config", None), "page_size", None)
-    if not layer_types or "full_attention" not in layer_types:
-        return None
-    if not isinstance(num_blocks, int) or not isinstance(page_size, int):
-        return None
-    return num_blocks * page_size
-
-
 def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: str) -> int:
-    """Check the prompt fits; return the max_tokens to use (filling the context if None).
-
-    Mirrors the engine's own checks so a stream never fails after its headers are sent.
+    """Check the prompt fits the model's context and the cache; return the max_tokens to use
+    (filling both if None). The cache's limit is the scheduler's own
+    (`Engine.max_request_tokens`), so a stream never fails after its headers are sent.
     """
-    limit = int(getattr(engine, "max_model_len", 0) or 0) or (1 << 30)
-    cache = _cache_tokens(engine)
+    limit = engine.max_model_len
+    cache = engine.max_request_tokens
+    blocks = f"num_blocks={engine.num_blocks}"
     if prompt_len == 0:
         raise bad_request(f"'{param}' must not be empty.", param)
     if prompt_len >= limit:
@@ -236,15 +225,15 @@ def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: s
             param,
             "context_length_exceeded",
         )
-    if cache is not None and prompt_len >= cache:
+    if prompt_len >= cache:
         raise bad_request(
             f"The prompt has {prompt_len} tokens but the KV cache holds at most {cache} tokens "
-            f"per request; shorten '{param}'.",
+            f"per request ({blocks}); shorten '{param}'.",
             param,
             "context_length_exceeded",
         )
     if max_tokens is None:
-        return min(limit, cache or limit) - prompt_len
+        return min(limit, cache) - prompt_len
     if prompt_len + max_tokens > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, but {prompt_len + max_tokens}"
@@ -253,11 +242,11 @@ def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: s
             "max_tokens",
             "context_length_exceeded",
         )
-    if cache is not None and prompt_len + max_tokens > cache:
+    if prompt_len + max_tokens > cache:
         raise bad_request(
-            f"The KV cache holds at most {cache} tokens per request, but {prompt_len + max_tokens}"
-            f" were requested ({prompt_len} in the prompt, {max_tokens} for the completion); "
-            "reduce 'max_tokens' or the prompt.",
+            f"The KV cache holds at most {cache} tokens per request ({blocks}), but "
+            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion); reduce 'max_tokens' or the prompt.",
             "max_tokens",
             "context_length_exceeded",
         )
