@@ -47,11 +47,6 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
-def num_layers_of(config: PretrainedConfig) -> int:
-    """Number of decoder layers."""
-    return int(text_config(config).num_hidden_layers)
-
-
 def layer_types_of(config: PretrainedConfig | PreTrainedModel) -> list[str]:
     """Per layer `"full_attention"` or `"sliding_attention"`.
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ferrobatch")
 
 __all__ = ["LongRope", "forward_derived_rope"]
-
-_STATE = threading.local()
 
 
 def _rope_type(module: torch.nn.Module) -> Any:

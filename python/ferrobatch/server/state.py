@@ -69,7 +69,6 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ferrobatch-tok")
     )
-    token_text: dict[int, str] = field(default_factory=dict)
 
     def _engine_name(self) -> str | None:
         name = getattr(self.engine, "model_name", None) if self.engine is not None else None
@@ -82,18 +81,6 @@ class ServerState:
     def primary_name(self) -> str:
         """The name the server reports."""
         return self.model_name or self._engine_name() or "ferrobatch"
-
-    def token_str(self, token_id: int) -> str:
-        """Text of one token (cached)."""
-        text = self.token_text.get(token_id)
-        if text is None:
-            try:
-                text = self.engine.tokenizer.decode([token_id])
-            except Exception:  # pragma: no cover - a broken tokenizer entry
-                text = ""
-            if len(self.token_text) < 1_000_000:
-                self.token_text[token_id] = text
-        return text
 
     # -- checks (each raises APIError) ----------------------------------------------------
 
