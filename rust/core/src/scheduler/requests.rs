@@ -13,7 +13,7 @@ impl Scheduler {
     /// token) or `"max_new_tokens"` (below 1, or too many for what the prompt leaves).
     pub fn check_fits(&self, prompt_len: usize, max_new_tokens: usize) -> Result<()> {
         check_lengths(prompt_len, max_new_tokens)?;
-        self.check_capacity("the request", prompt_len, max_new_tokens)
+        self.check_capacity(None, prompt_len, max_new_tokens)
     }
 
     /// Chunks a request holding `cached_tokens` keys needs at most: its full-attention blocks
@@ -32,8 +32,17 @@ impl Scheduler {
         }
     }
 
-    /// The capacity half of `check_fits` (`who` starts the message).
-    fn check_capacity(&self, who: &str, prompt_len: usize, max_new_tokens: usize) -> Result<()> {
+    /// The capacity half of `check_fits` (the message names request `id` when given).
+    fn check_capacity(
+        &self,
+        id: Option<&str>,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> Result<()> {
+        let who = || match id {
+            Some(id) => format!("request {id:?}"),
+            None => "the request".to_owned(),
+        };
         // Blame the prompt when it cannot fit even with a single new token.
         let field = if prompt_len > self.max_lifetime {
             "prompt"
@@ -52,9 +61,11 @@ impl Scheduler {
             return Err(Error::invalid(
                 field,
                 format!(
-                    "{who} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
+                    "{} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
                      ({max_new_tokens}) need {need} blocks of page_size {} but num_blocks is {}",
-                    self.cfg.page_size, self.cfg.num_blocks
+                    who(),
+                    self.cfg.page_size,
+                    self.cfg.num_blocks
                 ),
             ));
         }
@@ -63,8 +74,9 @@ impl Scheduler {
                 return Err(Error::invalid(
                     field,
                     format!(
-                        "{who} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
-                         ({max_new_tokens}) - 1 exceeds max_batch_cache_tokens ({c})"
+                        "{} can never fit: prompt_token_ids ({prompt_len}) + max_new_tokens \
+                         ({max_new_tokens}) - 1 exceeds max_batch_cache_tokens ({c})",
+                        who()
                     ),
                 ));
             }
@@ -109,11 +121,7 @@ impl Scheduler {
                 "stop_sequences must not contain an empty sequence",
             ));
         }
-        self.check_capacity(
-            &format!("request {id:?}"),
-            prompt.len(),
-            stop.max_new_tokens,
-        )?;
+        self.check_capacity(Some(id), prompt.len(), stop.max_new_tokens)?;
         let key = (priority, self.arrivals);
         self.arrivals += 1;
         let req = Request::new(id.to_owned(), key, prompt, stop, skip_prefix_lookup);
