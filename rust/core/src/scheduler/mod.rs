@@ -40,7 +40,7 @@
 //! step after it before its tokens are known (placeholders + `prev_token_index`, no
 //! preemption); `update()` applies to the oldest outstanding plan. Chunk lifetime: no chunk
 //! referenced by an outstanding plan is freed, evicted or reallocated while it is outstanding
-//! (frees of requests it references are deferred to its update, held in its [`Flight`]).
+//! (frees of requests it references are deferred to its update, held in its `Flight`).
 //!
 //! # Deadlock freedom
 //! `add_request` rejects anything whose whole lifetime (`prompt + max_new_tokens - 1`
