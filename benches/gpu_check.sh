@@ -59,12 +59,12 @@ timeout 415 "$PY" benches/gpu_check.py --total-budget 390 --out "$OUT_DIR/gpu_ch
 # eager, streams and events of the async pipeline and of offload never syncing the host.
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 55 "$PY" -m pytest -q -p no:cacheprovider -x \
-    tests/test_graph_runner.py tests/test_cuda_graph_keys.py \
-    tests/test_async_cuda.py tests/test_async_offload.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" \
+    tests/runner/test_graph_runner.py tests/cuda/test_cuda_graph_keys.py \
+    tests/cuda/test_async_cuda.py tests/engine/test_async_offload.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" \
     || status=$?
   # The Triton kernels compiled (on CPU CI they run interpreted); last, with its own limit:
   # many small variants to compile.
-  timeout 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py 2>&1 \
+  timeout 45 "$PY" -m pytest -q -p no:cacheprovider tests/cuda/test_triton_attention.py 2>&1 \
     | tee -a "$OUT_DIR/gpu_tests.log" || status=$?
 else
   echo "gpu_check: pytest not installed; the CUDA-only tests did not run" | tee "$OUT_DIR/gpu_tests.log"

@@ -7,7 +7,7 @@ query tokens, padded rows, padded sampled rows, padded max query length, padded 
 length, and per attention type the block-table width and the decode split count. (The
 reference implementation once keyed graphs without the max key length: a graph captured for
 short contexts was replayed for long ones and silently attended to a truncated context.
-`tests/test_cuda_graph_keys.py` catches that.)
+`tests/cuda/test_cuda_graph_keys.py` catches that.)
 
 Padding (ARCHITECTURE.md §2 chunks 0 and 1):
 

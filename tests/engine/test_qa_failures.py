@@ -19,7 +19,7 @@ import tiny_models
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import EngineClosedError, QueueFullError
-from test_server import CORPUS, build_model, build_tokenizer
+from server_helpers import CORPUS, build_model, build_tokenizer
 from transformers import GenerationConfig
 
 torch.set_num_threads(1)

@@ -4,12 +4,11 @@ client on the bundled SmolLM2 (loopback only), plus the parsing and validation h
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from bundled_server import bundled_server, openai_client
+from bundled_server import openai_client
 from ferrobatch.server.protocol import APIError, ChatMessage
 from ferrobatch.server.tools import chat_messages, parse_tool_calls, prepare_tools
 
@@ -36,12 +35,6 @@ TOOLS = [
 ]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with bundled_server() as base:
-        yield base
 
 
 _client = openai_client

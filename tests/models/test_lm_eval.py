@@ -1,13 +1,13 @@
 """lm-evaluation-harness end to end: the real `lm_eval` CLI (`local-completions`, which
 scores each choice with `echo: true, logprobs: 1, max_tokens: 1`) against a live loopback
 `ferrobatch serve` on the bundled SmolLM2, on a tiny local multiple-choice task
-(tests/lm_eval_task: a YAML task and a JSONL file, no download). Each choice's
+(tests/models/lm_eval_task: a YAML task and a JSONL file, no download). Each choice's
 log-likelihood must equal transformers' own (fp32 forward of the same prompt + continuation
 token ids) and the accuracy must be the one those log-likelihoods imply.
 
 Skipped unless lm-eval is installed (it is not a dependency of `make test`):
 `.venv/bin/pip install "lm-eval[api]==0.4.13"`, then
-`.venv/bin/python -m pytest tests/test_lm_eval.py -q`.
+`.venv/bin/python -m pytest tests/models/test_lm_eval.py -q`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_lm_eval_multiple_choice_matches_transformers(server, tmp_path):
     url, model_dir = server
     # the task with an absolute data path (lm-eval resolves it against its cwd)
     yaml = (TASK_DIR / "ferrobatch_tiny_mc.yaml").read_text().replace(
-        "tests/lm_eval_task/tiny_mc.jsonl", str(TASK_DIR / "tiny_mc.jsonl")
+        "tests/models/lm_eval_task/tiny_mc.jsonl", str(TASK_DIR / "tiny_mc.jsonl")
     )
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "ferrobatch_tiny_mc.yaml").write_text(yaml)

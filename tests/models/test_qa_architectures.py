@@ -306,7 +306,7 @@ def test_probe_still_refuses_with_a_one_block_cache() -> None:
     """The probe shrinks its prompt to the cache, so even `num_blocks=1` cannot let an
     attention that computes something else slip through to wrong tokens. (GPT-OSS sinks and
     Nemotron's kwargs-dropping layers, once refused here, are supported: see
-    tests/test_attention_sinks.py.)"""
+    tests/models/test_attention_sinks.py.)"""
     refused = pytest.raises(NotImplementedError, match="differ from the model's own forward")
     with skewed_attention(), refused:
         Engine(model("qwen2_tied"), config=ContinuousBatchingConfig(page_size=8, num_blocks=1))

@@ -12,7 +12,7 @@ import pytest
 
 _core = pytest.importorskip("ferrobatch._core")
 
-STUB = Path(__file__).resolve().parents[1] / "python" / "ferrobatch" / "_core.pyi"
+STUB = Path(__file__).resolve().parents[2] / "python" / "ferrobatch" / "_core.pyi"
 # Runtime dunders a stub must declare when the class defines them (protocols, construction);
 # `__repr__` and the like are typed by `object` already.
 PROTOCOL_DUNDERS = {"__new__", "__len__", "__getitem__", "__iter__", "__next__", "__contains__"}

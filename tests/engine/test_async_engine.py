@@ -1,6 +1,6 @@
 """The engine with `use_async_batching=True` on CPU (the pipeline of `ferrobatch.engine.pipeline`
 with one step in flight, run step after step): greedy parity with `model.generate` on
-tiny models under the same pressures as tests/test_engine_parity.py, and the engine
+tiny models under the same pressures as tests/engine/test_engine_parity.py, and the engine
 behaviours that touch the step in flight (stop strings, EOS, cancellation, seeded
 sampling identical to synchronous mode, streaming, errors, close). Every test checks that
 the pipeline really planned steps ahead."""

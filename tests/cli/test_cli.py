@@ -24,11 +24,11 @@ import pytest
 import torch
 from ferrobatch import cli
 from ferrobatch.config import ContinuousBatchingConfig
-from test_server import build_model, build_tokenizer
+from server_helpers import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 needs_engine = pytest.mark.skipif(
     importlib.util.find_spec("ferrobatch._core") is None,
     reason="the ferrobatch._core extension is not built",

@@ -13,7 +13,7 @@ import torch
 import transformers
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.sampling.params import MIN_TEMPERATURE
-from test_server import FakeEngine, _check_error, _post, build_tokenizer, serve
+from server_helpers import FakeEngine, _check_error, _post, build_tokenizer, serve
 from tiny_models import VOCAB, llama
 
 torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 
 if not torch.cuda.is_available():
     # ferrobatch.cuda defines its Triton kernels on import; without CUDA they can only run
-    # interpreted (tests/test_triton_attention.py), which must be decided before that.
+    # interpreted (tests/cuda/test_triton_attention.py), which must be decided before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from ferrobatch import _core, defaults  # noqa: E402
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402

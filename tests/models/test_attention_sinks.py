@@ -7,7 +7,7 @@
 * decoder layers that drop their **kwargs (Nemotron in transformers 5.24): the step metadata
   reaches the attention function through the runner's thread-local step instead.
 
-Same models, scenarios and reference as tests/test_qa_architectures.py.
+Same models, scenarios and reference as tests/models/test_qa_architectures.py.
 """
 
 from __future__ import annotations

@@ -27,21 +27,15 @@ import httpx
 import openai
 import pytest
 from ferrobatch.server import BackgroundServer, create_app
-from test_server import (
+from server_helpers import (
     MODEL,
     FakeEngine,
     build_model,
-    build_tokenizer,
     client,
     parse_sse,
     serve,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
 
 
 def _error(r: httpx.Response, status: int, param: str | None, fragment: str) -> dict[str, Any]:

@@ -11,16 +11,12 @@ Two engines back it:
 All traffic stays on loopback; every load loop is bounded in count and time.
 """
 
+
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import math
 import random
 import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,268 +29,22 @@ from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.server import BackgroundServer, create_app
+from server_helpers import (
+    CORPUS,
+    MODEL,
+    FakeEngine,
+    _check_error,
+    _post,
+    build_model,
+    build_tokenizer,
+    client,
+    parse_sse,
+    serve,
+    used_blocks,
+    wait_until,
+)
 
 torch.set_num_threads(1)
-
-MODEL = "tiny-test"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "The capital of France is Paris.",
-    "Hello world, how are you today?",
-    "A quick brown fox jumps over the lazy dog.",
-    "Continuous batching keeps the accelerator busy with many requests.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-]
-
-
-# ---------------------------------------------------------------------------------------
-# tiny tokenizer / model / engines
-
-
-def build_tokenizer() -> Any:
-    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
-def build_model(tokenizer: Any, max_len: int = 256) -> Any:
-    """A tiny random-init Llama matching the tokenizer's vocabulary."""
-    return tiny_models.llama(
-        0,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        max_position_embeddings=max_len,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def real_engine_or_skip(tokenizer: Any) -> Any:
-    """A real Engine on the tiny model; skipped only when the extension is not built."""
-    try:
-        from ferrobatch import ContinuousBatchingConfig, Engine
-        from ferrobatch.core import Scheduler  # noqa: F401  (needs ferrobatch._core)
-    except ImportError as exc:
-        pytest.skip(f"real Engine unavailable: {exc}")
-    return Engine(
-        build_model(tokenizer),
-        tokenizer=tokenizer,
-        config=ContinuousBatchingConfig(num_blocks=1024, page_size=16),
-    )
-
-
-class FakeEngine:
-    """Deterministic stand-in for ``ferrobatch.Engine`` (the §6 surface the server uses).
-
-    Every request emits ``max_new_tokens`` tokens, one per ``delay`` seconds, each a function
-    of the prompt and the step. ``gate`` (cleared) holds every request before its first
-    token. Holds ``ceil(len(prompt) / page_size)`` "blocks" per live request.
-    """
-
-    def __init__(self, tokenizer: Any, *, delay: float = 0.002, max_model_len: int = 256):
-        self.tokenizer = tokenizer
-        self.model_name = "fake-model"
-        self.max_model_len = max_model_len
-        self.vocab_size = len(tokenizer)
-        self.num_blocks = 4096
-        self.delay = delay
-        self.gate = threading.Event()
-        self.gate.set()
-        self.active: dict[str, int] = {}
-        self.cancelled: list[str] = []
-        self.cancel_calls: list[str] = []
-        self.submitted: list[tuple[str, list[int], SamplingParams]] = []
-        self.closed = False
-        self._cancel_set: set[str] = set()
-
-    @property
-    def max_request_tokens(self) -> int:
-        return self.num_blocks * 16  # blocks of 16 tokens, full attention
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(t) for t in out]
-
-    def token(self, ids: list[int], step: int) -> int:
-        return 3 + (sum(ids) * 31 + step * 7) % (self.vocab_size - 3)
-
-    async def astream(
-        self, prompt: Any, sampling: Any = None, *, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        sp = sampling or SamplingParams()
-        ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.active:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        self.submitted.append((rid, list(ids), sp))
-        self.active[rid] = math.ceil(len(ids) / 16)
-        done = False
-        try:
-            while not self.gate.is_set():
-                await asyncio.sleep(0.005)
-            for step in range(sp.max_new_tokens):
-                await asyncio.sleep(self.delay)
-                if rid in self._cancel_set:
-                    return
-                tok = self.token(ids, step)
-                last = step == sp.max_new_tokens - 1
-                lp = None
-                if sp.logprobs is not None:
-                    lp = [{tok: -0.25, **{(tok + k) % self.vocab_size: -1.0 - k
-                                          for k in range(1, sp.logprobs + 1)}}]  # fmt: skip
-                yield RequestOutput(
-                    request_id=rid,
-                    prompt_token_ids=list(ids),
-                    token_ids=[tok],
-                    text=self.tokenizer.decode([tok]),
-                    finish_reason="length" if last else None,
-                    finished=last,
-                    logprobs=lp,
-                )
-            done = True
-        finally:
-            if not done:
-                self.cancelled.append(rid)
-            self.active.pop(rid, None)
-
-    def cancel(self, request_id: str) -> bool:
-        self.cancel_calls.append(request_id)
-        if request_id in self.active:
-            self._cancel_set.add(request_id)
-            return True
-        return False
-
-    def stats(self) -> dict[str, Any]:
-        used = sum(self.active.values())
-        return {  # the names of the Rust scheduler's stats
-            "waiting": 0 if self.gate.is_set() else len(self.active),
-            "running": len(self.active) if self.gate.is_set() else 0,
-            "num_used_blocks": used,
-            "num_free_blocks": self.num_blocks - used,
-            "num_cached_blocks": 0,
-            "num_blocks": self.num_blocks,
-            "prefix_hit_tokens": 3,
-            "prompt_tokens": 12,
-            "num_offloads": 1,
-            "num_soft_resets": 2,
-        }
-
-    def close(self) -> None:
-        self.closed = True
-
-
-# ---------------------------------------------------------------------------------------
-# fixtures
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
-
-
-@contextlib.contextmanager
-def serve(engine: Any = None, **kwargs: Any) -> Iterator[BackgroundServer]:
-    kwargs.setdefault("model_name", MODEL)
-    app = create_app(engine, **kwargs)
-    srv = BackgroundServer(app, "127.0.0.1", 0)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def real_engine(tokenizer: Any) -> Iterator[Any]:
-    engine = real_engine_or_skip(tokenizer)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
-@pytest.fixture(scope="module")
-def real_server(real_engine: Any) -> Iterator[BackgroundServer]:
-    with serve(real_engine) as srv:
-        yield srv
-
-
-@pytest.fixture
-def fake_engine(tokenizer: Any) -> FakeEngine:
-    return FakeEngine(tokenizer)
-
-
-@pytest.fixture(params=["fake", "real"])
-def any_server(request: pytest.FixtureRequest, tokenizer: Any) -> Iterator[tuple[Any, str]]:
-    """(engine, url) for the fake engine and, where it can be built, the real one."""
-    if request.param == "real":
-        engine = request.getfixturevalue("real_engine")
-        srv = request.getfixturevalue("real_server")
-        yield engine, srv.url
-    else:
-        engine = FakeEngine(tokenizer)
-        with serve(engine) as srv:
-            yield engine, srv.url
-
-
-def client(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def wait_until(pred: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return bool(pred())
-
-
-def used_blocks(engine: Any) -> int:
-    stats = engine.stats()
-    return int(stats.get("num_used_blocks", stats.get("used_blocks", 0)))
-
-
-def parse_sse(text: str) -> tuple[list[dict[str, Any]], bool]:
-    """(JSON payloads, saw [DONE]) of an SSE body; asserts the framing is well formed."""
-    payloads: list[dict[str, Any]] = []
-    done = False
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        assert not done, "data after [DONE]"
-        data = block[len("data: ") :]
-        if data == "[DONE]":
-            done = True
-            continue
-        payloads.append(json.loads(data))
-    return payloads, done
 
 
 # ---------------------------------------------------------------------------------------
@@ -573,21 +323,6 @@ def _bad_requests(max_len: int) -> list[tuple[str, str, Any, dict[str, str], int
     ]  # fmt: skip
 
 
-def _post(url: str, path: str, body: Any, headers: dict[str, str]) -> httpx.Response:
-    if isinstance(body, bytes):
-        return httpx.post(url + path, content=body,
-                          headers={"content-type": "application/json", **headers})  # fmt: skip
-    return httpx.post(url + path, json=body, headers=headers)
-
-
-def _check_error(r: httpx.Response, status: int, param: str | None, fragment: str) -> None:
-    assert r.status_code == status, (r.status_code, r.text)
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert fragment.lower() in err["message"].lower(), err
-    if param is not None:
-        assert err["param"] == param, err
-
 
 def test_bad_input_during_stream(tokenizer: Any, request: pytest.FixtureRequest) -> None:
     """Every bad request gets its status and message; a concurrent stream is unharmed."""
@@ -851,7 +586,7 @@ def test_cache_capacity_and_echo(tokenizer: Any) -> None:
         out = client(srv.url).completions.create(model=MODEL, prompt="Hello", max_tokens=2,
                                                  echo=True)  # fmt: skip
         assert out.choices[0].text.startswith("Hello")
-        # echo + logprobs is prompt scoring now (tests/test_server_logprobs.py); max_tokens=0
+        # echo + logprobs is prompt scoring now (tests/server/test_server_logprobs.py); max_tokens=0
         # needs echo
         r = httpx.post(srv.url + "/v1/completions",
                        json={"prompt": "a", "max_tokens": 0})  # fmt: skip

@@ -4,12 +4,11 @@ official ``openai`` client on the bundled SmolLM2 (loopback only)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx
 import pytest
-from bundled_server import bundled_server, openai_client
+from bundled_server import openai_client
 from pydantic import BaseModel, Field
 
 
@@ -17,12 +16,6 @@ class Pet(BaseModel):
     name: str = Field(max_length=12)
     age: int
     kind: Literal["cat", "dog"]
-
-
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with bundled_server() as base:
-        yield base
 
 
 _client = openai_client
