@@ -135,6 +135,7 @@ class RefPlanner:
             slot_mapping={t: i32(v) for t, v in slots.items()}, block_tables=tables,
             swap_out=i32(self.pending_out).reshape(-1, 2),
             swap_in=i32(self.pending_in).reshape(-1, 2),
+            prev_token_index=np.full(len(ids), -1, dtype=np.int32), ahead=False,
         )
         self.pending_out, self.pending_in = [], []
         return plan

@@ -215,6 +215,8 @@ class FakeRunner:
     """Fills input ids from the previous step's samples as the real runner does, checks
     the contract, and returns logits that pick `next_token`."""
 
+    fast_greedy = False  # no greedy head: every step through `execute`
+
     def __init__(self, log: list[tuple[str, int]]) -> None:
         self.log = log
         self.inputs: list[np.ndarray] = []

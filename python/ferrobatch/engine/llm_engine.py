@@ -20,15 +20,17 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.engine import memory
+from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
 from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.engine.pipeline import AsyncStepper
+from ferrobatch.engine.probes import ModelProbes
 from ferrobatch.engine.request import (
     Listener,
     Prompt,
@@ -38,18 +40,28 @@ from ferrobatch.engine.request import (
     sampling_list,
 )
 from ferrobatch.engine.routing import OutputRouter
-from ferrobatch.engine.stepper import Stepper, model_lock
+from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from ferrobatch.core import Scheduler
+
+    # what `sampling=` accepts (`coerce_sampling`); a list: one per prompt
+    SamplingLike = (
+        SamplingParams | GenerationConfig | dict[str, Any] | Sequence[SamplingParams] | None
+    )
 
 __all__ = ["Engine", "Listener", "Prompt"]
 
 logger = logging.getLogger("ferrobatch")
 
 
-class Engine:
+class Engine(ModelProbes):
     """Continuous-batching inference over a Hugging Face causal LM.
 
     `model` is a path, a loaded `PreTrainedModel`, or None for the bundled
@@ -95,7 +107,7 @@ class Engine:
         _note_spinning_threads(self.device)
 
         tcfg = self._read_model_config(loaded)
-        _check_architecture(loaded, tcfg)
+        check_architecture(loaded, tcfg)
         # rope factors that transformers takes from the whole forward, made per request
         self.rope = LongRope.of(loaded, self.max_model_len)
         use_cuda_graph = self.config.use_cuda_graph  # None: on with CUDA + a kernel backend
@@ -159,14 +171,14 @@ class Engine:
         )
         self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
         self.vocab_size = int(tcfg.vocab_size)
-        self.eos_token_ids = _eos_ids(loaded, self.tokenizer)
+        self.eos_token_ids = eos_ids(loaded, self.tokenizer)
         # grammar matchers of guided requests (json_schema / regex / grammar)
         self.guides = GuideFactory(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # what the forward does, not what the config declares (`models.attention_layout`)
         self.layer_types = list(models.layer_types_of(loaded))
         self.sliding_window = models.sliding_window_of(loaded)
         self.default_max_new_tokens = 128
-        self.generation_defaults = _generation_defaults(loaded)
+        self.generation_defaults = generation_defaults(loaded)
         return tcfg
 
     def _resolve_async_batching(self) -> bool:
@@ -175,7 +187,7 @@ class Engine:
         graphs on CUDA (the pipeline hides the host's planning behind the device's work,
         which only pays once graph replays make the device side short), else off."""
         want = self.config.use_async_batching
-        graphs = bool(getattr(self.runner, "use_cuda_graph", False))
+        graphs = self.runner.use_cuda_graph
         if want is None:
             on = self.device.type == "cuda" and graphs
             why = "auto: " + (
@@ -215,197 +227,7 @@ class Engine:
             else 0
         )
 
-    def _probe_model(self) -> None:
-        """Check at construction that the paged path computes what the model computes.
-
-        1. A short prompt and one decode step through the paged path (a scratch scheduler
-           over the same cache), compared with the model's own forward: a model whose
-           attention does not go through transformers' attention interface, or goes through
-           it with something the paged attention ignores, fails here.
-        2. A packed step (`_probe_packed`): several requests of different lengths in one
-           batch, one of them a chunked prefill, then decode steps side by side, each
-           compared with the same request run alone through the same runner: a model that
-           derives something from the whole forward (the batch, the step's length, the
-           cache) fails here instead of answering differently next to other requests.
-
-        Failures raise `NotImplementedError`. The chunks the probe writes are rewritten
-        before any real request reads them.
-        """
-        self.probe_relative_error: float | None = None
-        self.probe_packed_error: float | None = None
-        try:
-            # another engine on the same model must not switch its attention meanwhile
-            with model_lock(self.model):
-                self._probe_own_forward()
-                self._probe_packed()
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise NotImplementedError(
-                f"{type(self.model).__name__} cannot run through ferrobatch's paged attention: "
-                f"the probe forward failed with {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def _half_precision(self) -> bool:
-        """Whether the runner's products round to half precision (a bf16 / fp16 model or
-        cache, or linears run in half precision by the runner)."""
-        half = (torch.float16, torch.bfloat16)
-        act = getattr(self.runner, "activation_dtype", None)
-        return (
-            self.runner.cache.keys[0].dtype in half
-            or next(self.model.parameters()).dtype in half
-            or act in half
-        )
-
-    def _probe_tolerance(self) -> float:
-        # fp32 agrees to ~1e-6 on CPU (TF32 matmuls on CUDA: ~1e-3); half precision only
-        # rounds differently (bf16 SmolLM2: ~0.016), so there only a gross error is refused.
-        if self._half_precision():
-            return 0.25
-        return 2e-3 if self.device.type == "cpu" else 1e-2
-
-    def _probe_drive(
-        self, prompts: dict[str, list[int]], decodes: int, max_batch_tokens: int
-    ) -> dict[str, list[torch.Tensor]] | None:
-        """Run `prompts` together through a scratch scheduler (`max_batch_tokens` per step)
-        and the runner, feeding each request fixed tokens (not its samples, so two runs see
-        the same inputs whatever their logits); returns each request's `decodes + 1`
-        sampled logits (fp32, CPU), or None when the cache cannot hold them."""
-        scratch = self._build_scheduler(max_batch_tokens=max_batch_tokens)
-        try:
-            for rid, p in prompts.items():
-                scratch.add_request(rid, p, decodes + 1)
-        except ValueError:
-            return None
-        got: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
-        rope = self.rope
-        for rid, p in prompts.items():
-            if rope is not None:
-                rope.add(rid, len(p))
-        try:
-            for _ in range(64 * (decodes + 1) * len(prompts)):
-                plan = scratch.schedule()
-                if plan is None:
-                    break
-                logits = self.runner.execute(plan)
-                rids = list(plan.request_ids)
-                tokens = []
-                for i, row in enumerate(plan.logits_rows):
-                    rid = rids[int(row)]
-                    got[rid].append(logits[i].detach().float().cpu())
-                    tokens.append((13 * len(got[rid]) + 7 * len(rid) + 5) % self.vocab_size)
-                out = scratch.update(tokens)
-                if rope is not None:
-                    rope.after_update(scratch, plan, out.finished_request_ids)
-        finally:
-            if rope is not None:
-                for rid in prompts:
-                    rope.forget(rid)
-        if any(len(v) != decodes + 1 for v in got.values()):
-            return None
-        return got
-
-    def _probe_own_forward(self) -> None:
-        """Probe 1 (see `_probe_model`)."""
-        from ferrobatch.runner.patches import eval_mode
-
-        name = type(self.model).__name__
-        n = max(2, min(12, self.max_model_len - 3, self.num_blocks * self.config.page_size - 1))
-        prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
-        scratch = self._build_scheduler()
-        try:
-            scratch.add_request("ferrobatch-probe", prompt, 2)
-        except ValueError:
-            return  # a cache too small for even the probe: requests will be refused anyway
-        got: list[torch.Tensor] = []
-        tokens = list(prompt)
-        while len(got) < 2:
-            plan = scratch.schedule()
-            if plan is None:
-                break
-            logits = self.runner.execute(plan)
-            if len(plan.logits_indices):
-                got.append(logits[-1].detach().float().cpu())
-                tokens.append(int(logits[-1].argmax()))
-            scratch.update([int(logits[i].argmax()) for i in range(len(plan.logits_indices))])
-        with torch.inference_mode(), eval_mode(self.model):
-            ids = torch.tensor([tokens[: n + 1]], device=self.device)
-            ref = self.model(input_ids=ids, use_cache=False).logits[0, n - 1 :]
-        ref = ref.detach().float().cpu()
-        if len(got) != 2 or ref.shape[0] != 2:
-            return
-        out = torch.stack(got)
-        tol = self._probe_tolerance()
-        err = float((out - ref).norm() / ref.norm().clamp_min(1e-6))
-        self.probe_relative_error = err
-        if not err <= tol:
-            raise NotImplementedError(
-                f"{name}: logits through ferrobatch's paged attention differ from the model's "
-                f"own forward (relative error {err:.2g} > {tol}); this architecture uses "
-                "attention features the paged attention does not implement"
-            )
-        if self._half_precision() and err > 0.05:
-            logger.warning(
-                "ferrobatch: %s logits through the paged attention differ from the model's own "
-                "forward by %.2g (relative); expected rounding in half precision is smaller",
-                name,
-                err,
-            )
-
-    def _probe_lengths(self) -> list[int]:
-        """Prompt lengths of the packed probe: short and page-crossing ones, plus lengths
-        on both sides of every length the model's config names (sliding window, attention
-        chunk, rope switch: `_config_lengths`) when small enough to run at construction;
-        all within the context and the cache."""
-        page = self.config.page_size
-        lengths = [3, 9, page + 5]
-        small = 4 * page + 8
-        for v in _config_lengths(self.model.config):
-            if v + 3 <= small:
-                lengths += [v - 2, v + 3]
-        room = min(self.max_model_len - 6, self.num_blocks * page // 2 - 6)
-        return sorted({max(1, min(n, room)) for n in lengths})
-
-    def _probe_packed(self) -> None:
-        """Probe 2 (see `_probe_model`): the lengths of `_probe_lengths`, 4 decode steps
-        each, packed with a token budget that chunks the longest prompt, against each
-        request alone (one prefill step, then its decodes)."""
-        name = type(self.model).__name__
-        lengths = self._probe_lengths()
-        if len(lengths) < 2:
-            return
-        decodes = 4
-        prompts = {
-            f"ferrobatch-probe-{i}": [(11 * j + 17 * i + 3) % self.vocab_size for j in range(n)]
-            for i, n in enumerate(lengths)
-        }
-        longest = max(lengths)
-        budget = max(len(lengths) + 1, sum(lengths[:-1]) + max(1, longest // 3))
-        packed = self._probe_drive(prompts, decodes, budget)
-        if packed is None:
-            return
-        err = 0.0
-        worst = ""
-        for rid, p in prompts.items():
-            alone = self._probe_drive({rid: p}, decodes, len(p) + 1)
-            if alone is None:
-                return
-            a, b = torch.stack(packed[rid]), torch.stack(alone[rid])
-            e = float((a - b).norm() / b.norm().clamp_min(1e-6))
-            if e > err:
-                err, worst = e, f"{len(p)}-token prompt"
-        self.probe_packed_error = err
-        tol = self._probe_tolerance()
-        if not err <= tol:
-            raise NotImplementedError(
-                f"{name}: a request's logits in a packed step (next to requests of other "
-                f"lengths, with a chunked prefill) differ from the same request run alone "
-                f"(relative error {err:.2g} > {tol}, {worst}); the model derives something "
-                "from the whole forward (the batch, the step's length or the cache) that "
-                "ferrobatch does not make per request"
-            )
-
-    def _build_scheduler(self, max_batch_tokens: int | None = None) -> Any:
+    def _build_scheduler(self, max_batch_tokens: int | None = None) -> Scheduler:
         from ferrobatch.core import Scheduler
 
         cfg = self.config
@@ -428,7 +250,7 @@ class Engine:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling: Any = None,
+        sampling: SamplingLike = None,
         *,
         max_new_tokens: int | None = None,
         progress: bool = True,
@@ -442,7 +264,7 @@ class Engine:
     def chat(
         self,
         conversations: Any,
-        sampling: Any = None,
+        sampling: SamplingLike = None,
         *,
         max_new_tokens: int | None = None,
         progress: bool = True,
@@ -476,7 +298,7 @@ class Engine:
         return [int(t) for t in out]
 
     def add_request(
-        self, prompt: Prompt, sampling: Any = None, *, request_id: str | None = None
+        self, prompt: Prompt, sampling: SamplingLike = None, *, request_id: str | None = None
     ) -> str:
         """Queue a request (validated now) and start the background loop; returns its id."""
         sp = self._params_list(sampling, 1, None)[0]
@@ -513,7 +335,7 @@ class Engine:
         self._wakeup.set()
         return True
 
-    def stream(self, prompt: Prompt, sampling: Any = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling: SamplingLike = None) -> Iterator[RequestOutput]:
         """Yield deltas (new tokens and text) as they are generated; the last is finished.
 
         Closing the iterator early cancels the request.
@@ -541,7 +363,7 @@ class Engine:
             sub.close()
 
     def astream(
-        self, prompt: Prompt, sampling: Any = None, *, request_id: str | None = None
+        self, prompt: Prompt, sampling: SamplingLike = None, *, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Async form of `stream`; closing the generator (or cancelling the task) cancels.
 
@@ -577,7 +399,7 @@ class Engine:
         finally:
             sub.close()
 
-    def check_request(self, prompt: Prompt, sampling: Any = None) -> list[int]:
+    def check_request(self, prompt: Prompt, sampling: SamplingLike = None) -> list[int]:
         """Validate a request without running it; returns its prompt token ids.
 
         Raises the same `ValueError`s (naming the field) that `generate`, `add_request`,
@@ -670,9 +492,7 @@ class Engine:
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
         )
-        graph_stats = getattr(self.runner, "graph_stats", None)
-        if graph_stats is not None:
-            out["cuda_graphs"] = graph_stats()
+        out["cuda_graphs"] = self.runner.graph_stats()
         out.setdefault("num_blocks", self.num_blocks)
         out.setdefault("cpu_offload_blocks", self.cpu_offload_blocks)
         used = sched_stats.get("num_used_blocks")
@@ -883,108 +703,6 @@ async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:
         if not getter.done():
             getter.cancel()
     return getter.result() if done else None
-
-
-_LENGTH_KEYS = ("sliding_window", "attention_chunk_size", "original_max_position_embeddings",
-                "window_size", "local_window_size")
-
-
-def _config_lengths(config: Any) -> set[int]:
-    """Sequence lengths a model's config names (windows, chunks, rope switch points), in the
-    config, its text config and their rope parameters (per layer type too)."""
-    out: set[int] = set()
-    cfgs = [config]
-    getter = getattr(config, "get_text_config", None)
-    if getter is not None:
-        cfgs.append(getter())
-    dicts: list[dict[str, Any]] = []
-    for cfg in cfgs:
-        dicts.append({k: getattr(cfg, k, None) for k in _LENGTH_KEYS})
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
-        if isinstance(rope, dict):
-            dicts.append(rope)
-            dicts.extend(v for v in rope.values() if isinstance(v, dict))
-    for d in dicts:
-        for k in _LENGTH_KEYS:
-            v = d.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 2:
-                out.add(v)
-    return out
-
-
-def _generation_defaults(model: Any) -> SamplingParams | None:
-    """What `sampling=None` means: the model's own `generation_config` (as `model.generate`
-    and vLLM apply it): its do_sample / temperature / top_k / top_p / min_p /
-    repetition_penalty / max_new_tokens, transformers' defaults for what it leaves unset,
-    except the length, which stays the engine's default unless the config sets
-    `max_new_tokens`. Fields ferrobatch cannot honour are named in a warning and left out.
-    None when the model has no generation config (greedy)."""
-    gc = getattr(model, "generation_config", None)
-    if gc is None:
-        return None
-    return SamplingParams.from_generation_config(gc, unsupported="warn", lengths=False)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return []
-    if isinstance(eos, int):
-        return [eos]
-    return [int(e) for e in eos]
-
-
-def _check_architecture(model: Any, tcfg: Any) -> None:
-    """Refuse, with a clear error, models the paged attention cannot run."""
-    name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):
-        raise NotImplementedError(
-            f"{name} does not dispatch attention through transformers' AttentionInterface "
-            "(_supports_attention_backend is False); ferrobatch cannot run it"
-        )
-    if getattr(tcfg, "kv_lora_rank", None):
-        raise NotImplementedError(
-            f"{name} uses multi-head latent attention (kv_lora_rank): keys and values of "
-            "different head sizes are not supported by ferrobatch's paged cache"
-        )
-    # Attention sinks (GPT-OSS) run on the SDPA path (the runner routes them there).
-    for m in model.modules():
-        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
-            raise NotImplementedError(
-                f"{name} uses attention temperature tuning on its no-rope layers (Llama-4): the "
-                "layer computes its positions from the cache length inside its forward, which "
-                "in a packed step are not each request's positions; not supported"
-            )
-    from ferrobatch.models import attention_layout
-
-    layout = attention_layout(model)
-    shapes = layout.shapes
-    if layout.recorded and len(set(shapes)) > 1:
-        per_layer = ", ".join(f"layer {i}: {kv} KV heads x {d}" for i, (_, kv, d, _) in
-                              enumerate(shapes))
-        raise NotImplementedError(
-            f"{name} has per-layer KV shapes ({per_layer}): ferrobatch's paged cache holds "
-            "one KV shape for every layer"
-        )
-    if layout.recorded and shapes and shapes[0][2] != shapes[0][3]:
-        raise NotImplementedError(
-            f"{name}: keys and values of different head sizes ({shapes[0][2]} and "
-            f"{shapes[0][3]}) are not supported by ferrobatch's paged cache"
-        )
-    heads = int(getattr(tcfg, "num_attention_heads", 0) or 0)
-    kv = int(getattr(tcfg, "num_key_value_heads", None) or heads)
-    hd = int(getattr(tcfg, "head_dim", None) or (tcfg.hidden_size // heads if heads else 0))
-    if layout.recorded and shapes and shapes[0][1:3] != (kv, hd):
-        raise NotImplementedError(
-            f"{name}: its attention layers get {shapes[0][1]} KV heads of size {shapes[0][2]} "
-            f"(grouped or repeated KV heads), not the config's num_key_value_heads={kv} x "
-            f"head_dim={hd} ferrobatch's paged cache is built with; not supported"
-        )
 
 
 _SPIN_NOTED = False

@@ -242,13 +242,13 @@ class AsyncStepper(Stepper):
             # and updates run after the launch of the plan that follows
             states.append(requests[rids[r]].sstate)
         cur = _InFlight(plan, rids, rows, states)
-        if getattr(plan, "ahead", False):
+        if plan.ahead:
             self.stats["ahead_steps"] += 1
         # every sampled row plain greedy (no history, no seed, no logprobs: its token does
         # not depend on the step before): the runner's screened argmax, no full logits
         greedy = (
             self.device.type == "cpu"
-            and getattr(self.runner, "fast_greedy", False)
+            and self.runner.fast_greedy
             and all(s.plain_greedy for s in states)
         )
         job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None

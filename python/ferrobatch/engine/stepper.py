@@ -89,7 +89,7 @@ class Stepper:
         requests = self.router.requests
         states = [requests[rids[r]].sstate for r in rows]
         # every sampled row plain greedy: the runner's screened argmax, no full logits
-        greedy = getattr(self.runner, "fast_greedy", False) and all(
+        greedy = self.runner.fast_greedy and all(
             s.plain_greedy for s in states
         )
         job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None

@@ -15,7 +15,9 @@ from ferrobatch.defaults import CAPTURE_AFTER, DEFAULT_MAX_GRAPHS
 from ferrobatch.runner.patches import eval_mode
 
 if TYPE_CHECKING:
+    from ferrobatch.config import ContinuousBatchingConfig
     from ferrobatch.core import StepPlan
+    from ferrobatch.cuda.graphs import EagerReplay, GraphBuckets, GraphKey
 
 logger = logging.getLogger("ferrobatch")
 
@@ -29,9 +31,9 @@ class GraphSteps:
         self,
         mode: str,
         *,
-        config: Any = None,
+        config: ContinuousBatchingConfig | None = None,
         max_graphs: int | None = None,
-        buckets: Any = None,
+        buckets: GraphBuckets | None = None,
         capture_after: int | None = None,
         backend: str | None = None,
     ) -> None:
@@ -58,11 +60,11 @@ class GraphSteps:
             raise ValueError(f"no graphs with attention backend {self._graph_backend!r}")
         self._graph_mode = mode
         self._capture_after = max(1, capture_after or (CAPTURE_AFTER if mode == "cuda" else 1))
-        self._key_seen: OrderedDict[Any, int] = OrderedDict()
+        self._key_seen: OrderedDict[GraphKey, int] = OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._graphs = graphs.GraphCache(self._capture, max_graphs=max_graphs or DEFAULT_MAX_GRAPHS)
 
-    def _padded_forward(self, a: Any, key: Any) -> torch.Tensor:
+    def _padded_forward(self, a: Any, key: GraphKey) -> torch.Tensor:
         """The forward a graph captures: the base model over the static inputs `a` (padded
         plan arrays, int32 device tensors) with a `KernelStep` whose integers all come from
         `key`; returns the final hidden states at `a["logits_indices"]` ([N_pad, hidden])."""
@@ -94,7 +96,7 @@ class GraphSteps:
         self._check_calls(step)
         return out[0][0].index_select(0, a["logits_indices"].long())
 
-    def _capture(self, key: Any) -> Any:
+    def _capture(self, key: GraphKey) -> EagerReplay:
         """A graph for `key` (GraphCache's capture function)."""
         from ferrobatch.cuda import graphs
 
@@ -112,7 +114,8 @@ class GraphSteps:
         return graph
 
     def _execute_graph(
-        self, plan: StepPlan, fill: Any, prev_tokens: torch.Tensor | None
+        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None,
+        prev_tokens: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Hidden states [N, hidden] of `plan` through its padded graph, or None when the
         step runs eager (not decode-only, or beyond the buckets)."""

@@ -25,7 +25,10 @@ from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
 from ferrobatch.sampling.sampler import argmax_rows
 
 if TYPE_CHECKING:
+    from ferrobatch.attention.rope import LongRope
+    from ferrobatch.config import ContinuousBatchingConfig
     from ferrobatch.core import StepPlan
+    from ferrobatch.cuda.graphs import GraphCache
 
 logger = logging.getLogger("ferrobatch")
 
@@ -52,7 +55,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
         use_cuda_graph: bool | None = None,
-        config: Any = None,
+        config: ContinuousBatchingConfig | None = None,
         max_graphs: int | None = None,
         activations: str = "auto",
     ) -> None:
@@ -138,8 +141,8 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         self._closed = False
         # Set by the engine: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
         # factors (the rotary module would take them from the whole packed step).
-        self.rope: Any = None
-        self._graphs: Any = None  # GraphCache when padded (graph) steps are on
+        self.rope: LongRope | None = None
+        self._graphs: GraphCache | None = None  # when padded (graph) steps are on
         self._graph_mode: str | None = None
         self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
         self._graph_pool_bytes = 0
@@ -228,7 +231,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         return out if out.dtype == torch.int64 else argmax_rows(out)
 
     def execute_with_prompt(
-        self, plan: StepPlan, prompt_indices: Any, prev_tokens: torch.Tensor | None = None
+        self, plan: StepPlan, prompt_indices: np.ndarray, prev_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`execute`'s logits [N, vocab], and fp32 logits [M, vocab] of the tokens at
         `prompt_indices` (token indices into the plan: prompt positions whose next-token
@@ -250,10 +253,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         """Device (token index, index into `prev_tokens`) pairs for the tokens whose input id
         is the previous plan's sample (`plan.prev_token_index >= 0`); None when there are
         none. Checked on the host (the index array is host data): no device sync."""
-        idx = getattr(plan, "prev_token_index", None)
-        if idx is None:
-            return None
-        idx = np.asarray(idx, dtype=np.int64)
+        idx = np.asarray(plan.prev_token_index, dtype=np.int64)
         pos = np.flatnonzero(idx >= 0)
         if not len(pos):
             return None
@@ -285,7 +285,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
 
     def execute(
         self, plan: StepPlan, prev_tokens: torch.Tensor | None = None, *, _greedy: bool = False,
-        _extra: Any = None,
+        _extra: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Run `plan`: swaps, then one packed forward; returns fp32 logits [N, vocab] for the
         tokens of `plan.logits_indices`, in that order.
@@ -297,7 +297,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         if self._closed:
             raise RuntimeError("ModelRunner is closed")
         with torch.inference_mode():
-            self.cache.swap(getattr(plan, "swap_out", None), getattr(plan, "swap_in", None))
+            self.cache.swap(plan.swap_out, plan.swap_in)
             fill = self._prev_token_fill(plan, prev_tokens)
             flat_ids = self._tensor(plan.input_ids)
             if flat_ids.shape[0] == 0:

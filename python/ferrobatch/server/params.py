@@ -4,10 +4,13 @@ choice, and the context-length checks the engine would make (before any header i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferrobatch.errors import FieldError
 from ferrobatch.server.protocol import SamplingFields, bad_request
+
+if TYPE_CHECKING:
+    from ferrobatch.engine.llm_engine import Engine
 
 __all__ = [
     "base_sampling",
@@ -154,7 +157,7 @@ def openai_param(field: str | None, prompt_param: str | None = None) -> str | No
 # prompts
 
 
-def completion_prompts(engine: Any, prompt: Prompt) -> list[list[int]]:
+def completion_prompts(engine: Engine, prompt: Prompt) -> list[list[int]]:
     """Token ids of each prompt of a ``/v1/completions`` body."""
     if isinstance(prompt, str):
         return [_encode_text(engine, prompt)]
@@ -167,7 +170,7 @@ def completion_prompts(engine: Any, prompt: Prompt) -> list[list[int]]:
     return [list(p) for p in prompt]  # type: ignore[union-attr]
 
 
-def prompt_texts(engine: Any, prompt: Prompt, ids: list[list[int]]) -> list[str]:
+def prompt_texts(engine: Engine, prompt: Prompt, ids: list[list[int]]) -> list[str]:
     """The text of each prompt (for ``echo``): as sent, or decoded from token ids."""
     if isinstance(prompt, str):
         return [prompt]
@@ -176,7 +179,7 @@ def prompt_texts(engine: Any, prompt: Prompt, ids: list[list[int]]) -> list[str]
     return [engine.tokenizer.decode(p) for p in ids]
 
 
-def _encode_text(engine: Any, text: str) -> list[int]:
+def _encode_text(engine: Engine, text: str) -> list[int]:
     encode = getattr(engine, "encode", None)
     if callable(encode):
         return list(encode(text))
@@ -187,14 +190,14 @@ def _encode_text(engine: Any, text: str) -> list[int]:
 # limits
 
 
-def check_vocab(engine: Any, ids: list[int]) -> None:
+def check_vocab(engine: Engine, ids: list[int]) -> None:
     """Token ids given directly must be in the model's vocabulary."""
     vocab = _vocab_size(engine)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", "prompt")
 
 
-def _vocab_size(engine: Any) -> int:
+def _vocab_size(engine: Engine) -> int:
     for getter in (
         lambda: engine.vocab_size,
         lambda: len(engine.tokenizer),
@@ -208,7 +211,7 @@ def _vocab_size(engine: Any) -> int:
     return 0
 
 
-def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: str) -> int:
+def check_context(engine: Engine, prompt_len: int, max_tokens: int | None, param: str) -> int:
     """Check the prompt fits the model's context and the cache; return the max_tokens to use
     (filling both if None). The cache's limit is the scheduler's own
     (`Engine.max_request_tokens`), so a stream never fails after its headers are sent.
@@ -253,7 +256,7 @@ def check_context(engine: Any, prompt_len: int, max_tokens: int | None, param: s
     return max_tokens
 
 
-def check_with_engine(engine: Any, jobs: Sequence[Any], param: str) -> None:
+def check_with_engine(engine: Engine, jobs: Sequence[Any], param: str) -> None:
     """The engine's own admission checks (`Engine.check_request`) on every choice before
     any response starts, so what `check_context` cannot see (sliding-window rings, the
     exact cache arithmetic) is a 400 here, never an error after a stream's headers."""
