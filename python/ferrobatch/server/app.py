@@ -455,9 +455,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 def _check_stop_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> None:
     """``stop_token_ids`` must be token ids of the model (a 400 naming the field)."""
-    vocab = params._vocab_size(engine)
+    vocab = engine.vocab_size
     for i, t in enumerate(req.stop_token_ids or ()):
-        if not 0 <= t < (vocab or 1 << 62):
+        if not 0 <= t < vocab:
             raise bad_request(
                 f"Invalid value for 'stop_token_ids[{i}]': {t} is not a token id of this model "
                 f"(the vocabulary is [0, {vocab})).",

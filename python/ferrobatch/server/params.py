@@ -180,9 +180,6 @@ def prompt_texts(engine: Engine, prompt: Prompt, ids: list[list[int]]) -> list[s
 
 
 def _encode_text(engine: Engine, text: str) -> list[int]:
-    encode = getattr(engine, "encode", None)
-    if callable(encode):
-        return list(encode(text))
     return list(engine.tokenizer(text)["input_ids"])
 
 
@@ -192,23 +189,9 @@ def _encode_text(engine: Engine, text: str) -> list[int]:
 
 def check_vocab(engine: Engine, ids: list[int]) -> None:
     """Token ids given directly must be in the model's vocabulary."""
-    vocab = _vocab_size(engine)
-    if vocab and any(not 0 <= t < vocab for t in ids):
+    vocab = engine.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
         raise bad_request(f"Token ids in 'prompt' must be in [0, {vocab}).", "prompt")
-
-
-def _vocab_size(engine: Engine) -> int:
-    for getter in (
-        lambda: engine.vocab_size,
-        lambda: len(engine.tokenizer),
-    ):
-        try:
-            value = int(getter())
-            if value > 0:
-                return value
-        except Exception:
-            continue
-    return 0
 
 
 def check_context(engine: Engine, prompt_len: int, max_tokens: int | None, param: str) -> int:
@@ -260,12 +243,9 @@ def check_with_engine(engine: Engine, jobs: Sequence[Any], param: str) -> None:
     """The engine's own admission checks (`Engine.check_request`) on every choice before
     any response starts, so what `check_context` cannot see (sliding-window rings, the
     exact cache arithmetic) is a 400 here, never an error after a stream's headers."""
-    check = getattr(engine, "check_request", None)
-    if check is None:
-        return
     for job in jobs:
         try:
-            check(job.prompt_ids, job.sampling)
+            engine.check_request(job.prompt_ids, job.sampling)
         except ValueError as exc:  # FieldError names the argument; others: the prompt
             field = exc.field if isinstance(exc, FieldError) else None
             field = openai_param(field or "prompt", param)
