@@ -223,43 +223,86 @@ def build(kind: str, *, tiny: bool, seed: int = 0) -> torch.nn.Module:
 # ----------------------------------------------------------------------------- runners
 
 
+def same_lengths(prompts: list[list[int]], vocab: int, seed: int = 4321) -> list[list[int]]:
+    """Prompts of exactly `prompts`' lengths with other random tokens: a warm-up that gives
+    the engine the same plan shapes (so the same Triton variants and CUDA graphs) as the
+    timed run, without leaving it prefix-cache hits on the timed prompts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in p] for p in prompts]
+
+
+def triton_variants() -> int | None:
+    """Compiled variants of ferrobatch's Triton kernels so far (None when they do not
+    compile here: no triton, or its interpreter). A timed window in which this number
+    grows timed a compile."""
+    from ferrobatch.cuda import triton_attention as ta
+
+    if not ta.HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    total = 0
+    try:
+        for name in ("_decode_kernel", "_reduce_kernel", "_prefill_kernel"):
+            fn = getattr(ta, name)
+            for entry in getattr(fn, "device_caches", {}).values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                total += len(cache)
+    except Exception:  # noqa: BLE001 - a triton whose JIT keeps its cache elsewhere
+        return None
+    return total
+
+
 def run_ferrobatch(model: Any, prompts: list[list[int]], new: int, cfg: Any, *,
-                   timed_second_pass: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
+                   warm_prompts: list[list[int]] | None = None) -> tuple[
+    list[list[int]], dict[str, Any]
+]:
     """Greedy ferrobatch outputs and the engine's stats, with `cuda_graphs` (the runner's
     graph counters), `use_cuda_graph` / `async_batching` (what the engine resolved),
     `cache_gib` (the KV cache's device memory) and `warnings` (downgrades: graphs or async
     off, failed captures) added.
 
-    `timed_second_pass`: the engine is built outside the timed window, runs the same
-    prompts once (Triton compiles its variants, graphs are captured for the shapes the run
-    really has), then again: `seconds` (second pass) and `first_pass_seconds` in the stats."""
+    `warm_prompts` (prompts of the same lengths as `prompts`, other tokens: `same_lengths`):
+    the engine, built outside the timed window, first runs them (Triton compiles the
+    variants and graphs are captured for exactly the plan shapes the timed run has, with no
+    prefix-cache hit left for it), then `prompts` are timed: `seconds`, and
+    `first_pass_seconds` for the warm-up. `compiles_in_timed_pass` (Triton variants,
+    None where they are interpreted) and `captures_in_timed_pass` (CUDA graphs) say whether
+    anything was still compiled inside the timed window."""
     from ferrobatch import Engine, SamplingParams
 
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    dev = next(model.parameters()).device
     with recorded_warnings() as warned:
         engine = Engine(model, config=cfg)
     try:
+        runner = engine.runner
         with recorded_warnings() as warned_run:
+            first = None
+            if warm_prompts is not None:
+                t0 = time.perf_counter()
+                engine.generate(warm_prompts, sp, progress=False)
+                sync(dev)
+                first = time.perf_counter() - t0
+            variants = triton_variants()
+            captures = runner.graph_stats()["captures"]
             t0 = time.perf_counter()
             outs = engine.generate(prompts, sp, progress=False)
-            sync(next(model.parameters()).device)
-            first = time.perf_counter() - t0
-            if timed_second_pass:
-                t0 = time.perf_counter()
-                outs = engine.generate(prompts, sp, progress=False)
-                sync(next(model.parameters()).device)
+            sync(dev)
+            seconds = time.perf_counter() - t0
         stats = engine.stats()
-        stats["seconds"] = time.perf_counter() - t0
-        stats["first_pass_seconds"] = round(first, 3)
+        stats["seconds"] = seconds
+        if first is not None:
+            stats["first_pass_seconds"] = round(first, 3)
+            after = triton_variants()
+            stats["compiles_in_timed_pass"] = (None if variants is None or after is None
+                                               else after - variants)
+            stats["captures_in_timed_pass"] = runner.graph_stats()["captures"] - captures
         stats["warnings"] = warned + warned_run
-        runner = engine.runner
-        stats["use_cuda_graph"] = bool(getattr(runner, "use_cuda_graph", False))
-        stats["async_batching"] = bool(getattr(engine, "async_batching", False))
-        if hasattr(runner, "graph_stats"):
-            stats["cuda_graphs"] = runner.graph_stats()
+        stats["use_cuda_graph"] = bool(runner.use_cuda_graph)
+        stats["async_batching"] = bool(engine.async_batching)
+        stats["cuda_graphs"] = runner.graph_stats()
         stats["split_head_error"] = getattr(runner, "split_head_error", None)
         stats["cache_gib"] = round(runner.cache.nbytes / 2**30, 3)
-        stats["attention_backend"] = getattr(runner, "attention_backend", None)
+        stats["attention_backend"] = runner.attention_backend
     finally:
         engine.close()
     return [list(o.token_ids) for o in outs], stats
@@ -296,12 +339,31 @@ def run_padded_generate(model: Any, prompts: list[list[int]], new: int, bs: int)
     return outs
 
 
+def generate_batch_config(model: Any, prompts: list[list[int]], new: int) -> Any:
+    """transformers' continuous-batching config for `generate_batch`: None on CUDA (it sizes
+    its cache from free GPU memory, its own best); off CUDA an explicit cache just big
+    enough for `prompts` (left to itself on CPU, transformers 5.17 sizes it at 80% of RAM,
+    and the smoke run was OOM-killed)."""
+    if next(model.parameters()).device.type == "cuda":
+        return None
+    from transformers import ContinuousBatchingConfig as HfConfig
+
+    block = 32
+    blocks = sum(-(-(len(p) + new) // block) for p in prompts) + 8
+    return HfConfig(block_size=block, num_blocks=blocks, max_batch_tokens=256,
+                    max_requests_per_batch=max(1, len(prompts)))
+
+
 def run_generate_batch(model: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
     from transformers import GenerationConfig
 
     gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
-    res = model.generate_batch(inputs=prompts, generation_config=gc_, progress_bar=False)
+    kw: dict[str, Any] = {}
+    cb = generate_batch_config(model, prompts, new)
+    if cb is not None:
+        kw["continuous_batching_config"] = cb
+    res = model.generate_batch(inputs=prompts, generation_config=gc_, progress_bar=False, **kw)
     by_id = sorted(res.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
     return [list(r.generated_tokens) for r in by_id]
 
@@ -825,10 +887,13 @@ def section_throughput(args: argparse.Namespace, dev: torch.device, deadline: fl
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out: dict[str, Any] = {"prompts": n, "max_new_tokens": new, "prompt_len": [16, hi],
                            "dtype": str(dtype), "padded_batch": args.padded_batch,
-                           "timing": "ferrobatch: the second of two passes over the same "
-                                     "prompts on one engine (built untimed; the first pass "
-                                     "compiles and captures, its time is "
-                                     "first_pass_seconds); peers: after a 4-prompt warm-up"}
+                           "timing": "ferrobatch: one engine built untimed runs a warm-up pass "
+                                     "of prompts of the same lengths (other tokens: same "
+                                     "plan shapes, no prefix-cache hits on the timed "
+                                     "prompts; it compiles the Triton variants and captures "
+                                     "the graphs, first_pass_seconds), then the timed pass "
+                                     "(compiles_in_timed_pass / captures_in_timed_pass "
+                                     "should be 0); peers: after a 4-prompt warm-up"}
     for shape in ("smollm2_135m", "llama_1b"):
         model = build(shape, tiny=args.smoke).to(dev, dtype)
         vocab = int(model.config.vocab_size)
@@ -844,9 +909,10 @@ def section_throughput(args: argparse.Namespace, dev: torch.device, deadline: fl
         )
         res["ferrobatch_config"] = {"page_size": cfg.page_size, "num_blocks": cfg.num_blocks,
                                     "max_batch_tokens": cfg.max_batch_tokens}
+        fb_warm = same_lengths(prompts, vocab)  # ferrobatch's untimed pass: the same shapes
         methods: dict[str, Callable[[list[list[int]], int], list[list[int]]]] = {
-            "ferrobatch": lambda p, k, m=model, c=cfg: _keep_stats(
-                run_ferrobatch(m, p, k, c, timed_second_pass=True)),
+            "ferrobatch": lambda p, k, m=model, c=cfg, w=fb_warm: (
+                _keep_stats(run_ferrobatch(m, p, k, c, warm_prompts=w))),
         }
         for bs in args.padded_batch:  # the peer at its best batch: each reported
             methods[f"padded_generate_bs{bs}"] = (
@@ -887,7 +953,8 @@ def section_throughput(args: argparse.Namespace, dev: torch.device, deadline: fl
             checkpoint("throughput", out)
         if "tok_s" in res.get("ferrobatch", {}) and _LAST_STATS:
             st = _LAST_STATS[-1]
-            res["ferrobatch"]["first_pass_seconds"] = st.get("first_pass_seconds")
+            for k in ("first_pass_seconds", "compiles_in_timed_pass", "captures_in_timed_pass"):
+                res["ferrobatch"][k] = st.get(k)
             res["ferrobatch"]["engine"] = {k: st.get(k) for k in (
                 "use_cuda_graph", "async_batching", "attention_backend", "cuda_graphs",
                 "split_head_error", "warnings", "cache_gib", "num_blocks", "steps",

@@ -49,6 +49,7 @@ fp32 and cast the probabilities to the value dtype for the second product.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import torch
@@ -80,6 +81,35 @@ __all__ = [
     "static_decode_attention",
     "write_kv",
 ]
+
+def _interpreter_scalar_bounds() -> None:
+    """Let triton's interpreter (`TRITON_INTERPRET=1`, CPU tests and `gpu_check --smoke`)
+    take loop bounds that are tensors, as the kernels' `range(s_lo, s_hi, BLOCK_N)` loops
+    have. The interpreter turns a scalar tensor into a Python int with `int(data)`, and its
+    scalars are 1-element numpy arrays, which numpy >= 2.4 refuses to convert (triton 3.7
+    squeezes them first; 3.6, the GPU machine's version, does not). This patches the
+    interpreter's scalar conversion to take the one element. Only the interpreter is
+    touched: compiled kernels (the GPU path) never call it, and the kernels' source, so
+    what they compile to, is the same either way."""
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:  # noqa: BLE001 - no interpreter in this triton
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_ferrobatch_scalars", False):
+        return
+
+    def patch_lang_tensor(tensor: object, scope: object) -> None:
+        orig(tensor, scope)
+        scope.set_attr(  # type: ignore[attr-defined]
+            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patch_lang_tensor._ferrobatch_scalars = True  # type: ignore[attr-defined]
+    interp._patch_lang_tensor = patch_lang_tensor
+
+
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalar_bounds()
 
 _NEG = -1.0e30  # "minus infinity" for running maxima: finite, so max - max never makes NaN
 # Kernels read module globals only when they are constexpr.
