@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ def build_kernel_step(
 ) -> KernelStep:
     """The device tensors and host integers the kernels need for `plan`."""
     from ferrobatch.cuda import triton_attention as ta
+    from ferrobatch.cuda.staging import upload
 
     device = cache.device
     cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
@@ -55,10 +56,6 @@ def build_kernel_step(
     if (qlen < 1).any() or (seqlens < qlen).any():
         raise ValueError("every row needs >= 1 query token and seqlens_k >= its query length")
 
-    def i32(a: Any) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-        return host.to(device, non_blocking=True)  # no stream sync on CUDA
-
     max_k = int(seqlens.max())
     types = sorted(set(layer_types))
     num_splits = {}
@@ -66,17 +63,18 @@ def build_kernel_step(
         keys = min(max_k, int(sliding_window)) if typ == SLIDING else max_k
         num_splits[typ] = ta.choose_num_splits(len(qlen), cache.num_kv_heads, keys,
                                                num_sms=num_sms)
-    tables = {t: i32(plan.block_tables[t]) for t in types}
+    # One host->device copy per dtype (from pinned memory on CUDA: no stream sync).
+    i32 = upload({"cu": cu, "seqlens": seqlens,
+                  **{f"table/{t}": plan.block_tables[t] for t in types}}, torch.int32, device)
+    i64 = upload({t: plan.slot_mapping[t] for t in types}, torch.int64, device)
+    tables = {t: i32[f"table/{t}"] for t in types}
     return KernelStep(
         cache=cache,
         layer_types=layer_types,
         backend=backend,
-        cu_seqlens_q=i32(cu),
-        seqlens_k=i32(seqlens),
-        slot_mapping={
-            t: torch.from_numpy(np.ascontiguousarray(plan.slot_mapping[t], dtype=np.int64))
-            .to(device, non_blocking=True) for t in types
-        },
+        cu_seqlens_q=i32["cu"],
+        seqlens_k=i32["seqlens"],
+        slot_mapping=i64,
         block_tables=tables,
         max_seqlen_q=int(qlen.max()),
         max_seqlen_k=max_k,

@@ -104,14 +104,18 @@ def build_step(
     prefill_rows = np.flatnonzero(qlen > 1)
     all_decode = len(decode_rows) == len(qlen)
 
+    # On CUDA from pinned memory: a non-blocking copy from pageable memory may sync.
+    pin = device.type == "cuda"
+
     def to_long(a: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-        return host.to(device, non_blocking=True)  # no stream sync on CUDA
+        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
     def additive(valid: np.ndarray) -> torch.Tensor:
         # Additive masks built once per step: SDPA would convert a bool mask in every layer.
-        m = np.where(valid, np.float32(0.0), np.float32(-np.inf))
-        return torch.from_numpy(m).to(device=device, dtype=cache.dtype, non_blocking=True)
+        host = torch.from_numpy(np.where(valid, np.float32(0.0), np.float32(-np.inf)))
+        host = host.to(cache.dtype)  # cast on the host: the copy up stays a plain copy
+        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
     groups: dict[str, _Group] = {}
     for typ in set(layer_types):

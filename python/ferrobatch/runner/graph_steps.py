@@ -7,6 +7,7 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ferrobatch.attention import context, registry
@@ -114,11 +115,13 @@ class GraphSteps:
         return graph
 
     def _execute_graph(
-        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None,
+        self, plan: StepPlan, fill: tuple[np.ndarray, np.ndarray] | None,
         prev_tokens: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Hidden states [N, hidden] of `plan` through its padded graph, or None when the
-        step runs eager (not decode-only, or beyond the buckets)."""
+        step runs eager (not decode-only, or beyond the buckets). `fill`: the host (pos,
+        src) of `_prev_token_fill`, uploaded here (only they: the plan's other arrays reach
+        the graph's static inputs through `graph.load`)."""
         from ferrobatch.cuda import graphs
 
         padded = graphs.pad_plan(
@@ -149,7 +152,10 @@ class GraphSteps:
             self.use_cuda_graph = False
             return None
         graph.load(padded)
-        self._fill_prev_tokens(graph.static_inputs["input_ids"], fill, prev_tokens)
+        if fill is not None:
+            dev = self._upload({"pos": fill[0], "src": fill[1]})
+            self._fill_prev_tokens(graph.static_inputs["input_ids"], (dev["pos"], dev["src"]),
+                                   prev_tokens)
         self._graph_counts["graph_steps"] += 1
         return graph.run()[: padded.num_logits]
 

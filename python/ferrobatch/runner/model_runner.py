@@ -247,10 +247,20 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         arr = np.ascontiguousarray(values, dtype=np.int64)
         return torch.from_numpy(arr).to(self.device, non_blocking=True)
 
+    def _upload(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """int64 device tensors of `arrays` (None values skipped): on CUDA one copy from one
+        pinned staging buffer (`ferrobatch.cuda.staging`: a copy from pageable memory may
+        sync the host with the stream), elsewhere each array as before."""
+        if self.device.type == "cuda":
+            from ferrobatch.cuda.staging import upload
+
+            return upload(arrays, torch.int64, self.device)
+        return {k: self._tensor(a) for k, a in arrays.items() if a is not None}
+
     def _prev_token_fill(
         self, plan: StepPlan, prev_tokens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Device (token index, index into `prev_tokens`) pairs for the tokens whose input id
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host (token index, index into `prev_tokens`) pairs for the tokens whose input id
         is the previous plan's sample (`plan.prev_token_index >= 0`); None when there are
         none. Checked on the host (the index array is host data): no device sync."""
         idx = np.asarray(plan.prev_token_index, dtype=np.int64)
@@ -268,7 +278,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
                 f"prev_token_index {int(src.max())} out of range for {prev_tokens.shape[0]} "
                 "previous samples"
             )
-        return self._tensor(pos), self._tensor(src)
+        return pos, src
 
     def _fill_prev_tokens(
         self,
@@ -276,7 +286,8 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         fill: tuple[torch.Tensor, torch.Tensor] | None,
         prev_tokens: torch.Tensor | None,
     ) -> None:
-        """`input_ids[pos] = prev_tokens[src]` on the device, in place (any int dtype)."""
+        """`input_ids[pos] = prev_tokens[src]` on the device, in place (any int dtype);
+        `fill` holds the device (pos, src) of `_prev_token_fill`."""
         if fill is None or prev_tokens is None:
             return
         pos, src = fill
@@ -299,21 +310,32 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         with torch.inference_mode():
             self.cache.swap(plan.swap_out, plan.swap_in)
             fill = self._prev_token_fill(plan, prev_tokens)
-            flat_ids = self._tensor(plan.input_ids)
-            if flat_ids.shape[0] == 0:
+            if len(plan.input_ids) == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
             if self._graphs is not None and self.rope is None and _extra is None:
+                # a graph step loads its inputs into the graph's static buffers: nothing
+                # of the plan is uploaded here
                 hidden = self._execute_graph(plan, fill, prev_tokens)
                 if hidden is not None:
                     return self._head_logits(hidden).float()
                 self._graph_counts["eager_steps"] += 1
-            self._fill_prev_tokens(flat_ids, fill, prev_tokens)
-            input_ids = flat_ids.unsqueeze(0)
-            positions = self._tensor(plan.positions).unsqueeze(0)
-            logits_indices = self._tensor(plan.logits_indices)
+            logits_indices: Any = plan.logits_indices
             if _extra is not None:  # prompt positions too (execute_with_prompt)
-                logits_indices = torch.cat([logits_indices, self._tensor(_extra)])
+                logits_indices = np.concatenate([np.asarray(logits_indices, np.int64),
+                                                 np.asarray(_extra, np.int64)])
                 _greedy = False
+            dev = self._upload({
+                "input_ids": plan.input_ids, "positions": plan.positions,
+                "logits_indices": logits_indices,
+                "fill_pos": None if fill is None else fill[0],
+                "fill_src": None if fill is None else fill[1],
+            })
+            flat_ids = dev["input_ids"]
+            if fill is not None:
+                self._fill_prev_tokens(flat_ids, (dev["fill_pos"], dev["fill_src"]), prev_tokens)
+            input_ids = flat_ids.unsqueeze(0)
+            positions = dev["positions"].unsqueeze(0)
+            logits_indices = dev["logits_indices"]
             if self.attention_backend == "sdpa":
                 step = build_step(
                     plan, self.cache, self.layer_types, self.sliding_window,
