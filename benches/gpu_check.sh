@@ -59,7 +59,7 @@ timeout 415 "$PY" benches/gpu_check.py --total-budget 390 --out "$OUT_DIR/gpu_ch
 # eager, streams and events of the async pipeline and of offload never syncing the host.
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 55 "$PY" -m pytest -q -p no:cacheprovider -x \
-    tests/runner/test_graph_runner.py tests/cuda/test_cuda_graph_keys.py \
+    tests/runner/test_graph_runner.py tests/cuda/test_cuda_graph_keys.py tests/cuda/test_staging.py \
     tests/cuda/test_async_cuda.py tests/engine/test_async_offload.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" \
     || status=$?
   # The Triton kernels compiled (on CPU CI they run interpreted); last, with its own limit:

@@ -110,3 +110,16 @@ def test_graph_steps_upload_no_plan_arrays_and_eager_steps_one_batch(monkeypatch
     assert seen == [["input_ids", "positions", "logits_indices", "fill_pos", "fill_src"]]
     runner._graphs = saved
     runner.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_upload_packs_into_one_aligned_device_buffer():  # pragma: no cover - GPU only
+    arrays = {"a": np.arange(5), "table": np.arange(6).reshape(2, 3), "b": np.array([7])}
+    for dtype in (torch.int32, torch.int64):
+        got = staging.upload(arrays, dtype, "cuda")
+        base = got["a"].untyped_storage().data_ptr()
+        for name, t in got.items():
+            assert t.device.type == "cuda" and t.dtype == dtype
+            assert t.untyped_storage().data_ptr() == base
+            assert t.data_ptr() % staging.ALIGN_BYTES == 0
+            np.testing.assert_array_equal(t.cpu().numpy(), arrays[name])
