@@ -26,6 +26,10 @@ import torch
 
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.distributed import shard as tp_shard
+from ferrobatch.distributed.broadcast import agree as _agree
+from ferrobatch.distributed.setup import attach as tp_attach
+from ferrobatch.distributed.setup import load as tp_load
 from ferrobatch.engine import memory
 from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
 from ferrobatch.engine.outputs import RequestOutput
@@ -86,12 +90,35 @@ class Engine(ModelProbes):
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         seed: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from ferrobatch import models
+        from ferrobatch.distributed import setup as tp_setup
         from ferrobatch.runner.model_runner import ModelRunner
 
         self.config = ContinuousBatchingConfig.coerce(config)
-        loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
+        # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank
+        self.tp = tp_setup.start(
+            tensor_parallel_size, model, device=device,
+            worker_kwargs=dict(config=self.config, dtype=dtype, seed=seed, device=device,
+                               tokenizer=tokenizer if isinstance(tokenizer, str) else None),
+        )
+        self.tensor_parallel_size = 1 if self.tp is None else self.tp.world_size
+        try:
+            self._init(model, tokenizer, device, dtype, seed, models, ModelRunner)
+        except BaseException:
+            if self.tp is not None and self.tp.rank == 0:
+                self.tp.fail(RuntimeError("engine construction failed"))
+                self.tp.shutdown()
+            raise
+
+    def _init(self, model: Any, tokenizer: Any, device: Any, dtype: Any, seed: int | None,
+              models: Any, ModelRunner: Any) -> None:  # noqa: N803
+        if self.tp is not None:
+            device = self.tp.device
+            loaded, loaded_tok = tp_load(self.tp, model, dtype)
+        else:
+            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
         self.model = loaded
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
@@ -107,9 +134,14 @@ class Engine(ModelProbes):
         _note_spinning_threads(self.device)
 
         tcfg = self._read_model_config(loaded)
-        check_architecture(loaded, tcfg)
+        check_architecture(
+            loaded, tcfg if self.tp is None else tp_shard.per_rank_config(tcfg, self.tp.world_size))
         # rope factors that transformers takes from the whole forward, made per request
         self.rope = LongRope.of(loaded, self.max_model_len)
+        if self.rope is not None and self.tp is not None:
+            raise FieldError(
+                "longrope models keep per-request rope state on rank 0 only: "
+                "tensor_parallel_size > 1 is not supported for them", field="tensor_parallel_size")
         use_cuda_graph = self.config.use_cuda_graph  # None: on with CUDA + a kernel backend
         if self.rope is not None:
             logger.info(
@@ -136,6 +168,8 @@ class Engine(ModelProbes):
         except BaseException:
             self.runner.close()
             raise
+        if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
+            tp_attach(self, self.tp)
         self.sampler = Sampler(self.device, seed=seed)
 
         self._stats: collections.Counter[str] = collections.Counter()
@@ -188,6 +222,10 @@ class Engine(ModelProbes):
         which only pays once graph replays make the device side short), else off."""
         want = self.config.use_async_batching
         graphs = self.runner.use_cuda_graph
+        if self.tp is not None:
+            logger.info("ferrobatch: async batching off (tensor_parallel_size=%d: TP steps "
+                        "run synchronously)", self.tp.world_size)
+            return False
         if want is None:
             on = self.device.type == "cuda" and graphs
             why = "auto: " + (
@@ -208,6 +246,9 @@ class Engine(ModelProbes):
     def _size_cache(self, loaded: Any, tcfg: Any) -> None:
         """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
         cfg = self.config
+        if self.tp is not None:  # one rank's share of the heads: per-rank memory
+            tcfg = tp_shard.per_rank_config(tcfg, self.tp.world_size)
+            loaded = tcfg
         self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype)
         self.memory_explanation = ""
         num_blocks = cfg.num_blocks
@@ -221,6 +262,8 @@ class Engine(ModelProbes):
             )
             logger.info("ferrobatch cache: %s", self.memory_explanation)
         self.num_blocks = int(num_blocks)
+        if self.tp is not None:  # every rank's cache has rank 0's size
+            self.num_blocks = tp_agree(self.num_blocks, self.tp)
         self.cpu_offload_blocks = (
             int(cfg.cpu_offload_space * (1 << 30)) // self.chunk_bytes
             if cfg.cpu_offload_space > 0
@@ -454,6 +497,8 @@ class Engine(ModelProbes):
             except Exception:  # a dead device: nothing left to wait for
                 logger.exception("ferrobatch: dropping the step in flight failed")
             self.runner.close()
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.shutdown(self.runner.stop_workers)
 
     def __enter__(self) -> Engine:
         return self
@@ -659,6 +704,11 @@ class Engine(ModelProbes):
         if fatal:
             self._error = exc
         self._router.fail_all(exc)
+
+
+def tp_agree(value: int, group: Any) -> int:
+    """Rank 0's `value` on every rank of the tensor-parallel `group`."""
+    return _agree(value, group.device if group.backend == "nccl" else None)
 
 
 class _Subscription:

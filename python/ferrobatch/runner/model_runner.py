@@ -89,6 +89,9 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         heads = int(cfg.num_attention_heads)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        tp_shard = getattr(model, "ferrobatch_tp", None)  # a tensor-parallel rank's share
+        if tp_shard is not None:
+            kv_heads, head_dim = tp_shard.kv_heads, tp_shard.head_dim
         self.cache = PagedKVCache(
             num_layers=len(self.layer_types),
             num_blocks=num_blocks,

@@ -1,0 +1,68 @@
+"""The loop of ranks 1..N-1: build the same engine as rank 0 (the same shard of the same
+checkpoint, the same cache size, the same construction probes), then run every step rank 0
+sends, until it says stop (or the group breaks: the process then exits non-zero)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from ferrobatch.distributed import broadcast
+from ferrobatch.distributed.group import TPGroup
+
+logger = logging.getLogger("ferrobatch")
+
+
+def serve(runner: Any, group: TPGroup) -> None:
+    """Run rank 0's steps on this rank's runner until STOP."""
+    device = group.device if group.backend == "nccl" else None
+    while True:
+        cmd, plan = broadcast.receive(device)
+        if cmd == broadcast.STOP:
+            return
+        if cmd == broadcast.NOOP or plan is None:
+            continue
+        if cmd == broadcast.EXECUTE:
+            runner.execute(plan)
+        elif cmd == broadcast.GREEDY:
+            runner.execute_greedy(plan)
+        elif cmd == broadcast.WITH_PROMPT:
+            runner.execute_with_prompt(plan, plan.extra.astype("int64"))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {cmd}")
+
+
+def main(rank: int, world_size: int, init_method: str, device: Any,
+         engine_kwargs: dict[str, Any]) -> None:
+    """A spawned worker: join the group, build the engine's runner, serve, leave."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    kwargs = dict(engine_kwargs)
+    threads = kwargs.pop("num_threads", None)
+    if threads:
+        torch.set_num_threads(int(threads))
+    logging.basicConfig(level=kwargs.pop("log_level", logging.WARNING))
+    dev = TPGroup.device_for(rank, device)
+    group = TPGroup.init(rank, world_size, init_method, dev)
+    code = 0
+    try:
+        from ferrobatch.engine.llm_engine import Engine
+
+        engine = Engine(**kwargs)
+        serve(engine.runner, group)
+    except BaseException as exc:  # noqa: BLE001 - a broken group: leave quietly
+        logger.error("ferrobatch tp worker %d: %s: %s", rank, type(exc).__name__, exc)
+        code = 1
+    finally:
+        group.closed = True
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    os._exit(code)
