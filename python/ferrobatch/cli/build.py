@@ -34,6 +34,7 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
         device=args.device,
         dtype=args.dtype,
         seed=args.engine_seed,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

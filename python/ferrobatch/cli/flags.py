@@ -164,6 +164,16 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "threads sleep instead of spinning, so a busy machine does not stall every step.",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="Shard the model over N ranks with its transformers tensor-parallel plan "
+        "(torch.distributed: NCCL on CUDA, one device per rank; gloo on CPU). The engine "
+        "starts N-1 worker processes, or joins a torchrun launch. Default: 1.",
+    )
+    group.add_argument(
         "--engine-seed",
         type=int,
         default=None,

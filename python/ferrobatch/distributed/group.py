@@ -218,13 +218,13 @@ class TPGroup:
         global _CURRENT
         if self.closed:
             return
+        self.closed = True  # the watchdog stops watching: the workers are about to exit
         if stop is not None and self.failed is None:
             try:
                 with self.lock:
                     stop()
             except Exception:  # noqa: BLE001 - a dead group: nothing to tell
                 logger.warning("ferrobatch: telling the tensor-parallel workers to stop failed")
-        self.closed = True
         self.kill_workers(grace=10.0 if self.failed is None else 0.0)
         if self.owns_group and dist.is_initialized():
             try:

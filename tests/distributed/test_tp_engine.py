@@ -1,0 +1,138 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): greedy parity with `model.generate` on each
+prompt alone (fp32) for Llama (GQA 4/2), Qwen3 and a Llama with one KV head (replicated on
+both ranks), under chunked prefill, preemption (CPU offload, and soft reset) and prefix
+sharing; the refusals; a worker killed mid-generation."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
+
+torch.set_num_threads(1)
+
+NEW = 12
+PAGE = 8
+BUILDERS = {
+    "llama": lambda: tiny_models.llama(),
+    "qwen3": lambda: tiny_models.qwen3(),
+    "llama_kv1": lambda: tiny_models.llama(3, num_key_value_heads=1),
+}
+
+
+@functools.cache
+def model(arch: str):
+    return BUILDERS[arch]()
+
+
+@functools.cache
+def reference(arch: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(tiny_models.generate_greedy(model(arch), list(prompt), NEW))
+
+
+def _prompts(seed: int, n: int = 7, shared_prefix: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Mixed lengths (1 .. 57 tokens), or `shared_prefix` tokens in common."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, tiny_models.VOCAB) for _ in range(shared_prefix)]
+    out = []
+    for i in range(n):
+        length = [1, 2, 7, 8, 9, 23, 40, 57][i % 8] if not shared_prefix else rng.randint(1, 20)
+        out.append(tuple(prefix + [rng.randrange(3, tiny_models.VOCAB) for _ in range(length)]))
+    return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    def save(arch: str) -> Path:
+        path = tmp_path_factory.getbasetemp() / f"tp-{arch}"
+        if not path.exists():
+            model(arch).save_pretrained(path)
+        return path
+
+    return save
+
+
+def _check(arch: str, prompts, outs) -> None:
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.finished
+        assert tuple(o.token_ids) == reference(arch, p), f"{arch}: prompt of {len(p)} diverged"
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, saved) -> None:
+    """One 2-rank engine per model: a pool far too small (12 chunks: preemption, by swap-out
+    to the CPU pool or, for llama_kv1, by soft reset), chunked prefill (13 tokens a step);
+    then prompts sharing a 16-token prefix (prefix-cache hits)."""
+    offload = 0.0 if arch == "llama_kv1" else 0.01
+    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=12, max_batch_tokens=13,
+                                      cpu_offload_space=offload)
+    sp = SamplingParams(max_new_tokens=NEW)
+    with Engine(str(saved(arch)), config=config, tensor_parallel_size=2) as eng:
+        assert eng.tensor_parallel_size == 2 and eng.async_batching is False
+        assert eng.runner.cache.num_kv_heads == 1  # this rank's share (2/2 and 1 replicated)
+        prompts = _prompts(4)
+        _check(arch, prompts, eng.generate([list(p) for p in prompts], sp, progress=False))
+        stats = eng.stats()
+        assert stats["num_preemptions"] > 0
+        assert stats["num_offloads" if offload else "num_soft_resets"] > 0
+        hits = stats["prefix_hit_tokens"]
+        shared = _prompts(5, shared_prefix=16)
+        _check(arch, shared, eng.generate([list(p) for p in shared], sp, progress=False))
+        assert eng.stats()["prefix_hit_tokens"] > hits
+        procs = eng.tp.procs
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_refusals(saved, tmp_path: Path) -> None:
+    gpt2 = tmp_path / "gpt2"
+    tiny_models.gpt2().save_pretrained(gpt2)
+    with pytest.raises(FieldError, match="no tensor-parallel plan") as e:
+        Engine(str(gpt2), tensor_parallel_size=2)
+    assert e.value.field == "tensor_parallel_size"
+    with pytest.raises(FieldError, match="4 attention heads, not divisible") as e:
+        Engine(str(saved("llama")), tensor_parallel_size=3)
+    assert e.value.field == "tensor_parallel_size"
+    with pytest.raises(FieldError, match="needs a checkpoint path") as e:
+        Engine(model("llama"), tensor_parallel_size=2)
+    assert e.value.field == "tensor_parallel_size"
+    for bad in (0, -1, 1.5):
+        with pytest.raises(FieldError) as e:
+            Engine(str(saved("llama")), tensor_parallel_size=bad)
+        assert e.value.field == "tensor_parallel_size"
+
+
+def test_killed_worker_fails_the_waiting_caller(saved) -> None:
+    """SIGKILL a worker while a request streams: the caller gets a clear error within a
+    bounded time, the engine reports itself dead, the worker is reaped."""
+    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=256)
+    eng = Engine(str(saved("llama")), config=config, tensor_parallel_size=2)
+    try:
+        (worker,) = eng.tp.procs
+        stream = eng.stream([5, 6, 7], SamplingParams(max_new_tokens=900, ignore_eos=True))
+        next(stream)
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as e:
+            for _ in stream:
+                pass
+        took = time.monotonic() - t0
+        assert took < 60, took
+        assert "tensor-parallel" in str(e.value)
+        assert not eng.healthy
+        worker.join(5)
+        assert worker.exitcode == -signal.SIGKILL
+        with pytest.raises(Exception, match="tensor-parallel|died"):
+            eng.generate([[5, 6]], SamplingParams(max_new_tokens=2), progress=False)
+    finally:
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 < 30
