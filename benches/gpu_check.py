@@ -21,6 +21,10 @@ done):
               a ~1B Llama shape; ratios, peak memory, engine stats
   offload     a cache too small for the batch with cpu_offload_space > 0: swaps must
               happen, outputs must match an unconstrained run
+  tensor_parallel  TP=2 over NCCL (needs >= 2 GPUs, else skipped with the reason): greedy
+              fp32 parity with per-prompt `generate` (eager, and CUDA graphs per rank), bf16
+              tok/s of TP=2 vs TP=1 on the ~1B Llama shape; with --smoke on CPU, TP=2 over
+              gloo on the tiny Llama (parity only)
 
     bash benches/gpu_check.sh                          # on the GPU machine, < 9 minutes
     python benches/gpu_check.py --smoke                # CPU, tiny shapes, ~1 minute
@@ -46,7 +50,7 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("env", "kernels", "parity", "throughput", "offload", "decode_step")
+SECTIONS = ("env", "kernels", "parity", "throughput", "offload", "decode_step", "tensor_parallel")
 
 
 def _early_args() -> None:
@@ -1005,6 +1009,102 @@ def section_offload(args: argparse.Namespace, dev: torch.device) -> dict[str, An
     return res
 
 
+def _tp_run(path: Path, prompts: list[list[int]], new: int, cfg: Any, tp: int,
+            dtype: str) -> tuple[list[list[int]], dict[str, Any], float]:
+    """Greedy outputs, rank 0's stats and the timed seconds of one engine of `tp` ranks
+    (built and warmed up outside the timer)."""
+    from ferrobatch import Engine, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    with Engine(str(path), config=cfg, device="cuda", dtype=dtype,
+                tensor_parallel_size=tp) as eng:
+        eng.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                     progress=False)
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, sp, progress=False)
+        seconds = time.perf_counter() - t0
+        stats = eng.stats()
+        stats["use_cuda_graph"] = eng.runner.use_cuda_graph
+    return [o.token_ids for o in outs], stats, seconds
+
+
+def section_tensor_parallel(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """TP=2 (see the module docstring). Skipped cleanly with fewer than two GPUs."""
+    import tempfile
+
+    from ferrobatch.config import ContinuousBatchingConfig
+
+    if dev.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs >= 2 CUDA devices, {torch.cuda.device_count()} visible"}
+    if dev.type != "cuda" and not args.smoke:
+        return {"skipped": "no CUDA device (run with --smoke for the CPU / gloo path)"}
+    out: dict[str, Any] = {"devices": torch.cuda.device_count() if dev.type == "cuda" else 0}
+    tmp = tempfile.TemporaryDirectory()
+    try:
+        n, new = (16, 32) if not args.smoke else (4, 6)
+        model = build("llama", tiny=args.smoke)
+        path = Path(tmp.name) / "llama"
+        model.save_pretrained(path)
+        prompts = prompts_for(n, 4, 90 if not args.smoke else 20, 1024, seed=7)
+        ref = run_generate_each(model.to(dev, torch.float32), prompts, new)
+        del model
+        free(dev)
+        if dev.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+        modes = {"eager": dict(use_cuda_graph=False)}
+        if dev.type == "cuda":
+            modes["graphs"] = dict(use_cuda_graph=True)
+        else:  # the smoke run: gloo on the CPU
+            modes = {"eager_gloo": {}}
+        for mode, extra in modes.items():
+            cfg = ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, num_blocks=512,
+                                           **extra)
+            try:
+                if dev.type == "cuda":
+                    got, stats, secs = _tp_run(path, prompts, new, cfg, 2, "float32")
+                else:
+                    from ferrobatch import Engine, SamplingParams
+
+                    t0 = time.perf_counter()
+                    with Engine(str(path), config=cfg, tensor_parallel_size=2) as eng:
+                        got = [o.token_ids for o in eng.generate(
+                            prompts, SamplingParams(max_new_tokens=new, ignore_eos=True),
+                            progress=False)]
+                        stats = {**eng.stats(), "use_cuda_graph": eng.runner.use_cuda_graph}
+                    secs = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - report the mode, run the others
+                out[mode] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-1500:]}
+                continue
+            graphs = (stats.get("cuda_graphs") or {}).get("graph_steps", 0)
+            out[mode] = {**agreement(ref, got), "seconds": round(secs, 2),
+                         "use_cuda_graph": stats.get("use_cuda_graph"), "graph_steps": graphs}
+        if dev.type == "cuda":
+            shape = "llama_1b"
+            big = build(shape, tiny=False).to(torch.bfloat16)
+            bpath = Path(tmp.name) / shape
+            big.save_pretrained(bpath)
+            del big
+            tp_prompts = prompts_for(128, 32, 512, 2048, seed=3)
+            cfg = ContinuousBatchingConfig(page_size=16, max_batch_tokens=4096)
+            rates = {}
+            for tp in (1, 2):
+                try:
+                    _, stats, secs = _tp_run(bpath, tp_prompts, 64, cfg, tp, "bfloat16")
+                    rates[f"tp{tp}"] = {"tok_s": round(128 * 64 / secs, 1),
+                                        "seconds": round(secs, 2),
+                                        "use_cuda_graph": stats.get("use_cuda_graph")}
+                except Exception as exc:  # noqa: BLE001
+                    rates[f"tp{tp}"] = {"error": repr(exc)[:500]}
+                free(dev)
+            if all("tok_s" in r for r in rates.values()):
+                rates["tp2_over_tp1"] = round(rates["tp2"]["tok_s"] / rates["tp1"]["tok_s"], 3)
+            out[f"throughput_{shape}_bf16"] = rates
+        out["all_identical"] = all(out[m].get("requests") == 1.0 for m in modes)
+    finally:
+        tmp.cleanup()
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -1045,7 +1145,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + args.total_budget
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "sections": {}}
-    budgets = {"env": 30, "kernels": 110, "parity": 110, "decode_step": 60, "offload": 60}
+    budgets = {"env": 30, "kernels": 110, "parity": 110, "decode_step": 60, "offload": 60,
+               "tensor_parallel": 150}
 
     def write(name: str, result: dict[str, Any]) -> None:
         report["sections"][name] = result

@@ -1,0 +1,122 @@
+"""Tensor parallelism on CPU: TP=2 (gloo, one torch thread per rank) against TP=1 with two
+torch threads: the same two cores, so the difference is what splitting the model costs
+(two all-reduces per layer, the step's plan broadcast, the head computed on every rank).
+
+Workloads: the design brief §4 (random-init Llama hidden 256, 4 layers, 4/2 heads, vocab
+32000, fp32; 64 prompts of 16..256 tokens from ``random.Random(1234)``, 64 new tokens,
+greedy, EOS off) and, with ``--smollm2``, the bundled SmolLM2-135M-Instruct (fp32) on chat
+prompts. Both engines are built once (prefix caching off, so repeats do not hit each
+other's blocks) and timed interleaved, ``--repeats`` times each (after one warm-up); the
+median is reported as generated tokens per wall second and per CPU second (all ranks'
+processes), with ms per step. Outputs of the two are compared (greedy, fp32: identical).
+
+    python benches/tp_cpu.py                 # brief workload
+    python benches/tp_cpu.py --smollm2       # SmolLM2-135M
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa: E402, I001
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from ferrobatch.workloads import brief_model, brief_prompts, chat_prompts  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime of a process (seconds), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(engine: Engine) -> float:
+    tp = getattr(engine, "tp", None)
+    workers = [p.pid for p in tp.procs] if tp is not None else []
+    return time.process_time() + sum(_proc_cpu(pid) for pid in workers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smollm2", action="store_true")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.smollm2:
+        from ferrobatch.models import bundled_model_dir
+
+        path = bundled_model_dir()
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+
+        def encode(messages: list[dict[str, str]]) -> list[int]:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        prompts = chat_prompts(encode, args.prompts)
+        name = "SmolLM2-135M-Instruct fp32"
+    else:
+        path = Path(tmp.name) / "brief"
+        brief_model(0).save_pretrained(path)
+        prompts = brief_prompts(args.prompts)
+        name = "brief §4 Llama fp32"
+    cfg = ContinuousBatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                                   num_blocks=2048, allow_block_sharing=False)
+    sp = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
+    setups = {"TP=1 x 2 threads": (1, 2), "TP=2 x 1 thread": (2, 1)}
+    engines: dict[str, Engine] = {}
+    for label, (tp, threads) in setups.items():
+        torch.set_num_threads(threads)
+        engines[label] = Engine(str(path), config=cfg, dtype="float32", tensor_parallel_size=tp)
+    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in setups}
+    outputs: dict[str, list[list[int]]] = {}
+    try:
+        for rep in range(args.repeats + 1):
+            for label, (_tp, threads) in setups.items():
+                eng = engines[label]
+                torch.set_num_threads(threads)
+                steps0, cpu0, t0 = eng.stats()["steps"], _cpu(eng), time.perf_counter()
+                outs = eng.generate(prompts, sp, progress=False)
+                wall, cpu = time.perf_counter() - t0, _cpu(eng) - cpu0
+                steps = eng.stats()["steps"] - steps0
+                outputs[label] = [o.token_ids for o in outs]
+                if rep:  # the first round warms up
+                    results[label].append((wall, cpu, steps))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    tokens = args.prompts * args.new
+    same = outputs["TP=1 x 2 threads"] == outputs["TP=2 x 1 thread"]
+    print(f"{name}: {args.prompts} prompts x {args.new} new tokens, page {args.page_size}, "
+          f"max_batch_tokens {args.max_batch_tokens}; medians of {args.repeats}; "
+          f"outputs identical: {same}")
+    print(f"{'setup':<18} {'tok/s wall':>10} {'tok/CPU-s':>10} {'ms/step':>8} {'steps':>6}")
+    base = None
+    for label, runs in results.items():
+        wall = statistics.median(r[0] for r in runs)
+        cpu = statistics.median(r[1] for r in runs)
+        steps = statistics.median(r[2] for r in runs)
+        rate = tokens / wall
+        base = base or rate
+        print(f"{label:<18} {rate:>10.1f} {tokens / cpu:>10.1f} {1000 * wall / steps:>8.2f} "
+              f"{int(steps):>6}   x{rate / base:.2f} wall")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
