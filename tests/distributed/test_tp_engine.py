@@ -128,7 +128,9 @@ def test_killed_worker_fails_the_waiting_caller(saved) -> None:
         assert took < 60, took
         assert "tensor-parallel" in str(e.value)
         assert not eng.healthy
-        worker.join(5)
+        deadline = time.monotonic() + 10
+        while worker.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert worker.exitcode == -signal.SIGKILL
         with pytest.raises(Exception, match="tensor-parallel|died"):
             eng.generate([[5, 6]], SamplingParams(max_new_tokens=2), progress=False)
@@ -136,3 +138,27 @@ def test_killed_worker_fails_the_waiting_caller(saved) -> None:
         t0 = time.monotonic()
         eng.close()
         assert time.monotonic() - t0 < 30
+
+
+def test_hung_worker_times_out(saved, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP a worker (alive, never answering): the collective timeout (here 4 s,
+    FERROBATCH_TP_TIMEOUT) fails the waiting caller; the stopped worker is killed."""
+    monkeypatch.setenv("FERROBATCH_TP_TIMEOUT", "4")
+    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=256)
+    eng = Engine(str(saved("llama")), config=config, tensor_parallel_size=2)
+    try:
+        (worker,) = eng.tp.procs
+        stream = eng.stream([5, 6, 7], SamplingParams(max_new_tokens=900, ignore_eos=True))
+        next(stream)
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="tensor-parallel"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 10
+        while worker.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.exitcode is not None and worker.exitcode < 0
+    finally:
+        eng.close()

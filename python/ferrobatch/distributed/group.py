@@ -76,6 +76,7 @@ class TPGroup:
         self.closed = False
         self._on_failure: Callable[[BaseException], None] | None = None
         self._watchdog: threading.Thread | None = None
+        self._reap_lock = threading.Lock()  # one thread reaps (two waitpid calls race)
 
     # ------------------------------------------------------------------ start
 
@@ -202,10 +203,14 @@ class TPGroup:
     def kill_workers(self, grace: float = 0.0) -> None:
         """Terminate the spawned workers (after `grace` seconds for a clean exit) and reap
         them: no zombies."""
+        with self._reap_lock:
+            self._kill_workers(grace)
+
+    def _kill_workers(self, grace: float) -> None:
         deadline = time.monotonic() + grace
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+            if p.is_alive() and self.failed is None:
                 p.terminate()
                 p.join(2)
             if p.is_alive():

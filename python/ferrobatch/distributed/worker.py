@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from ferrobatch.distributed import broadcast
@@ -18,18 +19,26 @@ logger = logging.getLogger("ferrobatch")
 
 
 def serve(runner: Any, group: TPGroup) -> None:
-    """Run rank 0's steps on this rank's runner until STOP."""
+    """Run rank 0's steps on this rank's runner until STOP.
+
+    Only rank 0 samples, so with a separable head and eager steps a worker asks for no
+    logits at all (an empty `logits_indices`): the base model's forward (every collective)
+    runs, the replicated head (no collective) is skipped. Graph steps keep the plan as is
+    (its shape is the graph's key)."""
     device = group.device if group.backend == "nccl" else None
+    skip_head = bool(getattr(runner, "_split_head", False)) and getattr(
+        runner, "_graphs", None) is None
+    empty = np.zeros(0, np.int32)
     while True:
         cmd, plan = broadcast.receive(device)
         if cmd == broadcast.STOP:
             return
         if cmd == broadcast.NOOP or plan is None:
             continue
-        if cmd == broadcast.EXECUTE:
+        if cmd in (broadcast.EXECUTE, broadcast.GREEDY):
+            if skip_head:
+                plan.logits_indices, plan.logits_rows = empty, empty
             runner.execute(plan)
-        elif cmd == broadcast.GREEDY:
-            runner.execute_greedy(plan)
         elif cmd == broadcast.WITH_PROMPT:
             runner.execute_with_prompt(plan, plan.extra.astype("int64"))
         else:
