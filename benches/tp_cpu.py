@@ -5,7 +5,8 @@ torch threads: the same two cores, so the difference is what splitting the model
 Workloads: the design brief §4 (random-init Llama hidden 256, 4 layers, 4/2 heads, vocab
 32000, fp32; 64 prompts of 16..256 tokens from ``random.Random(1234)``, 64 new tokens,
 greedy, EOS off) and, with ``--smollm2``, the bundled SmolLM2-135M-Instruct (fp32) on chat
-prompts. Both engines are built once (prefix caching off, so repeats do not hit each
+prompts (SmolLM2-135M has 9 attention heads: TP=2 refuses it, and the bench says so).
+Both engines are built once (prefix caching off, so repeats do not hit each
 other's blocks) and timed interleaved, ``--repeats`` times each (after one warm-up); the
 median is reported as generated tokens per wall second and per CPU second (all ranks'
 processes), with ms per step. Outputs of the two are compared (greedy, fp32: identical).
@@ -28,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa: E402, I001
+from ferrobatch.errors import FieldError  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from ferrobatch.workloads import brief_model, brief_prompts, chat_prompts  # noqa: E402
@@ -82,7 +84,14 @@ def main() -> None:
     engines: dict[str, Engine] = {}
     for label, (tp, threads) in setups.items():
         torch.set_num_threads(threads)
-        engines[label] = Engine(str(path), config=cfg, dtype="float32", tensor_parallel_size=tp)
+        try:
+            engines[label] = Engine(str(path), config=cfg, dtype="float32",
+                                    tensor_parallel_size=tp)
+        except FieldError as exc:  # e.g. SmolLM2-135M: 9 heads do not split 2 ways
+            print(f"{name}: {label} refused: {exc}")
+            for eng in engines.values():
+                eng.close()
+            sys.exit(2)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in setups}
     outputs: dict[str, list[list[int]]] = {}
     try:

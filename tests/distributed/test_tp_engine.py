@@ -67,17 +67,21 @@ def _check(arch: str, prompts, outs) -> None:
         assert tuple(o.token_ids) == reference(arch, p), f"{arch}: prompt of {len(p)} diverged"
 
 
-@pytest.mark.parametrize("arch", list(BUILDERS))
-def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, saved) -> None:
+@pytest.mark.parametrize(("arch", "use_async"), [
+    ("llama", False), ("qwen3", False), ("llama_kv1", False), ("llama", True)])
+def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, use_async: bool,
+                                                        saved) -> None:
     """One 2-rank engine per model: a pool far too small (12 chunks: preemption, by swap-out
     to the CPU pool or, for llama_kv1, by soft reset), chunked prefill (13 tokens a step);
-    then prompts sharing a 16-token prefix (prefix-cache hits)."""
+    then prompts sharing a 16-token prefix (prefix-cache hits). With `use_async`, the async
+    pipeline (plans ahead: the previous step's samples go to the worker too)."""
     offload = 0.0 if arch == "llama_kv1" else 0.01
     config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=12, max_batch_tokens=13,
-                                      cpu_offload_space=offload)
+                                      cpu_offload_space=offload,
+                                      use_async_batching=True if use_async else None)
     sp = SamplingParams(max_new_tokens=NEW)
     with Engine(str(saved(arch)), config=config, tensor_parallel_size=2) as eng:
-        assert eng.tensor_parallel_size == 2 and eng.async_batching is False
+        assert eng.tensor_parallel_size == 2 and eng.async_batching is use_async
         assert eng.runner.cache.num_kv_heads == 1  # this rank's share (2/2 and 1 replicated)
         prompts = _prompts(4)
         _check(arch, prompts, eng.generate([list(p) for p in prompts], sp, progress=False))
@@ -88,6 +92,8 @@ def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, saved) -> Non
         shared = _prompts(5, shared_prefix=16)
         _check(arch, shared, eng.generate([list(p) for p in shared], sp, progress=False))
         assert eng.stats()["prefix_hit_tokens"] > hits
+        if use_async:
+            assert eng.stats()["ahead_steps"] > 0
         procs = eng.tp.procs
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 

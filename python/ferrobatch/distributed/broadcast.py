@@ -40,6 +40,7 @@ class PlanView:
     page_size: int
     ahead: bool = False
     extra: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    prev_tokens: torch.Tensor | None = None  # rank 0's samples `prev_token_index` names
 
     @property
     def num_rows(self) -> int:
@@ -129,12 +130,22 @@ def unpack(header: np.ndarray, payload: np.ndarray) -> PlanView:
 
 
 def send(cmd: int, plan: object | None = None, extra: object = (),
-         device: torch.device | None = None) -> None:
-    """Rank 0: broadcast a command (and its plan) to every rank (NCCL: through `device`)."""
+         device: torch.device | None = None, prev_tokens: torch.Tensor | None = None) -> None:
+    """Rank 0: broadcast a command (and its plan) to every rank (NCCL: through `device`).
+
+    `prev_tokens` (async batching: the previous plan's samples, which this plan's
+    `prev_token_index` refers to) follow as a third broadcast, int64, straight from where
+    they are (on CUDA a device tensor: no host sync)."""
     header, payload = pack(cmd, plan, extra)
+    prev = None
+    if payload is not None and header[8] and prev_tokens is not None:
+        prev = prev_tokens.reshape(-1).to(torch.int64)
+        header[13] = prev.numel()
     dist.broadcast(_to(header, device), src=0)
     if payload is not None:
         dist.broadcast(_to(payload, device), src=0)
+    if prev is not None:
+        dist.broadcast(prev, src=0)
 
 
 def _to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -142,7 +153,8 @@ def _to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 
 
 def receive(device: torch.device | None = None) -> tuple[int, PlanView | None]:
-    """Ranks > 0: the next command from rank 0 and its plan (None without one)."""
+    """Ranks > 0: the next command from rank 0 and its plan (None without one); the
+    plan's `prev_tokens` is rank 0's samples it refers to (None when it refers to none)."""
     header = _to(torch.zeros(HEADER, dtype=torch.int32), device)
     dist.broadcast(header, src=0)
     h = header.cpu().numpy()
@@ -151,7 +163,12 @@ def receive(device: torch.device | None = None) -> tuple[int, PlanView | None]:
         return cmd, None
     payload = _to(torch.zeros(int(h[12]), dtype=torch.int32), device)
     dist.broadcast(payload, src=0)
-    return cmd, unpack(h, payload.cpu().numpy())
+    plan = unpack(h, payload.cpu().numpy())
+    if h[13]:
+        prev = torch.zeros(int(h[13]), dtype=torch.int64, device=device or "cpu")
+        dist.broadcast(prev, src=0)
+        plan.prev_tokens = prev
+    return cmd, plan
 
 
 def agree(value: int, device: torch.device | None = None) -> int:

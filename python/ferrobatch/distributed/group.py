@@ -171,6 +171,8 @@ class TPGroup:
         while not self.closed and self.failed is None:
             time.sleep(0.5)
             dead = [p for p in self.procs if not p.is_alive()]
+            if self.closed:  # (after the liveness check: STOP comes after `closed`)
+                return
             if dead:
                 p = dead[0]
                 self.fail(TPWorkerError(

@@ -2,8 +2,8 @@
 one payload broadcast, `broadcast.send`) before rank 0 runs the same forward itself; the
 model's collectives (transformers' plan: all-reduce after each row-wise layer) then meet.
 Logits are complete on every rank (the head is replicated, `shard`), so tokens are sampled
-once, on rank 0, and never sent: no other rank needs them (TP steps are synchronous, so no
-plan refers to a token not yet known: `prev_token_index` is all -1)."""
+once, on rank 0. Only a plan planned ahead (async batching) needs some of them elsewhere:
+the previous plan's samples its `prev_token_index` names go along as one more broadcast."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class TPRunner:
         else:
             setattr(self._runner, name, value)
 
-    def _run(self, cmd: int, plan: Any, call: Any, extra: Any = ()) -> Any:
+    def _run(self, cmd: int, plan: Any, call: Any, extra: Any = (),
+             prev_tokens: torch.Tensor | None = None) -> Any:
         group = self.group
         if group.failed is not None:
             raise TPWorkerError(f"tensor-parallel group is down: {group.failed}") from group.failed
@@ -43,10 +44,8 @@ class TPRunner:
             raise TPWorkerError("tensor-parallel group is shut down")
         with group.lock:
             try:
-                broadcast.send(cmd, plan, extra, device=self._device)
+                broadcast.send(cmd, plan, extra, device=self._device, prev_tokens=prev_tokens)
                 out = call()
-                if isinstance(out, tuple):
-                    _ = [t.sum() if torch.is_tensor(t) and t.is_cuda else t for t in out]
             except TPWorkerError:
                 raise
             except Exception as exc:
@@ -61,21 +60,21 @@ class TPRunner:
 
     def execute(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The wrapped `execute`, on every rank."""
-        _no_prev(plan, prev_tokens)
-        return self._run(broadcast.EXECUTE, plan, lambda: self._runner.execute(plan))
+        return self._run(broadcast.EXECUTE, plan,
+                         lambda: self._runner.execute(plan, prev_tokens), (), prev_tokens)
 
     def execute_greedy(self, plan: Any, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The wrapped `execute_greedy` (rank 0); the other ranks run the same forward."""
-        _no_prev(plan, prev_tokens)
-        return self._run(broadcast.GREEDY, plan, lambda: self._runner.execute_greedy(plan))
+        return self._run(broadcast.GREEDY, plan,
+                         lambda: self._runner.execute_greedy(plan, prev_tokens), (), prev_tokens)
 
     def execute_with_prompt(self, plan: Any, prompt_indices: np.ndarray,
                             prev_tokens: torch.Tensor | None = None) -> Any:
         """The wrapped `execute_with_prompt`, on every rank."""
-        _no_prev(plan, prev_tokens)
         return self._run(
             broadcast.WITH_PROMPT, plan,
-            lambda: self._runner.execute_with_prompt(plan, prompt_indices), prompt_indices)
+            lambda: self._runner.execute_with_prompt(plan, prompt_indices, prev_tokens),
+            prompt_indices, prev_tokens)
 
     def noop(self) -> None:
         """Keep the workers' wait short of the collective timeout (the watchdog, idle)."""
@@ -86,7 +85,3 @@ class TPRunner:
         """Tell the workers to leave their loop."""
         broadcast.send(broadcast.STOP, device=self._device)
 
-
-def _no_prev(plan: Any, prev_tokens: torch.Tensor | None) -> None:
-    if prev_tokens is not None and bool((np.asarray(plan.prev_token_index) >= 0).any()):
-        raise RuntimeError("tensor-parallel steps run synchronously: no plan ahead")

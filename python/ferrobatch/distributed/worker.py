@@ -38,9 +38,9 @@ def serve(runner: Any, group: TPGroup) -> None:
         if cmd in (broadcast.EXECUTE, broadcast.GREEDY):
             if skip_head:
                 plan.logits_indices, plan.logits_rows = empty, empty
-            runner.execute(plan)
+            runner.execute(plan, plan.prev_tokens)
         elif cmd == broadcast.WITH_PROMPT:
-            runner.execute_with_prompt(plan, plan.extra.astype("int64"))
+            runner.execute_with_prompt(plan, plan.extra.astype("int64"), plan.prev_tokens)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {cmd}")
 

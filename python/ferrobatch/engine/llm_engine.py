@@ -222,10 +222,6 @@ class Engine(ModelProbes):
         which only pays once graph replays make the device side short), else off."""
         want = self.config.use_async_batching
         graphs = self.runner.use_cuda_graph
-        if self.tp is not None:
-            logger.info("ferrobatch: async batching off (tensor_parallel_size=%d: TP steps "
-                        "run synchronously)", self.tp.world_size)
-            return False
         if want is None:
             on = self.device.type == "cuda" and graphs
             why = "auto: " + (
