@@ -13,6 +13,7 @@ processes), with ms per step. Outputs of the two are compared (greedy, fp32: ide
 
     python benches/tp_cpu.py                 # brief workload
     python benches/tp_cpu.py --smollm2       # SmolLM2-135M
+    python benches/tp_cpu.py --hidden 1024 --prompts 16 --new 32   # a wider model
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="the brief's Llama widened to this hidden size (intermediate 2.75x, "
+                         "head_dim 64, GQA 2:1): where compute outweighs the all-reduces")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -74,9 +78,14 @@ def main() -> None:
         name = "SmolLM2-135M-Instruct fp32"
     else:
         path = Path(tmp.name) / "brief"
-        brief_model(0).save_pretrained(path)
+        wide = {}
+        if args.hidden:
+            heads = args.hidden // 64
+            wide = dict(hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
+                        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+        brief_model(0, **wide).save_pretrained(path)
         prompts = brief_prompts(args.prompts)
-        name = "brief §4 Llama fp32"
+        name = "brief §4 Llama fp32" + (f", hidden {args.hidden}" if args.hidden else "")
     cfg = ContinuousBatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                                    num_blocks=2048, allow_block_sharing=False)
     sp = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
