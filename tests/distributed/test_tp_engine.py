@@ -86,6 +86,7 @@ def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, use_async: bo
         prompts = _prompts(4)
         _check(arch, prompts, eng.generate([list(p) for p in prompts], sp, progress=False))
         stats = eng.stats()
+        assert stats["tensor_parallel_size"] == 2
         assert stats["num_preemptions"] > 0
         assert stats["num_offloads" if offload else "num_soft_resets"] > 0
         hits = stats["prefix_hit_tokens"]
