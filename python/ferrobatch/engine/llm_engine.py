@@ -79,6 +79,11 @@ class Engine(ModelProbes):
     in half precision (`models.resolve_dtype`), or "float32" / "bfloat16" / "float16" / a
     `torch.dtype`. On CPU a bf16 / fp16 model runs its linear layers on weights packed once
     for the matrix units, with fp32 activations between them (`ferrobatch.runner.cpu_linear`).
+
+    `tensor_parallel_size` (a checkpoint path or the bundled model): shard the model over
+    that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
+    worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
+    on CUDA); `FieldError` (field ``tensor_parallel_size``) where it cannot be sharded.
     """
 
     def __init__(
