@@ -254,6 +254,21 @@ impl KvManager {
 
     // ----- freeing ---------------------------------------------------------------------
 
+    /// Free the request's blocks beyond those `end` tokens need (a speculative row's growth
+    /// for rejected tokens; never hashed: only computed full blocks are).
+    pub fn shrink(&mut self, r: &mut Request, end: usize) {
+        let l = &self.layout;
+        for (blocks, n) in [
+            (&mut r.full, l.full_blocks_for(end)),
+            (&mut r.ring, l.ring_chunks_for(end)),
+        ] {
+            while blocks.len() > n {
+                let c = blocks.pop().expect("len > n");
+                self.pool.free(c);
+            }
+        }
+    }
+
     /// Free all device chunks of a request: full blocks deepest first (so the deepest
     /// blocks of a cached prefix are evicted first), then the ring.
     pub fn free(&mut self, r: &mut Request) {

@@ -18,6 +18,9 @@ pub struct Row {
     pub q: u32,
     /// Whether the row's last token is sampled.
     pub sampled: bool,
+    /// Speculative tokens after the row's first token (a decode row of `1 + spec` query
+    /// tokens, each of them sampled: `1 + spec` `logits_indices` entries).
+    pub spec: u32,
 }
 
 /// The step plan (ARCHITECTURE.md §3). Arrays are flat; `block_table_*` are row-major
@@ -182,6 +185,7 @@ mod tests {
             start: 4,
             q: 2,
             sampled: true,
+            spec: 0,
         });
         p.input_ids.extend([7, 8]);
         p.positions.extend([4, 5]);

@@ -111,6 +111,9 @@ pub struct Request {
     pub block_hashes: Vec<u64>,
     /// Never take prefix-cache hits (every prompt position is computed).
     pub skip_prefix_lookup: bool,
+    /// Speculative tokens proposed for the next `schedule()` (`Scheduler::propose`; it
+    /// consumes them whether or not it uses them).
+    pub proposal: Vec<Token>,
 }
 
 impl Request {
@@ -145,6 +148,7 @@ impl Request {
             max_new_tokens: 0,
             has_stop_sequences: false,
             skip_prefix_lookup,
+            proposal: Vec::new(),
         };
         r.init_stop_inline();
         r

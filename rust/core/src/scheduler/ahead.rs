@@ -108,6 +108,7 @@ impl Scheduler {
             start: start as u32,
             q: q as u32,
             sampled: end == len,
+            spec: 0,
         });
         for pos in start..end {
             if pos < known {

@@ -20,8 +20,10 @@ pub(super) fn fill_row_arrays(p: &mut StepPlan, from: usize) {
             p.cu_seqlens_q.push(cum);
             p.seqlens_k.push((r.start + r.q) as i32);
             if r.sampled {
-                p.logits_indices.push(cum - 1);
-                p.logits_rows.push(i as i32);
+                for j in cum - 1 - r.spec as i32..cum {
+                    p.logits_indices.push(j);
+                    p.logits_rows.push(i as i32);
+                }
             }
         }
         return;
@@ -52,8 +54,10 @@ pub(super) fn fill_row_arrays(p: &mut StepPlan, from: usize) {
         cum += r.q as i32;
         p.cu_seqlens_q.push(cum);
         if r.sampled {
-            p.logits_indices.push(cum - 1);
-            p.logits_rows.push(i as i32);
+            for j in cum - 1 - r.spec as i32..cum {
+                p.logits_indices.push(j);
+                p.logits_rows.push(i as i32);
+            }
         }
     }
 }

@@ -78,8 +78,15 @@ impl Scheduler {
                     if !r.swap_slots.is_empty() {
                         return Err(format!("running request {:?} holds swap slots", r.id));
                     }
-                    // Each outstanding plan may have grown it by its pending token.
-                    let most = r.tokens.len() + self.outstanding as usize;
+                    // Each outstanding plan may have grown it by its pending token, a
+                    // speculative row by its proposals.
+                    let spec: usize = self
+                        .outstanding_plans()
+                        .flat_map(|p| p.rows.iter())
+                        .filter(|row| row.req == idx)
+                        .map(|row| row.spec as usize)
+                        .sum();
+                    let most = r.tokens.len() + self.outstanding as usize + spec;
                     if r.full.len() < layout.full_blocks_for(r.num_computed)
                         || r.full.len() > layout.full_blocks_for(most)
                         || r.ring.len() < layout.ring_chunks_for(r.num_computed)
@@ -118,6 +125,12 @@ impl Scheduler {
             return Err("running list not sorted by (priority, arrival)".into());
         }
         self.check_outstanding()?;
+        for p in self.outstanding_plans() {
+            if p.rows.iter().any(|row| row.spec > 0) && (p.ahead || self.outstanding != 1) {
+                return Err("a speculative row in an ahead plan, or planned ahead of".into());
+            }
+        }
+
         if self.steady.plan == PlanShape::Ready && self.outstanding != 0 {
             return Err("steady path: a plan marked ready to advance is still outstanding".into());
         }

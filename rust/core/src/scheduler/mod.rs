@@ -59,6 +59,7 @@ mod invariants;
 mod placement;
 mod preemption;
 mod requests;
+mod spec;
 mod steady;
 mod update;
 
@@ -70,6 +71,7 @@ mod tests;
 use std::collections::{BTreeMap, HashMap};
 
 pub use config::{AttentionType, SchedulerConfig, SchedulerType};
+pub use spec::ngram_lookup;
 
 use crate::alloc::Layout;
 use crate::kv::{Held, KvManager};
@@ -113,6 +115,12 @@ pub struct Stats {
     pub stalled_requests: usize,
     /// Last `schedule()` / `schedule_ahead()`: chunks those rows were missing in total.
     pub stalled_blocks: usize,
+    /// Speculative rows planned (`schedule()` rows with proposals).
+    pub spec_rows: u64,
+    /// Proposed tokens those rows carried.
+    pub spec_proposed: u64,
+    /// Proposed tokens accepted by their updates.
+    pub spec_accepted: u64,
 }
 
 /// What one outstanding plan owes, settled by its `update()`.
@@ -131,6 +139,9 @@ struct Flight {
     /// The plan has the rows (requests, order) of the plan built just before it, so its
     /// update's deltas repeat the previous update's requests (`output_repeats_requests`).
     repeats: bool,
+    /// The plan has a speculative row (`spec`): its update takes the general path, and no
+    /// plan is built ahead of it.
+    spec: bool,
 }
 
 /// Which outstanding plan: the newest (`plan`, flight `cur`: the only one when one is
@@ -184,6 +195,10 @@ pub struct Scheduler {
     to_remove: Vec<(u32, u64)>,
     order_buf: Vec<u32>,
     hits_buf: Vec<ChunkId>,
+    /// Slab indices of requests with a pending proposal (`propose`).
+    proposed: Vec<u32>,
+    /// `propose_ngram` scratch.
+    spec_buf: Vec<crate::Token>,
     stats: Stats,
 }
 
@@ -234,6 +249,8 @@ impl Scheduler {
             to_remove: Vec::new(),
             order_buf: Vec::new(),
             hits_buf: Vec::new(),
+            proposed: Vec::new(),
+            spec_buf: Vec::new(),
             stats,
         })
     }
@@ -249,8 +266,11 @@ impl Scheduler {
         }
         let mut b = self.begin_step();
         self.cur.repeats = false;
-        // Phase 1: the running rows, advanced in place on a steady step, else placed anew.
-        let steady = self.steady.take_ready() && self.advance_steady::<false>(&mut b);
+        self.cur.spec = false;
+        // Phase 1: the running rows, advanced in place on a steady step, else placed anew
+        // (always with proposals: speculative rows).
+        let ready = self.steady.take_ready();
+        let steady = ready && self.proposed.is_empty() && self.advance_steady::<false>(&mut b);
         if steady && self.plan.ahead {
             // Advanced from an ahead plan: every input id is known now.
             self.plan.ahead = false;
@@ -261,6 +281,9 @@ impl Scheduler {
         if !steady {
             self.plan.clear();
             self.place_running_rows(&mut b);
+        }
+        if !self.proposed.is_empty() {
+            self.clear_proposals();
         }
         // Phase 2: swapped and waiting requests.
         self.admit(&mut b);
@@ -332,6 +355,10 @@ impl Scheduler {
             }
             _ => {}
         }
+        if self.cur.spec {
+            // Its accepted counts decide the next positions: nothing can be planned ahead.
+            return Ok(None);
+        }
         self.steady.take_ready();
         let mut b = self.begin_step();
         // Swap-out sources the outstanding plan freed at plan time (its copy runs before
@@ -379,6 +406,7 @@ impl Scheduler {
         self.cur.step = self.step;
         self.cur.sampled = self.plan.logits_indices.len();
         self.cur.repeats = repeated;
+        self.cur.spec = false;
         self.outstanding = 2;
         // Advanced in place with nothing appended: still every running request, in order.
         self.steady.plan = if repeated {
@@ -425,6 +453,7 @@ impl Scheduler {
         } else if sampled.len() == self.plan.rows.len()
             && self.pending_cancel.is_empty()
             && !dead_rows
+            && !self.flight(oldest).spec
         {
             // Every row sampled, nothing cancelled since the plan was built (a cancellation
             // is always queued in `pending_cancel`) and no row finished by an earlier update.

@@ -44,6 +44,12 @@ impl Scheduler {
                 if r.touched_step == self.step {
                     continue;
                 }
+                if want == RequestState::Decoding
+                    && !r.proposal.is_empty()
+                    && self.place_spec(idx, b)
+                {
+                    continue;
+                }
                 if want == RequestState::Decoding && self.decode_fast(idx, b) {
                     continue;
                 }
@@ -128,6 +134,7 @@ impl Scheduler {
             start: start as u32,
             q: 1,
             sampled: true,
+            spec: 0,
         });
         p.input_ids.push(r.last_token as i32);
         if l.has_sliding {
@@ -160,6 +167,7 @@ impl Scheduler {
             start: start as u32,
             q: q as u32,
             sampled,
+            spec: 0,
         });
         if end == r.tokens.len() && q == 1 {
             p.input_ids.push(r.last_token as i32);

@@ -100,6 +100,13 @@ pub struct Sim {
     pub ahead_steps: usize,
     /// ... of which advanced the outstanding plan in place (steady decode).
     pub steady_ahead: usize,
+    /// Speculative decoding: before every `schedule()`, up to `spec_k` proposed tokens per
+    /// live request (the model's own continuation, corrupted at pseudo-random places;
+    /// every fourth step prompt lookup instead). 0: off.
+    pub spec_k: usize,
+    /// Speculative rows run, and the proposals they accepted.
+    pub spec_rows: usize,
+    pub spec_accepted: usize,
 }
 
 /// A plan whose forward ran, awaiting its update.
@@ -140,6 +147,9 @@ impl Sim {
             no_hits: HashMap::new(),
             ahead_steps: 0,
             steady_ahead: 0,
+            spec_k: 0,
+            spec_rows: 0,
+            spec_accepted: 0,
         }
     }
 
@@ -244,6 +254,9 @@ impl Sim {
     /// wrong number of outstanding plans must be refused. Returns false when no plan came.
     pub fn launch(&mut self, ahead: bool) -> bool {
         let n = self.queue.len();
+        if self.spec_k > 0 {
+            self.propose_all();
+        }
         let res = if ahead {
             self.s.schedule_ahead()
         } else {
@@ -328,6 +341,35 @@ impl Sim {
         true
     }
 
+    /// Proposals for every live request (see `spec_k`). Made before either call: ahead
+    /// plans must ignore them, and `schedule()` consumes them.
+    fn propose_all(&mut self) {
+        if self.steps % 4 == 3 {
+            self.s.propose_ngram(self.spec_k, 1, 3, None);
+            return;
+        }
+        let mut ids: Vec<&String> = self.virt.keys().collect();
+        ids.sort();
+        for id in ids {
+            let mut toks = self.virt[id].clone();
+            let mut prop = Vec::new();
+            for j in 0..self.spec_k {
+                let h = mix((self.steps * 1000 + j) as u64 ^ id.len() as u64 * 77);
+                let t = if h % 5 == 0 {
+                    (model(&toks) + 1) % VOCAB as u32
+                } else {
+                    model(&toks)
+                };
+                toks.push(t);
+                prop.push(t as i32);
+            }
+            // False for a request finished (stop string) or cancelled meanwhile.
+            self.s.propose(id, &prop).unwrap();
+        }
+        assert!(self.s.propose("no such request", &[1]).is_ok_and(|ok| !ok));
+        assert_eq!(self.s.propose(&"x".repeat(3), &[-1]).unwrap_err().field, Some("tokens"));
+    }
+
     /// Invariants, plus the chunk lifetime seen from outside: every chunk a launched plan
     /// references is still held and was not reallocated (same epoch), every swap slot held.
     pub fn check(&self) {
@@ -410,7 +452,7 @@ impl Sim {
             assert!(plan.seqlens_k.iter().map(|&k| k as usize).sum::<usize>() <= c);
         }
         assert_eq!(plan.cu_seqlens_q.len(), b + 1);
-        assert!(plan.logits_rows.windows(2).all(|w| w[0] < w[1]));
+        assert!(plan.logits_rows.windows(2).all(|w| w[0] <= w[1]));
         // Swaps: each chunk / slot at most once per direction, then out before in.
         for (v, what) in [(&plan.swap_out, "swap_out"), (&plan.swap_in, "swap_in")] {
             let a: HashSet<i32> = v.chunks(2).map(|p| p[0]).collect();
@@ -439,14 +481,24 @@ impl Sim {
         let mut pending_writes: Vec<(bool, usize, u64)> = Vec::new();
         let mut new_tokens: Vec<(String, u32)> = Vec::new();
         let fw = plan.full_width;
+        let mut li = 0usize;
         for (r, row) in plan.rows.iter().enumerate() {
             let id = self.s.request(row.req).unwrap().id.clone();
-            let toks = &self.virt[&id];
-            let vals = kv_values(toks);
             let (t0, t1) = (
                 plan.cu_seqlens_q[r] as usize,
                 plan.cu_seqlens_q[r + 1] as usize,
             );
+            let spec = row.spec as usize;
+            // A speculative row: its inputs continue with the proposals (hypothetical tokens
+            // whose K/V is written; a rollback must never let them be read as real).
+            let mut ext = self.virt[&id].clone();
+            if spec > 0 {
+                assert!(!plan.ahead && prev.is_none() && row.sampled && t1 - t0 == spec + 1);
+                assert_eq!(ext.len(), plan.positions[t0] as usize + 1);
+                ext.extend(plan.input_ids[t0 + 1..t1].iter().map(|&t| t as u32));
+            }
+            let toks = &ext;
+            let vals = kv_values(toks);
             let start = plan.positions[t0] as usize;
             let end = start + (t1 - t0);
             assert_eq!(plan.seqlens_k[r] as usize, end);
@@ -528,8 +580,27 @@ impl Sim {
                     pending_writes.push((false, slot, vals[p]));
                 }
             }
-            if row.sampled {
+            if row.sampled && spec > 0 {
                 assert_eq!(end, toks.len());
+                let start_plus = end - spec;
+                let mut accepted = true;
+                for j in 0..=spec {
+                    assert_eq!(plan.logits_indices[li] as usize, t1 - 1 - spec + j);
+                    assert_eq!(plan.logits_rows[li] as usize, r);
+                    li += 1;
+                    let t = model(&toks[..start_plus + j]);
+                    sampled.push(t as i32);
+                    if accepted {
+                        new_tokens.push((id.clone(), t));
+                        accepted = j < spec && toks[start_plus + j] == t;
+                        self.spec_accepted += accepted as usize;
+                    }
+                }
+                self.spec_rows += 1;
+            } else if row.sampled {
+                assert_eq!(end, toks.len());
+                assert_eq!(plan.logits_indices[li] as usize, t1 - 1);
+                li += 1;
                 let t = model(&toks[..end]);
                 sampled.push(t as i32);
                 new_tokens.push((id, t));
@@ -905,8 +976,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_ops_keep_invariants_and_outputs(c in cfg_strategy(), ops in prop::collection::vec(op(), 1..80)) {
+    fn random_ops_keep_invariants_and_outputs(c in cfg_strategy(), ops in prop::collection::vec(op(), 1..80), spec_k in prop_oneof![2 => Just(0usize), 1 => 1usize..6]) {
         let mut sim = Sim::new(make_cfg(&c));
+        sim.spec_k = spec_k;
         let base: Vec<u32> = (0..10).map(|i| i % 3).collect();
         let mut specs = Vec::new();
         let mut ids: Vec<String> = Vec::new();
@@ -965,4 +1037,66 @@ proptest! {
             prop_assert!(sim.outputs.contains_key(&s.id) || sim.cancelled.contains(&s.id), "lost {}", s.id);
         }
     }
+}
+
+/// Speculative rows (proposals before every `schedule()`, partly wrong): outputs equal the
+/// unconstrained reference with tiny pools (preemption, soft reset, offload), prefix
+/// sharing, chunked prefill, sliding / hybrid rings, a cache-read budget, stop conditions
+/// inside accepted runs, and pipelined (the pipeline drains after each speculative plan).
+#[test]
+fn speculative_rows_match_reference() {
+    let mut cases = vec![SchedulerConfig::new(1000, 4, 4096)];
+    for offload in [0, 64] {
+        let mut c = SchedulerConfig::new(12, 4, 9);
+        c.cpu_offload_blocks = offload;
+        cases.push(c);
+    }
+    for layers in [
+        vec![AttentionType::Sliding],
+        vec![AttentionType::Full, AttentionType::Sliding],
+    ] {
+        let mut c = SchedulerConfig::new(16, 3, 8);
+        c.layer_types = layers;
+        c.sliding_window = Some(4);
+        cases.push(c);
+    }
+    let mut c = SchedulerConfig::new(40, 4, 64);
+    c.max_batch_cache_tokens = Some(60);
+    cases.push(c);
+    let (mut rows, mut acc) = (0, 0);
+    for (k, cfg) in cases.into_iter().enumerate() {
+        for ahead in [false, true] {
+            let mut specs = workload(10, 40 + k as u64, 9);
+            for (i, sp) in specs.iter_mut().enumerate() {
+                sp.stop.max_new_tokens += 6;
+                if i % 3 == 0 {
+                    sp.stop.eos_token_ids = vec![5];
+                }
+                if i % 4 == 1 {
+                    sp.stop.stop_sequences = vec![vec![2, 3]];
+                }
+            }
+            let mut sim = Sim::new(cfg.clone());
+            sim.spec_k = 1 + k % 4;
+            let added: Vec<Spec> = specs.iter().filter(|s| sim.add(s)).cloned().collect();
+            assert!(!added.is_empty());
+            if ahead {
+                sim.drain_ahead(100_000);
+            } else {
+                sim.drain(100_000);
+            }
+            sim.check_outputs(&added);
+            for s in &added {
+                assert!(sim.outputs.contains_key(&s.id), "lost request {}", s.id);
+            }
+            let st = sim.s.stats();
+            assert_eq!(st.spec_rows as usize, sim.spec_rows);
+            // Stops and cancellations cut accepted runs: the core counts the applied ones.
+            assert!(st.spec_accepted as usize <= sim.spec_accepted, "{k} {ahead}");
+            assert!(st.spec_accepted > 0 || sim.spec_accepted == 0);
+            rows += sim.spec_rows;
+            acc += sim.spec_accepted;
+        }
+    }
+    assert!(rows > 50 && acc > 50, "speculative rows {rows}, accepted {acc}");
 }

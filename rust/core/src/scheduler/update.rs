@@ -134,6 +134,15 @@ impl Scheduler {
             .reserve(self.plan.rows.len() + self.pending_cancel.len());
         for ri in 0..self.plan.rows.len() {
             let row = self.plan.rows[ri];
+            if row.spec > 0 {
+                let n = 1 + row.spec as usize;
+                k += n;
+                let live = self.req(row.req).state != RequestState::Finished;
+                if live && self.apply_spec_row(ri, row, &sampled[k - n..k]) {
+                    any_finished = true;
+                }
+                continue;
+            }
             let tok = if row.sampled {
                 k += 1;
                 Some(sampled[k - 1])
@@ -169,7 +178,7 @@ impl Scheduler {
     /// name it, and the newer plan's update must still see it finished).
     #[cold]
     #[inline(never)]
-    fn finish(&mut self, idx: u32, f: FinishReason) {
+    pub(super) fn finish(&mut self, idx: u32, f: FinishReason) {
         let r = self.reqs[idx as usize].as_mut().expect("live");
         r.state = RequestState::Finished;
         r.finish = Some(f);

@@ -1,0 +1,274 @@
+//! Speculative decoding in the core: proposals, speculative rows, acceptance and rollback.
+//!
+//! A decoding request may be given `k` proposed tokens for its next step
+//! ([`Scheduler::propose`], or [`Scheduler::propose_ngram`], prompt lookup over its own
+//! tokens). The next `schedule()` (never `schedule_ahead()`) gives it a row of `1 + k'`
+//! query tokens (its last token, then the first `k'` proposals; `k'` is capped by the
+//! budgets, the free chunks, the tokens it may still generate and [`Scheduler::spec_cap`])
+//! and `1 + k'` `logits_indices` entries, one per query token. `schedule()` consumes every
+//! proposal, used or not.
+//!
+//! `update()` takes one sampled token per `logits_indices` entry, as always: for a
+//! speculative row, `s_0 .. s_k'` sampled at its query tokens. The row accepts the longest
+//! prefix with `s_j == proposal_j`, then the token sampled after it (the bonus): `a + 1`
+//! tokens. With greedy sampling that is exactly the non-speculative output; with sampling
+//! (each `s_j` drawn from the target distribution at its position, independently) it is
+//! the rejection rule for a deterministic proposal (accept `x` with probability `p(x)`, else
+//! a draw from `p` without `x`, renormalised), so the output distribution is the target's.
+//! The accepted tokens go through the stop conditions one by one (a stop cuts the run), one
+//! delta per token. Rollback: `num_computed` moves by the tokens applied, blocks grown for
+//! rejected positions are freed (their KV is simply not used), and only accepted tokens'
+//! full blocks are offered to the prefix cache.
+//!
+//! Async batching: `schedule_ahead()` returns None while the outstanding plan has a
+//! speculative row (the pipeline drains): its accepted count is unknown, so the next
+//! positions are too.
+
+use super::budget::Budget;
+use super::Scheduler;
+use crate::plan::Row;
+use crate::request::RequestState;
+use crate::{Error, Result, Token};
+
+/// Prompt lookup: the `k` tokens that followed the most recent earlier occurrence of the
+/// last `n` tokens of `tokens`, for `n` from `n_max` down to `n_min` (the first `n` with a
+/// match wins). Fewer than `k` when the match is near the end; empty when nothing matches.
+pub fn ngram_lookup(tokens: &[Token], k: usize, n_min: usize, n_max: usize, out: &mut Vec<Token>) {
+    out.clear();
+    let len = tokens.len();
+    if k == 0 || n_min == 0 {
+        return;
+    }
+    for n in (n_min..=n_max).rev() {
+        if len < n + 1 {
+            continue;
+        }
+        let pat = &tokens[len - n..];
+        // Earlier occurrences start at i < len - n, most recent first.
+        for i in (0..len - n).rev() {
+            if &tokens[i..i + n] == pat {
+                let from = i + n;
+                let to = (from + k).min(len);
+                out.extend_from_slice(&tokens[from..to]);
+                return;
+            }
+        }
+    }
+}
+
+impl Scheduler {
+    /// Most speculative tokens one row may carry: `page_size`, and `sliding_window - 1`
+    /// with sliding layers (so a ring never drops, or overwrites, a position that the
+    /// accepted tokens still read after a rollback).
+    pub fn spec_cap(&self) -> usize {
+        let l = self.kv.layout();
+        let mut cap = l.page;
+        if l.has_sliding {
+            cap = cap.min(l.window.saturating_sub(1));
+        }
+        cap
+    }
+
+    /// Propose `tokens` as the next tokens of request `id`, for the next `schedule()` only
+    /// (which consumes them; a later call replaces them). Returns false, storing nothing,
+    /// for an unknown or finished request or an empty proposal. Errors (field `tokens`) on
+    /// a negative token.
+    pub fn propose(&mut self, id: &str, tokens: &[i32]) -> Result<bool> {
+        if let Some(t) = tokens.iter().find(|&&t| t < 0) {
+            return Err(Error::invalid(
+                "tokens",
+                format!("proposed tokens must be non-negative (got {t})"),
+            ));
+        }
+        let Some(&idx) = self.ids.get(id) else {
+            return Ok(false);
+        };
+        if tokens.is_empty() {
+            return Ok(false);
+        }
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        if r.state == RequestState::Finished {
+            return Ok(false);
+        }
+        if r.proposal.is_empty() {
+            self.proposed.push(idx);
+        }
+        r.proposal.clear();
+        r.proposal.extend(tokens.iter().map(|&t| t as Token));
+        Ok(true)
+    }
+
+    /// Prompt-lookup proposals ([`ngram_lookup`], up to `k` tokens) for the decoding
+    /// requests named in `ids` (every running request when None). Returns how many got a
+    /// proposal.
+    pub fn propose_ngram(
+        &mut self,
+        k: usize,
+        n_min: usize,
+        n_max: usize,
+        ids: Option<&[&str]>,
+    ) -> usize {
+        let mut picked = std::mem::take(&mut self.order_buf);
+        picked.clear();
+        match ids {
+            Some(ids) => picked.extend(ids.iter().filter_map(|id| self.ids.get(*id).copied())),
+            None => picked.extend_from_slice(&self.running),
+        }
+        let mut n = 0;
+        let mut buf = std::mem::take(&mut self.spec_buf);
+        for &idx in &picked {
+            let r = self.reqs[idx as usize].as_mut().expect("live");
+            if r.state != RequestState::Decoding || r.num_computed + 1 != r.tokens.len() {
+                continue;
+            }
+            ngram_lookup(&r.tokens, k, n_min, n_max, &mut buf);
+            if buf.is_empty() {
+                continue;
+            }
+            if r.proposal.is_empty() {
+                self.proposed.push(idx);
+            }
+            r.proposal.clone_from(&buf);
+            n += 1;
+        }
+        self.spec_buf = buf;
+        self.order_buf = picked;
+        n
+    }
+
+    /// Drop every pending proposal (the end of `schedule()`'s placement).
+    pub(super) fn clear_proposals(&mut self) {
+        for idx in self.proposed.drain(..) {
+            if let Some(r) = self.reqs[idx as usize].as_mut() {
+                r.proposal.clear();
+            }
+        }
+    }
+
+    /// Place a decoding request with a proposal as a speculative row (`1 + k'` tokens,
+    /// `k' >= 1`). Returns false, having changed nothing, when not even one proposal fits
+    /// (the caller places it as a plain decode).
+    pub(super) fn place_spec(&mut self, idx: u32, b: &mut Budget) -> bool {
+        let cap = self.spec_cap();
+        let r = self.req(idx);
+        let start = r.num_computed;
+        if start + 1 != r.tokens.len() {
+            return false;
+        }
+        let left = r.max_new_tokens.saturating_sub(r.num_generated());
+        let kmax = r.proposal.len().min(left.saturating_sub(1)).min(cap);
+        if kmax == 0 {
+            return false;
+        }
+        let mut q = b.clamp(start, 1 + kmax);
+        if q <= 1 {
+            return false;
+        }
+        if self.kv.need(r, start, q) > self.kv.num_free() {
+            q = self.kv.fit(r, start, q);
+            if q <= 1 {
+                return false;
+            }
+        }
+        let layout = *self.kv.layout();
+        let step = self.step;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let end = start + q;
+        self.kv
+            .grow(r, end)
+            .expect("place_spec: the fit was checked");
+        r.touched_step = step;
+        let p = &mut self.plan;
+        p.full_width = p.full_width.max(r.full.len());
+        p.rows.push(Row {
+            req: idx,
+            start: start as u32,
+            q: q as u32,
+            sampled: true,
+            spec: (q - 1) as u32,
+        });
+        p.input_ids.push(r.last_token as i32);
+        p.input_ids
+            .extend(r.proposal[..q - 1].iter().map(|&t| t as i32));
+        if layout.has_sliding {
+            for pos in start..end {
+                p.slot_mapping_sliding
+                    .push(layout.sliding_slot(&r.ring, pos, end));
+            }
+        }
+        b.debit(start, q);
+        self.cur.spec = true;
+        self.stats.spec_rows += 1;
+        self.stats.spec_proposed += (q - 1) as u64;
+        true
+    }
+
+    /// Apply speculative row `ri` (`row`) of the plan being updated, with `toks` its
+    /// `1 + spec` sampled tokens: accept, apply through the stop conditions (one delta per
+    /// token), roll back. Returns whether the request finished.
+    pub(super) fn apply_spec_row(&mut self, ri: usize, row: Row, toks: &[i32]) -> bool {
+        debug_assert!(self.outstanding == 1 && !self.plan.ahead);
+        let spec = row.spec as usize;
+        let t0 = self.plan.cu_seqlens_q[ri] as usize;
+        let proposal = &self.plan.input_ids[t0 + 1..t0 + 1 + spec];
+        let a = proposal
+            .iter()
+            .zip(toks)
+            .take_while(|(p, s)| p == s)
+            .count();
+        let start = row.start as usize;
+        let r = self.reqs[row.req as usize].as_mut().expect("live");
+        r.state = RequestState::Decoding;
+        let mut applied = 0;
+        let mut fin = None;
+        for &t in &toks[..=a] {
+            applied += 1;
+            fin = r.append(t as Token);
+            self.out.push(row.req, t, fin, ri as i32);
+            if fin.is_some() {
+                break;
+            }
+        }
+        r.num_computed = start + applied;
+        if self.kv.has_new_full_block(r) {
+            self.kv.register(r);
+        }
+        self.stats.generated_tokens += applied as u64;
+        self.stats.spec_accepted += a.min(applied) as u64;
+        match fin {
+            Some(f) => {
+                self.finish(row.req, f);
+                true
+            }
+            None => {
+                // Blocks grown for rejected positions go back.
+                self.kv.shrink(r, start + applied);
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ngram_lookup_prefers_the_longest_most_recent_match() {
+        let mut out = Vec::new();
+        // ... 1 2 3 [4 5] ... 9 2 3 [7] ... 2 3 -> n=2 matches "2 3" most recently at 5..7.
+        let toks = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2, 3];
+        ngram_lookup(&toks, 3, 1, 3, &mut out);
+        assert_eq!(out, vec![7, 8, 2]);
+        // n=3 "9 2 3"? the tail is "8 2 3": no 3-gram match, the 2-gram wins.
+        ngram_lookup(&toks, 5, 3, 3, &mut out);
+        assert!(out.is_empty());
+        // Near the end: fewer than k.
+        ngram_lookup(&[5, 6, 5], 4, 1, 1, &mut out);
+        assert_eq!(out, vec![6, 5]);
+        ngram_lookup(&[5], 4, 1, 2, &mut out);
+        assert!(out.is_empty());
+        ngram_lookup(&toks, 0, 1, 2, &mut out);
+        assert!(out.is_empty());
+    }
+}
