@@ -48,6 +48,9 @@ class _Stats(TypedDict):
     generated_tokens: int
     stalled_requests: int
     stalled_blocks: int
+    spec_rows: int
+    spec_proposed: int
+    spec_accepted: int
     prefix_caching: bool
 
 class _RequestSnapshot(TypedDict):
@@ -228,6 +231,15 @@ class Scheduler:
         """Plan the step after the one outstanding plan before its tokens are known, or None."""
     def update(self, sampled_token_ids: _TokenIds) -> StepOutput:
         """Apply one sampled token per `logits_indices` entry of the oldest outstanding plan."""
+    def propose(self, request_id: str, tokens: _TokenIds) -> bool:
+        """Proposed next tokens of a request for the next `schedule()` (a speculative row)."""
+    def propose_ngram(
+        self, num_tokens: int, min_n: int, max_n: int, request_ids: list[str] | None = None
+    ) -> int:
+        """Prompt-lookup proposals for decoding requests; how many got one."""
+    @property
+    def spec_cap(self) -> int:
+        """Most proposed tokens one speculative row carries."""
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state (frees everything); False if unknown or finished."""
     def recompute(self, request_id: str) -> bool:

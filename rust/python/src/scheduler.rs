@@ -280,6 +280,50 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         Ok(StepOutput::new(d, self.recycle.clone(), row_names))
     }
 
+    /// Propose `tokens` (int32 numpy array or int sequence) as the next tokens of request
+    /// `request_id`, for the next `schedule()` only (it consumes every proposal): a decoding
+    /// request then gets a speculative row of `1 + k` query tokens and `1 + k`
+    /// `logits_indices` entries; `update()` accepts the longest prefix its sampled tokens
+    /// match, plus the token sampled after it. False for an unknown or finished request or
+    /// an empty proposal; ValueError (field `tokens`) for a negative token.
+    fn propose(&mut self, request_id: &str, tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let inner = &mut self.inner;
+        with_tokens_i32(tokens, "tokens", |t| inner.propose(request_id, t))?.map_err(to_py)
+    }
+
+    /// Prompt-lookup proposals of up to `num_tokens` tokens (the tokens that followed the
+    /// most recent earlier occurrence of the last `n` tokens of the request's prompt and
+    /// output, `n` from `max_n` down to `min_n`) for the decoding requests in `request_ids`
+    /// (all running requests when None). Returns how many got one.
+    #[pyo3(signature = (num_tokens, min_n, max_n, request_ids=None))]
+    fn propose_ngram(
+        &mut self,
+        num_tokens: usize,
+        min_n: usize,
+        max_n: usize,
+        request_ids: Option<Vec<String>>,
+    ) -> PyResult<usize> {
+        if min_n < 1 || max_n < min_n {
+            return Err(to_py(ferrobatch_core::Error::invalid(
+                "min_n",
+                "propose_ngram needs 1 <= min_n <= max_n",
+            )));
+        }
+        let ids: Option<Vec<&str>> = request_ids
+            .as_ref()
+            .map(|v| v.iter().map(String::as_str).collect());
+        Ok(self
+            .inner
+            .propose_ngram(num_tokens, min_n, max_n, ids.as_deref()))
+    }
+
+    /// Most proposed tokens one speculative row carries (`page_size`; `sliding_window - 1`
+    /// with sliding layers); longer proposals are cut.
+    #[getter]
+    fn spec_cap(&self) -> usize {
+        self.inner.spec_cap()
+    }
+
     /// Cancel a request in any state (frees everything). False if unknown or finished.
     fn cancel(&mut self, request_id: &str) -> bool {
         self.inner.cancel(request_id)
@@ -307,7 +351,9 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
     /// `num_recomputes` (`recompute()` calls that reset a request); `num_evictions` (cached
     /// blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`; `steps`,
     /// `generated_tokens`; `stalled_requests`, `stalled_blocks` (last plan: rows that found
-    /// the pool short and the chunks they missed, before preemption); `prefix_caching`.
+    /// the pool short and the chunks they missed, before preemption); `spec_rows`,
+    /// `spec_proposed`, `spec_accepted` (speculative rows planned, the proposed tokens they
+    /// carried, those accepted); `prefix_caching`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -332,6 +378,9 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         d.set_item("generated_tokens", s.generated_tokens)?;
         d.set_item("stalled_requests", s.stalled_requests)?;
         d.set_item("stalled_blocks", s.stalled_blocks)?;
+        d.set_item("spec_rows", s.spec_rows)?;
+        d.set_item("spec_proposed", s.spec_proposed)?;
+        d.set_item("spec_accepted", s.spec_accepted)?;
         d.set_item("prefix_caching", self.inner.prefix_caching())?;
         Ok(d)
     }
