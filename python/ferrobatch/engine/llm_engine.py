@@ -45,6 +45,7 @@ from ferrobatch.engine.request import (
 )
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
+from ferrobatch.spec.setup import build_controller
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
@@ -96,6 +97,7 @@ class Engine(ModelProbes):
         dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         tensor_parallel_size: int = 1,
+        speculative_config: Any = None,
     ) -> None:
         from ferrobatch import models
         from ferrobatch.distributed import setup as tp_setup
@@ -176,12 +178,15 @@ class Engine(ModelProbes):
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
             tp_attach(self, self.tp)
         self.sampler = Sampler(self.device, seed=seed)
+        # speculative decoding (`ferrobatch.spec`): steps stay synchronous (a speculative
+        # plan's accepted counts decide the next positions: nothing is planned ahead of it)
+        self.spec = build_controller(self, speculative_config)
 
         self._stats: collections.Counter[str] = collections.Counter()
         self._router = OutputRouter(self.scheduler, self._stats)
         self._requests = self._router.requests  # live requests by id (the router's table)
         self._table_lock = self._router.lock  # guards _requests
-        self.async_batching = self._resolve_async_batching()
+        self.async_batching = self._resolve_async_batching() and self.spec is None
         self._stepper: Stepper
         if self.async_batching:
             self._stepper = AsyncStepper(self.scheduler, self.runner, self.sampler, self._router,
@@ -189,6 +194,7 @@ class Engine(ModelProbes):
         else:
             self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
                                     self._stats)  # fmt: skip
+            self._stepper.spec = self.spec
         self._step_lock = threading.RLock()  # one stepper at a time; guards the scheduler
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -497,6 +503,8 @@ class Engine(ModelProbes):
                 self._stepper.close()  # the async pipeline's step in flight
             except Exception:  # a dead device: nothing left to wait for
                 logger.exception("ferrobatch: dropping the step in flight failed")
+            if self.spec is not None:
+                self.spec.close()
             self.runner.close()
         if self.tp is not None and self.tp.rank == 0:
             self.tp.shutdown(self.runner.stop_workers)
@@ -539,6 +547,8 @@ class Engine(ModelProbes):
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
         )
+        if self.spec is not None:
+            out.update(self.spec.engine_stats(sched_stats))
         out["cuda_graphs"] = self.runner.graph_stats()
         out.setdefault("num_blocks", self.num_blocks)
         out.setdefault("cpu_offload_blocks", self.cpu_offload_blocks)

@@ -15,6 +15,7 @@ from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import Sampler, SampleResult
+from ferrobatch.spec.verify import entry_states
 
 if TYPE_CHECKING:
     from ferrobatch.core import Scheduler, StepPlan
@@ -72,6 +73,8 @@ class Stepper:
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
         self.forward_lock = model_lock(model) if model is not None else threading.Lock()
+        # speculative decoding (`ferrobatch.spec.controller.SpecController`), or None
+        self.spec: Any = None
 
     def has_mail(self) -> bool:
         """Whether requests or cancellations wait for the next step."""
@@ -80,6 +83,8 @@ class Stepper:
     def step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
         changed = self._drain_inboxes()
+        if self.spec is not None:  # proposals for the next schedule() (speculative rows)
+            self.spec.before_schedule(self.scheduler, self.router.requests)
         plan = self.scheduler.schedule()
         if plan is None:
             return changed
@@ -88,6 +93,8 @@ class Stepper:
         rows = np.asarray(plan.logits_rows).tolist()
         requests = self.router.requests
         states = [requests[rids[r]].sstate for r in rows]
+        if self.spec is not None and len(rows) > plan.num_rows:
+            states = entry_states(plan, rows, states, self.sampler.device)
         # every sampled row plain greedy: the runner's screened argmax, no full logits
         greedy = self.runner.fast_greedy and all(
             s.plain_greedy for s in states
@@ -126,6 +133,8 @@ class Stepper:
                 if lp is not None:
                     lp_by_rid[rids[r]] = lp
         self.router.route(step_out, lp_by_rid, now)
+        if self.spec is not None:
+            self.spec.after_update(plan, rows, step_out)
         self.stats["steps"] += 1
         self.stats["step_tokens"] += len(plan.input_ids)
 
