@@ -29,8 +29,9 @@ def run(model, cfg, prompts, sp, spec=None):
         return [o.token_ids for o in outs], [o.finish_reason for o in outs], eng.stats()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_sliding", "gemma2", "gemma3",
-                                  "gpt2"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "mistral", "qwen2_sliding", "gemma2", "gemma3", "gpt2"]
+)
 def test_greedy_equals_generate_every_architecture(arch) -> None:
     model = tiny_models.BUILDERS[arch]()
     cfg = ContinuousBatchingConfig(num_blocks=96, page_size=4, max_batch_tokens=24)
@@ -63,8 +64,9 @@ def test_preemption_chunking_prefix_sharing_and_stops() -> None:
     stop_tok = ref[0][7]
     sp = SamplingParams(max_new_tokens=13, stop_token_ids=[stop_tok])
     ref2, fin2, _ = run(model, cfg, prompts, sp)
-    got2, gfin2, _ = run(model, cfg, prompts, sp, SpeculativeConfig(num_speculative_tokens=4,
-                                                                    **ALWAYS))
+    got2, gfin2, _ = run(
+        model, cfg, prompts, sp, SpeculativeConfig(num_speculative_tokens=4, **ALWAYS)
+    )
     assert got2 == ref2 and gfin2 == fin2
     assert ref2[0][-1] == stop_tok and len(ref2[0]) <= 8
 
@@ -76,8 +78,10 @@ def test_greedy_head_screen_and_large_vocab() -> None:
     spec = SpeculativeConfig(num_speculative_tokens=4, **ALWAYS)
     with Engine(model, config=cfg, speculative_config=spec) as eng:
         assert eng.runner.fast_greedy, "the greedy head screen is on for this model"
-        got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_new_tokens=16),
-                                                 progress=False)]
+        got = [
+            o.token_ids
+            for o in eng.generate(prompts, SamplingParams(max_new_tokens=16), progress=False)
+        ]
         assert eng.stats()["spec_rows"] > 0
     for p, g in zip(prompts, got, strict=True):
         assert g == tiny_models.generate_greedy(model, p, 16)
