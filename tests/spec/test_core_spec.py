@@ -127,8 +127,10 @@ class Run:
     offload=st.sampled_from([0, 32]),
 )  # fmt: skip
 def test_random_ops_with_proposals(ops, num_blocks, page, mbt, layers, offload) -> None:
-    s = Scheduler(num_blocks=num_blocks, page_size=page, max_batch_tokens=mbt,
-                  layer_types=list(layers), sliding_window=5, cpu_offload_blocks=offload)  # fmt: skip
+    s = Scheduler(
+        num_blocks=num_blocks, page_size=page, max_batch_tokens=mbt, layer_types=list(layers),
+        sliding_window=5, cpu_offload_blocks=offload,
+    )  # fmt: skip
     run = Run(s)
     for name, a, b, c in ops:
         if name == "add":
