@@ -138,6 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                ("tokens", "tokens"), ("vs_ferrobatch", "x ferrobatch"), ("steps", "steps/run"),
                ("num_blocks", "blocks"), ("page_size", "page")]  # fmt: skip
     print(format_table(rows, columns))
+    if "spec_acceptance_rate" in stats:  # --speculative-method
+        print(f"speculative {stats['spec_method']} k={stats['spec_num_tokens']}: acceptance "
+              f"{stats['spec_acceptance_rate']:.2f}, {stats['spec_tokens_per_step']:.2f} tokens "
+              f"per speculative row, {stats['spec_rows']} rows")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"workload": label, "results": rows}, indent=2) + "\n")
     return 0

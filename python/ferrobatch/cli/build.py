@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ferrobatch.cli.flags import CONFIG_FLAGS, SAMPLING_FLAGS
+from ferrobatch.spec.cli import spec_config_from_args
 
 __all__ = ["build_config", "build_engine", "build_sampling"]
 
@@ -35,6 +36,7 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
         dtype=args.dtype,
         seed=args.engine_seed,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        speculative_config=spec_config_from_args(args),
     )
 
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ferrobatch.spec.cli import add_spec_flags
+
 __all__ = ["CONFIG_FLAGS", "DEFAULT_SERVED_NAME", "SAMPLING_FLAGS", "build_parser"]
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -180,6 +182,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SEED",
         help="Seed of the engine's sampler for requests without their own seed.",
     )
+    add_spec_flags(parser)
 
 
 # (flag dest = SamplingParams field, argparse kwargs), after --max-new-tokens whose default

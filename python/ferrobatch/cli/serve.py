@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrobatch.cli.build import build_config, build_engine
+from ferrobatch.spec.cli import spec_config_from_args
 from ferrobatch.cli.flags import DEFAULT_SERVED_NAME
 
 __all__ = ["cmd_serve"]
@@ -30,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ferrobatch.server.background import make_server
 
     build_config(args)  # fail fast on a bad flag, before binding the port
+    spec_config_from_args(args)
     name = args.served_model_name or (
         Path(args.model).expanduser().resolve().name if args.model else DEFAULT_SERVED_NAME
     )
