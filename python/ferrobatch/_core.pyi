@@ -237,6 +237,8 @@ class Scheduler:
         self, num_tokens: int, min_n: int, max_n: int, request_ids: list[str] | None = None
     ) -> int:
         """Prompt-lookup proposals for decoding requests; how many got one."""
+    def rewind(self, request_id: str, length: int) -> bool:
+        """Cut a decoding request back to its first `length` tokens (keys and blocks too)."""
     @property
     def spec_cap(self) -> int:
         """Most proposed tokens one speculative row carries."""

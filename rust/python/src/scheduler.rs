@@ -317,6 +317,15 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
             .propose_ngram(num_tokens, min_n, max_n, ids.as_deref()))
     }
 
+    /// Cut a decoding request back to its first `length` tokens (prompt + generated): the
+    /// rest is forgotten as if never generated (a draft model's rejected proposals); its
+    /// cached keys and blocks are cut back with them. False (nothing changed) for an
+    /// unknown or not decoding request, `length` below the prompt, or a sliding ring that
+    /// moved on too far; RuntimeError while a plan is outstanding.
+    fn rewind(&mut self, request_id: &str, length: usize) -> PyResult<bool> {
+        self.inner.rewind(request_id, length).map_err(to_py)
+    }
+
     /// Most proposed tokens one speculative row carries (`page_size`; `sliding_window - 1`
     /// with sliding layers); longer proposals are cut.
     #[getter]

@@ -107,6 +107,8 @@ pub struct Sim {
     /// Speculative rows run, and the proposals they accepted.
     pub spec_rows: usize,
     pub spec_accepted: usize,
+    /// Successful `rewind()` calls.
+    pub rewinds: usize,
 }
 
 /// A plan whose forward ran, awaiting its update.
@@ -150,6 +152,7 @@ impl Sim {
             spec_k: 0,
             spec_rows: 0,
             spec_accepted: 0,
+            rewinds: 0,
         }
     }
 
@@ -201,6 +204,32 @@ impl Sim {
                     "recompute refused with nothing outstanding: {e}"
                 );
                 assert_eq!(e.kind, ErrorKind::Runtime);
+                false
+            }
+        }
+    }
+
+    /// `rewind(id, len)` (refused while a plan is outstanding); the deterministic model
+    /// then generates the same tokens again, so outputs still equal the reference.
+    pub fn rewind(&mut self, id: &str, back: usize) -> bool {
+        let Some(toks) = self.tokens.get(id) else {
+            return false;
+        };
+        let len = toks.len().saturating_sub(back);
+        match self.s.rewind(id, len) {
+            Ok(done) => {
+                assert!(
+                    self.queue.is_empty(),
+                    "rewind accepted with a plan outstanding"
+                );
+                if done {
+                    self.tokens.get_mut(id).unwrap().truncate(len);
+                    self.virt.get_mut(id).unwrap().truncate(len);
+                }
+                done
+            }
+            Err(e) => {
+                assert!(!self.queue.is_empty(), "rewind refused: {e}");
                 false
             }
         }
@@ -354,8 +383,8 @@ impl Sim {
             let mut toks = self.virt[id].clone();
             let mut prop = Vec::new();
             for j in 0..self.spec_k {
-                let h = mix((self.steps * 1000 + j) as u64 ^ id.len() as u64 * 77);
-                let t = if h % 5 == 0 {
+                let h = mix((self.steps * 1000 + j) as u64 ^ (id.len() as u64 * 77));
+                let t = if h.is_multiple_of(5) {
                     (model(&toks) + 1) % VOCAB as u32
                 } else {
                     model(&toks)
@@ -367,7 +396,10 @@ impl Sim {
             self.s.propose(id, &prop).unwrap();
         }
         assert!(self.s.propose("no such request", &[1]).is_ok_and(|ok| !ok));
-        assert_eq!(self.s.propose(&"x".repeat(3), &[-1]).unwrap_err().field, Some("tokens"));
+        assert_eq!(
+            self.s.propose(&"x".repeat(3), &[-1]).unwrap_err().field,
+            Some("tokens")
+        );
     }
 
     /// Invariants, plus the chunk lifetime seen from outside: every chunk a launched plan
@@ -873,6 +905,8 @@ enum Op {
     Update,
     /// `recompute()` of a known request (refused while a plan is outstanding).
     Recompute(usize),
+    /// `rewind()` of a known request by some tokens (refused while a plan is outstanding).
+    Rewind(usize, usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -885,6 +919,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::Ahead),
         3 => Just(Op::Update),
         1 => (0usize..64).prop_map(Op::Recompute),
+        2 => (0usize..64, 1usize..5).prop_map(|(i, n)| Op::Rewind(i, n)),
     ]
 }
 
@@ -1017,6 +1052,14 @@ proptest! {
                         sim.recompute(&id);
                     }
                 }
+                Op::Rewind(i, n) => {
+                    if !ids.is_empty() {
+                        let id = ids[i % ids.len()].clone();
+                        if sim.rewind(&id, *n) {
+                            sim.rewinds += 1;
+                        }
+                    }
+                }
             }
             sim.check();
         }
@@ -1031,7 +1074,7 @@ proptest! {
         sim.check_outputs(&specs);
         if std::env::var("SIM_DEBUG").is_ok() {
             let st = sim.s.stats();
-            eprintln!("SIMSTAT ahead={} specs={} out={} canc={} steps={} pre={} off={} soft={} hit={} ev={}", sim.ahead_steps, specs.len(), sim.outputs.len(), sim.cancelled.len(), sim.steps, st.num_preemptions, st.num_offloads, st.num_soft_resets, st.prefix_hit_tokens, st.num_evictions);
+            eprintln!("SIMSTAT rewinds={} spec_rows={} ahead={} specs={} out={} canc={} steps={} pre={} off={} soft={} hit={} ev={}", sim.rewinds, sim.spec_rows, sim.ahead_steps, specs.len(), sim.outputs.len(), sim.cancelled.len(), sim.steps, st.num_preemptions, st.num_offloads, st.num_soft_resets, st.prefix_hit_tokens, st.num_evictions);
         }
         for s in &specs {
             prop_assert!(sim.outputs.contains_key(&s.id) || sim.cancelled.contains(&s.id), "lost {}", s.id);
@@ -1092,11 +1135,17 @@ fn speculative_rows_match_reference() {
             let st = sim.s.stats();
             assert_eq!(st.spec_rows as usize, sim.spec_rows);
             // Stops and cancellations cut accepted runs: the core counts the applied ones.
-            assert!(st.spec_accepted as usize <= sim.spec_accepted, "{k} {ahead}");
+            assert!(
+                st.spec_accepted as usize <= sim.spec_accepted,
+                "{k} {ahead}"
+            );
             assert!(st.spec_accepted > 0 || sim.spec_accepted == 0);
             rows += sim.spec_rows;
             acc += sim.spec_accepted;
         }
     }
-    assert!(rows > 50 && acc > 50, "speculative rows {rows}, accepted {acc}");
+    assert!(
+        rows > 50 && acc > 50,
+        "speculative rows {rows}, accepted {acc}"
+    );
 }

@@ -136,6 +136,52 @@ impl Scheduler {
         n
     }
 
+    /// Cut a decoding request back to its first `len` tokens (prompt + generated): the
+    /// tokens after them are forgotten, as if never generated (a draft model's rejected
+    /// proposals). Its cached keys are cut to `len - 1` (the last kept token is computed
+    /// again with the next one); when that cuts into blocks offered to the prefix cache,
+    /// the cut moves down to the block boundary and those blocks are let go (their content
+    /// stays valid for later hits). Needs no plan outstanding (`Runtime` error). Returns
+    /// false, changing nothing, for an unknown or not decoding request, `len < prompt
+    /// length`, or a sliding ring that moved on too far (more than `ring * page_size -
+    /// sliding_window` keys back); true otherwise (a no-op when `len` covers every token).
+    pub fn rewind(&mut self, id: &str, len: usize) -> Result<bool> {
+        if self.outstanding > 0 {
+            return Err(Error::runtime(
+                "rewind() called while a plan is outstanding: call update() first",
+            ));
+        }
+        let Some(&idx) = self.ids.get(id) else {
+            return Ok(false);
+        };
+        let page = self.cfg.page_size;
+        let r = self.reqs[idx as usize].as_mut().expect("live");
+        if r.state != RequestState::Decoding || len < r.prompt_len.max(1) {
+            return Ok(false);
+        }
+        if len >= r.tokens.len() {
+            return Ok(true);
+        }
+        let l = *self.kv.layout();
+        if l.has_sliding && r.num_computed - r.num_computed.min(len - 1) > l.ring * page - l.window
+        {
+            // The ring may already have dropped keys the cut-back request reads again.
+            return Ok(false);
+        }
+        self.steady.take_ready();
+        r.tokens.truncate(len);
+        r.last_token = *r.tokens.last().expect("len >= 1");
+        let mut nc = r.num_computed.min(len - 1);
+        if nc < r.num_registered * page {
+            nc = (nc / page) * page;
+            r.num_registered = nc / page;
+        }
+        r.block_hashes.truncate(r.num_registered);
+        r.num_computed = nc;
+        self.kv.shrink(r, nc);
+        Ok(true)
+    }
+
     /// Drop every pending proposal (the end of `schedule()`'s placement).
     pub(super) fn clear_proposals(&mut self) {
         for idx in self.proposed.drain(..) {
@@ -252,6 +298,48 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::request::StopConditions;
+    use crate::scheduler::SchedulerConfig;
+
+    #[test]
+    fn rewind_cuts_tokens_keys_and_blocks() {
+        let mut cfg = SchedulerConfig::new(16, 2, 64);
+        cfg.allow_block_sharing = true;
+        let mut s = Scheduler::new(cfg).unwrap();
+        let stop = StopConditions {
+            max_new_tokens: 10,
+            ..Default::default()
+        };
+        s.add_request_opts("a", vec![1, 2, 3], stop, 0, false)
+            .unwrap();
+        s.schedule().unwrap();
+        s.update(&[4]).unwrap();
+        for t in [5, 6, 7] {
+            s.schedule().unwrap();
+            s.update(&[t]).unwrap();
+        }
+        // tokens 1 2 3 4 5 6 7, 6 keys cached, blocks [1 2][3 4][5 6] registered.
+        let idx = s.request_index("a").unwrap();
+        assert_eq!(s.request(idx).unwrap().num_registered, 3);
+        assert!(s.rewind("a", 5).unwrap());
+        let r = s.request(idx).unwrap();
+        assert_eq!(r.tokens, vec![1, 2, 3, 4, 5]);
+        // the cut (4 keys) lands on a block boundary: blocks 0, 1 kept, block 2 let go
+        assert_eq!((r.num_computed, r.full.len(), r.num_registered), (4, 2, 2));
+        s.check_invariants().unwrap();
+        assert!(!s.rewind("a", 2).unwrap(), "into the prompt");
+        assert!(!s.rewind("nope", 4).unwrap());
+        let p = s.schedule().unwrap().unwrap();
+        assert_eq!(
+            (p.input_ids.clone(), p.positions.clone()),
+            (vec![5], vec![4])
+        );
+        assert!(s.rewind("a", 4).is_err(), "a plan is outstanding");
+        s.update(&[9]).unwrap();
+        assert_eq!(s.request(idx).unwrap().tokens, vec![1, 2, 3, 4, 5, 9]);
+        s.check_invariants().unwrap();
+    }
 
     #[test]
     fn ngram_lookup_prefers_the_longest_most_recent_match() {
