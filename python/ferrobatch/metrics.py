@@ -267,6 +267,8 @@ _STAT_KEYS: dict[str, tuple[str, ...]] = {
     "soft_resets": ("num_soft_resets", "soft_resets"),
     "preemptions": ("num_preemptions", "preemptions"),
     "evictions": ("num_evictions", "evictions"),
+    "spec_acceptance_rate": ("spec_acceptance_rate",),
+    "spec_tokens_per_step": ("spec_tokens_per_step",),
 }
 
 
@@ -381,6 +383,14 @@ class ServerMetrics:
             "prefix_cache_evictions_total",
             "Cached prefix blocks reclaimed for new content since start.",
         )
+        self.spec_acceptance = self._gauge(
+            "spec_decode_acceptance_rate",
+            "Speculative decoding: proposed tokens accepted / proposed (0 when off).",
+        )
+        self.spec_tokens_per_step = self._gauge(
+            "spec_decode_tokens_per_step",
+            "Speculative decoding: tokens a speculating row produced per step (1 = none).",
+        )
         self.engine_stats = self._gauge(
             "engine_stat", "Every numeric entry of Engine.stats(), by key.", ("key",)
         )
@@ -459,6 +469,8 @@ class ServerMetrics:
             (self.soft_resets, "soft_resets"),
             (self.preemptions, "preemptions"),
             (self.evictions, "evictions"),
+            (self.spec_acceptance, "spec_acceptance_rate"),
+            (self.spec_tokens_per_step, "spec_tokens_per_step"),
         ):
             value = _lookup(stats, what)
             if value is not None:
