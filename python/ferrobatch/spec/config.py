@@ -32,7 +32,7 @@ class SpeculativeConfig:
             compute-bound and verification stops being free. None: the measured default.
         min_acceptance_rate: a request whose running acceptance rate (proposed tokens
             accepted, exponentially averaged) falls below this stops speculating for a
-            while (backoff doubling up to `max_backoff_steps`), then tries again.
+            while (2, 4, 8, ... steps, up to `max_backoff_steps`), then tries again.
         max_backoff_steps: the longest pause of a request's speculation.
     """
 

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SpecController", "Proposer"]
 
-_EMA = 0.3  # weight of the newest step in a request's running acceptance rate
+_EMA = 0.5  # weight of the newest step in a request's running acceptance rate
+_GLOBAL_EMA = 0.2  # the same, engine-wide, per speculative row
+_START_RATE = 0.5  # a new request's running rate: two steps of nothing accepted pause it
 
 
 class Proposer(Protocol):
@@ -52,9 +54,9 @@ class _Accept:
     __slots__ = ("rate", "pause_until", "backoff")
 
     def __init__(self) -> None:
-        self.rate = 1.0
+        self.rate = _START_RATE
         self.pause_until = 0
-        self.backoff = 1
+        self.backoff = 2
 
 
 class SpecController:
@@ -62,8 +64,8 @@ class SpecController:
 
     A step speculates only while the running requests times `1 + k` stay within
     `max_spec_tokens_per_step`; a request whose running acceptance rate drops below
-    `min_acceptance_rate` pauses (for 1, 2, 4, ... up to `max_backoff_steps` steps) and then
-    tries again. Requests with logprobs or a guide never speculate (their per-token extras
+    `min_acceptance_rate` pauses (for 2, 4, 8, ... up to `max_backoff_steps` steps) and then
+    tries again (a step at or above the rate halves the next pause). Requests with logprobs or a guide never speculate (their per-token extras
     are computed for one sampled position per row).
     """
 
@@ -73,6 +75,11 @@ class SpecController:
         self.k = cfg.num_speculative_tokens
         self.step = 0
         self.accept: dict[str, _Accept] = {}
+        # engine-wide running acceptance rate and the last pause given: a new request starts
+        # paused when speculation has not been paying (a useless draft is not retried by
+        # every new request)
+        self.global_rate = _START_RATE
+        self.global_backoff = 2
         self.stats: collections.Counter[str] = collections.Counter()
 
     def before_schedule(self, scheduler: Scheduler, reqs: Mapping[str, Request]) -> None:
@@ -95,7 +102,9 @@ class SpecController:
             if p.logprobs is not None or req.sstate.guide is not None:
                 continue
             a = self.accept.get(rid)
-            if a is not None and a.pause_until > self.step:
+            if a is None:
+                a = self.accept[rid] = self._new_accept()
+            if a.pause_until > self.step:
                 continue
             ids.append(rid)
         if ids:
@@ -114,15 +123,27 @@ class SpecController:
             proposed = int(counts[r]) - 1
             accepted = max(0, int(delivered[r]) - 1)
             self.stats["spec_steps_rows"] += 1
-            a = self.accept.setdefault(rids[r], _Accept())
+            a = self.accept.get(rids[r]) or self.accept.setdefault(rids[r], _Accept())
             a.rate = (1 - _EMA) * a.rate + _EMA * (accepted / proposed)
+            self.global_rate = (1 - _GLOBAL_EMA) * self.global_rate + _GLOBAL_EMA * (
+                accepted / proposed
+            )
             if a.rate < self.cfg.min_acceptance_rate:
                 a.pause_until = self.step + a.backoff
+                self.global_backoff = a.backoff
                 a.backoff = min(2 * a.backoff, self.cfg.max_backoff_steps)
                 a.rate = self.cfg.min_acceptance_rate  # one good step resumes it
                 self.stats["spec_backoffs"] += 1
             else:
-                a.backoff = max(1, a.backoff // 2)
+                a.backoff = max(2, a.backoff // 2)
+
+    def _new_accept(self) -> _Accept:
+        a = _Accept()
+        if self.global_rate < self.cfg.min_acceptance_rate:
+            a.pause_until = self.step + self.global_backoff
+            a.backoff = min(2 * self.global_backoff, self.cfg.max_backoff_steps)
+            a.rate = self.cfg.min_acceptance_rate
+        return a
 
     def forget(self, request_id: str) -> None:
         """A request left the engine."""
