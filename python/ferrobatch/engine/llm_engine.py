@@ -45,11 +45,11 @@ from ferrobatch.engine.request import (
 )
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
-from ferrobatch.spec.setup import build_controller
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.sampler import Sampler
+from ferrobatch.spec.setup import build_controller
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
