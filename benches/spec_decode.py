@@ -142,8 +142,8 @@ def main() -> None:
                     identical=outs[m] == outs[methods[0]],
                 )  # fmt: skip
                 results.append(row)
-            base = next(r for r in results[-len(methods):] if r["method"] == methods[0])
-            for r in results[-len(methods):]:
+            base = next(r for r in results[-len(methods) :] if r["method"] == methods[0])
+            for r in results[-len(methods) :]:
                 r["speedup"] = base["wall_s"] / r["wall_s"]
                 print(_fmt(r), flush=True)
     for e in engines.values():
@@ -159,7 +159,8 @@ def _fmt(r: dict[str, Any]) -> str:
     tps = "-" if r["tokens_per_spec_row"] is None else f"{r['tokens_per_spec_row']:.2f}"
     return (f"{r['workload']:5} b={r['batch']:<3} {r['method']:13} wall {r['wall_s']:7.2f}s "
             f"{r['tok_s']:7.1f} tok/s {r['tok_per_cpu_s']:7.1f} tok/cpu-s x{r['speedup']:.2f} "
-            f"acc {acc} tok/row {tps} steps {r['target_steps']:.0f} same={r['identical']}")  # fmt: skip
+            f"acc {acc} tok/row {tps} steps {r['target_steps']:.0f} "
+            f"same={r['identical']}")  # fmt: skip
 
 
 def markdown(rows: list[dict[str, Any]], args: Any) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ferrobatch.cli.build import build_config, build_engine
-from ferrobatch.spec.cli import spec_config_from_args
 from ferrobatch.cli.flags import DEFAULT_SERVED_NAME
+from ferrobatch.spec.cli import spec_config_from_args
 
 __all__ = ["cmd_serve"]
 

@@ -65,8 +65,9 @@ class SpecController:
     A step speculates only while the running requests times `1 + k` stay within
     `max_spec_tokens_per_step`; a request whose running acceptance rate drops below
     `min_acceptance_rate` pauses (for 2, 4, 8, ... up to `max_backoff_steps` steps) and then
-    tries again (a step at or above the rate halves the next pause). Requests with logprobs or a guide never speculate (their per-token extras
-    are computed for one sampled position per row).
+    tries again (a step at or above the rate halves the next pause); while the engine-wide
+    rate is below it, new requests start paused. Requests with logprobs or a guide never
+    speculate (their per-token extras are computed for one sampled position per row).
     """
 
     def __init__(self, cfg: SpeculativeConfig, proposer: Proposer) -> None:
