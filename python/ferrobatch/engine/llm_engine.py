@@ -111,6 +111,7 @@ class Engine(ModelProbes):
                                tokenizer=tokenizer if isinstance(tokenizer, str) else None),
         )
         self.tensor_parallel_size = 1 if self.tp is None else self.tp.world_size
+        self._speculative_config = speculative_config
         try:
             self._init(model, tokenizer, device, dtype, seed, models, ModelRunner)
         except BaseException:
@@ -180,7 +181,7 @@ class Engine(ModelProbes):
         self.sampler = Sampler(self.device, seed=seed)
         # speculative decoding (`ferrobatch.spec`): steps stay synchronous (a speculative
         # plan's accepted counts decide the next positions: nothing is planned ahead of it)
-        self.spec = build_controller(self, speculative_config)
+        self.spec = build_controller(self, self._speculative_config)
 
         self._stats: collections.Counter[str] = collections.Counter()
         self._router = OutputRouter(self.scheduler, self._stats)
