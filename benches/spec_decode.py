@@ -94,7 +94,7 @@ def main() -> None:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    cfg = ContinuousBatchingConfig(num_blocks=512, page_size=32, max_batch_tokens=512,
+    cfg = ContinuousBatchingConfig(num_blocks=192, page_size=32, max_batch_tokens=512,
                                    allow_block_sharing=False)  # fmt: skip
     k = args.k
     specs = {
