@@ -106,6 +106,19 @@ impl Layout {
         (blocks[table_column(p, self.page, None)] as usize * self.page + p % self.page) as i32
     }
 
+    /// The ring floor (see `Request::ring_floor`) after a step writes positions
+    /// `start..end` over a ring whose floor was `floor`: new keys below `end - w` go to
+    /// scratch, and each new key overwrites the one `R * page` positions back.
+    #[inline]
+    pub fn ring_floor_after(&self, floor: usize, start: usize, end: usize) -> usize {
+        let kept_from = end.saturating_sub(self.window);
+        if start < kept_from {
+            kept_from
+        } else {
+            floor.max(end.saturating_sub(self.ring * self.page))
+        }
+    }
+
     /// Sliding slot of new position `p` in a step ending at `end` (scratch when the ring
     /// will not keep it).
     #[inline]

@@ -280,6 +280,7 @@ impl KvManager {
         }
         r.full.clear();
         r.ring.clear();
+        r.ring_floor = 0;
     }
 
     /// Hand a request's device chunks to an outstanding plan's `held` (freed, in the order
@@ -291,6 +292,7 @@ impl KvManager {
         held.chunks.extend(r.ring.iter());
         r.full.clear();
         r.ring.clear();
+        r.ring_floor = 0;
     }
 
     /// Release the swap slots of a swapped request (cancelled or recomputed).

@@ -114,6 +114,11 @@ pub struct Request {
     /// Speculative tokens proposed for the next `schedule()` (`Scheduler::propose`; it
     /// consumes them whether or not it uses them).
     pub proposal: Vec<Token>,
+    /// Lowest position from which every key up to the last one a plan wrote is in the
+    /// sliding ring (rejected speculative tokens' writes count; 0 once the ring is freed).
+    /// A step ending at `end` keeps only `end - w ..` of its new keys and overwrites slots
+    /// `R * page` back, so `rewind` may only cut back to where this floor still serves.
+    pub ring_floor: usize,
 }
 
 impl Request {
@@ -149,6 +154,7 @@ impl Request {
             has_stop_sequences: false,
             skip_prefix_lookup,
             proposal: Vec::new(),
+            ring_floor: 0,
         };
         r.init_stop_inline();
         r

@@ -101,15 +101,21 @@ impl Scheduler {
             .grow(r, end)
             .expect("place_ahead: the fit was checked");
         r.touched_step = step;
+        let l = *self.kv.layout();
+        if l.has_sliding {
+            r.ring_floor = l.ring_floor_after(r.ring_floor, start, end);
+        }
         let p = &mut self.plan;
-        p.full_width = p.full_width.max(r.full.len());
-        p.rows.push(Row {
-            req: idx,
-            start: start as u32,
-            q: q as u32,
-            sampled: end == len,
-            spec: 0,
-        });
+        p.push_row(
+            Row {
+                req: idx,
+                start: start as u32,
+                q: q as u32,
+                sampled: end == len,
+                spec: 0,
+            },
+            r.full.len(),
+        );
         for pos in start..end {
             if pos < known {
                 p.input_ids.push(r.tokens[pos] as i32);

@@ -127,15 +127,20 @@ impl Scheduler {
             return false;
         }
         r.touched_step = step;
+        if l.has_sliding {
+            r.ring_floor = l.ring_floor_after(r.ring_floor, start, end);
+        }
         let p = &mut self.plan;
-        p.full_width = p.full_width.max(r.full.len());
-        p.rows.push(Row {
-            req: idx,
-            start: start as u32,
-            q: 1,
-            sampled: true,
-            spec: 0,
-        });
+        p.push_row(
+            Row {
+                req: idx,
+                start: start as u32,
+                q: 1,
+                sampled: true,
+                spec: 0,
+            },
+            r.full.len(),
+        );
         p.input_ids.push(r.last_token as i32);
         if l.has_sliding {
             p.slot_mapping_sliding
@@ -160,15 +165,20 @@ impl Scheduler {
         }
         r.touched_step = step;
         let sampled = end == r.tokens.len();
+        if layout.has_sliding {
+            r.ring_floor = layout.ring_floor_after(r.ring_floor, start, end);
+        }
         let p = &mut self.plan;
-        p.full_width = p.full_width.max(r.full.len());
-        p.rows.push(Row {
-            req: idx,
-            start: start as u32,
-            q: q as u32,
-            sampled,
-            spec: 0,
-        });
+        p.push_row(
+            Row {
+                req: idx,
+                start: start as u32,
+                q: q as u32,
+                sampled,
+                spec: 0,
+            },
+            r.full.len(),
+        );
         if end == r.tokens.len() && q == 1 {
             p.input_ids.push(r.last_token as i32);
         } else {

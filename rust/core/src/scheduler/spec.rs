@@ -163,7 +163,14 @@ impl Scheduler {
             return Ok(true);
         }
         let l = *self.kv.layout();
-        if l.has_sliding && r.num_computed - r.num_computed.min(len - 1) > l.ring * page - l.window
+        // The next query (at `len - 1`) reads keys `len - w ..`: they must still be in the
+        // ring. Decode steps (the steady path does not move `ring_floor`) overwrite the key
+        // `R * page` back of each one they write; a longer step or a speculative row's
+        // rejected tokens leave the floor higher (`ring_floor`).
+        let overwritten_back = r.num_computed - r.num_computed.min(len - 1);
+        if l.has_sliding
+            && (overwritten_back > l.ring * page - l.window
+                || len.saturating_sub(l.window) < r.ring_floor)
         {
             // The ring may already have dropped keys the cut-back request reads again.
             return Ok(false);
@@ -224,15 +231,20 @@ impl Scheduler {
             .grow(r, end)
             .expect("place_spec: the fit was checked");
         r.touched_step = step;
+        if layout.has_sliding {
+            r.ring_floor = layout.ring_floor_after(r.ring_floor, start, end);
+        }
         let p = &mut self.plan;
-        p.full_width = p.full_width.max(r.full.len());
-        p.rows.push(Row {
-            req: idx,
-            start: start as u32,
-            q: q as u32,
-            sampled: true,
-            spec: (q - 1) as u32,
-        });
+        p.push_row(
+            Row {
+                req: idx,
+                start: start as u32,
+                q: q as u32,
+                sampled: true,
+                spec: (q - 1) as u32,
+            },
+            r.full.len(),
+        );
         p.input_ids.push(r.last_token as i32);
         p.input_ids
             .extend(r.proposal[..q - 1].iter().map(|&t| t as i32));
