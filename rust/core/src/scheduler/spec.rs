@@ -143,8 +143,10 @@ impl Scheduler {
     /// the cut moves down to the block boundary and those blocks are let go (their content
     /// stays valid for later hits). Needs no plan outstanding (`Runtime` error). Returns
     /// false, changing nothing, for an unknown or not decoding request, `len < prompt
-    /// length`, or a sliding ring that moved on too far (more than `ring * page_size -
-    /// sliding_window` keys back); true otherwise (a no-op when `len` covers every token).
+    /// length`, or a sliding ring that no longer holds the keys `len - w ..` the next query
+    /// reads (overwritten by later decode steps, never kept by a prefill chunk, or
+    /// overwritten by rejected speculative tokens: `Request::ring_floor`); true otherwise (a
+    /// no-op when `len` covers every token).
     pub fn rewind(&mut self, id: &str, len: usize) -> Result<bool> {
         if self.outstanding > 0 {
             return Err(Error::runtime(
