@@ -55,14 +55,6 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
-    /// Append a row for a request holding `full_blocks` full-attention blocks (the block
-    /// table is as wide as the widest row's).
-    #[inline]
-    pub fn push_row(&mut self, row: Row, full_blocks: usize) {
-        self.full_width = self.full_width.max(full_blocks);
-        self.rows.push(row);
-    }
-
     pub fn clear(&mut self) {
         self.rows.clear();
         self.input_ids.clear();

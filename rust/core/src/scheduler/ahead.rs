@@ -5,6 +5,7 @@
 //! come only from the free lists: no victim search, no preemption.
 
 use super::budget::Budget;
+use super::placement::push_row;
 use super::{Scheduler, SchedulerType};
 use crate::plan::Row;
 use crate::RequestState;
@@ -101,12 +102,11 @@ impl Scheduler {
             .grow(r, end)
             .expect("place_ahead: the fit was checked");
         r.touched_step = step;
-        let l = *self.kv.layout();
-        if l.has_sliding {
-            r.ring_floor = l.ring_floor_after(r.ring_floor, start, end);
-        }
         let p = &mut self.plan;
-        p.push_row(
+        push_row(
+            p,
+            r,
+            &layout,
             Row {
                 req: idx,
                 start: start as u32,
@@ -114,7 +114,6 @@ impl Scheduler {
                 sampled: end == len,
                 spec: 0,
             },
-            r.full.len(),
         );
         for pos in start..end {
             if pos < known {

@@ -3,7 +3,9 @@
 
 use super::budget::Budget;
 use super::{Scheduler, SchedulerType};
-use crate::plan::Row;
+use crate::alloc::Layout;
+use crate::plan::{Row, StepPlan};
+use crate::request::Request;
 use crate::RequestState;
 
 /// What a row that cannot get even one token's chunks does.
@@ -127,11 +129,11 @@ impl Scheduler {
             return false;
         }
         r.touched_step = step;
-        if l.has_sliding {
-            r.ring_floor = l.ring_floor_after(r.ring_floor, start, end);
-        }
         let p = &mut self.plan;
-        p.push_row(
+        push_row(
+            p,
+            r,
+            &l,
             Row {
                 req: idx,
                 start: start as u32,
@@ -139,7 +141,6 @@ impl Scheduler {
                 sampled: true,
                 spec: 0,
             },
-            r.full.len(),
         );
         p.input_ids.push(r.last_token as i32);
         if l.has_sliding {
@@ -165,11 +166,11 @@ impl Scheduler {
         }
         r.touched_step = step;
         let sampled = end == r.tokens.len();
-        if layout.has_sliding {
-            r.ring_floor = layout.ring_floor_after(r.ring_floor, start, end);
-        }
         let p = &mut self.plan;
-        p.push_row(
+        push_row(
+            p,
+            r,
+            &layout,
             Row {
                 req: idx,
                 start: start as u32,
@@ -177,7 +178,6 @@ impl Scheduler {
                 sampled,
                 spec: 0,
             },
-            r.full.len(),
         );
         if end == r.tokens.len() && q == 1 {
             p.input_ids.push(r.last_token as i32);
@@ -194,4 +194,17 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// Append request `r`'s `row` to `plan`: the block table widens to `r`'s full blocks, and
+/// `r`'s ring floor moves past the keys the row's step leaves out of the sliding ring
+/// ([`Layout::ring_floor_after`]). Every placement of a row goes through here.
+#[inline]
+pub(super) fn push_row(plan: &mut StepPlan, r: &mut Request, layout: &Layout, row: Row) {
+    if layout.has_sliding {
+        let start = row.start as usize;
+        r.ring_floor = layout.ring_floor_after(r.ring_floor, start, start + row.q as usize);
+    }
+    plan.full_width = plan.full_width.max(r.full.len());
+    plan.rows.push(row);
 }

@@ -25,6 +25,7 @@
 //! positions are too.
 
 use super::budget::Budget;
+use super::placement::push_row;
 use super::Scheduler;
 use crate::plan::Row;
 use crate::request::RequestState;
@@ -233,11 +234,11 @@ impl Scheduler {
             .grow(r, end)
             .expect("place_spec: the fit was checked");
         r.touched_step = step;
-        if layout.has_sliding {
-            r.ring_floor = layout.ring_floor_after(r.ring_floor, start, end);
-        }
         let p = &mut self.plan;
-        p.push_row(
+        push_row(
+            p,
+            r,
+            &layout,
             Row {
                 req: idx,
                 start: start as u32,
@@ -245,7 +246,6 @@ impl Scheduler {
                 sampled: true,
                 spec: (q - 1) as u32,
             },
-            r.full.len(),
         );
         p.input_ids.push(r.last_token as i32);
         p.input_ids
