@@ -159,33 +159,25 @@ impl Scheduler {
             RequestState::Waiting => {
                 self.waiting.remove(&key);
             }
-            RequestState::Swapped => {
-                self.swapped.remove(&key);
-                let r = self.reqs[idx as usize].as_mut().expect("live");
-                match flight {
-                    // Swapped out by an outstanding plan: its copy writes these slots.
-                    Some(slot) => {
-                        let held = match slot {
-                            PlanSlot::Oldest => &mut self.old.held,
-                            PlanSlot::Newest => &mut self.cur.held,
-                        };
-                        self.kv.defer_free_swapped(r, held);
-                    }
-                    None => self.kv.free_swapped(r),
+            RequestState::Swapped | RequestState::Prefilling | RequestState::Decoding => {
+                let swapped = r.state == RequestState::Swapped;
+                if swapped {
+                    self.swapped.remove(&key);
+                } else {
+                    self.remove_running(idx);
                 }
-            }
-            RequestState::Prefilling | RequestState::Decoding => {
-                self.remove_running(idx);
                 let r = self.reqs[idx as usize].as_mut().expect("live");
-                match flight {
-                    Some(slot) => {
-                        let held = match slot {
-                            PlanSlot::Oldest => &mut self.old.held,
-                            PlanSlot::Newest => &mut self.cur.held,
-                        };
-                        self.kv.defer_free(r, held);
-                    }
-                    None => self.kv.free(r),
+                // Touched by an outstanding plan: its copies and writes still use these
+                // chunks / swap slots, so they are freed at that plan's update.
+                let held = flight.map(|slot| match slot {
+                    PlanSlot::Oldest => &mut self.old.held,
+                    PlanSlot::Newest => &mut self.cur.held,
+                });
+                match (held, swapped) {
+                    (Some(held), true) => self.kv.defer_free_swapped(r, held),
+                    (Some(held), false) => self.kv.defer_free(r, held),
+                    (None, true) => self.kv.free_swapped(r),
+                    (None, false) => self.kv.free(r),
                 }
             }
         }
