@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -139,3 +140,26 @@ class RefPlanner:
         )
         self.pending_out, self.pending_in = [], []
         return plan
+
+
+def drive_runner(runner: Any, prompts: list[list[int]], new: int,
+                 forced: bool = False) -> list[Any]:
+    """Prefill every prompt in one packed step, then `new` packed decode steps; the logits
+    of every sampled row, step after step. Each row's next input is its argmax, or with
+    `forced` a fixed token (so that runs that round differently see the same inputs)."""
+    planner = RefPlanner(page_size=runner.page_size, num_blocks=runner.num_blocks,
+                         layer_types=runner.layer_types, sliding_window=runner.sliding_window)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        planner.add(rid, p)
+    out = []
+    rows = [(rid, len(p)) for rid, p in zip(rids, prompts, strict=True)]
+    for _ in range(new):
+        plan = planner.plan(rows)
+        logits = runner.execute(plan)
+        out.append(logits)
+        for i, b in enumerate(plan.logits_rows):
+            tok = (7 * len(out) + i) % runner.vocab_size if forced else int(logits[i].argmax())
+            planner.append(plan.request_ids[b], tok)
+        rows = [(rid, 1) for rid in rids]
+    return out

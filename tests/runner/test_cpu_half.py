@@ -18,7 +18,7 @@ from ferrobatch.models import resolve_dtype
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement
-from ref_planner import RefPlanner
+from ref_planner import drive_runner
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
@@ -33,29 +33,6 @@ def _half(name: str, dtype: torch.dtype = torch.bfloat16):
     return tm.BUILDERS[name]().to(dtype)
 
 
-def _drive(runner: ModelRunner, prompts: list[list[int]], new: int,
-           forced: bool = False) -> list[torch.Tensor]:
-    """Prefill every prompt in one packed step, then `new` packed decode steps; the logits
-    of every sampled row, step after step. Each row's next input is its argmax, or with
-    `forced` a fixed token (so that runs that round differently see the same inputs)."""
-    planner = RefPlanner(page_size=runner.page_size, num_blocks=runner.num_blocks,
-                         layer_types=runner.layer_types, sliding_window=runner.sliding_window)
-    rids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(rids, prompts, strict=True):
-        planner.add(rid, p)
-    out = []
-    rows = [(rid, len(p)) for rid, p in zip(rids, prompts, strict=True)]
-    for _ in range(new):
-        plan = planner.plan(rows)
-        logits = runner.execute(plan)
-        out.append(logits)
-        for i, b in enumerate(plan.logits_rows):
-            tok = (7 * len(out) + i) % tm.VOCAB if forced else int(logits[i].argmax())
-            planner.append(plan.request_ids[b], tok)
-        rows = [(rid, 1) for rid in rids]
-    return out
-
-
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_the_gathered_sdpa_path(name, dtype):
@@ -68,7 +45,7 @@ def test_decode_kernel_matches_the_gathered_sdpa_path(name, dtype):
         runner = ModelRunner(model, num_blocks=128, page_size=4)
         assert runner.decode_kernel  # on by default on CPU
         runner.decode_kernel = kernel
-        got[kernel] = _drive(runner, prompts, 6, forced=True)
+        got[kernel] = drive_runner(runner, prompts, 6, forced=True)
         runner.close()
     tol = 1e-4 if dtype == torch.float32 else 0.1
     for a, b in zip(got[True], got[False], strict=True):
@@ -100,7 +77,7 @@ def test_packed_linears_group_and_leave_the_model_as_it_was():
     assert lin is not None and lin.weight_dtype == torch.bfloat16
     assert lin.num_groups == 2 * model.config.num_hidden_layers  # q/k/v and gate/up
     assert runner.activation_dtype == torch.float32  # the fp32 residual stream holds here
-    _drive(runner, _prompts(1, 3, 3, 9), 3)
+    drive_runner(runner, _prompts(1, 3, 3, 9), 3)
     assert not any("forward" in m.__dict__ for m in model.modules())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
@@ -136,12 +113,12 @@ def test_weights_changed_in_place_are_packed_again():
     model = _half("llama")
     runner = ModelRunner(model, num_blocks=64, page_size=4)
     prompts = _prompts(2, 2, 4, 8)
-    first = _drive(runner, prompts, 1)[0]
+    first = drive_runner(runner, prompts, 1)[0]
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(-3)
     runner2 = ModelRunner(model, num_blocks=64, page_size=4)
-    want = _drive(runner2, prompts, 1)[0]
-    got = _drive(runner, prompts, 1)[0]
+    want = drive_runner(runner2, prompts, 1)[0]
+    got = drive_runner(runner, prompts, 1)[0]
     assert not torch.allclose(first, want)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferrobatch import fused_ops
 from ferrobatch.attention import context, kernels
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.attention.paged_step import PagedStep
@@ -86,8 +87,7 @@ def paged_attention_forward(
         cached_k, cached_v = cache.gather_buffers(1, group.prefill_cached_slots.shape[0])
         torch.index_select(k_cache, 0, group.prefill_cached_slots, out=cached_k)
         torch.index_select(v_cache, 0, group.prefill_cached_slots, out=cached_v)
-    k_cache.index_copy_(0, group.slot_mapping, k_new)
-    v_cache.index_copy_(0, group.slot_mapping, v_new)
+    write_kv(k_cache, v_cache, group.slot_mapping, k_new, v_new)
 
     out = None
     out_dtype = step.out_dtype or query.dtype
@@ -154,6 +154,19 @@ def paged_attention_forward(
         o = attend(q.to(dt), k.to(dt), v.to(dt), mask, scaling, softcap, row.causal, sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Write the step's keys and values [T, Hkv, D] at their cache slots (one fused row copy
+    each on CPU, else `index_copy_`)."""
+    if k_cache.device.type == "cpu" and fused_ops.available():
+        tokens = k_new.shape[0]
+        fused_ops.write_rows(k_new.reshape(tokens, -1), k_cache.view(k_cache.shape[0], -1), slots)
+        fused_ops.write_rows(v_new.reshape(tokens, -1), v_cache.view(v_cache.shape[0], -1), slots)
+        return
+    k_cache.index_copy_(0, slots, k_new)
+    v_cache.index_copy_(0, slots, v_new)
 
 
 def num_layers(step: PagedStep | KernelStep) -> int:

@@ -5,14 +5,15 @@ layers themselves are `ferrobatch.runner.cpu_linear`)."""
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from ferrobatch.attention import context, registry
 from ferrobatch.models import text_config
 from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.patches import eval_mode
 
 logger = logging.getLogger("ferrobatch")
@@ -26,8 +27,49 @@ class PackedActivations:
         """The dtype of the activations between the linear layers."""
         return self._linears.activation_dtype if self._linears is not None else self.dtype
 
-    def _linears_active(self) -> Any:
-        return self._linears.active() if self._linears is not None else nullcontext()
+    @contextmanager
+    def _linears_active(self) -> Iterator[None]:
+        """The packed linears, and the lean decoder layers when there are, for a forward."""
+        if self._linears is None:
+            yield
+            return
+        lean = self._lean.active() if self._lean is not None else nullcontext()
+        with self._linears.active(), lean:
+            yield
+
+    def _make_lean_layers(self, lean: bool) -> LeanLayers | None:
+        """The lean decoder layers (`ferrobatch.runner.lean_layers`) when asked, they apply,
+        and a forward with them is at least about as close to the exact computation as the
+        model's own forward on the same packed weights."""
+        layers = LeanLayers.of(self.model, self._linears, context.in_ferrobatch_forward) \
+            if lean else None
+        if layers is None:
+            return None
+        if not self._lean_holds(layers):
+            logger.info("ferrobatch: lean decoder layers are further from the exact forward "
+                        "than the model's own; not used")
+            return None
+        logger.info("ferrobatch: %d decoder layers run lean (fused kernels)", layers.num_layers)
+        return layers
+
+    def _lean_holds(self, lean: LeanLayers) -> bool:
+        assert self._linears is not None
+        ids = self._check_ids(16)
+        try:
+            with torch.inference_mode(), eval_mode(self.model):
+                with self._linears.active(exact=True):
+                    ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                with self._linears.active(everywhere=True), \
+                        registry.cast_attention_enabled(self._configs):
+                    own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                    with lean.active(everywhere=True):
+                        got = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward then
+            logger.info("ferrobatch: lean decoder layers fail (%s: %s)", type(exc).__name__, exc)
+            return False
+        if not bool(torch.isfinite(got).all()):
+            return False
+        return bool((got - ref).norm() <= (own - ref).norm() * 1.1 + 1e-3 * ref.norm())
 
     def _make_packed_linears(self, activations: str) -> PackedLinears | None:
         """Packed half-precision linears (`ferrobatch.runner.cpu_linear`), fp32 activations when

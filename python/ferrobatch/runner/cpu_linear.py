@@ -214,6 +214,20 @@ class PackedLinears:
     def packed_bytes(self) -> int:
         return sum(p.nbytes for p in self._packs)
 
+    def packed_of(self, layers: list[torch.nn.Linear]) -> _Packed | None:
+        """The packed product of exactly `layers`, stacked in that order (one layer: its own
+        product when it runs alone), or None."""
+        ids = [id(m) for m in layers]
+        for packed in self._packs:
+            if [id(m) for m in packed.layers] == ids:
+                return packed
+        return None
+
+    def product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + b` of a packed product, in the weight dtype (`x` rounded to it)."""
+        x = x if x.dtype == self.weight_dtype else x.to(self.weight_dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+
     # --- groups ----------------------------------------------------------------------------
 
     def _set_groups(self, groups: list[list[int]]) -> None:

@@ -20,6 +20,7 @@ from ferrobatch.models import layer_types_of, sliding_window_of, text_config
 from ferrobatch.runner.activations import PackedActivations
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.graph_steps import GraphSteps
+from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.output_head import OutputHead, WeightDerived
 from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
 from ferrobatch.sampling.sampler import argmax_rows
@@ -58,6 +59,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         config: ContinuousBatchingConfig | None = None,
         max_graphs: int | None = None,
         activations: str = "auto",
+        lean_layers: bool = True,
     ) -> None:
         """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
         flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
@@ -74,7 +76,11 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         packed once for oneDNN, `ferrobatch.runner.cpu_linear`): "float32" keeps activations in
         fp32 between the half-precision products (the default, "auto", when the model runs
         that way: checked once against its own forward), "model" keeps the model's dtype
-        throughout (what the model's own forward computes)."""
+        throughout (what the model's own forward computes).
+
+        `lean_layers`: with fp32 activations over packed half-precision weights, run
+        Llama-style decoder layers through fused kernels (`ferrobatch.runner.lean_layers`;
+        checked once against the model's own forward)."""
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)
@@ -132,8 +138,10 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
                              f"not {activations!r}")
         self._linears: PackedLinears | None = None
+        self._lean: LeanLayers | None = None
         if self.device.type == "cpu":
             self._linears = self._make_packed_linears(activations)
+            self._lean = self._make_lean_layers(lean_layers)
         self._split_head = self._check_split_head()
         if self._split_head:
             self._use_head_packed = self._packed_head_wins()
@@ -395,6 +403,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         self._head_wt.clear()
         self._head_packed.clear()
         self._greedy_head = None
+        self._lean = None
         self.fast_greedy = False
 
     def __enter__(self) -> ModelRunner:

@@ -1,0 +1,214 @@
+"""Lean forwards for Llama-style decoder layers of a half-precision CPU model.
+
+With packed half-precision weights and an fp32 residual stream (`ferrobatch.runner.
+cpu_linear`), a decoder layer's matrix products are a third of its cost at decode batch
+sizes; the rest is transformers' elementwise code (RMSNorm, rotary embeddings, SiLU * up,
+residual adds, and the dtype conversions between fp32 and bf16 operands) and the Python
+around it. `LeanLayers` runs such a layer as four packed products, the attention function
+the model's config selects (ferrobatch's paged attention in a step), and four fused kernels
+of `ferrobatch.fused_ops`:
+
+    h = rms_norm(x)                       (bf16, the products' input dtype)
+    qkv = [q | k | v] product of h        (one stacked product)
+    q, k = rope(qkv)                      (q fp32, k in the KV cache's dtype)
+    x += o_proj(attention(q, k, v))       (folded into the next norm)
+    h = rms_norm(x)
+    x += down_proj(silu_mul(gate_up product of h))
+
+Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, Mistral,
+Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
+q/k norms run as the model's own modules), whose q/k/v and gate/up products are stacked
+groups of the packed linears, and whose attention has no extra state. `LeanLayers.of` also
+checks, on one short forward through the model's own attention, that the lean layers are
+at least about as close to the exact fp32 computation as the model's own forward on the
+same packed weights; if not, nothing changes. The caller's model is never modified: the
+layers' `forward` is an instance attribute only inside `active()`, and calls from other
+threads get the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ferrobatch import fused_ops
+from ferrobatch.runner.cpu_linear import PackedLinears
+
+logger = logging.getLogger("ferrobatch")
+
+__all__ = ["LAYER_CLASSES", "LeanLayers"]
+
+#: decoder layer classes (by name) whose forward the lean one reproduces
+LAYER_CLASSES = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+})
+_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
+
+
+class _Layer:
+    """The parts of one decoder layer the lean forward uses."""
+
+    def __init__(self, layer: torch.nn.Module, linears: PackedLinears) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn = layer, attn
+        self.qkv = linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = linears.packed_of([attn.o_proj])
+        self.gate_up = linears.packed_of([mlp.gate_proj, mlp.up_proj])
+        self.down = linears.packed_of([mlp.down_proj])
+        self.dim = int(attn.head_dim)
+        self.nq, self.nk = attn.q_proj.out_features, attn.k_proj.out_features
+        self.heads, self.kv_heads = self.nq // self.dim, self.nk // self.dim
+        self.inter = mlp.gate_proj.out_features
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+    @staticmethod
+    def why_not(layer: torch.nn.Module, linears: PackedLinears) -> str | None:
+        """Why `layer` can't run lean (None: it can)."""
+        if type(layer).__name__ not in LAYER_CLASSES:
+            return f"{type(layer).__name__} is not a known Llama-style layer"
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+            return "no self_attn q/k/v/o projections or no mlp"
+        if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
+            return "the MLP activation is not SiLU"
+        norms = (getattr(layer, "input_layernorm", None),
+                 getattr(layer, "post_attention_layernorm", None))
+        if any(type(n).__name__ not in _NORM_CLASSES or not hasattr(n, "variance_epsilon")
+               for n in norms):
+            return "its norms are not Llama-style RMSNorm"
+        if linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj]) is None \
+                or linears.packed_of([mlp.gate_proj, mlp.up_proj]) is None \
+                or linears.packed_of([attn.o_proj]) is None \
+                or linears.packed_of([mlp.down_proj]) is None:
+            return "its q/k/v or gate/up products are not stacked groups"
+        if (attn.q_proj.out_features % attn.head_dim or attn.k_proj.out_features
+                % attn.head_dim or attn.head_dim % 2):
+            return "its projection widths are not whole even-sized heads"
+        return None
+
+
+class LeanLayers:
+    """The lean forwards of a model's Llama-style decoder layers (see the module docstring).
+    Build with `LeanLayers.of(...)`, which returns None when they don't apply."""
+
+    def __init__(self, layers: list[_Layer], linears: PackedLinears,
+                 in_thread: Callable[[], bool]) -> None:
+        self._layers = layers
+        self._linears = linears
+        self._in_thread = in_thread
+        self._everywhere = False
+        self._active = False
+        self._forwards = [self._forward_of(p) for p in layers]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, linears: PackedLinears | None,
+           in_thread: Callable[[], bool]) -> LeanLayers | None:
+        """The lean layers of `model`, or None: no widened packed linears (fp32 residual
+        stream over half-precision weights), no fused kernels, or a decoder layer that is
+        not Llama-style (every layer must be: a model runs all lean or none)."""
+        if linears is None or not linears.widens or not fused_ops.available():
+            return None
+        decoder = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        if not decoder:
+            return None
+        for layer in decoder:
+            why = _Layer.why_not(layer, linears)
+            if why is not None:
+                logger.info("ferrobatch: decoder layers run as the model's own (%s)", why)
+                return None
+        return cls([_Layer(m, linears) for m in decoder], linears, in_thread)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @contextmanager
+    def active(self, everywhere: bool = False) -> Iterator[None]:
+        """Inside the block the layers run lean in ferrobatch forwards (in any forward with
+        `everywhere`: construction checks); on exit each layer's own `forward` is back.
+        Must be entered inside the packed linears' `active()` (their packed weights are
+        refreshed there)."""
+        if self._active:
+            yield
+            return
+        self._active, self._everywhere = True, everywhere
+        try:
+            for part, fwd in zip(self._layers, self._forwards, strict=True):
+                part.layer.forward = fwd
+            yield
+        finally:
+            for part in self._layers:
+                part.layer.__dict__.pop("forward", None)
+            self._active = self._everywhere = False
+
+    def _forward_of(self, p: _Layer) -> Callable[..., torch.Tensor]:
+        own = type(p.layer).forward
+        layer = p.layer
+        product = self._linears.product
+        wdt = self._linears.weight_dtype
+        in_thread = self._in_thread
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
+                    or args or not hidden_states.is_contiguous():
+                return own(layer, hidden_states, *args, **kwargs)
+            return _lean_forward(p, hidden_states, product, wdt, kwargs)
+
+        return forward
+
+
+def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt: torch.dtype,
+                  kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer on the fp32 residual stream `hidden_states` [1, T, H] (updated in
+    place and returned)."""
+    x = hidden_states[0]
+    tokens = x.shape[0]
+    norm_in, norm_post = p.norms
+    h = torch.empty(x.shape, dtype=wdt)
+    fused_ops.rms_norm(x, norm_in.weight, h, norm_in.variance_epsilon)
+    qkv = product(p.qkv, h)
+    q_src, q_off, k_src, k_off = qkv, 0, qkv, p.nq
+    if p.q_norm is not None:
+        q_src = p.q_norm(qkv[:, :p.nq].view(tokens, p.heads, p.dim)).reshape(tokens, p.nq)
+        q_off = 0
+    if p.k_norm is not None:
+        k_src = p.k_norm(qkv[:, p.nq:p.nq + p.nk].view(tokens, p.kv_heads, p.dim))
+        k_src, k_off = k_src.reshape(tokens, p.nk), 0
+    cos, sin = kwargs.pop("position_embeddings")
+    cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+    q = torch.empty(tokens, p.heads, p.dim, dtype=torch.float32)
+    k = torch.empty(tokens, p.kv_heads, p.dim, dtype=wdt)
+    fused_ops.rope(q_src.contiguous(), cos, sin, q, q_off, p.heads, p.dim)
+    fused_ops.rope(k_src.contiguous(), cos, sin, k, k_off, p.kv_heads, p.dim)
+    v = qkv[:, p.nq + p.nk:].view(tokens, p.kv_heads, p.dim)
+    attn = p.attn
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+    mask = kwargs.pop("attention_mask", None)  # None in a paged step (no dense mask)
+    for name in ("position_ids", "past_key_values", "cache", "use_cache", "cache_position"):
+        kwargs.pop(name, None)
+    out, _ = interface(attn, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                       v.transpose(0, 1).unsqueeze(0), mask, dropout=0.0,
+                       scaling=attn.scaling, **_attention_kwargs(attn, kwargs))
+    o = product(p.o, out.reshape(tokens, p.nq))
+    h2 = torch.empty(x.shape, dtype=wdt)
+    fused_ops.rms_norm(x, norm_post.weight, h2, norm_post.variance_epsilon, residual=o)
+    gu = product(p.gate_up, h2)
+    a = torch.empty(tokens, p.inter, dtype=wdt)
+    fused_ops.silu_mul(gu, a)
+    x.add_(product(p.down, a))
+    return hidden_states
+
+
+def _attention_kwargs(attn: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The extra keyword arguments the layer's own attention passes its interface."""
+    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    return {**kwargs, "sliding_window": window} if window is not None else kwargs

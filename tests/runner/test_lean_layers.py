@@ -1,0 +1,107 @@
+"""Lean decoder layers (`ferrobatch.runner.lean_layers`): which models get them, that they
+compute what the model's own layers compute on the same packed weights, and that the
+caller's model is left as it was."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, fused_ops
+from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.model_runner import ModelRunner
+from ferrobatch.workloads import agreement
+from ref_planner import drive_runner
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(
+    not (packing_available() and fused_ops.available()),
+    reason="no oneDNN packed linears or no fused kernels in this build",
+)
+
+LEAN = ["llama", "qwen3", "mistral", "qwen2_sliding"]
+
+
+def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _runner(model: torch.nn.Module, **kw) -> ModelRunner:
+    return ModelRunner(model, num_blocks=128, page_size=4, **kw)
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_lean_layers_compute_what_the_own_layers_compute(name):
+    """Same packed steps (prefill, then decodes over full and sliding windows) with and
+    without lean layers: logits equal to bf16 rounding."""
+    model = tm.BUILDERS[name]().to(torch.bfloat16)
+    prompts = _prompts(5, 6, 2, 30)
+    got = {}
+    for lean in (True, False):
+        runner = _runner(model, lean_layers=lean)
+        assert (runner._lean is not None) == lean
+        got[lean] = drive_runner(runner, prompts, 6, forced=True)
+        runner.close()
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt2"])
+def test_other_layers_keep_their_own_forward(name):
+    runner = _runner(tm.BUILDERS[name]().to(torch.bfloat16))
+    assert runner._lean is None
+
+
+def test_fp32_and_model_dtype_activations_keep_their_own_forward():
+    assert _runner(tm.llama())._lean is None  # fp32: the exact mode
+    assert _runner(tm.llama().to(torch.bfloat16), activations="model")._lean is None
+
+
+def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
+    model = tm.llama().to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    runner = _runner(model)
+    assert runner._lean is not None
+    drive_runner(runner, _prompts(1, 3, 3, 9), 2)
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    assert not any("forward" in m.__dict__ for m in layers)
+    seen = {}
+
+    def other_thread() -> None:
+        with torch.inference_mode():
+            seen["logits"] = model(ids).logits
+
+    with runner._linears_active():  # as during a step: another thread calls the model
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    torch.testing.assert_close(seen["logits"], before)
+    runner.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
+    """Engine outputs in bf16 with lean layers against the fp32 greedy reference: at least
+    as close as the same engine running the model's own layers (chunked prefill on)."""
+    prompts = _prompts(17, 40, 4, 24)
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    fp32 = tm.BUILDERS[name](seed=4)
+    bf16 = tm.BUILDERS[name](seed=4).to(torch.bfloat16)
+    ref = [tm.generate_greedy(fp32, p, 12, ignore_eos=True) for p in prompts]
+    cfg = ContinuousBatchingConfig(max_batch_tokens=32)
+    scores = {}
+    for lean in (True, False):
+        with Engine(bf16, config=cfg) as engine:
+            if not lean:
+                engine.runner._lean = None
+            else:
+                assert engine.runner._lean is not None
+            outs = engine.generate(prompts, sp, progress=False)
+        scores[lean] = agreement([o.token_ids for o in outs], ref)["tokens"]
+    assert scores[True] >= scores[False] - 0.05, scores
