@@ -135,6 +135,11 @@ def paged_attention_forward(
         out.index_copy_(0, bucket.tokens, o)
     if out is None:
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+    # attention runs in the cache's dtype (the keys of a chunked prompt are rounded alike
+    # whether they come from the cache or from this forward): each operand converted once
+    dt = k_cache.dtype
+    if group.prefill:
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     for row in group.prefill:
         s, e = row.tok_start, row.tok_end
         q = query[:, :, s:e]
@@ -145,13 +150,10 @@ def paged_attention_forward(
         else:
             k = key[:, :, s:e]
             v = value[:, :, s:e]
-        # attention runs in the cache's dtype (the keys of a chunked prompt are rounded
-        # alike whether they come from the cache or from this forward)
-        dt = k_cache.dtype
         mask = row.mask
         if mask is not None and mask.dtype != dt:
             mask = mask.to(dt)
-        o = attend(q.to(dt), k.to(dt), v.to(dt), mask, scaling, softcap, row.causal, sinks)
+        o = attend(q, k, v, mask, scaling, softcap, row.causal, sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -162,8 +164,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     each on CPU, else `index_copy_`)."""
     if k_cache.device.type == "cpu" and fused_ops.available():
         tokens = k_new.shape[0]
-        fused_ops.write_rows(k_new.reshape(tokens, -1), k_cache.view(k_cache.shape[0], -1), slots)
-        fused_ops.write_rows(v_new.reshape(tokens, -1), v_cache.view(v_cache.shape[0], -1), slots)
+        for new, cache in ((k_new, k_cache), (v_new, v_cache)):
+            rows = new.reshape(tokens, -1)
+            fused_ops.write_rows(rows if rows.is_contiguous() else rows.contiguous(),
+                                 cache.view(cache.shape[0], -1), slots)
         return
     k_cache.index_copy_(0, slots, k_new)
     v_cache.index_copy_(0, slots, v_new)
