@@ -6,5 +6,6 @@
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation.
 
 pub mod decode;
+pub mod fused;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};

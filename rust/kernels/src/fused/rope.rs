@@ -1,0 +1,242 @@
+//! Rotary embedding of some heads of a projection's rows.
+
+use super::{
+    arg_err, check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces,
+    split_mut, widen, write_row, ArgError,
+};
+use crate::{Elems, ElemsMut};
+
+/// The inputs: `src` `[rows, src_width]`, `cos` / `sin` `[rows, dim]`; the heads are
+/// `src[t, col_offset + h * dim ..][.. dim]` for `h < heads`.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope<'a> {
+    pub src: Elems<'a>,
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    pub rows: usize,
+    pub src_width: usize,
+    pub col_offset: usize,
+    pub heads: usize,
+    /// even
+    pub dim: usize,
+    /// worker threads when the call has at least [`super::PARALLEL_MIN`] output elements
+    pub threads: usize,
+}
+
+/// `out[t, h, j] = round(x[j] * cos[t, j] + rot[j] * sin[t, j])` (`out` `[rows, heads,
+/// dim]`), `x` the head widened, `rot[j] = -x[j + dim/2]` for `j < dim/2`, else
+/// `x[j - dim/2]`: two rounded f32 products and a rounded f32 add, bit-equal to
+/// transformers' `q * cos + rotate_half(q) * sin` in f32.
+pub fn rope(a: &Rope<'_>, out: ElemsMut<'_>) -> Result<(), ArgError> {
+    validate(a, &out)?;
+    let row = a.heads * a.dim;
+    let n = a.rows * row;
+    if n == 0 {
+        return Ok(());
+    }
+    let ranges = row_ranges(a.rows, plan_threads(a.threads, a.rows, n));
+    let sizes: Vec<usize> = ranges.iter().map(|r| r.len() * row).collect();
+    let pieces = ranges.into_iter().zip(split_mut(out, &sizes)).collect();
+    run_pieces(pieces, |range, mut out| {
+        rope_rows(a, range.start, range.len(), &mut out)
+    });
+    Ok(())
+}
+
+fn validate(a: &Rope<'_>, out: &ElemsMut<'_>) -> Result<(), ArgError> {
+    if !a.dim.is_multiple_of(2) {
+        return arg_err("dim", format!("dim must be even, not {}", a.dim));
+    }
+    check_len("src", len(&a.src), product("src", a.rows, a.src_width)?)?;
+    let cols = product("heads", a.heads, a.dim)?;
+    match a.col_offset.checked_add(cols) {
+        Some(end) if end <= a.src_width => {}
+        _ => {
+            return arg_err(
+                "col_offset",
+                format!(
+                    "col_offset + heads * dim = {} + {cols} exceeds src's {} columns",
+                    a.col_offset, a.src_width
+                ),
+            )
+        }
+    }
+    let table = product("cos", a.rows, a.dim)?;
+    check_len("cos", a.cos.len(), table)?;
+    check_len("sin", a.sin.len(), table)?;
+    check_len("out", len_mut(out), product("out", a.rows, cols)?)
+}
+
+dispatch!(rope_rows => rope_rows_impl(a: &Rope<'_>, first: usize, rows: usize,
+                                      out: &mut ElemsMut<'_>));
+
+#[inline(always)]
+fn rope_rows_impl(a: &Rope<'_>, first: usize, rows: usize, out: &mut ElemsMut<'_>) {
+    let (d, half) = (a.dim, a.dim / 2);
+    let row = a.heads * d;
+    let (mut xbuf, mut scratch) = (vec![0f32; row], vec![0f32; row]);
+    for i in 0..rows {
+        let t = first + i;
+        let xs = widen(&a.src, t * a.src_width + a.col_offset, &mut xbuf);
+        let (cos, sin) = (&a.cos[t * d..(t + 1) * d], &a.sin[t * d..(t + 1) * d]);
+        write_row(out, i * row, &mut scratch, |o| {
+            for (o, x) in o.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+                let (o1, o2) = o.split_at_mut(half);
+                let (x1, x2) = x.split_at(half);
+                let (c1, c2) = cos.split_at(half);
+                let (s1, s2) = sin.split_at(half);
+                for j in 0..half {
+                    o1[j] = x1[j] * c1[j] + (-x2[j]) * s1[j];
+                    o2[j] = x2[j] * c2[j] + x1[j] * s2[j];
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{round_bits, values, Buf, Ty, TYPES};
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The formula written out per element.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        src: &[f32],
+        cos: &[f32],
+        sin: &[f32],
+        rows: usize,
+        w: usize,
+        off: usize,
+        heads: usize,
+        d: usize,
+    ) -> Vec<f32> {
+        let mut out = Vec::new();
+        for t in 0..rows {
+            for h in 0..heads {
+                let x = |j: usize| src[t * w + off + h * d + j];
+                for j in 0..d {
+                    let rot = if j < d / 2 {
+                        -x(j + d / 2)
+                    } else {
+                        x(j - d / 2)
+                    };
+                    out.push(x(j) * cos[t * d + j] + rot * sin[t * d + j]);
+                }
+            }
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        seed: u64,
+        rows: usize,
+        w: usize,
+        off: usize,
+        heads: usize,
+        d: usize,
+        st: Ty,
+        ot: Ty,
+        threads: usize,
+    ) {
+        let src = Buf::new(st, &values(seed, rows * w, 4.0));
+        let cos = values(seed + 1, rows * d, 1.0);
+        let sin = values(seed + 2, rows * d, 1.0);
+        let mut out = Buf::zeros(ot, rows * heads * d);
+        let a = Rope {
+            src: src.elems(),
+            cos: &cos,
+            sin: &sin,
+            rows,
+            src_width: w,
+            col_offset: off,
+            heads,
+            dim: d,
+            threads,
+        };
+        rope(&a, out.elems_mut()).unwrap();
+        let want = reference(&src.f32s(), &cos, &sin, rows, w, off, heads, d);
+        assert_eq!(out.bits(), round_bits(ot, &want), "{st:?} -> {ot:?}");
+    }
+
+    #[test]
+    fn all_type_combinations_match_the_reference() {
+        for &st in &TYPES {
+            for &ot in &TYPES {
+                // q, k of a fused qkv [64 x (9 + 3 + 3) * 64], offsets at the row's end
+                check(1, 5, 960, 0, 9, 64, st, ot, 1);
+                check(2, 5, 960, 576, 3, 64, st, ot, 1);
+                check(3, 1, 21, 13, 2, 4, st, ot, 1);
+                check(4, 3, 2, 0, 1, 2, st, ot, 1);
+            }
+        }
+    }
+
+    #[test]
+    fn threads_do_not_change_the_result() {
+        for threads in [1, 2, 3] {
+            check(9, 130, 960, 0, 9, 64, Ty::Bf16, Ty::Bf16, threads);
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let src = vec![0f32; 2 * 20];
+        let cs = vec![0f32; 2 * 4];
+        let mut out = vec![0f32; 2 * 3 * 4];
+        let a = Rope {
+            src: Elems::F32(&src),
+            cos: &cs,
+            sin: &cs,
+            rows: 2,
+            src_width: 20,
+            col_offset: 8,
+            heads: 3,
+            dim: 4,
+            threads: 1,
+        };
+        let field = |a: Rope<'_>, out: &mut [f32]| rope(&a, ElemsMut::F32(out)).unwrap_err().field;
+        assert!(rope(&a, ElemsMut::F32(&mut out)).is_ok());
+        assert_eq!(field(Rope { col_offset: 9, ..a }, &mut out), "col_offset");
+        assert_eq!(
+            field(
+                Rope {
+                    col_offset: usize::MAX,
+                    ..a
+                },
+                &mut out
+            ),
+            "col_offset"
+        );
+        assert_eq!(field(Rope { dim: 3, ..a }, &mut out), "dim");
+        assert_eq!(field(Rope { cos: &cs[1..], ..a }, &mut out), "cos");
+        assert_eq!(field(Rope { sin: &cs[1..], ..a }, &mut out), "sin");
+        assert_eq!(
+            field(
+                Rope {
+                    src: Elems::F32(&src[1..]),
+                    ..a
+                },
+                &mut out
+            ),
+            "src"
+        );
+        assert_eq!(field(a, &mut out[1..]), "out");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn random_shapes_match_the_reference(seed in 0u64..10_000, rows in 1usize..7,
+                                             heads in 1usize..5, half in 1usize..40,
+                                             extra in 0usize..20, at_end: bool,
+                                             st in 0u8..3, ot in 0u8..3, threads in 1usize..4) {
+            let d = 2 * half;
+            let w = heads * d + extra;
+            let off = if at_end { extra } else { extra / 2 };
+            check(seed, rows, w, off, heads, d, TYPES[st as usize], TYPES[ot as usize], threads);
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! `silu(gate) * up` from the fused gate/up projection.
+
+use super::{
+    check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
+    widen, write_row, ArgError,
+};
+use crate::{Elems, ElemsMut};
+
+/// `out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, inter + i]`,
+/// `silu(g) = g / (1 + exp(-g))` in f32, `exp` Cephes' single-precision polynomial
+/// ([`exp`]: within 2 ulp of the exact value). `gate_up` is `[rows, 2 * inter]`, `out`
+/// `[rows, inter]`. Rows are split over `threads` threads when the call has at least
+/// [`super::PARALLEL_MIN`] output elements.
+pub fn silu_mul(
+    gate_up: Elems<'_>,
+    out: ElemsMut<'_>,
+    rows: usize,
+    inter: usize,
+    threads: usize,
+) -> Result<(), ArgError> {
+    let n = product("out", rows, inter)?;
+    check_len("gate_up", len(&gate_up), product("gate_up", n, 2)?)?;
+    check_len("out", len_mut(&out), n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let ranges = row_ranges(rows, plan_threads(threads, rows, n));
+    let sizes: Vec<usize> = ranges.iter().map(|r| r.len() * inter).collect();
+    let pieces = ranges.into_iter().zip(split_mut(out, &sizes)).collect();
+    run_pieces(pieces, |range, mut out| {
+        silu_rows(&gate_up, range.start, range.len(), inter, &mut out)
+    });
+    Ok(())
+}
+
+dispatch!(silu_rows => silu_rows_impl(gate_up: &Elems<'_>, first: usize, rows: usize,
+                                      inter: usize, out: &mut ElemsMut<'_>));
+
+#[inline(always)]
+fn silu_rows_impl(
+    gate_up: &Elems<'_>,
+    first: usize,
+    rows: usize,
+    inter: usize,
+    out: &mut ElemsMut<'_>,
+) {
+    let (mut gbuf, mut ubuf, mut scratch) =
+        (vec![0f32; inter], vec![0f32; inter], vec![0f32; inter]);
+    for i in 0..rows {
+        let at = (first + i) * 2 * inter;
+        let g = widen(gate_up, at, &mut gbuf);
+        let u = widen(gate_up, at + inter, &mut ubuf);
+        write_row(out, i * inter, &mut scratch, |o| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = silu(g) * u;
+            }
+        });
+    }
+}
+
+/// `g / (1 + exp(-g))`.
+#[inline(always)]
+pub(crate) fn silu(g: f32) -> f32 {
+    g / (1.0 + exp(-g))
+}
+
+/// `e^x` in f32, Cephes' `expf` (range reduction by `ln 2` in two parts, degree-6
+/// polynomial): within 2 ulp over the normal range; `+inf` above `ln(f32::MAX)`; below
+/// -86.5 it returns `e^-86.5` (about 2.7e-38) instead of smaller values or 0 (in `silu`,
+/// `1 + e` is 1 long before); NaN stays NaN.
+/// Branch-free, so the loops calling it vectorize.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4; // ln 2 in two parts: C1 exact in 9 bits
+    const C2: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    const MAX: f32 = 88.722_84; // ln(f32::MAX), rounded up
+    let v = x.clamp(-86.5, MAX);
+    let shifted = v * LOG2E + ROUND;
+    // the integer n = round(v * log2(e)) sits in the low mantissa bits of `shifted`
+    let n = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let fx = shifted - ROUND;
+    let r = v - fx * C1 - fx * C2;
+    let mut y = 1.987_569_1e-4_f32;
+    y = y * r + 1.398_2e-3;
+    y = y * r + 8.333_452e-3;
+    y = y * r + 4.166_579_6e-2;
+    y = y * r + 1.666_666_5e-1;
+    y = y * r + 0.5;
+    y = y * r * r + r + 1.0;
+    // 2^n as 2^(n-1) * 2: n is in -125 ..= 128 (it reaches 128 just below MAX)
+    let pow2 = f32::from_bits((n.wrapping_add(126) as u32) << 23);
+    let e = y * pow2 * 2.0;
+    if x > MAX {
+        f32::INFINITY
+    } else if x.is_nan() {
+        x
+    } else {
+        e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{round_bits, values, Buf, Ty, TYPES};
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ulps(a: f32, b: f64) -> f64 {
+        let b32 = b as f32;
+        let ulp = (f32::from_bits(b32.abs().to_bits() + 1) - b32.abs()) as f64;
+        (a as f64 - b).abs() / ulp
+    }
+
+    #[test]
+    fn exp_is_within_2_ulp() {
+        let mut worst = 0f64;
+        for i in -86_500..88_700 {
+            let x = i as f32 * 1e-3 + 3.1e-4;
+            let u = ulps(exp(x), (x as f64).exp());
+            worst = worst.max(u);
+        }
+        assert!(worst <= 2.0, "worst {worst} ulp");
+        assert_eq!(exp(89.0), f32::INFINITY);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert!(exp(88.72).is_finite());
+        assert!(exp(f32::NAN).is_nan());
+        assert!(exp(-1e30) < 3e-38 && exp(f32::NEG_INFINITY) >= 0.0);
+    }
+
+    #[test]
+    fn silu_edges_match_torch() {
+        assert_eq!(silu(0.0), 0.0);
+        assert_eq!(silu(f32::INFINITY), f32::INFINITY);
+        assert!(silu(f32::NEG_INFINITY).is_nan()); // -inf / (1 + inf), as torch
+        assert_eq!(silu(-100.0), -0.0);
+        assert_eq!(silu(100.0), 100.0);
+        assert!(silu(f32::NAN).is_nan());
+    }
+
+    /// Plain scalar reference: `f64` exp rounded to f32 stands in for a correctly rounded
+    /// one, then the same f32 operations.
+    fn reference(gu: &[f32], inter: usize) -> Vec<f32> {
+        let mut out = Vec::new();
+        for row in gu.chunks(2 * inter) {
+            for i in 0..inter {
+                let g = row[i];
+                let e = (-(g as f64)).exp() as f32;
+                out.push(g / (1.0 + e) * row[inter + i]);
+            }
+        }
+        out
+    }
+
+    fn check(seed: u64, rows: usize, inter: usize, it: Ty, ot: Ty, threads: usize) {
+        let gu = Buf::new(it, &values(seed, rows * 2 * inter, 8.0));
+        let mut out = Buf::zeros(ot, rows * inter);
+        silu_mul(gu.elems(), out.elems_mut(), rows, inter, threads).unwrap();
+        let want = reference(&gu.f32s(), inter);
+        let got = out.f32s();
+        let want_r = Buf::new(ot, &want).f32s();
+        let tol = match ot {
+            Ty::F32 => 4e-7,
+            Ty::Bf16 => 1.0 / 128.0,
+            Ty::F16 => 1.0 / 1024.0,
+        };
+        for (k, (g, w)) in got.iter().zip(&want_r).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * w.abs().max(1e-30) || g == w,
+                "{it:?}->{ot:?} elem {k}: {g} vs {w}"
+            );
+        }
+        // the f32 result rounds to the output exactly as the half crate does
+        let mut f = Buf::zeros(Ty::F32, rows * inter);
+        silu_mul(gu.elems(), f.elems_mut(), rows, inter, 1).unwrap();
+        assert_eq!(out.bits(), round_bits(ot, &f.f32s()));
+    }
+
+    #[test]
+    fn all_type_combinations_match_the_reference() {
+        for &it in &TYPES {
+            for &ot in &TYPES {
+                for (rows, inter) in [(1, 1), (3, 17), (2, 1536), (4, 33)] {
+                    check(7, rows, inter, it, ot, 1);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn threads_do_not_change_the_result() {
+        for threads in [1, 2, 3] {
+            check(3, 64, 1536, Ty::Bf16, Ty::Bf16, threads);
+            check(4, 47, 1537, Ty::F32, Ty::F32, threads);
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let gu = vec![0u16; 12];
+        let mut out = vec![0u16; 6];
+        let e = silu_mul(Elems::Bf16(&gu[1..]), ElemsMut::Bf16(&mut out), 2, 3, 1).unwrap_err();
+        assert_eq!(e.field, "gate_up");
+        let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out[1..]), 2, 3, 1).unwrap_err();
+        assert_eq!(e.field, "out");
+        let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out), usize::MAX, 3, 1);
+        assert_eq!(e.unwrap_err().field, "out");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn random_shapes_match_the_reference(seed in 0u64..10_000, rows in 1usize..9,
+                                             inter in 1usize..300, it in 0u8..3, ot in 0u8..3,
+                                             threads in 1usize..4) {
+            check(seed, rows, inter, TYPES[it as usize], TYPES[ot as usize], threads);
+        }
+    }
+}
