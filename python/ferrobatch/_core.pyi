@@ -339,3 +339,71 @@ def paged_decode_attention(
     threads: int,
 ) -> None:
     """Decode rows' attention over the paged cache, read in place, written to `out`."""
+
+_Storage = npt.NDArray[np.float32] | npt.NDArray[np.uint16]
+_DType = Literal["float32", "bfloat16", "float16"]
+
+def rms_norm(
+    x: _Storage,
+    weight: _Storage,
+    out: _Storage,
+    *,
+    x_dtype: _DType,
+    weight_dtype: _DType,
+    out_dtype: _DType,
+    eps: float,
+    weight_offset: float = 0.0,
+    residual: _Storage | None = None,
+    residual_dtype: _DType = "float32",
+    threads: int = 1,
+) -> None:
+    """RMSNorm of `x` [T, H] rows into `out` [T, H] (`weight` [H], plus `weight_offset`),
+    after `x += residual` in place when `residual` [T, H] is given (`x` then float32).
+
+    All f32: `out = round((x * rsqrt(mean(x^2) + eps)) * (w + weight_offset))`, the mean a
+    16-lane sum; equals transformers' `LlamaRMSNorm` on f32 input up to that order.
+    `threads` > 1 splits rows only from 64K elements on.
+    """
+
+def silu_mul(
+    gate_up: _Storage,
+    out: _Storage,
+    *,
+    dtype: _DType,
+    out_dtype: _DType,
+    threads: int = 1,
+) -> None:
+    """`out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, I + i]`
+    (`gate_up` [T, 2I], `out` [T, I]); `silu(g) = g / (1 + exp(-g))` in f32, exp within
+    2 ulp (Cephes). `threads` > 1 splits rows only from 64K output elements on."""
+
+def rope(
+    src: _Storage,
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    out: _Storage,
+    *,
+    src_dtype: _DType,
+    out_dtype: _DType,
+    col_offset: int,
+    heads: int,
+    dim: int,
+    threads: int = 1,
+) -> None:
+    """Rotary embedding of `heads` heads of `src` [T, W] from column `col_offset` on into
+    `out` [T, heads, dim] (`cos` / `sin` float32 [T, dim]): `x * cos + rotate_half(x) * sin`
+    in f32, bit-equal to transformers' fp32 formula, rounded once to `out_dtype`."""
+
+def write_rows(
+    src: _Storage,
+    dst: _Storage,
+    slots: npt.NDArray[np.int64],
+    *,
+    src_dtype: _DType,
+    dst_dtype: _DType,
+    col_offset: int,
+    width: int,
+) -> None:
+    """`dst[slots[t]] = src[t, col_offset : col_offset + width]` in `dst`'s type (`dst`
+    [S, width] or [S, kv_heads, dim]); slots checked in `0 .. S` before any write; a
+    repeated slot keeps its last row. Equals `index_copy_(0, slots, ...)`."""

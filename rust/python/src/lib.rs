@@ -22,6 +22,7 @@ mod cache;
 mod config;
 mod convert;
 mod errors;
+mod fused;
 mod kernels;
 mod output;
 mod plan;
@@ -40,6 +41,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table::table_columns, m)?)?;
     m.add_function(wrap_pyfunction!(table::slots, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::rope, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;
     m.add("ZERO_CHUNK", ferrobatch_core::ZERO_CHUNK)?;
     m.add("SCRATCH_CHUNK", ferrobatch_core::SCRATCH_CHUNK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
