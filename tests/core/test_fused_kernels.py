@@ -85,7 +85,7 @@ def test_rms_norm_matches_torch(x_dtype, w_dtype, out_dtype, shape):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rms_norm_adds_the_residual_in_place(r_dtype, out_dtype, threads):
-    shape = (130, 577)  # past the 64K-element threshold for threads
+    shape = (1900, 577)  # past the 1M-element threshold for threads
     x = randn(*shape, scale=2.0, seed=3)
     r = randn(*shape, dtype=r_dtype, seed=4)
     w = randn(shape[1], dtype=torch.bfloat16, seed=5)

@@ -80,8 +80,11 @@ pub(crate) fn len_mut(e: &ElemsMut<'_>) -> usize {
     }
 }
 
-/// Work below this many elements runs on the caller's thread whatever `threads` says.
-pub const PARALLEL_MIN: usize = 1 << 16;
+/// Calls with fewer elements run on the caller's thread whatever `threads` says. Splitting
+/// rows over 2 threads never paid at decode sizes (measured on [64 .. 2048, 576] norms and
+/// [64 .. 1024, 2 x 1536] silu_mul, on a 2-core box: a thread start costs more than the
+/// row work), so only calls of a million elements or more (long prefill chunks) split.
+pub const PARALLEL_MIN: usize = 1 << 20;
 
 /// How many threads `threads` means for `rows` rows of `elems` elements in all.
 pub(crate) fn plan_threads(threads: usize, rows: usize, elems: usize) -> usize {
@@ -198,22 +201,39 @@ pub(crate) fn narrow(out: &mut ElemsMut<'_>, start: usize, vals: &[f32]) {
     }
 }
 
-/// Runs `f` on f32 storage for `out[start .. start + scratch.len()]`: that slice itself
-/// when `out` is f32, else `scratch`, rounded into `out` afterwards.
-#[inline(always)]
-pub(crate) fn write_row(
-    out: &mut ElemsMut<'_>,
-    start: usize,
-    scratch: &mut [f32],
-    f: impl FnOnce(&mut [f32]),
-) {
-    if let ElemsMut::F32(s) = out {
-        f(&mut s[start..start + scratch.len()]);
-    } else {
-        f(scratch);
-        narrow(out, start, scratch);
-    }
+/// Runs `$body`, a loop writing `$o[j] = $conv(value)` (`$conv` rounds an f32 to the
+/// element type of `$o`), for `out[start .. start + scratch.len()]`: f32 and bf16 outputs
+/// are written directly, fp16 goes through `scratch` and the `half` crate's slice
+/// conversion. A macro, not a closure, so the loop is compiled inside the caller's
+/// `#[target_feature]` function.
+macro_rules! store_row {
+    ($out:expr, $start:expr, $scratch:expr, |$o:ident, $conv:ident| $body:block) => {{
+        let (out, start, scratch): (&mut ElemsMut<'_>, usize, &mut [f32]) =
+            ($out, $start, $scratch);
+        let n = scratch.len();
+        match out {
+            ElemsMut::F32(s) => {
+                let $o = &mut s[start..start + n];
+                let $conv = |v: f32| v;
+                $body
+            }
+            ElemsMut::Bf16(s) => {
+                let $o = &mut s[start..start + n];
+                let $conv = $crate::fused::f32_to_bf16;
+                $body
+            }
+            ElemsMut::F16(_) => {
+                {
+                    let $o = &mut *scratch;
+                    let $conv = |v: f32| v;
+                    $body
+                }
+                $crate::fused::narrow(out, start, scratch);
+            }
+        }
+    }};
 }
+pub(crate) use store_row;
 
 /// Defines `fn $name(args)` running `$body` (an `#[inline(always)]` function) compiled for
 /// AVX-512 F + BW, or else AVX2, when the CPU has them (detected at run time), else for the
@@ -379,5 +399,86 @@ mod tests {
                 assert!(r.windows(2).all(|w| w[0].end == w[1].start));
             }
         }
+    }
+}
+
+/// Wall time per call at the decode sizes of SmolLM2-135M (batch 64), on this thread:
+/// `cargo test -p ferrobatch-kernels --release kernel_times -- --ignored --nocapture`.
+#[cfg(test)]
+mod timing {
+    use super::testing::{values, Buf, Ty};
+    use super::*;
+
+    fn time(name: &str, mut f: impl FnMut()) {
+        let mut best = f64::MAX;
+        for _ in 0..7 {
+            let t = std::time::Instant::now();
+            for _ in 0..500 {
+                f();
+            }
+            best = best.min(t.elapsed().as_secs_f64() / 500.0 * 1e6);
+        }
+        eprintln!("{name}: {best:.2} us");
+    }
+
+    #[test]
+    #[ignore]
+    fn kernel_times() {
+        let (t, h, i) = (64, 576, 1536);
+        let x = values(1, t * h, 2.0);
+        let w = Buf::new(Ty::Bf16, &values(2, h, 1.0));
+        let mut out = Buf::zeros(Ty::Bf16, t * h);
+        let mut outf = Buf::zeros(Ty::F32, t * h);
+        let a = RmsNorm {
+            weight: w.elems(),
+            rows: t,
+            hidden: h,
+            eps: 1e-5,
+            weight_offset: 0.0,
+            threads: 1,
+        };
+        time("norm f32->bf16", || {
+            rms_norm(&a, NormInput::Plain(Elems::F32(&x)), out.elems_mut()).unwrap()
+        });
+        time("norm f32->f32", || {
+            rms_norm(&a, NormInput::Plain(Elems::F32(&x)), outf.elems_mut()).unwrap()
+        });
+        let gu = Buf::new(Ty::Bf16, &values(3, t * 2 * i, 4.0));
+        let mut so = Buf::zeros(Ty::Bf16, t * i);
+        time("silu bf16->bf16", || {
+            silu_mul(gu.elems(), so.elems_mut(), t, i, 1).unwrap()
+        });
+        let guf = Buf::new(Ty::F32, &values(3, t * 2 * i, 4.0));
+        let mut sof = Buf::zeros(Ty::F32, t * i);
+        time("silu f32->f32", || {
+            silu_mul(guf.elems(), sof.elems_mut(), t, i, 1).unwrap()
+        });
+        let src = Buf::new(Ty::Bf16, &values(4, t * 960, 2.0));
+        let cs = values(5, t * 64, 1.0);
+        let mut ro = Buf::zeros(Ty::Bf16, t * 576);
+        let r = Rope {
+            src: src.elems(),
+            cos: &cs,
+            sin: &cs,
+            rows: t,
+            src_width: 960,
+            col_offset: 0,
+            heads: 9,
+            dim: 64,
+            threads: 1,
+        };
+        time("rope q bf16->bf16", || rope(&r, ro.elems_mut()).unwrap());
+        let mut cache = Buf::zeros(Ty::Bf16, 4096 * 192);
+        let slots: Vec<i64> = (0..t as i64).map(|k| k * 61 % 4096).collect();
+        let wr = WriteRows {
+            src: src.elems(),
+            src_width: 960,
+            col_offset: 768,
+            width: 192,
+            slots: &slots,
+        };
+        time("write_rows bf16", || {
+            write_rows(&wr, cache.elems_mut()).unwrap()
+        });
     }
 }

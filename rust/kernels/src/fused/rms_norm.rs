@@ -2,7 +2,7 @@
 
 use super::{
     arg_err, check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces,
-    split_mut, widen, write_row, ArgError,
+    split_mut, store_row, widen, ArgError,
 };
 use crate::{Elems, ElemsMut};
 
@@ -37,9 +37,9 @@ pub enum NormInput<'a> {
 /// `out[t, j] = round((x[t, j] * r_t) * (w[j] + weight_offset))` with
 /// `r_t = 1 / sqrt(mean_j(x[t, j]^2) + eps)`, all f32, after `x += residual` when asked.
 ///
-/// The mean is `sum / hidden`, the sum of squares accumulated in 16 lanes (lane `j % 16`,
-/// in order), the lanes added as a pairwise tree, then the `hidden % 16` last squares in
-/// order. This equals transformers' `LlamaRMSNorm` on an f32 input followed by
+/// The mean is `sum / hidden`, the sum of squares accumulated in 64 lanes (lane `j % 64`,
+/// in order, over the first `hidden / 64 * 64` columns), the lanes added as a pairwise
+/// tree, then the `hidden % 64` last squares in order. This equals transformers' `LlamaRMSNorm` on an f32 input followed by
 /// `.to(out_dtype)`, up to that summation order.
 pub fn rms_norm(a: &RmsNorm<'_>, x: NormInput<'_>, out: ElemsMut<'_>) -> Result<(), ArgError> {
     validate(a, &x, &out)?;
@@ -156,35 +156,46 @@ fn norm_residual_impl(
 fn norm_row(c: &Ctx<'_>, xs: &[f32], out: &mut ElemsMut<'_>, at: usize, scratch: &mut [f32]) {
     let var = sum_squares(xs) / xs.len() as f32;
     let r = 1.0 / (var + c.eps).sqrt();
-    write_row(out, at, scratch, |o| {
+    store_row!(out, at, scratch, |o, round| {
         for ((o, &v), &w) in o.iter_mut().zip(xs).zip(c.weight) {
-            *o = (v * r) * w;
+            *o = round((v * r) * w);
         }
     });
 }
 
-/// `sum x[i]^2`: 16 lanes, a pairwise tree over them, then the tail in order.
+/// Lanes of the sum of squares: four 16-float registers, so the adds overlap.
+const LANES: usize = 64;
+
+/// `sum x[i]^2`: [`LANES`] lanes (lane `i % LANES` over the first `len / LANES * LANES`
+/// squares, in order), a pairwise tree over them, then the tail in order.
 #[inline(always)]
 pub(crate) fn sum_squares(xs: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let mut chunks = xs.chunks_exact(16);
-    for c in &mut chunks {
-        for j in 0..16 {
+    let mut lanes = [0f32; LANES];
+    let (chunks, tail) = xs.as_chunks::<LANES>();
+    for c in chunks {
+        for j in 0..LANES {
             lanes[j] += c[j] * c[j];
         }
     }
-    let mut half = 8;
+    let mut sum = tree(lanes);
+    for &v in tail {
+        sum += v * v;
+    }
+    sum
+}
+
+/// `lanes[j] += lanes[j + h]` for `h` = 32, 16, .., 1; returns `lanes[0]`. Not inlined:
+/// seeing this tree, the compiler would keep the lanes above in pairs, not registers.
+#[inline(never)]
+fn tree(mut lanes: [f32; LANES]) -> f32 {
+    let mut half = LANES / 2;
     while half > 0 {
         for j in 0..half {
             lanes[j] += lanes[j + half];
         }
         half /= 2;
     }
-    let mut sum = lanes[0];
-    for &v in chunks.remainder() {
-        sum += v * v;
-    }
-    sum
+    lanes[0]
 }
 
 #[cfg(test)]
@@ -208,13 +219,12 @@ mod tests {
     }
 
     fn sum_squares_plain(xs: &[f32]) -> f32 {
-        let body = xs.len() / 16 * 16;
-        let mut lanes = [0f32; 16];
+        let body = xs.len() / 64 * 64;
+        let mut l = [0f32; 64];
         for (i, &v) in xs[..body].iter().enumerate() {
-            lanes[i % 16] += v * v;
+            l[i % 64] += v * v;
         }
-        let mut l = lanes;
-        for half in [8, 4, 2, 1] {
+        for half in [32, 16, 8, 4, 2, 1] {
             for j in 0..half {
                 l[j] += l[j + half];
             }
@@ -293,8 +303,8 @@ mod tests {
         for threads in [1, 2, 3] {
             check(
                 5,
-                130,
-                576,
+                1900,
+                577,
                 Ty::F32,
                 Ty::Bf16,
                 Ty::Bf16,
@@ -302,7 +312,17 @@ mod tests {
                 0.0,
                 threads,
             );
-            check(6, 64, 1031, Ty::Bf16, Ty::F32, Ty::F32, None, 1.0, threads);
+            check(
+                6,
+                1100,
+                1031,
+                Ty::Bf16,
+                Ty::F32,
+                Ty::F16,
+                None,
+                1.0,
+                threads,
+            );
         }
     }
 
