@@ -402,6 +402,31 @@ mod tests {
         );
     }
 
+    /// The baseline build of the loops (what a CPU without AVX2 runs) gives the same bits.
+    #[test]
+    fn portable_path_matches_the_dispatched_one() {
+        let (rows, h) = (5, 203);
+        let w = values(1, h, 1.0);
+        let c = Ctx {
+            weight: &w,
+            eps: 1e-6,
+        };
+        for &xt in &TYPES {
+            for &ot in &TYPES {
+                let x = Buf::new(xt, &values(2, rows * h, 3.0));
+                let (mut a, mut b) = (Buf::zeros(ot, rows * h), Buf::zeros(ot, rows * h));
+                norm_plain(&c, &x.elems(), 0, rows, &mut a.elems_mut());
+                norm_plain_impl(&c, &x.elems(), 0, rows, &mut b.elems_mut());
+                assert_eq!(a.bits(), b.bits());
+                let r = Buf::new(xt, &values(3, rows * h, 1.0));
+                let (mut xa, mut xb) = (values(4, rows * h, 2.0), values(4, rows * h, 2.0));
+                norm_residual(&c, &mut xa, &r.elems(), 0, &mut a.elems_mut());
+                norm_residual_impl(&c, &mut xb, &r.elems(), 0, &mut b.elems_mut());
+                assert_eq!((a.bits(), xa), (b.bits(), xb));
+            }
+        }
+    }
+
     fn ty(i: u8) -> Ty {
         TYPES[i as usize % 3]
     }

@@ -183,6 +183,34 @@ mod tests {
         }
     }
 
+    /// The baseline build of the loop (what a CPU without AVX2 runs) gives the same bits.
+    #[test]
+    fn portable_path_matches_the_dispatched_one() {
+        let (rows, w, heads, d) = (3, 100, 3, 30);
+        let cs = values(6, rows * d, 1.0);
+        for &st in &TYPES {
+            for &ot in &TYPES {
+                let src = Buf::new(st, &values(7, rows * w, 3.0));
+                let r = Rope {
+                    src: src.elems(),
+                    cos: &cs,
+                    sin: &cs,
+                    rows,
+                    src_width: w,
+                    col_offset: 7,
+                    heads,
+                    dim: d,
+                    threads: 1,
+                };
+                let n = rows * heads * d;
+                let (mut a, mut b) = (Buf::zeros(ot, n), Buf::zeros(ot, n));
+                rope_rows(&r, 0, rows, &mut a.elems_mut());
+                rope_rows_impl(&r, 0, rows, &mut b.elems_mut());
+                assert_eq!(a.bits(), b.bits());
+            }
+        }
+    }
+
     #[test]
     fn bad_arguments_are_errors() {
         let src = vec![0f32; 2 * 20];

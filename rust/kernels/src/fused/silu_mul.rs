@@ -196,6 +196,21 @@ mod tests {
         }
     }
 
+    /// The baseline build of the loop (what a CPU without AVX2 runs) gives the same bits.
+    #[test]
+    fn portable_path_matches_the_dispatched_one() {
+        let (rows, inter) = (4, 301);
+        for &it in &TYPES {
+            for &ot in &TYPES {
+                let gu = Buf::new(it, &values(5, rows * 2 * inter, 10.0));
+                let (mut a, mut b) = (Buf::zeros(ot, rows * inter), Buf::zeros(ot, rows * inter));
+                silu_rows(&gu.elems(), 0, rows, inter, &mut a.elems_mut());
+                silu_rows_impl(&gu.elems(), 0, rows, inter, &mut b.elems_mut());
+                assert_eq!(a.bits(), b.bits());
+            }
+        }
+    }
+
     #[test]
     fn bad_arguments_are_errors() {
         let gu = vec![0u16; 12];
