@@ -303,3 +303,25 @@ def test_bad_slots_write_nothing():
         _core.write_rows(src, dst, np.array([0, 1, 10]), src_dtype="float32",
                          dst_dtype="float32", col_offset=24, width=16)
     assert not dst.any()
+
+
+def test_outputs_overlapping_inputs_are_refused():
+    """Two numpy views of one torch tensor alias without numpy knowing; the bindings check
+    the memory ranges themselves."""
+    x, r, w = torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)
+    kw = dict(x_dtype="float32", weight_dtype="float32", out_dtype="float32", eps=1e-6)
+    assert field_of(_core.rms_norm, x.numpy(), w.numpy(), x.numpy(), **kw) == "out"
+    assert field_of(_core.rms_norm, x.numpy(), w.numpy(), r.numpy(), residual=r.numpy(),
+                    **kw) == "out"
+    assert field_of(_core.rms_norm, x.numpy(), x[0].numpy(), f32(4, 8), residual=r.numpy(),
+                    **kw) == "x"
+    gu = torch.randn(4, 16)
+    assert field_of(_core.silu_mul, gu.numpy(), gu.view(-1)[8:40].view(4, 8).numpy(),
+                    dtype="float32", out_dtype="float32") == "out"
+    src, cs = torch.randn(4, 40), torch.randn(4, 8)
+    assert field_of(_core.rope, src.numpy(), cs.numpy(), cs.numpy(),
+                    src.view(-1)[:64].view(4, 2, 8).numpy(), src_dtype="float32",
+                    out_dtype="float32", col_offset=0, heads=2, dim=8) == "out"
+    assert field_of(_core.write_rows, src.numpy(), src.view(10, 16).numpy(),
+                    np.array([0, 1, 2, 3]), src_dtype="float32", dst_dtype="float32",
+                    col_offset=0, width=16) == "dst"

@@ -1,7 +1,7 @@
 //! PyO3 wrappers of `ferrobatch-kernels`' fused elementwise kernels (`fused`): numpy views
 //! of torch tensors in (f32 as `float32`, bf16 / fp16 as `uint16` bit patterns), every
-//! dtype, shape and borrow checked with a `FieldError` naming the argument, then the kernel
-//! with the GIL released. Kept thin: the tensors are small and the calls many.
+//! dtype, shape, borrow and overlap (an output sharing memory with an input) checked with a
+//! `FieldError` naming the argument, then the kernel with the GIL released. Kept thin: the tensors are small and the calls many.
 
 use ferrobatch_kernels::fused::{self, ArgError, NormInput, RmsNorm, Rope, WriteRows};
 use ferrobatch_kernels::{Elems, ElemsMut};
@@ -10,6 +10,7 @@ use numpy::{
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
+use std::ops::Range;
 
 use crate::errors::invalid;
 
@@ -101,6 +102,12 @@ impl<'py> In<'py> {
             In::U16(a, _) => a.shape(),
         }
     }
+    fn span(&self) -> Range<usize> {
+        match self {
+            In::F32(a) => bytes(a.data(), a.len()),
+            In::U16(a, _) => bytes(a.data(), a.len()),
+        }
+    }
     fn elems(&self) -> Elems<'_> {
         // contiguity was checked in `ro`, so `as_slice` cannot fail
         match self {
@@ -130,6 +137,12 @@ impl<'py> Out<'py> {
             Out::U16(a, _) => a.shape(),
         }
     }
+    fn span(&self) -> Range<usize> {
+        match self {
+            Out::F32(a) => bytes(a.data(), a.len()),
+            Out::U16(a, _) => bytes(a.data(), a.len()),
+        }
+    }
     fn elems(&mut self) -> ElemsMut<'_> {
         // contiguity was checked in `rw`, so `as_slice_mut` cannot fail
         match self {
@@ -137,6 +150,31 @@ impl<'py> Out<'py> {
             Out::U16(a, Ty::Bf16) => ElemsMut::Bf16(a.as_slice_mut().unwrap_or_default()),
             Out::U16(a, _) => ElemsMut::F16(a.as_slice_mut().unwrap_or_default()),
         }
+    }
+}
+
+/// The bytes `n` elements from `p` occupy.
+fn bytes<T>(p: *mut T, n: usize) -> Range<usize> {
+    let start = p as usize;
+    start..start + n * std::mem::size_of::<T>()
+}
+
+/// An error naming `out` when its memory overlaps one of `inputs` (numpy cannot see that two
+/// views of one torch tensor alias, and the kernels do not work in place).
+fn disjoint(
+    out: &'static str,
+    o: Range<usize>,
+    inputs: &[(&'static str, Range<usize>)],
+) -> PyResult<()> {
+    match inputs
+        .iter()
+        .find(|(_, r)| o.start < r.end && r.start < o.end)
+    {
+        Some((name, _)) => Err(invalid(
+            out,
+            format!("{out} overlaps {name} in memory: the kernels do not work in place"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -222,6 +260,14 @@ pub fn rms_norm(
         let (rows, hidden) = two_d("x", xa.shape(), "[tokens, hidden]")?;
         let r = In::new(r, ty(residual_dtype, "residual_dtype")?, "residual")?;
         expect_shape("residual", r.shape(), &[rows, hidden], "[tokens, hidden]")?;
+        let xs = bytes(xa.data(), xa.len());
+        disjoint(
+            "x",
+            xs.clone(),
+            &[("residual", r.span()), ("weight", w.span())],
+        )?;
+        let ins = [("x", xs), ("residual", r.span()), ("weight", w.span())];
+        disjoint("out", o.span(), &ins)?;
         let a = norm_args(&w, &o, rows, hidden, eps, weight_offset, threads)?;
         let input = NormInput::AddResidual {
             x: xa.as_slice_mut().unwrap_or_default(),
@@ -232,6 +278,7 @@ pub fn rms_norm(
     } else {
         let xa = In::new(x, xt, "x")?;
         let (rows, hidden) = two_d("x", xa.shape(), "[tokens, hidden]")?;
+        disjoint("out", o.span(), &[("x", xa.span()), ("weight", w.span())])?;
         let a = norm_args(&w, &o, rows, hidden, eps, weight_offset, threads)?;
         let input = NormInput::Plain(xa.elems());
         let out = o.elems();
@@ -285,6 +332,7 @@ pub fn silu_mul(
     }
     let inter = cols / 2;
     expect_shape("out", o.shape(), &[rows, inter], "[tokens, intermediate]")?;
+    disjoint("out", o.span(), &[("gate_up", g.span())])?;
     let (g, out) = (g.elems(), o.elems());
     py.detach(|| fused::silu_mul(g, out, rows, inter, threads))
         .map_err(to_py)
@@ -329,6 +377,12 @@ pub fn rope(
         &[rows, heads, dim],
         "[tokens, heads, dim]",
     )?;
+    let tables = [
+        ("src", s.span()),
+        ("cos", bytes(c.data(), c.len())),
+        ("sin", bytes(n.data(), n.len())),
+    ];
+    disjoint("out", o.span(), &tables)?;
     let a = Rope {
         src: s.elems(),
         cos: c.as_slice().unwrap_or_default(),
@@ -378,6 +432,8 @@ pub fn write_rows(
             ),
         ));
     }
+    let ins = [("src", s.span()), ("slots", bytes(sl.data(), sl.len()))];
+    disjoint("dst", d.span(), &ins)?;
     let a = WriteRows {
         src: s.elems(),
         src_width,
