@@ -219,7 +219,10 @@ fn to_py(e: ArgError) -> PyErr {
 
 /// RMSNorm of the rows of `x` [T, H] into `out` [T, H], after `x += residual` in place when
 /// `residual` [T, H] is given (`x` must then be float32). `weight` [H]; `weight_offset` is
-/// added to it (1.0 for Gemma's `1 + w`).
+/// added to it (1.0 for Gemma's `1 + w`). All f32, rounded once into `out_dtype`:
+/// `(x * (1 / sqrt(mean(x^2) + eps))) * (w + weight_offset)`, the mean a 64-lane sum.
+/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
+/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (x, weight, out, *, x_dtype, weight_dtype, out_dtype, eps,
                     weight_offset = 0.0, residual = None, residual_dtype = "float32",
@@ -308,7 +311,10 @@ fn norm_args<'a>(
     })
 }
 
-/// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]`: `gate_up` [T, 2I], `out` [T, I].
+/// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]`: `gate_up` [T, 2I], `out` [T, I];
+/// `silu(g) = g / (1 + exp(-g))` in f32, exp Cephes' polynomial (within 2 ulp).
+/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
+/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (gate_up, out, *, dtype, out_dtype, threads = 1))]
 pub fn silu_mul(
@@ -339,7 +345,10 @@ pub fn silu_mul(
 }
 
 /// Rotary embedding of `heads` heads of `dim` columns of `src` [T, W] from column
-/// `col_offset` on, with `cos` / `sin` float32 [T, dim], into `out` [T, heads, dim].
+/// `col_offset` on, with `cos` / `sin` float32 [T, dim], into `out` [T, heads, dim]:
+/// `x * cos + rotate_half(x) * sin` in f32 (bit-equal to transformers' fp32 formula).
+/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
+/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (src, cos, sin, out, *, src_dtype, out_dtype, col_offset, heads, dim,
                     threads = 1))]
@@ -401,7 +410,7 @@ pub fn rope(
 /// `dst[slots[t], :] = src[t, col_offset : col_offset + width]` converted to `dst`'s type:
 /// `src` [T, W], `dst` [S, width] (or [S, kv_heads, dim] with kv_heads * dim = width),
 /// `slots` int64 [T], all checked in `0 .. S` before any write; a repeated slot gets the
-/// last of its rows.
+/// last of its rows. Single-threaded.
 #[pyfunction]
 #[pyo3(signature = (src, dst, slots, *, src_dtype, dst_dtype, col_offset, width))]
 #[allow(clippy::too_many_arguments)]
