@@ -7,13 +7,14 @@
 //! * [`write_rows`]: rows of a projection into chosen slots of the paged KV cache.
 //!
 //! Numerics: inputs are widened exactly to f32 (bf16 / fp16 as `u16` bit patterns), all
-//! math is f32 with the operations each kernel documents (no fused multiply-add: Rust never
-//! contracts `a * b + c`), and each result is rounded once, to nearest even, into the output
-//! type (bf16 NaN becomes `0x7fc0`, as torch's scalar conversion).
+//! math is f32 with the operations each kernel documents (no fused multiply-add in them: Rust
+//! never contracts `a * b + c`; only the inside of `silu_mul`'s exp uses explicit FMAs), and
+//! each result is rounded once, to nearest even, into the output type (bf16 NaN becomes
+//! `0x7fc0`, as torch's scalar conversion).
 //!
 //! Every length, shape and index is checked before anything is read or written; an error
 //! ([`ArgError`]) names the argument at fault. The loops are plain Rust, compiled a second
-//! time for AVX-512 (F + BW) and AVX2, picked at run time.
+//! time for AVX-512 (F + BW) + FMA and AVX2 + FMA, picked at run time.
 
 mod rms_norm;
 mod rope;
@@ -236,31 +237,36 @@ macro_rules! store_row {
 pub(crate) use store_row;
 
 /// Defines `fn $name(args)` running `$body` (an `#[inline(always)]` function) compiled for
-/// AVX-512 F + BW, or else AVX2, when the CPU has them (detected at run time), else for the
-/// build's baseline target.
+/// AVX-512 F + BW + FMA, or else AVX2 + FMA, when the CPU has them (detected at run time),
+/// else for the build's baseline target. Enabling FMA contracts nothing: only explicit
+/// `mul_add` calls become FMAs (in the baseline build they are libm's `fmaf`, same bits).
 macro_rules! dispatch {
     ($name:ident => $body:ident($($arg:ident: $ty:ty),* $(,)?)) => {
         fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx512f,avx512bw")]
+                #[target_feature(enable = "avx512f,avx512bw,fma")]
                 fn avx512($($arg: $ty),*) {
                     $body($($arg),*)
                 }
-                #[target_feature(enable = "avx2")]
+                #[target_feature(enable = "avx2,fma")]
                 fn avx2($($arg: $ty),*) {
                     $body($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("fma")
                 {
-                    // SAFETY: `avx512` is `$body` compiled with AVX-512F/BW allowed, and the
-                    // CPU was just found to have both.
+                    // SAFETY: `avx512` is `$body` compiled with AVX-512F/BW and FMA allowed,
+                    // and the CPU was just found to have all three.
                     unsafe { avx512($($arg),*) };
                     return;
                 }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: `avx2` is `$body` compiled with AVX2 allowed, just detected.
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: `avx2` is `$body` compiled with AVX2 and FMA allowed, both just
+                    // detected.
                     unsafe { avx2($($arg),*) };
                     return;
                 }

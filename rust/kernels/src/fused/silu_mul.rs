@@ -65,7 +65,9 @@ pub(crate) fn silu(g: f32) -> f32 {
 }
 
 /// `e^x` in f32, Cephes' `expf` (range reduction by `ln 2` in two parts, degree-6
-/// polynomial): within 2 ulp over the normal range; `+inf` above `ln(f32::MAX)`; below
+/// polynomial), the reduction and the polynomial as fused multiply-adds (a third fewer
+/// instructions: silu_mul [64, 2 x 1536] f32 42 -> 29 us): within 2 ulp over the normal
+/// range; `+inf` above `ln(f32::MAX)`; below
 /// -86.5 it returns `e^-86.5` (about 2.7e-38) instead of smaller values or 0 (in `silu`,
 /// `1 + e` is 1 long before); NaN stays NaN.
 /// Branch-free, so the loops calling it vectorize.
@@ -81,14 +83,14 @@ pub(crate) fn exp(x: f32) -> f32 {
     // the integer n = round(v * log2(e)) sits in the low mantissa bits of `shifted`
     let n = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let fx = shifted - ROUND;
-    let r = v - fx * C1 - fx * C2;
+    let r = (-fx).mul_add(C2, (-fx).mul_add(C1, v));
     let mut y = 1.987_569_1e-4_f32;
-    y = y * r + 1.398_2e-3;
-    y = y * r + 8.333_452e-3;
-    y = y * r + 4.166_579_6e-2;
-    y = y * r + 1.666_666_5e-1;
-    y = y * r + 0.5;
-    y = y * r * r + r + 1.0;
+    y = y.mul_add(r, 1.398_2e-3);
+    y = y.mul_add(r, 8.333_452e-3);
+    y = y.mul_add(r, 4.166_579_6e-2);
+    y = y.mul_add(r, 1.666_666_5e-1);
+    y = y.mul_add(r, 0.5);
+    y = (y * r).mul_add(r, r) + 1.0;
     // 2^n as 2^(n-1) * 2: n is in -125 ..= 128 (it reaches 128 just below MAX)
     let pow2 = f32::from_bits((n.wrapping_add(126) as u32) << 23);
     let e = y * pow2 * 2.0;
