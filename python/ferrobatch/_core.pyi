@@ -410,3 +410,30 @@ def write_rows(
     """`dst[slots[t]] = src[t, col_offset : col_offset + width]` in `dst`'s type (`dst`
     [S, width] or [S, kv_heads, dim]); slots checked in `0 .. S` before any write; a
     repeated slot keeps its last row. Equals `index_copy_(0, slots, ...)`."""
+def greedy_select(
+    scores: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | npt.NDArray[np.int32],
+    base: npt.NDArray[np.float64],
+    gain: npt.NDArray[np.float64],
+    per_token: npt.NDArray[np.float64],
+    *,
+    max_stage1: int,
+    max_candidates: int,
+    threads: int,
+) -> tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]
+] | None:
+    """The greedy head screen's candidates for `scores` [rows, vocab] (uint16 = bf16 bits,
+    float32, or exact int32) within `base + gain * per_token` of the fp32 logits:
+    `(rows, cols, unique, inverse)` int64 (pairs in row-major order, the distinct tokens
+    ascending, each pair's index among them); None when more than `max_stage1` /
+    `max_candidates` per row on average survive, or a threshold is not finite."""
+
+def greedy_pick(
+    logits: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64],
+    cols: npt.NDArray[np.int64],
+    inverse: npt.NDArray[np.int64],
+) -> npt.NDArray[np.int64] | None:
+    """int64 [rows]: each row's argmax among its candidates (logit of pair `i` at
+    `logits[rows[i], inverse[i]]`; ties: the lowest token); None when a candidate's logit is
+    not finite or a row has none."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
+from ferrobatch.errors import FieldError
+from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import RefPlanner
@@ -163,3 +166,182 @@ def test_not_supported_when_its_copies_would_take_too_much_memory(monkeypatch) -
     tight = type("Mem", (), {"available": w.numel() * gh._EXTRA_BYTES_PER_WEIGHT})()
     monkeypatch.setattr(gh.psutil, "virtual_memory", lambda: tight)
     assert not GreedyHead.supported(w)
+
+
+def _select_reference(scores: np.ndarray, base: np.ndarray, gain: np.ndarray,
+                      per_token: np.ndarray, max_stage1: int = gh._MAX_STAGE1,
+                      max_candidates: int = gh._MAX_CANDIDATES
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The selection rule in numpy (`GreedyHead`'s former `_select`), uint16 = bf16 bits."""
+    if scores.dtype == np.uint16:
+        scores = torch.from_numpy(scores.view(np.int16)).view(torch.bfloat16).float().numpy()
+    n, vocab = scores.shape
+    best = scores.argmax(axis=1)
+    a_best = scores[np.arange(n), best].astype(np.float64)
+    lb1 = a_best - base - gain * per_token[best]
+    thr = lb1 - base - gain * float(per_token.max())
+    if not np.isfinite(thr).all():
+        return None
+    if scores.dtype == np.int32:
+        thr = np.maximum(np.floor(thr) - 1, np.iinfo(np.int32).min).astype(np.int32)
+    else:
+        thr = np.nextafter(thr.astype(np.float32), np.float32(-np.inf))  # rounded down
+    flat = np.flatnonzero(scores >= thr[:, None])
+    if len(flat) > max_stage1 * n:
+        return None
+    r, c = flat // vocab, flat % vocab
+    a = scores.reshape(-1)[flat].astype(np.float64)
+    eps = base[r] + gain[r] * per_token[c]
+    lb2 = np.full(n, -np.inf)
+    np.maximum.at(lb2, r, a - eps)
+    keep = a + eps >= lb2[r] - np.abs(lb2[r]) * 1e-12 - 1e-300
+    r, c = r[keep], c[keep]
+    if len(r) > max_candidates * n:
+        return None
+    return r, c
+
+
+def _random_selection_case(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """Scores (one of the three types) with ties, ulp ladders, equal rows and non-finite
+    values now and then, and bounds from zero to wide."""
+    n, vocab = int(rng.integers(1, 6)), int(rng.choice([1, 3, 130, 700]))
+    kind = rng.choice(["bf16", "f32", "i32"])
+    scale = float(rng.choice([1e-3, 1.0, 50.0]))
+    x = rng.normal(size=(n, vocab)) * scale
+    if rng.random() < 0.5:  # ties: a few shared levels
+        levels = rng.normal(size=4) * scale
+        mask = rng.random((n, vocab)) < 0.3
+        x[mask] = rng.choice(levels, size=int(mask.sum()))
+    if rng.random() < 0.1:
+        x[int(rng.integers(n))] = x[0, 0]  # an all-equal row
+    if kind == "f32" and rng.random() < 0.3:  # steps of one ulp below the top
+        top = np.float32(x.max())
+        ladder = [top]
+        for _ in range(5):
+            ladder.append(np.nextafter(ladder[-1], np.float32(-np.inf)))
+        x.reshape(-1)[rng.integers(x.size, size=8)] = rng.choice(ladder, size=8)
+    if kind == "i32":
+        scores = np.round(x * 100).astype(np.int32)
+    else:
+        if rng.random() < 0.1:
+            x[int(rng.integers(n)), int(rng.integers(vocab))] = rng.choice(
+                [np.nan, -np.nan, np.inf, -np.inf])
+        t = torch.from_numpy(x.astype(np.float32))
+        scores = (t.bfloat16().view(torch.int16).numpy().view(np.uint16) if kind == "bf16"
+                  else t.numpy())
+    width = float(rng.choice([0.0, 1e-3, 0.1, 1.0])) * scale * (100 if kind == "i32" else 1)
+    base = rng.random(n) * width
+    gain = rng.random(n) * width * float(rng.choice([0.0, 0.1]))
+    per_token = rng.random(vocab) * 3
+    if rng.random() < 0.05:
+        base[int(rng.integers(n))] = rng.choice([np.nan, np.inf])
+    return scores, base, gain, per_token
+
+
+def test_kernel_selection_equals_the_numpy_rule_on_random_cases() -> None:
+    rng = np.random.default_rng(11)
+    outcomes = {"none": 0, "some": 0}
+    for _ in range(1500):
+        scores, base, gain, per_token = _random_selection_case(rng)
+        limits = [(gh._MAX_STAGE1, gh._MAX_CANDIDATES),
+                  (int(rng.integers(1, 40)), int(rng.integers(1, 8)))]
+        for s1, kept in limits:
+            with np.errstate(all="ignore"):
+                want = _select_reference(scores, base, gain, per_token, s1, kept)
+            got = _core.greedy_select(scores, base, gain, per_token, max_stage1=s1,
+                                      max_candidates=kept, threads=int(rng.integers(1, 4)))
+            assert (got is None) == (want is None), (scores, base, gain, per_token)
+            outcomes["none" if got is None else "some"] += 1
+            if got is not None:
+                rows, cols, unique, inverse = got
+                assert np.array_equal(rows, want[0]) and np.array_equal(cols, want[1])
+                assert np.array_equal(unique, np.unique(cols))
+                assert np.array_equal(unique[inverse], cols)
+    assert min(outcomes.values()) > 500, outcomes
+
+
+def test_screen_scores_pass_to_the_kernel_as_they_are() -> None:
+    # the module's `_select` is the kernel with the module's limits
+    rng = np.random.default_rng(3)
+    scores = rng.normal(size=(4, 300)).astype(np.float32)
+    base, gain, per_token = np.full(4, 0.05), np.full(4, 0.01), rng.random(300)
+    got = gh._select(scores, base, gain, per_token)
+    want = _select_reference(scores, base, gain, per_token)
+    assert got is not None and want is not None
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def _select_args(**over) -> dict:
+    args = dict(scores=np.zeros((2, 3), np.float32), base=np.zeros(2), gain=np.zeros(2),
+                per_token=np.zeros(3), max_stage1=8, max_candidates=8, threads=1)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,field", [
+    (dict(scores=np.zeros((2, 3), np.float64)), "scores"),
+    (dict(scores=np.zeros(6, np.float32)), "scores"),
+    (dict(scores=np.zeros((3, 2), np.float32).T), "scores"),
+    (dict(base=np.zeros(3)), "base"),
+    (dict(base=np.zeros(2, np.float32)), "base"),
+    (dict(gain=np.zeros((2, 1))), "gain"),
+    (dict(per_token=np.zeros(4)), "per_token"),
+    (dict(per_token=np.zeros(6)[::2]), "per_token"),
+])
+def test_select_rejects_bad_arguments_naming_them(over: dict, field: str) -> None:
+    with pytest.raises(FieldError) as err:
+        _core.greedy_select(**_select_args(**over))
+    assert err.value.field == field
+
+
+def test_pick_best_candidate_and_its_errors() -> None:
+    logits = np.array([[1.0, 3.0, 3.0], [-0.0, 0.0, 2.0]], np.float32)
+    rows, cols, inverse = (np.array(v, np.int64) for v in ([0, 0, 1, 1], [8, 4, 9, 2],
+                                                             [1, 2, 0, 1]))
+    assert _core.greedy_pick(logits, rows, cols, inverse).tolist() == [4, 2]
+    assert _core.greedy_pick(logits, rows[:2], cols[:2], inverse[:2]) is None  # row 1: none
+    bad = logits.copy()
+    bad[1, 0] = np.inf
+    assert _core.greedy_pick(bad, rows, cols, inverse) is None
+    with pytest.raises(FieldError) as err:
+        _core.greedy_pick(logits, rows, cols[:3], inverse)
+    assert err.value.field == "cols"
+    with pytest.raises(FieldError) as err:
+        _core.greedy_pick(logits.astype(np.float64), rows, cols, inverse)
+    assert err.value.field == "logits"
+    with pytest.raises(FieldError, match="outside"):
+        _core.greedy_pick(logits, rows, cols, inverse + 1)
+
+
+def _both(scores, base, gain, per_token, s1=gh._MAX_STAGE1, kept=gh._MAX_CANDIDATES):
+    """The kernel's (rows, cols) or None, asserted equal to the numpy rule's."""
+    got = _core.greedy_select(scores, base, gain, per_token, max_stage1=s1,
+                              max_candidates=kept, threads=1)
+    want = _select_reference(scores, base, gain, per_token, s1, kept)
+    assert (got is None) == (want is None)
+    if got is None:
+        return None
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    return got[1].tolist()
+
+
+def test_stage1_thresholds_are_rounded_down_as_the_rule_says() -> None:
+    # floats: one ulp below f32(thr) survives stage 1 (then stage 2 drops it)
+    top = np.float32(3.0)
+    below = np.nextafter(top, np.float32(-np.inf))
+    f = np.array([[top, below, np.nextafter(below, np.float32(-np.inf))]], np.float32)
+    zeros, per = np.zeros(1), np.zeros(3)
+    assert _both(f, zeros, zeros, per, s1=2) == [0]
+    assert _both(f, zeros, zeros, per, s1=1) is None  # two in stage 1
+    # int32: floor(thr) - 1, thr = 10 - 2 * 0.25
+    i = np.array([[10, 9, 8, 7]], np.int32)
+    assert _both(i, np.full(1, 0.25), zeros, np.zeros(4), s1=3) == [0]  # 10, 9, 8 in stage 1
+    assert _both(i, np.full(1, 0.25), zeros, np.zeros(4), s1=2) is None
+
+
+@pytest.mark.parametrize("d,kept", [(0.0, True), (0.5e-10, True), (2e-10, False)])
+def test_stage2_keeps_its_relative_slack_and_no_more(d: float, kept: bool) -> None:
+    # lb2 = 100 (token 0); token 1 has a + eps = 100 - d
+    per = np.array([0.0, 10.0 - d])
+    for scores in (np.array([[100, 90]], np.float32), np.array([[100, 90]], np.int32)):
+        assert _both(scores, np.zeros(1), np.ones(1), per) == ([0, 1] if kept else [0])

@@ -39,6 +39,8 @@ import numpy as np
 import psutil
 import torch
 
+from ferrobatch import _core
+
 logger = logging.getLogger("ferrobatch")
 
 __all__ = ["GreedyHead"]
@@ -57,6 +59,27 @@ _HAVE_MKLDNN = bool(
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+
+
+_Candidates = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""`_core.greedy_select`'s (rows, cols, unique, inverse), int64."""
+
+
+def _select(scores: np.ndarray, base: np.ndarray, gain: np.ndarray, per_token: np.ndarray
+            ) -> _Candidates | None:
+    """The (row, token) pairs that may hold each row's fp32 argmax, or None when too many.
+
+    Screened score `a_j` (`scores` [N, V]: bf16 bit patterns as uint16, float32, or exact
+    int32) is within `eps_j = base + gain * per_token[j]` of the token's fp32 logit
+    (row-wise `base`, `gain`, in the scores' units). The argmax `j*` has
+    `a_j* + eps_j* >= max_k (a_k - eps_k)`. Stage 1 keeps `a_j >= LB1 - base - gain *
+    max(per_token)` with `LB1 = a_m - eps_m` at the screened best `m` (the threshold
+    rounded down into the scores' type); stage 2 keeps, of those, `a_j + eps_j >= LB2`,
+    `LB2` the best `a_k - eps_k` among them (both lower bounds of the true maximum, so `j*`
+    survives). None also when a threshold is not finite. The rule in full:
+    `ferrobatch-kernels`' `select` module."""
+    return _core.greedy_select(scores, base, gain, per_token, max_stage1=_MAX_STAGE1,
+                               max_candidates=_MAX_CANDIDATES, threads=torch.get_num_threads())
 
 
 def _mkldnn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -162,51 +185,10 @@ class GreedyHead:
             cand = self._screen_bf16(hidden, h64, delta)
         if cand is None:
             return None
-        return self._rescore(hidden, *cand)
-
-    def _select(
-        self, scores: np.ndarray, base: np.ndarray, gain: np.ndarray, per_token: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows, tokens) that may hold the row's fp32 argmax, or None when too many.
-
-        Screened score `a_j` is within `eps_j = base + gain * per_token[j]` of the token's
-        fp32 logit (row-wise `base`, `gain`, in the scores' units). The argmax `j*` has
-        `a_j* + eps_j* >= max_k (a_k - eps_k)`. Stage 1 keeps `a_j >= LB1 - base - gain *
-        max(per_token)` with `LB1 = a_m - eps_m` at the screened best `m` (one pass over the
-        scores); stage 2 keeps, of those, `a_j + eps_j >= LB2`, `LB2` the best `a_k - eps_k`
-        among them (both lower bounds of the true maximum, so `j*` survives)."""
-        n, vocab = scores.shape
-        best = scores.argmax(axis=1)
-        a_best = scores[np.arange(n), best].astype(np.float64)
-        lb1 = a_best - base - gain * per_token[best]
-        thr = lb1 - base - gain * self._vmax(per_token)
-        if not np.isfinite(thr).all():
-            return None
-        if scores.dtype == np.int32:
-            thr = np.maximum(np.floor(thr) - 1, np.iinfo(np.int32).min).astype(np.int32)
-        else:
-            thr = np.nextafter(thr.astype(np.float32), np.float32(-np.inf))  # rounded down
-        # (numpy: torch's broadcast compare and 2-D nonzero are several times slower here)
-        flat = np.flatnonzero(scores >= thr[:, None])
-        if len(flat) > _MAX_STAGE1 * n:
-            return None
-        r, c = flat // vocab, flat % vocab
-        a = scores.reshape(-1)[flat].astype(np.float64)
-        eps = base[r] + gain[r] * per_token[c]
-        lb2 = np.full(n, -np.inf)
-        np.maximum.at(lb2, r, a - eps)
-        keep = a + eps >= lb2[r] - np.abs(lb2[r]) * 1e-12 - 1e-300
-        r, c = r[keep], c[keep]
-        if len(r) > _MAX_CANDIDATES * n:
-            return None
-        return r, c
-
-    @staticmethod
-    def _vmax(per_token: np.ndarray) -> float:
-        return float(per_token.max()) if len(per_token) else 0.0
+        return self._rescore(hidden, cand)
 
     def _screen_int8(self, h64: torch.Tensor, hmax: torch.Tensor, delta: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+                     ) -> _Candidates | None:
         assert self._qweight is not None
         k = h64.shape[1]
         t = hmax / 127.0
@@ -219,30 +201,23 @@ class GreedyHead:
         base = (0.5 * s * h64.abs().sum(dim=1).numpy() + 0.75 * k * unit + delta) / unit
         base += k / 256.0 + 1.0
         gain = np.full(len(unit), 0.5 / s)
-        return self._select(acc, base, gain, self._w1)
+        return _select(acc, base, gain, self._w1)
 
     def _screen_bf16(self, hidden: torch.Tensor, h64: torch.Tensor, delta: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+                     ) -> _Candidates | None:
         assert self._packed is not None
-        approx = _mkldnn_linear(hidden.bfloat16(), self._packed).float().numpy()  # [N, V]
+        approx = _mkldnn_linear(hidden.bfloat16(), self._packed).contiguous()  # [N, V] bf16
+        bits = approx.view(torch.int16).numpy().view(np.uint16)
         # eps_j = 0.013 ||h||_2 ||w_j||_2 + delta
-        return self._select(approx, delta, _BF16_BOUND * h64.norm(dim=1).numpy(), self._w2)
+        return _select(bits, delta, _BF16_BOUND * h64.norm(dim=1).numpy(), self._w2)
 
-    def _rescore(self, hidden: torch.Tensor, r: np.ndarray, c: np.ndarray
-                 ) -> torch.Tensor | None:
+    def _rescore(self, hidden: torch.Tensor, cand: _Candidates) -> torch.Tensor | None:
         """The fp32 argmax among each row's candidates (ties: lowest token id)."""
-        n = hidden.shape[0]
-        cols, where = np.unique(c, return_inverse=True)
-        weight = self._weight.detach().index_select(0, torch.from_numpy(cols)).float()
-        e = torch.mm(hidden, weight.t()).numpy()[r, where]
-        if not np.isfinite(e).all():
-            return None
-        order = np.lexsort((c, -e, r))  # per row: highest logit first, then lowest id
-        r_sorted = r[order]
-        first = np.flatnonzero(np.r_[True, r_sorted[1:] != r_sorted[:-1]])
-        if len(first) != n:  # every row keeps its own best; anything else is a bug
-            return None
-        return torch.from_numpy(c[order[first]].astype(np.int64))
+        rows, cols, unique, inverse = cand
+        weight = self._weight.detach().index_select(0, torch.from_numpy(unique)).float()
+        logits = torch.mm(hidden, weight.t()).numpy()  # [N, len(unique)]
+        tokens = _core.greedy_pick(logits, rows, cols, inverse)
+        return None if tokens is None else torch.from_numpy(tokens)
 
     def wins(self, rows: int = 64, rounds: int = 5) -> bool:
         """Whether a screen (int8 first, or bf16 alone) agrees with the fp32 argmax on random

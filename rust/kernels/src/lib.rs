@@ -7,5 +7,7 @@
 
 pub mod decode;
 pub mod fused;
+pub mod select;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};
+pub use select::{pick_best, select_candidates, Candidates, Scores, SelectArgs};
