@@ -7,7 +7,14 @@ attention is not separable, so the lm head on 64 rows is shown as the floor's la
 Also `execute_greedy` (greedy tokens through the bounded int8 screen of
 `ferrobatch.runner.greedy_head`, when the runner enabled it) and that screen alone.
 
+With `--head`: `GreedyHead.argmax` alone on 64 real hidden rows (final-norm outputs of a
+forward) with bf16 head weights, each screen forced: the brief model in bf16 (vocab 32000,
+hidden 256; rows from the last positions of 64 brief prompts) and the bundled SmolLM2-135M
+(vocab 49152, hidden 576; rows from the last 64 positions of the chat questions as text).
+Run it pinned, e.g. `taskset -c 1`.
+
     python benches/runner_step.py [page_size]
+    python benches/runner_step.py --head
 """
 
 from __future__ import annotations
@@ -112,5 +119,56 @@ def main() -> None:
               "of the candidates)")
 
 
+def head_rows_brief(model, rows: int = 64) -> torch.Tensor:
+    """Final hidden states at the last position of `rows` brief prompts."""
+    from ferrobatch.workloads import brief_prompts
+
+    with torch.inference_mode():
+        return torch.cat([model.model(input_ids=torch.tensor([p])).last_hidden_state[0, -1:]
+                          for p in brief_prompts(rows)])
+
+
+def head_rows_text(model, tokenizer, rows: int = 64) -> torch.Tensor:
+    """Final hidden states at the last `rows` positions of the chat questions as one text."""
+    from ferrobatch.workloads import CHAT_QUESTIONS
+
+    ids = tokenizer(" ".join(CHAT_QUESTIONS), return_tensors="pt").input_ids
+    assert ids.shape[1] >= rows
+    with torch.inference_mode():
+        return model.model(input_ids=ids).last_hidden_state[0, -rows:].contiguous()
+
+
+def head_main() -> None:
+    """`GreedyHead.argmax` CPU time per call at 64 rows, each screen, 1 thread."""
+    from ferrobatch.models import bundled_model_dir
+    from ferrobatch.runner.greedy_head import GreedyHead
+    from ferrobatch.workloads import brief_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    brief = brief_model().to(torch.bfloat16)
+    cases = [("brief, vocab 32000, hidden 256", brief.lm_head.weight, head_rows_brief(brief))]
+    path = str(bundled_model_dir())
+    smol = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cases.append(("SmolLM2-135M, vocab 49152, hidden 576", smol.lm_head.weight,
+                  head_rows_text(smol, AutoTokenizer.from_pretrained(path))))
+    print("GreedyHead.argmax, 64 rows, bf16 head weight, 1 thread, CPU ms per call")
+    for name, weight, hidden in cases:
+        ref = torch.mm(hidden.float(), weight.float().t()).argmax(dim=1)
+        for int8 in (False, True):
+            head = GreedyHead(weight)
+            head.int8 = int8 and head.int8
+            got = head.argmax(hidden)
+            assert got is None or torch.equal(got, ref)
+            with torch.inference_mode():
+                t = timeit(lambda: head.argmax(hidden), 20)  # noqa: B023
+            screen = "int8 (then bf16)" if int8 else "bf16"
+            print(f"  {name:38s} {screen:17s}: {t:7.3f} ms"
+                  f"{'' if got is not None else '  (undecided: full logits needed)'}")
+
+
 if __name__ == "__main__":
-    main()
+    if "--head" in sys.argv[1:]:
+        head_main()
+    else:
+        main()

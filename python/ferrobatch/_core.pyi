@@ -437,3 +437,9 @@ def greedy_pick(
     """int64 [rows]: each row's argmax among its candidates (logit of pair `i` at
     `logits[rows[i], inverse[i]]`; ties: the lowest token); None when a candidate's logit is
     not finite or a row has none."""
+
+def row_norms(
+    x: npt.NDArray[np.float32],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """float64 (l2, l1, amax) per row of `x` [rows, k], summed in f64 (`l1` is finite iff
+    the row is; `amax` is NaN when the row holds a NaN)."""

@@ -345,3 +345,34 @@ def test_stage2_keeps_its_relative_slack_and_no_more(d: float, kept: bool) -> No
     per = np.array([0.0, 10.0 - d])
     for scores in (np.array([[100, 90]], np.float32), np.array([[100, 90]], np.int32)):
         assert _both(scores, np.zeros(1), np.ones(1), per) == ([0, 1] if kept else [0])
+
+
+def test_row_norms_are_the_f64_norms() -> None:
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(4)) * 3
+    x[2] = 0.0
+    l2, l1, amax = _core.row_norms(x.numpy())
+    x64 = x.double()
+    np.testing.assert_allclose(l2, x64.norm(dim=1).numpy(), rtol=1e-14)
+    np.testing.assert_allclose(l1, x64.abs().sum(dim=1).numpy(), rtol=1e-14)
+    assert np.array_equal(amax, x64.abs().amax(dim=1).numpy())
+    x[1, 3], x[4, 0] = float("nan"), float("-inf")
+    l2, l1, amax = _core.row_norms(x.numpy())
+    assert np.isnan(l1[1]) and np.isnan(amax[1]) and np.isinf(l1[4]) and np.isinf(amax[4])
+    assert np.isfinite(l1[[0, 2, 3]]).all()
+    for bad in (x.double().numpy(), x.numpy().T, x.numpy()[0]):
+        with pytest.raises(FieldError) as err:
+            _core.row_norms(bad)
+        assert err.value.field == "x"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rows_and_weight_give_the_argmax_of_their_widening(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(3000, 96, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(19, 96, generator=gen).to(dtype)
+    for int8 in (True, False):
+        head = GreedyHead(w)
+        head.int8 = int8 and head.int8
+        got = head.argmax(x)
+        assert got is not None
+        assert torch.equal(got, _fp32_argmax(x.float(), w.float()))

@@ -27,6 +27,10 @@ the fp32 logits themselves, every token with `a_j < max_j a_j - 2 (eps + delta)`
 smaller fp32 logit than the screened best, so the fp32 argmax is among the others. When a
 screen leaves too many candidates, or anything is not finite, the next one is tried, and
 `argmax` returns None when none decides (the caller then computes the full fp32 logits).
+
+The per-call host work is in Rust (`ferrobatch._core`): the rows' norms (`row_norms`), the
+selection over the screen's scores as they come, bf16 bits or int32 (`greedy_select`), and
+each row's best candidate (`greedy_pick`).
 """
 
 from __future__ import annotations
@@ -157,23 +161,20 @@ class GreedyHead:
         n, k = hidden.shape
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        if hidden.device.type != "cpu":
+        if hidden.device.type != "cpu" or hidden.dtype not in (
+                torch.float32, torch.bfloat16, torch.float16):
             return None
-        if hidden.dtype in (torch.bfloat16, torch.float16):
-            hidden = hidden.float()  # exact widening
-        elif hidden.dtype != torch.float32:
-            return None
-        hidden = hidden.contiguous()
-        h64 = hidden.double()
-        hmax = h64.abs().amax(dim=1)
-        if not bool(torch.isfinite(hmax).all()) or not bool((hmax > 0).all()):
+        hidden = hidden.detach().contiguous()
+        wide = hidden.float()  # exact widening (itself when fp32)
+        l2, l1, hmax = _core.row_norms(wide.numpy())  # f64 sums
+        if not (np.isfinite(l1).all() and (hmax > 0).all()):
             return None  # non-finite, or an all-zero row (every logit ties)
         # the fp32 logits' own rounding, in the screens' windows
         # (plus a tiny absolute term for flushed denormals in the low-precision products)
-        delta = k * (2.0**-24 * h64.norm(dim=1).numpy() * self._w2max + 2.0**-120)
+        delta = k * (2.0**-24 * l2 * self._w2max + 2.0**-120)
         cand = None
         if self.int8:
-            cand = self._screen_int8(h64, hmax, delta)
+            cand = self._screen_int8(wide, l1, hmax, delta)
             self._int8_calls += 1
             self._int8_misses += cand is None
             if (self._int8_calls >= _INT8_TRIAL_CALLS
@@ -182,34 +183,35 @@ class GreedyHead:
                 self.int8 = False
                 self._qweight = None
         if cand is None:
-            cand = self._screen_bf16(hidden, h64, delta)
+            cand = self._screen_bf16(hidden, l2, delta)
         if cand is None:
             return None
-        return self._rescore(hidden, cand)
+        return self._rescore(wide, cand)
 
-    def _screen_int8(self, h64: torch.Tensor, hmax: torch.Tensor, delta: np.ndarray
-                     ) -> _Candidates | None:
+    def _screen_int8(self, hidden: torch.Tensor, l1: np.ndarray, hmax: np.ndarray,
+                     delta: np.ndarray) -> _Candidates | None:
         assert self._qweight is not None
-        k = h64.shape[1]
+        k = hidden.shape[1]
         t = hmax / 127.0
-        q = torch.round(h64 / t.unsqueeze(1)).to(torch.int8)
+        q = torch.round(hidden.double() / torch.from_numpy(t).unsqueeze(1)).to(torch.int8)
         acc = torch._int_mm(q, self._qweight.t()).numpy()  # [N, V] int32, exact
-        s, t_np = self._scale, t.numpy()
-        unit = t_np * s  # one integer step of acc
+        s = self._scale
+        unit = t * s  # one integer step of acc
         # eps_j = (s/2)||h||_1 + (3/4) K t s + delta + (t/2)||w_j||_1, in units of t*s
         # (+ K/256 + 1 units: the fp32 quantization of the weight, and rounding)
-        base = (0.5 * s * h64.abs().sum(dim=1).numpy() + 0.75 * k * unit + delta) / unit
+        base = (0.5 * s * l1 + 0.75 * k * unit + delta) / unit
         base += k / 256.0 + 1.0
         gain = np.full(len(unit), 0.5 / s)
         return _select(acc, base, gain, self._w1)
 
-    def _screen_bf16(self, hidden: torch.Tensor, h64: torch.Tensor, delta: np.ndarray
+    def _screen_bf16(self, hidden: torch.Tensor, l2: np.ndarray, delta: np.ndarray
                      ) -> _Candidates | None:
         assert self._packed is not None
+        # bf(h) of the rows as given (rounding a half row to bf16 is that of its widening)
         approx = _mkldnn_linear(hidden.bfloat16(), self._packed).contiguous()  # [N, V] bf16
         bits = approx.view(torch.int16).numpy().view(np.uint16)
         # eps_j = 0.013 ||h||_2 ||w_j||_2 + delta
-        return _select(bits, delta, _BF16_BOUND * h64.norm(dim=1).numpy(), self._w2)
+        return _select(bits, delta, _BF16_BOUND * l2, self._w2)
 
     def _rescore(self, hidden: torch.Tensor, cand: _Candidates) -> torch.Tensor | None:
         """The fp32 argmax among each row's candidates (ties: lowest token id)."""

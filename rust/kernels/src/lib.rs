@@ -10,4 +10,4 @@ pub mod fused;
 pub mod select;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};
-pub use select::{pick_best, select_candidates, Candidates, Scores, SelectArgs};
+pub use select::{pick_best, row_norms, select_candidates, Candidates, Scores, SelectArgs};

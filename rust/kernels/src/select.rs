@@ -153,6 +153,53 @@ pub fn pick_best(
     Ok(best.into_iter().map(|b| b.map(|(_, c)| c)).collect())
 }
 
+/// Per row of `x` `[rows, k]`: `(||x||_2, ||x||_1, max |x|)`, summed in f64 (relative
+/// error at most `k 2^-53`). `||x||_1` is finite iff the row is; `max |x|` is NaN when the
+/// row holds a NaN. An error when `x` is not `rows * k` long.
+pub fn row_norms(x: &[f32], k: usize) -> Result<[Vec<f64>; 3], KernelError> {
+    if k == 0 || !x.len().is_multiple_of(k) {
+        return Err(KernelError(format!(
+            "x has {} entries, not a multiple of k = {k} > 0",
+            x.len()
+        )));
+    }
+    let rows = x.len() / k;
+    let mut out = [vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]];
+    for (i, row) in x.chunks_exact(k).enumerate() {
+        let (sq, abs, max) = norms_of(row);
+        out[0][i] = sq.sqrt();
+        out[1][i] = abs;
+        out[2][i] = max;
+    }
+    Ok(out)
+}
+
+/// `(sum x^2, sum |x|, max |x|)` of one row in f64, over independent lanes.
+fn norms_of(row: &[f32]) -> (f64, f64, f64) {
+    const LANES: usize = 8;
+    let (mut sq, mut abs, mut max) = ([0.0f64; LANES], [0.0f64; LANES], [0.0f64; LANES]);
+    let mut parts = row.chunks_exact(LANES);
+    for part in &mut parts {
+        for j in 0..LANES {
+            let a = (part[j] as f64).abs();
+            sq[j] += a * a;
+            abs[j] += a;
+            max[j] = nan_max(max[j], a);
+        }
+    }
+    for (j, &x) in parts.remainder().iter().enumerate() {
+        let a = (x as f64).abs();
+        sq[j] += a * a;
+        abs[j] += a;
+        max[j] = nan_max(max[j], a);
+    }
+    (
+        sq.iter().sum(),
+        abs.iter().sum(),
+        max.iter().copied().fold(0.0, nan_max),
+    )
+}
+
 /// One score type: a key that orders the values (NaNs aside; -0 below +0) and the rounding
 /// of the stage-1 threshold into it.
 trait Score: Copy + Sync {
@@ -940,6 +987,23 @@ mod tests {
         assert!(pick_best(&logits, 3, &[0], &[0], &[-1]).is_err());
         assert!(pick_best(&logits, 4, &[0], &[0], &[0]).is_err());
         assert!(pick_best(&logits, 3, &[0], &[], &[0]).is_err());
+    }
+
+    #[test]
+    fn row_norms_are_the_f64_norms() {
+        let x = [3.0f32, -4.0, 0.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 2.0, 0.5];
+        let [l2, l1, max] = row_norms(&x, 11).unwrap();
+        let want_sq: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
+        assert_eq!(l2, vec![want_sq.sqrt()]);
+        assert_eq!(l1, vec![15.5]);
+        assert_eq!(max, vec![4.0]);
+        let [l2, l1, max] = row_norms(&[0.0, 0.0, f32::NAN, 1.0, f32::INFINITY, 1.0], 2).unwrap();
+        assert_eq!((l2[0], l1[0], max[0]), (0.0, 0.0, 0.0));
+        assert!(l1[1].is_nan() && max[1].is_nan() && l2[1].is_nan());
+        assert!(l1[2].is_infinite() && max[2].is_infinite());
+        assert!(row_norms(&[1.0; 5], 2).is_err());
+        assert!(row_norms(&[], 0).is_err());
+        assert_eq!(row_norms(&[], 3).unwrap(), [vec![], vec![], vec![]]);
     }
 
     proptest! {

@@ -48,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_pick, m)?)?;
+    m.add_function(wrap_pyfunction!(select::row_norms, m)?)?;
     m.add("ZERO_CHUNK", ferrobatch_core::ZERO_CHUNK)?;
     m.add("SCRATCH_CHUNK", ferrobatch_core::SCRATCH_CHUNK)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

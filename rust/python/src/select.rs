@@ -232,3 +232,38 @@ pub fn greedy_pick<'py>(
         .map_err(|e| field_error(None, e.0))?;
     Ok(picked.map(|t| PyArray1::from_vec(py, t)))
 }
+
+/// `row_norms`' `(l2, l1, amax)`.
+type Norms<'py> = (
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<f64>>,
+);
+
+/// `(l2, l1, amax)` float64 [rows]: each row's 2-norm, 1-norm and largest magnitude of `x`
+/// float32 [rows, k], summed in f64 (`l1` is finite iff the row is; `amax` NaN with a NaN).
+#[pyfunction]
+pub fn row_norms<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Norms<'py>> {
+    let x = x
+        .cast::<PyArrayDyn<f32>>()
+        .map_err(|_| invalid("x", "x must be a numpy array of float32"))?
+        .readonly();
+    let &[rows, k] = x.shape() else {
+        return Err(invalid(
+            "x",
+            format!("x must be [rows, k], not of shape {:?}", x.shape()),
+        ));
+    };
+    let xs = slice_of(&x, "x")?;
+    let [l2, l1, amax] = if k == 0 {
+        [vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]]
+    } else {
+        py.detach(|| kernels::row_norms(xs, k))
+            .map_err(|e| field_error(None, e.0))?
+    };
+    Ok((
+        PyArray1::from_vec(py, l2),
+        PyArray1::from_vec(py, l1),
+        PyArray1::from_vec(py, amax),
+    ))
+}
