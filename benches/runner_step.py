@@ -141,7 +141,7 @@ def head_rows_text(model, tokenizer, rows: int = 64) -> torch.Tensor:
 def head_main() -> None:
     """`GreedyHead.argmax` CPU time per call at 64 rows, each screen, 1 thread."""
     from ferrobatch.models import bundled_model_dir
-    from ferrobatch.runner.greedy_head import GreedyHead
+    from ferrobatch.runner.greedy_head import GreedyHead, _mkldnn_linear
     from ferrobatch.workloads import brief_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,6 +155,12 @@ def head_main() -> None:
     print("GreedyHead.argmax, 64 rows, bf16 head weight, 1 thread, CPU ms per call")
     for name, weight, hidden in cases:
         ref = torch.mm(hidden.float(), weight.float().t()).argmax(dim=1)
+        head = GreedyHead(weight)
+        head.argmax(hidden)  # derives the packed bf16 weight
+        with torch.inference_mode():
+            rows = hidden.bfloat16()
+            t = timeit(lambda: _mkldnn_linear(rows, head._packed), 20)  # noqa: B023
+        print(f"  {name:38s} {'(bf16 product alone)':17s}: {t:7.3f} ms")
         for int8 in (False, True):
             head = GreedyHead(weight)
             head.int8 = int8 and head.int8

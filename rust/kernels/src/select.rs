@@ -19,6 +19,9 @@
 //!
 //! A row is read once in chunks (each chunk's maximum key kept), then only the chunks whose
 //! maximum reaches the threshold are read again.
+//!
+//! Also for the screen: [`pick_best`] (each row's best candidate from their fp32 logits)
+//! and [`row_norms`] (the rows' norms its bounds use).
 
 use crate::decode::KernelError;
 
@@ -340,15 +343,16 @@ impl Score for i32 {
         k
     }
     fn threshold(thr: f64) -> i32 {
-        // `as` saturates, as the clamp to i32::MIN does below
+        // with non-negative bounds thr <= a_m <= i32::MAX, so only the clamp from below acts
+        // (`as` would saturate above too, where numpy's cast is undefined)
         (thr.floor() - 1.0).max(i32::MIN as f64) as i32
     }
 }
 
 /// Scores per chunk whose maximum key is kept.
 const CHUNK: usize = 128;
-/// Scores per part of a chunk that reaches the threshold, skipped when its maximum does not.
-const PART: usize = 16;
+/// Scores per bit mask of a chunk that reaches the threshold.
+const MASK: usize = 64;
 
 /// `numpy.maximum`: NaN when either is NaN.
 fn nan_max(m: f64, x: f64) -> f64 {
@@ -553,19 +557,25 @@ fn stage1_survivors<S: Score>(
         if m < t {
             continue;
         }
-        for (s, part) in chunk.chunks(PART).enumerate() {
-            if key_range(part).1 < t {
-                continue;
-            }
-            let start = c * CHUNK + s * PART;
-            for (j, &x) in part.iter().enumerate() {
-                if x.key() >= t {
-                    cols.push((start + j) as u32);
-                    vals.push(x.value());
-                }
+        for (s, part) in chunk.chunks(MASK).enumerate() {
+            let start = c * CHUNK + s * MASK;
+            let mut mask = passing(part, t);
+            while mask != 0 {
+                let j = mask.trailing_zeros() as usize;
+                mask &= mask - 1;
+                cols.push((start + j) as u32);
+                vals.push(part[j].value());
             }
         }
     }
+}
+
+/// Bit `j` set iff `part[j]` (at most 64 scores) has a key at least `t`.
+#[inline(always)]
+fn passing<S: Score>(part: &[S], t: S::Key) -> u64 {
+    part.iter()
+        .enumerate()
+        .fold(0u64, |m, (j, x)| m | (u64::from(x.key() >= t) << j))
 }
 
 /// The stage-1 survivors `cols` (scores `vals`) of one row that stage 2 keeps.
