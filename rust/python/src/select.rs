@@ -1,6 +1,7 @@
-//! PyO3 wrappers of the greedy head's candidate selection (`ferrobatch-kernels`, `select`):
-//! numpy views in (bf16 scores as `uint16` bit patterns), int64 arrays out, argument errors
-//! as `FieldError` naming the argument. The GIL is released while a kernel runs.
+//! PyO3 wrappers of the greedy head's kernels (`ferrobatch-kernels`, `select`):
+//! `greedy_select` (the candidates), `greedy_pick` (each row's best of them), `row_norms`.
+//! numpy views in (bf16 scores as `uint16` bit patterns), arrays out, argument errors as
+//! `FieldError` naming the argument. The GIL is released while a kernel runs.
 
 use ferrobatch_kernels as kernels;
 use kernels::{Scores, SelectArgs};
