@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["available", "rms_norm", "rope", "silu_mul", "write_rows"]
+__all__ = ["available", "handles", "rms_norm", "rope", "silu_mul", "write_rows"]
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _KERNELS = ("rms_norm", "silu_mul", "rope", "write_rows")
@@ -25,6 +25,11 @@ def available() -> bool:
     from ferrobatch import _core
 
     return all(hasattr(_core, name) for name in _KERNELS)
+
+
+def handles(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors (CPU, fp32 / bf16 / fp16)."""
+    return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

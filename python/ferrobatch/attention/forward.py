@@ -162,7 +162,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k_new: torch.Tensor, v_new: torch.Tensor) -> None:
     """Write the step's keys and values [T, Hkv, D] at their cache slots (one fused row copy
     each on CPU, else `index_copy_`)."""
-    if k_cache.device.type == "cpu" and fused_ops.available():
+    if fused_ops.available() and fused_ops.handles(k_cache, v_cache, k_new, v_new):
         tokens = k_new.shape[0]
         for new, cache in ((k_new, k_cache), (v_new, v_cache)):
             rows = new.reshape(tokens, -1)
