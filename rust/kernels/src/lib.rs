@@ -3,7 +3,11 @@
 //! state: the scheduling core (`ferrobatch-core`) stays tensor-free.
 //!
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
-//!   place through the block tables (no gather), fp32 scores, softmax and accumulation.
+//!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
+//! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
+//!   the residual add, SiLU * up, rotary embeddings, rows written at cache slots);
+//! * [`select`]: the greedy head's candidate selection over screened scores (exact bounds),
+//!   the per-row best candidate and the rows' norms.
 
 pub mod decode;
 pub mod fused;

@@ -10,12 +10,14 @@
 //! * `StepOutput` deltas are built lazily in `__getitem__`; the engine reads the array views;
 //! * the GIL is *not* released in `schedule()`/`update()`: they take microseconds, while
 //!   re-acquiring a contended GIL can take a whole switch interval (5 ms). The CPU kernels
-//!   ([`kernels`]) release it.
+//!   ([`kernels`], [`fused`], [`select`]) release it.
 //!
 //! Module map: [`scheduler`] (`Scheduler`), [`plan`] (`StepPlan`), [`output`]
 //! (`StepOutput`, `Delta`), [`config`] (the constructor's arguments), [`convert`]
 //! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`table`]
-//! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`); the constants
+//! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`), [`fused`]
+//! (`rms_norm`, `silu_mul`, `rope`, `write_rows`), [`select`] (`greedy_select`,
+//! `greedy_pick`, `row_norms`); the constants
 //! `ZERO_CHUNK`, `SCRATCH_CHUNK`. The stub `python/ferrobatch/_core.pyi` describes the module.
 
 mod cache;
