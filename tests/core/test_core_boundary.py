@@ -92,11 +92,26 @@ def test_kernel_arguments():
     _core.paged_decode_attention(q, cache, cache, table, seqlens, out, **kw)
     assert field_of(_core.paged_decode_attention, q.astype(np.float64), cache, cache, table,
                     seqlens, out, **kw) == "q"
+    # a dtype name the kernel does not know is the dtype argument's fault
     assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, out,
-                    **(kw | {"cache_dtype": "int8"})) == "k_cache"
+                    **(kw | {"cache_dtype": "int8"})) == "cache_dtype"
     strided = np.zeros((1, 2, 8), dtype=np.float32)[:, :, ::2]
     assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, strided,
                     **kw) == "out"
+    # Fortran order, a read-only output and an output aliasing an input are refused too
+    q2, out2, lens2 = np.zeros((2, 2, 4), np.float32), np.zeros((2, 2, 4), np.float32), \
+        np.ones(2, np.int32)
+    fortran = np.asfortranarray(np.zeros((2, 2), dtype=np.int32))
+    assert not fortran.flags.c_contiguous
+    assert field_of(_core.paged_decode_attention, q2, cache, cache, fortran, lens2, out2,
+                    **kw) == "block_tables"
+    frozen = np.zeros_like(q)
+    frozen.setflags(write=False)
+    assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, frozen,
+                    **kw) == "out"
+    both = np.zeros(16, dtype=np.float32)
+    assert field_of(_core.paged_decode_attention, both[:8].reshape(1, 2, 4), cache, cache,
+                    table, seqlens, both[:8].reshape(1, 2, 4).view(), **kw) in ("q", "out")
 
 
 # Scheduler(...) values the core rejects.

@@ -3,96 +3,12 @@
 //! `ValueError`). The GIL is released while a kernel runs.
 
 use ferrobatch_kernels as kernels;
-use kernels::{DecodeArgs, Elems, ElemsMut, Window};
-use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
-};
+use kernels::{DecodeArgs, Window};
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::{field_error, invalid};
-
-/// A read-only contiguous array of the named storage type.
-enum Ro<'py> {
-    F32(PyReadonlyArrayDyn<'py, f32>),
-    U16(PyReadonlyArrayDyn<'py, u16>, bool), // bf16 when true, else fp16
-}
-
-enum Rw<'py> {
-    F32(PyReadwriteArrayDyn<'py, f32>),
-    U16(PyReadwriteArrayDyn<'py, u16>, bool),
-}
-
-fn half_kind(dtype: &str, field: &'static str) -> PyResult<Option<bool>> {
-    match dtype {
-        "float32" => Ok(None),
-        "bfloat16" => Ok(Some(true)),
-        "float16" => Ok(Some(false)),
-        _ => Err(invalid(
-            field,
-            format!("{field}: dtype must be float32, bfloat16 or float16, not {dtype:?}"),
-        )),
-    }
-}
-
-fn readonly<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &'static str) -> PyResult<Ro<'py>> {
-    let wrong = || {
-        invalid(
-            field,
-            format!("{field} must be a numpy array of {dtype} storage (bf16/fp16 as uint16)"),
-        )
-    };
-    Ok(match half_kind(dtype, field)? {
-        None => Ro::F32(a.cast::<PyArrayDyn<f32>>().map_err(|_| wrong())?.readonly()),
-        Some(bf) => Ro::U16(
-            a.cast::<PyArrayDyn<u16>>().map_err(|_| wrong())?.readonly(),
-            bf,
-        ),
-    })
-}
-
-fn readwrite<'py>(a: &Bound<'py, PyAny>, dtype: &str, field: &'static str) -> PyResult<Rw<'py>> {
-    let wrong = || {
-        invalid(
-            field,
-            format!(
-                "{field} must be a writable numpy array of {dtype} storage (bf16/fp16 as uint16)"
-            ),
-        )
-    };
-    Ok(match half_kind(dtype, field)? {
-        None => Rw::F32(
-            a.cast::<PyArrayDyn<f32>>()
-                .map_err(|_| wrong())?
-                .readwrite(),
-        ),
-        Some(bf) => Rw::U16(
-            a.cast::<PyArrayDyn<u16>>()
-                .map_err(|_| wrong())?
-                .readwrite(),
-            bf,
-        ),
-    })
-}
-
-fn not_contiguous(field: &'static str) -> PyErr {
-    invalid(field, format!("{field} must be C-contiguous"))
-}
-
-fn elems<'a>(a: &'a Ro<'_>, field: &'static str) -> PyResult<Elems<'a>> {
-    Ok(match a {
-        Ro::F32(x) => Elems::F32(x.as_slice().map_err(|_| not_contiguous(field))?),
-        Ro::U16(x, true) => Elems::Bf16(x.as_slice().map_err(|_| not_contiguous(field))?),
-        Ro::U16(x, false) => Elems::F16(x.as_slice().map_err(|_| not_contiguous(field))?),
-    })
-}
-
-fn elems_mut<'a>(a: &'a mut Rw<'_>, field: &'static str) -> PyResult<ElemsMut<'a>> {
-    Ok(match a {
-        Rw::F32(x) => ElemsMut::F32(x.as_slice_mut().map_err(|_| not_contiguous(field))?),
-        Rw::U16(x, true) => ElemsMut::Bf16(x.as_slice_mut().map_err(|_| not_contiguous(field))?),
-        Rw::U16(x, false) => ElemsMut::F16(x.as_slice_mut().map_err(|_| not_contiguous(field))?),
-    })
-}
+use crate::views::{disjoint, ty, In, Out};
 
 /// Attention of decode rows over the paged cache, read in place (`ferrobatch-kernels`,
 /// `decode`): `q` [rows, heads, dim], `k_cache` / `v_cache` [slots, kv_heads, dim],
@@ -121,11 +37,11 @@ pub fn paged_decode_attention(
     threads: usize,
 ) -> PyResult<()> {
     let (q, k, v) = (
-        readonly(q, q_dtype, "q")?,
-        readonly(k_cache, cache_dtype, "k_cache")?,
-        readonly(v_cache, cache_dtype, "v_cache")?,
+        In::new(q, ty(q_dtype, "q_dtype")?, "q")?,
+        In::new(k_cache, ty(cache_dtype, "cache_dtype")?, "k_cache")?,
+        In::new(v_cache, ty(cache_dtype, "cache_dtype")?, "v_cache")?,
     );
-    let mut out = readwrite(out, out_dtype, "out")?;
+    let mut out = Out::new(out, ty(out_dtype, "out_dtype")?, "out")?;
     let (q_shape, k_shape, t_shape) = (q.shape(), k.shape(), block_tables.shape().to_vec());
     if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
         return Err(field_error(
@@ -143,14 +59,22 @@ pub fn paged_decode_attention(
             ),
         ));
     }
+    disjoint(
+        "out",
+        out.span(),
+        &[
+            ("q", q.span()),
+            ("k_cache", k.span()),
+            ("v_cache", v.span()),
+        ],
+    )?;
+    let contiguous = |field: &'static str| invalid(field, format!("{field} must be C-contiguous"));
     let args = DecodeArgs {
-        q: elems(&q, "q")?,
-        k_cache: elems(&k, "k_cache")?,
-        v_cache: elems(&v, "v_cache")?,
-        block_tables: block_tables
-            .as_slice()
-            .map_err(|_| not_contiguous("block_tables"))?,
-        seqlens: seqlens.as_slice().map_err(|_| not_contiguous("seqlens"))?,
+        q: q.elems(),
+        k_cache: k.elems(),
+        v_cache: v.elems(),
+        block_tables: c_slice(&block_tables).ok_or_else(|| contiguous("block_tables"))?,
+        seqlens: c_slice(&seqlens).ok_or_else(|| contiguous("seqlens"))?,
         heads: q_shape[1],
         kv_heads: k_shape[1],
         dim: q_shape[2],
@@ -165,16 +89,16 @@ pub fn paged_decode_attention(
         softcap: (softcap != 0.0).then_some(softcap),
         threads,
     };
-    let out = elems_mut(&mut out, "out")?;
+    let out = out.elems();
     py.detach(|| kernels::paged_decode_attention(&args, out))
         .map_err(|e| field_error(None, e.0))
 }
 
-impl Ro<'_> {
-    fn shape(&self) -> Vec<usize> {
-        match self {
-            Ro::F32(x) => x.shape().to_vec(),
-            Ro::U16(x, _) => x.shape().to_vec(),
-        }
+/// The elements of a C-contiguous array (None for any other layout, Fortran order included).
+fn c_slice<'a>(a: &'a PyReadonlyArrayDyn<'_, i32>) -> Option<&'a [i32]> {
+    if a.is_c_contiguous() {
+        a.as_slice().ok()
+    } else {
+        None
     }
 }

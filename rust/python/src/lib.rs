@@ -32,6 +32,7 @@ mod recycle;
 mod scheduler;
 mod select;
 mod table;
+mod views;
 
 use pyo3::prelude::*;
 
