@@ -6,9 +6,10 @@
 //! * `brief`: 64 rows, 4 over 2 heads, head_dim 64, page 32, 100..240 keys (mean 170);
 //! * `dim128`: 64 rows, 16 over 4 heads, head_dim 128, page 16, 100..300 keys.
 //!
-//! Each in bf16 and fp32 (query, cache and output of one type), over one layer's cache
-//! (`hot`, cache-resident after the first call) and over 30 layers' caches used in turn
-//! (`cold`: 30 x 3.7 MB for smollm2, larger than L2, as a real step is). A row's chunks are
+//! Each in bf16 and fp32 (query, cache and output of one type), over the first 8 rows of
+//! one layer (`l2`: their keys and values, 0.5 MB for smollm2 bf16, stay in L2), over one
+//! layer's cache (`hot`: 3.7 MB for smollm2 bf16, more than this machine's 2 MB L2) and over
+//! 30 layers' caches used in turn (`cold`, as a real step is). A row's chunks are
 //! a random permutation of the cache's chunks.
 //!
 //! Every call is timed alone (a plain harness, not criterion: on a shared machine the
@@ -118,13 +119,14 @@ fn to_bf16(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
 }
 
-fn args<'a>(s: &Shape, l: &'a Layer, q: Elems<'a>, k: Elems<'a>, v: Elems<'a>) -> DecodeArgs<'a> {
+/// The arguments of the first `rows` rows of layer `l` (`q` already cut to them).
+fn args<'a>(s: &Shape, l: &'a Layer, rows: usize, [q, k, v]: [Elems<'a>; 3]) -> DecodeArgs<'a> {
     DecodeArgs {
         q,
         k_cache: k,
         v_cache: v,
-        block_tables: &l.table,
-        seqlens: &l.seqlens,
+        block_tables: &l.table[..rows * l.width],
+        seqlens: &l.seqlens[..rows],
         heads: s.heads,
         kv_heads: s.kv_heads,
         dim: s.dim,
@@ -169,25 +171,39 @@ fn main() {
             .iter()
             .map(|l| [to_bf16(&l.q), to_bf16(&l.k), to_bf16(&l.v)])
             .collect();
-        let pairs = |l: &Layer| l.seqlens.iter().map(|&n| n as u64).sum::<u64>() * s.heads as u64;
-        for (tag, count) in [("hot", 1usize), ("cold", 30)] {
-            let per_call = layers[..count].iter().map(pairs).sum::<u64>() as f64 / count as f64;
+        let pairs = |l: &Layer, rows: usize| {
+            l.seqlens[..rows].iter().map(|&n| n as u64).sum::<u64>() * s.heads as u64
+        };
+        for (tag, count, rows) in [("l2", 1, 8), ("hot", 1, s.rows), ("cold", 30, s.rows)] {
+            let per_call =
+                layers[..count].iter().map(|l| pairs(l, rows)).sum::<u64>() as f64 / count as f64;
+            let nq = rows * s.heads * s.dim;
             for dtype in ["bf16", "fp32"] {
                 let name = format!("{}/{dtype}/{tag}", s.name);
                 if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
                     continue;
                 }
-                let mut out_f = vec![0f32; s.rows * s.heads * s.dim];
-                let mut out_b = vec![0u16; s.rows * s.heads * s.dim];
+                let mut out_f = vec![0f32; nq];
+                let mut out_b = vec![0u16; nq];
                 let mut i = 0;
                 let (min, med) = time(budget, || {
                     let (l, [q, k, v]) = (&layers[i % count], &bf[i % count]);
                     i += 1;
                     if dtype == "bf16" {
-                        let a = args(s, l, Elems::Bf16(q), Elems::Bf16(k), Elems::Bf16(v));
+                        let a = args(
+                            s,
+                            l,
+                            rows,
+                            [Elems::Bf16(&q[..nq]), Elems::Bf16(k), Elems::Bf16(v)],
+                        );
                         paged_decode_attention(black_box(&a), ElemsMut::Bf16(&mut out_b))
                     } else {
-                        let a = args(s, l, Elems::F32(&l.q), Elems::F32(&l.k), Elems::F32(&l.v));
+                        let a = args(
+                            s,
+                            l,
+                            rows,
+                            [Elems::F32(&l.q[..nq]), Elems::F32(&l.k), Elems::F32(&l.v)],
+                        );
                         paged_decode_attention(black_box(&a), ElemsMut::F32(&mut out_f))
                     }
                     .unwrap();

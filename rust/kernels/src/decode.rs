@@ -15,6 +15,9 @@
 
 use half::{bf16, f16};
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// A read-only tensor's elements in one of the storage types.
 #[derive(Clone, Copy, Debug)]
 pub enum Elems<'a> {
@@ -269,6 +272,12 @@ fn run_rows(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, mut out: ElemsMut
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("fma")
         {
+            if avx512::handles(a.dim) {
+                // SAFETY: `avx512::rows` needs AVX-512F and FMA, both just detected on this
+                // CPU; `a` was validated by `paged_decode_attention` before any row ran.
+                unsafe { avx512::rows(a, range, &mut out) };
+                return;
+            }
             // SAFETY: `rows_avx512` only differs from `rows_portable` in the instructions the
             // compiler may use (AVX-512F, FMA), and both were just detected on this CPU.
             unsafe { rows_avx512(a, range, &mut out) };
@@ -390,6 +399,15 @@ fn axpy512(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+/// The positions row `r` attends to (its slots: see the module doc).
+fn key_range(a: &DecodeArgs<'_>, r: usize) -> std::ops::Range<usize> {
+    let n = a.seqlens[r] as usize;
+    match a.window {
+        Window::Full => 0..n,
+        Window::Sliding { window } => n - n.min(window)..n,
+    }
+}
+
 /// Per-thread buffers.
 struct Scratch {
     slots: Vec<usize>, // [n] the row's key slots, in position order
@@ -435,17 +453,13 @@ fn rows_impl<V: Vector>(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, out: 
     };
     let first_row = range.start;
     for r in range {
-        let n = a.seqlens[r] as usize;
-        let start = match a.window {
-            Window::Full => 0,
-            Window::Sliding { window } => n - n.min(window),
-        };
-        let keys = n - start;
+        let range = key_range(a, r);
+        let keys = range.len();
         row_slots(
             a,
             &a.block_tables[r * a.width..(r + 1) * a.width],
-            start,
-            n,
+            range.start,
+            range.end,
             &mut s.slots,
         );
         a.q.load(r * a.heads * d, &mut s.q);
