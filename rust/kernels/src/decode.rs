@@ -708,13 +708,28 @@ mod tests {
         page: usize,
         window: Window,
     ) -> Case {
-        let mut s = seed;
-        let heads = kv_heads * g;
-        let chunks = 40;
         let width = match window {
             Window::Full => 6,
             Window::Sliding { window } => window.div_ceil(page) + 1,
         };
+        case_of_width(seed, rows, kv_heads, g, dim, page, window, width)
+    }
+
+    /// `case` with `width` chunks per row (full attention: up to `width * page` keys).
+    #[allow(clippy::too_many_arguments)]
+    fn case_of_width(
+        seed: u64,
+        rows: usize,
+        kv_heads: usize,
+        g: usize,
+        dim: usize,
+        page: usize,
+        window: Window,
+        width: usize,
+    ) -> Case {
+        let mut s = seed;
+        let heads = kv_heads * g;
+        let chunks = 40.max(width + 3);
         let max_keys = match window {
             Window::Full => width * page,
             Window::Sliding { .. } => 5 * page * width,
@@ -750,33 +765,88 @@ mod tests {
         threads: usize,
         bf16_cache: bool,
     ) -> (Vec<f32>, Vec<f64>) {
-        let to_bf = |x: &[f32]| {
-            x.iter()
-                .map(|&v| bf16::from_f32(v).to_bits())
-                .collect::<Vec<_>>()
+        let ty = if bf16_cache { Ty::Bf16 } else { Ty::F32 };
+        run_typed(c, softcap, threads, ty, Ty::F32)
+    }
+
+    /// A storage type of the tests.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Ty {
+        F32,
+        Bf16,
+        F16,
+    }
+
+    impl Ty {
+        /// `x` rounded to the type (bits for the half types; f32 left as is).
+        fn bits(self, x: &[f32]) -> Vec<u16> {
+            match self {
+                Ty::F32 => Vec::new(),
+                Ty::Bf16 => x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+                Ty::F16 => x.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+            }
+        }
+        /// The values the kernel sees (`x` rounded to the type, widened back).
+        fn widened(self, x: &[f32]) -> Vec<f32> {
+            match self {
+                Ty::F32 => x.to_vec(),
+                Ty::Bf16 => self
+                    .bits(x)
+                    .iter()
+                    .map(|&b| bf16::from_bits(b).to_f32())
+                    .collect(),
+                Ty::F16 => self
+                    .bits(x)
+                    .iter()
+                    .map(|&b| f16::from_bits(b).to_f32())
+                    .collect(),
+            }
+        }
+        fn elems<'a>(self, f: &'a [f32], bits: &'a [u16]) -> Elems<'a> {
+            match self {
+                Ty::F32 => Elems::F32(f),
+                Ty::Bf16 => Elems::Bf16(bits),
+                Ty::F16 => Elems::F16(bits),
+            }
+        }
+    }
+
+    /// The kernel's fp32 output with a cache of type `cache` and queries of type `q`, and
+    /// the f64 reference over the values the kernel sees.
+    fn run_typed(
+        c: &Case,
+        softcap: Option<f32>,
+        threads: usize,
+        cache: Ty,
+        q: Ty,
+    ) -> (Vec<f32>, Vec<f64>) {
+        let (kb, vb, qb) = (cache.bits(&c.k), cache.bits(&c.v), q.bits(&c.q));
+        let args = DecodeArgs {
+            q: q.elems(&c.q, &qb),
+            ..args_of(
+                c,
+                cache.elems(&c.k, &kb),
+                cache.elems(&c.v, &vb),
+                softcap,
+                threads,
+            )
         };
-        let widen = |x: &[u16]| {
-            x.iter()
-                .map(|&b| bf16::from_bits(b).to_f32())
-                .collect::<Vec<_>>()
-        };
-        let (kb, vb) = (to_bf(&c.k), to_bf(&c.v));
-        let (kw, vw) = if bf16_cache {
-            (widen(&kb), widen(&vb))
-        } else {
-            (c.k.clone(), c.v.clone())
-        };
-        let (k, v) = if bf16_cache {
-            (Elems::Bf16(&kb), Elems::Bf16(&vb))
-        } else {
-            (Elems::F32(&c.k), Elems::F32(&c.v))
-        };
-        let args = args_of(c, k, v, softcap, threads);
         let mut out = vec![0f32; c.q.len()];
         paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap();
         let want = reference(
-            &c.q, &kw, &vw, &c.table, &c.seqlens, c.heads, c.kv_heads, c.dim, c.page, c.width,
-            c.window, 0.125, softcap,
+            &q.widened(&c.q),
+            &cache.widened(&c.k),
+            &cache.widened(&c.v),
+            &c.table,
+            &c.seqlens,
+            c.heads,
+            c.kv_heads,
+            c.dim,
+            c.page,
+            c.width,
+            c.window,
+            0.125,
+            softcap,
         );
         (out, want)
     }
@@ -833,6 +903,74 @@ mod tests {
         paged_decode_attention(&args, ElemsMut::Bf16(&mut out)).unwrap();
         for (o, x) in out.iter().zip(&f) {
             assert_eq!(*o, bf16::from_f32(*x).to_bits());
+        }
+    }
+
+    /// The specialized head sizes (64, 128: the AVX-512 path where the CPU has it) over
+    /// group sizes 1 ..= 8, all cache types, windows, softcap, pages that split the rows
+    /// anywhere, rows of 1 key and of several hundred.
+    #[test]
+    fn specialized_head_sizes_match_the_reference() {
+        let mut seed = 100;
+        for dim in [64, 128] {
+            for g in [1, 2, 3, 4, 5, 8] {
+                for (kvh, page, window) in [
+                    (1, 16, Window::Full),
+                    (2, 7, Window::Full),
+                    (3, 32, Window::Sliding { window: 40 }),
+                    (2, 16, Window::Sliding { window: 1 }),
+                    (1, 5, Window::Sliding { window: 17 }),
+                ] {
+                    seed += 1;
+                    let c = case(seed, 5, kvh, g, dim, page, window);
+                    for cache in [Ty::Bf16, Ty::F32, Ty::F16] {
+                        let cap = (cache == Ty::F16).then_some(4.0);
+                        let threads = 1 + seed as usize % 3;
+                        let (got, want) = run_typed(&c, cap, threads, cache, Ty::F32);
+                        assert_close(&got, &want, 2e-5);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_key_and_many_keys_match_the_reference() {
+        for (dim, g, page, width) in [(64, 3, 16, 24), (128, 2, 64, 6), (64, 1, 1, 300)] {
+            let mut c = case_of_width(dim as u64, 6, 2, g, dim, page, Window::Full, width);
+            c.seqlens = vec![1, (width * page) as i32, 2, 15, 16, 17];
+            for cache in [Ty::Bf16, Ty::F32] {
+                let (got, want) = run_typed(&c, None, 1, cache, cache);
+                assert_close(&got, &want, 2e-5);
+                let (got, want) = run_typed(&c, Some(2.5), 2, cache, Ty::F16);
+                assert_close(&got, &want, 2e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn half_outputs_are_the_rounded_fp32_output() {
+        for dim in [64, 128, 48] {
+            let c = case(dim as u64, 4, 2, 3, dim, 16, Window::Sliding { window: 50 });
+            let (f, _) = run_typed(&c, None, 1, Ty::Bf16, Ty::Bf16);
+            let (kb, vb, qb) = (
+                Ty::Bf16.bits(&c.k),
+                Ty::Bf16.bits(&c.v),
+                Ty::Bf16.bits(&c.q),
+            );
+            let args = DecodeArgs {
+                q: Elems::Bf16(&qb),
+                ..args_of(&c, Elems::Bf16(&kb), Elems::Bf16(&vb), None, 1)
+            };
+            let mut out = vec![0u16; c.q.len()];
+            paged_decode_attention(&args, ElemsMut::F16(&mut out)).unwrap();
+            for (o, x) in out.iter().zip(&f) {
+                assert_eq!(*o, f16::from_f32(*x).to_bits());
+            }
+            paged_decode_attention(&args, ElemsMut::Bf16(&mut out)).unwrap();
+            for (o, x) in out.iter().zip(&f) {
+                assert_eq!(*o, bf16::from_f32(*x).to_bits());
+            }
         }
     }
 
@@ -919,6 +1057,22 @@ mod tests {
             let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
             let c = case(seed, rows, kvh, g, dim, page, w);
             let (got, want) = run(&c, None, threads, seed % 2 == 0);
+            assert_close(&got, &want, 3e-5);
+        }
+
+        #[test]
+        fn random_specialized_layouts_match_the_reference(seed in 0u64..1000,
+                                                          rows in 1usize..6, kvh in 1usize..4,
+                                                          g in 1usize..9, wide in any::<bool>(),
+                                                          page in 1usize..40,
+                                                          window in 0usize..80,
+                                                          threads in 1usize..4,
+                                                          cache in 0usize..3,
+                                                          cap in any::<bool>()) {
+            let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
+            let c = case(seed, rows, kvh, g, if wide { 128 } else { 64 }, page, w);
+            let cache = [Ty::F32, Ty::Bf16, Ty::F16][cache];
+            let (got, want) = run_typed(&c, cap.then_some(3.0), threads, cache, Ty::F32);
             assert_close(&got, &want, 3e-5);
         }
     }
