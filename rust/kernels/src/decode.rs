@@ -12,6 +12,11 @@
 //! head `h` reads KV head `h / (heads / kv_heads)`. Scores, softmax and the weighted sum are
 //! fp32 whatever the storage type (bf16 / fp16 values are widened exactly); the output is
 //! rounded once to its own type.
+//!
+//! Paths, chosen per call by runtime CPU detection: head_dim 64 and 128 on AVX-512F + FMA
+//! take the `avx512` module (KV head outer, query heads and sums in registers); other head
+//! sizes on AVX-512, and everything on AVX2 or without SIMD, take the generic loop
+//! `rows_impl`. They differ only in the order of fp32 additions.
 
 use half::{bf16, f16};
 
@@ -273,8 +278,8 @@ fn run_rows(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, mut out: ElemsMut
             && std::arch::is_x86_feature_detected!("fma")
         {
             if avx512::handles(a.dim) {
-                // SAFETY: `avx512::rows` needs AVX-512F and FMA, both just detected on this
-                // CPU; `a` was validated by `paged_decode_attention` before any row ran.
+                // SAFETY: `avx512::rows` is safe but for its target features, AVX-512F and
+                // FMA, both just detected on this CPU (its reads are bounds-checked slices).
                 unsafe { avx512::rows(a, range, &mut out) };
                 return;
             }
