@@ -56,6 +56,25 @@ def test_other_layers_keep_their_own_forward(name):
     assert runner._lean is None
 
 
+@pytest.mark.parametrize("broken", ["rope", "silu_mul"])
+def test_a_lean_layer_that_computes_something_else_is_not_used(monkeypatch, broken):
+    """The construction check compares with the model's own forward: a lean layer that
+    skips the rotation, or the activation, is refused."""
+    real = getattr(fused_ops, broken)
+
+    def wrong(*args, **kwargs):
+        real(*args, **kwargs)
+        out = args[3] if broken == "rope" else args[1]
+        if broken == "rope":  # no rotation: the source heads as they were
+            src, off, heads, dim = args[0], args[4], args[5], args[6]
+            out.copy_(src[:, off:off + heads * dim].reshape(out.shape))
+        else:  # up alone, no activation
+            out.copy_(args[0][:, out.shape[1]:])
+
+    monkeypatch.setattr(fused_ops, broken, wrong)
+    assert _runner(tm.llama().to(torch.bfloat16))._lean is None
+
+
 def test_fp32_and_model_dtype_activations_keep_their_own_forward():
     assert _runner(tm.llama())._lean is None  # fp32: the exact mode
     assert _runner(tm.llama().to(torch.bfloat16), activations="model")._lean is None

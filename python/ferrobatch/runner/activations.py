@@ -53,23 +53,30 @@ class PackedActivations:
         return layers
 
     def _lean_holds(self, lean: LeanLayers) -> bool:
+        """On two short forwards, the lean layers' logits are within twice the own layers'
+        distance from the exact ones (both are bf16-rounded computations whose distance
+        varies from input to input by tens of percent; a lean layer that computed something
+        else would be off by the size of the logits)."""
         assert self._linears is not None
-        ids = self._check_ids(16)
-        try:
-            with torch.inference_mode(), eval_mode(self.model):
-                with self._linears.active(exact=True):
-                    ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
-                with self._linears.active(everywhere=True), \
-                        registry.cast_attention_enabled(self._configs):
-                    own = self.model(input_ids=ids, use_cache=False).logits[0].float()
-                    with lean.active(everywhere=True):
-                        got = self.model(input_ids=ids, use_cache=False).logits[0].float()
-        except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward then
-            logger.info("ferrobatch: lean decoder layers fail (%s: %s)", type(exc).__name__, exc)
-            return False
-        if not bool(torch.isfinite(got).all()):
-            return False
-        return bool((got - ref).norm() <= (own - ref).norm() * 1.1 + 1e-3 * ref.norm())
+        for n in (16, 33):
+            ids = self._check_ids(n)
+            try:
+                with torch.inference_mode(), eval_mode(self.model):
+                    with self._linears.active(exact=True):
+                        ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                    with self._linears.active(everywhere=True), \
+                            registry.cast_attention_enabled(self._configs):
+                        own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                        with lean.active(everywhere=True):
+                            got = self.model(input_ids=ids, use_cache=False).logits[0].float()
+            except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward
+                logger.info("ferrobatch: lean decoder layers fail (%s: %s)",
+                            type(exc).__name__, exc)
+                return False
+            if not bool(torch.isfinite(got).all()) or not bool(
+                    (got - ref).norm() <= 2 * (own - ref).norm() + 1e-3 * ref.norm()):
+                return False
+        return True
 
     def _make_packed_linears(self, activations: str) -> PackedLinears | None:
         """Packed half-precision linears (`ferrobatch.runner.cpu_linear`), fp32 activations when
