@@ -4,7 +4,9 @@
 //! * `smollm2`: 64 rows, 9 query heads over 3 KV heads, head_dim 64, page 16, 50..100 keys
 //!   per row (mean 75);
 //! * `brief`: 64 rows, 4 over 2 heads, head_dim 64, page 32, 100..240 keys (mean 170);
-//! * `dim128`: 64 rows, 16 over 4 heads, head_dim 128, page 16, 100..300 keys.
+//! * `dim128`: 64 rows, 16 over 4 heads, head_dim 128, page 16, 100..300 keys;
+//! * `g1`: 64 rows, 4 over 4 heads (no grouping), head_dim 64, page 32, 50..150 keys;
+//! * `g8`: 64 rows, 16 over 2 heads, head_dim 64, page 16, 50..150 keys.
 //!
 //! Each in bf16 and fp32 (query, cache and output of one type), over the first 8 rows of
 //! one layer (`l2`: their keys and values, 0.5 MB for smollm2 bf16, stay in L2), over one
@@ -35,7 +37,7 @@ struct Shape {
     keys: (usize, usize),
 }
 
-const SHAPES: [Shape; 3] = [
+const SHAPES: [Shape; 5] = [
     Shape {
         name: "smollm2",
         rows: 64,
@@ -62,6 +64,24 @@ const SHAPES: [Shape; 3] = [
         dim: 128,
         page: 16,
         keys: (100, 300),
+    },
+    Shape {
+        name: "g1",
+        rows: 64,
+        heads: 4,
+        kv_heads: 4,
+        dim: 64,
+        page: 32,
+        keys: (50, 150),
+    },
+    Shape {
+        name: "g8",
+        rows: 64,
+        heads: 16,
+        kv_heads: 2,
+        dim: 64,
+        page: 16,
+        keys: (50, 150),
     },
 ];
 
