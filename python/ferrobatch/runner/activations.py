@@ -41,8 +41,8 @@ class PackedActivations:
         """The lean decoder layers (`ferrobatch.runner.lean_layers`) when asked, they apply,
         and a forward with them is at least about as close to the exact computation as the
         model's own forward on the same packed weights."""
-        layers = LeanLayers.of(self.model, self._linears, context.in_ferrobatch_forward) \
-            if lean else None
+        layers = LeanLayers.of(self.model, self._linears, context.in_ferrobatch_forward,
+                               self.cache.dtype) if lean else None
         if layers is None:
             return None
         if not self._lean_holds(layers):

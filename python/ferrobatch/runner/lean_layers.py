@@ -101,8 +101,9 @@ class LeanLayers:
     Build with `LeanLayers.of(...)`, which returns None when they don't apply."""
 
     def __init__(self, layers: list[_Layer], linears: PackedLinears,
-                 in_thread: Callable[[], bool]) -> None:
+                 in_thread: Callable[[], bool], kv_dtype: torch.dtype) -> None:
         self._layers = layers
+        self._kv_dtype = kv_dtype
         self._linears = linears
         self._in_thread = in_thread
         self._everywhere = False
@@ -111,10 +112,11 @@ class LeanLayers:
 
     @classmethod
     def of(cls, model: torch.nn.Module, linears: PackedLinears | None,
-           in_thread: Callable[[], bool]) -> LeanLayers | None:
-        """The lean layers of `model`, or None: no widened packed linears (fp32 residual
-        stream over half-precision weights), no fused kernels, or a decoder layer that is
-        not Llama-style (every layer must be: a model runs all lean or none)."""
+           in_thread: Callable[[], bool], kv_dtype: torch.dtype) -> LeanLayers | None:
+        """The lean layers of `model` (new keys rounded to `kv_dtype`, the KV cache's), or
+        None: no widened packed linears (fp32 residual stream over half-precision weights),
+        no fused kernels, or a decoder layer that is not Llama-style (every layer must be:
+        a model runs all lean or none)."""
         if linears is None or not linears.widens or not fused_ops.available():
             return None
         decoder = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -125,7 +127,7 @@ class LeanLayers:
             if why is not None:
                 logger.info("ferrobatch: decoder layers run as the model's own (%s)", why)
                 return None
-        return cls([_Layer(m, linears) for m in decoder], linears, in_thread)
+        return cls([_Layer(m, linears) for m in decoder], linears, in_thread, kv_dtype)
 
     @property
     def num_layers(self) -> int:
@@ -154,20 +156,20 @@ class LeanLayers:
         own = type(p.layer).forward
         layer = p.layer
         product = self._linears.product
-        wdt = self._linears.weight_dtype
+        wdt, kv_dtype = self._linears.weight_dtype, self._kv_dtype
         in_thread = self._in_thread
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
-            return _lean_forward(p, hidden_states, product, wdt, kwargs)
+            return _lean_forward(p, hidden_states, product, wdt, kv_dtype, kwargs)
 
         return forward
 
 
 def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt: torch.dtype,
-                  kwargs: dict[str, Any]) -> torch.Tensor:
+                  kv_dtype: torch.dtype, kwargs: dict[str, Any]) -> torch.Tensor:
     """One decoder layer on the fp32 residual stream `hidden_states` [1, T, H] (updated in
     place and returned)."""
     x = hidden_states[0]
@@ -186,7 +188,7 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     cos, sin = kwargs.pop("position_embeddings")
     cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
     q = torch.empty(tokens, p.heads, p.dim, dtype=torch.float32)
-    k = torch.empty(tokens, p.kv_heads, p.dim, dtype=wdt)
+    k = torch.empty(tokens, p.kv_heads, p.dim, dtype=kv_dtype)
     fused_ops.rope(q_src.contiguous(), cos, sin, q, q_off, p.heads, p.dim)
     fused_ops.rope(k_src.contiguous(), cos, sin, k, k_off, p.kv_heads, p.dim)
     v = qkv[:, p.nq + p.nk:].view(tokens, p.kv_heads, p.dim)
