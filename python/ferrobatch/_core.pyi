@@ -371,14 +371,11 @@ def silu_mul(
     *,
     dtype: _DType,
     out_dtype: _DType,
-    round_act: bool = False,
     threads: int = 1,
 ) -> None:
     """`out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, I + i]`
     (`gate_up` [T, 2I], `out` [T, I]); `silu(g) = g / (1 + exp(-g))` in f32, exp within
-    2 ulp (Cephes). `round_act`: `silu(g)` is rounded to `out_dtype` first, as a
-    half-precision model's own `act(gate) * up` computes it. `threads` > 1 splits rows
-    only from 2^20 output elements on."""
+    2 ulp (Cephes). `threads` > 1 splits rows only from 2^20 output elements on."""
 
 def rope(
     src: _Storage,

@@ -57,17 +57,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: floa
                    threads=_threads(x.numel()), **kw)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, round_act: bool = False) -> None:
-    """`out[t, i] = silu(g) * u`, `g, u = gate_up[t, i], gate_up[t, I + i]` ([T, 2I] -> [T, I]);
-    `round_act`: `silu(g)` rounded to `out`'s dtype first (a half model's own
-    `act(gate) * up`)."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[t, i] = silu(g) * u`, `g, u = gate_up[t, i], gate_up[t, I + i]` ([T, 2I] -> [T, I])."""
     from ferrobatch import _core
 
     if not hasattr(_core, "silu_mul"):
-        return torch_silu_mul(gate_up, out, round_act)
+        return torch_silu_mul(gate_up, out)
     _core.silu_mul(_np(gate_up), _np(out), dtype=_DTYPES[gate_up.dtype],
-                   out_dtype=_DTYPES[out.dtype], round_act=round_act,
-                   threads=_threads(out.numel()))
+                   out_dtype=_DTYPES[out.dtype], threads=_threads(out.numel()))
 
 
 def rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
@@ -109,12 +106,9 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps
     out.copy_(h * w)
 
 
-def torch_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, round_act: bool = False) -> None:
+def torch_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     g, u = gate_up.float().chunk(2, dim=-1)
-    act = F.silu(g)
-    if round_act:
-        act = act.to(out.dtype).float()
-    out.copy_(act * u)
+    out.copy_(F.silu(g) * u)
 
 
 def torch_rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,

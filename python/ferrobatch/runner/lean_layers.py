@@ -205,7 +205,7 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     fused_ops.rms_norm(x, norm_post.weight, h2, norm_post.variance_epsilon, residual=o)
     gu = product(p.gate_up, h2)
     a = torch.empty(tokens, p.inter, dtype=wdt)
-    fused_ops.silu_mul(gu, a, round_act=True)  # as the model's own act(gate) * up
+    fused_ops.silu_mul(gu, a)
     x.add_(product(p.down, a))
     return hidden_states
 

@@ -114,18 +114,14 @@ fn norm_args<'a>(
 /// `silu(g) = g / (1 + exp(-g))` in f32, exp Cephes' polynomial (within 2 ulp).
 /// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
 /// splitting over 2 threads never paid (measured), so they run on the caller's thread.
-/// `round_act`: round `silu(g)` to `out_dtype` before the product, as a half-precision
-/// model's own `act(gate) * up` does (no change for float32 output).
 #[pyfunction]
-#[pyo3(signature = (gate_up, out, *, dtype, out_dtype, round_act = false, threads = 1))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (gate_up, out, *, dtype, out_dtype, threads = 1))]
 pub fn silu_mul(
     py: Python<'_>,
     gate_up: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     dtype: &str,
     out_dtype: &str,
-    round_act: bool,
     threads: i64,
 ) -> PyResult<()> {
     let (it, ot) = (ty(dtype, "dtype")?, ty(out_dtype, "out_dtype")?);
@@ -143,7 +139,7 @@ pub fn silu_mul(
     expect_shape("out", o.shape(), &[rows, inter], "[tokens, intermediate]")?;
     disjoint("out", o.span(), &[("gate_up", g.span())])?;
     let (g, out) = (g.elems(), o.elems());
-    py.detach(|| fused::silu_mul(g, out, rows, inter, round_act, threads))
+    py.detach(|| fused::silu_mul(g, out, rows, inter, threads))
         .map_err(to_py)
 }
 

@@ -452,12 +452,12 @@ mod timing {
         let gu = Buf::new(Ty::Bf16, &values(3, t * 2 * i, 4.0));
         let mut so = Buf::zeros(Ty::Bf16, t * i);
         time("silu bf16->bf16", || {
-            silu_mul(gu.elems(), so.elems_mut(), t, i, false, 1).unwrap()
+            silu_mul(gu.elems(), so.elems_mut(), t, i, 1).unwrap()
         });
         let guf = Buf::new(Ty::F32, &values(3, t * 2 * i, 4.0));
         let mut sof = Buf::zeros(Ty::F32, t * i);
         time("silu f32->f32", || {
-            silu_mul(guf.elems(), sof.elems_mut(), t, i, false, 1).unwrap()
+            silu_mul(guf.elems(), sof.elems_mut(), t, i, 1).unwrap()
         });
         let src = Buf::new(Ty::Bf16, &values(4, t * 960, 2.0));
         let cs = values(5, t * 64, 1.0);

@@ -1,16 +1,14 @@
 //! `silu(gate) * up` from the fused gate/up projection.
 
 use super::{
-    bf16_to_f32, check_len, dispatch, f32_to_bf16, len, len_mut, plan_threads, product, row_ranges,
-    run_pieces, split_mut, store_row, widen, ArgError,
+    check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
+    store_row, widen, ArgError,
 };
 use crate::{Elems, ElemsMut};
 
 /// `out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, inter + i]`,
 /// `silu(g) = g / (1 + exp(-g))` in f32, `exp` Cephes' single-precision polynomial
-/// ([`exp`]: within 2 ulp of the exact value). With `round_act`, `silu(g)` is first
-/// rounded to `out`'s type, as a half-precision model's own `act(gate) * up` computes it
-/// (two roundings; no change for f32). `gate_up` is `[rows, 2 * inter]`, `out`
+/// ([`exp`]: within 2 ulp of the exact value). `gate_up` is `[rows, 2 * inter]`, `out`
 /// `[rows, inter]`. Rows are split over `threads` threads when the call has at least
 /// [`super::PARALLEL_MIN`] output elements.
 pub fn silu_mul(
@@ -18,7 +16,6 @@ pub fn silu_mul(
     out: ElemsMut<'_>,
     rows: usize,
     inter: usize,
-    round_act: bool,
     threads: usize,
 ) -> Result<(), ArgError> {
     let n = product("out", rows, inter)?;
@@ -31,20 +28,13 @@ pub fn silu_mul(
     let sizes: Vec<usize> = ranges.iter().map(|r| r.len() * inter).collect();
     let pieces = ranges.into_iter().zip(split_mut(out, &sizes)).collect();
     run_pieces(pieces, |range, mut out| {
-        silu_rows(
-            &gate_up,
-            range.start,
-            range.len(),
-            inter,
-            round_act,
-            &mut out,
-        )
+        silu_rows(&gate_up, range.start, range.len(), inter, &mut out)
     });
     Ok(())
 }
 
 dispatch!(silu_rows => silu_rows_impl(gate_up: &Elems<'_>, first: usize, rows: usize,
-                                      inter: usize, round_act: bool, out: &mut ElemsMut<'_>));
+                                      inter: usize, out: &mut ElemsMut<'_>));
 
 #[inline(always)]
 fn silu_rows_impl(
@@ -52,41 +42,20 @@ fn silu_rows_impl(
     first: usize,
     rows: usize,
     inter: usize,
-    round_act: bool,
     out: &mut ElemsMut<'_>,
 ) {
     let (mut gbuf, mut ubuf, mut scratch) =
         (vec![0f32; inter], vec![0f32; inter], vec![0f32; inter]);
-    let act_round = match (round_act, &*out) {
-        (true, ElemsMut::Bf16(_)) => ActRound::Bf16,
-        (true, ElemsMut::F16(_)) => ActRound::F16,
-        _ => ActRound::None,
-    };
     for i in 0..rows {
         let at = (first + i) * 2 * inter;
         let g = widen(gate_up, at, &mut gbuf);
         let u = widen(gate_up, at + inter, &mut ubuf);
         store_row!(out, i * inter, &mut scratch, |o, round| {
-            let gu = o.iter_mut().zip(g).zip(u);
-            match act_round {
-                ActRound::None => gu.for_each(|((o, &g), &u)| *o = round(silu(g) * u)),
-                ActRound::Bf16 => {
-                    gu.for_each(|((o, &g), &u)| *o = round(bf16_to_f32(f32_to_bf16(silu(g))) * u))
-                }
-                ActRound::F16 => gu.for_each(|((o, &g), &u)| {
-                    *o = round(half::f16::from_f32(silu(g)).to_f32() * u)
-                }),
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = round(silu(g) * u);
             }
         });
     }
-}
-
-/// How `silu(g)` is rounded before the product (see [`silu_mul`]).
-#[derive(Clone, Copy)]
-enum ActRound {
-    None,
-    Bf16,
-    F16,
 }
 
 /// `g / (1 + exp(-g))`.
@@ -189,7 +158,7 @@ mod tests {
     fn check(seed: u64, rows: usize, inter: usize, it: Ty, ot: Ty, threads: usize) {
         let gu = Buf::new(it, &values(seed, rows * 2 * inter, 8.0));
         let mut out = Buf::zeros(ot, rows * inter);
-        silu_mul(gu.elems(), out.elems_mut(), rows, inter, false, threads).unwrap();
+        silu_mul(gu.elems(), out.elems_mut(), rows, inter, threads).unwrap();
         let want = reference(&gu.f32s(), inter);
         let got = out.f32s();
         let want_r = Buf::new(ot, &want).f32s();
@@ -206,29 +175,8 @@ mod tests {
         }
         // the f32 result rounds to the output exactly as the half crate does
         let mut f = Buf::zeros(Ty::F32, rows * inter);
-        silu_mul(gu.elems(), f.elems_mut(), rows, inter, false, 1).unwrap();
+        silu_mul(gu.elems(), f.elems_mut(), rows, inter, 1).unwrap();
         assert_eq!(out.bits(), round_bits(ot, &f.f32s()));
-    }
-
-    #[test]
-    fn round_act_rounds_the_activation_to_the_output_type_first() {
-        let (rows, inter) = (3, 37);
-        for &it in &TYPES {
-            for &ot in &TYPES {
-                let gu = Buf::new(it, &values(11, rows * 2 * inter, 8.0));
-                let mut out = Buf::zeros(ot, rows * inter);
-                silu_mul(gu.elems(), out.elems_mut(), rows, inter, true, 1).unwrap();
-                let x = gu.f32s();
-                let want: Vec<f32> = (0..rows * inter)
-                    .map(|k| {
-                        let (t, i) = (k / inter, k % inter);
-                        let act = Buf::new(ot, &[silu(x[t * 2 * inter + i])]).f32s()[0];
-                        act * x[t * 2 * inter + inter + i]
-                    })
-                    .collect();
-                assert_eq!(out.bits(), round_bits(ot, &want), "{it:?}->{ot:?}");
-            }
-        }
     }
 
     #[test]
@@ -258,11 +206,9 @@ mod tests {
             for &ot in &TYPES {
                 let gu = Buf::new(it, &values(5, rows * 2 * inter, 10.0));
                 let (mut a, mut b) = (Buf::zeros(ot, rows * inter), Buf::zeros(ot, rows * inter));
-                for round_act in [false, true] {
-                    silu_rows(&gu.elems(), 0, rows, inter, round_act, &mut a.elems_mut());
-                    silu_rows_impl(&gu.elems(), 0, rows, inter, round_act, &mut b.elems_mut());
-                    assert_eq!(a.bits(), b.bits());
-                }
+                silu_rows(&gu.elems(), 0, rows, inter, &mut a.elems_mut());
+                silu_rows_impl(&gu.elems(), 0, rows, inter, &mut b.elems_mut());
+                assert_eq!(a.bits(), b.bits());
             }
         }
     }
@@ -271,34 +217,11 @@ mod tests {
     fn bad_arguments_are_errors() {
         let gu = vec![0u16; 12];
         let mut out = vec![0u16; 6];
-        let e = silu_mul(
-            Elems::Bf16(&gu[1..]),
-            ElemsMut::Bf16(&mut out),
-            2,
-            3,
-            false,
-            1,
-        )
-        .unwrap_err();
+        let e = silu_mul(Elems::Bf16(&gu[1..]), ElemsMut::Bf16(&mut out), 2, 3, 1).unwrap_err();
         assert_eq!(e.field, "gate_up");
-        let e = silu_mul(
-            Elems::Bf16(&gu),
-            ElemsMut::Bf16(&mut out[1..]),
-            2,
-            3,
-            false,
-            1,
-        )
-        .unwrap_err();
+        let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out[1..]), 2, 3, 1).unwrap_err();
         assert_eq!(e.field, "out");
-        let e = silu_mul(
-            Elems::Bf16(&gu),
-            ElemsMut::Bf16(&mut out),
-            usize::MAX,
-            3,
-            false,
-            1,
-        );
+        let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out), usize::MAX, 3, 1);
         assert_eq!(e.unwrap_err().field, "out");
     }
 
