@@ -50,6 +50,22 @@ def test_lean_layers_compute_what_the_own_layers_compute(name):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
+    """A bf16 model over an fp32 or fp16 KV cache: keys and values are rounded to the
+    cache's dtype alike on both paths (prefill with cached keys included)."""
+    model = tm.llama().to(torch.bfloat16)
+    prompts = _prompts(9, 5, 2, 20)
+    got = {}
+    for lean in (True, False):
+        runner = _runner(model, lean_layers=lean, dtype=cache_dtype)
+        assert runner.cache.dtype == cache_dtype and (runner._lean is not None) == lean
+        got[lean] = drive_runner(runner, prompts, 5, forced=True)
+        runner.close()
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gpt2"])
 def test_other_layers_keep_their_own_forward(name):
     runner = _runner(tm.BUILDERS[name]().to(torch.bfloat16))

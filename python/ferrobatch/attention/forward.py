@@ -78,8 +78,7 @@ def paged_attention_forward(
     q_all = query[0]  # [H, T, D]
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
-    if k_new.dtype != k_cache.dtype:
-        k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)
+    k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)  # no-ops when equal
 
     cached_k = cached_v = None
     cache = step.cache
