@@ -4,7 +4,7 @@ per step from the plan by `build_step` (gather indices, slot mappings, additive 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,8 +42,9 @@ class _DecodeBucket:
 
 @dataclass
 class _KernelDecode:
-    """All single-token rows of one attention type, for the in-place CPU kernel
-    (`ferrobatch._core.paged_decode_attention`)."""
+    """The rows of one attention type for the in-place CPU kernel
+    (`ferrobatch._core.paged_decode_attention`): every single-token row, and on full
+    attention each token of the short multi-token rows as a row of its own."""
 
     tokens: torch.Tensor | None  # [Bd] token indices; None when the rows are all T tokens
     block_tables: np.ndarray  # [Bd, W] int32
@@ -87,7 +88,9 @@ def build_step(
     Follows ARCHITECTURE.md §3: full attention reads positions `0 .. seqlens_k` through
     `block_tables["full_attention"]`; sliding attention reads a row's last `w` positions
     through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
-    single-token rows are attended in place by the CPU kernel instead of gathered.
+    single-token rows, and on full attention multi-token rows of at most
+    `KERNEL_PREFILL_MAX_TOKENS` tokens, are attended in place by the CPU kernel instead of
+    gathered.
     """
     page = cache.page_size
     device = cache.device
@@ -138,15 +141,14 @@ def build_step(
         # length so short rows do not pay for the longest.
         decode: list[_DecodeBucket] = []
         kernel_decode = None
-        if len(decode_rows) and decode_kernel:
-            if not sliding and int(-(-seqlens[decode_rows].max() // page)) > table.shape[1]:
-                raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
-            kernel_decode = _KernelDecode(
-                tokens=None if all_decode else to_long(cu[decode_rows]),
-                block_tables=np.ascontiguousarray(table[decode_rows], dtype=np.int32),
-                seqlens=np.ascontiguousarray(seqlens[decode_rows], dtype=np.int32),
-                window=w,
-            )
+        # full attention: short multi-token rows go to the kernel too, one kernel row per
+        # token (its keys are all in place after this step's write; a sliding ring may
+        # overwrite keys its own earlier tokens need, so sliding rows keep the SDPA path)
+        short = prefill_rows[qlen[prefill_rows] <= KERNEL_PREFILL_MAX_TOKENS] \
+            if decode_kernel and not sliding else prefill_rows[:0]
+        if (len(decode_rows) or len(short)) and decode_kernel:
+            kernel_decode = _kernel_rows(decode_rows, short, cu, seqlens, table, w, page,
+                                         num_tokens, to_long, typ)
         elif len(decode_rows):
             total = seqlens[decode_rows]
             if sliding:
@@ -182,7 +184,7 @@ def build_step(
         prefill: list[_PrefillRow] = []
         cached_parts: list[np.ndarray] = []
         offset = 0
-        for r in prefill_rows:
+        for r in np.setdiff1d(prefill_rows, short, assume_unique=True):
             s, q = int(start[r]), int(qlen[r])
             c0 = max(0, s - w + 1) if sliding else 0
             c = s - c0
@@ -212,6 +214,35 @@ def build_step(
             kernel_decode=kernel_decode,
         )
     return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
+
+
+#: multi-token rows of at most this many tokens are attended by the CPU kernel (one kernel
+#: row per token) instead of one SDPA call each; longer rows keep SDPA (the kernel's work
+#: grows with the square of the row's length, SDPA's fixed cost is paid once per row)
+KERNEL_PREFILL_MAX_TOKENS = 128
+
+
+def _kernel_rows(decode_rows: np.ndarray, short: np.ndarray, cu: np.ndarray,
+                 seqlens: np.ndarray, table: np.ndarray, w: int, page: int,
+                 num_tokens: int, to_long: Any, typ: str) -> _KernelDecode:
+    """The kernel's rows: each single-token row, and each token of the `short` multi-token
+    rows (token `i` of row `r` sees the row's first `seqlens[r] - qlen[r] + i + 1` keys),
+    in token order."""
+    rows = np.sort(np.concatenate([decode_rows, short]))
+    q = np.diff(cu)[rows]
+    tokens = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows]) if len(short) \
+        else cu[rows]
+    last = np.repeat(seqlens[rows], q)
+    offset = np.arange(len(tokens)) - np.repeat(np.cumsum(q) - q, q)  # 0 .. q-1 per row
+    lens = last - np.repeat(q, q) + 1 + offset
+    if not w and int(-(-lens.max() // page)) > table.shape[1]:
+        raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
+    return _KernelDecode(
+        tokens=None if len(tokens) == num_tokens else to_long(tokens),
+        block_tables=np.ascontiguousarray(np.repeat(table[rows], q, axis=0), dtype=np.int32),
+        seqlens=np.ascontiguousarray(lens, dtype=np.int32),
+        window=w,
+    )
 
 
 _BUCKET_PENALTY_KEYS = 256  # one more gather + SDPA call costs about this many padded keys
