@@ -39,8 +39,8 @@ class PackedActivations:
 
     def _make_lean_layers(self, lean: bool) -> LeanLayers | None:
         """The lean decoder layers (`ferrobatch.runner.lean_layers`) when asked, they apply,
-        and a forward with them is at least about as close to the exact computation as the
-        model's own forward on the same packed weights."""
+        and `_lean_holds` (forwards with them are about as close to the exact computation
+        as the model's own forward on the same packed weights)."""
         layers = LeanLayers.of(self.model, self._linears, context.in_ferrobatch_forward,
                                self.cache.dtype) if lean else None
         if layers is None:

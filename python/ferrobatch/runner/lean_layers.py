@@ -18,10 +18,10 @@ of `ferrobatch.fused_ops`:
 Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, Mistral,
 Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
 q/k norms run as the model's own modules), whose q/k/v and gate/up products are stacked
-groups of the packed linears, and whose attention has no extra state. `LeanLayers.of` also
-checks, on one short forward through the model's own attention, that the lean layers are
-at least about as close to the exact fp32 computation as the model's own forward on the
-same packed weights; if not, nothing changes. The caller's model is never modified: the
+groups of the packed linears, and whose attention has no extra state. The runner also
+checks, on two short forwards through the model's own attention, that the lean layers'
+logits are within twice the model's own layers' distance from the exact fp32 computation
+on the same packed weights; if not, nothing changes. The caller's model is never modified: the
 layers' `forward` is an instance attribute only inside `active()`, and calls from other
 threads get the layer's own forward.
 """
