@@ -10,13 +10,14 @@ dtype (transformers' bf16 ops do) the kernel is at least as exact.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ferrobatch.attention.kernels import KERNEL_DTYPES as _DTYPES
+from ferrobatch.attention.kernels import numpy_view as _np
+
 __all__ = ["available", "handles", "rms_norm", "rope", "silu_mul", "write_rows"]
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _KERNELS = ("rms_norm", "silu_mul", "rope", "write_rows")
 
 
@@ -30,10 +31,6 @@ def available() -> bool:
 def handles(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors (CPU, fp32 / bf16 / fp16)."""
     return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
 
 
 def _threads(work: int) -> int:

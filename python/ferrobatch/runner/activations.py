@@ -63,12 +63,12 @@ class PackedActivations:
             try:
                 with torch.inference_mode(), eval_mode(self.model):
                     with self._linears.active(exact=True):
-                        ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                        ref = self._logits(ids)
                     with self._linears.active(everywhere=True), \
                             registry.cast_attention_enabled(self._configs):
-                        own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                        own = self._logits(ids)
                         with lean.active(everywhere=True):
-                            got = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                            got = self._logits(ids)
             except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward
                 logger.info("ferrobatch: lean decoder layers fail (%s: %s)",
                             type(exc).__name__, exc)
@@ -117,6 +117,10 @@ class PackedActivations:
                         linears.activation_dtype)
         return linears
 
+    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of a check forward of `ids` [1, n] (the caller sets the mode)."""
+        return self.model(input_ids=ids, use_cache=False).logits[0].float()
+
     def _check_ids(self, n: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(0)
         return torch.randint(0, self.vocab_size, (1, n), generator=gen).to(self.device)
@@ -127,15 +131,14 @@ class PackedActivations:
         ids = self._check_ids(16)
         try:
             with torch.inference_mode(), eval_mode(self.model):
-                own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                own = self._logits(ids)
                 with wide.active(everywhere=True), registry.cast_attention_enabled(self._configs):
-                    got = self.model(input_ids=ids, use_cache=False).logits[0]
+                    got = self._logits(ids)
                 with wide.active(exact=True):
-                    ref = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                    ref = self._logits(ids)
         except Exception as exc:  # noqa: BLE001 - a model that can't: keep its dtype
             logger.info("ferrobatch: fp32 activations fail (%s: %s)", type(exc).__name__, exc)
             return False
-        got = got.float()
         if not bool(torch.isfinite(got).all()):
             return False
         return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())
