@@ -5,7 +5,6 @@
 //! come only from the free lists: no victim search, no preemption.
 
 use super::budget::Budget;
-use super::placement::push_row;
 use super::{Scheduler, SchedulerType};
 use crate::plan::Row;
 use crate::RequestState;
@@ -75,7 +74,6 @@ impl Scheduler {
     /// outstanding plan's sampled tokens. Prefills shrink to the chunks available; a row that
     /// cannot get even one token's chunks is left out (stalled), never preempting.
     fn place_ahead(&mut self, idx: u32, start: usize, pending: Option<i32>, b: &mut Budget) {
-        let layout = *self.kv.layout();
         let r = self.req(idx);
         let known = r.tokens.len();
         let len = known + pending.is_some() as usize;
@@ -96,17 +94,7 @@ impl Scheduler {
             q = fit;
         }
         let end = start + q;
-        let step = self.step;
-        let r = self.reqs[idx as usize].as_mut().expect("live");
-        self.kv
-            .grow(r, end)
-            .expect("place_ahead: the fit was checked");
-        r.touched_step = step;
-        let p = &mut self.plan;
-        push_row(
-            p,
-            r,
-            &layout,
+        self.place_row(
             Row {
                 req: idx,
                 start: start as u32,
@@ -114,7 +102,10 @@ impl Scheduler {
                 sampled: end == len,
                 spec: 0,
             },
+            true,
         );
+        let r = self.reqs[idx as usize].as_ref().expect("live");
+        let p = &mut self.plan;
         for pos in start..end {
             if pos < known {
                 p.input_ids.push(r.tokens[pos] as i32);
@@ -122,12 +113,6 @@ impl Scheduler {
                 let j = pending.expect("only the pending token is unknown");
                 self.ahead_tokens.push((p.input_ids.len() as u32, j));
                 p.input_ids.push(0);
-            }
-        }
-        if layout.has_sliding {
-            for pos in start..end {
-                p.slot_mapping_sliding
-                    .push(layout.sliding_slot(&r.ring, pos, end));
             }
         }
         b.debit(start, q);

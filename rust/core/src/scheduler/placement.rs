@@ -117,8 +117,7 @@ impl Scheduler {
     fn decode_fast(&mut self, idx: u32, b: &mut Budget) -> bool {
         let page = self.cfg.page_size;
         let l = *self.kv.layout();
-        let step = self.step;
-        let r = self.reqs[idx as usize].as_mut().expect("live");
+        let r = self.req(idx);
         let start = r.num_computed;
         let end = start + 1;
         if end != r.tokens.len()
@@ -128,12 +127,8 @@ impl Scheduler {
         {
             return false;
         }
-        r.touched_step = step;
-        let p = &mut self.plan;
-        push_row(
-            p,
-            r,
-            &l,
+        let last = r.last_token as i32;
+        self.place_row(
             Row {
                 req: idx,
                 start: start as u32,
@@ -141,12 +136,9 @@ impl Scheduler {
                 sampled: true,
                 spec: 0,
             },
+            false,
         );
-        p.input_ids.push(r.last_token as i32);
-        if l.has_sliding {
-            p.slot_mapping_sliding
-                .push(l.sliding_slot(&r.ring, start, end));
-        }
+        self.plan.input_ids.push(last);
         b.debit(start, 1);
         true
     }
@@ -155,22 +147,9 @@ impl Scheduler {
     /// per-row array (block tables are written by `build_block_tables` once the width is
     /// known).
     pub(super) fn emit_row(&mut self, idx: u32, start: usize, q: usize, grow: bool) {
-        let layout = *self.kv.layout();
-        let step = self.step;
-        let r = self.reqs[idx as usize].as_mut().expect("live");
         let end = start + q;
-        if grow {
-            self.kv
-                .grow(r, end)
-                .expect("emit_row: the fit was checked by the caller");
-        }
-        r.touched_step = step;
-        let sampled = end == r.tokens.len();
-        let p = &mut self.plan;
-        push_row(
-            p,
-            r,
-            &layout,
+        let sampled = end == self.req(idx).tokens.len();
+        self.place_row(
             Row {
                 req: idx,
                 start: start as u32,
@@ -178,18 +157,38 @@ impl Scheduler {
                 sampled,
                 spec: 0,
             },
+            grow,
         );
-        if end == r.tokens.len() && q == 1 {
+        // Full-attention slots are written with the block tables (one pass over `full`);
+        // positions, cu_seqlens_q, seqlens_k and logits_* by `fill_row_arrays` (from `rows`).
+        let r = self.reqs[idx as usize].as_ref().expect("live");
+        let p = &mut self.plan;
+        if sampled && q == 1 {
             p.input_ids.push(r.last_token as i32);
         } else {
             p.input_ids
                 .extend(r.tokens[start..end].iter().map(|&t| t as i32));
         }
-        // Full-attention slots are written with the block tables (one pass over `full`);
-        // positions, cu_seqlens_q, seqlens_k and logits_* by `fill_row_arrays` (from `rows`).
+    }
+
+    /// Grow request `row.req` to `row.start + row.q` keys when `grow`, mark it touched this
+    /// step, and append `row` and its tokens' sliding-ring slots to the plan; the caller
+    /// writes the row's input ids. Every placement of a row goes through here.
+    pub(super) fn place_row(&mut self, row: Row, grow: bool) {
+        let layout = *self.kv.layout();
+        let (start, end) = (row.start as usize, (row.start + row.q) as usize);
+        let r = self.reqs[row.req as usize].as_mut().expect("live");
+        if grow {
+            self.kv
+                .grow(r, end)
+                .expect("place_row: the fit was checked by the caller");
+        }
+        r.touched_step = self.step;
+        push_row(&mut self.plan, r, &layout, row);
         if layout.has_sliding {
             for pos in start..end {
-                p.slot_mapping_sliding
+                self.plan
+                    .slot_mapping_sliding
                     .push(layout.sliding_slot(&r.ring, pos, end));
             }
         }
@@ -198,9 +197,9 @@ impl Scheduler {
 
 /// Append request `r`'s `row` to `plan`: the block table widens to `r`'s full blocks, and
 /// `r`'s ring floor moves past the keys the row's step leaves out of the sliding ring
-/// ([`Layout::ring_floor_after`]). Every placement of a row goes through here.
+/// ([`Layout::ring_floor_after`]).
 #[inline]
-pub(super) fn push_row(plan: &mut StepPlan, r: &mut Request, layout: &Layout, row: Row) {
+fn push_row(plan: &mut StepPlan, r: &mut Request, layout: &Layout, row: Row) {
     if layout.has_sliding {
         let start = row.start as usize;
         r.ring_floor = layout.ring_floor_after(r.ring_floor, start, start + row.q as usize);

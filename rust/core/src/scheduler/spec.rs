@@ -25,7 +25,6 @@
 //! positions are too.
 
 use super::budget::Budget;
-use super::placement::push_row;
 use super::Scheduler;
 use crate::plan::Row;
 use crate::request::RequestState;
@@ -226,19 +225,7 @@ impl Scheduler {
                 return false;
             }
         }
-        let layout = *self.kv.layout();
-        let step = self.step;
-        let r = self.reqs[idx as usize].as_mut().expect("live");
-        let end = start + q;
-        self.kv
-            .grow(r, end)
-            .expect("place_spec: the fit was checked");
-        r.touched_step = step;
-        let p = &mut self.plan;
-        push_row(
-            p,
-            r,
-            &layout,
+        self.place_row(
             Row {
                 req: idx,
                 start: start as u32,
@@ -246,16 +233,13 @@ impl Scheduler {
                 sampled: true,
                 spec: (q - 1) as u32,
             },
+            true,
         );
+        let r = self.reqs[idx as usize].as_ref().expect("live");
+        let p = &mut self.plan;
         p.input_ids.push(r.last_token as i32);
         p.input_ids
             .extend(r.proposal[..q - 1].iter().map(|&t| t as i32));
-        if layout.has_sliding {
-            for pos in start..end {
-                p.slot_mapping_sliding
-                    .push(layout.sliding_slot(&r.ring, pos, end));
-            }
-        }
         b.debit(start, q);
         self.cur.spec = true;
         self.stats.spec_rows += 1;
