@@ -7,6 +7,7 @@ sliding/full layers, GQA, attention and final logit softcapping, learned positio
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -127,3 +128,20 @@ def generate_greedy(model: PreTrainedModel, prompt: list[int], new: int, *,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new, do_sample=False, pad_token_id=0, **stop)
     return out[0, len(prompt):].tolist()
+
+
+def random_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = VOCAB) -> list[list[int]]:
+    """`n` prompts of `lo .. hi` random token ids in `3 .. vocab`, from `random.Random(seed)`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def mixed_prompts(seed: int, n: int = 7, shared_prefix: int = 0) -> tuple[tuple[int, ...], ...]:
+    """Mixed lengths (1 .. 57 tokens), or `shared_prefix` tokens in common and 1 .. 20 more."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
+    out = []
+    for i in range(n):
+        length = [1, 2, 7, 8, 9, 23, 40, 57][i % 8] if not shared_prefix else rng.randint(1, 20)
+        out.append(tuple(prefix + [rng.randrange(3, VOCAB) for _ in range(length)]))
+    return tuple(out)

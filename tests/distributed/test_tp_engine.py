@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -38,16 +37,6 @@ def model(arch: str):
 def reference(arch: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(tiny_models.generate_greedy(model(arch), list(prompt), NEW))
 
-
-def _prompts(seed: int, n: int = 7, shared_prefix: int = 0) -> tuple[tuple[int, ...], ...]:
-    """Mixed lengths (1 .. 57 tokens), or `shared_prefix` tokens in common."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, tiny_models.VOCAB) for _ in range(shared_prefix)]
-    out = []
-    for i in range(n):
-        length = [1, 2, 7, 8, 9, 23, 40, 57][i % 8] if not shared_prefix else rng.randint(1, 20)
-        out.append(tuple(prefix + [rng.randrange(3, tiny_models.VOCAB) for _ in range(length)]))
-    return tuple(out)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +72,14 @@ def test_tp2_parity_chunked_preempted_and_prefix_shared(arch: str, use_async: bo
     with Engine(str(saved(arch)), config=config, tensor_parallel_size=2) as eng:
         assert eng.tensor_parallel_size == 2 and eng.async_batching is use_async
         assert eng.runner.cache.num_kv_heads == 1  # this rank's share (2/2 and 1 replicated)
-        prompts = _prompts(4)
+        prompts = tiny_models.mixed_prompts(4)
         _check(arch, prompts, eng.generate([list(p) for p in prompts], sp, progress=False))
         stats = eng.stats()
         assert stats["tensor_parallel_size"] == 2
         assert stats["num_preemptions"] > 0
         assert stats["num_offloads" if offload else "num_soft_resets"] > 0
         hits = stats["prefix_hit_tokens"]
-        shared = _prompts(5, shared_prefix=16)
+        shared = tiny_models.mixed_prompts(5, shared_prefix=16)
         _check(arch, shared, eng.generate([list(p) for p in shared], sp, progress=False))
         assert eng.stats()["prefix_hit_tokens"] > hits
         if use_async:

@@ -35,7 +35,7 @@ def run_async(arch: str, ps, **cfg) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_async_parity_default(arch: str) -> None:
-    ps = par.make_prompts(1)
+    ps = tiny_models.mixed_prompts(1)
     par.check(arch, ps, run_async(arch, ps))
     # most steps of a decode-heavy run are planned ahead
     stats = par.run_engine.last_stats
@@ -44,20 +44,20 @@ def test_async_parity_default(arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_async_parity_chunked_prefill_small_batches(arch: str) -> None:
-    ps = par.make_prompts(2)
+    ps = tiny_models.mixed_prompts(2)
     par.check(arch, ps, run_async(arch, ps, max_batch_tokens=13, max_requests_per_batch=3))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_async_parity_prefill_first(arch: str) -> None:
-    ps = par.make_prompts(3)
+    ps = tiny_models.mixed_prompts(3)
     par.check(arch, ps, run_async(arch, ps, scheduler_type="prefill_first", max_batch_tokens=32))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("offload", [0.0, 0.01], ids=["soft-reset", "cpu-offload"])
 def test_async_parity_forced_preemption(arch: str, offload: float) -> None:
-    ps = par.make_prompts(4)
+    ps = tiny_models.mixed_prompts(4)
     got = run_async(arch, ps, num_blocks=12, cpu_offload_space=offload, max_batch_tokens=32)
     par.check(arch, ps, got)
     stats = par.run_engine.last_stats
@@ -77,7 +77,7 @@ def test_async_parity_forced_preemption(arch: str, offload: float) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("sharing", [True, False], ids=["sharing", "no-sharing"])
 def test_async_parity_shared_prefixes(arch: str, sharing: bool) -> None:
-    ps = par.make_prompts(5, n=8, shared_prefix=29)
+    ps = tiny_models.mixed_prompts(5, n=8, shared_prefix=29)
     par.check(arch, ps, run_async(arch, ps, allow_block_sharing=sharing, max_batch_tokens=64))
     hit_rate = par.run_engine.last_stats["prefix_hit_rate"]
     if sharing and arch != "gemma3":
@@ -88,7 +88,7 @@ def test_async_parity_shared_prefixes(arch: str, sharing: bool) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_async_parity_with_cancellations_mid_flight(arch: str) -> None:
-    ps = par.make_prompts(6, n=8)
+    ps = tiny_models.mixed_prompts(6, n=8)
     config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=24,
                                       use_async_batching=True)  # fmt: skip
     slow = SamplingParams(max_new_tokens=200, ignore_eos=True)
@@ -324,7 +324,7 @@ def test_runner_greedy_tokens_in_flight(arch: str) -> None:
     """With the runner's greedy head (`fast_greedy`, forced on here: on these tiny models
     it would lose its timing check), plain greedy steps take their tokens from
     `execute_greedy(plan, prev_tokens)`, ahead plans included, and mixed batches sample."""
-    ps = par.make_prompts(1)
+    ps = tiny_models.mixed_prompts(1)
     config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=512, use_async_batching=True)
     with Engine(par.model(arch), config=config) as eng:
         eng.runner.fast_greedy = True

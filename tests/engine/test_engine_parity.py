@@ -9,7 +9,6 @@ both schedulers, chunked prefill, and cancellation of some requests mid-flight.
 from __future__ import annotations
 
 import functools
-import random
 import time
 
 import pytest
@@ -28,15 +27,6 @@ PAGE = 8
 def model(arch: str):
     return getattr(tiny_models, arch)()
 
-
-def make_prompts(seed: int, n: int = 7, shared_prefix: int = 0) -> tuple[tuple[int, ...], ...]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, tiny_models.VOCAB) for _ in range(shared_prefix)]
-    out = []
-    for i in range(n):
-        length = [1, 2, 7, 8, 9, 23, 40, 57][i % 8] if not shared_prefix else rng.randint(1, 20)
-        out.append(tuple(prefix + [rng.randrange(3, tiny_models.VOCAB) for _ in range(length)]))
-    return tuple(out)
 
 
 @functools.cache
@@ -66,19 +56,19 @@ def check(arch: str, prompts, got: list[list[int]]) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_default(arch: str) -> None:
-    prompts = make_prompts(1)
+    prompts = tiny_models.mixed_prompts(1)
     check(arch, prompts, run_engine(arch, prompts))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_chunked_prefill_small_batches(arch: str) -> None:
-    prompts = make_prompts(2)
+    prompts = tiny_models.mixed_prompts(2)
     check(arch, prompts, run_engine(arch, prompts, max_batch_tokens=13, max_requests_per_batch=3))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_prefill_first(arch: str) -> None:
-    prompts = make_prompts(3)
+    prompts = tiny_models.mixed_prompts(3)
     got = run_engine(arch, prompts, scheduler_type="prefill_first", max_batch_tokens=32)
     check(arch, prompts, got)
 
@@ -86,7 +76,7 @@ def test_parity_prefill_first(arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("offload", [0.0, 0.01], ids=["soft-reset", "cpu-offload"])
 def test_parity_forced_preemption(arch: str, offload: float) -> None:
-    prompts = make_prompts(4)
+    prompts = tiny_models.mixed_prompts(4)
     # the longest request needs ceil((57 + 16) / 8) = 10 blocks: 12 is far too small for 7
     got = run_engine(arch, prompts, num_blocks=12, cpu_offload_space=offload,
                      max_batch_tokens=32)
@@ -102,7 +92,7 @@ def test_parity_forced_preemption(arch: str, offload: float) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("sharing", [True, False], ids=["sharing", "no-sharing"])
 def test_parity_shared_prefixes(arch: str, sharing: bool) -> None:
-    prompts = make_prompts(5, n=8, shared_prefix=29)
+    prompts = tiny_models.mixed_prompts(5, n=8, shared_prefix=29)
     got = run_engine(arch, prompts, allow_block_sharing=sharing, max_batch_tokens=64)
     check(arch, prompts, got)
     hit_rate = run_engine.last_stats["prefix_hit_rate"]
@@ -111,13 +101,13 @@ def test_parity_shared_prefixes(arch: str, sharing: bool) -> None:
     else:
         assert hit_rate == 0.0
     # a second wave with the same prefix after the first finished reuses cached blocks
-    prompts2 = make_prompts(5, n=8, shared_prefix=29)[::-1]
+    prompts2 = tiny_models.mixed_prompts(5, n=8, shared_prefix=29)[::-1]
     check(arch, prompts2, run_engine(arch, prompts2, allow_block_sharing=sharing))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_parity_with_cancellations(arch: str) -> None:
-    prompts = make_prompts(6, n=8)
+    prompts = tiny_models.mixed_prompts(6, n=8)
     config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=24)
     slow = SamplingParams(max_new_tokens=200, ignore_eos=True)
     with Engine(model(arch), config=config) as eng:

@@ -5,7 +5,6 @@ every scheduling mode."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 
 import numpy as np
@@ -24,10 +23,6 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
 
 def _half(name: str, dtype: torch.dtype = torch.bfloat16):
     return tm.BUILDERS[name]().to(dtype)
@@ -39,7 +34,7 @@ def test_decode_kernel_matches_the_gathered_sdpa_path(name, dtype):
     """The in-place kernel (full and sliding windows, softcap, GQA) against the gather +
     SDPA path on the same steps: fp32 to rounding, bf16 to bf16 rounding."""
     model = tm.BUILDERS[name]().to(dtype)
-    prompts = _prompts(3, 5, 2, 40)
+    prompts = tm.random_prompts(3, 5, 2, 40)
     got = {}
     for kernel in (True, False):
         runner = ModelRunner(model, num_blocks=128, page_size=4)
@@ -77,7 +72,7 @@ def test_packed_linears_group_and_leave_the_model_as_it_was():
     assert lin is not None and lin.weight_dtype == torch.bfloat16
     assert lin.num_groups == 2 * model.config.num_hidden_layers  # q/k/v and gate/up
     assert runner.activation_dtype == torch.float32  # the fp32 residual stream holds here
-    drive_runner(runner, _prompts(1, 3, 3, 9), 3)
+    drive_runner(runner, tm.random_prompts(1, 3, 3, 9), 3)
     assert not any("forward" in m.__dict__ for m in model.modules())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
@@ -112,7 +107,7 @@ def test_packed_linears_run_the_own_forward_on_other_threads():
 def test_weights_changed_in_place_are_packed_again():
     model = _half("llama")
     runner = ModelRunner(model, num_blocks=64, page_size=4)
-    prompts = _prompts(2, 2, 4, 8)
+    prompts = tm.random_prompts(2, 2, 4, 8)
     first = drive_runner(runner, prompts, 1)[0]
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(-3)
@@ -151,7 +146,8 @@ def test_bf16_engine_is_at_least_as_close_to_fp32_as_bf16_generate(setup):
     `generate` on each prompt alone."""
     fp32 = tm.llama(seed=3)
     bf16 = tm.llama(seed=3).to(torch.bfloat16)
-    prompts = _prompts(11, 60, 4, 20)  # enough requests that one near-tie is not the verdict
+    # enough requests that one near-tie is not the verdict
+    prompts = tm.random_prompts(11, 60, 4, 20)
     if setup == "prefix":
         prompts = [prompts[0][:12] + p for p in prompts]
     new = 16

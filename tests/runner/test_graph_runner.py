@@ -3,7 +3,6 @@ samples (`plan.prev_token_index`)."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,10 +14,6 @@ from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
 
-
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def _with_prev_index(plan, prev_index: np.ndarray, placeholder: int = 0):
@@ -47,7 +42,7 @@ def test_input_ids_from_previous_samples(backend):
     ref = ModelRunner(model, num_blocks=64, page_size=4, attention_backend=backend)
     planner = RefPlanner(page_size=4, num_blocks=64, layer_types=runner.layer_types,
                          sliding_window=None)
-    prompts = _prompts(0, 3, 3, 9)
+    prompts = tm.random_prompts(0, 3, 3, 9)
     for i, p in enumerate(prompts):
         planner.add(f"r{i}", p)
     first = planner.plan([(f"r{i}", len(p)) for i, p in enumerate(prompts)])
@@ -117,7 +112,7 @@ def test_padded_decode_steps_match_unpadded_and_generate(name):
     plain = ModelRunner(model, num_blocks=128, page_size=PAGE)
     planner = RefPlanner(page_size=PAGE, num_blocks=128, layer_types=plain.layer_types,
                          sliding_window=plain.sliding_window)
-    prompts = _prompts(5, 5, 2, 30)
+    prompts = tm.random_prompts(5, 5, 2, 30)
     new = 12
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
@@ -155,7 +150,7 @@ def _decode_setup(name: str, num_blocks: int = 64):
     runner = _padded_runner(model, num_blocks=num_blocks)
     planner = RefPlanner(page_size=PAGE, num_blocks=num_blocks, layer_types=runner.layer_types,
                          sliding_window=runner.sliding_window)
-    prompts = _prompts(9, 3, 5, 22)
+    prompts = tm.random_prompts(9, 3, 5, 22)
     for i, p in enumerate(prompts):
         planner.add(f"r{i}", p)
     logits = runner.execute(planner.plan([(f"r{i}", len(p)) for i, p in enumerate(prompts)]))
@@ -297,7 +292,7 @@ def test_cuda_graph_runner_matches_eager(name):  # pragma: no cover - GPU only
     assert graphed.use_cuda_graph and graphed.attention_backend in ("triton", "flash_attn")
     planner = RefPlanner(page_size=PAGE, num_blocks=64, layer_types=eager.layer_types,
                          sliding_window=eager.sliding_window)
-    prompts = _prompts(9, 3, 5, 22)
+    prompts = tm.random_prompts(9, 3, 5, 22)
     for i, p in enumerate(prompts):
         planner.add(f"r{i}", p)
     first = planner.plan([(f"r{i}", len(p)) for i, p in enumerate(prompts)])

@@ -4,7 +4,6 @@ caller's model is left as it was."""
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
@@ -25,10 +24,6 @@ pytestmark = pytest.mark.skipif(
 LEAN = ["llama", "qwen3", "mistral", "qwen2_sliding"]
 
 
-def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
 
 def _runner(model: torch.nn.Module, **kw) -> ModelRunner:
     return ModelRunner(model, num_blocks=128, page_size=4, **kw)
@@ -39,7 +34,7 @@ def test_lean_layers_compute_what_the_own_layers_compute(name):
     """Same packed steps (prefill, then decodes over full and sliding windows) with and
     without lean layers: logits equal to bf16 rounding."""
     model = tm.BUILDERS[name]().to(torch.bfloat16)
-    prompts = _prompts(5, 6, 2, 30)
+    prompts = tm.random_prompts(5, 6, 2, 30)
     got = {}
     for lean in (True, False):
         runner = _runner(model, lean_layers=lean)
@@ -55,7 +50,7 @@ def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
     """A bf16 model over an fp32 or fp16 KV cache: keys and values are rounded to the
     cache's dtype alike on both paths (prefill with cached keys included)."""
     model = tm.llama().to(torch.bfloat16)
-    prompts = _prompts(9, 5, 2, 20)
+    prompts = tm.random_prompts(9, 5, 2, 20)
     got = {}
     for lean in (True, False):
         runner = _runner(model, lean_layers=lean, dtype=cache_dtype)
@@ -103,7 +98,7 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
         before = model(ids).logits
     runner = _runner(model)
     assert runner._lean is not None
-    drive_runner(runner, _prompts(1, 3, 3, 9), 2)
+    drive_runner(runner, tm.random_prompts(1, 3, 3, 9), 2)
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert not any("forward" in m.__dict__ for m in layers)
     seen = {}
@@ -124,7 +119,7 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
 def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
     """Engine outputs in bf16 with lean layers against the fp32 greedy reference: at least
     as close as the same engine running the model's own layers (chunked prefill on)."""
-    prompts = _prompts(17, 40, 4, 24)
+    prompts = tm.random_prompts(17, 40, 4, 24)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     fp32 = tm.BUILDERS[name](seed=4)
     bf16 = tm.BUILDERS[name](seed=4).to(torch.bfloat16)

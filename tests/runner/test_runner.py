@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import random
 
 import numpy as np
 import pytest
@@ -23,10 +22,6 @@ from ref_planner import RefPlanner
 torch.set_num_threads(1)
 ATOL = 1e-4
 
-
-def _prompts(seed: int, n: int, lo: int, hi: int, vocab: int = tm.VOCAB) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @torch.inference_mode()
@@ -66,7 +61,7 @@ def test_packed_steps_match_each_sequence_alone(name, backend=None):
     """Mixed prefill chunks (some longer than the window) and decodes in one packed batch."""
     model = tm.BUILDERS[name]()
     runner, planner = _runner(model, page_size=4, backend=backend)
-    prompts = _prompts(1, 5, 3, 45)
+    prompts = tm.random_prompts(1, 5, 3, 45)
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
         planner.add(rid, p)
@@ -87,7 +82,7 @@ def test_packed_steps_match_each_sequence_alone(name, backend=None):
 def test_greedy_matches_generate(name):
     model = tm.BUILDERS[name]()
     runner, planner = _runner(model, page_size=8)
-    prompts = _prompts(2, 6, 2, 40)
+    prompts = tm.random_prompts(2, 6, 2, 40)
     new = 10
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts, strict=True):
@@ -116,7 +111,7 @@ def test_swap_out_and_in_round_trip(name):
     """A request swapped to the CPU pool, its chunks reused by another, swapped back in."""
     model = tm.BUILDERS[name]()
     runner, planner = _runner(model, page_size=4, num_blocks=40, swap=30)
-    a, b = _prompts(3, 2, 25, 30)
+    a, b = tm.random_prompts(3, 2, 25, 30)
     planner.add("a", a)
     _step(runner, planner, [("a", len(a))], model)
     _step(runner, planner, [("a", 1)], model)
@@ -285,7 +280,7 @@ def _drive(model, prompts, new, *, num_blocks, page_size, max_batch_tokens, **sc
 @pytest.mark.parametrize("name", list(tm.BUILDERS))
 def test_rust_scheduler_greedy_matches_generate(name):
     model = tm.BUILDERS[name]()
-    prompts = _prompts(11, 6, 3, 50)
+    prompts = tm.random_prompts(11, 6, 3, 50)
     new = 8
     got, _ = _drive(model, prompts, new, num_blocks=64, page_size=4, max_batch_tokens=24)
     for i, p in enumerate(prompts):
@@ -298,7 +293,7 @@ def test_rust_scheduler_greedy_matches_generate(name):
 def test_rust_scheduler_under_memory_pressure_with_offload(name):
     """A pool too small for all requests at once: preemption (offload or recompute)."""
     model = tm.BUILDERS[name]()
-    prompts = _prompts(12, 8, 20, 40)
+    prompts = tm.random_prompts(12, 8, 20, 40)
     new = 10
     got, stats = _drive(model, prompts, new, num_blocks=40, page_size=4, max_batch_tokens=64,
                         cpu_offload_blocks=40)
@@ -314,7 +309,7 @@ def test_full_forward_fallback_for_logits(monkeypatch):
     monkeypatch.setattr(ModelRunner, "_check_split_head", lambda self: False)
     runner, planner = _runner(model)
     assert not runner._split_head
-    for i, p in enumerate(_prompts(5, 3, 4, 20)):
+    for i, p in enumerate(tm.random_prompts(5, 3, 4, 20)):
         planner.add(f"r{i}", p)
     _step(runner, planner, [(f"r{i}", min(planner.remaining(f"r{i}"), n))
                             for i, n in enumerate((3, 20, 4))], model)
