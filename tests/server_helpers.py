@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -228,6 +230,31 @@ def wait_until(pred: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(pred())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> int | None:
+    """Poll `url`/health of the server process `proc` until it answers 200, the process
+    exits or `timeout` seconds pass; the last status (None: no answer). Before 200 the
+    server may only be unreachable or answer 503."""
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = httpx.get(url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            status = None
+        if status == 200:
+            break
+        assert status in (None, 503)
+        time.sleep(0.2)
+    return status
 
 
 def used_blocks(engine: Any) -> int:

@@ -12,10 +12,8 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import pytest
 import torch
 from ferrobatch import cli
 from ferrobatch.config import ContinuousBatchingConfig
-from server_helpers import build_model, build_tokenizer
+from server_helpers import build_model, build_tokenizer, free_port, wait_healthy
 
 torch.set_num_threads(1)
 
@@ -259,16 +257,10 @@ def test_bench_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert data["results"][0]["tokens"] == 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @needs_engine
 def test_serve_command(model_dir: Path, tmp_path: Path) -> None:
     """`ferrobatch serve` as a real process: 503 or 200 on /health, then a completion."""
-    port = _free_port()
+    port = free_port()
     path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -294,18 +286,7 @@ def test_serve_command(model_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        status = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                status = httpx.get(url + "/health", timeout=2).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            assert status in (None, 503)
-            time.sleep(0.2)
-        assert status == 200, "server never became healthy"
+        assert wait_healthy(proc, url, 90) == 200, "server never became healthy"
         headers = {"Authorization": "Bearer k"}
         r = httpx.post(
             url + "/v1/completions",
@@ -331,7 +312,7 @@ def test_serve_exits_when_the_model_fails_to_load(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "no-such-model"
-    rc = cli.main(["serve", str(missing), "--port", str(_free_port()), "--num-blocks", "8"])
+    rc = cli.main(["serve", str(missing), "--port", str(free_port()), "--num-blocks", "8"])
     assert rc == 1
     err = capsys.readouterr().err
     assert "the model failed to load" in err

@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import tiny_models
-from server_helpers import build_model, build_tokenizer, client
+from server_helpers import build_model, build_tokenizer, client, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_serve_tensor_parallel_2(tmp_path: Path) -> None:
@@ -31,7 +22,7 @@ def test_serve_tensor_parallel_2(tmp_path: Path) -> None:
     model = build_model(tok)
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    port = _free_port()
+    port = free_port()
     path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ferrobatch.cli", "serve", str(tmp_path / "m"), "--port",
@@ -42,16 +33,7 @@ def test_serve_tensor_parallel_2(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        status = None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                status = httpx.get(url + "/health", timeout=2).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            time.sleep(0.2)
+        status = wait_healthy(proc, url, 120)
         assert status == 200, (tmp_path / "serve.log").read_text(errors="replace")
         oa = client(url)
         prompts = [tok.encode(t) for t in ("Hello there", "the quick brown fox jumps",

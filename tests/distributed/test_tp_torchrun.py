@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import tiny_models
+from server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
@@ -24,12 +24,6 @@ with Engine(sys.argv[1], tensor_parallel_size=2, config=dict(num_blocks=64, page
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_torchrun_two_ranks(tmp_path: Path) -> None:
     model = tiny_models.llama()
     model.save_pretrained(tmp_path / "m")
@@ -40,7 +34,7 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), str(tmp_path / "run.py"), str(tmp_path / "m")],
+         "--master-port", str(free_port()), str(tmp_path / "run.py"), str(tmp_path / "m")],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from server_helpers import free_port
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")  # lm-eval's API models need its [api] extra
@@ -32,17 +32,11 @@ TASK_DIR = Path(__file__).parent / "lm_eval_task"
 VENV_BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server() -> tuple[str, Path]:
     from ferrobatch.models import bundled_model_dir
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ferrobatch.cli", "serve", "--port", str(port),

@@ -32,6 +32,7 @@ from server_helpers import (
     FakeEngine,
     build_model,
     client,
+    free_port,
     parse_sse,
     serve,
     wait_until,
@@ -296,17 +297,11 @@ def test_unread_stream_is_bounded_then_cancelled(tokenizer: Any) -> None:
 # 7. SIGTERM with requests in flight: a real `ferrobatch serve` process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_path: Any) -> None:
     model_dir = tmp_path / "tiny"
     build_model(tokenizer, max_len=8192).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ferrobatch.cli", "serve", str(model_dir), "--port", str(port),
