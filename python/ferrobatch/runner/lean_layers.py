@@ -181,7 +181,6 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     q_src, q_off, k_src, k_off = qkv, 0, qkv, p.nq
     if p.q_norm is not None:
         q_src = p.q_norm(qkv[:, :p.nq].view(tokens, p.heads, p.dim)).reshape(tokens, p.nq)
-        q_off = 0
     if p.k_norm is not None:
         k_src = p.k_norm(qkv[:, p.nq:p.nq + p.nk].view(tokens, p.kv_heads, p.dim))
         k_src, k_off = k_src.reshape(tokens, p.nk), 0
@@ -201,9 +200,8 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
                        v.transpose(0, 1).unsqueeze(0), mask, dropout=0.0,
                        scaling=attn.scaling, **_attention_kwargs(attn, kwargs))
     o = product(p.o, out.reshape(tokens, p.nq))
-    h2 = torch.empty(x.shape, dtype=wdt)
-    fused_ops.rms_norm(x, norm_post.weight, h2, norm_post.variance_epsilon, residual=o)
-    gu = product(p.gate_up, h2)
+    fused_ops.rms_norm(x, norm_post.weight, h, norm_post.variance_epsilon, residual=o)
+    gu = product(p.gate_up, h)  # (h's first use ended with the q/k/v product)
     a = torch.empty(tokens, p.inter, dtype=wdt)
     fused_ops.silu_mul(gu, a)
     x.add_(product(p.down, a))
