@@ -48,9 +48,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# ferrobatch sets OMP_WAIT_POLICY=PASSIVE for its own process when imported; vLLM's processes
-# get the caller's setting instead (vLLM sets its own KMP_BLOCKTIME when it binds threads)
-_CALLER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+# ferrobatch sets GOMP_SPINCOUNT for its own process when imported; vLLM's processes get the
+# caller's OpenMP settings instead (vLLM sets its own KMP_BLOCKTIME when it binds threads)
+_CALLER_OMP_ENV = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "benches"))
@@ -297,11 +297,12 @@ class VllmPeer:
 
 def peer_base_env() -> dict[str, str]:
     """The environment for a process in the peer venv: this one's, without the project's
-    Python paths and with the caller's own ``OMP_WAIT_POLICY`` (not ferrobatch's)."""
+    Python paths and with the caller's own OpenMP wait settings (not ferrobatch's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.pop("OMP_WAIT_POLICY", None)
-    if _CALLER_OMP_WAIT_POLICY is not None:
-        env["OMP_WAIT_POLICY"] = _CALLER_OMP_WAIT_POLICY
+    for name, value in _CALLER_OMP_ENV.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     return env
 
 
@@ -395,7 +396,7 @@ def main() -> None:
             ap.error(f"--pin {cpus} has fewer cores than --threads {args.threads}")
         pin_self(cpus)
 
-    import ferrobatch  # noqa: F401 - before torch: it sets OMP_WAIT_POLICY=PASSIVE for OpenMP
+    import ferrobatch  # noqa: F401 - before torch: it sets GOMP_SPINCOUNT for OpenMP
     import torch
     import transformers
 

@@ -6,17 +6,17 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING, Any
 
-# OpenMP threads that spin while they wait (libgomp's default) collapse throughput as soon
-# as anything else wants the cores: measured here, a 16-token request through `ferrobatch
-# serve` at 2 threads took 5-23 s spinning and 0.9 s passive, and the brief workload at 2
-# threads on a busy machine ran 8x faster passive. libgomp reads this when torch loads it,
-# so it must be set before the first `import torch`; OMP_WAIT_POLICY=ACTIVE opts out.
-#: torch was loaded before ferrobatch with no wait policy set: its threads spin
-OPENMP_SPINS = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How torch's OpenMP threads wait between parallel regions (libgomp reads this when torch
+# loads it, so before the first `import torch`). A sleeping thread takes ~100 us to wake on
+# this VM, more than a decode step's products: asleep (OMP_WAIT_POLICY=PASSIVE), 2 threads
+# ran SmolLM2 bf16 in 5.5 s, slower than 1 thread; spinning 30000 rounds first, 3.5 s
+# (longer spins gain nothing). Spinning beside another busy process is what collapses a
+# step, and the engine's `ThreadGovernor` drops to fewer threads while that lasts. A policy
+# or spin count set by the caller is kept.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "30000"
 
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402 - after the policy
 from ferrobatch.engine.outputs import RequestOutput  # noqa: E402

@@ -340,6 +340,11 @@ def paged_decode_attention(
 ) -> None:
     """Decode rows' attention over the paged cache, read in place, written to `out`."""
 
+def share_openmp(path: str | None) -> None:
+    """Run the CPU kernels' threads on the OpenMP runtime of the library at `path`, already
+    loaded in this process (torch's libtorch_cpu; OSError otherwise); None: threads started
+    per call again."""
+
 _Storage = npt.NDArray[np.float32] | npt.NDArray[np.uint16]
 _DType = Literal["float32", "bfloat16", "float16"]
 

@@ -49,6 +49,10 @@ class ContinuousBatchingConfig:
         use_cuda_graph / use_async_batching: None = decide automatically (off on CPU).
         max_queue_size: most unfinished requests `add_request`/`stream`/`astream` accept
             (beyond it they raise `QueueFullError`); `generate` is not bounded. 0 = unlimited.
+        adaptive_threads: on CPU, while other processes keep some of this process's cores
+            busy, run torch on fewer threads (never more than it had when the engine was
+            built; `ferrobatch.cpu_threads.ThreadGovernor`): waiting threads spin, and
+            spinning beside another process makes every step many times slower.
     """
 
     page_size: int = 32
@@ -65,6 +69,7 @@ class ContinuousBatchingConfig:
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
     max_queue_size: int = 0
+    adaptive_threads: bool = True
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +103,9 @@ class ContinuousBatchingConfig:
         _check_int(self, "q_padding_interval_size", minimum=0)
         _check_int(self, "kv_padding_interval_size", minimum=0)
         _check_int(self, "max_queue_size", minimum=0)
+        if not isinstance(self.adaptive_threads, bool):
+            raise FieldError(f"adaptive_threads must be a bool, got {self.adaptive_threads!r}",
+                             "adaptive_threads")
         for name in ("use_cuda_graph", "use_async_batching"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -93,6 +93,9 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("max_queue_size", dict(type=int, metavar="N",
      help="Engine-side bound on waiting requests; 0 = unlimited. (serve's --max-queue bounds "
           "the HTTP queue.)")),
+    ("adaptive_threads", dict(action=argparse.BooleanOptionalAction,
+     help="CPU: run torch on fewer threads (never more than --threads) while other "
+          "processes keep this process's cores busy, and go back up when they free up.")),
 ]  # fmt: skip
 
 
@@ -162,8 +165,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="torch CPU threads (torch.set_num_threads). Default: torch's choice (one per "
-        "physical core). ferrobatch sets OMP_WAIT_POLICY=PASSIVE unless it is set: waiting "
-        "threads sleep instead of spinning, so a busy machine does not stall every step.",
+        "physical core). Waiting threads spin briefly (ferrobatch sets GOMP_SPINCOUNT=30000 "
+        "unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set), and while other processes keep "
+        "the cores busy the engine runs on fewer threads (see --adaptive-threads).",
     )
     group.add_argument(
         "--tensor-parallel-size",

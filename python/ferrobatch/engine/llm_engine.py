@@ -26,6 +26,7 @@ import torch
 
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.cpu_threads import ThreadGovernor
 from ferrobatch.distributed import shard as tp_shard
 from ferrobatch.distributed.broadcast import agree as _agree
 from ferrobatch.distributed.setup import attach as tp_attach
@@ -139,7 +140,6 @@ class Engine(ModelProbes):
         param = next(loaded.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        _note_spinning_threads(self.device)
 
         tcfg = self._read_model_config(loaded)
         check_architecture(
@@ -196,6 +196,9 @@ class Engine(ModelProbes):
             self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
                                     self._stats)  # fmt: skip
             self._stepper.spec = self.spec
+        # CPU: fewer torch threads while other processes keep the cores busy
+        self._threads = ThreadGovernor.of(self.device.type, self.config.adaptive_threads) \
+            if self.tp is None else None
         self._step_lock = threading.RLock()  # one stepper at a time; guards the scheduler
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -507,6 +510,8 @@ class Engine(ModelProbes):
             if self.spec is not None:
                 self.spec.close()
             self.runner.close()
+            if self._threads is not None:
+                self._threads.close()
         if self.tp is not None and self.tp.rank == 0:
             self.tp.shutdown(self.runner.stop_workers)
 
@@ -711,6 +716,8 @@ class Engine(ModelProbes):
         with self._step_lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
+            if self._threads is not None:
+                self._threads.tick()
             return self._stepper.step()
 
     def _fail_all(self, exc: BaseException, *, fatal: bool = False) -> None:
@@ -766,24 +773,3 @@ async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:
         if not getter.done():
             getter.cancel()
     return getter.result() if done else None
-
-
-_SPIN_NOTED = False
-
-
-def _note_spinning_threads(device: torch.device) -> None:
-    """Warn once when torch's OpenMP threads spin-wait (torch imported before ferrobatch
-    with no OMP_WAIT_POLICY): steps then stall whenever other work shares the cores."""
-    global _SPIN_NOTED
-    import ferrobatch
-
-    if _SPIN_NOTED or device.type != "cpu" or not ferrobatch.OPENMP_SPINS:
-        return
-    if torch.get_num_threads() > 1:
-        _SPIN_NOTED = True
-        logger.warning(
-            "ferrobatch: torch was imported before ferrobatch, so its %d OpenMP threads "
-            "spin while they wait; on a busy machine steps can take many times longer. Set "
-            "OMP_WAIT_POLICY=PASSIVE before importing torch (or import ferrobatch first), or "
-            "use torch.set_num_threads(1).", torch.get_num_threads())
-

@@ -16,6 +16,7 @@ from ferrobatch.attention.kernel_step import KernelStep, build_kernel_step
 from ferrobatch.attention.kernels import decode_kernel_available
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import PagedStep, build_step
+from ferrobatch.cpu_threads import share_torch_openmp
 from ferrobatch.models import layer_types_of, sliding_window_of, text_config
 from ferrobatch.runner.activations import PackedActivations
 from ferrobatch.runner.cpu_linear import PackedLinears
@@ -140,6 +141,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         self._linears: PackedLinears | None = None
         self._lean: LeanLayers | None = None
         if self.device.type == "cpu":
+            share_torch_openmp()
             self._linears = self._make_packed_linears(activations)
             self._lean = self._make_lean_layers(lean_layers)
         self._split_head = self._check_split_head()

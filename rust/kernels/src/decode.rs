@@ -261,11 +261,9 @@ pub fn paged_decode_attention(a: &DecodeArgs<'_>, out: ElemsMut<'_>) -> Result<(
     }
     let per = rows.div_ceil(threads);
     let pieces = out.split(per * a.heads * a.dim);
-    std::thread::scope(|scope| {
-        for (i, piece) in pieces.into_iter().enumerate() {
-            let range = i * per..((i + 1) * per).min(rows);
-            scope.spawn(move || run_rows(a, range, piece));
-        }
+    let ranges = (0..rows).step_by(per).map(|s| s..(s + per).min(rows));
+    crate::parallel::run_pieces(ranges.zip(pieces).collect(), |range, piece| {
+        run_rows(a, range, piece)
     });
     Ok(())
 }

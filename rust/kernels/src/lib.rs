@@ -7,11 +7,15 @@
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
 //!   the residual add, SiLU * up, rotary embeddings, rows written at cache slots);
 //! * [`select`]: the greedy head's candidate selection over screened scores (exact bounds),
-//!   the per-row best candidate and the rows' norms.
+//!   the per-row best candidate and the rows' norms;
+//! * [`parallel`]: where the pieces of a call run (scoped threads, or a pool the host
+//!   registers, such as the OpenMP runtime torch runs).
 
 pub mod decode;
 pub mod fused;
+pub mod parallel;
 pub mod select;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};
+pub use parallel::{set_pool, Pool};
 pub use select::{pick_best, row_norms, select_candidates, Candidates, Scores, SelectArgs};

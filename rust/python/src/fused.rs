@@ -20,8 +20,9 @@ fn to_py(e: ArgError) -> PyErr {
 /// `residual` [T, H] is given (`x` must then be float32). `weight` [H]; `weight_offset` is
 /// added to it (1.0 for Gemma's `1 + w`). All f32, rounded once into `out_dtype`:
 /// `(x * (1 / sqrt(mean(x^2) + eps))) * (w + weight_offset)`, the mean a 64-lane sum.
-/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
-/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
+/// `threads` > 1 splits the rows in calls of the kernel pool's `min_split` elements or more
+/// (2^15 on torch's OpenMP team after `share_openmp`, else 2^20: a fresh thread per call
+/// never paid at decode sizes); smaller calls run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (x, weight, out, *, x_dtype, weight_dtype, out_dtype, eps,
                     weight_offset = 0.0, residual = None, residual_dtype = "float32",
@@ -112,8 +113,9 @@ fn norm_args<'a>(
 
 /// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]`: `gate_up` [T, 2I], `out` [T, I];
 /// `silu(g) = g / (1 + exp(-g))` in f32, exp Cephes' polynomial (within 2 ulp).
-/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
-/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
+/// `threads` > 1 splits the rows in calls of the kernel pool's `min_split` elements or more
+/// (2^15 on torch's OpenMP team after `share_openmp`, else 2^20: a fresh thread per call
+/// never paid at decode sizes); smaller calls run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (gate_up, out, *, dtype, out_dtype, threads = 1))]
 pub fn silu_mul(
@@ -146,8 +148,9 @@ pub fn silu_mul(
 /// Rotary embedding of `heads` heads of `dim` columns of `src` [T, W] from column
 /// `col_offset` on, with `cos` / `sin` float32 [T, dim], into `out` [T, heads, dim]:
 /// `x * cos + rotate_half(x) * sin` in f32 (bit-equal to transformers' fp32 formula).
-/// `threads` > 1 splits the rows only in calls of 2^20 elements or more: at decode sizes,
-/// splitting over 2 threads never paid (measured), so they run on the caller's thread.
+/// `threads` > 1 splits the rows in calls of the kernel pool's `min_split` elements or more
+/// (2^15 on torch's OpenMP team after `share_openmp`, else 2^20: a fresh thread per call
+/// never paid at decode sizes); smaller calls run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (src, cos, sin, out, *, src_dtype, out_dtype, col_offset, heads, dim,
                     threads = 1))]

@@ -17,7 +17,8 @@
 //! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`table`]
 //! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`), [`fused`]
 //! (`rms_norm`, `silu_mul`, `rope`, `write_rows`), [`select`] (`greedy_select`,
-//! `greedy_pick`, `row_norms`); the constants
+//! `greedy_pick`, `row_norms`), [`openmp`] (`share_openmp`: the kernels' threads on torch's
+//! OpenMP runtime); the constants
 //! `ZERO_CHUNK`, `SCRATCH_CHUNK`. The stub `python/ferrobatch/_core.pyi` describes the module.
 
 mod cache;
@@ -26,6 +27,7 @@ mod convert;
 mod errors;
 mod fused;
 mod kernels;
+mod openmp;
 mod output;
 mod plan;
 mod recycle;
@@ -49,6 +51,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rope, m)?)?;
     m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_pick, m)?)?;
     m.add_function(wrap_pyfunction!(select::row_norms, m)?)?;

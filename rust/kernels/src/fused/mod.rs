@@ -26,6 +26,7 @@ pub use rope::{rope, Rope};
 pub use silu_mul::silu_mul;
 pub use write_rows::{write_rows, WriteRows};
 
+pub(crate) use crate::parallel::{plan_threads, row_ranges, run_pieces};
 use crate::{Elems, ElemsMut};
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -81,30 +82,6 @@ pub(crate) fn len_mut(e: &ElemsMut<'_>) -> usize {
     }
 }
 
-/// Calls with fewer elements run on the caller's thread whatever `threads` says. Splitting
-/// rows over 2 threads never paid at decode sizes (measured on [64 .. 2048, 576] norms and
-/// [64 .. 1024, 2 x 1536] silu_mul, on a 2-core box: a thread start costs more than the
-/// row work), so only calls of a million elements or more (long prefill chunks) split.
-pub const PARALLEL_MIN: usize = 1 << 20;
-
-/// How many threads `threads` means for `rows` rows of `elems` elements in all.
-pub(crate) fn plan_threads(threads: usize, rows: usize, elems: usize) -> usize {
-    if threads <= 1 || elems < PARALLEL_MIN {
-        1
-    } else {
-        threads.min(rows)
-    }
-}
-
-/// Row ranges of `rows` rows in `threads` near-equal consecutive pieces.
-pub(crate) fn row_ranges(rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
-    let per = rows.div_ceil(threads.max(1)).max(1);
-    (0..rows)
-        .step_by(per)
-        .map(|s| s..(s + per).min(rows))
-        .collect()
-}
-
 /// Consecutive pieces of `out` holding `per[i]` elements each (the pieces' total must not
 /// exceed the length).
 pub(crate) fn split_mut<'a>(out: ElemsMut<'a>, per: &[usize]) -> Vec<ElemsMut<'a>> {
@@ -126,23 +103,6 @@ pub(crate) fn split_mut<'a>(out: ElemsMut<'a>, per: &[usize]) -> Vec<ElemsMut<'a
         ElemsMut::Bf16(s) => cut(s, per, ElemsMut::Bf16),
         ElemsMut::F16(s) => cut(s, per, ElemsMut::F16),
     }
-}
-
-/// Runs `work(range, piece)` for every piece, the first on the caller's thread and each
-/// other on its own scoped thread.
-pub(crate) fn run_pieces<P: Send>(
-    pieces: Vec<(std::ops::Range<usize>, P)>,
-    work: impl Fn(std::ops::Range<usize>, P) + Sync,
-) {
-    let mut it = pieces.into_iter();
-    let Some((first, p)) = it.next() else { return };
-    let work = &work;
-    std::thread::scope(|scope| {
-        for (range, piece) in it {
-            scope.spawn(move || work(range, piece));
-        }
-        work(first, p);
-    });
 }
 
 /// bf16 bits widened to f32 (exact).
@@ -392,19 +352,6 @@ mod tests {
             assert_eq!(bf16_to_f32(f32_to_bf16(v)), bf16::from_f32(v).to_f32());
         }
         assert_eq!(f32_to_bf16(f32::NAN), 0x7fc0);
-    }
-
-    #[test]
-    fn row_ranges_cover_the_rows() {
-        for rows in 1..20 {
-            for threads in 1..6 {
-                let r = row_ranges(rows, threads);
-                assert!(r.len() <= threads);
-                assert_eq!(r[0].start, 0);
-                assert_eq!(r.last().unwrap().end, rows);
-                assert!(r.windows(2).all(|w| w[0].end == w[1].start));
-            }
-        }
     }
 }
 

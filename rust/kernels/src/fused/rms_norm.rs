@@ -18,7 +18,7 @@ pub struct RmsNorm<'a> {
     /// is), 1 for Gemma's `(1 + w)`
     pub weight_offset: f32,
     /// worker threads (rows are split between them) when the call is large enough
-    /// ([`super::PARALLEL_MIN`] elements); 1 runs on the caller's thread
+    /// ([`crate::parallel::Pool::min_split`] elements); 1 runs on the caller's thread
     pub threads: usize,
 }
 

@@ -19,7 +19,7 @@ pub struct Rope<'a> {
     pub heads: usize,
     /// even
     pub dim: usize,
-    /// worker threads when the call has at least [`super::PARALLEL_MIN`] output elements
+    /// worker threads when the call has at least the pool's [`crate::parallel::Pool::min_split`] output elements
     pub threads: usize,
 }
 

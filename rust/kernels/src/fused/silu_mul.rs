@@ -10,7 +10,7 @@ use crate::{Elems, ElemsMut};
 /// `silu(g) = g / (1 + exp(-g))` in f32, `exp` Cephes' single-precision polynomial
 /// ([`exp`]: within 2 ulp of the exact value). `gate_up` is `[rows, 2 * inter]`, `out`
 /// `[rows, inter]`. Rows are split over `threads` threads when the call has at least
-/// [`super::PARALLEL_MIN`] output elements.
+/// the pool's [`crate::parallel::Pool::min_split`] output elements.
 pub fn silu_mul(
     gate_up: Elems<'_>,
     out: ElemsMut<'_>,
