@@ -86,7 +86,8 @@ pub struct DecodeArgs<'a> {
     pub scale: f32,
     /// scores become `tanh(s / c) * c` (Gemma 2)
     pub softcap: Option<f32>,
-    /// worker threads (rows are split between them); 1 runs on the caller's thread
+    /// threads of the kernel pool ([`crate::parallel`]) the rows are split between; 1 runs
+    /// on the caller's thread
     pub threads: usize,
 }
 
@@ -261,8 +262,8 @@ pub fn paged_decode_attention(a: &DecodeArgs<'_>, out: ElemsMut<'_>) -> Result<(
     }
     let per = rows.div_ceil(threads);
     let pieces = out.split(per * a.heads * a.dim);
-    let ranges = (0..rows).step_by(per).map(|s| s..(s + per).min(rows));
-    crate::parallel::run_pieces(ranges.zip(pieces).collect(), |range, piece| {
+    let ranges = crate::parallel::row_ranges(rows, threads);
+    crate::parallel::run_pieces(ranges.into_iter().zip(pieces).collect(), |range, piece| {
         run_rows(a, range, piece)
     });
     Ok(())
