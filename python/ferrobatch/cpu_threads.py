@@ -99,12 +99,12 @@ class ThreadGovernor:
     """Keeps torch's CPU thread count at what the allowed cores can give.
 
     Threads that wait by spinning make a step many times slower as soon as another process
-    wants one of the cores (measured: SmolLM2 bf16 at 2 threads, 3.6 s idle, 13.6 s beside
-    one busy process; 5.2 s at 1 thread, 5.3 s with the governor). Every `interval` seconds
-    of stepping, `tick()` counts the busy time of this process's allowed cores that other
-    processes took and sets `torch.set_num_threads` to the cores they left free (at least 1,
-    at most `max_threads`, the count when the engine was built); `close()` puts
-    `max_threads` back.
+    wants one of the cores (measured: SmolLM2 bf16 at 2 threads, 3.5 s idle, 13.4 s beside
+    one busy process; 5.1 s at 1 thread, 5.2 s with the governor; `benches/threads_busy.py`).
+    Every `interval` seconds of stepping, `tick()` counts the busy time of this process's
+    allowed cores that other processes took and sets `torch.set_num_threads` to the cores
+    they left free (at least 1, at most `max_threads`, the count when the engine was built);
+    `close()` puts `max_threads` back.
     """
 
     def __init__(self, max_threads: int, *, interval: float = GOVERNOR_INTERVAL_S,
