@@ -135,3 +135,35 @@ def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
             outs = engine.generate(prompts, sp, progress=False)
         scores[lean] = agreement([o.token_ids for o in outs], ref)["tokens"]
     assert scores[True] >= scores[False] - 0.05, scores
+
+
+@pytest.mark.parametrize("name,cache_dtype", [("llama", None), ("qwen2_sliding", None),
+                                              ("qwen3", None), ("llama", torch.float32)])
+def test_kernel_only_attention_is_the_interface_path_bit_for_bit(monkeypatch, name,
+                                                                 cache_dtype):
+    """Layers whose rows all go to the CPU kernel skip the attention interface: the same
+    keys, values and outputs as through it, to the bit (and it is taken)."""
+    from ferrobatch.runner import lean_layers
+
+    model = tm.BUILDERS[name]().to(torch.bfloat16)
+    prompts = tm.random_prompts(3, 6, 2, 30)
+    own = lean_layers.kernel_only_attention
+    taken = []
+
+    def counted(*args, **kwargs):
+        out = own(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setattr(lean_layers, "kernel_only_attention",
+                            counted if fast else (lambda *a, **k: None))
+        kw = {} if cache_dtype is None else {"dtype": cache_dtype}
+        runner = _runner(model, **kw)
+        assert runner._lean is not None
+        got[fast] = drive_runner(runner, prompts, 6, forced=True)
+        runner.close()
+    assert any(taken) and sum(taken) >= len(taken) // 2
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a, b)

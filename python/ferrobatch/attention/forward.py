@@ -157,6 +157,36 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
+def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tensor,
+                          v_src: torch.Tensor, v_col: int, scaling: float) -> torch.Tensor | None:
+    """`paged_attention_forward` of a layer whose every row this step goes to the CPU kernel
+    (decode rows and short prompt rows, in order), without the attention interface's
+    reshaping: writes the keys `k` [T, Hkv, D] (in the cache's dtype) and the values, the
+    columns `v_col ..` of `v_src` [T, W], at their slots, then attends; the output is
+    [T, H, D] in the step's output dtype. None (nothing written) when the layer's rows need
+    the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 / fp16 tensor."""
+    if not isinstance(step, PagedStep):
+        return None
+    group = step.groups[layer]
+    kd = group.kernel_decode
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    if kd is None or kd.tokens is not None or group.decode or group.prefill \
+            or group.prefill_cached_slots is not None or k.dtype != k_cache.dtype \
+            or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous() \
+            or not fused_ops.available() or not fused_ops.handles(k_cache, v_cache, v_src):
+        return None
+    step.calls += 1
+    tokens, width = k.shape[0], v_cache.shape[1] * v_cache.shape[2]
+    slots = group.slot_mapping
+    fused_ops.write_rows(k.view(tokens, -1), k_cache.view(k_cache.shape[0], -1), slots)
+    fused_ops.write_rows(v_src, v_cache.view(v_cache.shape[0], -1), slots, v_col, width)
+    out_dtype = step.out_dtype or q.dtype
+    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in kernels.KERNEL_DTYPES
+                    else torch.float32)
+    kernels.decode_kernel(q, k_cache, v_cache, kd, o, step.cache.page_size, scaling, None)
+    return o.to(out_dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k_new: torch.Tensor, v_new: torch.Tensor) -> None:
     """Write the step's keys and values [T, Hkv, D] at their cache slots (one fused row copy
