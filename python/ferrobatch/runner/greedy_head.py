@@ -224,9 +224,19 @@ class GreedyHead:
     def wins(self, rows: int = 64, rounds: int = 5) -> bool:
         """Whether a screen (int8 first, or bf16 alone) agrees with the fp32 argmax on random
         rows and takes at most 80% of the CPU time of the fastest fp32 head + argmax here;
-        keeps the faster of the two configurations. False on any failure."""
+        keeps the faster of the two configurations. False on any failure. Timed on one
+        thread: with more, the CPU time counts what OpenMP workers spend spinning between
+        the screen's parallel and serial parts, not work."""
         if not self.supported(self._weight):
             return False
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._wins(rows, rounds)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _wins(self, rows: int, rounds: int) -> bool:
         gen = torch.Generator().manual_seed(0)
         k = self._weight.shape[1]
         x = torch.randn(rows, k, generator=gen)
