@@ -290,13 +290,14 @@ def main() -> None:
             line = f"  repeat {rep + 1}:"
             for name, s in servers.items():
                 others = [o for o in servers.values() if o is not s]
+                paused = others if args.pause_idle else []
                 idle0 = sum(o.tree_cpu() for o in others)
-                for o in others if args.pause_idle else ():
+                for o in paused:
                     o.pause(True)
                 try:
                     rounds[name].append(measure(s, prompts, new, args.concurrency, args.timeout))
                 finally:
-                    for o in others if args.pause_idle else ():
+                    for o in paused:
                         o.pause(False)
                 rounds[name][-1]["others_cpu_s"] = sum(o.tree_cpu() for o in others) - idle0
                 line += f" {name} {rounds[name][-1]['wall_s']:.2f} s"

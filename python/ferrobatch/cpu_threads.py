@@ -126,11 +126,11 @@ class ThreadGovernor:
         if not enabled or device_type != "cpu" or not sys.platform.startswith("linux"):
             return None
         threads = torch.get_num_threads()
-        if threads <= 1 or _cpu_busy_ticks(frozenset(os.sched_getaffinity(0))) is None:
+        if threads <= 1:
             return None
         governor = cls(threads)
         governor.tick()  # the first look: what later ones compare with
-        return governor
+        return governor if governor._last is not None else None  # None: no /proc/stat
 
     def _sample(self) -> tuple[float, int, float] | None:
         busy = _cpu_busy_ticks(self._cpus, self._stat)

@@ -98,14 +98,11 @@ def paged_attention_forward(
             1, kd.tokens).transpose(0, 1)
         if q_dec.dtype not in kernels.KERNEL_DTYPES:
             q_dec = q_dec.float()
-        q_dec = q_dec.contiguous()  # [Bd, H, D]
-        o = torch.empty(q_dec.shape, dtype=out_dtype if out_dtype in kernels.KERNEL_DTYPES
-                        else torch.float32)
-        kernels.decode_kernel(q_dec, k_cache, v_cache, kd, o, cache.page_size, scaling, softcap)
+        o = _kernel_rows(step, layer, q_dec.contiguous(), scaling, softcap, out_dtype)
         if kd.tokens is None:
-            return o.to(out_dtype).unsqueeze(0), None
+            return o.unsqueeze(0), None
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
-        out.index_copy_(0, kd.tokens, o.to(out_dtype))
+        out.index_copy_(0, kd.tokens, o)
     for bucket in group.decode:
         bd = bucket.rows
         if bucket.tokens is None:
@@ -158,32 +155,37 @@ def paged_attention_forward(
 
 
 def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tensor,
-                          v_src: torch.Tensor, v_col: int, scaling: float) -> torch.Tensor | None:
+                          v: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """`paged_attention_forward` of a layer whose every row this step goes to the CPU kernel
     (decode rows and short prompt rows, in order), without the attention interface's
-    reshaping: writes the keys `k` [T, Hkv, D] (in the cache's dtype) and the values, the
-    columns `v_col ..` of `v_src` [T, W], at their slots, then attends; the output is
-    [T, H, D] in the step's output dtype. None (nothing written) when the layer's rows need
-    the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 / fp16 tensor."""
+    reshaping: writes the keys `k` and values `v` [T, Hkv, D] at their slots, then attends;
+    the output is [T, H, D] in the step's output dtype. None (nothing written) when the
+    layer's rows need the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 /
+    fp16 tensor."""
     if not isinstance(step, PagedStep):
         return None
     group = step.groups[layer]
     kd = group.kernel_decode
-    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
     if kd is None or kd.tokens is not None or group.decode or group.prefill \
-            or group.prefill_cached_slots is not None or k.dtype != k_cache.dtype \
-            or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous() \
-            or not fused_ops.available() or not fused_ops.handles(k_cache, v_cache, v_src):
+            or group.prefill_cached_slots is not None \
+            or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous():
         return None
     step.calls += 1
-    tokens, width = k.shape[0], v_cache.shape[1] * v_cache.shape[2]
-    slots = group.slot_mapping
-    fused_ops.write_rows(k.view(tokens, -1), k_cache.view(k_cache.shape[0], -1), slots)
-    fused_ops.write_rows(v_src, v_cache.view(v_cache.shape[0], -1), slots, v_col, width)
-    out_dtype = step.out_dtype or q.dtype
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    write_kv(k_cache, v_cache, group.slot_mapping, k.to(k_cache.dtype), v.to(v_cache.dtype))
+    return _kernel_rows(step, layer, q, scaling, None, step.out_dtype or q.dtype)
+
+
+def _kernel_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
+                 softcap: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The CPU kernel's attention for the kernel rows of `layer` (queries `q` [R, H, D],
+    contiguous, in a kernel dtype), in `out_dtype`."""
+    cache = step.cache
     o = torch.empty(q.shape, dtype=out_dtype if out_dtype in kernels.KERNEL_DTYPES
                     else torch.float32)
-    kernels.decode_kernel(q, k_cache, v_cache, kd, o, step.cache.page_size, scaling, None)
+    kernels.decode_kernel(q, cache.keys[layer], cache.values[layer],
+                          step.groups[layer].kernel_decode, o, cache.page_size, scaling,
+                          softcap)
     return o.to(out_dtype)
 
 

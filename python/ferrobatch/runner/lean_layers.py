@@ -193,13 +193,14 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     fused_ops.rope(q_src.contiguous(), cos, sin, q, q_off, p.heads, p.dim)
     fused_ops.rope(k_src.contiguous(), cos, sin, k, k_off, p.kv_heads, p.dim)
     attn = p.attn
+    v = qkv[:, p.nq + p.nk:].view(tokens, p.kv_heads, p.dim)
     out = None
     step = kwargs.get(context.STEP_KWARG)
     if step is not None and attn.config._attn_implementation == context.ATTENTION_NAME:
         # every row on the CPU kernel: straight to it, past the attention interface
-        out = kernel_only_attention(step, attn.layer_idx, q, k, qkv, p.nq + p.nk, attn.scaling)
+        out = kernel_only_attention(step, attn.layer_idx, q, k, v, attn.scaling)
     if out is None:
-        out = _interface_attention(p, q, k, qkv, kwargs)
+        out = _interface_attention(attn, q, k, v, kwargs)
     o = product(p.o, out.reshape(tokens, p.nq))
     fused_ops.rms_norm(x, norm_post.weight, h, norm_post.variance_epsilon, residual=o)
     gu = product(p.gate_up, h)  # (h's first use ended with the q/k/v product)
@@ -209,12 +210,10 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     return hidden_states
 
 
-def _interface_attention(p: _Layer, q: torch.Tensor, k: torch.Tensor, qkv: torch.Tensor,
-                         kwargs: dict[str, Any]) -> torch.Tensor:
+def _interface_attention(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """The attention function the layer's config selects, as the layer's own attention
-    calls it: q [T, H, D], k [T, Hkv, D], the values from `qkv`; output [1, T, H, D]."""
-    tokens, attn = q.shape[0], p.attn
-    v = qkv[:, p.nq + p.nk:].view(tokens, p.kv_heads, p.dim)
+    calls it: q [T, H, D], k and v [T, Hkv, D]; output [1, T, H, D]."""
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
     mask = kwargs.pop("attention_mask", None)  # None in a paged step (no dense mask)
     for name in ("position_ids", "past_key_values", "cache", "use_cache", "cache_position"):
