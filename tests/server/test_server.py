@@ -15,8 +15,10 @@ All traffic stays on loopback; every load loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -601,8 +603,11 @@ def test_cache_capacity_and_echo(tokenizer: Any) -> None:
 # load
 
 
-async def _load(url: str, clients: int, seed: int, budget_s: float) -> dict[str, int]:
-    """``clients`` concurrent streaming clients; ~30% hang up early. Returns counts."""
+async def _load(
+    url: str, clients: int, seed: int, budget_s: float, token_range: tuple[int, int] = (2, 24)
+) -> dict[str, int]:
+    """``clients`` concurrent streaming clients, each asking for a max_tokens drawn from
+    `token_range` (both ends included); ~30% hang up early. Returns counts."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=0)
     stats = {"complete": 0, "disconnected": 0}
@@ -610,7 +615,7 @@ async def _load(url: str, clients: int, seed: int, budget_s: float) -> dict[str,
 
     async def one(i: int, h: httpx.AsyncClient) -> None:
         chat = rng.random() < 0.5
-        max_tokens = rng.randint(2, 24)
+        max_tokens = rng.randint(*token_range)
         hang_up_after = rng.randint(1, 4) if rng.random() < 0.3 else None
         body: dict[str, Any] = {
             "model": MODEL,
@@ -684,6 +689,29 @@ def test_load_200_streams_with_disconnects(kind: str, request: pytest.FixtureReq
         assert engine_stats.get("running_requests", 0) == 0
 
 
+@contextlib.contextmanager
+def _steps_held_until_queued(engine: Any, queued: int, timeout: float = 60.0) -> Iterator[None]:
+    """Hold the engine's stepping until `queued` requests are in its table (or `timeout`
+    passes), so the cache is oversubscribed however fast this machine steps: without it,
+    whether anything gets preempted depended on how many streams overlapped."""
+    held = threading.Event()
+
+    def hold() -> None:
+        with engine._step_lock:
+            held.set()
+            deadline = time.monotonic() + timeout
+            while len(engine._requests) < queued and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait()
+    try:
+        yield
+    finally:
+        holder.join()
+
+
 @pytest.mark.parametrize("offload", [0.0, 0.001], ids=["soft-reset", "offload"])
 def test_load_with_preemption(offload: float, tokenizer: Any) -> None:
     """A cache far too small for 200 streams: requests get preempted (soft reset or CPU
@@ -696,8 +724,8 @@ def test_load_with_preemption(offload: float, tokenizer: Any) -> None:
     cfg = ContinuousBatchingConfig(num_blocks=24, page_size=16, cpu_offload_space=offload)
     engine = Engine(build_model(tokenizer), tokenizer=tokenizer, config=cfg)
     try:
-        with serve(engine) as srv:
-            stats = asyncio.run(_load(srv.url, 200, seed=3, budget_s=240))
+        with serve(engine) as srv, _steps_held_until_queued(engine, 200):
+            stats = asyncio.run(_load(srv.url, 200, seed=3, budget_s=240, token_range=(24, 64)))
         assert stats["complete"] + stats["disconnected"] == 200
         assert wait_until(lambda: used_blocks(engine) == 0, timeout=15)
         st = engine.stats()
