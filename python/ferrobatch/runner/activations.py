@@ -92,6 +92,7 @@ class PackedActivations:
             linears = PackedLinears.of(
                 self.model, activation_dtype=torch.float32, in_thread=in_fwd,
                 hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
+                amx=True,
             )
             if linears is not None and activations == "auto" and not self._widening_holds(
                 linears

@@ -45,6 +45,8 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from ferrobatch import amx_ops
+
 logger = logging.getLogger("ferrobatch")
 
 __all__ = ["HALF_DTYPES", "PackedLinears", "packing_available"]
@@ -53,6 +55,10 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # the packed copies may take at most this share of available memory
 _MAX_AVAILABLE_SHARE = 0.5
 _BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
+# `amx_ops.linear` is as fast as oneDNN's product up to this many rows (twice as fast at one
+# row) and up to 1.5x slower from 256 rows on (`benches/amx_linear.py`), so longer calls
+# (prefill chunks) keep oneDNN's product and its bf16-rounded outputs
+AMX_MAX_ROWS = 64
 
 
 def packing_available() -> bool:
@@ -72,14 +78,17 @@ class _Packed:
     """Packed weight (the stacked weights of a group) and bias in the weight dtype, derived
     again when a weight object or its version changes."""
 
-    __slots__ = ("layers", "key", "weight", "bias", "sizes")
+    __slots__ = ("layers", "key", "weight", "bias", "sizes", "amx", "wants_amx")
 
-    def __init__(self, layers: list[torch.nn.Linear]) -> None:
+    def __init__(self, layers: list[torch.nn.Linear], amx: bool = False) -> None:
         self.layers = layers
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.sizes = [m.out_features for m in layers]
+        self.wants_amx = amx
+        #: the same weight packed for `amx_ops.linear` (fp32 outputs), when asked for
+        self.amx: amx_ops.AmxWeight | None = None
 
     def refresh(self) -> None:
         key = _weights_key(self.layers)
@@ -97,11 +106,21 @@ class _Packed:
                     m.bias.detach().to(dtype) if m.bias is not None
                     else torch.zeros(m.out_features, dtype=dtype) for m in self.layers
                 ])
+            self.amx = None  # packed again when next asked for
         self.key = key
+
+    def amx_weight(self) -> amx_ops.AmxWeight | None:
+        """The weight packed for `amx_ops` (on first use after each `refresh`), if wanted."""
+        if self.amx is None and self.wants_amx:
+            with torch.no_grad():
+                w = torch.cat([m.weight.detach() for m in self.layers])
+            self.amx = amx_ops.pack(w, self.bias)
+        return self.amx
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+        own = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+        return own + (self.amx.nbytes if self.amx is not None else 0)
 
 
 class _Group:
@@ -139,11 +158,15 @@ class PackedLinears:
         activation_dtype: torch.dtype,
         in_thread: Callable[[], bool],
         hidden_size: int | None = None,
+        amx: bool = False,
     ) -> None:
         self.model = model
         self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
         self.activation_dtype = activation_dtype
+        #: every product also packed for `amx_ops` (`wide_product`: fp32 outputs)
+        self.amx = (amx and self.weight_dtype == torch.bfloat16
+                    and activation_dtype == torch.float32 and amx_ops.available())
         self._in_thread = in_thread
         self._active = False
         self._everywhere = False
@@ -171,12 +194,15 @@ class PackedLinears:
         activation_dtype: torch.dtype | None = None,
         in_thread: Callable[[], bool],
         hidden_size: int | None = None,
+        amx: bool = False,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no oneDNN, no plain `nn.Linear` in bf16 /
         fp16 on CPU, or the copies would take more than half of available memory.
         `activation_dtype` None = the weights' dtype. `in_thread()` tells whether the
         calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
-        residual stream (which outputs are widened; None = every output)."""
+        residual stream (which outputs are widened; None = every output). `amx`: with fp32
+        activations over bf16 weights on a CPU with AMX, also pack every product for
+        `wide_product` (fp32 outputs; the packed copies take twice the memory)."""
         if not packing_available():
             return None
         layers = [
@@ -186,7 +212,8 @@ class PackedLinears:
         ]
         if not layers or len({m.weight.dtype for m in layers}) > 1:
             return None
-        need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        copies = 2 if amx else 1
+        need = copies * sum(m.weight.numel() * m.weight.element_size() for m in layers)
         available = psutil.virtual_memory().available
         if need > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
@@ -194,7 +221,7 @@ class PackedLinears:
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size)
+                   hidden_size, amx)
 
     @property
     def widens(self) -> bool:
@@ -228,13 +255,22 @@ class PackedLinears:
         x = x if x.dtype == self.weight_dtype else x.to(self.weight_dtype)
         return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
+    def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + b` of a packed product in fp32 on the AMX tiles (`x` rounded to bf16,
+        the output not rounded) when `amx` and `x` has at most `AMX_MAX_ROWS` rows; else
+        `product` (in the weight dtype)."""
+        w = packed.amx_weight() if x.shape[0] <= AMX_MAX_ROWS else None
+        if w is None:
+            return self.product(packed, x)
+        return amx_ops.linear(x, w)
+
     # --- groups ----------------------------------------------------------------------------
 
     def _set_groups(self, groups: list[list[int]]) -> None:
         self._forwards = [None] * len(self._layers)  # type: ignore[list-item]
         self._packs, self._groups = [], []
         for members in groups:
-            packed = _Packed([self._layers[i] for i in members])
+            packed = _Packed([self._layers[i] for i in members], self.amx)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)

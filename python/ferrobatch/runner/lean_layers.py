@@ -157,7 +157,7 @@ class LeanLayers:
     def _forward_of(self, p: _Layer) -> Callable[..., torch.Tensor]:
         own = type(p.layer).forward
         layer = p.layer
-        product = self._linears.product
+        product = self._linears.wide_product
         wdt, kv_dtype = self._linears.weight_dtype, self._kv_dtype
         in_thread = self._in_thread
 

@@ -2,6 +2,7 @@
 //! views of torch tensors), check every index they read before reading it, and keep no
 //! state: the scheduling core (`ferrobatch-core`) stays tensor-free.
 //!
+//! * [`amx`]: bf16 matrix products on the AMX tiles with f32 outputs (weights packed once);
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
@@ -11,6 +12,7 @@
 //! * [`parallel`]: where the pieces of a call run (scoped threads, or a pool the host
 //!   registers, such as the OpenMP runtime torch runs).
 
+pub mod amx;
 pub mod decode;
 pub mod fused;
 pub mod parallel;

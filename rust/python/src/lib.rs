@@ -21,6 +21,7 @@
 //! OpenMP runtime); the constants
 //! `ZERO_CHUNK`, `SCRATCH_CHUNK`. The stub `python/ferrobatch/_core.pyi` describes the module.
 
+mod amx;
 mod cache;
 mod config;
 mod convert;
@@ -51,6 +52,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rope, m)?)?;
     m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(amx::amx_available, m)?)?;
+    m.add_function(wrap_pyfunction!(amx::amx_packed_len, m)?)?;
+    m.add_function(wrap_pyfunction!(amx::amx_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(amx::amx_linear, m)?)?;
     m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_pick, m)?)?;

@@ -1,0 +1,78 @@
+"""bf16 matrix products with fp32 outputs on the CPU's AMX tiles (`ferrobatch-kernels`'
+`amx` module): `bf16(x) @ W.T + b`, the bf16 products summed in fp32 and not rounded
+afterwards. oneDNN's packed linears, as torch exposes them, round every output to bf16;
+inside a lean decoder layer that rounding (of q/k/v, gate/up and the residual writers) is
+most of a bf16 model's distance from its fp32 computation.
+
+`pack` lays a weight out once for the tiles; `linear` runs the product; `torch_linear` is
+the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferrobatch.attention.kernels import numpy_view as _np
+
+__all__ = ["AmxWeight", "available", "linear", "pack", "torch_linear"]
+
+
+def available() -> bool:
+    """Whether this build of `ferrobatch._core` has the AMX products and the CPU runs them."""
+    from ferrobatch import _core
+
+    return hasattr(_core, "amx_linear") and bool(_core.amx_available())
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A bf16 `nn.Linear` weight [n, k] packed for the tiles, with its bias in fp32."""
+
+    packed: torch.Tensor  # int16 storage of the packed bf16 bits
+    bias: torch.Tensor | None  # fp32 [n]
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 2
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight:
+    """`weight` (bf16 [n, k], CPU) packed once for `linear`; `bias` kept as fp32."""
+    from ferrobatch import _core
+
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D bfloat16 tensor, not {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    packed = torch.empty(_core.amx_packed_len(n, k), dtype=torch.int16)
+    _core.amx_pack(_np(weight.detach().contiguous()), _np(packed))
+    b = None if bias is None else bias.detach().float().contiguous()
+    return AmxWeight(packed, b, int(n), int(k))
+
+
+def linear(x: torch.Tensor, w: AmxWeight) -> torch.Tensor:
+    """`bf16(x) @ W.T + b` in fp32, `x` [T, k] (fp32 rounded to bf16 here; other dtypes
+    converted to bf16 first)."""
+    from ferrobatch import _core
+
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.to(torch.bfloat16)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    threads = torch.get_num_threads() if x.shape[0] * w.n * w.k >= 1 << 20 else 1
+    _core.amx_linear(_np(x), _np(w.packed), _np(out),
+                     x_dtype="float32" if x.dtype == torch.float32 else "bfloat16",
+                     n=w.n, k=w.k, bias=None if w.bias is None else w.bias.numpy(),
+                     threads=threads)
+    return out
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `linear`: fp32 product of bf16-rounded `x` with the bf16 weight."""
+    y = x.to(torch.bfloat16).float() @ weight.float().t()
+    return y + bias.float() if bias is not None else y

@@ -1,0 +1,109 @@
+"""bf16 products with fp32 outputs on the AMX tiles (`ferrobatch.amx_ops`) against their
+torch reference, the binding's argument checks, and their use by the packed linears."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import _core, amx_ops
+from ferrobatch.attention.kernels import numpy_view
+from ferrobatch.runner.cpu_linear import AMX_MAX_ROWS, PackedLinears, packing_available
+
+needs_amx = pytest.mark.skipif(not amx_ops.available(), reason="no AMX bf16 tiles here")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (7, 40, 70), (64, 96, 576), (65, 33, 64),
+                                   (300, 48, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_the_fp32_product_of_bf16_inputs(m: int, n: int, k: int, bias: bool) -> None:
+    w = _weight(n, k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(m, k)
+    got = amx_ops.linear(x, amx_ops.pack(w, b))
+    want = amx_ops.torch_linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # bf16 inputs are taken as they are: the same sums
+    assert torch.equal(amx_ops.linear(x.bfloat16(), amx_ops.pack(w, b)), got)
+    # and far closer to the exact product than oneDNN's bf16-rounded outputs
+    exact = x.bfloat16().double() @ w.double().t() + (b.double() if bias else 0)
+    rounded = torch.nn.functional.linear(x.bfloat16(), w, None if b is None else b.bfloat16())
+    assert (got.double() - exact).abs().max() < 0.05 * (rounded.double() - exact).abs().max()
+
+
+@needs_amx
+def test_linear_on_two_threads_is_the_one_thread_result() -> None:
+    w, x = _weight(256, 576), torch.randn(64, 576)
+    packed = amx_ops.pack(w)
+    out1, out2 = torch.empty(64, 256), torch.empty(64, 256)
+    for out, threads in ((out1, 1), (out2, 2)):
+        _core.amx_linear(x.numpy(), numpy_view(packed.packed), out.numpy(), x_dtype="float32",
+                         n=256, k=576, threads=threads)
+    assert torch.equal(out1, out2)
+
+
+def test_binding_names_the_wrong_argument() -> None:
+    w = _weight(16, 32)
+    packed = torch.empty(_core.amx_packed_len(16, 32), dtype=torch.int16)
+    _core.amx_pack(numpy_view(w), numpy_view(packed))
+    p = numpy_view(packed)
+    out = torch.empty(2, 16).numpy()
+    kw = dict(x_dtype="float32", n=16, k=32)
+    with pytest.raises(ValueError, match="x has 31 columns"):
+        _core.amx_linear(torch.zeros(2, 31).numpy(), p, out, **kw)
+    with pytest.raises(ValueError, match="packed"):
+        _core.amx_linear(torch.zeros(2, 32).numpy(), p[1:], out, **kw)
+    with pytest.raises(ValueError, match="out"):
+        _core.amx_linear(torch.zeros(3, 32).numpy(), p, out, **kw)
+    with pytest.raises(ValueError, match="x_dtype"):
+        _core.amx_linear(torch.zeros(2, 32).numpy(), p, out, **{**kw, "x_dtype": "float16"})
+    with pytest.raises(ValueError, match="bias"):
+        _core.amx_linear(torch.zeros(2, 32).numpy(), p, out, **kw,
+                         bias=torch.zeros(3).numpy())
+    with pytest.raises(ValueError, match="out"):
+        _core.amx_pack(numpy_view(w), p[:-1].copy())
+    with pytest.raises(ValueError, match="bfloat16"):
+        amx_ops.pack(w.float())
+
+
+@needs_amx
+@pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
+def test_packed_linears_widen_products_of_up_to_amx_max_rows() -> None:
+    model = tm.llama(0).to(torch.bfloat16).eval()
+    lin = PackedLinears.of(model, activation_dtype=torch.float32, in_thread=lambda: True,
+                           hidden_size=model.config.hidden_size, amx=True)
+    assert lin is not None and lin.amx
+    layer = model.model.layers[0].mlp.down_proj
+    packed = lin.packed_of([layer])
+    assert packed is not None
+    for rows in (1, AMX_MAX_ROWS):
+        x = torch.randn(rows, layer.in_features)
+        got = lin.wide_product(packed, x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, amx_ops.torch_linear(x, layer.weight), rtol=1e-5,
+                                   atol=1e-5)
+    # longer calls keep oneDNN's product, in the weight dtype
+    long = lin.wide_product(packed, torch.randn(AMX_MAX_ROWS + 1, layer.in_features))
+    assert long.dtype == torch.bfloat16
+    # without `amx` the wide product is the plain one
+    plain = PackedLinears.of(model, activation_dtype=torch.float32, in_thread=lambda: True)
+    assert plain is not None and not plain.amx
+    p2 = plain.packed_of([layer])
+    assert p2 is not None
+    assert plain.wide_product(p2, torch.randn(2, layer.in_features)).dtype == torch.bfloat16
+
+
+@needs_amx
+def test_linear_rounds_other_input_dtypes_to_bf16_first() -> None:
+    """An fp16 input (the attention output over an fp16 cache) is converted, not read as
+    bf16 bits."""
+    w, x = _weight(32, 64), torch.randn(3, 64).half()
+    got = amx_ops.linear(x, amx_ops.pack(w))
+    torch.testing.assert_close(got, amx_ops.torch_linear(x.bfloat16(), w), rtol=1e-5, atol=1e-5)
