@@ -240,9 +240,11 @@ struct OutColumns {
     n: usize,
 }
 
-// SAFETY: the pointer is only written through `OutColumns::write`, and the tasks of one
-// `linear` call get disjoint column blocks, so no element is written by two threads; the
-// slice it came from is borrowed mutably by `linear` until every task has returned.
+// SAFETY: the pointer is only written through `OutColumns::write` and by tile stores at
+// the addresses `OutColumns::tile` returns (16 rows x 16 columns inside `out`), always of
+// the calling task's own column blocks; the tasks of one `linear` call get disjoint column
+// blocks, so no element is written by two threads, and the slice it came from is borrowed
+// mutably by `linear` until every task has returned.
 unsafe impl Sync for OutColumns {}
 
 impl OutColumns {
@@ -343,9 +345,10 @@ mod tiles {
         let rows = a.len() / kp;
         let cfg = config();
         let mut acc = [0f32; 4 * 16 * TILE_N];
-        let (a_stride, s64) = (kp * 2, 64usize); // bytes per row of `a`, of a weight block
-                                                 // SAFETY: AMX is available (`linear` checked `available()`, which also obtained the
-                                                 // tile permission); the config is 64 aligned bytes describing valid tiles.
+        // bytes per row of `a`, and of a weight block
+        let (a_stride, s64) = (kp * 2, 64usize);
+        // SAFETY: AMX is available (`linear` checked `available()`, which also obtained the
+        // tile permission); the config is 64 aligned bytes describing valid tiles.
         unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
         for pair in pairs {
             let nb = 2 * pair;
