@@ -445,3 +445,27 @@ def row_norms(
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """float64 (l2, l1, amax) per row of `x` [rows, k], summed in f64 (`l1` is finite iff
     the row is; `amax` is NaN when the row holds a NaN)."""
+
+def amx_available() -> bool:
+    """Whether `amx_linear` runs on this CPU (AMX-TILE and AMX-BF16, tile state granted)."""
+
+def amx_packed_len(n: int, k: int) -> int:
+    """Elements (uint16) of the packed form of an `[n, k]` weight."""
+
+def amx_pack(weight: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16]) -> None:
+    """Packs `weight` [n, k] (bf16 bits, uint16) into `out` (`amx_packed_len(n, k)` uint16)."""
+
+def amx_linear(
+    x: _Storage,
+    packed: npt.NDArray[np.uint16],
+    out: npt.NDArray[np.float32],
+    *,
+    x_dtype: Literal["float32", "bfloat16"],
+    n: int,
+    k: int,
+    bias: npt.NDArray[np.float32] | None = None,
+    threads: int = 1,
+) -> None:
+    """`out = bf16(x) @ W.T (+ bias)` in f32: `x` [m, k], `packed` the `amx_pack`ed W
+    [n, k], `bias` [n] or None, `out` [m, n]. Column blocks of 16 are split over at most
+    `threads` threads of the kernel pool."""
