@@ -447,7 +447,10 @@ def row_norms(
     the row is; `amax` is NaN when the row holds a NaN)."""
 
 def amx_available() -> bool:
-    """Whether `amx_linear` runs on this CPU (AMX-TILE and AMX-BF16, tile state granted)."""
+    """Whether `amx_linear` runs on this CPU (AMX tiles, or AVX-512 BF16 without them)."""
+
+def amx_backend() -> str:
+    """Which instructions run `amx_linear` here: "amx", "avx512_bf16" or "none"."""
 
 def amx_packed_len(n: int, k: int) -> int:
     """Elements (uint16) of the packed form of an `[n, k]` weight."""

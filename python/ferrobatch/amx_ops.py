@@ -1,11 +1,12 @@
-"""bf16 matrix products with fp32 outputs on the CPU's AMX tiles (`ferrobatch-kernels`'
-`amx` module): `bf16(x) @ W.T + b`, the bf16 products summed in fp32 and not rounded
-afterwards. oneDNN's packed linears, as torch exposes them, round every output to bf16;
-inside a lean decoder layer that rounding (of q/k/v, gate/up and the residual writers) is
-most of a bf16 model's distance from its fp32 computation.
+"""bf16 matrix products with fp32 outputs on the CPU's AMX tiles, or with AVX-512 BF16
+where it has no AMX (`ferrobatch-kernels`' `amx` and `dpbf16` modules): `bf16(x) @ W.T + b`,
+the bf16 products summed in fp32 and not rounded afterwards. oneDNN's packed linears, as
+torch exposes them, round every output to bf16; inside a lean decoder layer that rounding
+(of q/k/v, gate/up and the residual writers) is most of a bf16 model's distance from its
+fp32 computation.
 
-`pack` lays a weight out once for the tiles; `linear` runs the product; `torch_linear` is
-the reference it is tested against.
+`pack` lays a weight out once (the same layout for both backends); `linear` runs the
+product; `torch_linear` is the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -16,14 +17,35 @@ import torch
 
 from ferrobatch.attention.kernels import numpy_view as _np
 
-__all__ = ["AmxWeight", "available", "linear", "pack", "torch_linear"]
+__all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "torch_linear"]
+
+# Up to how many rows `linear` is at least as fast as oneDNN's packed product on each
+# backend (`benches/amx_linear.py`; None: at every row count). The AMX tiles: twice as fast
+# at one row, level at 64, up to 1.5x slower from 256 rows on (Sapphire Rapids). AVX-512
+# BF16: 1.6-1.9x as fast at one row, level at 64-256, 0.87-0.94x at 1024 (Zen 4), which
+# costs less end to end than the bf16 rounding of oneDNN's outputs in prefill chunks.
+_MAX_ROWS: dict[str, int | None] = {"amx": 64, "avx512_bf16": None}
+
+
+def backend() -> str:
+    """Which instructions run `linear` here: "amx", "avx512_bf16", or "none" (the CPU has
+    neither, or this build of `ferrobatch._core` lacks the products)."""
+    from ferrobatch import _core
+
+    if not hasattr(_core, "amx_backend"):
+        return "none"
+    return str(_core.amx_backend())
 
 
 def available() -> bool:
-    """Whether this build of `ferrobatch._core` has the AMX products and the CPU runs them."""
-    from ferrobatch import _core
+    """Whether `linear` runs here (on either backend)."""
+    return backend() != "none"
 
-    return hasattr(_core, "amx_linear") and bool(_core.amx_available())
+
+def max_rows() -> int | None:
+    """The most rows for which `linear` is worth calling instead of oneDNN's packed product
+    here (None: any number; 0 when `linear` does not run here)."""
+    return _MAX_ROWS.get(backend(), 0)
 
 
 @dataclass(frozen=True)

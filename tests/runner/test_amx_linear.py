@@ -1,5 +1,6 @@
-"""bf16 products with fp32 outputs on the AMX tiles (`ferrobatch.amx_ops`) against their
-torch reference, the binding's argument checks, and their use by the packed linears."""
+"""bf16 products with fp32 outputs (`ferrobatch.amx_ops`: AMX tiles, or AVX-512 BF16 where
+the CPU has no AMX) against their torch reference, the binding's argument checks, and their
+use by the packed linears."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import tiny_models as tm
 import torch
 from ferrobatch import _core, amx_ops
 from ferrobatch.attention.kernels import numpy_view
-from ferrobatch.runner.cpu_linear import AMX_MAX_ROWS, PackedLinears, packing_available
+from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 
-needs_amx = pytest.mark.skipif(not amx_ops.available(), reason="no AMX bf16 tiles here")
+needs_amx = pytest.mark.skipif(not amx_ops.available(),
+                               reason="neither AMX bf16 tiles nor AVX-512 BF16 here")
+
+
+def test_backend_is_named_and_sets_the_row_limit() -> None:
+    name = amx_ops.backend()
+    assert name in ("amx", "avx512_bf16", "none")
+    assert amx_ops.available() == (name != "none")
+    assert amx_ops.max_rows() == {"amx": 64, "avx512_bf16": None, "none": 0}[name]
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -75,7 +84,7 @@ def test_binding_names_the_wrong_argument() -> None:
 
 @needs_amx
 @pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
-def test_packed_linears_widen_products_of_up_to_amx_max_rows() -> None:
+def test_packed_linears_widen_products_of_up_to_max_rows() -> None:
     model = tm.llama(0).to(torch.bfloat16).eval()
     lin = PackedLinears.of(model, activation_dtype=torch.float32, in_thread=lambda: True,
                            hidden_size=model.config.hidden_size, amx=True)
@@ -83,15 +92,18 @@ def test_packed_linears_widen_products_of_up_to_amx_max_rows() -> None:
     layer = model.model.layers[0].mlp.down_proj
     packed = lin.packed_of([layer])
     assert packed is not None
-    for rows in (1, AMX_MAX_ROWS):
+    limit = lin.amx_max_rows
+    assert limit == amx_ops.max_rows()
+    for rows in (1, 300 if limit is None else limit):
         x = torch.randn(rows, layer.in_features)
         got = lin.wide_product(packed, x)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, amx_ops.torch_linear(x, layer.weight), rtol=1e-5,
                                    atol=1e-5)
-    # longer calls keep oneDNN's product, in the weight dtype
-    long = lin.wide_product(packed, torch.randn(AMX_MAX_ROWS + 1, layer.in_features))
-    assert long.dtype == torch.bfloat16
+    if limit is not None:
+        # longer calls keep oneDNN's product, in the weight dtype
+        long = lin.wide_product(packed, torch.randn(limit + 1, layer.in_features))
+        assert long.dtype == torch.bfloat16
     # without `amx` the wide product is the plain one
     plain = PackedLinears.of(model, activation_dtype=torch.float32, in_thread=lambda: True)
     assert plain is not None and not plain.amx

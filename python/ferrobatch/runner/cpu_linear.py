@@ -55,10 +55,6 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # the packed copies may take at most this share of available memory
 _MAX_AVAILABLE_SHARE = 0.5
 _BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
-# `amx_ops.linear` is as fast as oneDNN's product up to this many rows (twice as fast at one
-# row) and up to 1.5x slower from 256 rows on (`benches/amx_linear.py`), so longer calls
-# (prefill chunks) keep oneDNN's product and its bf16-rounded outputs
-AMX_MAX_ROWS = 64
 
 
 def packing_available() -> bool:
@@ -167,6 +163,8 @@ class PackedLinears:
         #: every product also packed for `amx_ops` (`wide_product`: fp32 outputs)
         self.amx = (amx and self.weight_dtype == torch.bfloat16
                     and activation_dtype == torch.float32 and amx_ops.available())
+        #: `wide_product` calls of more rows take oneDNN's product (None: no limit)
+        self.amx_max_rows = amx_ops.max_rows() if self.amx else 0
         self._in_thread = in_thread
         self._active = False
         self._everywhere = False
@@ -256,10 +254,11 @@ class PackedLinears:
         return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
     def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a packed product in fp32 on the AMX tiles (`x` rounded to bf16,
-        the output not rounded) when `amx` and `x` has at most `AMX_MAX_ROWS` rows; else
+        """`x @ W.T + b` of a packed product in fp32 by `amx_ops` (`x` rounded to bf16,
+        the output not rounded) when `amx` and `x` has at most `amx_max_rows` rows; else
         `product` (in the weight dtype)."""
-        w = packed.amx_weight() if x.shape[0] <= AMX_MAX_ROWS else None
+        limit = self.amx_max_rows
+        w = packed.amx_weight() if limit is None or x.shape[0] <= limit else None
         if w is None:
             return self.product(packed, x)
         return amx_ops.linear(x, w)

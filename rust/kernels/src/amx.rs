@@ -11,8 +11,10 @@
 //! per pair, runs 32 rows at a time through 2 x 2 accumulator tiles (each input tile and
 //! weight block loaded once for two products).
 //!
-//! Only on x86-64 CPUs with AMX-TILE and AMX-BF16 whose kernel granted this process the
-//! tile data state ([`available`]); everything else reports unavailable.
+//! On x86-64 CPUs with AMX-TILE and AMX-BF16 whose kernel granted this process the tile
+//! data state, the tiles run the products; on those without AMX but with AVX-512 BF16
+//! (AMD Zen 4, Intel Cooper Lake), [`crate::dpbf16`] runs the same sums on zmm registers
+//! over the same packed weights ([`backend`]); elsewhere [`available`] is false.
 
 use crate::fused::ArgError;
 use crate::Elems;
@@ -106,7 +108,7 @@ pub fn linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), ArgError> {
-    let LinearArgs { m, n, k, threads } = *args;
+    let LinearArgs { m, n, k, .. } = *args;
     let x_len = match x {
         Elems::F32(s) => s.len(),
         Elems::Bf16(s) => s.len(),
@@ -145,12 +147,27 @@ pub fn linear(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    if !available() {
+    let backend = backend();
+    if backend == Backend::None {
         return Err(err(
             "amx",
-            "is not available: this CPU or kernel offers no AMX bf16 tiles".into(),
+            "is not available: this CPU has neither AMX bf16 tiles nor AVX-512 BF16".into(),
         ));
     }
+    linear_on(backend, args, x, packed, bias, out);
+    Ok(())
+}
+
+/// [`linear`] on `backend` (arguments checked, `backend` available).
+fn linear_on(
+    backend: Backend,
+    args: &LinearArgs,
+    x: Elems<'_>,
+    packed: &[u16],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let LinearArgs { m, n, k, threads } = *args;
     let lines = padded_rows(x, m, k);
     let a = elements(&lines);
     let pairs = round_up(n, COLS_PER_PASS) / COLS_PER_PASS;
@@ -174,11 +191,16 @@ pub fn linear(
         };
         let task = |t: usize| {
             let pairs = t * per_task..((t + 1) * per_task).min(pairs);
-            tiles::run_pairs(a, kp, packed, pairs, bias.as_deref(), &dst);
+            match backend {
+                Backend::Amx => tiles::run_pairs(a, kp, packed, pairs, bias.as_deref(), &dst),
+                Backend::Avx512Bf16 => {
+                    crate::dpbf16::run_pairs(a, kp, rows, packed, pairs, bias.as_deref(), &dst)
+                }
+                Backend::None => unreachable!("linear checked the backend"),
+            }
         };
         crate::parallel::pool().run(threads, pairs.div_ceil(per_task), &task);
     }
-    Ok(())
 }
 
 /// One cache line of bf16 inputs: tile rows are loaded 64 bytes at a time, and a row that
@@ -234,13 +256,13 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// `out` [m, n] shared between tasks that each write only the columns of their own blocks.
-struct OutColumns {
+pub(crate) struct OutColumns {
     ptr: *mut f32,
     m: usize,
     n: usize,
 }
 
-// SAFETY: the pointer is only written through `OutColumns::write` and by tile stores at
+// SAFETY: the pointer is only written through `OutColumns::write` / `write_row` and by tile stores at
 // the addresses `OutColumns::tile` returns (16 rows x 16 columns inside `out`), always of
 // the calling task's own column blocks; the tasks of one `linear` call get disjoint column
 // blocks, so no element is written by two threads, and the slice it came from is borrowed
@@ -273,14 +295,64 @@ impl OutColumns {
             dst.copy_from_slice(src);
         }
     }
+
+    /// Writes `sums` (the f32 sums of row `row`, columns `col0..col0 + 32`: a pair of
+    /// column blocks), keeping to the columns below `n`; a row at or past `m` is dropped.
+    pub(crate) fn write_row(&self, row: usize, col0: usize, sums: &[f32; 2 * TILE_N]) {
+        let cols = self.n.saturating_sub(col0).min(2 * TILE_N);
+        if row >= self.m || cols == 0 {
+            return;
+        }
+        let at = row * self.n + col0;
+        debug_assert!(at + cols <= self.m * self.n);
+        // SAFETY: `at + cols <= m * n` (row < m, col0 + cols <= n), inside the slice behind
+        // `ptr`; the columns belong to this task alone (see `Sync` above).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols) };
+        dst.copy_from_slice(&sums[..cols]);
+    }
 }
 
-/// Whether [`linear`] can run here: the CPU has AMX-TILE and AMX-BF16, the OS saves the
-/// tile state (XCR0 bits 17 and 18), and the kernel granted this process the tile data
-/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once).
+/// Which instructions run [`linear`] here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// AMX tiles: the CPU has AMX-TILE and AMX-BF16, the OS saves the tile state (XCR0
+    /// bits 17 and 18), and the kernel granted this process the tile data
+    /// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once).
+    Amx,
+    /// `vdpbf16ps` on zmm registers ([`crate::dpbf16`]): AVX-512F and AVX-512 BF16.
+    Avx512Bf16,
+    /// neither: [`linear`] fails.
+    None,
+}
+
+impl Backend {
+    /// The name Python sees: "amx", "avx512_bf16" or "none".
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Amx => "amx",
+            Backend::Avx512Bf16 => "avx512_bf16",
+            Backend::None => "none",
+        }
+    }
+}
+
+/// The fastest [`Backend`] this CPU and kernel allow (detected once).
+pub fn backend() -> Backend {
+    static BACKEND: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
+    *BACKEND.get_or_init(|| {
+        if tiles::detect() {
+            Backend::Amx
+        } else if crate::dpbf16::available() {
+            Backend::Avx512Bf16
+        } else {
+            Backend::None
+        }
+    })
+}
+
+/// Whether [`linear`] can run here (on either [`Backend`]).
 pub fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(tiles::detect)
+    backend() != Backend::None
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -531,12 +603,40 @@ mod tests {
         );
     }
 
+    /// Every backend this machine runs (AMX and AVX-512 BF16 both, on an AMX CPU).
+    fn backends_here() -> Vec<Backend> {
+        let mut found = Vec::new();
+        if backend() == Backend::Amx {
+            found.push(Backend::Amx);
+        }
+        if crate::dpbf16::available() {
+            found.push(Backend::Avx512Bf16);
+        }
+        found
+    }
+
+    #[test]
+    fn backend_is_the_first_one_here() {
+        assert_eq!(
+            backends_here().first().copied().unwrap_or(Backend::None),
+            backend()
+        );
+        assert_eq!(available(), backend() != Backend::None);
+    }
+
     #[test]
     fn linear_is_the_f32_sum_of_bf16_products() {
-        if !available() {
-            eprintln!("no AMX here: skipped");
+        let backends = backends_here();
+        if backends.is_empty() {
+            eprintln!("neither AMX nor AVX-512 BF16 here: skipped");
             return;
         }
+        for backend in backends {
+            products_match_reference(backend);
+        }
+    }
+
+    fn products_match_reference(backend: Backend) {
         for &(m, n, k, threads) in &[
             (1, 16, 32, 1),
             (5, 40, 70, 2),
@@ -544,6 +644,9 @@ mod tests {
             (77, 33, 64, 2),
             (130, 20, 31, 1),
             (300, 40, 70, 2),
+            (9, 70, 100, 2),
+            (8, 32, 32, 1),
+            (3, 1, 5, 1),
         ] {
             let x = values(m * k, m as u32);
             let w = bits(&values(n * k, n as u32 + 7));
@@ -552,20 +655,27 @@ mod tests {
             pack(&w, n, k, &mut p).unwrap();
             let mut out = vec![f32::NAN; m * n];
             let args = LinearArgs { m, n, k, threads };
-            linear(&args, Elems::F32(&x), &p, Some(&bias), &mut out).unwrap();
+            linear_on(backend, &args, Elems::F32(&x), &p, Some(&bias), &mut out);
             let want = reference(&x, &w, m, n, k);
             for (i, (&got, &r)) in out.iter().zip(&want).enumerate() {
                 let r = r + f64::from(bias[i % n]);
                 assert!(
                     (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
-                    "m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
+                    "{backend:?} m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
                 );
             }
-            // bf16 inputs are taken as they are
+            // bf16 inputs are taken as they are; no bias is no bias
             let xb = bits(&x);
             let mut out2 = vec![0f32; m * n];
-            linear(&args, Elems::Bf16(&xb), &p, Some(&bias), &mut out2).unwrap();
+            linear_on(backend, &args, Elems::Bf16(&xb), &p, Some(&bias), &mut out2);
             assert_eq!(out, out2);
+            linear_on(backend, &args, Elems::Bf16(&xb), &p, None, &mut out2);
+            for (i, (&got, &r)) in out2.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
+                    "{backend:?} no bias m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
+                );
+            }
         }
     }
 

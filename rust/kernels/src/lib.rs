@@ -2,7 +2,8 @@
 //! views of torch tensors), check every index they read before reading it, and keep no
 //! state: the scheduling core (`ferrobatch-core`) stays tensor-free.
 //!
-//! * [`amx`]: bf16 matrix products on the AMX tiles with f32 outputs (weights packed once);
+//! * [`amx`]: bf16 matrix products with f32 outputs (weights packed once) on the AMX tiles,
+//!   or with AVX-512 BF16 ([`dpbf16`]) where the CPU has no AMX;
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
@@ -14,6 +15,7 @@
 
 pub mod amx;
 pub mod decode;
+pub mod dpbf16;
 pub mod fused;
 pub mod parallel;
 pub mod select;

@@ -1,6 +1,6 @@
-//! PyO3 wrappers of `ferrobatch-kernels`' AMX products (`amx`): numpy views in (bf16 as
-//! `uint16` bits), shapes and overlaps checked with a `FieldError` naming the argument, then
-//! the kernel with the GIL released.
+//! PyO3 wrappers of `ferrobatch-kernels`' bf16 products with f32 outputs (`amx`: AMX tiles
+//! or AVX-512 BF16): numpy views in (bf16 as `uint16` bits), shapes and overlaps checked
+//! with a `FieldError` naming the argument, then the kernel with the GIL released.
 
 use ferrobatch_kernels::amx::{self, LinearArgs};
 use numpy::{PyArrayMethods, PyUntypedArrayMethods};
@@ -9,10 +9,16 @@ use pyo3::prelude::*;
 use crate::errors::invalid;
 use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Ty};
 
-/// Whether `amx_linear` runs on this CPU (AMX-TILE and AMX-BF16, tile state granted).
+/// Whether `amx_linear` runs on this CPU (AMX tiles, or AVX-512 BF16 without them).
 #[pyfunction]
 pub fn amx_available() -> bool {
     amx::available()
+}
+
+/// Which instructions run `amx_linear` here: "amx", "avx512_bf16" or "none".
+#[pyfunction]
+pub fn amx_backend() -> &'static str {
+    amx::backend().name()
 }
 
 /// Elements (uint16) of the packed form of an `[n, k]` weight.
