@@ -1,7 +1,7 @@
-"""`ferrobatch.amx_ops.linear` (AMX tiles, fp32 outputs) against oneDNN's packed bf16 product
-(as the packed linears call it: input converted to bf16, output in bf16) at SmolLM2-135M's
-product shapes, interleaved, medians of `--repeats`; also each one's largest error against
-the exact product of the bf16-rounded input.
+"""`ferrobatch.amx_ops.linear` (AMX tiles or AVX-512 BF16, fp32 outputs) against oneDNN's
+packed bf16 product (as the packed linears call it: input converted to bf16, output in bf16)
+at SmolLM2-135M's product shapes, interleaved, medians of `--repeats`; also each one's
+largest error against the exact product of the bf16-rounded input.
 
     .venv/bin/python benches/amx_linear.py --threads 1
 """
@@ -14,6 +14,7 @@ import time
 
 import torch
 from ferrobatch import amx_ops
+from ferrobatch.cpu_threads import share_torch_openmp
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -33,8 +34,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 1024])
     args = ap.parse_args()
     if not amx_ops.available():
-        raise SystemExit("no AMX bf16 tiles on this machine (or the extension lacks them)")
+        raise SystemExit("neither AMX bf16 tiles nor AVX-512 BF16 on this machine (or the "
+                         "extension lacks the products)")
     torch.set_num_threads(args.threads)
+    # the kernel's column splits on torch's OpenMP team, as in the engine (else each call
+    # starts threads of its own that fight torch's spinning workers for the cores)
+    share_torch_openmp()
     print(f"{'product':>8} {'rows':>5} {'amx us':>8} {'oneDNN us':>10} {'ratio':>6} "
           f"{'amx err':>8} {'oneDNN err':>10}")
     for name, (n, k) in SHAPES.items():

@@ -19,22 +19,27 @@ from ferrobatch.attention.kernels import numpy_view as _np
 
 __all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "torch_linear"]
 
-# Up to how many rows `linear` is at least as fast as oneDNN's packed product on each
-# backend (`benches/amx_linear.py`; None: at every row count). The AMX tiles: twice as fast
-# at one row, level at 64, up to 1.5x slower from 256 rows on (Sapphire Rapids). AVX-512
-# BF16: 1.6-1.9x as fast at one row, level at 64-256, 0.87-0.94x at 1024 (Zen 4), which
-# costs less end to end than the bf16 rounding of oneDNN's outputs in prefill chunks.
-_MAX_ROWS: dict[str, int | None] = {"amx": 64, "avx512_bf16": None}
+# Up to how many rows `linear` is worth calling instead of oneDNN's packed product, per
+# backend and thread count (`benches/amx_linear.py`, and end to end; None: any number).
+# AMX tiles (Sapphire Rapids): twice as fast at one row, level at 64, up to 1.5x slower from
+# 256 rows on. AVX-512 BF16 (Zen 4): 1.5-2x as fast at one row; on one thread level at
+# 64-256 rows and 0.87-0.94x at 1024, which costs less end to end than the bf16 rounding of
+# oneDNN's outputs in prefill chunks (SmolLM2 chat, 256 prompts: 64% of requests identical to
+# fp32 instead of 58%, at the same speed); on two threads oneDNN's product splits better
+# (0.6-0.9x from 256 rows, 12% of the end-to-end time), so there the limit is 64 rows.
+_MAX_ROWS: dict[str, tuple[int | None, int | None]] = {
+    "amx": (64, 64), "avx512_bf16": (None, 64)}  # (1 thread, more)
+_BACKEND: list[str] = []  # detected once
 
 
 def backend() -> str:
     """Which instructions run `linear` here: "amx", "avx512_bf16", or "none" (the CPU has
     neither, or this build of `ferrobatch._core` lacks the products)."""
-    from ferrobatch import _core
+    if not _BACKEND:
+        from ferrobatch import _core
 
-    if not hasattr(_core, "amx_backend"):
-        return "none"
-    return str(_core.amx_backend())
+        _BACKEND.append(str(_core.amx_backend()) if hasattr(_core, "amx_backend") else "none")
+    return _BACKEND[0]
 
 
 def available() -> bool:
@@ -42,10 +47,11 @@ def available() -> bool:
     return backend() != "none"
 
 
-def max_rows() -> int | None:
+def max_rows(threads: int = 1) -> int | None:
     """The most rows for which `linear` is worth calling instead of oneDNN's packed product
-    here (None: any number; 0 when `linear` does not run here)."""
-    return _MAX_ROWS.get(backend(), 0)
+    here on `threads` threads (None: any number; 0 when `linear` does not run here)."""
+    one, more = _MAX_ROWS.get(backend(), (0, 0))
+    return one if threads <= 1 else more
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,6 @@ class PackedLinears:
         #: every product also packed for `amx_ops` (`wide_product`: fp32 outputs)
         self.amx = (amx and self.weight_dtype == torch.bfloat16
                     and activation_dtype == torch.float32 and amx_ops.available())
-        #: `wide_product` calls of more rows take oneDNN's product (None: no limit)
-        self.amx_max_rows = amx_ops.max_rows() if self.amx else 0
         self._in_thread = in_thread
         self._active = False
         self._everywhere = False
@@ -255,13 +253,18 @@ class PackedLinears:
 
     def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + b` of a packed product in fp32 by `amx_ops` (`x` rounded to bf16,
-        the output not rounded) when `amx` and `x` has at most `amx_max_rows` rows; else
+        the output not rounded) when `amx` and `x` has at most `amx_max_rows()` rows; else
         `product` (in the weight dtype)."""
-        limit = self.amx_max_rows
+        limit = self.amx_max_rows()
         w = packed.amx_weight() if limit is None or x.shape[0] <= limit else None
         if w is None:
             return self.product(packed, x)
         return amx_ops.linear(x, w)
+
+    def amx_max_rows(self) -> int | None:
+        """The most rows `wide_product` sends to `amx_ops` at torch's current thread count
+        (None: any number; 0 without `amx`)."""
+        return amx_ops.max_rows(torch.get_num_threads()) if self.amx else 0
 
     # --- groups ----------------------------------------------------------------------------
 

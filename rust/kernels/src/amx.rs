@@ -168,8 +168,15 @@ fn linear_on(
     out: &mut [f32],
 ) {
     let LinearArgs { m, n, k, threads } = *args;
-    let lines = padded_rows(x, m, k);
-    let a = elements(&lines);
+    let lines: Vec<Line>;
+    let a: &[u16] = match x {
+        // rows read in place: `vdpbf16ps` broadcasts need no alignment nor whole passes
+        Elems::Bf16(s) if backend == Backend::Avx512Bf16 && k.is_multiple_of(TILE_K) => s,
+        _ => {
+            lines = padded_rows(x, m, k);
+            elements(&lines)
+        }
+    };
     let pairs = round_up(n, COLS_PER_PASS) / COLS_PER_PASS;
     let threads = threads.clamp(1, pairs);
     let per_task = pairs.div_ceil(threads);
@@ -182,7 +189,9 @@ fn linear_on(
     // rows in chunks whose bf16 inputs stay in the L2 cache while every weight block passes
     for row0 in (0..m).step_by(ROWS_PER_CHUNK) {
         let rows = (m - row0).min(ROWS_PER_CHUNK);
-        let a = &a[row0 * kp..(row0 + round_up(rows, ROWS_PER_PASS)) * kp];
+        // (whole passes of 32 rows in the scratch; just the rows when read in place)
+        let end = ((row0 + round_up(rows, ROWS_PER_PASS)) * kp).min(a.len());
+        let a = &a[row0 * kp..end];
         // (row0 * n < out.len(): row0 < m)
         let dst = OutColumns {
             ptr: out[row0 * n..].as_mut_ptr(),
