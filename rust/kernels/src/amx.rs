@@ -657,33 +657,50 @@ mod tests {
             (8, 32, 32, 1),
             (3, 1, 5, 1),
         ] {
-            let x = values(m * k, m as u32);
-            let w = bits(&values(n * k, n as u32 + 7));
-            let bias = values(n, 3);
-            let mut p = vec![0u16; packed_len(n, k)];
-            pack(&w, n, k, &mut p).unwrap();
-            let mut out = vec![f32::NAN; m * n];
-            let args = LinearArgs { m, n, k, threads };
-            linear_on(backend, &args, Elems::F32(&x), &p, Some(&bias), &mut out);
-            let want = reference(&x, &w, m, n, k);
-            for (i, (&got, &r)) in out.iter().zip(&want).enumerate() {
-                let r = r + f64::from(bias[i % n]);
-                assert!(
-                    (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
-                    "{backend:?} m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
-                );
-            }
-            // bf16 inputs are taken as they are; no bias is no bias
-            let xb = bits(&x);
-            let mut out2 = vec![0f32; m * n];
-            linear_on(backend, &args, Elems::Bf16(&xb), &p, Some(&bias), &mut out2);
-            assert_eq!(out, out2);
-            linear_on(backend, &args, Elems::Bf16(&xb), &p, None, &mut out2);
-            for (i, (&got, &r)) in out2.iter().zip(&want).enumerate() {
-                assert!(
-                    (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
-                    "{backend:?} no bias m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
-                );
+            check_shape(backend, m, n, k, threads);
+        }
+    }
+
+    /// `linear_on(backend)` of one shape against the f64 reference: f32 and bf16 inputs,
+    /// with and without a bias.
+    fn check_shape(backend: Backend, m: usize, n: usize, k: usize, threads: usize) {
+        let x = values(m * k, m as u32);
+        let w = bits(&values(n * k, n as u32 + 7));
+        let bias = values(n, 3);
+        let mut p = vec![0u16; packed_len(n, k)];
+        pack(&w, n, k, &mut p).unwrap();
+        let mut out = vec![f32::NAN; m * n];
+        let args = LinearArgs { m, n, k, threads };
+        linear_on(backend, &args, Elems::F32(&x), &p, Some(&bias), &mut out);
+        let want = reference(&x, &w, m, n, k);
+        for (i, (&got, &r)) in out.iter().zip(&want).enumerate() {
+            let r = r + f64::from(bias[i % n]);
+            assert!(
+                (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
+                "{backend:?} m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
+            );
+        }
+        // bf16 inputs are taken as they are; no bias is no bias
+        let xb = bits(&x);
+        let mut out2 = vec![0f32; m * n];
+        linear_on(backend, &args, Elems::Bf16(&xb), &p, Some(&bias), &mut out2);
+        assert_eq!(out, out2);
+        linear_on(backend, &args, Elems::Bf16(&xb), &p, None, &mut out2);
+        for (i, (&got, &r)) in out2.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(got) - r).abs() <= 1e-5 * (1.0 + r.abs()),
+                "{backend:?} no bias m {m} n {n} k {k}: out[{i}] = {got}, want {r}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        #[test]
+        fn random_shapes_match_the_reference(m in 1usize..70, n in 1usize..150,
+                                             k in 1usize..130, threads in 1usize..4) {
+            for backend in backends_here() {
+                check_shape(backend, m, n, k, threads);
             }
         }
     }
