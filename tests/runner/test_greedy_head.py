@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core, amx_ops
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner.greedy_head import GreedyHead
@@ -28,18 +28,49 @@ def _fp32_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t()).argmax(dim=1)
 
 
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("vocab,dim", [(5000, 64), (32000, 256), (777, 300)])
-def test_screen_is_the_fp32_argmax(vocab: int, dim: int, int8: bool) -> None:
+def test_screen_is_the_fp32_argmax(vocab: int, dim: int, int8: bool, wide: bool) -> None:
     gen = torch.Generator().manual_seed(vocab)
     w = torch.randn(vocab, dim, generator=gen) * dim**-0.5
     head = GreedyHead(w)
     head.int8 = int8 and head.int8
+    head.wide = wide and head.wide
     for scale in (1e-3, 0.1, 1.0, 30.0):
         x = torch.randn(37, dim, generator=gen) * scale
         got = head.argmax(x)
         assert got is not None and got.dtype == torch.int64
         assert torch.equal(got, _fp32_argmax(x, w))
+
+
+@pytest.mark.skipif(not amx_ops.available(), reason="no fp32-output bf16 products here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_screen_decides_with_fewer_candidates(dtype: torch.dtype) -> None:
+    """The bf16 screen through `amx_ops` (fp32 sums): the same argmax as fp32, from a
+    tighter window than the bf16-rounded screen's."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(8000, 128, generator=gen) * 0.09).to(dtype)
+    x = torch.randn(24, 128, generator=gen)
+    kept = {}
+    for wide in (True, False):
+        head = GreedyHead(w)
+        head.int8, head.wide = False, wide
+        calls = []
+        real = gh._select
+        def spy(scores, *a, calls=calls, real=real):
+            out = real(scores, *a)
+            calls.append((scores.dtype, None if out is None else len(out[0])))
+            return out
+        gh._select = spy
+        try:
+            got = head.argmax(x)
+        finally:
+            gh._select = real
+        assert got is not None and torch.equal(got, _fp32_argmax(x, w.float()))
+        assert calls[0][0] == (np.float32 if wide else np.uint16)
+        kept[wide] = calls[0][1]
+    assert kept[True] <= kept[False]
 
 
 def test_heavy_tailed_rows_and_outlier_weights() -> None:

@@ -36,6 +36,7 @@ layer's own forward on any other thread), and weights changed in place are packe
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,13 +58,31 @@ _MAX_AVAILABLE_SHARE = 0.5
 _BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
 
 
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear ops."""
-    return bool(
+@functools.cache
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build has oneDNN's packed linear ops and they run `dtype` weights
+    on this CPU (probed once per dtype on a tiny product: oneDNN refuses fp16 weights on
+    CPUs without AVX-NE-CONVERT or AVX512-FP16, such as AMD Zen 4, and bf16 ones without
+    AVX-512)."""
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        with torch.inference_mode():
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 4)
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=dtype), w, None,
+                                                   "none", [], "")
+        ok = bool((y == 16).all())
+    except RuntimeError as exc:
+        logger.info("ferrobatch: oneDNN's packed linears don't run %s weights here (%s)",
+                    dtype, str(exc).splitlines()[0])
+        return False
+    if not ok:
+        logger.info("ferrobatch: oneDNN's packed %s product is wrong here; not used", dtype)
+    return ok
 
 
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
@@ -192,21 +211,22 @@ class PackedLinears:
         hidden_size: int | None = None,
         amx: bool = False,
     ) -> PackedLinears | None:
-        """The packed layers of `model`, or None: no oneDNN, no plain `nn.Linear` in bf16 /
-        fp16 on CPU, or the copies would take more than half of available memory.
+        """The packed layers of `model`, or None: no plain `nn.Linear` in bf16 / fp16 on
+        CPU, no oneDNN product for that dtype here (`packing_available`), or the copies
+        would take more than half of available memory.
         `activation_dtype` None = the weights' dtype. `in_thread()` tells whether the
         calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
         residual stream (which outputs are widened; None = every output). `amx`: with fp32
         activations over bf16 weights on a CPU with AMX, also pack every product for
         `wide_product` (fp32 outputs; the packed copies take twice the memory)."""
-        if not packing_available():
-            return None
         layers = [
             m for m in model.modules()
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__
             and m.weight.device.type == "cpu" and m.weight.dtype in HALF_DTYPES
         ]
         if not layers or len({m.weight.dtype for m in layers}) > 1:
+            return None
+        if not packing_available(layers[0].weight.dtype):
             return None
         copies = 2 if amx else 1
         need = copies * sum(m.weight.numel() * m.weight.element_size() for m in layers)
