@@ -79,14 +79,20 @@ class PackedActivations:
         return True
 
     def _make_packed_linears(self, activations: str) -> PackedLinears | None:
-        """Packed half-precision linears (`ferrobatch.runner.cpu_linear`), fp32 activations when
-        asked or, with "auto", when a forward that way is at least about as close to the
-        exact computation as the model's own (a model whose code mixes its activations with
-        half-precision tensors outside `nn.Linear` fails that check and keeps its dtype);
-        layers sharing an input grouped from one calibration forward."""
+        """Packed linears (`ferrobatch.runner.cpu_linear`): an fp32 model's as they are; a
+        half-precision model's with fp32 activations when asked or, with "auto", when a
+        forward that way is at least about as close to the exact computation as the model's
+        own (a model whose code mixes its activations with half-precision tensors outside
+        `nn.Linear` fails that check and keeps its dtype); layers sharing an input grouped
+        from one calibration forward."""
+        in_fwd = context.in_ferrobatch_forward
+        if (self.model.dtype == torch.float32 and self.device.type == "cpu"
+                and getattr(self.model, "ferrobatch_tp", None) is None):
+            # (not a tensor-parallel rank's share: its layers are the ranks' slices)
+            linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,))
+            return self._calibrated(linears)
         if self.model.dtype not in (torch.bfloat16, torch.float16):
             return None
-        in_fwd = context.in_ferrobatch_forward
         linears = None
         if activations != "model":
             linears = PackedLinears.of(
@@ -103,6 +109,10 @@ class PackedActivations:
                 linears = None
         if linears is None:
             linears = PackedLinears.of(self.model, in_thread=in_fwd)
+        return self._calibrated(linears)
+
+    def _calibrated(self, linears: PackedLinears | None) -> PackedLinears | None:
+        """`linears` with the layers sharing an input grouped from one calibration forward."""
         if linears is not None:
             ids = self._check_ids(16)
             try:

@@ -210,6 +210,7 @@ class PackedLinears:
         in_thread: Callable[[], bool],
         hidden_size: int | None = None,
         amx: bool = False,
+        dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no plain `nn.Linear` in bf16 / fp16 on
         CPU, no oneDNN product for that dtype here (`packing_available`), or the copies
@@ -218,11 +219,13 @@ class PackedLinears:
         calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
         residual stream (which outputs are widened; None = every output). `amx`: with fp32
         activations over bf16 weights on a CPU with AMX, also pack every product for
-        `wide_product` (fp32 outputs; the packed copies take twice the memory)."""
+        `wide_product` (fp32 outputs; the packed copies take twice the memory). `dtypes`:
+        the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
+        fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant)."""
         layers = [
             m for m in model.modules()
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__
-            and m.weight.device.type == "cpu" and m.weight.dtype in HALF_DTYPES
+            and m.weight.device.type == "cpu" and m.weight.dtype in dtypes
         ]
         if not layers or len({m.weight.dtype for m in layers}) > 1:
             return None
