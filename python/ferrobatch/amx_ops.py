@@ -17,7 +17,8 @@ import torch
 
 from ferrobatch.attention.kernels import numpy_view as _np
 
-__all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "torch_linear"]
+__all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "takes",
+           "torch_linear"]
 
 # Up to how many rows `linear` is worth calling instead of oneDNN's packed product, per
 # backend and thread count (`benches/amx_linear.py`, and end to end; None: any number).
@@ -52,6 +53,13 @@ def max_rows(threads: int = 1) -> int | None:
     here on `threads` threads (None: any number; 0 when `linear` does not run here)."""
     one, more = _MAX_ROWS.get(backend(), (0, 0))
     return one if threads <= 1 else more
+
+
+def takes(rows: int) -> bool:
+    """Whether a call of `rows` rows is worth sending to `linear` at torch's current thread
+    count (`max_rows`)."""
+    limit = max_rows(torch.get_num_threads())
+    return limit is None or rows <= limit
 
 
 @dataclass(frozen=True)

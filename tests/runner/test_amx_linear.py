@@ -21,6 +21,7 @@ def test_backend_is_named_and_sets_the_row_limit() -> None:
     assert amx_ops.available() == (name != "none")
     assert amx_ops.max_rows() == {"amx": 64, "avx512_bf16": None, "none": 0}[name]
     assert amx_ops.max_rows(2) == {"amx": 64, "avx512_bf16": 64, "none": 0}[name]
+    assert amx_ops.takes(1) == (name != "none")
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -93,8 +94,7 @@ def test_packed_linears_widen_products_of_up_to_max_rows() -> None:
     layer = model.model.layers[0].mlp.down_proj
     packed = lin.packed_of([layer])
     assert packed is not None
-    limit = lin.amx_max_rows()
-    assert limit == amx_ops.max_rows(torch.get_num_threads())
+    limit = amx_ops.max_rows(torch.get_num_threads())
     for rows in (1, 300 if limit is None else limit):
         x = torch.randn(rows, layer.in_features)
         got = lin.wide_product(packed, x)

@@ -212,13 +212,13 @@ class PackedLinears:
         amx: bool = False,
         dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
     ) -> PackedLinears | None:
-        """The packed layers of `model`, or None: no plain `nn.Linear` in bf16 / fp16 on
-        CPU, no oneDNN product for that dtype here (`packing_available`), or the copies
-        would take more than half of available memory.
+        """The packed layers of `model`, or None: no plain `nn.Linear` with a weight of one
+        of `dtypes` on CPU, no oneDNN product for that dtype here (`packing_available`), or
+        the copies would take more than half of available memory.
         `activation_dtype` None = the weights' dtype. `in_thread()` tells whether the
         calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
         residual stream (which outputs are widened; None = every output). `amx`: with fp32
-        activations over bf16 weights on a CPU with AMX, also pack every product for
+        activations over bf16 weights where `amx_ops` runs, also pack every product for
         `wide_product` (fp32 outputs; the packed copies take twice the memory). `dtypes`:
         the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
         fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant)."""
@@ -276,18 +276,12 @@ class PackedLinears:
 
     def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + b` of a packed product in fp32 by `amx_ops` (`x` rounded to bf16,
-        the output not rounded) when `amx` and `x` has at most `amx_max_rows()` rows; else
+        the output not rounded) when `amx` and `amx_ops.takes` that many rows; else
         `product` (in the weight dtype)."""
-        limit = self.amx_max_rows()
-        w = packed.amx_weight() if limit is None or x.shape[0] <= limit else None
+        w = packed.amx_weight() if self.amx and amx_ops.takes(x.shape[0]) else None
         if w is None:
             return self.product(packed, x)
         return amx_ops.linear(x, w)
-
-    def amx_max_rows(self) -> int | None:
-        """The most rows `wide_product` sends to `amx_ops` at torch's current thread count
-        (None: any number; 0 without `amx`)."""
-        return amx_ops.max_rows(torch.get_num_threads()) if self.amx else 0
 
     # --- groups ----------------------------------------------------------------------------
 

@@ -218,9 +218,7 @@ class GreedyHead:
     def _screen_bf16(self, hidden: torch.Tensor, l2: np.ndarray, delta: np.ndarray
                      ) -> _Candidates | None:
         assert self._packed is not None
-        limit = amx_ops.max_rows(torch.get_num_threads())
-        if self.wide and self._wide is not None and (limit is None
-                                                     or hidden.shape[0] <= limit):
+        if self.wide and self._wide is not None and amx_ops.takes(hidden.shape[0]):
             sums = amx_ops.linear(hidden, self._wide).numpy()  # [N, V] fp32
             # eps_j = 0.0045 ||h||_2 ||w_j||_2 + delta + K 2^-126 max ||w_j||_2
             base = delta + hidden.shape[1] * 2.0**-126 * self._w2max
