@@ -1,6 +1,7 @@
 """`torchrun --nproc-per-node 2` on a script that builds `Engine(path,
 tensor_parallel_size=2)`: rank 0 generates (greedy, equal to `model.generate`), rank 1
-serves inside `Engine(...)` and exits 0 when rank 0 closes."""
+serves inside `Engine(...)` and exits 0 when rank 0 closes; after the close no gloo thread
+is left on rank 0 (a group left to the interpreter's exit can abort it)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ with Engine(sys.argv[1], tensor_parallel_size=2, config=dict(num_blocks=64, page
     out = e.generate([[1, 5, 7, 9, 11, 13]], SamplingParams(max_new_tokens=10, ignore_eos=True),
                      progress=False)
     print("RESULT", json.dumps([os.environ["RANK"], out[0].token_ids]), flush=True)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("GLOO_THREADS", sum(n.startswith(("pt_gloo", "gloo")) for n in names), flush=True)
 """
 
 
@@ -39,5 +42,6 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if "RESULT " in line]
+    assert "GLOO_THREADS 0" in proc.stdout, proc.stdout[-3000:]
     assert results == [["0", tiny_models.generate_greedy(model, [1, 5, 7, 9, 11, 13], 10,
                                                          ignore_eos=True)]]

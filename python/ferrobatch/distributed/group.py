@@ -48,6 +48,27 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel rank died, hung or failed; the engine cannot step any more."""
 
 
+def release_mesh_groups() -> None:
+    """Free the process groups the device meshes of transformers' tensor-parallel plan
+    still hold after `destroy_process_group` (their `_pg_registry`; DTensor parameters
+    and DTensor's sharding caches keep the meshes alive).
+
+    A gloo group destroyed while the interpreter finalizes can abort the process
+    ("terminate called without an active exception": a torchrun rank 0 in CI; a 2-rank
+    script that keeps a mesh alive to its exit, 4 to 8 exits in 30), so the groups go now,
+    with their threads, while Python is still whole."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,6 +258,8 @@ class TPGroup:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
-                pass
+                logger.warning("ferrobatch: leaving the tensor-parallel group failed",
+                               exc_info=True)
+            release_mesh_groups()
         if _CURRENT is self:
             _CURRENT = None
