@@ -257,19 +257,27 @@ def test_unsupported_architecture_fails_at_construction(name: str) -> None:
 
 @contextlib.contextmanager
 def skewed_attention() -> Iterator[None]:
-    """ferrobatch's paged attention registered with its keys scaled ×3: runs, but wrong."""
+    """ferrobatch's paged attention registered with its keys scaled ×3: runs, but wrong
+    (the lean layers' direct call to the CPU kernel too, which skips the registry)."""
     from ferrobatch.attention import context, forward, registry
+    from ferrobatch.runner import lean_layers
 
     real = forward.paged_attention_forward
+    real_direct = lean_layers.kernel_only_attention
 
     def skewed(module, query, key, value, *args, **kwargs):
         return real(module, query, key * 3.0, value, *args, **kwargs)
 
+    def skewed_direct(step, layer_idx, q, k, v, scaling):
+        return real_direct(step, layer_idx, q, (k * 3.0).to(k.dtype), v, scaling)
+
     registry.AttentionInterface.register(context.ATTENTION_NAME, skewed)
+    lean_layers.kernel_only_attention = skewed_direct
     try:
         yield
     finally:
         registry.AttentionInterface.register(context.ATTENTION_NAME, real)
+        lean_layers.kernel_only_attention = real_direct
 
 
 def test_probe_catches_silently_wrong_attention() -> None:

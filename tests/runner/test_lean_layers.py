@@ -86,9 +86,38 @@ def test_a_lean_layer_that_computes_something_else_is_not_used(monkeypatch, brok
     assert _runner(tm.llama().to(torch.bfloat16))._lean is None
 
 
-def test_fp32_and_model_dtype_activations_keep_their_own_forward():
-    assert _runner(tm.llama())._lean is None  # fp32: the exact mode
+def test_model_dtype_activations_keep_their_own_forward():
     assert _runner(tm.llama().to(torch.bfloat16), activations="model")._lean is None
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_fp32_lean_layers_compute_what_the_own_layers_compute(name):
+    """An fp32 model runs lean too (fp32 products, kernels and cache): the same packed steps
+    give the own layers' logits to fp32 rounding, and the same greedy tokens."""
+    model = tm.BUILDERS[name]()
+    prompts = tm.random_prompts(5, 6, 2, 30)
+    got = {}
+    for lean in (True, False):
+        runner = _runner(model, lean_layers=lean)
+        assert (runner._lean is not None) == lean
+        got[lean] = drive_runner(runner, prompts, 6, forced=True)
+        runner.close()
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_an_fp32_lean_layer_slightly_off_is_not_used(monkeypatch):
+    """The fp32 check is tight: a norm with its epsilon 3x too large is refused for an fp32
+    model, where a bf16 one's check (off by less than bf16 rounding) lets it pass."""
+    real = fused_ops.rms_norm
+
+    def loose(x, weight, out, eps, *args, **kwargs):
+        real(x, weight, out, eps * 3, *args, **kwargs)
+
+    monkeypatch.setattr(fused_ops, "rms_norm", loose)
+    assert _runner(tm.llama())._lean is None
+    assert _runner(tm.llama().to(torch.bfloat16))._lean is not None
 
 
 def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():

@@ -1,14 +1,14 @@
-"""Lean forwards for Llama-style decoder layers of a half-precision CPU model.
+"""Lean forwards for Llama-style decoder layers of a CPU model with fp32 activations.
 
-With packed half-precision weights and an fp32 residual stream (`ferrobatch.runner.
-cpu_linear`), a decoder layer's matrix products are a third of its cost at decode batch
-sizes; the rest is transformers' elementwise code (RMSNorm, rotary embeddings, SiLU * up,
-residual adds, and the dtype conversions between fp32 and bf16 operands) and the Python
-around it. `LeanLayers` runs such a layer as four packed products, the attention function
-the model's config selects (ferrobatch's paged attention in a step), and four fused kernels
-of `ferrobatch.fused_ops`:
+With packed weights and an fp32 residual stream (`ferrobatch.runner.cpu_linear`: an fp32
+model's, or half-precision weights widened), a decoder layer's matrix products are a third
+of its cost at decode batch sizes in bf16 (most of it in fp32); the rest is transformers'
+elementwise code (RMSNorm, rotary embeddings, SiLU * up, residual adds, and the dtype
+conversions between fp32 and bf16 operands) and the Python around it. `LeanLayers` runs
+such a layer as four packed products, the attention function the model's config selects
+(ferrobatch's paged attention in a step), and four fused kernels of `ferrobatch.fused_ops`:
 
-    h = rms_norm(x)                       (bf16, the products' input dtype)
+    h = rms_norm(x)                       (the products' input dtype: bf16, or fp32)
     qkv = [q | k | v] product of h        (one stacked product)
     q, k = rope(qkv)                      (q fp32, k in the KV cache's dtype)
     x += o_proj(attention(q, k, v))       (folded into the next norm)
@@ -116,11 +116,13 @@ class LeanLayers:
     def of(cls, model: torch.nn.Module, linears: PackedLinears | None,
            in_thread: Callable[[], bool], kv_dtype: torch.dtype) -> LeanLayers | None:
         """The lean layers of `model` (new keys rounded to `kv_dtype`, the KV cache's), or
-        None: no widened packed linears (fp32 residual stream over half-precision weights),
-        no fused kernels, or a decoder layer that is not Llama-style (every layer must be:
-        a model runs all lean or none)."""
-        if linears is None or not linears.widens or not fused_ops.available():
+        None: no packed linears with fp32 activations (an fp32 model's, or widened ones over
+        half-precision weights), no fused kernels, or a decoder layer that is not
+        Llama-style (every layer must be: a model runs all lean or none)."""
+        if linears is None or not fused_ops.available():
             return None
+        if not linears.widens and linears.weight_dtype != torch.float32:
+            return None  # half-precision activations: the model's own layers
         decoder = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
         if not decoder:
             return None

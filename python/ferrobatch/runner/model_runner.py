@@ -79,9 +79,10 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         that way: checked once against its own forward), "model" keeps the model's dtype
         throughout (what the model's own forward computes).
 
-        `lean_layers`: with fp32 activations over packed half-precision weights, run
-        Llama-style decoder layers through fused kernels (`ferrobatch.runner.lean_layers`;
-        checked once against the model's own forward)."""
+        `lean_layers`: with fp32 activations over packed weights (an fp32 model, or
+        half-precision weights widened), run Llama-style decoder layers through fused
+        kernels (`ferrobatch.runner.lean_layers`; checked once against the model's own
+        forward)."""
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)
