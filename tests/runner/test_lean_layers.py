@@ -29,19 +29,25 @@ def _runner(model: torch.nn.Module, **kw) -> ModelRunner:
     return ModelRunner(model, num_blocks=128, page_size=4, **kw)
 
 
+def _lean_and_own(model: torch.nn.Module, prompts, new: int, **kw) -> list[tuple]:
+    """Pairs of (lean, own) logits of the same forced packed steps."""
+    got = {}
+    for lean in (True, False):
+        runner = _runner(model, lean_layers=lean, **kw)
+        assert (runner._lean is not None) == lean
+        if "dtype" in kw:
+            assert runner.cache.dtype == kw["dtype"]
+        got[lean] = drive_runner(runner, prompts, new, forced=True)
+        runner.close()
+    return list(zip(got[True], got[False], strict=True))
+
+
 @pytest.mark.parametrize("name", LEAN)
 def test_lean_layers_compute_what_the_own_layers_compute(name):
     """Same packed steps (prefill, then decodes over full and sliding windows) with and
     without lean layers: logits equal to bf16 rounding."""
     model = tm.BUILDERS[name]().to(torch.bfloat16)
-    prompts = tm.random_prompts(5, 6, 2, 30)
-    got = {}
-    for lean in (True, False):
-        runner = _runner(model, lean_layers=lean)
-        assert (runner._lean is not None) == lean
-        got[lean] = drive_runner(runner, prompts, 6, forced=True)
-        runner.close()
-    for a, b in zip(got[True], got[False], strict=True):
+    for a, b in _lean_and_own(model, tm.random_prompts(5, 6, 2, 30), 6):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
@@ -50,14 +56,7 @@ def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
     """A bf16 model over an fp32 or fp16 KV cache: keys and values are rounded to the
     cache's dtype alike on both paths (prefill with cached keys included)."""
     model = tm.llama().to(torch.bfloat16)
-    prompts = tm.random_prompts(9, 5, 2, 20)
-    got = {}
-    for lean in (True, False):
-        runner = _runner(model, lean_layers=lean, dtype=cache_dtype)
-        assert runner.cache.dtype == cache_dtype and (runner._lean is not None) == lean
-        got[lean] = drive_runner(runner, prompts, 5, forced=True)
-        runner.close()
-    for a, b in zip(got[True], got[False], strict=True):
+    for a, b in _lean_and_own(model, tm.random_prompts(9, 5, 2, 20), 5, dtype=cache_dtype):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
@@ -94,15 +93,7 @@ def test_model_dtype_activations_keep_their_own_forward():
 def test_fp32_lean_layers_compute_what_the_own_layers_compute(name):
     """An fp32 model runs lean too (fp32 products, kernels and cache): the same packed steps
     give the own layers' logits to fp32 rounding, and the same greedy tokens."""
-    model = tm.BUILDERS[name]()
-    prompts = tm.random_prompts(5, 6, 2, 30)
-    got = {}
-    for lean in (True, False):
-        runner = _runner(model, lean_layers=lean)
-        assert (runner._lean is not None) == lean
-        got[lean] = drive_runner(runner, prompts, 6, forced=True)
-        runner.close()
-    for a, b in zip(got[True], got[False], strict=True):
+    for a, b in _lean_and_own(tm.BUILDERS[name](), tm.random_prompts(5, 6, 2, 30), 6):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
