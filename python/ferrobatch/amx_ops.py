@@ -11,6 +11,7 @@ product; `torch_linear` is the reference it is tested against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +31,15 @@ __all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "t
 # (0.6-0.9x from 256 rows, 12% of the end-to-end time), so there the limit is 64 rows.
 _MAX_ROWS: dict[str, tuple[int | None, int | None]] = {
     "amx": (64, 64), "avx512_bf16": (None, 64)}  # (1 thread, more)
-_BACKEND: list[str] = []  # detected once
 
 
+@functools.cache
 def backend() -> str:
     """Which instructions run `linear` here: "amx", "avx512_bf16", or "none" (the CPU has
-    neither, or this build of `ferrobatch._core` lacks the products)."""
-    if not _BACKEND:
-        from ferrobatch import _core
+    neither, or this build of `ferrobatch._core` lacks the products); detected once."""
+    from ferrobatch import _core
 
-        _BACKEND.append(str(_core.amx_backend()) if hasattr(_core, "amx_backend") else "none")
-    return _BACKEND[0]
+    return str(_core.amx_backend()) if hasattr(_core, "amx_backend") else "none"
 
 
 def available() -> bool:

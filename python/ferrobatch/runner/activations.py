@@ -90,8 +90,7 @@ class PackedActivations:
         `nn.Linear` fails that check and keeps its dtype); layers sharing an input grouped
         from one calibration forward."""
         in_fwd = context.in_ferrobatch_forward
-        if (self.model.dtype == torch.float32 and self.device.type == "cpu"
-                and getattr(self.model, "ferrobatch_tp", None) is None):
+        if self.model.dtype == torch.float32 and getattr(self.model, "ferrobatch_tp", None) is None:
             # (not a tensor-parallel rank's share: its layers are the ranks' slices)
             linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,))
             return self._calibrated(linears)

@@ -119,10 +119,9 @@ class LeanLayers:
         None: no packed linears with fp32 activations (an fp32 model's, or widened ones over
         half-precision weights), no fused kernels, or a decoder layer that is not
         Llama-style (every layer must be: a model runs all lean or none)."""
-        if linears is None or not fused_ops.available():
+        if (linears is None or linears.activation_dtype != torch.float32
+                or not fused_ops.available()):
             return None
-        if not linears.widens and linears.weight_dtype != torch.float32:
-            return None  # half-precision activations: the model's own layers
         decoder = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
         if not decoder:
             return None
