@@ -118,6 +118,25 @@ def test_weights_changed_in_place_are_packed_again():
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+def test_weights_replaced_are_packed_again():
+    """A linear's or a norm's weight replaced by another parameter between steps: the next
+    step computes with the new one (packed again; the lean layers read the new norm)."""
+    model = _half("llama")
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    assert runner._lean is not None  # the norm is read by the lean layers
+    prompts = tm.random_prompts(2, 2, 4, 8)
+    first = drive_runner(runner, prompts, 1)[0]
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight * -3)
+        layer.input_layernorm.weight = torch.nn.Parameter(layer.input_layernorm.weight * 2)
+    runner2 = ModelRunner(model, num_blocks=64, page_size=4)
+    want = drive_runner(runner2, prompts, 1)[0]
+    got = drive_runner(runner, prompts, 1)[0]
+    assert not torch.allclose(first, want)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
 def test_model_activations_keep_the_model_dtype():
     model = _half("llama")
     runner = ModelRunner(model, num_blocks=64, page_size=4, activations="model")

@@ -89,6 +89,25 @@ def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
     return tuple((id(m.weight), m.weight._version) for m in layers)
 
 
+def _weights_seen(params: list[dict[str, Any]]) -> list[tuple[Any, int]]:
+    """Each packed layer's registered weight (read from the module's `_parameters`; None when
+    it is no longer registered there) and its version."""
+    return [(w, -1 if w is None else w._version)
+            for w in (d.get("weight") for d in params)]
+
+
+def _same_weights(params: list[dict[str, Any]], seen: list[tuple[Any, int]] | None) -> bool:
+    """Whether every layer still has the weight object of `seen`, at the same version (the
+    objects are held there, so an identity is never that of a freed weight's successor)."""
+    if seen is None or len(seen) != len(params):
+        return False
+    for d, (w, version) in zip(params, seen, strict=True):
+        now = d.get("weight")
+        if now is not w or now is None or now._version != version:
+            return False
+    return True
+
+
 class _Packed:
     """Packed weight (the stacked weights of a group) and bias in the weight dtype, derived
     again when a weight object or its version changes."""
@@ -190,6 +209,9 @@ class PackedLinears:
         #: grouped layers return slices of their product (views) rather than copies
         self.slice_views = True
         self._layers = layers
+        self._params = [m._parameters for m in layers]
+        #: `_weights_seen` when the packs were last refreshed (None: not yet)
+        self._seen: list[tuple[Any, int]] | None = None
         self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self._packs: list[_Packed] = []
         self._groups: list[_Group] = []
@@ -415,11 +437,11 @@ class PackedLinears:
         self._exact = exact
         patched: list[torch.nn.Module] = []
         try:
-            for packed in self._packs:
-                packed.refresh()
+            self._refresh_changed()
+            # what `Module.__setattr__` does for a function value, without its type checks
             for module, forward in zip(self._layers, self._forwards, strict=True):
-                module.forward = forward
-                patched.append(module)
+                module.__dict__["forward"] = forward
+            patched.extend(self._layers)
             if self._embeddings is not None:
                 self._embeddings.forward = self._embedding_fwd
                 patched.append(self._embeddings)
@@ -431,8 +453,19 @@ class PackedLinears:
                 group.clear()
             self._active = self._everywhere = self._exact = False
 
+    def _refresh_changed(self) -> None:
+        """Pack again the products whose weights were replaced or changed in place since the
+        last forward (one pass over the weights when nothing changed; a replaced weight is
+        held until then)."""
+        if _same_weights(self._params, self._seen):
+            return
+        for packed in self._packs:
+            packed.refresh()
+        self._seen = _weights_seen(self._params)
+
     def clear(self) -> None:
         """Drop the packed copies."""
         self._layers, self._forwards, self._packs, self._groups = [], [], [], []
+        self._params, self._seen = [], None
         self._embeddings = None
 

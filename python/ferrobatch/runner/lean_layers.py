@@ -70,6 +70,18 @@ class _Layer:
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
+        #: per norm, (its weight, that weight detached): the kernels' view of a detached
+        #: tensor is cheaper than of a parameter; again when the weight object is replaced
+        self._norm_weights: list[tuple[Any, Any]] = [(None, None), (None, None)]
+
+    def norm_weight(self, i: int) -> torch.Tensor:
+        """The weight of norm `i` (0: input, 1: post-attention), detached."""
+        w = self.norms[i].weight
+        own, detached = self._norm_weights[i]
+        if own is not w:
+            detached = w.detach()
+            self._norm_weights[i] = (w, detached)
+        return detached
 
     @staticmethod
     def why_not(layer: torch.nn.Module, linears: PackedLinears) -> str | None:
@@ -110,6 +122,10 @@ class LeanLayers:
         self._in_thread = in_thread
         self._everywhere = False
         self._active = False
+        #: (cos, sin) of the last forward's position embeddings, their versions and their
+        #: fp32 contiguous rows: every layer of a forward gets the same two tensors
+        #: (replaced as one tuple, so a reader never sees half of an update)
+        self._rope: tuple[Any, ...] = (None, None, None, None, None)
         self._forwards = [self._forward_of(p) for p in layers]
 
     @classmethod
@@ -148,7 +164,7 @@ class LeanLayers:
         self._active, self._everywhere = True, everywhere
         try:
             for part, fwd in zip(self._layers, self._forwards, strict=True):
-                part.layer.forward = fwd
+                part.layer.__dict__["forward"] = fwd  # `Module.__setattr__`, unchecked
             yield
         finally:
             for part in self._layers:
@@ -166,20 +182,36 @@ class LeanLayers:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
-            return _lean_forward(p, hidden_states, product, wdt, kv_dtype, kwargs)
+            return _lean_forward(p, hidden_states, product, wdt, kv_dtype, kwargs,
+                                 self._rope_rows)
 
         return forward
 
+    def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos[0]`, `sin[0]` in fp32 and contiguous, made once per forward."""
+        # an inference tensor has no version counter: its identity is the key
+        version = None if cos.is_inference() or sin.is_inference() \
+            else (cos._version, sin._version)
+        last = self._rope
+        if last[0] is cos and last[1] is sin and last[2] == version:
+            return last[3], last[4]
+        rows = cos[0].float().contiguous(), sin[0].float().contiguous()
+        self._rope = (cos, sin, version, *rows)
+        return rows
+
 
 def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt: torch.dtype,
-                  kv_dtype: torch.dtype, kwargs: dict[str, Any]) -> torch.Tensor:
+                  kv_dtype: torch.dtype, kwargs: dict[str, Any],
+                  rope_rows: Callable[[torch.Tensor, torch.Tensor],
+                                      tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One decoder layer on the fp32 residual stream `hidden_states` [1, T, H] (updated in
-    place and returned)."""
+    place and returned); `rope_rows(cos, sin)` gives the position embeddings' fp32 rows."""
     x = hidden_states[0]
     tokens = x.shape[0]
     norm_in, norm_post = p.norms
     h = torch.empty(x.shape, dtype=wdt)
-    fused_ops.rms_norm(x, norm_in.weight, h, norm_in.variance_epsilon)
+    fused_ops.rms_norm(x, p.norm_weight(0), h, norm_in.variance_epsilon)
     qkv = product(p.qkv, h)
     q_src, q_off, k_src, k_off = qkv, 0, qkv, p.nq
     if p.q_norm is not None:
@@ -187,8 +219,7 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     if p.k_norm is not None:
         k_src = p.k_norm(qkv[:, p.nq:p.nq + p.nk].view(tokens, p.kv_heads, p.dim))
         k_src, k_off = k_src.reshape(tokens, p.nk), 0
-    cos, sin = kwargs.pop("position_embeddings")
-    cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+    cos, sin = rope_rows(*kwargs.pop("position_embeddings"))
     q = torch.empty(tokens, p.heads, p.dim, dtype=torch.float32)
     k = torch.empty(tokens, p.kv_heads, p.dim, dtype=kv_dtype)
     fused_ops.rope(q_src.contiguous(), cos, sin, q, q_off, p.heads, p.dim)
@@ -203,7 +234,7 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt
     if out is None:
         out = _interface_attention(attn, q, k, v, kwargs)
     o = product(p.o, out.reshape(tokens, p.nq))
-    fused_ops.rms_norm(x, norm_post.weight, h, norm_post.variance_epsilon, residual=o)
+    fused_ops.rms_norm(x, p.norm_weight(1), h, norm_post.variance_epsilon, residual=o)
     gu = product(p.gate_up, h)  # (h's first use ended with the q/k/v product)
     a = torch.empty(tokens, p.inter, dtype=wdt)
     fused_ops.silu_mul(gu, a)
