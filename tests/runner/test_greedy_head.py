@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _screens_only(monkeypatch):
+    """The screens at any row count, whatever this CPU's fp32 products (the full fp32 path
+    of half-precision heads has tests of its own)."""
+    monkeypatch.setattr(gh, "fp32_from_rows", lambda dtype: None)
+
+
 def _fp32_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t()).argmax(dim=1)
 
@@ -407,3 +414,36 @@ def test_half_rows_and_weight_give_the_argmax_of_their_widening(dtype: torch.dty
         got = head.argmax(x)
         assert got is not None
         assert torch.equal(got, _fp32_argmax(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch, dtype):
+    """Where fp32 products win, calls of `full_rows` rows or more take the argmax of the
+    full fp32 product of the widened weight (first maximum; None when a row is not
+    finite); fewer rows are screened; `wins` judges the screens, not that path."""
+    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(3000, 96, generator=gen) * 0.1).to(dtype)
+    head = GreedyHead(w)
+    assert head.full_rows == gh._FULL_FP32_ROWS
+    assert GreedyHead(w.float()).full_rows is None  # an fp32 head: screens as before
+    screened = []
+    monkeypatch.setattr(head, "_screen_bf16", lambda *a: screened.append(1) or None)
+    head.int8 = False
+    for rows in (head.full_rows, 2 * head.full_rows + 3):
+        x = torch.randn(rows, 96, generator=gen)
+        x[1] = x[0]  # equal rows, equal answers
+        got = head.argmax(x)
+        assert got is not None and torch.equal(got, _fp32_argmax(x, w.float()))
+    assert not screened
+    assert head.argmax(torch.randn(head.full_rows - 1, 96)) is None and screened
+    x = torch.randn(head.full_rows, 96)
+    x[3, 5] = float("nan")
+    assert head.argmax(x) is None
+    tie = GreedyHead(torch.ones(50, 8, dtype=dtype))  # every logit equal: token 0
+    tie.full_rows = 1
+    assert torch.equal(tie.argmax(torch.randn(4, 8).abs()), torch.zeros(4, dtype=torch.int64))
+    monkeypatch.undo()
+    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
+    judged = GreedyHead(w)
+    assert judged.wins(rows=64, rounds=1) and judged.full_rows == gh._FULL_FP32_ROWS

@@ -13,6 +13,7 @@ import torch
 from ferrobatch.attention import context, registry
 from ferrobatch.models import text_config
 from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.fp32_products import fp32_from_rows
 from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.patches import eval_mode
 
@@ -101,7 +102,7 @@ class PackedActivations:
             linears = PackedLinears.of(
                 self.model, activation_dtype=torch.float32, in_thread=in_fwd,
                 hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
-                amx=True,
+                amx=True, fp32_rows=fp32_from_rows(self.model.dtype),
             )
             if linears is not None and activations == "auto" and not self._widening_holds(
                 linears

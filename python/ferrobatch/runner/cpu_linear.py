@@ -112,9 +112,11 @@ class _Packed:
     """Packed weight (the stacked weights of a group) and bias in the weight dtype, derived
     again when a weight object or its version changes."""
 
-    __slots__ = ("layers", "key", "weight", "bias", "sizes", "amx", "wants_amx")
+    __slots__ = ("layers", "key", "weight", "bias", "sizes", "amx", "wants_amx", "wide",
+                 "wide_bias", "wants_wide")
 
-    def __init__(self, layers: list[torch.nn.Linear], amx: bool = False) -> None:
+    def __init__(self, layers: list[torch.nn.Linear], amx: bool = False,
+                 wide: bool = False) -> None:
         self.layers = layers
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight: torch.Tensor | None = None
@@ -123,6 +125,11 @@ class _Packed:
         self.wants_amx = amx
         #: the same weight packed for `amx_ops.linear` (fp32 outputs), when asked for
         self.amx: amx_ops.AmxWeight | None = None
+        self.wants_wide = wide
+        #: the weight widened to fp32 and packed for oneDNN's fp32 product (and the bias in
+        #: fp32), when asked for (`fp32_products`)
+        self.wide: torch.Tensor | None = None
+        self.wide_bias: torch.Tensor | None = None
 
     def refresh(self) -> None:
         key = _weights_key(self.layers)
@@ -140,7 +147,7 @@ class _Packed:
                     m.bias.detach().to(dtype) if m.bias is not None
                     else torch.zeros(m.out_features, dtype=dtype) for m in self.layers
                 ])
-            self.amx = None  # packed again when next asked for
+            self.amx = self.wide = self.wide_bias = None  # packed again when next asked for
         self.key = key
 
     def amx_weight(self) -> amx_ops.AmxWeight | None:
@@ -151,10 +158,21 @@ class _Packed:
             self.amx = amx_ops.pack(w, self.bias)
         return self.amx
 
+    def wide_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The fp32 packed weight and fp32 bias (on first use after each `refresh`), if
+        wanted."""
+        if self.wide is None and self.wants_wide:
+            with torch.no_grad():
+                w = torch.cat([m.weight.detach() for m in self.layers]).float()
+            self.wide = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+            self.wide_bias = None if self.bias is None else self.bias.float()
+        return None if self.wide is None else (self.wide, self.wide_bias)
+
     @property
     def nbytes(self) -> int:
         own = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
-        return own + (self.amx.nbytes if self.amx is not None else 0)
+        wide = 0 if self.wide is None else self.wide.numel() * 4
+        return own + wide + (self.amx.nbytes if self.amx is not None else 0)
 
 
 class _Group:
@@ -193,6 +211,7 @@ class PackedLinears:
         in_thread: Callable[[], bool],
         hidden_size: int | None = None,
         amx: bool = False,
+        fp32_rows: int | None = None,
     ) -> None:
         self.model = model
         self.hidden_size = hidden_size
@@ -201,6 +220,10 @@ class PackedLinears:
         #: every product also packed for `amx_ops` (`wide_product`: fp32 outputs)
         self.amx = (amx and self.weight_dtype == torch.bfloat16
                     and activation_dtype == torch.float32 and amx_ops.available())
+        #: from this many rows, products run on fp32 copies of the half-precision weights
+        #: (`fp32_products`; fp32 activations only; None: never)
+        self.fp32_rows = fp32_rows if (
+            activation_dtype == torch.float32 and self.weight_dtype in HALF_DTYPES) else None
         self._in_thread = in_thread
         self._active = False
         self._everywhere = False
@@ -232,6 +255,7 @@ class PackedLinears:
         in_thread: Callable[[], bool],
         hidden_size: int | None = None,
         amx: bool = False,
+        fp32_rows: int | None = None,
         dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no plain `nn.Linear` with a weight of one
@@ -241,7 +265,10 @@ class PackedLinears:
         calling thread is inside a ferrobatch forward. `hidden_size`: the width of the
         residual stream (which outputs are widened; None = every output). `amx`: with fp32
         activations over bf16 weights where `amx_ops` runs, also pack every product for
-        `wide_product` (fp32 outputs; the packed copies take twice the memory). `dtypes`:
+        `wide_product` (fp32 outputs; the packed copies take twice the memory).
+        `fp32_rows`: with fp32 activations over half-precision weights, products of that
+        many rows or more run on fp32 copies of the weights (`fp32_products`; the copies
+        take twice the weights' memory). `dtypes`:
         the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
         fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant)."""
         layers = [
@@ -253,7 +280,7 @@ class PackedLinears:
             return None
         if not packing_available(layers[0].weight.dtype):
             return None
-        copies = 2 if amx else 1
+        copies = (2 if amx else 1) + (2 if fp32_rows is not None else 0)
         need = copies * sum(m.weight.numel() * m.weight.element_size() for m in layers)
         available = psutil.virtual_memory().available
         if need > _MAX_AVAILABLE_SHARE * available:
@@ -262,7 +289,7 @@ class PackedLinears:
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size, amx)
+                   hidden_size, amx, fp32_rows)
 
     @property
     def widens(self) -> bool:
@@ -296,11 +323,28 @@ class PackedLinears:
         x = x if x.dtype == self.weight_dtype else x.to(self.weight_dtype)
         return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
+    def runs_fp32(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on the fp32 copies (`fp32_rows`)."""
+        return self.fp32_rows is not None and rows >= self.fp32_rows
+
+    def input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype `wide_product` computes a `rows`-row input in (one in another dtype is
+        converted first): fp32 on the fp32 copies, else the weight dtype."""
+        return torch.float32 if self.runs_fp32(rows) else self.weight_dtype
+
     def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a packed product in fp32 by `amx_ops` (`x` rounded to bf16,
-        the output not rounded) when `amx` and `amx_ops.takes` that many rows; else
-        `product` (in the weight dtype)."""
-        w = packed.amx_weight() if self.amx and amx_ops.takes(x.shape[0]) else None
+        """`x @ W.T + b` of a packed product: in fp32 on the fp32 copy of the weight when
+        `runs_fp32` that many rows; else in fp32 by `amx_ops` (`x` rounded to bf16, the
+        output not rounded) when `amx` and `amx_ops.takes` them; else `product` (in the
+        weight dtype)."""
+        rows = x.shape[0]
+        if self.runs_fp32(rows):
+            wide = packed.wide_weight()
+            if wide is not None:
+                return torch.ops.mkldnn._linear_pointwise(
+                    x if x.dtype == torch.float32 else x.float(), wide[0], wide[1], "none",
+                    [], "")
+        w = packed.amx_weight() if self.amx and amx_ops.takes(rows) else None
         if w is None:
             return self.product(packed, x)
         return amx_ops.linear(x, w)
@@ -311,7 +355,8 @@ class PackedLinears:
         self._forwards = [None] * len(self._layers)  # type: ignore[list-item]
         self._packs, self._groups = [], []
         for members in groups:
-            packed = _Packed([self._layers[i] for i in members], self.amx)
+            packed = _Packed([self._layers[i] for i in members], self.amx,
+                             wide=self.fp32_rows is not None)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)
@@ -381,8 +426,20 @@ class PackedLinears:
         writes_residual = alone and self.hidden_size in (None, module.out_features)
         adt = self.activation_dtype if writes_residual else wdt
 
+        fp32_rows = self.fp32_rows
+
         def widen(y: torch.Tensor) -> torch.Tensor:
             return y if y.dtype == adt else y.to(adt)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            # (the fp32 copy from `fp32_rows` rows; its output is rounded as the half one's)
+            if fp32_rows is not None and x.numel() >= fp32_rows * x.shape[-1]:
+                wide = packed.wide_weight()
+                if wide is not None:
+                    return linear(x if x.dtype == torch.float32 else x.float(), wide[0],
+                                  wide[1], "none", [], "")
+            return linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
+                          "none", [], "")
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not (in_thread() or self._everywhere):
@@ -393,15 +450,13 @@ class PackedLinears:
             if self._recording is not None:
                 self._recording.append((index, x))
             if alone:
-                return widen(linear(x if x.dtype == wdt else x.to(wdt), packed.weight,
-                                    packed.bias, "none", [], ""))
+                return widen(run(x))
             if pos:
                 part = group.take(x, pos)
                 if part is not None:
                     return part
                 return widen(own(module, x if x.dtype == wdt else x.to(wdt)))  # unpacked
-            y = linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
-                       "none", [], "")
+            y = run(x)
             parts = [widen(s) if s.dtype != adt else s if self.slice_views else s.contiguous()
                      for s in y.split(packed.sizes, dim=-1)]
             group.x, group.parts = x, parts

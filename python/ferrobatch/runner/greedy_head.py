@@ -33,6 +33,11 @@ smaller fp32 logit than the screened best, so the fp32 argmax is among the other
 screen leaves too many candidates, or anything is not finite, the next one is tried, and
 `argmax` returns None when none decides (the caller then computes the full fp32 logits).
 
+Where fp32 products of a half-precision weight's widened copy are faster than half-precision
+ones (`ferrobatch.runner.fp32_products`: Intel cores with AVX-512 BF16 but no AMX), calls of
+`_FULL_FP32_ROWS` rows or more skip the screens: the full fp32 logits on a packed fp32 copy
+of the weight, and their argmax, cost less than the bf16 screen there.
+
 The per-call host work is in Rust (`ferrobatch._core`): the rows' norms (`row_norms`), the
 selection over the screen's scores as they come, bf16 bits or int32 (`greedy_select`), and
 each row's best candidate (`greedy_pick`).
@@ -49,6 +54,7 @@ import psutil
 import torch
 
 from ferrobatch import _core, amx_ops
+from ferrobatch.runner.fp32_products import fp32_from_rows
 
 logger = logging.getLogger("ferrobatch")
 
@@ -61,6 +67,12 @@ _MAX_STAGE1 = 1024  # per row on average after the first (coarse) selection
 _INT8_TRIAL_CALLS = 16  # the int8 screen is judged after this many calls ...
 _INT8_MAX_MISS_SHARE = 0.25  # ... and dropped when it failed to decide more often than this
 _EXTRA_BYTES_PER_WEIGHT = 2 + 2 + 1 + 4 + 4  # see `GreedyHead.supported`
+#: from this many rows a half-precision head's argmax is that of its full fp32 logits, where
+#: fp32 products of the widened weight are faster than half-precision ones
+#: (`ferrobatch.runner.fp32_products`): on such a Xeon (1 thread, SmolLM2's head) the bf16
+#: screen took 2.7 / 12.6 / 46 ms at 1 / 16 / 64 rows, the fp32 product and argmax 7.7 /
+#: 15 / 35 ms
+_FULL_FP32_ROWS = 32
 _MAX_AVAILABLE_SHARE = 0.1
 
 _HAVE_INT_MM = hasattr(torch, "_int_mm")
@@ -116,6 +128,11 @@ class GreedyHead:
         self._w1max = 0.0
         self._w2max = 0.0
         self.int8 = _HAVE_INT_MM  # the int8 screen is on (dropped when it rarely decides)
+        #: from this many rows, the exact argmax of the fp32 product of the widened weight
+        #: (packed once in `_full`) instead of a screen; None: never
+        self.full_rows = _FULL_FP32_ROWS if weight.dtype in (torch.bfloat16, torch.float16) \
+            and fp32_from_rows(weight.dtype) is not None else None
+        self._full: torch.Tensor | None = None
         self._int8_calls = 0
         self._int8_misses = 0
 
@@ -133,7 +150,7 @@ class GreedyHead:
             and weight.shape[1] <= 4096
         ):
             return False
-        need = weight.numel() * _EXTRA_BYTES_PER_WEIGHT
+        need = weight.numel() * (_EXTRA_BYTES_PER_WEIGHT + 4)  # (+ `_full`, where used)
         available = psutil.virtual_memory().available
         if need > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: no greedy head screen (it needs %.0f MiB, more than %.0f%% "
@@ -151,6 +168,7 @@ class GreedyHead:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(
                     w.detach().bfloat16(), 64)
                 self._wide = amx_ops.pack(w.detach().bfloat16()) if self.wide else None
+                self._full = None  # packed again when next used
                 # fp32 norms rounded up (relative error <= K 2^-24 <= 2^-12)
                 self._w2 = wd.norm(dim=1).double().numpy() * (1 + 2.0**-10)
                 self._w1 = wd.abs().sum(dim=1).double().numpy() * (1 + 2.0**-10)
@@ -177,6 +195,14 @@ class GreedyHead:
             return None
         hidden = hidden.detach().contiguous()
         wide = hidden.float()  # exact widening (itself when fp32)
+        if self.full_rows is not None and n >= self.full_rows:
+            if self._full is None:
+                with torch.no_grad():
+                    self._full = torch.ops.mkldnn._reorder_linear_weight(
+                        self._weight.detach().float(), 64)
+            # (the first of equal maxima, as `argmax`; a NaN anywhere in a row is its max)
+            best, tokens = _mkldnn_linear(wide, self._full).max(dim=1)
+            return tokens if bool(torch.isfinite(best).all()) else None
         l2, l1, hmax = _core.row_norms(wide.numpy())  # f64 sums
         if not (np.isfinite(l1).all() and (hmax > 0).all()):
             return None  # non-finite, or an all-zero row (every logit ties)
@@ -245,12 +271,14 @@ class GreedyHead:
         the screen's parallel and serial parts, not work."""
         if not self.supported(self._weight):
             return False
-        threads = torch.get_num_threads()
+        threads, full_rows = torch.get_num_threads(), self.full_rows
         torch.set_num_threads(1)
+        self.full_rows = None  # (the screens are what is judged)
         try:
             return self._wins(rows, rounds)
         finally:
             torch.set_num_threads(threads)
+            self.full_rows = full_rows
 
     def _wins(self, rows: int, rounds: int) -> bool:
         gen = torch.Generator().manual_seed(0)

@@ -175,14 +175,14 @@ class LeanLayers:
         own = type(p.layer).forward
         layer = p.layer
         product = self._linears.wide_product
-        wdt, kv_dtype = self._linears.weight_dtype, self._kv_dtype
+        input_dtype, kv_dtype = self._linears.input_dtype, self._kv_dtype
         in_thread = self._in_thread
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
-            return _lean_forward(p, hidden_states, product, wdt, kv_dtype, kwargs,
+            return _lean_forward(p, hidden_states, product, input_dtype, kv_dtype, kwargs,
                                  self._rope_rows)
 
         return forward
@@ -201,14 +201,17 @@ class LeanLayers:
         return rows
 
 
-def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable, wdt: torch.dtype,
-                  kv_dtype: torch.dtype, kwargs: dict[str, Any],
+def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
+                  input_dtype: Callable[[int], torch.dtype], kv_dtype: torch.dtype,
+                  kwargs: dict[str, Any],
                   rope_rows: Callable[[torch.Tensor, torch.Tensor],
                                       tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One decoder layer on the fp32 residual stream `hidden_states` [1, T, H] (updated in
-    place and returned); `rope_rows(cos, sin)` gives the position embeddings' fp32 rows."""
+    place and returned); `input_dtype(tokens)` is the products' input dtype, `rope_rows(cos,
+    sin)` gives the position embeddings' fp32 rows."""
     x = hidden_states[0]
     tokens = x.shape[0]
+    wdt = input_dtype(tokens)
     norm_in, norm_post = p.norms
     h = torch.empty(x.shape, dtype=wdt)
     fused_ops.rms_norm(x, p.norm_weight(0), h, norm_in.variance_epsilon)

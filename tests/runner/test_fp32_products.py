@@ -1,0 +1,156 @@
+"""fp32 products of half-precision weights where they are faster (`ferrobatch.runner.
+fp32_products`): the probe's verdict, the packed linears' and lean layers' use of the fp32
+copies from `fp32_rows` rows (forced here, whatever this CPU's verdict), and bf16 quality
+with them under every scheduling mode."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models as tm
+import torch
+import torch.nn.functional as F
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, fused_ops
+from ferrobatch.runner import activations, fp32_products
+from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
+from ferrobatch.runner.model_runner import ModelRunner
+from ferrobatch.workloads import agreement
+from ref_planner import drive_runner
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linears")
+
+ROWS = 4  # forced threshold: the tests' steps have rows on both sides of it
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """fp32 products from `ROWS` rows, whatever this CPU's probe says."""
+    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: ROWS)
+
+
+@pytest.fixture
+def never(monkeypatch):
+    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: None)
+
+
+@pytest.mark.parametrize("gain,rows", [(2.0, fp32_products.FP32_ROWS), (1.1, None)])
+def test_the_probe_uses_fp32_only_where_it_is_clearly_faster(monkeypatch, gain, rows):
+    fp32_products.fp32_from_rows.cache_clear()
+    monkeypatch.setattr(fp32_products, "measure_gain", lambda dtype: gain)
+    try:
+        assert fp32_products.fp32_from_rows(torch.bfloat16) == rows
+    finally:
+        fp32_products.fp32_from_rows.cache_clear()
+
+
+def test_a_product_the_cpu_refuses_means_no_fp32_copies(monkeypatch):
+    def refuse(dtype):
+        raise RuntimeError("no fp16 product here\nmore")
+
+    fp32_products.fp32_from_rows.cache_clear()
+    monkeypatch.setattr(fp32_products, "measure_gain", refuse)
+    try:
+        assert fp32_products.fp32_from_rows(torch.float16) is None
+    finally:
+        fp32_products.fp32_from_rows.cache_clear()
+
+
+def test_the_measured_gain_is_a_positive_ratio():
+    gain = fp32_products.measure_gain(torch.bfloat16, rounds=1)
+    assert 0 < gain < 100
+
+
+def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced):
+    model = tm.llama().to(torch.bfloat16)
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    lin = runner._linears
+    assert lin is not None and lin.fp32_rows == ROWS
+    attn = model.model.layers[0].self_attn
+    packed = lin.packed_of([attn.q_proj, attn.k_proj, attn.v_proj])
+    assert packed is not None
+    w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
+    gen = torch.Generator().manual_seed(0)
+    for rows in (ROWS, 3 * ROWS + 1):
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        assert lin.input_dtype(rows) == torch.float32
+        got = lin.wide_product(packed, x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(ROWS - 1, w.shape[1], generator=gen)
+    assert lin.input_dtype(ROWS - 1) == torch.bfloat16
+    # below it: the half product (the input rounded to bf16), as without fp32 copies
+    torch.testing.assert_close(lin.wide_product(packed, x), F.linear(x.bfloat16().float(), w),
+                               rtol=2e-2, atol=2e-2)
+    assert packed.wide is not None and packed.nbytes >= 6 * w.numel()  # bf16 + fp32 copies
+    runner.close()
+    # no fp32 copies with model-dtype activations
+    assert PackedLinears.of(model, in_thread=lambda: True, fp32_rows=ROWS).fp32_rows is None
+
+
+def test_general_layers_keep_their_output_dtypes(forced):
+    """Layers that are not lean (Gemma2) on fp32 copies: the grouped outputs are rounded to
+    the weight dtype as the half products' are, and the logits match those without."""
+    model = tm.gemma2().to(torch.bfloat16)
+    prompts = tm.random_prompts(3, 6, 3, 12)
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    assert runner._linears is not None and runner._linears.fp32_rows == ROWS
+    assert runner._lean is None
+    got = drive_runner(runner, prompts, 4, forced=True)
+    runner.close()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(activations, "fp32_from_rows", lambda dtype: None)
+        plain = ModelRunner(model, num_blocks=64, page_size=4)
+        want = drive_runner(plain, prompts, 4, forced=True)
+        plain.close()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="no fused kernels in this build")
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_lean_layers_on_fp32_copies_compute_what_the_own_layers_compute(forced, name):
+    model = tm.BUILDERS[name]().to(torch.bfloat16)
+    prompts = tm.random_prompts(5, 6, 2, 30)
+    got = {}
+    for lean in (True, False):
+        runner = ModelRunner(model, num_blocks=128, page_size=4, lean_layers=lean)
+        assert (runner._lean is not None) == lean and runner._linears.fp32_rows == ROWS
+        got[lean] = drive_runner(runner, prompts, 6, forced=True)
+        runner.close()
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+SETUPS = {
+    "default": dict(),
+    "chunked": dict(max_batch_tokens=16),
+    "preempt": dict(num_blocks=24, page_size=4),
+    "offload": dict(num_blocks=24, page_size=4, cpu_offload_space=0.01),
+    "prefix": dict(),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_bf16_on_fp32_copies_is_at_least_as_close_to_fp32_as_without(forced, setup):
+    """bf16 engine outputs against the fp32 greedy reference with fp32 products from `ROWS`
+    rows: at least as close as with half products alone (both under the same batch)."""
+    fp32 = tm.llama(seed=3)
+    bf16 = tm.llama(seed=3).to(torch.bfloat16)
+    prompts = tm.random_prompts(11, 60, 4, 20)
+    if setup == "prefix":
+        prompts = [prompts[0][:12] + p for p in prompts]
+    new = 16
+    ref = [tm.generate_greedy(fp32, p, new, ignore_eos=True) for p in prompts]
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    scores = {}
+    for rows in (ROWS, None):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(activations, "fp32_from_rows", lambda dtype, rows=rows: rows)
+            with Engine(bf16, config=ContinuousBatchingConfig(**SETUPS[setup])) as engine:
+                assert engine.runner._linears.fp32_rows == rows
+                outs = engine.generate(prompts, sp, progress=False)
+                stats = engine.stats()
+        scores[rows] = agreement([o.token_ids for o in outs], ref)["tokens"]
+        if setup in ("preempt", "offload"):
+            assert stats["num_preemptions"] > 0, stats
+    assert scores[ROWS] >= scores[None] - 0.05, scores
