@@ -154,3 +154,23 @@ def test_bf16_on_fp32_copies_is_at_least_as_close_to_fp32_as_without(forced, set
         if setup in ("preempt", "offload"):
             assert stats["num_preemptions"] > 0, stats
     assert scores[ROWS] >= scores[None] - 0.05, scores
+
+
+def test_no_fp32_copies_where_they_would_not_fit(monkeypatch):
+    """Memory for the half-precision copies but not the fp32 ones: packed, without them."""
+    from types import SimpleNamespace
+
+    from ferrobatch.runner import cpu_linear
+
+    model = tm.llama().to(torch.bfloat16)
+    weights = sum(m.weight.numel() * 2 for m in model.modules()
+                  if type(m) is torch.nn.Linear)
+    share = cpu_linear._MAX_AVAILABLE_SHARE
+    monkeypatch.setattr(cpu_linear.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=int(3 * weights / share)))
+    kw = dict(activation_dtype=torch.float32, in_thread=lambda: True, amx=True, fp32_rows=ROWS)
+    lin = PackedLinears.of(model, **kw)
+    assert lin is not None and lin.fp32_rows is None
+    monkeypatch.setattr(cpu_linear.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=int(5 * weights / share)))
+    assert PackedLinears.of(model, **kw).fp32_rows == ROWS

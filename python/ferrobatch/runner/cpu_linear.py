@@ -280,9 +280,14 @@ class PackedLinears:
             return None
         if not packing_available(layers[0].weight.dtype):
             return None
-        copies = (2 if amx else 1) + (2 if fp32_rows is not None else 0)
-        need = copies * sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        weights = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        need = (2 if amx else 1) * weights
         available = psutil.virtual_memory().available
+        if fp32_rows is not None and need + 2 * weights > _MAX_AVAILABLE_SHARE * available:
+            logger.info("ferrobatch: no fp32 copies of the weights (%.0f MiB more, beyond %.0f%% "
+                        "of the %.0f MiB available)", 2 * weights / 2**20,
+                        100 * _MAX_AVAILABLE_SHARE, available / 2**20)
+            fp32_rows = None
         if need > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
                         "%.0f%% of the %.0f MiB available)", need / 2**20,
