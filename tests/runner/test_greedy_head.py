@@ -419,8 +419,8 @@ def test_half_rows_and_weight_give_the_argmax_of_their_widening(dtype: torch.dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch, dtype):
     """Where fp32 products win, calls of `full_rows` rows or more take the argmax of the
-    full fp32 product of the widened weight (first maximum; None when a row is not
-    finite); fewer rows are screened; `wins` judges the screens, not that path."""
+    full fp32 product of the widened weight (first maximum, NaN wins, as the full logits
+    would give); fewer rows are screened; `wins` judges the screens, not that path."""
     monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(3000, 96, generator=gen) * 0.1).to(dtype)
@@ -438,8 +438,8 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
     assert not screened
     assert head.argmax(torch.randn(head.full_rows - 1, 96)) is None and screened
     x = torch.randn(head.full_rows, 96)
-    x[3, 5] = float("nan")
-    assert head.argmax(x) is None
+    x[3, 5] = float("nan")  # as the full logits' argmax: NaN wins
+    assert torch.equal(head.argmax(x), (x @ w.float().t()).argmax(dim=1))
     tie = GreedyHead(torch.ones(50, 8, dtype=dtype))  # every logit equal: token 0
     tie.full_rows = 1
     assert torch.equal(tie.argmax(torch.randn(4, 8).abs()), torch.zeros(4, dtype=torch.int64))

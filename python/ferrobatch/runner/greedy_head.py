@@ -55,6 +55,7 @@ import torch
 
 from ferrobatch import _core, amx_ops
 from ferrobatch.runner.fp32_products import fp32_from_rows
+from ferrobatch.sampling.sampler import argmax_rows
 
 logger = logging.getLogger("ferrobatch")
 
@@ -200,9 +201,8 @@ class GreedyHead:
                 with torch.no_grad():
                     self._full = torch.ops.mkldnn._reorder_linear_weight(
                         self._weight.detach().float(), 64)
-            # (the first of equal maxima, as `argmax`; a NaN anywhere in a row is its max)
-            best, tokens = _mkldnn_linear(wide, self._full).max(dim=1)
-            return tokens if bool(torch.isfinite(best).all()) else None
+            # (what the caller's full logits would give: the first maximum, NaN wins)
+            return argmax_rows(_mkldnn_linear(wide, self._full))
         l2, l1, hmax = _core.row_norms(wide.numpy())  # f64 sums
         if not (np.isfinite(l1).all() and (hmax > 0).all()):
             return None  # non-finite, or an all-zero row (every logit ties)
