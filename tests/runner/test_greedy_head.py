@@ -446,4 +446,23 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
     monkeypatch.undo()
     monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
     judged = GreedyHead(w)
-    assert judged.wins(rows=64, rounds=1) and judged.full_rows == gh._FULL_FP32_ROWS
+    assert judged.wins(rows=64, rounds=1)
+    assert (judged.full_rows is None) == (judged._screen_share < 1.0)
+
+
+@pytest.mark.parametrize("screen_time,keeps_full", [(0.5, False), (2.0, True)])
+def test_wins_keeps_the_full_fp32_path_only_where_it_beats_the_screen(
+        monkeypatch, screen_time, keeps_full):
+    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
+    fulls = 2 if gh._HAVE_MKLDNN else 1  # `_wins` times the full heads first
+    calls = []
+
+    def fake_time(fn, rounds):
+        calls.append(fn())
+        return 1.0 if len(calls) <= fulls else screen_time
+
+    monkeypatch.setattr(gh, "_best_time", fake_time)
+    head = GreedyHead((torch.randn(3000, 96) * 0.1).bfloat16())
+    assert head.wins(rows=64, rounds=1)
+    assert (head.full_rows == gh._FULL_FP32_ROWS) == keeps_full
+    assert keeps_full or head.full_rows is None

@@ -134,6 +134,8 @@ class GreedyHead:
         self.full_rows = _FULL_FP32_ROWS if weight.dtype in (torch.bfloat16, torch.float16) \
             and fp32_from_rows(weight.dtype) is not None else None
         self._full: torch.Tensor | None = None
+        #: the chosen screen's time over the full fp32 head's, as `wins` measured it
+        self._screen_share = float("inf")
         self._int8_calls = 0
         self._int8_misses = 0
 
@@ -268,17 +270,19 @@ class GreedyHead:
         rows and takes at most 80% of the CPU time of the fastest fp32 head + argmax here;
         keeps the faster of the two configurations. False on any failure. Timed on one
         thread: with more, the CPU time counts what OpenMP workers spend spinning between
-        the screen's parallel and serial parts, not work."""
+        the screen's parallel and serial parts, not work. A half head's full fp32 path
+        (`full_rows`) is kept only where the chosen screen is slower than it at `rows`."""
         if not self.supported(self._weight):
             return False
         threads, full_rows = torch.get_num_threads(), self.full_rows
         torch.set_num_threads(1)
         self.full_rows = None  # (the screens are what is judged)
+        self._screen_share = float("inf")
         try:
             return self._wins(rows, rounds)
         finally:
             torch.set_num_threads(threads)
-            self.full_rows = full_rows
+            self.full_rows = full_rows if self._screen_share >= 1.0 else None
 
     def _wins(self, rows: int, rounds: int) -> bool:
         gen = torch.Generator().manual_seed(0)
@@ -313,6 +317,7 @@ class GreedyHead:
         self.int8 = min(timed, key=timed.__getitem__)
         if not self.int8:
             self._qweight = None
+        self._screen_share = timed[self.int8] / full
         if self._weight.dtype != torch.float32:
             return True  # exact fp32-accumulated argmax of a half head: worth it at any speed
         return timed[self.int8] <= 0.8 * full
