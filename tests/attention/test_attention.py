@@ -126,16 +126,3 @@ def test_mask_function_returns_none_only_inside_a_ferrobatch_forward():
     assert cfg._attn_implementation == "sdpa"
     again = create_causal_mask(**kwargs)
     assert torch.equal(again, ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_cache_storage_is_zero_contiguous_and_aligned(dtype):
-    """The CPU cache comes from zero pages mapped on first touch (not written at start-up):
-    still all zeros, contiguous, cache-line aligned, writable, and views that share it."""
-    cache = PagedKVCache(num_layers=3, num_blocks=50, page_size=4, num_kv_heads=2,
-                         head_dim=8, dtype=dtype)
-    s = cache.storage
-    assert s.dtype == dtype and s.is_contiguous() and s.data_ptr() % 64 == 0
-    assert s.shape == (3, 2, cache.num_slots, 2, 8) and not bool(s.any())
-    cache.keys[1][5].fill_(2.0)
-    assert float(s[1, 0, 5].sum()) == 2.0 * 16 and float(s.sum()) == 2.0 * 16

@@ -51,8 +51,8 @@ class PagedKVCache:
         self.dtype = dtype
         self.num_slots = self.num_chunks * page_size
         # [layer, k/v, slot, head, dim]: one allocation so a swap is one copy for all layers.
-        self.storage = _zeros(
-            (num_layers, 2, self.num_slots, num_kv_heads, head_dim), self.device, dtype
+        self.storage = torch.zeros(
+            num_layers, 2, self.num_slots, num_kv_heads, head_dim, device=self.device, dtype=dtype
         )
         self.keys: list[torch.Tensor] = [self.storage[i, 0] for i in range(num_layers)]
         self.values: list[torch.Tensor] = [self.storage[i, 1] for i in range(num_layers)]
@@ -235,18 +235,3 @@ def _pairs(pairs: np.ndarray | None) -> np.ndarray:
 def _check_range(values: np.ndarray, lo: int, hi: int, what: str) -> None:
     if values.min() < lo or values.max() >= hi:
         raise ValueError(f"{what} out of range [{lo}, {hi}): {values.tolist()}")
-
-
-def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor; on CPU from numpy's `calloc`, whose large blocks are fresh zero pages
-    the OS maps on first touch: a cache of several GiB costs nothing until its blocks are
-    used (`torch.zeros` writes every page at start-up: 5-7 s for 3.5 GiB on a 2-core VM)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, device=device, dtype=dtype)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN  # cache-line aligned, as torch's own allocations
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
-
-
-_ALIGN = 64
