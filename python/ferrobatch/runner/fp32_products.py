@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ferrobatch import amx_ops
+from ferrobatch.runner.cpu_linear import packing_available
 
 logger = logging.getLogger("ferrobatch")
 
@@ -46,6 +47,8 @@ def fp32_from_rows(dtype: torch.dtype) -> int | None:
     """From how many rows a `dtype` (bf16 / fp16) weight's product is faster as the fp32
     product of its widened copy here (`FP32_ROWS`), or None (not clearly faster, or
     oneDNN's packed products don't run here). Measured once per process and dtype."""
+    if not (packing_available(dtype) and packing_available(torch.float32)):
+        return None
     try:
         gain = measure_gain(dtype)
     except RuntimeError as exc:  # a product this build or CPU doesn't run
