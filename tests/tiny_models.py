@@ -136,6 +136,31 @@ def random_prompts(seed: int, n: int, lo: int, hi: int, vocab: int = VOCAB) -> l
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+#: engine configurations (`ContinuousBatchingConfig` fields) that exercise each scheduling
+#: mode: chunked prefill, preemption, CPU offload, shared prompt prefixes
+SCHEDULING_SETUPS: dict[str, dict[str, Any]] = {
+    "default": dict(),
+    "chunked": dict(max_batch_tokens=16),
+    "preempt": dict(num_blocks=24, page_size=4),
+    "offload": dict(num_blocks=24, page_size=4, cpu_offload_space=0.01),
+    "prefix": dict(),
+}
+
+
+def bf16_quality_case(setup: str, new: int = 16
+                      ) -> tuple[PreTrainedModel, list[list[int]], list[list[int]]]:
+    """A bf16 tiny Llama, prompts for scheduling `setup` (enough requests that one near-tie
+    is not the verdict; "prefix": all sharing 12 tokens) and the fp32 model's greedy
+    `new`-token references for them."""
+    fp32 = llama(seed=3)
+    bf16 = llama(seed=3).to(torch.bfloat16)
+    prompts = random_prompts(11, 60, 4, 20)
+    if setup == "prefix":
+        prompts = [prompts[0][:12] + p for p in prompts]
+    ref = [generate_greedy(fp32, p, new, ignore_eos=True) for p in prompts]
+    return bf16, prompts, ref
+
+
 def mixed_prompts(seed: int, n: int = 7, shared_prefix: int = 0) -> tuple[tuple[int, ...], ...]:
     """Mixed lengths (1 .. 57 tokens), or `shared_prefix` tokens in common and 1 .. 20 more."""
     rng = random.Random(seed)

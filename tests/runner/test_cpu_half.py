@@ -149,30 +149,16 @@ def _generate_each(model, prompts, new):
     return [tm.generate_greedy(model, p, new, ignore_eos=True) for p in prompts]
 
 
-SETUPS = {
-    "default": dict(),
-    "chunked": dict(max_batch_tokens=16),
-    "preempt": dict(num_blocks=24, page_size=4),
-    "offload": dict(num_blocks=24, page_size=4, cpu_offload_space=0.01),
-    "prefix": dict(),
-}
-
-
-@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("setup", list(tm.SCHEDULING_SETUPS))
 def test_bf16_engine_is_at_least_as_close_to_fp32_as_bf16_generate(setup):
     """bf16 outputs against the fp32 greedy reference: the batch (chunking, preemption,
     offload, shared prefixes) must not make them worse than the model's own bf16
     `generate` on each prompt alone."""
-    fp32 = tm.llama(seed=3)
-    bf16 = tm.llama(seed=3).to(torch.bfloat16)
-    # enough requests that one near-tie is not the verdict
-    prompts = tm.random_prompts(11, 60, 4, 20)
-    if setup == "prefix":
-        prompts = [prompts[0][:12] + p for p in prompts]
     new = 16
-    ref = _generate_each(fp32, prompts, new)
+    bf16, prompts, ref = tm.bf16_quality_case(setup, new)
     own = agreement(_generate_each(bf16, prompts, new), ref)
-    with Engine(bf16, config=ContinuousBatchingConfig(**SETUPS[setup])) as engine:
+    cfg = ContinuousBatchingConfig(**tm.SCHEDULING_SETUPS[setup])
+    with Engine(bf16, config=cfg) as engine:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True),
                                progress=False)
         stats = engine.stats()

@@ -121,32 +121,19 @@ def test_lean_layers_on_fp32_copies_compute_what_the_own_layers_compute(forced, 
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
-SETUPS = {
-    "default": dict(),
-    "chunked": dict(max_batch_tokens=16),
-    "preempt": dict(num_blocks=24, page_size=4),
-    "offload": dict(num_blocks=24, page_size=4, cpu_offload_space=0.01),
-    "prefix": dict(),
-}
-
-
-@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("setup", list(tm.SCHEDULING_SETUPS))
 def test_bf16_on_fp32_copies_is_at_least_as_close_to_fp32_as_without(forced, setup):
     """bf16 engine outputs against the fp32 greedy reference with fp32 products from `ROWS`
     rows: at least as close as with half products alone (both under the same batch)."""
-    fp32 = tm.llama(seed=3)
-    bf16 = tm.llama(seed=3).to(torch.bfloat16)
-    prompts = tm.random_prompts(11, 60, 4, 20)
-    if setup == "prefix":
-        prompts = [prompts[0][:12] + p for p in prompts]
     new = 16
-    ref = [tm.generate_greedy(fp32, p, new, ignore_eos=True) for p in prompts]
+    bf16, prompts, ref = tm.bf16_quality_case(setup, new)
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    cfg = ContinuousBatchingConfig(**tm.SCHEDULING_SETUPS[setup])
     scores = {}
     for rows in (ROWS, None):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(activations, "fp32_from_rows", lambda dtype, rows=rows: rows)
-            with Engine(bf16, config=ContinuousBatchingConfig(**SETUPS[setup])) as engine:
+            with Engine(bf16, config=cfg) as engine:
                 assert engine.runner._linears.fp32_rows == rows
                 outs = engine.generate(prompts, sp, progress=False)
                 stats = engine.stats()
