@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -158,15 +159,19 @@ class _Packed:
             self.amx = amx_ops.pack(w, self.bias)
         return self.amx
 
-    def wide_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The fp32 packed weight and fp32 bias (on first use after each `refresh`), if
-        wanted."""
-        if self.wide is None and self.wants_wide:
+    def fp32_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`x @ W.T + b` in fp32 on the fp32 copy of the weight (packed on first use after
+        each `refresh`; `x` widened to fp32), or None when that copy is not wanted."""
+        if not self.wants_wide:
+            return None
+        if self.wide is None:
             with torch.no_grad():
                 w = torch.cat([m.weight.detach() for m in self.layers]).float()
             self.wide = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
             self.wide_bias = None if self.bias is None else self.bias.float()
-        return None if self.wide is None else (self.wide, self.wide_bias)
+        return torch.ops.mkldnn._linear_pointwise(
+            x if x.dtype == torch.float32 else x.float(), self.wide, self.wide_bias, "none",
+            [], "")
 
     @property
     def nbytes(self) -> int:
@@ -343,12 +348,9 @@ class PackedLinears:
         output not rounded) when `amx` and `amx_ops.takes` them; else `product` (in the
         weight dtype)."""
         rows = x.shape[0]
-        if self.runs_fp32(rows):
-            wide = packed.wide_weight()
-            if wide is not None:
-                return torch.ops.mkldnn._linear_pointwise(
-                    x if x.dtype == torch.float32 else x.float(), wide[0], wide[1], "none",
-                    [], "")
+        y = packed.fp32_product(x) if self.runs_fp32(rows) else None
+        if y is not None:
+            return y
         w = packed.amx_weight() if self.amx and amx_ops.takes(rows) else None
         if w is None:
             return self.product(packed, x)
@@ -431,18 +433,14 @@ class PackedLinears:
         writes_residual = alone and self.hidden_size in (None, module.out_features)
         adt = self.activation_dtype if writes_residual else wdt
 
-        fp32_rows = self.fp32_rows
-
         def widen(y: torch.Tensor) -> torch.Tensor:
             return y if y.dtype == adt else y.to(adt)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             # (the fp32 copy from `fp32_rows` rows; its output is rounded as the half one's)
-            if fp32_rows is not None and x.numel() >= fp32_rows * x.shape[-1]:
-                wide = packed.wide_weight()
-                if wide is not None:
-                    return linear(x if x.dtype == torch.float32 else x.float(), wide[0],
-                                  wide[1], "none", [], "")
+            y = packed.fp32_product(x) if self.runs_fp32(math.prod(x.shape[:-1])) else None
+            if y is not None:
+                return y
             return linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
                           "none", [], "")
 
