@@ -5,7 +5,7 @@ A bf16 product is not faster than an fp32 one everywhere. With AMX tiles, or on 
 On Intel cores that expose AVX-512 BF16 but not AMX (Sapphire / Emerald Rapids under a
 hypervisor that hides the tiles, Cooper Lake), `vdpbf16ps` runs at about half the rate of
 two fp32 FMA ports: measured on such a Xeon (1 thread, SmolLM2-135M's product shapes), the
-fp32 product of the widened weight took 0.51-0.56x the time of the bf16 one (ferrobatch's
+fp32 product of the widened weight took 0.51-0.58x the time of the bf16 one (ferrobatch's
 AVX-512 BF16 kernel or oneDNN's, the two within 5%) from 64 rows on and 0.56-0.75x at 16
 rows, while at 1-4 rows, where reading the weight is the cost, the bf16 product (half the
 bytes) took 0.3-0.6x the fp32 one's time (`benches/amx_linear.py --fp32`).
