@@ -39,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ferrobatch import fused_ops
 from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_attention
+from ferrobatch.runner import fused_layer
 from ferrobatch.runner.cpu_linear import PackedLinears
 
 logger = logging.getLogger("ferrobatch")
@@ -73,6 +74,8 @@ class _Layer:
         #: per norm, (its weight, that weight detached): the kernels' view of a detached
         #: tensor is cheaper than of a parameter; again when the weight object is replaced
         self._norm_weights: list[tuple[Any, Any]] = [(None, None), (None, None)]
+        #: the whole layer in one call, where the build has it (`fused_layer`)
+        self.fused = fused_layer.FusedLayer(self) if fused_layer.available() else None
 
     def norm_weight(self, i: int) -> torch.Tensor:
         """The weight of norm `i` (0: input, 1: post-attention), detached."""
@@ -126,6 +129,9 @@ class LeanLayers:
         #: fp32 contiguous rows: every layer of a forward gets the same two tensors
         #: (replaced as one tuple, so a reader never sees half of an update)
         self._rope: tuple[Any, ...] = (None, None, None, None, None)
+        #: whether layers may run in one `fused_layer` call (off: always the lean forward
+        #: below; tests compare the two)
+        self.fused_enabled = True
         self._forwards = [self._forward_of(p) for p in layers]
 
     @classmethod
@@ -174,6 +180,7 @@ class LeanLayers:
     def _forward_of(self, p: _Layer) -> Callable[..., torch.Tensor]:
         own = type(p.layer).forward
         layer = p.layer
+        linears = self._linears
         product = self._linears.wide_product
         input_dtype, kv_dtype = self._linears.input_dtype, self._kv_dtype
         in_thread = self._in_thread
@@ -182,6 +189,11 @@ class LeanLayers:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
+            if p.fused is not None and self.fused_enabled \
+                    and fused_layer.takes(linears, hidden_states.shape[1]):
+                cos, sin = self._rope_rows(*kwargs["position_embeddings"])
+                if p.fused.forward(hidden_states[0], kwargs.get(context.STEP_KWARG), cos, sin):
+                    return hidden_states
             return _lean_forward(p, hidden_states, product, input_dtype, kv_dtype, kwargs,
                                  self._rope_rows)
 

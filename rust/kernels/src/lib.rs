@@ -8,6 +8,8 @@
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
 //!   the residual add, SiLU * up, rotary embeddings, rows written at cache slots);
+//! * [`layer`]: a whole Llama-style decoder layer of decode rows in one call (the parts
+//!   above, in the Python lean layer's order and roundings);
 //! * [`select`]: the greedy head's candidate selection over screened scores (exact bounds),
 //!   the per-row best candidate and the rows' norms;
 //! * [`parallel`]: where the pieces of a call run (scoped threads, or a pool the host
@@ -17,6 +19,7 @@ pub mod amx;
 pub mod decode;
 pub mod dpbf16;
 pub mod fused;
+pub mod layer;
 pub mod parallel;
 pub mod select;
 

@@ -28,6 +28,7 @@ mod convert;
 mod errors;
 mod fused;
 mod kernels;
+mod layer;
 mod openmp;
 mod output;
 mod plan;
@@ -57,6 +58,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(amx::amx_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_pack, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_linear, m)?)?;
+    m.add_class::<layer::LeanLayer>()?;
     m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_pick, m)?)?;

@@ -1,0 +1,117 @@
+"""A lean decoder layer in one call of `ferrobatch._core.LeanLayer` where a step allows it.
+
+At decode batch sizes a lean layer's four products and five fused kernels take a few
+hundred microseconds of compute each step, and the Python between them (tensor
+allocations, numpy views, argument parsing of ten calls) as much again. `FusedLayer` runs
+the same kernels in the same order with the same roundings inside one Rust call, so its
+results are bit-equal to `lean_layers._lean_forward`'s (tested). It applies when:
+
+* every product goes to `amx_ops` (bf16 weights, `PackedLinears.amx`, at most `MAX_ROWS`
+  rows and `amx_ops.takes` them, no fp32 copies at that size);
+* the layer has no per-head q/k norms (Qwen3's run as the model's own modules);
+* every row of the step goes to the CPU decode kernel (`kernel_only_attention`'s case:
+  decode rows and short prompt rows, no SDPA rows, no gathered prompt keys).
+
+Otherwise the lean layer runs as before. `MAX_ROWS` keeps the scratch the Rust side keeps
+per thread small (a few MiB); above it the Python between the kernels costs under 5%.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ferrobatch import amx_ops
+from ferrobatch.attention import context, kernels
+from ferrobatch.attention.paged_step import PagedStep
+
+__all__ = ["MAX_ROWS", "FusedLayer", "available", "takes"]
+
+#: most rows a step may have for the one-call layer
+MAX_ROWS = 256
+
+
+def available() -> bool:
+    """Whether this build of `ferrobatch._core` has `LeanLayer` and its products run here."""
+    from ferrobatch import _core
+
+    return hasattr(_core, "LeanLayer") and amx_ops.available()
+
+
+class FusedLayer:
+    """The one-call forward of one lean layer's parts (`lean_layers._Layer`), made on first
+    use and again whenever a packed weight or norm weight object changes."""
+
+    def __init__(self, part: Any) -> None:
+        self._part = part
+        self._made: tuple[Any, ...] = ()
+        self._layer: Any = None
+
+    def _lean_layer(self) -> Any:
+        """The `_core.LeanLayer` of the current weights, or None (a product not packed for
+        `amx_ops`, or norm weights in a dtype the kernels lack)."""
+        p = self._part
+        packed = tuple(x.amx_weight() for x in (p.qkv, p.o, p.gate_up, p.down))
+        norms = (p.norm_weight(0), p.norm_weight(1))
+        made = (*packed, *norms)
+        if len(made) == len(self._made) and all(a is b for a, b in zip(made, self._made,
+                                                                        strict=True)):
+            return self._layer
+        self._made, self._layer = made, None
+        if any(w is None for w in packed) or norms[0].dtype != norms[1].dtype \
+                or norms[0].dtype not in kernels.KERNEL_DTYPES:
+            return None
+        from ferrobatch import _core
+
+        qkv, o, gate_up, down = packed
+        self._layer = _core.LeanLayer(
+            input_norm=kernels.numpy_view(norms[0]), post_norm=kernels.numpy_view(norms[1]),
+            norm_dtype=kernels.KERNEL_DTYPES[norms[0].dtype],
+            input_eps=float(p.norms[0].variance_epsilon),
+            post_eps=float(p.norms[1].variance_epsilon),
+            qkv=kernels.numpy_view(qkv.packed), o=kernels.numpy_view(o.packed),
+            gate_up=kernels.numpy_view(gate_up.packed), down=kernels.numpy_view(down.packed),
+            hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter, qkv_bias=_bias(qkv), o_bias=_bias(o),
+            gate_up_bias=_bias(gate_up), down_bias=_bias(down))
+        return self._layer
+
+    def forward(self, x: torch.Tensor, step: Any, cos: torch.Tensor,
+                sin: torch.Tensor) -> bool:
+        """The layer on the fp32 residual rows `x` [T, H] (updated in place) if the step
+        and the weights allow the one call (see the module docstring); False, with nothing
+        done, if not."""
+        p = self._part
+        if not isinstance(step, PagedStep) or p.q_norm is not None or p.k_norm is not None \
+                or p.attn.config._attn_implementation != context.ATTENTION_NAME:
+            return False
+        layer_idx = p.attn.layer_idx
+        group = step.groups[layer_idx]
+        kd = group.kernel_decode
+        if kd is None or kd.tokens is not None or group.decode or group.prefill \
+                or group.prefill_cached_slots is not None:
+            return False
+        k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
+        if k_cache.dtype not in kernels.KERNEL_DTYPES or k_cache.device.type != "cpu":
+            return False
+        layer = self._lean_layer()
+        if layer is None:
+            return False
+        step.calls += 1
+        layer.forward(
+            x.numpy(), kernels.numpy_view(k_cache), kernels.numpy_view(v_cache), cos.numpy(),
+            sin.numpy(), group.slot_mapping.numpy(), kd.block_tables, kd.seqlens,
+            cache_dtype=kernels.KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
+            window=kd.window, scale=float(p.attn.scaling), threads=torch.get_num_threads())
+        return True
+
+
+def takes(linears: Any, tokens: int) -> bool:
+    """Whether a `tokens`-row step may run the one-call layer with these packed linears
+    (`PackedLinears`): every product on `amx_ops`, in bf16."""
+    return (tokens <= MAX_ROWS and bool(linears.amx) and not linears.runs_fp32(tokens)
+            and amx_ops.takes(tokens))
+
+
+def _bias(w: amx_ops.AmxWeight) -> Any:
+    return None if w.bias is None else w.bias.numpy()

@@ -1,0 +1,404 @@
+//! A whole Llama-style decoder layer in one call, for a step whose every row goes to the
+//! decode kernel: the same kernels, in the same order and with the same roundings, as the
+//! lean layer the Python runner otherwise strings together one call at a time
+//! (`ferrobatch.runner.lean_layers`), so the two give bit-equal results:
+//!
+//! ```text
+//! h   = bf16(rms_norm(x) * w_in)                      (fused::rms_norm)
+//! qkv = h @ [Wq | Wk | Wv].T + b                       (amx::linear, f32)
+//! q   = rope(qkv[:, q]) (f32);  k = cache(rope(qkv[:, k]))
+//! cache[slots] = k, cache(qkv[:, v])                  (fused::write_rows)
+//! att = cache(attention(q, cache))                     (decode::paged_decode_attention)
+//! x  += att @ Wo.T + b;  h = bf16(rms_norm(x) * w_post)
+//! a   = bf16(silu(gate) * up) of h @ [Wg | Wu].T       (amx::linear, fused::silu_mul)
+//! x  += a @ Wd.T + b                                   (f32 adds)
+//! ```
+//!
+//! `cache(.)` rounds to the KV cache's type. Each part splits over threads exactly when the
+//! Python layer's call of it would (the same element thresholds), which changes no result.
+//! The intermediate buffers are per-thread scratch reused from call to call (a fresh
+//! allocation of a few MiB costs its page faults at every decode step).
+
+use std::cell::RefCell;
+
+use crate::amx::{self, LinearArgs};
+use crate::fused::{self, ArgError, NormInput, RmsNorm, Rope, WriteRows};
+use crate::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
+
+/// One packed product of the layer: [`amx::pack`]ed `W` [n, k] and its f32 bias [n].
+#[derive(Clone, Copy, Debug)]
+pub struct Product<'a> {
+    pub packed: &'a [u16],
+    pub bias: Option<&'a [f32]>,
+    /// output columns
+    pub n: usize,
+}
+
+/// The layer's weights and shapes.
+#[derive(Clone, Copy, Debug)]
+pub struct Weights<'a> {
+    /// `[hidden]` each
+    pub input_norm: Elems<'a>,
+    pub post_norm: Elems<'a>,
+    pub input_eps: f32,
+    pub post_eps: f32,
+    /// `[heads * dim + 2 * kv_heads * dim, hidden]`: q, k, v stacked
+    pub qkv: Product<'a>,
+    /// `[hidden, heads * dim]`
+    pub o: Product<'a>,
+    /// `[2 * inter, hidden]`: gate, up stacked
+    pub gate_up: Product<'a>,
+    /// `[hidden, inter]`
+    pub down: Product<'a>,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    pub inter: usize,
+}
+
+/// What the step gives every layer: positions, cache slots and the decode kernel's rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Step<'a> {
+    /// `[rows, dim]` f32 rotary embedding of each row's position
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// `[rows]` cache slot of each row's new key and value
+    pub slots: &'a [i64],
+    /// `[rows, width]` chunk ids, as [`DecodeArgs`] has them
+    pub block_tables: &'a [i32],
+    pub seqlens: &'a [i32],
+    pub width: usize,
+    pub page: usize,
+    pub window: Window,
+    /// multiplies every attention score
+    pub scale: f32,
+    /// threads each part may split over (torch's thread count)
+    pub threads: usize,
+}
+
+/// Elementwise parts split from this many elements on (the Python layer's threshold).
+const SPLIT_ELEMS: usize = 1 << 16;
+/// Products split from this many multiply-adds on (`amx_ops.linear`'s threshold).
+const SPLIT_MACS: usize = 1 << 20;
+
+/// The intermediate buffers of one call.
+#[derive(Default)]
+struct Scratch {
+    h: Vec<u16>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<u16>,
+    k32: Vec<f32>,
+    att: Vec<u16>,
+    att32: Vec<f32>,
+    out: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<u16>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `v[..n]`, grown (never shrunk) to at least `n` elements.
+fn take<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+    &mut v[..n]
+}
+
+/// One decoder layer on the f32 residual stream `x` [rows, hidden] (updated in place), the
+/// new keys and values written to `k_cache` / `v_cache` ([slots, kv_heads, dim], one type),
+/// every row attended by the decode kernel. Checks every shape before anything is written;
+/// an error names the argument at fault (the Python binding's spelling).
+pub fn decoder_layer(
+    w: &Weights<'_>,
+    s: &Step<'_>,
+    x: &mut [f32],
+    k_cache: ElemsMut<'_>,
+    v_cache: ElemsMut<'_>,
+) -> Result<(), ArgError> {
+    let rows = s.slots.len();
+    let (nq, nk) = (w.heads * w.dim, w.kv_heads * w.dim);
+    let width = nq + 2 * nk;
+    validate(w, s, x.len(), rows, width)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    SCRATCH.with(|cell| {
+        let mut guard = cell.borrow_mut();
+        let sc = &mut *guard;
+        let hidden = w.hidden;
+        let elems = |n: usize| if n >= SPLIT_ELEMS { s.threads } else { 1 };
+        let h = take(&mut sc.h, rows * hidden);
+        let norm = |weight, eps| RmsNorm {
+            weight,
+            rows,
+            hidden,
+            eps,
+            weight_offset: 0.0,
+            threads: elems(rows * hidden),
+        };
+        fused::rms_norm(
+            &norm(w.input_norm, w.input_eps),
+            NormInput::Plain(Elems::F32(&*x)),
+            ElemsMut::Bf16(&mut *h),
+        )?;
+        let qkv = take(&mut sc.qkv, rows * width);
+        product(&w.qkv, Elems::Bf16(&*h), rows, hidden, qkv, s.threads)?;
+        let q = take(&mut sc.q, rows * nq);
+        let rope = |col_offset, heads| Rope {
+            src: Elems::F32(qkv),
+            cos: s.cos,
+            sin: s.sin,
+            rows,
+            src_width: width,
+            col_offset,
+            heads,
+            dim: w.dim,
+            threads: elems(rows * heads * w.dim),
+        };
+        fused::rope(&rope(0, w.heads), ElemsMut::F32(&mut *q))?;
+        // the rotated keys in the cache's type, then both rows at their slots
+        let (k_rot, mut k_cache, mut v_cache): (Elems<'_>, _, _) = match (k_cache, v_cache) {
+            (ElemsMut::F32(kc), ElemsMut::F32(vc)) => {
+                let k = take(&mut sc.k32, rows * nk);
+                fused::rope(&rope(nq, w.kv_heads), ElemsMut::F32(&mut *k))?;
+                (Elems::F32(&*k), ElemsMut::F32(kc), ElemsMut::F32(vc))
+            }
+            (ElemsMut::Bf16(kc), ElemsMut::Bf16(vc)) => {
+                let k = take(&mut sc.k, rows * nk);
+                fused::rope(&rope(nq, w.kv_heads), ElemsMut::Bf16(&mut *k))?;
+                (Elems::Bf16(&*k), ElemsMut::Bf16(kc), ElemsMut::Bf16(vc))
+            }
+            (ElemsMut::F16(kc), ElemsMut::F16(vc)) => {
+                let k = take(&mut sc.k, rows * nk);
+                fused::rope(&rope(nq, w.kv_heads), ElemsMut::F16(&mut *k))?;
+                (Elems::F16(&*k), ElemsMut::F16(kc), ElemsMut::F16(vc))
+            }
+            _ => return fused_err("v_cache", "v_cache must have k_cache's type".into()),
+        };
+        let write = |src, src_width, col_offset| WriteRows {
+            src,
+            src_width,
+            col_offset,
+            width: nk,
+            slots: s.slots,
+        };
+        fused::write_rows(&write(k_rot, nk, 0), reborrow(&mut k_cache))?;
+        fused::write_rows(
+            &write(Elems::F32(&*qkv), width, nq + nk),
+            reborrow(&mut v_cache),
+        )?;
+        let decode = DecodeArgs {
+            q: Elems::F32(&*q),
+            k_cache: frozen(&k_cache),
+            v_cache: frozen(&v_cache),
+            block_tables: s.block_tables,
+            seqlens: s.seqlens,
+            heads: w.heads,
+            kv_heads: w.kv_heads,
+            dim: w.dim,
+            page: s.page,
+            width: s.width,
+            window: s.window,
+            scale: s.scale,
+            softcap: None,
+            threads: s.threads,
+        };
+        // the attention output in the cache's type (the Python layer's `out_dtype`), then
+        // as the o product's input: bf16 or f32 as they are, f16 widened (exact) to f32
+        let attend = |out: ElemsMut<'_>| {
+            paged_decode_attention(&decode, out).map_err(|e| ArgError {
+                field: "block_tables",
+                message: e.0,
+            })
+        };
+        let att: Elems<'_> = match frozen(&k_cache) {
+            Elems::F32(_) => {
+                let a = take(&mut sc.att32, rows * nq);
+                attend(ElemsMut::F32(&mut *a))?;
+                Elems::F32(&*a)
+            }
+            Elems::Bf16(_) => {
+                let a = take(&mut sc.att, rows * nq);
+                attend(ElemsMut::Bf16(&mut *a))?;
+                Elems::Bf16(&*a)
+            }
+            Elems::F16(_) => {
+                let a = take(&mut sc.att, rows * nq);
+                attend(ElemsMut::F16(&mut *a))?;
+                let wide = take(&mut sc.att32, rows * nq);
+                for (o, &b) in wide.iter_mut().zip(a.iter()) {
+                    *o = half::f16::from_bits(b).to_f32();
+                }
+                Elems::F32(&*wide)
+            }
+        };
+        let out = take(&mut sc.out, rows * hidden);
+        product(&w.o, att, rows, nq, &mut *out, s.threads)?;
+        fused::rms_norm(
+            &norm(w.post_norm, w.post_eps),
+            NormInput::AddResidual {
+                x: &mut *x,
+                residual: Elems::F32(&*out),
+            },
+            ElemsMut::Bf16(&mut *h),
+        )?;
+        let gate_up = take(&mut sc.gate_up, rows * 2 * w.inter);
+        product(
+            &w.gate_up,
+            Elems::Bf16(&*h),
+            rows,
+            hidden,
+            &mut *gate_up,
+            s.threads,
+        )?;
+        let act = take(&mut sc.act, rows * w.inter);
+        fused::silu_mul(
+            Elems::F32(&*gate_up),
+            ElemsMut::Bf16(&mut *act),
+            rows,
+            w.inter,
+            elems(rows * w.inter),
+        )?;
+        product(
+            &w.down,
+            Elems::Bf16(&*act),
+            rows,
+            w.inter,
+            &mut *out,
+            s.threads,
+        )?;
+        for (x, d) in x.iter_mut().zip(out.iter()) {
+            *x += *d;
+        }
+        Ok(())
+    })
+}
+
+/// `out = x @ W.T + b` [rows, p.n] of one packed product with `k` inputs.
+fn product(
+    p: &Product<'_>,
+    x: Elems<'_>,
+    rows: usize,
+    k: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), ArgError> {
+    let macs = rows.saturating_mul(p.n).saturating_mul(k);
+    let args = LinearArgs {
+        m: rows,
+        n: p.n,
+        k,
+        threads: if macs >= SPLIT_MACS { threads } else { 1 },
+    };
+    amx::linear(&args, x, p.packed, p.bias, out)
+}
+
+fn reborrow<'b>(e: &'b mut ElemsMut<'_>) -> ElemsMut<'b> {
+    match e {
+        ElemsMut::F32(s) => ElemsMut::F32(s),
+        ElemsMut::Bf16(s) => ElemsMut::Bf16(s),
+        ElemsMut::F16(s) => ElemsMut::F16(s),
+    }
+}
+
+fn frozen<'b>(e: &'b ElemsMut<'_>) -> Elems<'b> {
+    match e {
+        ElemsMut::F32(s) => Elems::F32(s),
+        ElemsMut::Bf16(s) => Elems::Bf16(s),
+        ElemsMut::F16(s) => Elems::F16(s),
+    }
+}
+
+fn fused_err<T>(field: &'static str, message: String) -> Result<T, ArgError> {
+    Err(ArgError { field, message })
+}
+
+/// The shapes the parts do not check themselves (the rest they check before writing:
+/// the norms and q/k/v product run before the first cache write, and the cache writes
+/// check every slot before writing any).
+fn validate(
+    w: &Weights<'_>,
+    s: &Step<'_>,
+    x_len: usize,
+    rows: usize,
+    width: usize,
+) -> Result<(), ArgError> {
+    if w.dim == 0 || w.heads == 0 || w.kv_heads == 0 || w.hidden == 0 || w.inter == 0 {
+        return fused_err(
+            "dims",
+            format!(
+                "hidden, heads, kv_heads, dim and inter must be >= 1, not {}, {}, {}, {}, {}",
+                w.hidden, w.heads, w.kv_heads, w.dim, w.inter
+            ),
+        );
+    }
+    if x_len != rows * w.hidden {
+        return fused_err(
+            "x",
+            format!(
+                "x has {x_len} elements, not rows * hidden = {} * {}",
+                rows, w.hidden
+            ),
+        );
+    }
+    let outs = [
+        ("qkv", w.qkv.n, width),
+        ("o", w.o.n, w.hidden),
+        ("gate_up", w.gate_up.n, 2 * w.inter),
+        ("down", w.down.n, w.hidden),
+    ];
+    for (field, got, want) in outs {
+        if got != want {
+            return fused_err(
+                field,
+                format!("{field} has {got} output columns, expected {want}"),
+            );
+        }
+    }
+    if s.seqlens.len() != rows {
+        return fused_err(
+            "seqlens",
+            format!(
+                "seqlens has {} rows, the step {rows} (every row goes to the decode kernel)",
+                s.seqlens.len()
+            ),
+        );
+    }
+    // the products' and the decode kernel's own checks run only after the cache writes
+    for (field, p, k) in [
+        ("o", &w.o, w.heads * w.dim),
+        ("gate_up", &w.gate_up, w.hidden),
+        ("down", &w.down, w.inter),
+    ] {
+        if p.packed.len() != amx::packed_len(p.n, k) {
+            return fused_err(
+                field,
+                format!(
+                    "{field}'s packed weight has {} elements, not {} for [{}, {k}]",
+                    p.packed.len(),
+                    amx::packed_len(p.n, k),
+                    p.n
+                ),
+            );
+        }
+        if p.bias.is_some_and(|b| b.len() != p.n) {
+            return fused_err(field, format!("{field}'s bias must have {} elements", p.n));
+        }
+    }
+    if s.block_tables.len() != rows * s.width {
+        return fused_err(
+            "block_tables",
+            format!(
+                "block_tables has {} elements, not rows * width = {rows} * {}",
+                s.block_tables.len(),
+                s.width
+            ),
+        );
+    }
+    Ok(())
+}

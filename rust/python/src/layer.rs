@@ -1,0 +1,303 @@
+//! PyO3 wrapper of `ferrobatch-kernels`' whole decoder layer (`layer`): a `LeanLayer` holds
+//! one layer's packed weights and norms (numpy views, checked once when it is made), and
+//! `forward` runs the layer on a step's decode rows with the GIL released. Kept thin: every
+//! shape the kernel needs is checked here or by the kernel, with a `FieldError` naming the
+//! argument.
+
+use ferrobatch_kernels::layer::{self, Product, Step, Weights};
+use ferrobatch_kernels::{amx, Window};
+use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::invalid;
+use crate::views::{disjoint, ro, rw, threads_of, ty, In, Out, Ty};
+
+/// One packed product: the array, its optional bias and its shape.
+struct Packed {
+    packed: Py<PyAny>,
+    bias: Option<Py<PyAny>>,
+    n: usize,
+}
+
+impl Packed {
+    fn new(
+        field: &'static str,
+        packed: &Bound<'_, PyAny>,
+        bias: Option<&Bound<'_, PyAny>>,
+        n: usize,
+        k: usize,
+    ) -> PyResult<Self> {
+        let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
+        if p.len() != amx::packed_len(n, k) {
+            return Err(invalid(
+                field,
+                format!(
+                    "{field} has {} elements, not amx_packed_len({n}, {k}) = {}",
+                    p.len(),
+                    amx::packed_len(n, k)
+                ),
+            ));
+        }
+        if let Some(b) = bias {
+            let b = ro::<f32>(b, "bias", "float32")?;
+            if b.len() != n {
+                return Err(invalid(
+                    "bias",
+                    format!("{field}'s bias has {} elements, not {n}", b.len()),
+                ));
+            }
+        }
+        Ok(Packed {
+            packed: packed.clone().unbind(),
+            bias: bias.map(|b| b.clone().unbind()),
+            n,
+        })
+    }
+}
+
+/// The borrowed views of one product for a call.
+struct Views<'py> {
+    packed: PyReadonlyArrayDyn<'py, u16>,
+    bias: Option<PyReadonlyArrayDyn<'py, f32>>,
+    n: usize,
+}
+
+impl<'py> Views<'py> {
+    fn of(py: Python<'py>, p: &Packed, field: &'static str) -> PyResult<Self> {
+        Ok(Views {
+            packed: ro::<u16>(p.packed.bind(py), field, "uint16")?,
+            bias: p
+                .bias
+                .as_ref()
+                .map(|b| ro::<f32>(b.bind(py), "bias", "float32"))
+                .transpose()?,
+            n: p.n,
+        })
+    }
+
+    fn product(&self) -> PyResult<Product<'_>> {
+        Ok(Product {
+            packed: self.packed.as_slice()?,
+            bias: self.bias.as_ref().map(|b| b.as_slice()).transpose()?,
+            n: self.n,
+        })
+    }
+}
+
+/// A Llama-style decoder layer run by `forward` in one call: `input_norm` / `post_norm`
+/// [hidden] in `norm_dtype`, the `amx_pack`ed products `qkv` [heads * dim + 2 * kv_heads *
+/// dim, hidden], `o` [hidden, heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden,
+/// inter], each with an optional float32 bias. The arrays are kept (not copied): the
+/// caller must not change them while the layer is in use.
+#[pyclass(frozen, module = "ferrobatch._core")]
+pub struct LeanLayer {
+    input_norm: Py<PyAny>,
+    post_norm: Py<PyAny>,
+    norm_ty: Ty,
+    eps: (f32, f32),
+    qkv: Packed,
+    o: Packed,
+    gate_up: Packed,
+    down: Packed,
+    dims: [usize; 5],
+}
+
+#[pymethods]
+impl LeanLayer {
+    #[new]
+    #[pyo3(signature = (*, input_norm, post_norm, norm_dtype, input_eps, post_eps, qkv, o,
+                        gate_up, down, hidden, heads, kv_heads, dim, inter, qkv_bias = None,
+                        o_bias = None, gate_up_bias = None, down_bias = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        input_norm: &Bound<'_, PyAny>,
+        post_norm: &Bound<'_, PyAny>,
+        norm_dtype: &str,
+        input_eps: f32,
+        post_eps: f32,
+        qkv: &Bound<'_, PyAny>,
+        o: &Bound<'_, PyAny>,
+        gate_up: &Bound<'_, PyAny>,
+        down: &Bound<'_, PyAny>,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        dim: usize,
+        inter: usize,
+        qkv_bias: Option<&Bound<'_, PyAny>>,
+        o_bias: Option<&Bound<'_, PyAny>>,
+        gate_up_bias: Option<&Bound<'_, PyAny>>,
+        down_bias: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if [hidden, heads, kv_heads, dim, inter].contains(&0) {
+            return Err(invalid(
+                "hidden",
+                "hidden, heads, kv_heads, dim and inter must all be >= 1",
+            ));
+        }
+        if !dim.is_multiple_of(2) || !heads.is_multiple_of(kv_heads) {
+            return Err(invalid(
+                "dim",
+                format!("dim must be even and heads ({heads}) a multiple of kv_heads ({kv_heads})"),
+            ));
+        }
+        let norm_ty = ty(norm_dtype, "norm_dtype")?;
+        for (field, norm) in [("input_norm", input_norm), ("post_norm", post_norm)] {
+            let n = In::new(norm, norm_ty, field)?;
+            if n.shape() != [hidden] {
+                return Err(invalid(
+                    field,
+                    format!("{field} must be [hidden] = [{hidden}], not {:?}", n.shape()),
+                ));
+            }
+        }
+        let (nq, nk) = (heads * dim, kv_heads * dim);
+        Ok(LeanLayer {
+            input_norm: input_norm.clone().unbind(),
+            post_norm: post_norm.clone().unbind(),
+            norm_ty,
+            eps: (input_eps, post_eps),
+            qkv: Packed::new("qkv", qkv, qkv_bias, nq + 2 * nk, hidden)?,
+            o: Packed::new("o", o, o_bias, hidden, nq)?,
+            gate_up: Packed::new("gate_up", gate_up, gate_up_bias, 2 * inter, hidden)?,
+            down: Packed::new("down", down, down_bias, hidden, inter)?,
+            dims: [hidden, heads, kv_heads, dim, inter],
+        })
+    }
+
+    /// The layer on `x` float32 [rows, hidden] (updated in place): the rows' new keys and
+    /// values written at `slots` (int64 [rows]) of `k_cache` / `v_cache` ([slots, kv_heads,
+    /// dim] in `cache_dtype`), then every row attended by the decode kernel over
+    /// `block_tables` (int32 [rows, width]) and `seqlens` (int32 [rows]); `cos` / `sin`
+    /// float32 [rows, dim]. `window` 0 = full attention. Parts split over at most `threads`
+    /// threads of the kernel pool.
+    #[pyo3(signature = (x, k_cache, v_cache, cos, sin, slots, block_tables, seqlens, *,
+                        cache_dtype, page, window, scale, threads))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        k_cache: &Bound<'_, PyAny>,
+        v_cache: &Bound<'_, PyAny>,
+        cos: &Bound<'_, PyAny>,
+        sin: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        seqlens: &Bound<'_, PyAny>,
+        cache_dtype: &str,
+        page: usize,
+        window: usize,
+        scale: f32,
+        threads: i64,
+    ) -> PyResult<()> {
+        let [hidden, heads, kv_heads, dim, inter] = self.dims;
+        let threads = threads_of(threads)?;
+        let ct = ty(cache_dtype, "cache_dtype")?;
+        let mut xa = rw::<f32>(x, "x", "float32")?;
+        let rows = match *xa.shape() {
+            [r, h] if h == hidden => r,
+            ref s => {
+                return Err(invalid(
+                    "x",
+                    format!("x must be [rows, hidden = {hidden}], not {s:?}"),
+                ))
+            }
+        };
+        let mut kc = Out::new(k_cache, ct, "k_cache")?;
+        let mut vc = Out::new(v_cache, ct, "v_cache")?;
+        for (field, shape) in [("k_cache", kc.shape()), ("v_cache", vc.shape())] {
+            if shape.len() != 3
+                || shape[1] != kv_heads
+                || shape[2] != dim
+                || page == 0
+                || !shape[0].is_multiple_of(page)
+            {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "{field} must be [slots, kv_heads = {kv_heads}, dim = {dim}] with slots a \
+                         multiple of page = {page}, not {shape:?}"
+                    ),
+                ));
+            }
+        }
+        let xs = crate::views::bytes(xa.data(), xa.len());
+        disjoint(
+            "v_cache",
+            vc.span(),
+            &[("k_cache", kc.span()), ("x", xs.clone())],
+        )?;
+        disjoint("k_cache", kc.span(), &[("x", xs)])?;
+        let cos = ro::<f32>(cos, "cos", "float32")?;
+        let sin = ro::<f32>(sin, "sin", "float32")?;
+        for (field, a) in [("cos", &cos), ("sin", &sin)] {
+            if a.shape() != [rows, dim] {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "{field} must be [rows, dim] = [{rows}, {dim}], not {:?}",
+                        a.shape()
+                    ),
+                ));
+            }
+        }
+        let slots = ro::<i64>(slots, "slots", "int64")?;
+        let tables = ro::<i32>(block_tables, "block_tables", "int32")?;
+        let seqlens = ro::<i32>(seqlens, "seqlens", "int32")?;
+        let width = match *tables.shape() {
+            [r, w] if r == rows => w,
+            ref s => {
+                return Err(invalid(
+                    "block_tables",
+                    format!("block_tables must be [rows = {rows}, width], not {s:?}"),
+                ))
+            }
+        };
+        let norms = (
+            In::new(self.input_norm.bind(py), self.norm_ty, "input_norm")?,
+            In::new(self.post_norm.bind(py), self.norm_ty, "post_norm")?,
+        );
+        let views = [
+            Views::of(py, &self.qkv, "qkv")?,
+            Views::of(py, &self.o, "o")?,
+            Views::of(py, &self.gate_up, "gate_up")?,
+            Views::of(py, &self.down, "down")?,
+        ];
+        let w = Weights {
+            input_norm: norms.0.elems(),
+            post_norm: norms.1.elems(),
+            input_eps: self.eps.0,
+            post_eps: self.eps.1,
+            qkv: views[0].product()?,
+            o: views[1].product()?,
+            gate_up: views[2].product()?,
+            down: views[3].product()?,
+            hidden,
+            heads,
+            kv_heads,
+            dim,
+            inter,
+        };
+        let s = Step {
+            cos: cos.as_slice()?,
+            sin: sin.as_slice()?,
+            slots: slots.as_slice()?,
+            block_tables: tables.as_slice()?,
+            seqlens: seqlens.as_slice()?,
+            width,
+            page,
+            window: if window == 0 {
+                Window::Full
+            } else {
+                Window::Sliding { window }
+            },
+            scale,
+            threads,
+        };
+        let x = xa.as_slice_mut()?;
+        let (kc, vc) = (kc.elems(), vc.elems());
+        py.detach(|| layer::decoder_layer(&w, &s, x, kc, vc))
+            .map_err(|e| invalid(e.field, e.message))
+    }
+}

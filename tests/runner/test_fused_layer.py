@@ -1,0 +1,183 @@
+"""The one-call decoder layer (`ferrobatch.runner.fused_layer`, `_core.LeanLayer`): bit-equal
+to the lean layer it replaces, taken where it applies and only there, and a bad argument is
+a `FieldError` naming it, with the caller's tensors left as they were."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams, amx_ops
+from ferrobatch.runner import fused_layer
+from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.model_runner import ModelRunner
+from ref_planner import drive_runner
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(
+    not (packing_available() and fused_layer.available()),
+    reason="no oneDNN packed linears, or no bf16 products (AMX / AVX-512 BF16) here",
+)
+
+
+def _count_taken(monkeypatch) -> list[bool]:
+    taken: list[bool] = []
+    own = fused_layer.FusedLayer.forward
+
+    def counted(self, *args, **kwargs):
+        ran = own(self, *args, **kwargs)
+        taken.append(ran)
+        return ran
+
+    monkeypatch.setattr(fused_layer.FusedLayer, "forward", counted)
+    return taken
+
+
+def _fused_and_lean(model, prompts, new, **kw):
+    got = {}
+    for fused in (True, False):
+        runner = ModelRunner(model, num_blocks=128, page_size=4, **kw)
+        assert runner._lean is not None
+        runner._lean.fused_enabled = fused
+        got[fused] = drive_runner(runner, prompts, new, forced=True)
+        runner.close()
+    return got[True], got[False]
+
+
+@pytest.mark.parametrize("name,cache_dtype", [
+    ("llama", None), ("mistral", None), ("qwen2_sliding", None),
+    ("llama", torch.float32), ("llama", torch.float16)])
+def test_the_one_call_layer_is_the_lean_layer_bit_for_bit(monkeypatch, name, cache_dtype):
+    """Same forced steps (a packed prefill, then decodes over full and sliding windows, with
+    Qwen2's q/k/v biases) with the one call and without: equal logits, and it was taken."""
+    taken = _count_taken(monkeypatch)
+    model = tm.BUILDERS[name]().to(torch.bfloat16)
+    kw = {} if cache_dtype is None else {"dtype": cache_dtype}
+    fused, lean = _fused_and_lean(model, tm.random_prompts(3, 6, 2, 30), 8, **kw)
+    assert sum(taken) >= len(taken) // 2 > 0
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_layers_with_q_k_norms_keep_the_lean_forward(monkeypatch):
+    """Qwen3's per-head q/k norms run as the model's own modules: never the one call."""
+    taken = _count_taken(monkeypatch)
+    model = tm.qwen3().to(torch.bfloat16)
+    fused, lean = _fused_and_lean(model, tm.random_prompts(4, 4, 2, 20), 4)
+    assert taken and not any(taken)
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_steps_above_max_rows_keep_the_lean_forward(monkeypatch):
+    """A step of more rows than `MAX_ROWS` runs the lean layer (no call is even tried)."""
+    taken = _count_taken(monkeypatch)
+    monkeypatch.setattr(fused_layer, "MAX_ROWS", 3)
+    model = tm.llama().to(torch.bfloat16)
+    runner = ModelRunner(model, num_blocks=128, page_size=4)
+    drive_runner(runner, tm.random_prompts(5, 5, 2, 12), 2, forced=True)
+    runner.close()
+    assert not taken
+
+
+@pytest.mark.parametrize("setup", ["chunked", "preempt", "prefix"])
+def test_engine_outputs_are_the_same_with_and_without_the_one_call(setup):
+    """Greedy outputs through the engine (chunked prefill, preemption, shared prefixes)
+    equal with the one call and with the lean layers alone."""
+    model, prompts, _ = tm.bf16_quality_case(setup)
+    cfg = tm.SCHEDULING_SETUPS[setup]
+    outs = {}
+    for fused in (True, False):
+        engine = Engine(model, config=ContinuousBatchingConfig(**cfg))
+        assert engine.runner._lean is not None
+        engine.runner._lean.fused_enabled = fused
+        with engine:
+            got = engine.generate(prompts, SamplingParams(max_new_tokens=12), progress=False)
+        outs[fused] = [o.token_ids for o in got]
+    assert outs[True] == outs[False]
+
+
+# --- the binding's checks ---------------------------------------------------------------
+
+H, HEADS, KV, D, INTER, PAGE = 64, 4, 2, 16, 96, 4
+
+
+def _layer(**over):
+    def packed(n, k):
+        w = torch.randn(n, k).to(torch.bfloat16)
+        return amx_ops.pack(w).packed.view(torch.uint16).numpy()
+
+    nq, nk = HEADS * D, KV * D
+    kw = dict(input_norm=np.ones(H, np.float32), post_norm=np.ones(H, np.float32),
+              norm_dtype="float32", input_eps=1e-6, post_eps=1e-6,
+              qkv=packed(nq + 2 * nk, H), o=packed(H, nq), gate_up=packed(2 * INTER, H),
+              down=packed(H, INTER), hidden=H, heads=HEADS, kv_heads=KV, dim=D, inter=INTER)
+    kw.update(over)
+    from ferrobatch import _core
+
+    return _core.LeanLayer(**kw)
+
+
+def _step(rows=2, slots=16):
+    x = np.random.default_rng(0).standard_normal((rows, H)).astype(np.float32)
+    caches = [np.zeros((slots, KV, D), np.float32) for _ in range(2)]
+    cos, sin = np.ones((rows, D), np.float32), np.zeros((rows, D), np.float32)
+    return dict(x=x, k_cache=caches[0], v_cache=caches[1], cos=cos, sin=sin,
+                slots=np.arange(rows, dtype=np.int64),
+                block_tables=np.zeros((rows, 1), np.int32),
+                seqlens=np.arange(1, rows + 1, dtype=np.int32))
+
+
+def _forward(layer, step, **over):
+    kw = dict(cache_dtype="float32", page=PAGE, window=0, scale=0.25, threads=1)
+    kw.update(over)
+    layer.forward(step["x"], step["k_cache"], step["v_cache"], step["cos"], step["sin"],
+                  step["slots"], step["block_tables"], step["seqlens"], **kw)
+
+
+def test_a_layer_runs_and_updates_x_and_the_cache():
+    layer, step = _layer(), _step()
+    x0 = step["x"].copy()
+    _forward(layer, step)
+    assert not np.array_equal(step["x"], x0) and np.isfinite(step["x"]).all()
+    assert np.abs(step["k_cache"][:2]).sum() > 0 and not step["k_cache"][2:].any()
+
+
+@pytest.mark.parametrize("field,over", [
+    ("qkv", dict(qkv=np.zeros(10, np.uint16))),
+    ("input_norm", dict(input_norm=np.ones(H + 1, np.float32))),
+    ("bias", dict(o_bias=np.zeros(H + 2, np.float32))),
+    ("dim", dict(dim=15)),
+    ("norm_dtype", dict(norm_dtype="int8")),
+])
+def test_a_bad_layer_names_the_field(field, over):
+    with pytest.raises(FieldError) as e:
+        _layer(**over)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("field,change", [
+    ("x", lambda s: s.update(x=np.zeros((2, H + 1), np.float32))),
+    ("slots", lambda s: s.update(slots=np.array([0, 99], np.int64))),
+    ("cos", lambda s: s.update(cos=np.ones((3, D), np.float32))),
+    ("k_cache", lambda s: s.update(k_cache=np.zeros((15, KV, D), np.float32))),
+    ("block_tables", lambda s: s.update(block_tables=np.zeros((3, 1), np.int32))),
+    ("seqlens", lambda s: s.update(seqlens=np.ones(3, np.int32))),
+])
+def test_a_bad_step_names_the_field_and_changes_nothing(field, change):
+    layer, step = _layer(), _step()
+    change(step)
+    before = {k: v.copy() for k, v in step.items()}
+    with pytest.raises(FieldError) as e:
+        _forward(layer, step)
+    assert e.value.field == field
+    for k, v in step.items():
+        assert np.array_equal(v, before[k]), k
+
+
+def test_a_cache_of_another_dtype_than_said_is_refused():
+    layer, step = _layer(), _step()
+    with pytest.raises(FieldError) as e:
+        _forward(layer, step, cache_dtype="bfloat16")
+    assert e.value.field == "k_cache"
