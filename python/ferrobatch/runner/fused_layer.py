@@ -72,8 +72,9 @@ class FusedLayer:
             post_eps=float(p.norms[1].variance_epsilon),
             qkv=kernels.numpy_view(qkv.packed), o=kernels.numpy_view(o.packed),
             gate_up=kernels.numpy_view(gate_up.packed), down=kernels.numpy_view(down.packed),
-            hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter, qkv_bias=_bias(qkv), o_bias=_bias(o),
-            gate_up_bias=_bias(gate_up), down_bias=_bias(down))
+            hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
+            qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
+            down_bias=_bias(down))
         return self._layer
 
     def forward(self, x: torch.Tensor, step: Any, cos: torch.Tensor,
