@@ -23,7 +23,10 @@
 //! Also for the screen: [`pick_best`] (each row's best candidate from their fp32 logits)
 //! and [`row_norms`] (the rows' norms its bounds use).
 
+use std::sync::Mutex;
+
 use crate::decode::KernelError;
+use crate::parallel::{plan_threads, row_ranges, run_pieces};
 
 /// Screened scores `[rows, vocab]`, row-major.
 #[derive(Clone, Copy, Debug)]
@@ -49,7 +52,8 @@ pub struct SelectArgs<'a> {
     pub max_stage1: usize,
     /// candidates allowed per row on average
     pub max_candidates: usize,
-    /// worker threads (rows are split between them); 1 runs on the caller's thread
+    /// threads of the kernel pool ([`crate::parallel`]) the rows are split between, from
+    /// the pool's `min_split` scores on; 1 runs on the caller's thread
     pub threads: usize,
 }
 
@@ -397,21 +401,22 @@ fn run<S: Score>(scores: &[S], a: &SelectArgs<'_>) -> Option<Candidates> {
         stage1: a.max_stage1.saturating_mul(rows),
         kept: a.max_candidates.saturating_mul(rows),
     };
-    let threads = a.threads.clamp(1, rows);
+    let threads = plan_threads(a.threads, rows, rows.saturating_mul(vocab));
     if threads == 1 {
         return run_rows(scores, a, vmax, limits, 0..rows).map(|(c, _)| c);
     }
-    let per = rows.div_ceil(threads);
-    let parts: Vec<_> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| t * per..((t + 1) * per).min(rows))
-            .filter(|range| !range.is_empty())
-            .map(|range| scope.spawn(move || run_rows(scores, a, vmax, limits, range)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a selection thread panicked"))
-            .collect()
+    // each piece's result in its own slot, the pieces on the kernel pool (torch's OpenMP
+    // team once shared: no fresh threads competing with its spinning workers)
+    let ranges = row_ranges(rows, threads);
+    let slots: Vec<Mutex<Option<Piece>>> = ranges.iter().map(|_| Mutex::new(None)).collect();
+    run_pieces(ranges.into_iter().zip(&slots).collect(), |range, slot| {
+        let got = run_rows(scores, a, vmax, limits, range);
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(got);
+    });
+    let parts = slots.into_iter().map(|slot| {
+        slot.into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .expect("every piece ran")
     });
     let mut out = Candidates::default();
     let mut stage1 = 0;
@@ -423,6 +428,9 @@ fn run<S: Score>(scores: &[S], a: &SelectArgs<'_>) -> Option<Candidates> {
     }
     (stage1 <= limits.stage1 && out.rows.len() <= limits.kept).then_some(out)
 }
+
+/// One piece of rows' candidates and stage-1 count (None: too many, or not finite).
+type Piece = Option<(Candidates, usize)>;
 
 /// The whole call's survivor limits (over all rows).
 #[derive(Clone, Copy)]
