@@ -402,3 +402,250 @@ fn validate(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused::testing::values;
+    use half::bf16;
+
+    const H: usize = 32;
+    const HEADS: usize = 4;
+    const KV: usize = 2;
+    const D: usize = 8;
+    const I: usize = 48;
+    const PAGE: usize = 4;
+    const SLOTS: usize = 32;
+    const EPS: f32 = 1e-5;
+
+    fn round(v: &[f32]) -> Vec<u16> {
+        v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+    }
+
+    fn wide(v: &[u16]) -> Vec<f64> {
+        v.iter().map(|&b| bf16::from_bits(b).to_f64()).collect()
+    }
+
+    /// A packed product and its bf16 weight [n, k] widened, for the reference.
+    fn product_of(seed: u64, n: usize, k: usize, scale: f32) -> (Vec<u16>, Vec<f64>) {
+        let w = round(&values(seed, n * k, scale));
+        let mut packed = vec![0u16; amx::packed_len(n, k)];
+        amx::pack(&w, n, k, &mut packed).expect("pack");
+        (packed, wide(&w))
+    }
+
+    fn matmul(x: &[f64], w: &[f64], rows: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut out = vec![0.0; rows * n];
+        for r in 0..rows {
+            for j in 0..n {
+                out[r * n + j] = (0..k).map(|l| x[r * k + l] * w[j * k + l]).sum();
+            }
+        }
+        out
+    }
+
+    fn norm(x: &[f64], w: &[f64], rows: usize) -> Vec<f64> {
+        let mut out = vec![0.0; x.len()];
+        for r in 0..rows {
+            let row = &x[r * H..(r + 1) * H];
+            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / H as f64 + EPS as f64).sqrt();
+            for j in 0..H {
+                out[r * H + j] = row[j] * inv * w[j];
+            }
+        }
+        out
+    }
+
+    fn rope(x: &mut [f64], cos: &[f32], sin: &[f32]) {
+        let half = D / 2;
+        let orig = x.to_vec();
+        for j in 0..D {
+            let rot = if j < half {
+                -orig[j + half]
+            } else {
+                orig[j - half]
+            };
+            x[j] = orig[j] * cos[j] as f64 + rot * sin[j] as f64;
+        }
+    }
+
+    /// The layer in f64 from the same bf16 weights and cache (no intermediate rounding).
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        x: &[f32],
+        norms: (&[f64], &[f64]),
+        wts: [&[f64]; 4],
+        k_cache: &[f64],
+        v_cache: &[f64],
+        s: &Step<'_>,
+        rows: usize,
+    ) -> Vec<f64> {
+        let (nq, nk) = (HEADS * D, KV * D);
+        let width = nq + 2 * nk;
+        let mut x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let qkv = matmul(&norm(&x, norms.0, rows), wts[0], rows, width, H);
+        let (mut kc, mut vc) = (k_cache.to_vec(), v_cache.to_vec());
+        let mut att = vec![0.0; rows * nq];
+        for r in 0..rows {
+            let (cos, sin) = (&s.cos[r * D..(r + 1) * D], &s.sin[r * D..(r + 1) * D]);
+            let row = &qkv[r * width..(r + 1) * width];
+            let slot = s.slots[r] as usize;
+            for h in 0..KV {
+                let mut k = row[nq + h * D..nq + (h + 1) * D].to_vec();
+                rope(&mut k, cos, sin);
+                kc[(slot * KV + h) * D..][..D].copy_from_slice(&k);
+                vc[(slot * KV + h) * D..][..D].copy_from_slice(&row[nq + nk + h * D..][..D]);
+            }
+            let keys = s.seqlens[r] as usize;
+            let slot_of =
+                |p: usize| s.block_tables[r * s.width + p / PAGE] as usize * PAGE + p % PAGE;
+            for h in 0..HEADS {
+                let mut q = row[h * D..(h + 1) * D].to_vec();
+                rope(&mut q, cos, sin);
+                let g = h / (HEADS / KV);
+                let scores: Vec<f64> = (0..keys)
+                    .map(|p| {
+                        let k = &kc[(slot_of(p) * KV + g) * D..][..D];
+                        s.scale as f64 * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
+                    })
+                    .collect();
+                let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|v| (v - top).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (p, w) in e.iter().enumerate() {
+                    let v = &vc[(slot_of(p) * KV + g) * D..][..D];
+                    for j in 0..D {
+                        att[r * nq + h * D + j] += w / sum * v[j];
+                    }
+                }
+            }
+        }
+        let o = matmul(&att, wts[1], rows, H, nq);
+        for (x, o) in x.iter_mut().zip(&o) {
+            *x += o;
+        }
+        let gu = matmul(&norm(&x, norms.1, rows), wts[2], rows, 2 * I, H);
+        let act: Vec<f64> = (0..rows * I)
+            .map(|t| {
+                let (r, i) = (t / I, t % I);
+                let g = gu[r * 2 * I + i];
+                g / (1.0 + (-g).exp()) * gu[r * 2 * I + I + i]
+            })
+            .collect();
+        let d = matmul(&act, wts[3], rows, H, I);
+        x.iter().zip(&d).map(|(a, b)| a + b).collect()
+    }
+
+    #[test]
+    fn a_layer_is_the_reference_computation_to_bf16_rounding() {
+        if !amx::available() {
+            return; // no bf16 products on this CPU
+        }
+        let rows = 3;
+        let (nq, nk) = (HEADS * D, KV * D);
+        let (qkv, qkv_w) = product_of(1, nq + 2 * nk, H, 0.3);
+        let (o, o_w) = product_of(2, H, nq, 0.3);
+        let (gu, gu_w) = product_of(3, 2 * I, H, 0.3);
+        let (down, down_w) = product_of(4, H, I, 0.3);
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let weights = Weights {
+            input_norm: Elems::Bf16(&norms.0),
+            post_norm: Elems::Bf16(&norms.1),
+            input_eps: EPS,
+            post_eps: EPS,
+            qkv: Product {
+                packed: &qkv,
+                bias: None,
+                n: nq + 2 * nk,
+            },
+            o: Product {
+                packed: &o,
+                bias: None,
+                n: H,
+            },
+            gate_up: Product {
+                packed: &gu,
+                bias: None,
+                n: 2 * I,
+            },
+            down: Product {
+                packed: &down,
+                bias: None,
+                n: H,
+            },
+            hidden: H,
+            heads: HEADS,
+            kv_heads: KV,
+            dim: D,
+            inter: I,
+        };
+        // rows of 5, 1 and 8 keys: the new key last, the others already cached
+        let seqlens = [5i32, 1, 8];
+        let tables = [0i32, 1, 2, 0, 3, 4];
+        let slots: Vec<i64> = (0..rows)
+            .map(|r| {
+                let p = seqlens[r] as usize - 1;
+                (tables[r * 2 + p / PAGE] as usize * PAGE + p % PAGE) as i64
+            })
+            .collect();
+        let angle = values(7, rows * D, 3.0);
+        let cos: Vec<f32> = angle.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angle.iter().map(|a| a.sin()).collect();
+        let step = Step {
+            cos: &cos,
+            sin: &sin,
+            slots: &slots,
+            block_tables: &tables,
+            seqlens: &seqlens,
+            width: 2,
+            page: PAGE,
+            window: Window::Full,
+            scale: 1.0 / (D as f32).sqrt(),
+            threads: 1,
+        };
+        let mut k_cache = round(&values(8, SLOTS * KV * D, 1.0));
+        let mut v_cache = round(&values(9, SLOTS * KV * D, 1.0));
+        let x0 = values(10, rows * H, 1.0);
+        let want = reference(
+            &x0,
+            (&wide(&norms.0), &wide(&norms.1)),
+            [&qkv_w, &o_w, &gu_w, &down_w],
+            &wide(&k_cache),
+            &wide(&v_cache),
+            &step,
+            rows,
+        );
+        let mut x = x0.clone();
+        decoder_layer(
+            &weights,
+            &step,
+            &mut x,
+            ElemsMut::Bf16(&mut k_cache),
+            ElemsMut::Bf16(&mut v_cache),
+        )
+        .expect("layer");
+        let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+        for (got, want) in x.iter().zip(&want) {
+            assert!(
+                (*got as f64 - want).abs() <= 0.03 * scale,
+                "{got} vs {want} (scale {scale})"
+            );
+        }
+        // a bad slot: an error naming it, x and the caches unchanged
+        let before = (x.clone(), k_cache.clone(), v_cache.clone());
+        let bad = [0i64, 1, SLOTS as i64];
+        let err = decoder_layer(
+            &weights,
+            &Step {
+                slots: &bad,
+                ..step
+            },
+            &mut x,
+            ElemsMut::Bf16(&mut k_cache),
+            ElemsMut::Bf16(&mut v_cache),
+        )
+        .expect_err("slot out of range");
+        assert_eq!(err.field, "slots");
+        assert_eq!(before, (x, k_cache, v_cache));
+    }
+}
