@@ -472,3 +472,56 @@ def amx_linear(
     """`out = bf16(x) @ W.T (+ bias)` in f32: `x` [m, k], `packed` the `amx_pack`ed W
     [n, k], `bias` [n] or None, `out` [m, n]. Column blocks of 16 are split over at most
     `threads` threads of the kernel pool."""
+
+class LeanLayer:
+    """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
+    one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the
+    `amx_pack`ed products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden,
+    heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden, inter], each with an
+    optional float32 bias. The arrays are kept, not copied. FieldError on a bad shape."""
+
+    def __new__(
+        cls,
+        *,
+        input_norm: _Storage,
+        post_norm: _Storage,
+        norm_dtype: Literal["float32", "bfloat16", "float16"],
+        input_eps: float,
+        post_eps: float,
+        qkv: npt.NDArray[np.uint16],
+        o: npt.NDArray[np.uint16],
+        gate_up: npt.NDArray[np.uint16],
+        down: npt.NDArray[np.uint16],
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        dim: int,
+        inter: int,
+        qkv_bias: npt.NDArray[np.float32] | None = None,
+        o_bias: npt.NDArray[np.float32] | None = None,
+        gate_up_bias: npt.NDArray[np.float32] | None = None,
+        down_bias: npt.NDArray[np.float32] | None = None,
+    ) -> LeanLayer:
+        """The layer over these weights (checked once here)."""
+
+    def forward(
+        self,
+        x: npt.NDArray[np.float32],
+        k_cache: _Storage,
+        v_cache: _Storage,
+        cos: npt.NDArray[np.float32],
+        sin: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int64],
+        block_tables: npt.NDArray[np.int32],
+        seqlens: npt.NDArray[np.int32],
+        *,
+        cache_dtype: Literal["float32", "bfloat16", "float16"],
+        page: int,
+        window: int,
+        scale: float,
+        threads: int,
+    ) -> None:
+        """The layer on `x` [rows, hidden] (updated in place): new keys and values written at
+        `slots` of the caches ([slots, kv_heads, dim] in `cache_dtype`), every row attended
+        by the decode kernel over `block_tables` [rows, width] and `seqlens` [rows]; `cos` /
+        `sin` [rows, dim]; `window` 0 = full attention."""
