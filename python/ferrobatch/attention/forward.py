@@ -154,6 +154,20 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
+def kernel_only_group(step: Any, layer: int) -> Any:
+    """The step's metadata for `layer`'s attention type when every row of the layer goes to
+    the CPU decode kernel (decode rows and short prompt rows, in order: no SDPA rows, no
+    gathered prompt keys); None otherwise, or when `step` is not a `PagedStep`."""
+    if not isinstance(step, PagedStep):
+        return None
+    group = step.groups[layer]
+    kd = group.kernel_decode
+    if kd is None or kd.tokens is not None or group.decode or group.prefill \
+            or group.prefill_cached_slots is not None:
+        return None
+    return group
+
+
 def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, scaling: float) -> torch.Tensor | None:
     """`paged_attention_forward` of a layer whose every row this step goes to the CPU kernel
@@ -162,13 +176,8 @@ def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tenso
     the output is [T, H, D] in the step's output dtype. None (nothing written) when the
     layer's rows need the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 /
     fp16 tensor."""
-    if not isinstance(step, PagedStep):
-        return None
-    group = step.groups[layer]
-    kd = group.kernel_decode
-    if kd is None or kd.tokens is not None or group.decode or group.prefill \
-            or group.prefill_cached_slots is not None \
-            or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous():
+    group = kernel_only_group(step, layer)
+    if group is None or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous():
         return None
     step.calls += 1
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]

@@ -24,7 +24,7 @@ import torch
 
 from ferrobatch import amx_ops
 from ferrobatch.attention import context, kernels
-from ferrobatch.attention.paged_step import PagedStep
+from ferrobatch.attention.forward import kernel_only_group
 
 __all__ = ["MAX_ROWS", "FusedLayer", "available", "takes"]
 
@@ -83,15 +83,14 @@ class FusedLayer:
         and the weights allow the one call (see the module docstring); False, with nothing
         done, if not."""
         p = self._part
-        if not isinstance(step, PagedStep) or p.q_norm is not None or p.k_norm is not None \
+        if p.q_norm is not None or p.k_norm is not None \
                 or p.attn.config._attn_implementation != context.ATTENTION_NAME:
             return False
         layer_idx = p.attn.layer_idx
-        group = step.groups[layer_idx]
-        kd = group.kernel_decode
-        if kd is None or kd.tokens is not None or group.decode or group.prefill \
-                or group.prefill_cached_slots is not None:
+        group = kernel_only_group(step, layer_idx)
+        if group is None:
             return False
+        kd = group.kernel_decode
         k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
         if k_cache.dtype not in kernels.KERNEL_DTYPES or k_cache.device.type != "cpu":
             return False
