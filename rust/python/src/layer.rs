@@ -10,7 +10,7 @@ use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::invalid;
-use crate::views::{disjoint, ro, rw, threads_of, ty, In, Out, Ty};
+use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Ty};
 
 /// One packed product: the array, its optional bias and its shape.
 struct Packed {
@@ -195,15 +195,8 @@ impl LeanLayer {
         let threads = threads_of(threads)?;
         let ct = ty(cache_dtype, "cache_dtype")?;
         let mut xa = rw::<f32>(x, "x", "float32")?;
-        let rows = match *xa.shape() {
-            [r, h] if h == hidden => r,
-            ref s => {
-                return Err(invalid(
-                    "x",
-                    format!("x must be [rows, hidden = {hidden}], not {s:?}"),
-                ))
-            }
-        };
+        let (rows, _) = two_d("x", xa.shape(), "[rows, hidden]")?;
+        expect_shape("x", xa.shape(), &[rows, hidden], "[rows, hidden]")?;
         let mut kc = Out::new(k_cache, ct, "k_cache")?;
         let mut vc = Out::new(v_cache, ct, "v_cache")?;
         for (field, shape) in [("k_cache", kc.shape()), ("v_cache", vc.shape())] {
@@ -231,29 +224,18 @@ impl LeanLayer {
         disjoint("k_cache", kc.span(), &[("x", xs)])?;
         let cos = ro::<f32>(cos, "cos", "float32")?;
         let sin = ro::<f32>(sin, "sin", "float32")?;
-        for (field, a) in [("cos", &cos), ("sin", &sin)] {
-            if a.shape() != [rows, dim] {
-                return Err(invalid(
-                    field,
-                    format!(
-                        "{field} must be [rows, dim] = [{rows}, {dim}], not {:?}",
-                        a.shape()
-                    ),
-                ));
-            }
-        }
+        expect_shape("cos", cos.shape(), &[rows, dim], "[rows, dim]")?;
+        expect_shape("sin", sin.shape(), &[rows, dim], "[rows, dim]")?;
         let slots = ro::<i64>(slots, "slots", "int64")?;
         let tables = ro::<i32>(block_tables, "block_tables", "int32")?;
         let seqlens = ro::<i32>(seqlens, "seqlens", "int32")?;
-        let width = match *tables.shape() {
-            [r, w] if r == rows => w,
-            ref s => {
-                return Err(invalid(
-                    "block_tables",
-                    format!("block_tables must be [rows = {rows}, width], not {s:?}"),
-                ))
-            }
-        };
+        let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
+        expect_shape(
+            "block_tables",
+            tables.shape(),
+            &[rows, width],
+            "[rows, width]",
+        )?;
         let norms = (
             In::new(self.input_norm.bind(py), self.norm_ty, "input_norm")?,
             In::new(self.post_norm.bind(py), self.norm_ty, "post_norm")?,
