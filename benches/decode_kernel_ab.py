@@ -2,7 +2,8 @@
 
 One engine, its runner's ``decode_kernel`` switched on and off between interleaved repeats
 of the same workload (64 prompts x 64 new tokens, greedy, EOS off; a fresh token appended
-to every prompt per repeat so no prefix is reused); medians of 3 in generated tokens per
+to every prompt per repeat, though a prompt's full blocks are still reused from the repeat
+before, so the figures are mostly decode); medians of 3 in generated tokens per
 second of wall time and per CPU-second.
 
     python benches/decode_kernel_ab.py brief bfloat16 1     # workload, dtype, threads
@@ -21,22 +22,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import ferrobatch  # noqa: E402,F401 - before torch: OpenMP's wait policy
 import torch  # noqa: E402
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa: E402
-from ferrobatch.models import load_model  # noqa: E402
-from ferrobatch.workloads import brief_model, brief_prompts  # noqa: E402
 
 
 def main() -> None:
     workload, dtype, threads = (sys.argv[1:] + ["brief", "bfloat16", "1"][len(sys.argv) - 1:])[:3]
     torch.set_num_threads(int(threads))
-    dt = getattr(torch, dtype)
-    if workload == "smollm2":
-        import e2e_cpu
+    import e2e_cpu  # (after ferrobatch: it imports torch)
 
-        model, tok = load_model(None, dtype=dt)
-        model.generation_config.eos_token_id = None
-        prompts = e2e_cpu.smollm2_prompts(tok, 64)
-    else:
-        model, prompts = brief_model().to(dt), brief_prompts(64)
+    model, prompts = e2e_cpu.ab_workload(workload, getattr(torch, dtype))
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     engine = Engine(model, config=ContinuousBatchingConfig(num_blocks=2048))
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}

@@ -54,6 +54,19 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return chat_prompts(encode, n)
 
 
+def ab_workload(workload: str, dtype: torch.dtype) -> tuple[Any, list[list[int]]]:
+    """The model in `dtype` and 64 prompts of an in-engine A/B bench: "smollm2" (the bundled
+    checkpoint, EOS off, its chat prompts) or "brief" (the design brief's model and
+    prompts)."""
+    if workload == "smollm2":
+        from ferrobatch.models import load_model
+
+        model, tok = load_model(None, dtype=dtype)
+        model.generation_config.eos_token_id = None
+        return model, smollm2_prompts(tok, 64)
+    return brief_model().to(dtype), brief_prompts(64)
+
+
 # ----------------------------------------------------------------------------- runners
 
 

@@ -24,23 +24,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import ferrobatch  # noqa: E402,F401 - before torch: OpenMP's wait policy
 import torch  # noqa: E402
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa: E402
-from ferrobatch.models import load_model  # noqa: E402
-from ferrobatch.workloads import brief_model, brief_prompts  # noqa: E402
 
 
 def main() -> None:
     args = sys.argv[1:] + ["brief", "bfloat16", "1", "3"][len(sys.argv) - 1:]
     workload, dtype, threads, repeats = args[0], args[1], int(args[2]), int(args[3])
     torch.set_num_threads(threads)
-    dt = getattr(torch, dtype)
-    if workload == "smollm2":
-        import e2e_cpu
+    import e2e_cpu  # (after ferrobatch: it imports torch)
 
-        model, tok = load_model(None, dtype=dt)
-        model.generation_config.eos_token_id = None
-        prompts = e2e_cpu.smollm2_prompts(tok, 64)
-    else:
-        model, prompts = brief_model().to(dt), brief_prompts(64)
+    model, prompts = e2e_cpu.ab_workload(workload, getattr(torch, dtype))
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     engine = Engine(model, config=ContinuousBatchingConfig(allow_block_sharing=False))
     lean = engine.runner._lean
