@@ -126,3 +126,17 @@ def test_mask_function_returns_none_only_inside_a_ferrobatch_forward():
     assert cfg._attn_implementation == "sdpa"
     again = create_causal_mask(**kwargs)
     assert torch.equal(again, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cache_storage_starts_zero_and_takes_writes(dtype):
+    """The CPU cache comes from lazily zeroed pages: it must read as zeros of its dtype and
+    shape, be one contiguous writable tensor, and its views must alias it."""
+    cache = PagedKVCache(num_layers=3, num_blocks=5, page_size=4, num_kv_heads=2, head_dim=8,
+                         dtype=dtype)
+    assert cache.storage.dtype == dtype and cache.storage.is_contiguous()
+    assert cache.storage.shape == (3, 2, cache.num_slots, 2, 8)
+    assert not cache.storage.any()
+    cache.values[2][7].fill_(1.5)
+    assert cache.storage[2, 1, 7].eq(1.5).all() and cache.storage.count_nonzero() == 16
+    assert cache.nbytes == cache.storage.numel() * torch.empty((), dtype=dtype).element_size()
