@@ -473,12 +473,36 @@ def amx_linear(
     [n, k], `bias` [n] or None, `out` [m, n]. Column blocks of 16 are split over at most
     `threads` threads of the kernel pool."""
 
+def f32_linear_available() -> bool:
+    """Whether `f32_linear` runs on this CPU (AVX-512F)."""
+
+def f32_packed_len(n: int, k: int) -> int:
+    """Elements (float32) of the packed form of an `[n, k]` weight."""
+
+def f32_pack(weight: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
+    """Packs `weight` [n, k] (float32) into `out` (`f32_packed_len(n, k)` float32)."""
+
+def f32_linear(
+    x: npt.NDArray[np.float32],
+    packed: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    *,
+    n: int,
+    k: int,
+    bias: npt.NDArray[np.float32] | None = None,
+    threads: int = 1,
+) -> None:
+    """`out = x @ W.T (+ bias)` in f32: `x` [m, k], `packed` the `f32_pack`ed W [n, k],
+    `bias` [n] or None, `out` [m, n]. Panels of 64 columns are split over at most `threads`
+    threads of the kernel pool; a row's result depends on neither `m` nor `threads`."""
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
-    one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the
-    `amx_pack`ed products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden,
-    heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden, inter], each with an
-    optional float32 bias. The arrays are kept, not copied. FieldError on a bad shape."""
+    one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed
+    products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden, heads * dim],
+    `gate_up` [2 * inter, hidden], `down` [hidden, inter] (`amx_pack`ed uint16 with
+    `weight_dtype` "bfloat16", `f32_pack`ed float32 with "float32"), each with an optional
+    float32 bias. The arrays are kept, not copied. FieldError on a bad shape."""
 
     def __new__(
         cls,
@@ -488,10 +512,10 @@ class LeanLayer:
         norm_dtype: Literal["float32", "bfloat16", "float16"],
         input_eps: float,
         post_eps: float,
-        qkv: npt.NDArray[np.uint16],
-        o: npt.NDArray[np.uint16],
-        gate_up: npt.NDArray[np.uint16],
-        down: npt.NDArray[np.uint16],
+        qkv: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
+        o: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
+        gate_up: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
+        down: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
         hidden: int,
         heads: int,
         kv_heads: int,
@@ -501,6 +525,7 @@ class LeanLayer:
         o_bias: npt.NDArray[np.float32] | None = None,
         gate_up_bias: npt.NDArray[np.float32] | None = None,
         down_bias: npt.NDArray[np.float32] | None = None,
+        weight_dtype: Literal["bfloat16", "float32"] = "bfloat16",
     ) -> LeanLayer:
         """The layer over these weights (checked once here)."""
 

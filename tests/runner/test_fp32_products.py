@@ -10,7 +10,7 @@ import tiny_models as tm
 import torch
 import torch.nn.functional as F
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, fused_ops
-from ferrobatch.runner import activations, fp32_products
+from ferrobatch.runner import activations, cpu_linear, fp32_products
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement
@@ -70,7 +70,8 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
     assert packed is not None
     w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
     gen = torch.Generator().manual_seed(0)
-    for rows in (ROWS, 3 * ROWS + 1):
+    # (up to F32_KERNEL_ROWS on f32_ops where it runs, oneDNN's fp32 product beyond)
+    for rows in (ROWS, 3 * ROWS + 1, cpu_linear.F32_KERNEL_ROWS + 1):
         x = torch.randn(rows, w.shape[1], generator=gen)
         assert lin.input_dtype(rows) == torch.float32
         got = lin.wide_product(packed, x)
@@ -82,6 +83,7 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
     torch.testing.assert_close(lin.wide_product(packed, x), F.linear(x.bfloat16().float(), w),
                                rtol=2e-2, atol=2e-2)
     assert packed.wide is not None and packed.nbytes >= 6 * w.numel()  # bf16 + fp32 copies
+    assert (packed.f32 is not None) == lin.f32_kernel
     runner.close()
     # no fp32 copies with model-dtype activations
     assert PackedLinears.of(model, in_thread=lambda: True, fp32_rows=ROWS).fp32_rows is None

@@ -16,7 +16,7 @@ from ref_planner import drive_runner
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(
-    not (packing_available() and fused_layer.available()),
+    not (packing_available() and fused_layer.available() and amx_ops.available()),
     reason="no oneDNN packed linears, or no bf16 products (AMX / AVX-512 BF16) here",
 )
 

@@ -47,7 +47,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from ferrobatch import amx_ops
+from ferrobatch import amx_ops, f32_ops
 
 logger = logging.getLogger("ferrobatch")
 
@@ -57,6 +57,11 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # the packed copies may take at most this share of available memory
 _MAX_AVAILABLE_SHARE = 0.5
 _BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
+#: fp32 products of up to this many rows run on `f32_ops` instead of oneDNN's fp32 product
+#: (`benches/f32_linear.py` at SmolLM2's shapes, Xeon with AVX-512, 1 thread: 1.2-2.7x as
+#: fast at 1-4 rows, level at 64, 0.9x at 128-256 and 0.83x at 2048; at 2 threads level at
+#: 16-64). Up to it a row's fp32 result does not depend on its step's row count.
+F32_KERNEL_ROWS = 128
 
 
 @functools.cache
@@ -114,10 +119,10 @@ class _Packed:
     again when a weight object or its version changes."""
 
     __slots__ = ("layers", "key", "weight", "bias", "sizes", "amx", "wants_amx", "wide",
-                 "wide_bias", "wants_wide")
+                 "wide_bias", "wants_wide", "f32", "wants_f32")
 
     def __init__(self, layers: list[torch.nn.Linear], amx: bool = False,
-                 wide: bool = False) -> None:
+                 wide: bool = False, f32: bool = False) -> None:
         self.layers = layers
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight: torch.Tensor | None = None
@@ -131,6 +136,9 @@ class _Packed:
         #: fp32), when asked for (`fp32_products`)
         self.wide: torch.Tensor | None = None
         self.wide_bias: torch.Tensor | None = None
+        self.wants_f32 = f32
+        #: the weight (widened to fp32) packed for `f32_ops.linear`, when asked for
+        self.f32: f32_ops.F32Weight | None = None
 
     def refresh(self) -> None:
         key = _weights_key(self.layers)
@@ -148,7 +156,8 @@ class _Packed:
                     m.bias.detach().to(dtype) if m.bias is not None
                     else torch.zeros(m.out_features, dtype=dtype) for m in self.layers
                 ])
-            self.amx = self.wide = self.wide_bias = None  # packed again when next asked for
+            # packed again when next asked for
+            self.amx = self.wide = self.wide_bias = self.f32 = None
         self.key = key
 
     def amx_weight(self) -> amx_ops.AmxWeight | None:
@@ -159,9 +168,30 @@ class _Packed:
             self.amx = amx_ops.pack(w, self.bias)
         return self.amx
 
+    def f32_weight(self) -> f32_ops.F32Weight | None:
+        """The weight widened to fp32 and packed for `f32_ops` (on first use after each
+        `refresh`), if wanted."""
+        if self.f32 is None and self.wants_f32:
+            with torch.no_grad():
+                w = torch.cat([m.weight.detach() for m in self.layers])
+            self.f32 = f32_ops.pack(w, self.bias)
+        return self.f32
+
+    def f32_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + b` in fp32 on `f32_ops` (`x` [..., k] widened to fp32); the copy must be
+        wanted."""
+        w = self.f32_weight()
+        assert w is not None, "no f32_ops copy wanted"
+        if x.dim() == 2:
+            return f32_ops.linear(x, w)
+        return f32_ops.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.n)
+
     def fp32_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """`x @ W.T + b` in fp32 on the fp32 copy of the weight (packed on first use after
-        each `refresh`; `x` widened to fp32), or None when that copy is not wanted."""
+        each `refresh`; `x` widened to fp32): on `f32_ops` up to `F32_KERNEL_ROWS` rows
+        where that copy is wanted, else oneDNN's; None when neither copy is wanted."""
+        if self.wants_f32 and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
+            return self.f32_product(x)
         if not self.wants_wide:
             return None
         if self.wide is None:
@@ -177,7 +207,8 @@ class _Packed:
     def nbytes(self) -> int:
         own = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
         wide = 0 if self.wide is None else self.wide.numel() * 4
-        return own + wide + (self.amx.nbytes if self.amx is not None else 0)
+        f32 = 0 if self.f32 is None else self.f32.nbytes
+        return own + wide + f32 + (self.amx.nbytes if self.amx is not None else 0)
 
 
 class _Group:
@@ -217,6 +248,7 @@ class PackedLinears:
         hidden_size: int | None = None,
         amx: bool = False,
         fp32_rows: int | None = None,
+        f32_kernel: bool = False,
     ) -> None:
         self.model = model
         self.hidden_size = hidden_size
@@ -229,6 +261,10 @@ class PackedLinears:
         #: (`fp32_products`; fp32 activations only; None: never)
         self.fp32_rows = fp32_rows if (
             activation_dtype == torch.float32 and self.weight_dtype in HALF_DTYPES) else None
+        #: fp32 products (an fp32 model's, or on the fp32 copies) of up to `F32_KERNEL_ROWS`
+        #: rows run on `f32_ops` (`f32_takes`)
+        self.f32_kernel = f32_kernel and f32_ops.available() and (
+            self.weight_dtype == torch.float32 or self.fp32_rows is not None)
         self._in_thread = in_thread
         self._active = False
         self._everywhere = False
@@ -262,6 +298,7 @@ class PackedLinears:
         amx: bool = False,
         fp32_rows: int | None = None,
         dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
+        f32_kernel: bool = True,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no plain `nn.Linear` with a weight of one
         of `dtypes` on CPU, no oneDNN product for that dtype here (`packing_available`), or
@@ -293,13 +330,22 @@ class PackedLinears:
                         "of the %.0f MiB available)", 2 * weights / 2**20,
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             fp32_rows = None
+        fp32_weights = weights * 4 // layers[0].weight.element_size()
+        wants_f32 = f32_kernel and f32_ops.available() and (
+            fp32_rows is not None or layers[0].weight.dtype == torch.float32)
+        if wants_f32:
+            copies = need + (2 * weights if fp32_rows is not None else 0)
+            if copies + fp32_weights > _MAX_AVAILABLE_SHARE * available:
+                logger.info("ferrobatch: no copies of the weights for f32_ops (%.0f MiB more)",
+                            fp32_weights / 2**20)
+                wants_f32 = False
         if need > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
                         "%.0f%% of the %.0f MiB available)", need / 2**20,
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size, amx, fp32_rows)
+                   hidden_size, amx, fp32_rows, wants_f32)
 
     @property
     def widens(self) -> bool:
@@ -329,9 +375,19 @@ class PackedLinears:
         return None
 
     def product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a packed product, in the weight dtype (`x` rounded to it)."""
+        """`x @ W.T + b` of a packed product, in the weight dtype (`x` rounded to it); fp32
+        products of up to `F32_KERNEL_ROWS` rows on `f32_ops` where `f32_kernel`."""
         x = x if x.dtype == self.weight_dtype else x.to(self.weight_dtype)
+        if self.f32_kernel and x.dtype == torch.float32 \
+                and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
+            return packed.f32_product(x)
         return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+
+    def f32_takes(self, rows: int) -> bool:
+        """Whether every product of `rows` rows runs on `f32_ops` (fp32 weights or fp32
+        copies at that size, the kernel on, at most `F32_KERNEL_ROWS` rows)."""
+        return self.f32_kernel and rows <= F32_KERNEL_ROWS and (
+            self.weight_dtype == torch.float32 or self.runs_fp32(rows))
 
     def runs_fp32(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on the fp32 copies (`fp32_rows`)."""
@@ -363,7 +419,7 @@ class PackedLinears:
         self._packs, self._groups = [], []
         for members in groups:
             packed = _Packed([self._layers[i] for i in members], self.amx,
-                             wide=self.fp32_rows is not None)
+                             wide=self.fp32_rows is not None, f32=self.f32_kernel)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)
@@ -437,10 +493,13 @@ class PackedLinears:
             return y if y.dtype == adt else y.to(adt)
 
         def run(x: torch.Tensor) -> torch.Tensor:
+            rows = math.prod(x.shape[:-1])
             # (the fp32 copy from `fp32_rows` rows; its output is rounded as the half one's)
-            y = packed.fp32_product(x) if self.runs_fp32(math.prod(x.shape[:-1])) else None
+            y = packed.fp32_product(x) if self.runs_fp32(rows) else None
             if y is not None:
                 return y
+            if wdt == torch.float32 and self.f32_kernel and rows <= F32_KERNEL_ROWS:
+                return packed.f32_product(x)
             return linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
                           "none", [], "")
 

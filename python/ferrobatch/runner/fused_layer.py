@@ -7,7 +7,10 @@ the same kernels in the same order with the same roundings inside one Rust call,
 results are bit-equal to `lean_layers._lean_forward`'s (tested). It applies when:
 
 * every product goes to `amx_ops` (bf16 weights, `PackedLinears.amx`, at most `MAX_ROWS`
-  rows and `amx_ops.takes` them, no fp32 copies at that size);
+  rows and `amx_ops.takes` them, no fp32 copies at that size), or every product to
+  `f32_ops` (an fp32 model's weights, or fp32 copies of half-precision ones at that size:
+  `PackedLinears.f32_takes`; the norms and SiLU then write fp32 inputs, as the lean forward
+  does for them);
 * the layer has no per-head q/k norms (Qwen3's run as the model's own modules);
 * every row of the step goes to the CPU decode kernel (`kernel_only_attention`'s case:
   decode rows and short prompt rows, no SDPA rows, no gathered prompt keys).
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ferrobatch import amx_ops
+from ferrobatch import amx_ops, f32_ops
 from ferrobatch.attention import context, kernels
 from ferrobatch.attention.forward import kernel_only_group
 
@@ -33,10 +36,11 @@ MAX_ROWS = 256
 
 
 def available() -> bool:
-    """Whether this build of `ferrobatch._core` has `LeanLayer` and its products run here."""
+    """Whether this build of `ferrobatch._core` has `LeanLayer` and its products (bf16 or
+    f32) run here."""
     from ferrobatch import _core
 
-    return hasattr(_core, "LeanLayer") and amx_ops.available()
+    return hasattr(_core, "LeanLayer") and (amx_ops.available() or f32_ops.available())
 
 
 class FusedLayer:
@@ -45,27 +49,31 @@ class FusedLayer:
 
     def __init__(self, part: Any) -> None:
         self._part = part
-        self._made: tuple[Any, ...] = ()
-        self._layer: Any = None
+        #: per weight kind (False: bf16 for `amx_ops`, True: fp32 for `f32_ops`), the
+        #: weights and norms a `_core.LeanLayer` was made of, and that layer
+        self._made: dict[bool, tuple[Any, ...]] = {}
+        self._layers: dict[bool, Any] = {}
 
-    def _lean_layer(self) -> Any:
-        """The `_core.LeanLayer` of the current weights, or None (a product not packed for
-        `amx_ops`, or norm weights in a dtype the kernels lack)."""
+    def _lean_layer(self, wide: bool) -> Any:
+        """The `_core.LeanLayer` of the current weights (packed for `f32_ops` if `wide`, else
+        for `amx_ops`), or None (a product not packed so, or norm weights in a dtype the
+        kernels lack)."""
         p = self._part
-        packed = tuple(x.amx_weight() for x in (p.qkv, p.o, p.gate_up, p.down))
+        parts = (p.qkv, p.o, p.gate_up, p.down)
+        packed = tuple(x.f32_weight() if wide else x.amx_weight() for x in parts)
         norms = (p.norm_weight(0), p.norm_weight(1))
         made = (*packed, *norms)
-        if len(made) == len(self._made) and all(a is b for a, b in zip(made, self._made,
-                                                                        strict=True)):
-            return self._layer
-        self._made, self._layer = made, None
+        last = self._made.get(wide, ())
+        if len(made) == len(last) and all(a is b for a, b in zip(made, last, strict=True)):
+            return self._layers[wide]
+        self._made[wide], self._layers[wide] = made, None
         if any(w is None for w in packed) or norms[0].dtype != norms[1].dtype \
                 or norms[0].dtype not in kernels.KERNEL_DTYPES:
             return None
         from ferrobatch import _core
 
         qkv, o, gate_up, down = packed
-        self._layer = _core.LeanLayer(
+        self._layers[wide] = _core.LeanLayer(
             input_norm=kernels.numpy_view(norms[0]), post_norm=kernels.numpy_view(norms[1]),
             norm_dtype=kernels.KERNEL_DTYPES[norms[0].dtype],
             input_eps=float(p.norms[0].variance_epsilon),
@@ -74,14 +82,14 @@ class FusedLayer:
             gate_up=kernels.numpy_view(gate_up.packed), down=kernels.numpy_view(down.packed),
             hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
             qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
-            down_bias=_bias(down))
-        return self._layer
+            down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16")
+        return self._layers[wide]
 
     def forward(self, x: torch.Tensor, step: Any, cos: torch.Tensor,
-                sin: torch.Tensor) -> bool:
+                sin: torch.Tensor, wide: bool = False) -> bool:
         """The layer on the fp32 residual rows `x` [T, H] (updated in place) if the step
         and the weights allow the one call (see the module docstring); False, with nothing
-        done, if not."""
+        done, if not. `wide`: the products on `f32_ops` (else `amx_ops`)."""
         p = self._part
         if p.q_norm is not None or p.k_norm is not None \
                 or p.attn.config._attn_implementation != context.ATTENTION_NAME:
@@ -94,7 +102,7 @@ class FusedLayer:
         k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
         if k_cache.dtype not in kernels.KERNEL_DTYPES or k_cache.device.type != "cpu":
             return False
-        layer = self._lean_layer()
+        layer = self._lean_layer(wide)
         if layer is None:
             return False
         step.calls += 1
@@ -106,12 +114,18 @@ class FusedLayer:
         return True
 
 
-def takes(linears: Any, tokens: int) -> bool:
+def takes(linears: Any, tokens: int) -> bool | None:
     """Whether a `tokens`-row step may run the one-call layer with these packed linears
-    (`PackedLinears`): every product on `amx_ops`, in bf16."""
-    return (tokens <= MAX_ROWS and bool(linears.amx) and not linears.runs_fp32(tokens)
-            and amx_ops.takes(tokens))
+    (`PackedLinears`), and on which products: True, every product on `f32_ops` in fp32
+    (`f32_takes`); False, every product on `amx_ops` in bf16; None: neither."""
+    if tokens > MAX_ROWS:
+        return None
+    if linears.f32_takes(tokens):
+        return True
+    if linears.amx and not linears.runs_fp32(tokens) and amx_ops.takes(tokens):
+        return False
+    return None
 
 
-def _bias(w: amx_ops.AmxWeight) -> Any:
+def _bias(w: amx_ops.AmxWeight | f32_ops.F32Weight) -> Any:
     return None if w.bias is None else w.bias.numpy()

@@ -189,10 +189,12 @@ class LeanLayers:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
-            if p.fused is not None and self.fused_enabled \
-                    and fused_layer.takes(linears, hidden_states.shape[1]):
+            wide = fused_layer.takes(linears, hidden_states.shape[1]) \
+                if p.fused is not None and self.fused_enabled else None
+            if wide is not None:
                 cos, sin = self._rope_rows(*kwargs["position_embeddings"])
-                if p.fused.forward(hidden_states[0], kwargs.get(context.STEP_KWARG), cos, sin):
+                if p.fused.forward(hidden_states[0], kwargs.get(context.STEP_KWARG), cos, sin,
+                                   wide):
                     return hidden_states
             return _lean_forward(p, hidden_states, product, input_dtype, kv_dtype, kwargs,
                                  self._rope_rows)

@@ -271,14 +271,41 @@ pub(crate) struct OutColumns {
     n: usize,
 }
 
-// SAFETY: the pointer is only written through `OutColumns::write` / `write_row` and by tile stores at
-// the addresses `OutColumns::tile` returns (16 rows x 16 columns inside `out`), always of
-// the calling task's own column blocks; the tasks of one `linear` call get disjoint column
-// blocks, so no element is written by two threads, and the slice it came from is borrowed
-// mutably by `linear` until every task has returned.
+// SAFETY: the pointer is only written through `OutColumns::write` / `write_row` /
+// `write_cols` and by tile stores at the addresses `OutColumns::tile` returns (16 rows x 16
+// columns inside `out`), always of the calling task's own column blocks; the tasks of one
+// `linear` call (here or in `f32_linear`) get disjoint column blocks, so no element is
+// written by two threads, and the slice it came from is borrowed mutably by that `linear`
+// until every task has returned.
 unsafe impl Sync for OutColumns {}
 
 impl OutColumns {
+    /// `out` [m, n] (its length checked), written only through this until it is dropped:
+    /// the caller keeps `out` borrowed while the tasks run.
+    pub(crate) fn new(out: &mut [f32], m: usize, n: usize) -> Self {
+        assert_eq!(out.len(), m * n, "out must hold m * n elements");
+        OutColumns {
+            ptr: out.as_mut_ptr(),
+            m,
+            n,
+        }
+    }
+
+    /// Writes `sums` (row `row`, columns `col0..col0 + sums.len()`), keeping to the columns
+    /// below `n`; a row at or past `m` is dropped.
+    pub(crate) fn write_cols(&self, row: usize, col0: usize, sums: &[f32]) {
+        let cols = self.n.saturating_sub(col0).min(sums.len());
+        if row >= self.m || cols == 0 {
+            return;
+        }
+        let at = row * self.n + col0;
+        debug_assert!(at + cols <= self.m * self.n);
+        // SAFETY: `at + cols <= m * n` (row < m, col0 + cols <= n), inside the slice behind
+        // `ptr`; the columns belong to this task alone (see `Sync` above).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols) };
+        dst.copy_from_slice(&sums[..cols]);
+    }
+
     /// Where the 16 x 16 tile of rows `row0..` and columns `col0..` starts in `out`, when
     /// all of it lies inside (else None: see `write`).
     fn tile(&self, row0: usize, col0: usize) -> Option<*mut f32> {

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! h   = bf16(rms_norm(x) * w_in)                      (fused::rms_norm)
-//! qkv = h @ [Wq | Wk | Wv].T + b                       (amx::linear, f32)
+//! qkv = h @ [Wq | Wk | Wv].T + b                       (amx::linear or f32_linear, f32)
 //! q   = rope(qkv[:, q]) (f32);  k = cache(rope(qkv[:, k]))
 //! cache[slots] = k, cache(qkv[:, v])                  (fused::write_rows)
 //! att = cache(attention(q, cache))                     (decode::paged_decode_attention)
@@ -14,7 +14,9 @@
 //! x  += a @ Wd.T + b                                   (f32 adds)
 //! ```
 //!
-//! `cache(.)` rounds to the KV cache's type. Each part splits over threads exactly when the
+//! With f32 weights ([`Packed::F32`], an fp32 model's or fp32 copies of half-precision
+//! ones) `h` and `a` stay f32 and the products run on [`f32_linear`]. `cache(.)` rounds to
+//! the KV cache's type. Each part splits over threads exactly when the
 //! Python layer's call of it would (the same element thresholds), which changes no result.
 //! The intermediate buffers are per-thread scratch reused from call to call (a fresh
 //! allocation of a few MiB costs its page faults at every decode step).
@@ -22,13 +24,39 @@
 use std::cell::RefCell;
 
 use crate::amx::{self, LinearArgs};
+use crate::f32_linear;
 use crate::fused::{self, ArgError, NormInput, RmsNorm, Rope, WriteRows};
 use crate::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
 
-/// One packed product of the layer: [`amx::pack`]ed `W` [n, k] and its f32 bias [n].
+/// A packed weight: bf16 for [`amx::linear`] ([`amx::pack`]'s layout), or f32 for
+/// [`f32_linear::linear`] ([`f32_linear::pack`]'s layout).
+#[derive(Clone, Copy, Debug)]
+pub enum Packed<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+impl Packed<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Packed::Bf16(p) => p.len(),
+            Packed::F32(p) => p.len(),
+        }
+    }
+
+    /// The packed length of an `[n, k]` weight in this layout.
+    fn expected_len(&self, n: usize, k: usize) -> usize {
+        match self {
+            Packed::Bf16(_) => amx::packed_len(n, k),
+            Packed::F32(_) => f32_linear::packed_len(n, k),
+        }
+    }
+}
+
+/// One packed product of the layer: the packed `W` [n, k] and its f32 bias [n].
 #[derive(Clone, Copy, Debug)]
 pub struct Product<'a> {
-    pub packed: &'a [u16],
+    pub packed: Packed<'a>,
     pub bias: Option<&'a [f32]>,
     /// output columns
     pub n: usize,
@@ -86,6 +114,7 @@ const SPLIT_MACS: usize = 1 << 20;
 #[derive(Default)]
 struct Scratch {
     h: Vec<u16>,
+    h32: Vec<f32>,
     qkv: Vec<f32>,
     q: Vec<f32>,
     k: Vec<u16>,
@@ -95,6 +124,7 @@ struct Scratch {
     out: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<u16>,
+    act32: Vec<f32>,
 }
 
 thread_local! {
@@ -132,7 +162,13 @@ pub fn decoder_layer(
         let sc = &mut *guard;
         let hidden = w.hidden;
         let elems = |n: usize| if n >= SPLIT_ELEMS { s.threads } else { 1 };
-        let h = take(&mut sc.h, rows * hidden);
+        // the products' inputs: bf16 for bf16 weights, f32 for f32 ones
+        let wide = matches!(w.qkv.packed, Packed::F32(_));
+        let mut h = if wide {
+            Act::F32(take(&mut sc.h32, rows * hidden))
+        } else {
+            Act::Bf16(take(&mut sc.h, rows * hidden))
+        };
         let norm = |weight, eps| RmsNorm {
             weight,
             rows,
@@ -144,10 +180,10 @@ pub fn decoder_layer(
         fused::rms_norm(
             &norm(w.input_norm, w.input_eps),
             NormInput::Plain(Elems::F32(&*x)),
-            ElemsMut::Bf16(&mut *h),
+            h.out(),
         )?;
         let qkv = take(&mut sc.qkv, rows * width);
-        product(&w.qkv, Elems::Bf16(&*h), rows, hidden, qkv, s.threads)?;
+        product(&w.qkv, h.input(), rows, hidden, qkv, s.threads)?;
         let q = take(&mut sc.q, rows * nq);
         let rope = |col_offset, heads| Rope {
             src: Elems::F32(qkv),
@@ -209,7 +245,8 @@ pub fn decoder_layer(
             threads: s.threads,
         };
         // the attention output in the cache's type (the Python layer's `out_dtype`), then
-        // as the o product's input: bf16 or f32 as they are, f16 widened (exact) to f32
+        // as the o product's input: bf16 (before bf16 weights) or f32 as they are, other
+        // halves widened (exact) to f32
         let attend = |out: ElemsMut<'_>| {
             paged_decode_attention(&decode, out).map_err(|e| ArgError {
                 field: "block_tables",
@@ -225,7 +262,16 @@ pub fn decoder_layer(
             Elems::Bf16(_) => {
                 let a = take(&mut sc.att, rows * nq);
                 attend(ElemsMut::Bf16(&mut *a))?;
-                Elems::Bf16(&*a)
+                if wide {
+                    // f32 weights take f32 inputs: bf16 widened (exact)
+                    let w32 = take(&mut sc.att32, rows * nq);
+                    for (o, &b) in w32.iter_mut().zip(a.iter()) {
+                        *o = half::bf16::from_bits(b).to_f32();
+                    }
+                    Elems::F32(&*w32)
+                } else {
+                    Elems::Bf16(&*a)
+                }
             }
             Elems::F16(_) => {
                 let a = take(&mut sc.att, rows * nq);
@@ -245,38 +291,57 @@ pub fn decoder_layer(
                 x: &mut *x,
                 residual: Elems::F32(&*out),
             },
-            ElemsMut::Bf16(&mut *h),
+            h.out(),
         )?;
         let gate_up = take(&mut sc.gate_up, rows * 2 * w.inter);
         product(
             &w.gate_up,
-            Elems::Bf16(&*h),
+            h.input(),
             rows,
             hidden,
             &mut *gate_up,
             s.threads,
         )?;
-        let act = take(&mut sc.act, rows * w.inter);
+        let mut act = if wide {
+            Act::F32(take(&mut sc.act32, rows * w.inter))
+        } else {
+            Act::Bf16(take(&mut sc.act, rows * w.inter))
+        };
         fused::silu_mul(
             Elems::F32(&*gate_up),
-            ElemsMut::Bf16(&mut *act),
+            act.out(),
             rows,
             w.inter,
             elems(rows * w.inter),
         )?;
-        product(
-            &w.down,
-            Elems::Bf16(&*act),
-            rows,
-            w.inter,
-            &mut *out,
-            s.threads,
-        )?;
+        product(&w.down, act.input(), rows, w.inter, &mut *out, s.threads)?;
         for (x, d) in x.iter_mut().zip(out.iter()) {
             *x += *d;
         }
         Ok(())
     })
+}
+
+/// A product's input buffer: bf16 before bf16 weights, f32 before f32 ones.
+enum Act<'a> {
+    Bf16(&'a mut [u16]),
+    F32(&'a mut [f32]),
+}
+
+impl Act<'_> {
+    fn out(&mut self) -> ElemsMut<'_> {
+        match self {
+            Act::Bf16(v) => ElemsMut::Bf16(v),
+            Act::F32(v) => ElemsMut::F32(v),
+        }
+    }
+
+    fn input(&self) -> Elems<'_> {
+        match self {
+            Act::Bf16(v) => Elems::Bf16(v),
+            Act::F32(v) => Elems::F32(v),
+        }
+    }
 }
 
 /// `out = x @ W.T + b` [rows, p.n] of one packed product with `k` inputs.
@@ -295,7 +360,11 @@ fn product(
         k,
         threads: if macs >= SPLIT_MACS { threads } else { 1 },
     };
-    amx::linear(&args, x, p.packed, p.bias, out)
+    match (p.packed, x) {
+        (Packed::Bf16(packed), x) => amx::linear(&args, x, packed, p.bias, out),
+        (Packed::F32(packed), Elems::F32(x)) => f32_linear::linear(&args, x, packed, p.bias, out),
+        (Packed::F32(_), _) => fused_err("x", "f32 weights take f32 inputs".into()),
+    }
 }
 
 fn reborrow<'b>(e: &'b mut ElemsMut<'_>) -> ElemsMut<'b> {
@@ -371,17 +440,24 @@ fn validate(
     }
     // the products' and the decode kernel's own checks run only after the cache writes
     for (field, p, k) in [
+        ("qkv", &w.qkv, w.hidden),
         ("o", &w.o, w.heads * w.dim),
         ("gate_up", &w.gate_up, w.hidden),
         ("down", &w.down, w.inter),
     ] {
-        if p.packed.len() != amx::packed_len(p.n, k) {
+        if std::mem::discriminant(&p.packed) != std::mem::discriminant(&w.qkv.packed) {
+            return fused_err(
+                field,
+                format!("{field}'s packed weight must be of qkv's kind (all bf16 or all f32)"),
+            );
+        }
+        let want = p.packed.expected_len(p.n, k);
+        if p.packed.len() != want {
             return fused_err(
                 field,
                 format!(
-                    "{field}'s packed weight has {} elements, not {} for [{}, {k}]",
+                    "{field}'s packed weight has {} elements, not {want} for [{}, {k}]",
                     p.packed.len(),
-                    amx::packed_len(p.n, k),
                     p.n
                 ),
             );
@@ -536,49 +612,87 @@ mod tests {
         x.iter().zip(&d).map(|(a, b)| a + b).collect()
     }
 
-    #[test]
-    fn a_layer_is_the_reference_computation_to_bf16_rounding() {
-        if !amx::available() {
-            return; // no bf16 products on this CPU
-        }
-        let rows = 3;
+    /// The four products' weights: packed (bf16 or f32) and widened for the reference.
+    struct Packs {
+        bf16: [Vec<u16>; 4],
+        f32: [Vec<f32>; 4],
+        wide: [Vec<f64>; 4],
+    }
+
+    fn packs(f32_weights: bool) -> Packs {
         let (nq, nk) = (HEADS * D, KV * D);
-        let (qkv, qkv_w) = product_of(1, nq + 2 * nk, H, 0.3);
-        let (o, o_w) = product_of(2, H, nq, 0.3);
-        let (gu, gu_w) = product_of(3, 2 * I, H, 0.3);
-        let (down, down_w) = product_of(4, H, I, 0.3);
-        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
-        let weights = Weights {
+        let shapes = [(nq + 2 * nk, H), (H, nq), (2 * I, H), (H, I)];
+        let mut out = Packs {
+            bf16: Default::default(),
+            f32: Default::default(),
+            wide: Default::default(),
+        };
+        for (i, &(n, k)) in shapes.iter().enumerate() {
+            let seed = i as u64 + 1;
+            if f32_weights {
+                let w = values(seed, n * k, 0.3);
+                let mut packed = vec![0f32; f32_linear::packed_len(n, k)];
+                f32_linear::pack(&w, n, k, &mut packed).expect("pack");
+                out.wide[i] = w.iter().map(|&v| f64::from(v)).collect();
+                out.f32[i] = packed;
+            } else {
+                let (packed, wide) = product_of(seed, n, k, 0.3);
+                out.bf16[i] = packed;
+                out.wide[i] = wide;
+            }
+        }
+        out
+    }
+
+    fn weights<'a>(
+        p: &'a Packs,
+        norms: &'a (Vec<u16>, Vec<u16>),
+        f32_weights: bool,
+    ) -> Weights<'a> {
+        let (nq, nk) = (HEADS * D, KV * D);
+        let product = |i: usize, n: usize| Product {
+            packed: if f32_weights {
+                Packed::F32(&p.f32[i])
+            } else {
+                Packed::Bf16(&p.bf16[i])
+            },
+            bias: None,
+            n,
+        };
+        Weights {
             input_norm: Elems::Bf16(&norms.0),
             post_norm: Elems::Bf16(&norms.1),
             input_eps: EPS,
             post_eps: EPS,
-            qkv: Product {
-                packed: &qkv,
-                bias: None,
-                n: nq + 2 * nk,
-            },
-            o: Product {
-                packed: &o,
-                bias: None,
-                n: H,
-            },
-            gate_up: Product {
-                packed: &gu,
-                bias: None,
-                n: 2 * I,
-            },
-            down: Product {
-                packed: &down,
-                bias: None,
-                n: H,
-            },
+            qkv: product(0, nq + 2 * nk),
+            o: product(1, H),
+            gate_up: product(2, 2 * I),
+            down: product(3, H),
             hidden: H,
             heads: HEADS,
             kv_heads: KV,
             dim: D,
             inter: I,
-        };
+        }
+    }
+
+    #[test]
+    fn a_layer_is_the_reference_computation_to_its_rounding() {
+        if amx::available() {
+            check_layer(false, 0.03); // bf16 products and cache
+        }
+        if f32_linear::available() {
+            check_layer(true, 1e-5); // f32 products and cache
+        }
+    }
+
+    /// The layer against the f64 reference (within `tol` of the largest output), then a bad
+    /// slot: an error naming it, x and the caches unchanged.
+    fn check_layer(f32_weights: bool, tol: f64) {
+        let rows = 3;
+        let p = packs(f32_weights);
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let weights = weights(&p, &norms, f32_weights);
         // rows of 5, 1 and 8 keys: the new key last, the others already cached
         let seqlens = [5i32, 1, 8];
         let tables = [0i32, 1, 2, 0, 3, 4];
@@ -603,37 +717,49 @@ mod tests {
             scale: 1.0 / (D as f32).sqrt(),
             threads: 1,
         };
-        let mut k_cache = round(&values(8, SLOTS * KV * D, 1.0));
-        let mut v_cache = round(&values(9, SLOTS * KV * D, 1.0));
+        let (kv0, vv0) = (
+            values(8, SLOTS * KV * D, 1.0),
+            values(9, SLOTS * KV * D, 1.0),
+        );
+        let (mut kb, mut vb) = (round(&kv0), round(&vv0));
+        let (mut kf, mut vf) = (kv0.clone(), vv0.clone());
+        let (kw, vw): (Vec<f64>, Vec<f64>) = if f32_weights {
+            (
+                kf.iter().map(|&v| f64::from(v)).collect(),
+                vf.iter().map(|&v| f64::from(v)).collect(),
+            )
+        } else {
+            (wide(&kb), wide(&vb))
+        };
         let x0 = values(10, rows * H, 1.0);
+        let wide_refs = [
+            &p.wide[0][..],
+            &p.wide[1][..],
+            &p.wide[2][..],
+            &p.wide[3][..],
+        ];
         let want = reference(
             &x0,
             (&wide(&norms.0), &wide(&norms.1)),
-            [&qkv_w, &o_w, &gu_w, &down_w],
-            &wide(&k_cache),
-            &wide(&v_cache),
+            wide_refs,
+            &kw,
+            &vw,
             &step,
             rows,
         );
         let mut x = x0.clone();
-        decoder_layer(
-            &weights,
-            &step,
-            &mut x,
-            ElemsMut::Bf16(&mut k_cache),
-            ElemsMut::Bf16(&mut v_cache),
-        )
-        .expect("layer");
+        let (kc, vc) = caches(f32_weights, &mut kb, &mut vb, &mut kf, &mut vf);
+        decoder_layer(&weights, &step, &mut x, kc, vc).expect("layer");
         let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
         for (got, want) in x.iter().zip(&want) {
             assert!(
-                (*got as f64 - want).abs() <= 0.03 * scale,
+                (*got as f64 - want).abs() <= tol * scale,
                 "{got} vs {want} (scale {scale})"
             );
         }
-        // a bad slot: an error naming it, x and the caches unchanged
-        let before = (x.clone(), k_cache.clone(), v_cache.clone());
+        let before = (x.clone(), kb.clone(), vb.clone(), kf.clone(), vf.clone());
         let bad = [0i64, 1, SLOTS as i64];
+        let (kc, vc) = caches(f32_weights, &mut kb, &mut vb, &mut kf, &mut vf);
         let err = decoder_layer(
             &weights,
             &Step {
@@ -641,11 +767,60 @@ mod tests {
                 ..step
             },
             &mut x,
-            ElemsMut::Bf16(&mut k_cache),
-            ElemsMut::Bf16(&mut v_cache),
+            kc,
+            vc,
         )
         .expect_err("slot out of range");
         assert_eq!(err.field, "slots");
-        assert_eq!(before, (x, k_cache, v_cache));
+        assert_eq!(before, (x, kb, vb, kf, vf));
+    }
+
+    /// The f32 caches for f32 weights, else the bf16 ones.
+    fn caches<'a>(
+        f32_weights: bool,
+        kb: &'a mut [u16],
+        vb: &'a mut [u16],
+        kf: &'a mut [f32],
+        vf: &'a mut [f32],
+    ) -> (ElemsMut<'a>, ElemsMut<'a>) {
+        if f32_weights {
+            (ElemsMut::F32(kf), ElemsMut::F32(vf))
+        } else {
+            (ElemsMut::Bf16(kb), ElemsMut::Bf16(vb))
+        }
+    }
+
+    #[test]
+    fn mixed_weight_kinds_are_refused_naming_the_product() {
+        if !amx::available() || !f32_linear::available() {
+            return;
+        }
+        let (pb, pf) = (packs(false), packs(true));
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let mut w = weights(&pb, &norms, false);
+        w.down.packed = Packed::F32(&pf.f32[3]);
+        let step = Step {
+            cos: &[0.0; D],
+            sin: &[0.0; D],
+            slots: &[0],
+            block_tables: &[0],
+            seqlens: &[1],
+            width: 1,
+            page: PAGE,
+            window: Window::Full,
+            scale: 1.0,
+            threads: 1,
+        };
+        let mut x = vec![0f32; H];
+        let (mut kc, mut vc) = (vec![0u16; SLOTS * KV * D], vec![0u16; SLOTS * KV * D]);
+        let err = decoder_layer(
+            &w,
+            &step,
+            &mut x,
+            ElemsMut::Bf16(&mut kc),
+            ElemsMut::Bf16(&mut vc),
+        )
+        .expect_err("mixed kinds");
+        assert_eq!(err.field, "down");
     }
 }

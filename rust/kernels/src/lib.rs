@@ -4,6 +4,8 @@
 //!
 //! * [`amx`]: bf16 matrix products with f32 outputs (weights packed once) on the AMX tiles,
 //!   or with AVX-512 BF16 ([`dpbf16`]) where the CPU has no AMX;
+//! * [`f32_linear`]: f32 matrix products on AVX-512F over weights packed once (rows never
+//!   depend on their batch);
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
@@ -18,6 +20,7 @@
 pub mod amx;
 pub mod decode;
 pub mod dpbf16;
+pub mod f32_linear;
 pub mod fused;
 pub mod layer;
 pub mod parallel;

@@ -4,19 +4,21 @@
 //! shape the kernel needs is checked here or by the kernel, with a `FieldError` naming the
 //! argument.
 
-use ferrobatch_kernels::layer::{self, Product, Step, Weights};
-use ferrobatch_kernels::{amx, Window};
+use ferrobatch_kernels::layer::{self, Packed as PackedWeight, Product, Step, Weights};
+use ferrobatch_kernels::{amx, f32_linear, Window};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::invalid;
 use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Ty};
 
-/// One packed product: the array, its optional bias and its shape.
+/// One packed product: the array (bf16 bits in `amx_pack`'s layout, or float32 in
+/// `f32_pack`'s), its optional bias and its shape.
 struct Packed {
     packed: Py<PyAny>,
     bias: Option<Py<PyAny>>,
     n: usize,
+    f32: bool,
 }
 
 impl Packed {
@@ -24,18 +26,20 @@ impl Packed {
         field: &'static str,
         packed: &Bound<'_, PyAny>,
         bias: Option<&Bound<'_, PyAny>>,
-        n: usize,
-        k: usize,
+        (n, k): (usize, usize),
+        f32: bool,
     ) -> PyResult<Self> {
-        let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
-        if p.len() != amx::packed_len(n, k) {
+        let (len, want, layout) = if f32 {
+            let p = ro::<f32>(packed, field, "float32 (f32_pack's layout)")?;
+            (p.len(), f32_linear::packed_len(n, k), "f32_packed_len")
+        } else {
+            let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
+            (p.len(), amx::packed_len(n, k), "amx_packed_len")
+        };
+        if len != want {
             return Err(invalid(
                 field,
-                format!(
-                    "{field} has {} elements, not amx_packed_len({n}, {k}) = {}",
-                    p.len(),
-                    amx::packed_len(n, k)
-                ),
+                format!("{field} has {len} elements, not {layout}({n}, {k}) = {want}"),
             ));
         }
         if let Some(b) = bias {
@@ -51,21 +55,33 @@ impl Packed {
             packed: packed.clone().unbind(),
             bias: bias.map(|b| b.clone().unbind()),
             n,
+            f32,
         })
     }
 }
 
+/// A borrowed packed weight.
+enum PackedView<'py> {
+    Bf16(PyReadonlyArrayDyn<'py, u16>),
+    F32(PyReadonlyArrayDyn<'py, f32>),
+}
+
 /// The borrowed views of one product for a call.
 struct Views<'py> {
-    packed: PyReadonlyArrayDyn<'py, u16>,
+    packed: PackedView<'py>,
     bias: Option<PyReadonlyArrayDyn<'py, f32>>,
     n: usize,
 }
 
 impl<'py> Views<'py> {
     fn of(py: Python<'py>, p: &Packed, field: &'static str) -> PyResult<Self> {
+        let a = p.packed.bind(py);
         Ok(Views {
-            packed: ro::<u16>(p.packed.bind(py), field, "uint16")?,
+            packed: if p.f32 {
+                PackedView::F32(ro::<f32>(a, field, "float32")?)
+            } else {
+                PackedView::Bf16(ro::<u16>(a, field, "uint16")?)
+            },
             bias: p
                 .bias
                 .as_ref()
@@ -77,7 +93,10 @@ impl<'py> Views<'py> {
 
     fn product(&self) -> PyResult<Product<'_>> {
         Ok(Product {
-            packed: self.packed.as_slice()?,
+            packed: match &self.packed {
+                PackedView::Bf16(a) => PackedWeight::Bf16(a.as_slice()?),
+                PackedView::F32(a) => PackedWeight::F32(a.as_slice()?),
+            },
             bias: self.bias.as_ref().map(|b| b.as_slice()).transpose()?,
             n: self.n,
         })
@@ -85,9 +104,10 @@ impl<'py> Views<'py> {
 }
 
 /// A Llama-style decoder layer run by `forward` in one call: `input_norm` / `post_norm`
-/// [hidden] in `norm_dtype`, the `amx_pack`ed products `qkv` [heads * dim + 2 * kv_heads *
-/// dim, hidden], `o` [hidden, heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden,
-/// inter], each with an optional float32 bias. The arrays are kept (not copied): the
+/// [hidden] in `norm_dtype`, the packed products `qkv` [heads * dim + 2 * kv_heads * dim,
+/// hidden], `o` [hidden, heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden, inter],
+/// each with an optional float32 bias: `amx_pack`ed bf16 with `weight_dtype` "bfloat16"
+/// (the products' inputs rounded to bf16), `f32_pack`ed with "float32" (f32 inputs). The arrays are kept (not copied): the
 /// caller must not change them while the layer is in use.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LeanLayer {
@@ -107,7 +127,8 @@ impl LeanLayer {
     #[new]
     #[pyo3(signature = (*, input_norm, post_norm, norm_dtype, input_eps, post_eps, qkv, o,
                         gate_up, down, hidden, heads, kv_heads, dim, inter, qkv_bias = None,
-                        o_bias = None, gate_up_bias = None, down_bias = None))]
+                        o_bias = None, gate_up_bias = None, down_bias = None,
+                        weight_dtype = "bfloat16"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: &Bound<'_, PyAny>,
@@ -128,7 +149,18 @@ impl LeanLayer {
         o_bias: Option<&Bound<'_, PyAny>>,
         gate_up_bias: Option<&Bound<'_, PyAny>>,
         down_bias: Option<&Bound<'_, PyAny>>,
+        weight_dtype: &str,
     ) -> PyResult<Self> {
+        let f32 = match weight_dtype {
+            "bfloat16" => false,
+            "float32" => true,
+            other => {
+                return Err(invalid(
+                    "weight_dtype",
+                    format!("weight_dtype must be \"bfloat16\" or \"float32\", not {other:?}"),
+                ))
+            }
+        };
         if [hidden, heads, kv_heads, dim, inter].contains(&0) {
             return Err(invalid(
                 "hidden",
@@ -157,10 +189,10 @@ impl LeanLayer {
             post_norm: post_norm.clone().unbind(),
             norm_ty,
             eps: (input_eps, post_eps),
-            qkv: Packed::new("qkv", qkv, qkv_bias, nq + 2 * nk, hidden)?,
-            o: Packed::new("o", o, o_bias, hidden, nq)?,
-            gate_up: Packed::new("gate_up", gate_up, gate_up_bias, 2 * inter, hidden)?,
-            down: Packed::new("down", down, down_bias, hidden, inter)?,
+            qkv: Packed::new("qkv", qkv, qkv_bias, (nq + 2 * nk, hidden), f32)?,
+            o: Packed::new("o", o, o_bias, (hidden, nq), f32)?,
+            gate_up: Packed::new("gate_up", gate_up, gate_up_bias, (2 * inter, hidden), f32)?,
+            down: Packed::new("down", down, down_bias, (hidden, inter), f32)?,
             dims: [hidden, heads, kv_heads, dim, inter],
         })
     }

@@ -16,7 +16,8 @@
 //! (`StepOutput`, `Delta`), [`config`] (the constructor's arguments), [`convert`]
 //! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`table`]
 //! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`), [`fused`]
-//! (`rms_norm`, `silu_mul`, `rope`, `write_rows`), [`select`] (`greedy_select`,
+//! (`rms_norm`, `silu_mul`, `rope`, `write_rows`), [`amx`] / [`f32_linear`] (packed
+//! products), [`select`] (`greedy_select`,
 //! `greedy_pick`, `row_norms`), [`openmp`] (`share_openmp`: the kernels' threads on torch's
 //! OpenMP runtime); the constants
 //! `ZERO_CHUNK`, `SCRATCH_CHUNK`. The stub `python/ferrobatch/_core.pyi` describes the module.
@@ -26,6 +27,7 @@ mod cache;
 mod config;
 mod convert;
 mod errors;
+mod f32_linear;
 mod fused;
 mod kernels;
 mod layer;
@@ -58,6 +60,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(amx::amx_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_pack, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_linear::f32_linear_available, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_linear::f32_packed_len, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_linear::f32_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_linear::f32_linear, m)?)?;
     m.add_class::<layer::LeanLayer>()?;
     m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;

@@ -1,0 +1,83 @@
+"""f32 matrix products on AVX-512F over weights packed once (`ferrobatch-kernels`'
+`f32_linear`): `x @ W.T + b`, each output a plain f32 sum in input order. Unlike oneDNN's
+and MKL's products, a row's result never depends on how many rows share the call or on the
+thread count (columns, not sums, are split between threads), and at a lean layer's sizes it
+is level with oneDNN's packed fp32 product on one thread and splits better over two
+(`benches/f32_linear.py`).
+
+`pack` lays a weight out once; `linear` runs the product; `torch_linear` is the reference
+it is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ferrobatch.attention.kernels import numpy_view as _np
+
+__all__ = ["F32Weight", "available", "linear", "pack", "torch_linear"]
+
+#: products of at least this many multiply-adds split their columns over torch's threads
+SPLIT_MACS = 1 << 20
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `linear` runs here (AVX-512F, and a build of `ferrobatch._core` that has it)."""
+    from ferrobatch import _core
+
+    return bool(getattr(_core, "f32_linear_available", lambda: False)())
+
+
+@dataclass(frozen=True)
+class F32Weight:
+    """An fp32 `nn.Linear` weight [n, k] packed for `linear`, with its fp32 bias."""
+
+    packed: torch.Tensor  # float32, `_core.f32_packed_len(n, k)` elements
+    bias: torch.Tensor | None  # float32 [n]
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 4
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
+    """`weight` ([n, k], CPU; widened to fp32 exactly if half precision) packed once for
+    `linear`; `bias` kept as fp32."""
+    from ferrobatch import _core
+
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D floating-point tensor, not {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
+    _core.f32_pack(weight.detach().float().contiguous().numpy(), packed.numpy())
+    b = None if bias is None else bias.detach().float().contiguous()
+    return F32Weight(packed, b, int(n), int(k))
+
+
+def linear(x: torch.Tensor, w: F32Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + b` in fp32, `x` [T, k] (widened to fp32 first if it is not), into `out`
+    ([T, n] fp32, contiguous) when given."""
+    from ferrobatch import _core
+
+    x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
+    rows = x.shape[0]
+    if out is None:
+        out = torch.empty(rows, w.n, dtype=torch.float32)
+    threads = torch.get_num_threads() if rows * w.n * w.k >= SPLIT_MACS else 1
+    _core.f32_linear(_np(x), _np(w.packed), _np(out), n=w.n, k=w.k,
+                     bias=None if w.bias is None else w.bias.numpy(), threads=threads)
+    return out
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `linear`: the fp32 product of the widened weight."""
+    y = x.float() @ weight.float().t()
+    return y + bias.float() if bias is not None else y

@@ -1,0 +1,146 @@
+"""The one-call decoder layer over fp32 products (`_core.LeanLayer(weight_dtype="float32")`
+on `f32_ops`): an fp32 model's layers and a half-precision model's fp32 copies, bit-equal to
+the lean layer it replaces and taken where it applies; the binding's checks of the fp32
+layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams, f32_ops
+from ferrobatch.runner import activations, cpu_linear, fused_layer
+from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.model_runner import ModelRunner
+from ref_planner import drive_runner
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(
+    not (packing_available(torch.float32) and fused_layer.available() and f32_ops.available()),
+    reason="no oneDNN packed linears, or no AVX-512F here",
+)
+
+
+def _record(monkeypatch) -> list[tuple[bool, bool]]:
+    """(taken, on f32 products) of every one-call attempt."""
+    seen: list[tuple[bool, bool]] = []
+    own = fused_layer.FusedLayer.forward
+
+    def recorded(self, x, step, cos, sin, wide=False):
+        ran = own(self, x, step, cos, sin, wide)
+        seen.append((ran, wide))
+        return ran
+
+    monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
+    return seen
+
+
+def _fused_and_lean(model, prompts, new, **kw):
+    got = {}
+    for fused in (True, False):
+        runner = ModelRunner(model, num_blocks=128, page_size=4, **kw)
+        assert runner._lean is not None and runner._linears.f32_kernel
+        runner._lean.fused_enabled = fused
+        got[fused] = drive_runner(runner, prompts, new, forced=True)
+        runner.close()
+    return got[True], got[False]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding"])
+def test_an_fp32_models_one_call_layer_is_its_lean_layer_bit_for_bit(monkeypatch, name):
+    """fp32 model, fp32 cache: equal logits with and without the one call, taken on f32
+    products."""
+    seen = _record(monkeypatch)
+    model = tm.BUILDERS[name]()
+    fused, lean = _fused_and_lean(model, tm.random_prompts(3, 6, 2, 30), 8)
+    assert any(ran and wide for ran, wide in seen)
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16])
+def test_fp32_copies_of_half_weights_take_the_one_call_on_f32_products(monkeypatch,
+                                                                       cache_dtype):
+    """A bf16 model whose products of >= 2 rows run on fp32 copies (forced): those steps
+    take the one call on f32 products (the attention output widened from the cache's type),
+    bit-equal to the lean layer."""
+    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: 2)
+    seen = _record(monkeypatch)
+    model = tm.llama().to(torch.bfloat16)
+    kw = {} if cache_dtype is None else {"dtype": cache_dtype}
+    fused, lean = _fused_and_lean(model, tm.random_prompts(4, 6, 2, 30), 8, **kw)
+    assert any(ran and wide for ran, wide in seen)
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_steps_above_the_kernels_rows_keep_the_lean_forward(monkeypatch):
+    """Beyond `F32_KERNEL_ROWS` fp32 products go to oneDNN: no one call on them."""
+    monkeypatch.setattr(cpu_linear, "F32_KERNEL_ROWS", 2)
+    seen = _record(monkeypatch)
+    runner = ModelRunner(tm.llama(), num_blocks=128, page_size=4)
+    drive_runner(runner, tm.random_prompts(5, 5, 2, 12), 3, forced=True)
+    runner.close()
+    assert not any(wide for _, wide in seen)
+
+
+def test_fp32_engine_outputs_equal_generate_with_the_one_call():
+    """Greedy outputs of an fp32 model through the engine (decode steps on the one call)
+    equal the model's own `generate`, prompt by prompt."""
+    model = tm.llama()
+    prompts = tm.random_prompts(6, 5, 3, 40)
+    with Engine(model, config=ContinuousBatchingConfig(page_size=4, num_blocks=256)) as engine:
+        assert engine.runner._linears.f32_kernel
+        got = engine.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)
+    for p, o in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert o.token_ids == want
+
+
+# --- the binding's checks of the fp32 layout --------------------------------------------
+
+H, HEADS, KV, D, INTER = 64, 4, 2, 16, 96
+
+
+def _layer(**over):
+    from ferrobatch import _core
+
+    def packed(n, k):
+        return f32_ops.pack(torch.randn(n, k)).packed.numpy()
+
+    nq, nk = HEADS * D, KV * D
+    kw = dict(input_norm=np.ones(H, np.float32), post_norm=np.ones(H, np.float32),
+              norm_dtype="float32", input_eps=1e-6, post_eps=1e-6,
+              qkv=packed(nq + 2 * nk, H), o=packed(H, nq), gate_up=packed(2 * INTER, H),
+              down=packed(H, INTER), hidden=H, heads=HEADS, kv_heads=KV, dim=D, inter=INTER,
+              weight_dtype="float32")
+    kw.update(over)
+    return _core.LeanLayer(**kw)
+
+
+def test_an_fp32_layer_runs_and_updates_x_and_the_cache():
+    layer = _layer()
+    rows, slots = 2, 16
+    x = np.random.default_rng(0).standard_normal((rows, H)).astype(np.float32)
+    x0 = x.copy()
+    kc, vc = np.zeros((slots, KV, D), np.float32), np.zeros((slots, KV, D), np.float32)
+    layer.forward(x, kc, vc, np.ones((rows, D), np.float32), np.zeros((rows, D), np.float32),
+                  np.arange(rows, dtype=np.int64), np.zeros((rows, 1), np.int32),
+                  np.arange(1, rows + 1, dtype=np.int32), cache_dtype="float32", page=4,
+                  window=0, scale=0.25, threads=1)
+    assert not np.array_equal(x, x0) and np.isfinite(x).all()
+    assert np.abs(kc[:2]).sum() > 0 and not kc[2:].any()
+
+
+@pytest.mark.parametrize("field,over", [
+    ("weight_dtype", dict(weight_dtype="int8")),
+    ("qkv", dict(qkv=np.zeros(10, np.float32))),
+    ("o", dict(o=np.zeros(10, np.uint16))),
+])
+def test_a_bad_fp32_layer_names_the_field(field, over):
+    with pytest.raises(FieldError) as e:
+        _layer(**over)
+    assert e.value.field == field
