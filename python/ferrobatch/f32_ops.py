@@ -21,7 +21,9 @@ from ferrobatch.attention.kernels import numpy_view as _np
 __all__ = ["F32Weight", "available", "linear", "pack", "torch_linear"]
 
 #: products of at least this many multiply-adds split their columns over torch's threads
-SPLIT_MACS = 1 << 20
+#: (at a few rows they are bound by the weights' bytes, which two cores read faster than
+#: one; the one-call layer's `SPLIT_MACS_F32` is the same)
+SPLIT_MACS = 1 << 18
 
 
 @functools.cache

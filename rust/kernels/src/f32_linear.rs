@@ -166,14 +166,33 @@ fn run_blocks(
     out: &OutColumns,
 ) {
     let blocks = packed.len() / (BLOCK_N * k);
-    for panel in panels {
+    let panel_at = |panel: usize| {
         let nb = panel * PASS_BLOCKS;
         let nblocks = (blocks - nb).min(PASS_BLOCKS);
-        let w = &packed[nb * BLOCK_N * k..(nb + nblocks) * BLOCK_N * k];
+        (
+            nb,
+            nblocks,
+            &packed[nb * BLOCK_N * k..(nb + nblocks) * BLOCK_N * k],
+        )
+    };
+    let end = panels.end;
+    for panel in panels {
+        let (nb, nblocks, w) = panel_at(panel);
+        // the next panel's weights, fetched into L2 while this one's row groups run: group
+        // g < 4 fetches that panel's column block g (a call streams its weights from memory
+        // once, and without this the fetch stalls the first group of every panel)
+        let next = (panel + 1 < end).then(|| panel_at(panel + 1));
         let b = bias.map(|b| &b[nb * BLOCK_N..(nb + nblocks) * BLOCK_N]);
-        for row0 in (0..rows).step_by(GROUP_ROWS) {
+        for (g, row0) in (0..rows).step_by(GROUP_ROWS).enumerate() {
             let r = (rows - row0).min(GROUP_ROWS);
             let mut sums = [[0f32; PASS_BLOCKS * BLOCK_N]; GROUP_ROWS];
+            let pf = next.and_then(|(_, blocks, w)| {
+                (g < blocks).then_some(Prefetch {
+                    w,
+                    blocks,
+                    block: g,
+                })
+            });
             group(
                 &a[row0 * k..(row0 + r) * k],
                 k,
@@ -181,6 +200,7 @@ fn run_blocks(
                 nblocks,
                 w,
                 b,
+                pf,
                 &mut sums[..r],
             );
             for (i, s) in sums[..r].iter().enumerate() {
@@ -190,7 +210,18 @@ fn run_blocks(
     }
 }
 
-/// `sums[i][..16 nb] = bias + a[i] . w` for the `r` rows of `a` and the `nb` blocks of `w`.
+/// Which weights a group fetches ahead: column block `block` of the panel `w` (`blocks`
+/// column blocks, [`pack`]'s panel layout), one cache line per input.
+#[derive(Clone, Copy)]
+struct Prefetch<'a> {
+    w: &'a [f32],
+    blocks: usize,
+    block: usize,
+}
+
+/// `sums[i][..16 nb] = bias + a[i] . w` for the `r` rows of `a` and the `nb` blocks of `w`,
+/// fetching `pf`'s weights into L2 on the way.
+#[allow(clippy::too_many_arguments)] // one group's operands
 fn group(
     a: &[f32],
     k: usize,
@@ -198,18 +229,19 @@ fn group(
     nb: usize,
     w: &[f32],
     bias: Option<&[f32]>,
+    pf: Option<Prefetch<'_>>,
     sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
 ) {
     // (const row and block counts let the compiler keep every accumulator in a register)
     macro_rules! rows {
         ($nb:literal) => {
             match r {
-                1 => kernel::run::<1, $nb>(a, k, w, bias, sums),
-                2 => kernel::run::<2, $nb>(a, k, w, bias, sums),
-                3 => kernel::run::<3, $nb>(a, k, w, bias, sums),
-                4 => kernel::run::<4, $nb>(a, k, w, bias, sums),
-                5 => kernel::run::<5, $nb>(a, k, w, bias, sums),
-                6 => kernel::run::<6, $nb>(a, k, w, bias, sums),
+                1 => kernel::run::<1, $nb>(a, k, w, bias, pf, sums),
+                2 => kernel::run::<2, $nb>(a, k, w, bias, pf, sums),
+                3 => kernel::run::<3, $nb>(a, k, w, bias, pf, sums),
+                4 => kernel::run::<4, $nb>(a, k, w, bias, pf, sums),
+                5 => kernel::run::<5, $nb>(a, k, w, bias, pf, sums),
+                6 => kernel::run::<6, $nb>(a, k, w, bias, pf, sums),
                 _ => unreachable!("1 to 6 rows per group"),
             }
         };
@@ -225,7 +257,7 @@ fn group(
 
 #[cfg(target_arch = "x86_64")]
 mod kernel {
-    use super::{BLOCK_N, PASS_BLOCKS};
+    use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
     use std::arch::x86_64::*;
 
     /// See [`super::group`]; `R` rows, `NB` column blocks.
@@ -234,14 +266,16 @@ mod kernel {
         k: usize,
         w: &[f32],
         bias: Option<&[f32]>,
+        pf: Option<Prefetch<'_>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         assert!(NB <= PASS_BLOCKS && a.len() == R * k && w.len() == NB * k * BLOCK_N);
         assert!(sums.len() == R && bias.is_none_or(|b| b.len() == NB * BLOCK_N));
+        assert!(pf.is_none_or(|p| p.block < p.blocks && p.w.len() == p.blocks * k * BLOCK_N));
         assert!(super::available(), "AVX-512F is not available");
         // SAFETY: the CPU has AVX-512F (asserted just above), the only target feature `dot`
         // enables; the lengths `dot` relies on are asserted above too.
-        unsafe { dot::<R, NB>(a, k, w, bias, sums) }
+        unsafe { dot::<R, NB>(a, k, w, bias, pf, sums) }
     }
 
     /// The k loop of [`run`] (lengths checked there).
@@ -251,8 +285,14 @@ mod kernel {
         k: usize,
         w: &[f32],
         bias: Option<&[f32]>,
+        pf: Option<Prefetch<'_>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
+        // (`w`'s start, never advanced, when nothing is fetched: the loop keeps one form)
+        let (pf_ptr, pf_step) = match pf {
+            Some(p) => (p.w[p.block * BLOCK_N..].as_ptr(), p.blocks * BLOCK_N),
+            None => (w.as_ptr(), 0),
+        };
         let start: [__m512; NB] = std::array::from_fn(|j| match bias {
             // SAFETY: bias has 16 NB elements (asserted in `run`); 16 are read from 16 j.
             Some(b) => unsafe { _mm512_loadu_ps(b.as_ptr().add(BLOCK_N * j)) },
@@ -261,6 +301,9 @@ mod kernel {
         let mut acc = [start; R];
         let (wp, ap) = (w.as_ptr(), a.as_ptr());
         for l in 0..k {
+            // (a prefetch never faults: the address is input l's line of the fetched column
+            // block, inside the next panel, or `w`'s start)
+            _mm_prefetch::<_MM_HINT_T1>(pf_ptr.wrapping_add(l * pf_step).cast::<i8>());
             // SAFETY: `(l * NB + j) * 16 + 16 <= NB * k * 16 = w.len()` (l < k, j < NB):
             // input l's weights of column block j, 16 f32, unaligned load.
             let wv: [__m512; NB] =
@@ -284,13 +327,14 @@ mod kernel {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod kernel {
-    use super::{BLOCK_N, PASS_BLOCKS};
+    use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
 
     pub(super) fn run<const R: usize, const NB: usize>(
         _: &[f32],
         _: usize,
         _: &[f32],
         _: Option<&[f32]>,
+        _: Option<Prefetch<'_>>,
         _: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         unreachable!("AVX-512F is never available off x86-64")

@@ -107,8 +107,11 @@ pub struct Step<'a> {
 
 /// Elementwise parts split from this many elements on (the Python layer's threshold).
 const SPLIT_ELEMS: usize = 1 << 16;
-/// Products split from this many multiply-adds on (`amx_ops.linear`'s threshold).
+/// bf16 products split from this many multiply-adds on (`amx_ops.linear`'s threshold).
 const SPLIT_MACS: usize = 1 << 20;
+/// f32 products from this many (`f32_ops.SPLIT_MACS`): at a few rows they are bound by the
+/// weights' bytes, which two cores read faster than one.
+const SPLIT_MACS_F32: usize = 1 << 18;
 
 /// The intermediate buffers of one call.
 #[derive(Default)]
@@ -354,11 +357,15 @@ fn product(
     threads: usize,
 ) -> Result<(), ArgError> {
     let macs = rows.saturating_mul(p.n).saturating_mul(k);
+    let split = match p.packed {
+        Packed::Bf16(_) => SPLIT_MACS,
+        Packed::F32(_) => SPLIT_MACS_F32,
+    };
     let args = LinearArgs {
         m: rows,
         n: p.n,
         k,
-        threads: if macs >= SPLIT_MACS { threads } else { 1 },
+        threads: if macs >= split { threads } else { 1 },
     };
     match (p.packed, x) {
         (Packed::Bf16(packed), x) => amx::linear(&args, x, packed, p.bias, out),
