@@ -156,6 +156,7 @@ class SnapReq:
     held: dict[str, list[int]]
     swap_slots: list[int]
     key: tuple[int, int] = (0, 0)  # (priority, arrival): queue order
+    deferred: bool = False  # put off once to share a block filled in its step
 
 
 @dataclasses.dataclass
@@ -199,6 +200,7 @@ def read_snapshot(s: Scheduler) -> Snap:
             held=held,
             swap_slots=[int(x) for x in swap],
             key=(int(_get(r, "priority", 0)), int(_get(r, "arrival", 0))),
+            deferred=bool(_get(r, "admission_deferred", False)),
         )
     rc = _get(raw, "refcounts")
     if isinstance(rc, dict):
@@ -379,7 +381,8 @@ class Harness:
         first, grouped by phase (fifo: decodes then in-flight prefills; prefill_first: the
         reverse), each group in (priority, arrival) order; then admissions (waiting and
         swapped merged) in key order, head of line: no waiting/swapped request is passed over
-        by one with a larger key."""
+        by one with a larger key, except a waiting one put off in this very step to share a
+        block the step fills (in-batch prefix sharing: once per request)."""
         rids = list(plan.request_ids)
         running_before = {r for r, sr in before.requests.items()
                           if sr.state in ("prefilling", "decoding")}
@@ -428,8 +431,10 @@ class Harness:
             top = max(keys)
             for r, sr in after.requests.items():
                 if sr.state in ("waiting", "swapped") and r not in rids:
-                    check(sr.key > top, "%s (key %s) passed over by admitted %s (key %s)", r,
-                          sr.key, new[keys.index(top)], top)
+                    put_off = (sr.state == "waiting" and sr.deferred and r in before.requests
+                               and not before.requests[r].deferred)
+                    check(sr.key > top or put_off, "%s (key %s) passed over by admitted %s "
+                          "(key %s)", r, sr.key, new[keys.index(top)], top)
 
     def stats(self) -> dict:
         return dict(self.s.stats())

@@ -43,6 +43,7 @@ def test_defaults_are_valid_and_bounded() -> None:
         ("cpu_offload_space", -1.0),
         ("cpu_offload_space", math.inf),
         ("allow_block_sharing", "yes"),
+        ("defer_shared_prefixes", 1),
         ("q_padding_interval_size", -4),
         ("use_cuda_graph", "auto"),
     ],

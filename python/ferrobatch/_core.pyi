@@ -36,6 +36,7 @@ class _Stats(TypedDict):
     swapped: int
     finished: int
     prefix_hit_tokens: int
+    deferred_admissions: int
     prompt_tokens: int
     num_preemptions: int
     num_offloads: int
@@ -211,6 +212,7 @@ class Scheduler:
         sliding_window: int | None = None,
         cpu_offload_blocks: int = 0,
         max_batch_cache_tokens: int | None = None,
+        defer_shared_prefixes: bool = True,
     ) -> Scheduler:
         """A scheduler over `num_blocks` chunks of `page_size` tokens; FieldError on bad values."""
     def add_request(

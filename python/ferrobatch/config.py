@@ -42,6 +42,10 @@ class ContinuousBatchingConfig:
         safety_margin: share of the cache held in reserve for decodes; once free capacity is
             below it no new prefill is admitted. None = 0.15 for fifo, 0.0 for prefill_first.
         allow_block_sharing: prefix caching (only active on full-attention-only models).
+        defer_shared_prefixes: with prefix caching, a waiting request whose next block
+            another request of the same step computes (a shared system prompt arriving
+            together) is admitted one step later, taking that block as a hit instead of
+            computing it again (in-batch prefix sharing; at most once per request).
         cpu_offload_space: GiB of (pinned on CUDA) CPU swap pool; 0 = off, preempted requests
             are soft-reset (recomputed) instead.
         q_padding_interval_size / kv_padding_interval_size: CUDA-graph shape padding (tokens);
@@ -63,6 +67,7 @@ class ContinuousBatchingConfig:
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
     allow_block_sharing: bool = True
+    defer_shared_prefixes: bool = True
     cpu_offload_space: float = 0.0
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
@@ -96,6 +101,11 @@ class ContinuousBatchingConfig:
             raise FieldError(
                 f"allow_block_sharing must be a bool, got {self.allow_block_sharing!r}",
                 "allow_block_sharing",
+            )
+        if not isinstance(self.defer_shared_prefixes, bool):
+            raise FieldError(
+                f"defer_shared_prefixes must be a bool, got {self.defer_shared_prefixes!r}",
+                "defer_shared_prefixes",
             )
         if self.cpu_offload_space is None:
             self.cpu_offload_space = 0.0

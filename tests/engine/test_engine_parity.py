@@ -105,6 +105,24 @@ def test_parity_shared_prefixes(arch: str, sharing: bool) -> None:
     check(arch, prompts2, run_engine(arch, prompts2, allow_block_sharing=sharing))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_parity_shared_prefix_arriving_together(arch: str) -> None:
+    """Prompts with a common prefix of several pages, all in one step's budget: the
+    followers are put off a step and take the leader's blocks as hits (in-batch prefix
+    sharing), with outputs still equal to `generate`; hybrid sliding models share nothing
+    and put nothing off."""
+    prompts = tiny_models.mixed_prompts(11, n=8, shared_prefix=4 * PAGE + 3)
+    got = run_engine(arch, prompts, max_batch_tokens=512)
+    check(arch, prompts, got)
+    stats = run_engine.last_stats
+    if arch == "gemma3":
+        assert stats["deferred_admissions"] == 0 and stats["prefix_hit_rate"] == 0.0
+    else:
+        assert stats["deferred_admissions"] == len(prompts) - 1
+        # every follower takes the four shared pages (at most its last token recomputed)
+        assert stats["prefix_hit_tokens"] >= (len(prompts) - 1) * 4 * PAGE - PAGE
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_parity_with_cancellations(arch: str) -> None:
     prompts = tiny_models.mixed_prompts(6, n=8)

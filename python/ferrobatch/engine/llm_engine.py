@@ -297,6 +297,7 @@ class Engine(ModelProbes):
             layer_types=list(self.layer_types),
             sliding_window=self.sliding_window,
             cpu_offload_blocks=self.cpu_offload_blocks,
+            defer_shared_prefixes=cfg.defer_shared_prefixes,
         )
 
     # ------------------------------------------------------------------ public API

@@ -186,11 +186,12 @@ class _Packed:
             return f32_ops.linear(x, w)
         return f32_ops.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.n)
 
-    def fp32_product(self, x: torch.Tensor) -> torch.Tensor | None:
+    def fp32_product(self, x: torch.Tensor, f32: bool = True) -> torch.Tensor | None:
         """`x @ W.T + b` in fp32 on the fp32 copy of the weight (packed on first use after
         each `refresh`; `x` widened to fp32): on `f32_ops` up to `F32_KERNEL_ROWS` rows
-        where that copy is wanted, else oneDNN's; None when neither copy is wanted."""
-        if self.wants_f32 and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
+        where that copy is wanted and `f32`, else oneDNN's; None when neither copy is
+        wanted."""
+        if f32 and self.wants_f32 and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
             return self.f32_product(x)
         if not self.wants_wide:
             return None
@@ -404,7 +405,7 @@ class PackedLinears:
         output not rounded) when `amx` and `amx_ops.takes` them; else `product` (in the
         weight dtype)."""
         rows = x.shape[0]
-        y = packed.fp32_product(x) if self.runs_fp32(rows) else None
+        y = packed.fp32_product(x, self.f32_kernel) if self.runs_fp32(rows) else None
         if y is not None:
             return y
         w = packed.amx_weight() if self.amx and amx_ops.takes(rows) else None
@@ -495,7 +496,7 @@ class PackedLinears:
         def run(x: torch.Tensor) -> torch.Tensor:
             rows = math.prod(x.shape[:-1])
             # (the fp32 copy from `fp32_rows` rows; its output is rounded as the half one's)
-            y = packed.fp32_product(x) if self.runs_fp32(rows) else None
+            y = packed.fp32_product(x, self.f32_kernel) if self.runs_fp32(rows) else None
             if y is not None:
                 return y
             if wdt == torch.float32 and self.f32_kernel and rows <= F32_KERNEL_ROWS:

@@ -186,6 +186,20 @@ impl KvManager {
         r.num_registered = n;
     }
 
+    /// Push to `out` the hashes of the request's blocks that tokens `start..end` make full
+    /// (a row computing them in the step being planned: they are registered only after it
+    /// runs). Nothing when prefix caching is off or the request skips lookups.
+    pub fn blocks_filled(&mut self, r: &mut Request, start: usize, end: usize, out: &mut Vec<u64>) {
+        if !self.prefix || r.skip_prefix_lookup {
+            return;
+        }
+        let page = self.layout.page;
+        let last = end.min(r.tokens.len()) / page;
+        self.hasher
+            .extend(&mut r.block_hashes, &r.tokens, page, last);
+        out.extend_from_slice(&r.block_hashes[(start / page).min(last)..last]);
+    }
+
     /// Whether `update` should call [`KvManager::register`]: prefix caching is on and a
     /// block became full since the last registration.
     #[inline(always)]

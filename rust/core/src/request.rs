@@ -119,6 +119,9 @@ pub struct Request {
     /// A step ending at `end` keeps only `end - w ..` of its new keys and overwrites slots
     /// `R * page` back, so `rewind` may only cut back to where this floor still serves.
     pub ring_floor: usize,
+    /// Admission was put off once already to share a block another request computes in
+    /// the same step (never put off twice).
+    pub admission_deferred: bool,
 }
 
 impl Request {
@@ -155,6 +158,7 @@ impl Request {
             skip_prefix_lookup,
             proposal: Vec::new(),
             ring_floor: 0,
+            admission_deferred: false,
         };
         r.init_stop_inline();
         r

@@ -16,6 +16,7 @@ pub struct ConfigArgs<'a> {
     pub scheduler_type: &'a str,
     pub safety_margin: Option<f64>,
     pub allow_block_sharing: bool,
+    pub defer_shared_prefixes: bool,
     pub layer_types: Option<Vec<String>>,
     pub sliding_window: Option<i64>,
     pub cpu_offload_blocks: i64,
@@ -49,6 +50,7 @@ impl ConfigArgs<'_> {
             scheduler_type: SchedulerType::parse(self.scheduler_type).map_err(to_py)?,
             safety_margin: self.safety_margin,
             allow_block_sharing: self.allow_block_sharing,
+            defer_shared_prefixes: self.defer_shared_prefixes,
             layer_types,
             sliding_window: self
                 .sliding_window

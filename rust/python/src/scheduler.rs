@@ -60,7 +60,8 @@ use crate::recycle::Recycler;
 ///   (it released them itself; `schedule_ahead()` pins them),
 /// * `"requests"`: {request_id: {"state": "waiting"|"prefilling"|"decoding"|"swapped",
 ///   "num_computed_tokens", "num_tokens", "num_prompt_tokens", "num_generated_tokens",
-///   "priority", "arrival", "blocks": {"full_attention": [...], "sliding_attention": [...]}
+///   "priority", "arrival", "admission_deferred" (put off once already to share a block
+///   filled in its step), "blocks": {"full_attention": [...], "sliding_attention": [...]}
 ///   (only the types the model has), "swap_slots": [...]}} for every unfinished request.
 #[pyclass(module = "ferrobatch._core")]
 pub struct Scheduler {
@@ -119,11 +120,11 @@ impl Scheduler {
     #[pyo3(signature = (num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
         scheduler_type="fifo", safety_margin=None, allow_block_sharing=true,
         layer_types=None, sliding_window=None, cpu_offload_blocks=0,
-        max_batch_cache_tokens=None),
+        max_batch_cache_tokens=None, defer_shared_prefixes=true),
         text_signature = "(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256, \
 scheduler_type='fifo', safety_margin=None, allow_block_sharing=True, \
 layer_types=('full_attention',), sliding_window=None, cpu_offload_blocks=0, \
-max_batch_cache_tokens=None)")]
+max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -137,6 +138,7 @@ max_batch_cache_tokens=None)")]
         sliding_window: Option<i64>,
         cpu_offload_blocks: i64,
         max_batch_cache_tokens: Option<i64>,
+        defer_shared_prefixes: bool,
     ) -> PyResult<Self> {
         let cfg = ConfigArgs {
             num_blocks,
@@ -150,6 +152,7 @@ max_batch_cache_tokens=None)")]
             sliding_window,
             cpu_offload_blocks,
             max_batch_cache_tokens,
+            defer_shared_prefixes,
         }
         .to_config()?;
         let inner = core::Scheduler::new(cfg).map_err(to_py)?;
@@ -356,7 +359,8 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
     /// `num_used_blocks` (refcount > 0; used + free = num_blocks); `waiting`, `running`,
     /// `swapped` (request counts); `finished` (finished or cancelled, reported);
     /// `prefix_hit_tokens` and `prompt_tokens` (summed over admissions, re-admissions after a
-    /// soft reset included); `num_preemptions`, `num_offloads`, `num_soft_resets`;
+    /// soft reset included); `deferred_admissions` (admissions put off a step to share a
+    /// block another row of that step fills); `num_preemptions`, `num_offloads`, `num_soft_resets`;
     /// `num_recomputes` (`recompute()` calls that reset a request); `num_evictions` (cached
     /// blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`; `steps`,
     /// `generated_tokens`; `stalled_requests`, `stalled_blocks` (last plan: rows that found
@@ -375,6 +379,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         d.set_item("swapped", s.swapped)?;
         d.set_item("finished", s.finished)?;
         d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("deferred_admissions", s.deferred_admissions)?;
         d.set_item("prompt_tokens", s.prompt_tokens)?;
         d.set_item("num_preemptions", s.num_preemptions)?;
         d.set_item("num_offloads", s.num_offloads)?;
@@ -432,6 +437,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
             e.set_item("num_generated_tokens", r.num_generated())?;
             e.set_item("priority", r.key.0)?;
             e.set_item("arrival", r.key.1)?;
+            e.set_item("admission_deferred", r.admission_deferred)?;
             let blocks = PyDict::new(py);
             if self.has_full {
                 blocks.set_item("full_attention", &r.full)?;

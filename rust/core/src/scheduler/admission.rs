@@ -2,14 +2,34 @@
 //! head of line, while the pool's free fraction is at least the safety margin (ignored when
 //! nothing runs). Admission is atomic: prefix hits are taken and chunks allocated only once
 //! everything fits.
+//!
+//! In-batch prefix sharing: a waiting request whose first block past its prefix hits is a
+//! block that a row of this very step makes full (another request's prompt with the same
+//! prefix, admitted just before it, or a running chunked prefill) would compute that block
+//! again. It is put off instead, once (`Request::admission_deferred`), and admission goes on
+//! behind it; in the next step that block is registered and it is a hit. So many requests
+//! with a shared system prompt arriving together compute it once, not once per request,
+//! for one step of delay. `schedule_ahead()` never puts off (its blocks in flight belong to
+//! the outstanding plan too).
 
 use super::budget::Budget;
 use super::placement::OnShortfall;
 use super::Scheduler;
 
 impl Scheduler {
-    /// Admit swapped and waiting requests in key order (head of line).
+    /// Admit swapped and waiting requests in key order (head of line; requests put off to
+    /// share a block filled in this step are stepped over and wait for the next one).
     pub(super) fn admit(&mut self, b: &mut Budget) {
+        self.admit_in_order(b);
+        let mut deferred = std::mem::take(&mut self.deferred_buf);
+        for idx in deferred.drain(..) {
+            let key = self.req(idx).key;
+            self.waiting.insert(key, idx);
+        }
+        self.deferred_buf = deferred;
+    }
+
+    fn admit_in_order(&mut self, b: &mut Budget) {
         loop {
             if b.exhausted() {
                 return;
@@ -37,7 +57,16 @@ impl Scheduler {
             let ok = if is_swapped {
                 self.resume(idx, b)
             } else {
-                self.admit_new(idx, b)
+                match self.admit_new(idx, b, true) {
+                    Admitted::Yes => true,
+                    Admitted::No => false,
+                    Admitted::PutOff => {
+                        let key = self.req(idx).key;
+                        self.waiting.remove(&key);
+                        self.deferred_buf.push(idx);
+                        true
+                    }
+                }
             };
             if !ok {
                 return;
@@ -61,7 +90,7 @@ impl Scheduler {
             if self.below_margin() {
                 break;
             }
-            if !self.admit_new(iw, b) {
+            if self.admit_new(iw, b, false) != Admitted::Yes {
                 break;
             }
         }
@@ -94,8 +123,9 @@ impl Scheduler {
     }
 
     /// Admit a waiting request with its prefix-cache hits and place it, if one token past
-    /// them fits.
-    pub(super) fn admit_new(&mut self, idx: u32, b: &mut Budget) -> bool {
+    /// them fits; with `may_put_off`, put it off instead (once) when its next block is one
+    /// this step fills (module docs).
+    pub(super) fn admit_new(&mut self, idx: u32, b: &mut Budget, may_put_off: bool) -> Admitted {
         let page = self.cfg.page_size;
         let mut hits = std::mem::take(&mut self.hits_buf);
         let r = self.reqs[idx as usize].as_mut().expect("live");
@@ -103,6 +133,21 @@ impl Scheduler {
         let r = self.req(idx);
         let start = hits.len() * page;
         let len = r.tokens.len();
+        let next = hits.len();
+        if may_put_off
+            && !r.admission_deferred
+            && next < (len - 1) / page
+            && next < r.block_hashes.len()
+            && self.filling.contains(&r.block_hashes[next])
+        {
+            self.hits_buf = hits;
+            self.reqs[idx as usize]
+                .as_mut()
+                .expect("live")
+                .admission_deferred = true;
+            self.stats.deferred_admissions += 1;
+            return Admitted::PutOff;
+        }
         let q = b.clamp(start, len - start);
         let free = self.kv.free_after_taking(&hits);
         let ok = q > 0 && self.kv.layout().fit(hits.len(), 0, start, q, free) > 0;
@@ -120,6 +165,21 @@ impl Scheduler {
             debug_assert!(placed);
         }
         self.hits_buf = hits;
-        ok
+        if ok {
+            Admitted::Yes
+        } else {
+            Admitted::No
+        }
     }
+}
+
+/// What [`Scheduler::admit_new`] did with a waiting request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Admitted {
+    /// admitted and placed
+    Yes,
+    /// not now: admission stops (head of line)
+    No,
+    /// put off to the next step to share a block this step fills; admission goes on
+    PutOff,
 }

@@ -67,6 +67,10 @@ pub struct SchedulerConfig {
     /// None = default (0.15 fifo, 0.0 prefill_first).
     pub safety_margin: Option<f64>,
     pub allow_block_sharing: bool,
+    /// Put a waiting request off one step when its next block is one a row of the step
+    /// being planned fills, so it takes that block as a hit (in-batch prefix sharing; only
+    /// with prefix caching).
+    pub defer_shared_prefixes: bool,
     pub layer_types: Vec<AttentionType>,
     pub sliding_window: Option<usize>,
     pub cpu_offload_blocks: usize,
@@ -86,6 +90,7 @@ impl SchedulerConfig {
             scheduler_type: SchedulerType::Fifo,
             safety_margin: None,
             allow_block_sharing: true,
+            defer_shared_prefixes: true,
             layer_types: vec![AttentionType::Full],
             sliding_window: None,
             cpu_offload_blocks: 0,

@@ -101,6 +101,8 @@ pub struct Stats {
     pub prefix_hit_tokens: u64,
     /// Tokens of the (compute) prompts admitted (summed over admissions).
     pub prompt_tokens: u64,
+    /// Admissions put off a step to share a block another row of that step fills.
+    pub deferred_admissions: u64,
     pub num_preemptions: u64,
     pub num_offloads: u64,
     pub num_soft_resets: u64,
@@ -195,6 +197,13 @@ pub struct Scheduler {
     to_remove: Vec<(u32, u64)>,
     order_buf: Vec<u32>,
     hits_buf: Vec<ChunkId>,
+    /// Hashes of the blocks the step being planned makes full (`schedule()` only, and only
+    /// while requests wait): a waiting request whose next block is one of them is admitted
+    /// a step later, with that block as a prefix hit (see `admission`).
+    filling: Vec<u64>,
+    collect_filling: bool,
+    /// Waiting requests put off in this step's admission (back in `waiting` after it).
+    deferred_buf: Vec<u32>,
     /// Slab indices of requests with a pending proposal (`propose`).
     proposed: Vec<u32>,
     /// `propose_ngram` scratch.
@@ -249,6 +258,9 @@ impl Scheduler {
             to_remove: Vec::new(),
             order_buf: Vec::new(),
             hits_buf: Vec::new(),
+            filling: Vec::new(),
+            collect_filling: false,
+            deferred_buf: Vec::new(),
             proposed: Vec::new(),
             spec_buf: Vec::new(),
             stats,
@@ -267,6 +279,9 @@ impl Scheduler {
         let mut b = self.begin_step();
         self.cur.repeats = false;
         self.cur.spec = false;
+        self.filling.clear();
+        self.collect_filling =
+            self.cfg.defer_shared_prefixes && self.kv.prefix_caching() && !self.waiting.is_empty();
         // Phase 1: the running rows, advanced in place on a steady step, else placed anew
         // (always with proposals: speculative rows).
         let ready = self.steady.take_ready();
@@ -484,6 +499,7 @@ impl Scheduler {
     /// Start a new step: counters reset, full budgets returned.
     fn begin_step(&mut self) -> Budget {
         self.step += 1;
+        self.collect_filling = false;
         self.stats.stalled_requests = 0;
         self.stats.stalled_blocks = 0;
         Budget::new(&self.cfg)

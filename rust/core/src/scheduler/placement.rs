@@ -106,6 +106,11 @@ impl Scheduler {
             }
             self.emit_row(idx, start, q, need > 0 || q > 1);
             b.debit(start, q);
+            if self.collect_filling && q > 1 {
+                let r = self.reqs[idx as usize].as_mut().expect("live");
+                self.kv
+                    .blocks_filled(r, start, start + q, &mut self.filling);
+            }
             return true;
         }
     }

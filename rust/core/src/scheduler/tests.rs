@@ -1203,3 +1203,96 @@ fn steady_decode_ahead_advances_in_place_and_falls_back() {
     run(&mut s, 1);
     assert_eq!(s.stats().num_used_blocks, 0);
 }
+
+/// (request id, start, q) of each row of a plan.
+fn rows_of(s: &Scheduler, p: &crate::StepPlan) -> Vec<(String, u32, u32)> {
+    p.rows
+        .iter()
+        .map(|r| (s.request(r.req).unwrap().id.clone(), r.start, r.q))
+        .collect()
+}
+
+#[test]
+fn a_block_filled_in_the_step_is_shared_a_step_later_not_computed_twice() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let shared: Vec<u32> = (0..12).collect(); // 3 full blocks
+    let mut a = shared.clone();
+    a.extend([100, 101]);
+    let mut b = shared.clone();
+    b.extend([200, 201, 202]);
+    s.add_request("a", a, stop(2), 0).unwrap();
+    s.add_request("b", b, stop(2), 0).unwrap();
+    s.add_request("c", (50..60).collect(), stop(2), 0).unwrap(); // shares nothing
+    let p = s.schedule().unwrap().unwrap().clone();
+    // b is put off (its first block is one a fills in this step); c, behind it, is not
+    assert_eq!(
+        rows_of(&s, &p),
+        vec![("a".into(), 0, 14), ("c".into(), 0, 10)]
+    );
+    assert_eq!(s.stats().deferred_admissions, 1);
+    assert_eq!(s.stats().waiting, 1);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    // next step: b takes a's three blocks as hits and computes its own tail only
+    let p = s.schedule().unwrap().unwrap().clone();
+    let rows = rows_of(&s, &p);
+    assert!(rows.contains(&("b".into(), 12, 3)), "{rows:?}");
+    assert_eq!(s.stats().prefix_hit_tokens, 12);
+    let (ia, ib) = (idx(&s, "a"), idx(&s, "b"));
+    assert_eq!(
+        s.request(ia).unwrap().full[..3],
+        s.request(ib).unwrap().full[..3]
+    );
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().deferred_admissions, 1);
+}
+
+#[test]
+fn a_request_is_put_off_once_at_most() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let p8: Vec<u32> = (0..8).collect();
+    let q4 = [20, 21, 22, 23];
+    let mut a = p8.clone();
+    a.extend([100, 101]);
+    let mut b = p8.clone();
+    b.extend(q4);
+    b.extend([200, 201]);
+    s.add_request("a", a, stop(3), 0).unwrap();
+    s.add_request("b", b, stop(3), 0).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(rows_of(&s, &p), vec![("a".into(), 0, 10)]);
+    assert_eq!(s.stats().deferred_admissions, 1);
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    // d, ahead of b by priority, fills the block after the shared 8 tokens that b needs
+    // next: b was put off once already, so it is admitted now and computes that block too
+    let mut d = p8.clone();
+    d.extend(q4);
+    d.extend([300, 301]);
+    s.add_request("d", d, stop(3), -1).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    let rows = rows_of(&s, &p);
+    assert!(rows.contains(&("d".into(), 8, 6)), "{rows:?}");
+    assert!(rows.contains(&("b".into(), 8, 6)), "{rows:?}");
+    assert_eq!(s.stats().deferred_admissions, 1);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    run(&mut s, 1);
+}
+
+#[test]
+fn nothing_is_put_off_without_prefix_caching_or_when_switched_off() {
+    for (sharing, defer) in [(false, true), (true, false)] {
+        let mut c = cfg(64, 4, 64);
+        c.allow_block_sharing = sharing;
+        c.defer_shared_prefixes = defer;
+        let mut s = Scheduler::new(c).unwrap();
+        let shared: Vec<u32> = (0..12).collect();
+        s.add_request("a", shared.clone(), stop(2), 0).unwrap();
+        s.add_request("b", shared, stop(2), 0).unwrap();
+        let p = s.schedule().unwrap().unwrap().clone();
+        assert_eq!(p.rows.len(), 2);
+        assert_eq!(s.stats().deferred_admissions, 0);
+    }
+}
