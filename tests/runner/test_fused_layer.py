@@ -60,12 +60,15 @@ def test_the_one_call_layer_is_the_lean_layer_bit_for_bit(monkeypatch, name, cac
         assert torch.equal(a, b)
 
 
-def test_layers_with_q_k_norms_keep_the_lean_forward(monkeypatch):
-    """Qwen3's per-head q/k norms run as the model's own modules: never the one call."""
+@pytest.mark.parametrize("cache_dtype", [None, torch.float32])
+def test_layers_with_q_k_norms_take_the_one_call_bit_for_bit(monkeypatch, cache_dtype):
+    """Qwen3's per-head q/k norms run inside the one call as in the lean forward: taken,
+    and equal logits."""
     taken = _count_taken(monkeypatch)
     model = tm.qwen3().to(torch.bfloat16)
-    fused, lean = _fused_and_lean(model, tm.random_prompts(4, 4, 2, 20), 4)
-    assert taken and not any(taken)
+    kw = {} if cache_dtype is None else {"dtype": cache_dtype}
+    fused, lean = _fused_and_lean(model, tm.random_prompts(4, 4, 2, 20), 6, **kw)
+    assert any(taken)
     for a, b in zip(fused, lean, strict=True):
         assert torch.equal(a, b)
 
@@ -145,6 +148,9 @@ def test_a_layer_runs_and_updates_x_and_the_cache():
 
 
 @pytest.mark.parametrize("field,over", [
+    ("q_norm", dict(q_norm=np.ones(D + 1, np.float32), k_norm=np.ones(D, np.float32))),
+    ("k_norm", dict(q_norm=np.ones(D, np.float32), k_norm=np.ones(3, np.float32))),
+    ("q_norm", dict(k_norm=np.ones(D, np.float32))),
     ("qkv", dict(qkv=np.zeros(10, np.uint16))),
     ("input_norm", dict(input_norm=np.ones(H + 1, np.float32))),
     ("bias", dict(o_bias=np.zeros(H + 2, np.float32))),

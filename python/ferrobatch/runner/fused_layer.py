@@ -11,7 +11,8 @@ results are bit-equal to `lean_layers._lean_forward`'s (tested). It applies when
   `f32_ops` (an fp32 model's weights, or fp32 copies of half-precision ones at that size:
   `PackedLinears.f32_takes`; the norms and SiLU then write fp32 inputs, as the lean forward
   does for them);
-* the layer has no per-head q/k norms (Qwen3's run as the model's own modules);
+* Qwen3's per-head q/k norms run inside the call too (as the lean forward's
+  `_head_norm`);
 * every row of the step goes to the CPU decode kernel (`kernel_only_attention`'s case:
   decode rows and short prompt rows, no SDPA rows, no gathered prompt keys).
 
@@ -61,14 +62,20 @@ class FusedLayer:
         p = self._part
         parts = (p.qkv, p.o, p.gate_up, p.down)
         packed = tuple(x.f32_weight() if wide else x.amx_weight() for x in parts)
-        norms = (p.norm_weight(0), p.norm_weight(1))
+        norms = tuple(p.norm_weight(i) for i in ((0, 1, 2, 3) if p.q_norm is not None
+                                                 else (0, 1)))
         made = (*packed, *norms)
         last = self._made.get(wide, ())
         if len(made) == len(last) and all(a is b for a, b in zip(made, last, strict=True)):
             return self._layers[wide]
         self._made[wide], self._layers[wide] = made, None
-        if any(w is None for w in packed) or norms[0].dtype != norms[1].dtype \
+        if any(w is None for w in packed) or any(n.dtype != norms[0].dtype for n in norms) \
                 or norms[0].dtype not in kernels.KERNEL_DTYPES:
+            return None
+        qk = {} if len(norms) == 2 else {
+            "q_norm": kernels.numpy_view(norms[2]), "k_norm": kernels.numpy_view(norms[3]),
+            "qk_norm_eps": float(p.q_norm.variance_epsilon)}
+        if qk and p.q_norm.variance_epsilon != p.k_norm.variance_epsilon:
             return None
         from ferrobatch import _core
 
@@ -82,7 +89,7 @@ class FusedLayer:
             gate_up=kernels.numpy_view(gate_up.packed), down=kernels.numpy_view(down.packed),
             hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
             qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
-            down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16")
+            down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16", **qk)
         return self._layers[wide]
 
     def forward(self, x: torch.Tensor, step: Any, cos: torch.Tensor,
@@ -91,8 +98,7 @@ class FusedLayer:
         and the weights allow the one call (see the module docstring); False, with nothing
         done, if not. `wide`: the products on `f32_ops` (else `amx_ops`)."""
         p = self._part
-        if p.q_norm is not None or p.k_norm is not None \
-                or p.attn.config._attn_implementation != context.ATTENTION_NAME:
+        if p.attn.config._attn_implementation != context.ATTENTION_NAME:
             return False
         layer_idx = p.attn.layer_idx
         group = kernel_only_group(step, layer_idx)

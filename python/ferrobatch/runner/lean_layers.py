@@ -17,13 +17,13 @@ such a layer as four packed products, the attention function the model's config 
 
 Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, Mistral,
 Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
-q/k norms run as the model's own modules), whose q/k/v and gate/up products are stacked
-groups of the packed linears, and whose attention has no extra state. The runner also
-checks, on two short forwards through the model's own attention, that the lean layers'
-logits are within twice the model's own layers' distance from the exact fp32 computation
-on the same packed weights; if not, nothing changes. The caller's model is never modified: the
-layers' `forward` is an instance attribute only inside `active()`, and calls from other
-threads get the layer's own forward.
+q/k RMSNorms run as `fused_ops.rms_norm` over each head's row), whose q/k/v and gate/up
+products are stacked groups of the packed linears, and whose attention has no extra
+state. The runner also checks, on two short forwards through the model's own attention,
+that the lean layers' logits are within twice the model's own layers' distance from the
+exact fp32 computation on the same packed weights; if not, nothing changes. The caller's
+model is never modified: the layers' `forward` is an instance attribute only inside
+`active()`, and calls from other threads get the layer's own forward.
 """
 
 from __future__ import annotations
@@ -71,15 +71,16 @@ class _Layer:
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
-        #: per norm, (its weight, that weight detached): the kernels' view of a detached
-        #: tensor is cheaper than of a parameter; again when the weight object is replaced
-        self._norm_weights: list[tuple[Any, Any]] = [(None, None), (None, None)]
+        #: per norm (input, post-attention, q, k), (its weight, that weight detached): the
+        #: kernels' view of a detached tensor is cheaper than of a parameter; again when the
+        #: weight object is replaced
+        self._norm_weights: list[tuple[Any, Any]] = [(None, None)] * 4
         #: the whole layer in one call, where the build has it (`fused_layer`)
         self.fused = fused_layer.FusedLayer(self) if fused_layer.available() else None
 
     def norm_weight(self, i: int) -> torch.Tensor:
-        """The weight of norm `i` (0: input, 1: post-attention), detached."""
-        w = self.norms[i].weight
+        """The weight of norm `i` (0: input, 1: post-attention, 2: q, 3: k), detached."""
+        w = (*self.norms, self.q_norm, self.k_norm)[i].weight
         own, detached = self._norm_weights[i]
         if own is not w:
             detached = w.detach()
@@ -110,6 +111,11 @@ class _Layer:
         if (attn.q_proj.out_features % attn.head_dim or attn.k_proj.out_features
                 % attn.head_dim or attn.head_dim % 2):
             return "its projection widths are not whole even-sized heads"
+        qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None for n in qk) and not all(
+                type(n).__name__ in _NORM_CLASSES and hasattr(n, "variance_epsilon")
+                and tuple(n.weight.shape) == (attn.head_dim,) for n in qk):
+            return "its q/k norms are not per-head RMSNorms of both q and k"
         return None
 
 
@@ -231,11 +237,9 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
     fused_ops.rms_norm(x, p.norm_weight(0), h, norm_in.variance_epsilon)
     qkv = product(p.qkv, h)
     q_src, q_off, k_src, k_off = qkv, 0, qkv, p.nq
-    if p.q_norm is not None:
-        q_src = p.q_norm(qkv[:, :p.nq].view(tokens, p.heads, p.dim)).reshape(tokens, p.nq)
-    if p.k_norm is not None:
-        k_src = p.k_norm(qkv[:, p.nq:p.nq + p.nk].view(tokens, p.kv_heads, p.dim))
-        k_src, k_off = k_src.reshape(tokens, p.nk), 0
+    if p.q_norm is not None:  # (Qwen3: both, per head; the one-call layer does the same)
+        q_src, k_src = _head_norm(p, qkv, 0, p.nq, 2), _head_norm(p, qkv, p.nq, p.nk, 3)
+        k_off = 0
     cos, sin = rope_rows(*kwargs.pop("position_embeddings"))
     q = torch.empty(tokens, p.heads, p.dim, dtype=torch.float32)
     k = torch.empty(tokens, p.kv_heads, p.dim, dtype=kv_dtype)
@@ -257,6 +261,17 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
     fused_ops.silu_mul(gu, a)
     x.add_(product(p.down, a))
     return hidden_states
+
+
+def _head_norm(p: _Layer, qkv: torch.Tensor, off: int, cols: int, norm: int) -> torch.Tensor:
+    """Columns `off .. off + cols` of `qkv` [T, width] normalized per head (rows of
+    `p.dim`) by q/k norm `norm` (2: q, 3: k): a contiguous copy of the slice through
+    `fused_ops.rms_norm`, in `qkv`'s dtype; [T, cols]."""
+    rows = qkv[:, off:off + cols].reshape(-1, p.dim)  # (a copy: the slice is strided)
+    out = torch.empty(rows.shape, dtype=qkv.dtype)
+    module = p.q_norm if norm == 2 else p.k_norm
+    fused_ops.rms_norm(rows, p.norm_weight(norm), out, module.variance_epsilon)
+    return out.view(qkv.shape[0], cols)
 
 
 def _interface_attention(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,

@@ -96,7 +96,7 @@ fn err<T>(msg: String) -> Result<T, KernelError> {
 }
 
 impl Elems<'_> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Elems::F32(s) => s.len(),
             Elems::Bf16(s) | Elems::F16(s) => s.len(),
@@ -124,7 +124,7 @@ impl Elems<'_> {
 }
 
 impl<'a> ElemsMut<'a> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             ElemsMut::F32(s) => s.len(),
             ElemsMut::Bf16(s) | ElemsMut::F16(s) => s.len(),

@@ -62,6 +62,14 @@ pub struct Product<'a> {
     pub n: usize,
 }
 
+/// Per-head RMSNorms of q and k before rope (Qwen3): `[dim]` weights, one epsilon.
+#[derive(Clone, Copy, Debug)]
+pub struct QkNorm<'a> {
+    pub q: Elems<'a>,
+    pub k: Elems<'a>,
+    pub eps: f32,
+}
+
 /// The layer's weights and shapes.
 #[derive(Clone, Copy, Debug)]
 pub struct Weights<'a> {
@@ -78,6 +86,8 @@ pub struct Weights<'a> {
     pub gate_up: Product<'a>,
     /// `[hidden, inter]`
     pub down: Product<'a>,
+    /// each head's q and k normalized before rope, if the layer does (Qwen3)
+    pub qk_norm: Option<QkNorm<'a>>,
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -116,6 +126,9 @@ const SPLIT_MACS_F32: usize = 1 << 18;
 /// The intermediate buffers of one call.
 #[derive(Default)]
 struct Scratch {
+    strip: Vec<f32>,
+    qn: Vec<f32>,
+    kn: Vec<f32>,
     h: Vec<u16>,
     h32: Vec<f32>,
     qkv: Vec<f32>,
@@ -187,34 +200,38 @@ pub fn decoder_layer(
         )?;
         let qkv = take(&mut sc.qkv, rows * width);
         product(&w.qkv, h.input(), rows, hidden, qkv, s.threads)?;
-        let q = take(&mut sc.q, rows * nq);
-        let rope = |col_offset, heads| Rope {
-            src: Elems::F32(qkv),
-            cos: s.cos,
-            sin: s.sin,
-            rows,
-            src_width: width,
-            col_offset,
-            heads,
-            dim: w.dim,
-            threads: elems(rows * heads * w.dim),
+        // (src, its row width, q's column, k's column) of rope: q/k normalized per head first
+        // where the layer does (Qwen3), each into a buffer of its own
+        let (q_src, k_src): (RopeSrc<'_>, RopeSrc<'_>) = match &w.qk_norm {
+            None => ((&*qkv, width, 0), (&*qkv, width, nq)),
+            Some(n) => {
+                let qn = take(&mut sc.qn, rows * nq);
+                let kn = take(&mut sc.kn, rows * nk);
+                let strip = &mut sc.strip;
+                let src = (&*qkv, width, rows, w.dim);
+                head_norm(src, 0, nq, n.q, n.eps, strip, qn, elems(rows * nq))?;
+                head_norm(src, nq, nk, n.k, n.eps, strip, kn, elems(rows * nk))?;
+                ((&*qn, nq, 0), (&*kn, nk, 0))
+            }
         };
-        fused::rope(&rope(0, w.heads), ElemsMut::F32(&mut *q))?;
+        let q = take(&mut sc.q, rows * nq);
+        let rope = |src, heads| rope_of(src, heads, s, w.dim, elems(rows * heads * w.dim));
+        fused::rope(&rope(q_src, w.heads), ElemsMut::F32(&mut *q))?;
         // the rotated keys in the cache's type, then both rows at their slots
         let (k_rot, mut k_cache, mut v_cache): (Elems<'_>, _, _) = match (k_cache, v_cache) {
             (ElemsMut::F32(kc), ElemsMut::F32(vc)) => {
                 let k = take(&mut sc.k32, rows * nk);
-                fused::rope(&rope(nq, w.kv_heads), ElemsMut::F32(&mut *k))?;
+                fused::rope(&rope(k_src, w.kv_heads), ElemsMut::F32(&mut *k))?;
                 (Elems::F32(&*k), ElemsMut::F32(kc), ElemsMut::F32(vc))
             }
             (ElemsMut::Bf16(kc), ElemsMut::Bf16(vc)) => {
                 let k = take(&mut sc.k, rows * nk);
-                fused::rope(&rope(nq, w.kv_heads), ElemsMut::Bf16(&mut *k))?;
+                fused::rope(&rope(k_src, w.kv_heads), ElemsMut::Bf16(&mut *k))?;
                 (Elems::Bf16(&*k), ElemsMut::Bf16(kc), ElemsMut::Bf16(vc))
             }
             (ElemsMut::F16(kc), ElemsMut::F16(vc)) => {
                 let k = take(&mut sc.k, rows * nk);
-                fused::rope(&rope(nq, w.kv_heads), ElemsMut::F16(&mut *k))?;
+                fused::rope(&rope(k_src, w.kv_heads), ElemsMut::F16(&mut *k))?;
                 (Elems::F16(&*k), ElemsMut::F16(kc), ElemsMut::F16(vc))
             }
             _ => return fused_err("v_cache", "v_cache must have k_cache's type".into()),
@@ -325,6 +342,63 @@ pub fn decoder_layer(
     })
 }
 
+/// What rope reads: (the rows, their width, the first column).
+type RopeSrc<'a> = (&'a [f32], usize, usize);
+
+/// The rope of `heads` heads of `dim` from `(src, its row width, first column)`.
+fn rope_of<'a>(
+    (src, src_width, col_offset): RopeSrc<'a>,
+    heads: usize,
+    s: &Step<'a>,
+    dim: usize,
+    threads: usize,
+) -> Rope<'a> {
+    Rope {
+        src: Elems::F32(src),
+        cos: s.cos,
+        sin: s.sin,
+        rows: s.slots.len(),
+        src_width,
+        col_offset,
+        heads,
+        dim,
+        threads,
+    }
+}
+
+/// `out` [rows, cols] = the per-head RMSNorm (rows of `dim`, `weight` [dim]) of columns
+/// `off .. off + cols` of `src` ([rows, width]), copied into `strip` first: what the lean
+/// forward does with a contiguous copy of that slice and `fused_ops.rms_norm`.
+#[allow(clippy::too_many_arguments)] // one norm's operands
+fn head_norm(
+    (src, width, rows, dim): (&[f32], usize, usize, usize),
+    off: usize,
+    cols: usize,
+    weight: Elems<'_>,
+    eps: f32,
+    strip: &mut Vec<f32>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), ArgError> {
+    let strip = take(strip, rows * cols);
+    for (r, dst) in strip.chunks_exact_mut(cols).enumerate() {
+        dst.copy_from_slice(&src[r * width + off..r * width + off + cols]);
+    }
+    let norm = RmsNorm {
+        weight,
+        rows: rows * cols / dim,
+        hidden: dim,
+        eps,
+        weight_offset: 0.0,
+        threads,
+    };
+    fused::rms_norm(
+        &norm,
+        NormInput::Plain(Elems::F32(&*strip)),
+        ElemsMut::F32(out),
+    )
+}
+
 /// A product's input buffer: bf16 before bf16 weights, f32 before f32 ones.
 enum Act<'a> {
     Bf16(&'a mut [u16]),
@@ -412,6 +486,16 @@ fn validate(
                 w.hidden, w.heads, w.kv_heads, w.dim, w.inter
             ),
         );
+    }
+    if let Some(n) = &w.qk_norm {
+        for (field, e) in [("q_norm", n.q), ("k_norm", n.k)] {
+            if e.len() != w.dim {
+                return fused_err(
+                    field,
+                    format!("{field} has {} elements, not dim = {}", e.len(), w.dim),
+                );
+            }
+        }
     }
     if x_len != rows * w.hidden {
         return fused_err(
@@ -675,6 +759,7 @@ mod tests {
             o: product(1, H),
             gate_up: product(2, 2 * I),
             down: product(3, H),
+            qk_norm: None,
             hidden: H,
             heads: HEADS,
             kv_heads: KV,

@@ -4,7 +4,7 @@
 //! shape the kernel needs is checked here or by the kernel, with a `FieldError` naming the
 //! argument.
 
-use ferrobatch_kernels::layer::{self, Packed as PackedWeight, Product, Step, Weights};
+use ferrobatch_kernels::layer::{self, Packed as PackedWeight, Product, QkNorm, Step, Weights};
 use ferrobatch_kernels::{amx, f32_linear, Window};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -119,6 +119,8 @@ pub struct LeanLayer {
     o: Packed,
     gate_up: Packed,
     down: Packed,
+    /// per-head q / k norm weights [dim] (in `norm_ty`) and their epsilon (Qwen3)
+    qk_norm: Option<(Py<PyAny>, Py<PyAny>, f32)>,
     dims: [usize; 5],
 }
 
@@ -128,7 +130,8 @@ impl LeanLayer {
     #[pyo3(signature = (*, input_norm, post_norm, norm_dtype, input_eps, post_eps, qkv, o,
                         gate_up, down, hidden, heads, kv_heads, dim, inter, qkv_bias = None,
                         o_bias = None, gate_up_bias = None, down_bias = None,
-                        weight_dtype = "bfloat16"))]
+                        weight_dtype = "bfloat16", q_norm = None, k_norm = None,
+                        qk_norm_eps = 1e-6))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: &Bound<'_, PyAny>,
@@ -150,6 +153,9 @@ impl LeanLayer {
         gate_up_bias: Option<&Bound<'_, PyAny>>,
         down_bias: Option<&Bound<'_, PyAny>>,
         weight_dtype: &str,
+        q_norm: Option<&Bound<'_, PyAny>>,
+        k_norm: Option<&Bound<'_, PyAny>>,
+        qk_norm_eps: f32,
     ) -> PyResult<Self> {
         let f32 = match weight_dtype {
             "bfloat16" => false,
@@ -183,6 +189,27 @@ impl LeanLayer {
                 ));
             }
         }
+        let qk_norm = match (q_norm, k_norm) {
+            (None, None) => None,
+            (Some(q), Some(k)) => {
+                for (field, norm) in [("q_norm", q), ("k_norm", k)] {
+                    let n = In::new(norm, norm_ty, field)?;
+                    if n.shape() != [dim] {
+                        return Err(invalid(
+                            field,
+                            format!("{field} must be [dim] = [{dim}], not {:?}", n.shape()),
+                        ));
+                    }
+                }
+                Some((q.clone().unbind(), k.clone().unbind(), qk_norm_eps))
+            }
+            _ => {
+                return Err(invalid(
+                    "q_norm",
+                    "q_norm and k_norm are given together or not at all",
+                ))
+            }
+        };
         let (nq, nk) = (heads * dim, kv_heads * dim);
         Ok(LeanLayer {
             input_norm: input_norm.clone().unbind(),
@@ -193,6 +220,7 @@ impl LeanLayer {
             o: Packed::new("o", o, o_bias, (hidden, nq), f32)?,
             gate_up: Packed::new("gate_up", gate_up, gate_up_bias, (2 * inter, hidden), f32)?,
             down: Packed::new("down", down, down_bias, (hidden, inter), f32)?,
+            qk_norm,
             dims: [hidden, heads, kv_heads, dim, inter],
         })
     }
@@ -272,6 +300,14 @@ impl LeanLayer {
             In::new(self.input_norm.bind(py), self.norm_ty, "input_norm")?,
             In::new(self.post_norm.bind(py), self.norm_ty, "post_norm")?,
         );
+        let qk = match &self.qk_norm {
+            None => None,
+            Some((q, k, eps)) => Some((
+                In::new(q.bind(py), self.norm_ty, "q_norm")?,
+                In::new(k.bind(py), self.norm_ty, "k_norm")?,
+                *eps,
+            )),
+        };
         let views = [
             Views::of(py, &self.qkv, "qkv")?,
             Views::of(py, &self.o, "o")?,
@@ -287,6 +323,11 @@ impl LeanLayer {
             o: views[1].product()?,
             gate_up: views[2].product()?,
             down: views[3].product()?,
+            qk_norm: qk.as_ref().map(|(q, k, eps)| QkNorm {
+                q: q.elems(),
+                k: k.elems(),
+                eps: *eps,
+            }),
             hidden,
             heads,
             kv_heads,
