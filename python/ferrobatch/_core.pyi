@@ -504,7 +504,9 @@ class LeanLayer:
     products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden, heads * dim],
     `gate_up` [2 * inter, hidden], `down` [hidden, inter] (`amx_pack`ed uint16 with
     `weight_dtype` "bfloat16", `f32_pack`ed float32 with "float32"), each with an optional
-    float32 bias. The arrays are kept, not copied. FieldError on a bad shape."""
+    float32 bias; `q_norm` / `k_norm` [dim] (in `norm_dtype`, both or neither): per-head
+    RMSNorms of q and k before rope (Qwen3). The arrays are kept, not copied. FieldError on
+    a bad shape."""
 
     def __new__(
         cls,
@@ -528,6 +530,9 @@ class LeanLayer:
         gate_up_bias: npt.NDArray[np.float32] | None = None,
         down_bias: npt.NDArray[np.float32] | None = None,
         weight_dtype: Literal["bfloat16", "float32"] = "bfloat16",
+        q_norm: _Storage | None = None,
+        k_norm: _Storage | None = None,
+        qk_norm_eps: float = 1e-6,
     ) -> LeanLayer:
         """The layer over these weights (checked once here)."""
 
