@@ -258,12 +258,14 @@ def test_unsupported_architecture_fails_at_construction(name: str) -> None:
 @contextlib.contextmanager
 def skewed_attention() -> Iterator[None]:
     """ferrobatch's paged attention registered with its keys scaled ×3: runs, but wrong
-    (the lean layers' direct call to the CPU kernel too, which skips the registry)."""
+    (the lean layers' direct call to the CPU kernel too, which skips the registry; the
+    one-call layer, which does its attention in Rust, is kept out)."""
     from ferrobatch.attention import context, forward, registry
-    from ferrobatch.runner import lean_layers
+    from ferrobatch.runner import fused_layer, lean_layers
 
     real = forward.paged_attention_forward
     real_direct = lean_layers.kernel_only_attention
+    real_fused = fused_layer.FusedLayer.forward
 
     def skewed(module, query, key, value, *args, **kwargs):
         return real(module, query, key * 3.0, value, *args, **kwargs)
@@ -273,11 +275,13 @@ def skewed_attention() -> Iterator[None]:
 
     registry.AttentionInterface.register(context.ATTENTION_NAME, skewed)
     lean_layers.kernel_only_attention = skewed_direct
+    fused_layer.FusedLayer.forward = lambda self, *args, **kwargs: False
     try:
         yield
     finally:
         registry.AttentionInterface.register(context.ATTENTION_NAME, real)
         lean_layers.kernel_only_attention = real_direct
+        fused_layer.FusedLayer.forward = real_fused
 
 
 def test_probe_catches_silently_wrong_attention() -> None:

@@ -76,6 +76,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("allow_block_sharing", dict(action=argparse.BooleanOptionalAction,
      help="Prefix caching: share full blocks between requests with the same prompt prefix "
           "(full-attention-only models). Default: on.")),
+    ("defer_shared_prefixes", dict(action=argparse.BooleanOptionalAction,
+     help="With prefix caching, admit a request one step later when another request of the "
+          "same step computes its next prompt block, so it reuses that block instead of "
+          "computing it again (shared system prompts arriving together). Default: on.")),
     ("cpu_offload_space", dict(type=float, metavar="GIB",
      help="GiB of CPU swap pool for preempted requests; 0 = off (preempted requests are "
           "soft-reset and recomputed). Default: 0.")),
