@@ -163,3 +163,16 @@ def test_no_fp32_copies_where_they_would_not_fit(monkeypatch):
     monkeypatch.setattr(cpu_linear.psutil, "virtual_memory",
                         lambda: SimpleNamespace(available=int(5 * weights / share)))
     assert PackedLinears.of(model, **kw).fp32_rows == ROWS
+
+
+def test_every_copy_is_packed_at_construction(forced):
+    """No step pays for packing: the fp32 copies (oneDNN's and, where it runs, `f32_ops`'),
+    and the `amx_ops` one where it runs, exist once the runner is built."""
+    runner = ModelRunner(tm.llama().to(torch.bfloat16), num_blocks=64, page_size=4)
+    lin = runner._linears
+    assert lin is not None
+    for packed in lin._packs:
+        assert packed.wide is not None
+        assert (packed.f32 is not None) == lin.f32_kernel
+        assert (packed.amx is not None) == bool(lin.amx)
+    runner.close()

@@ -126,6 +126,7 @@ class PackedActivations:
             except Exception as exc:  # noqa: BLE001 - no groups then: each layer alone
                 logger.info("ferrobatch: no stacked linear groups (calibration forward "
                             "failed: %s: %s)", type(exc).__name__, exc)
+            linears.prepack()
             logger.info("ferrobatch: %d linear layers on packed %s weights (%d stacked groups, "
                         "%.0f MiB), %s activations", linears.num_layers, linears.weight_dtype,
                         linears.num_groups, linears.packed_bytes / 2**20,
