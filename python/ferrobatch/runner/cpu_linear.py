@@ -441,7 +441,7 @@ class PackedLinears:
 
     def prepack(self) -> None:
         """Make every packed copy the products may use (`_Packed.prepack`) now, so that no
-        step pays for packing one (the serving engine's first batch did, ~1 s on SmolLM2)."""
+        step pays for packing one (a server's first batch would)."""
         for packed in self._packs:
             packed.prepack()
 
