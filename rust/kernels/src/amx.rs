@@ -335,16 +335,7 @@ impl OutColumns {
     /// Writes `sums` (the f32 sums of row `row`, columns `col0..col0 + 32`: a pair of
     /// column blocks), keeping to the columns below `n`; a row at or past `m` is dropped.
     pub(crate) fn write_row(&self, row: usize, col0: usize, sums: &[f32; 2 * TILE_N]) {
-        let cols = self.n.saturating_sub(col0).min(2 * TILE_N);
-        if row >= self.m || cols == 0 {
-            return;
-        }
-        let at = row * self.n + col0;
-        debug_assert!(at + cols <= self.m * self.n);
-        // SAFETY: `at + cols <= m * n` (row < m, col0 + cols <= n), inside the slice behind
-        // `ptr`; the columns belong to this task alone (see `Sync` above).
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols) };
-        dst.copy_from_slice(&sums[..cols]);
+        self.write_cols(row, col0, sums);
     }
 }
 
