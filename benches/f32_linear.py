@@ -11,21 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from amx_linear import SHAPES, timed  # (benches/ is the script's directory)
 from ferrobatch import f32_ops
 from ferrobatch.cpu_threads import share_torch_openmp
-
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-
-
-def timed(fn, calls: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
