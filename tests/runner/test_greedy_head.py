@@ -466,3 +466,115 @@ def test_wins_keeps_the_full_fp32_path_only_where_it_beats_the_screen(
     assert head.wins(rows=64, rounds=1)
     assert (head.full_rows == gh._FULL_FP32_ROWS) == keeps_full
     assert keeps_full or head.full_rows is None
+
+
+def _window8_head(w: torch.Tensor) -> GreedyHead:
+    head = GreedyHead(w)
+    head.window8 = True
+    head.int8 = False
+    return head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab,dim", [(5000, 64), (32000, 256), (777, 300)])
+def test_window8_gives_the_fp32_argmax_of_half_heads(vocab: int, dim: int, dtype) -> None:
+    """The statistical int8 screen of half heads: on rows of any scale, with outlier
+    features and rows, the tokens are the fp32 argmax of the widened weight, and the screen
+    decided (no fall back to the other paths)."""
+    gen = torch.Generator().manual_seed(vocab + dim)
+    w = (torch.randn(vocab, dim, generator=gen) * dim**-0.5).to(dtype)
+    w[3] *= 4.0  # a row with a larger scale
+    head = _window8_head(w)
+    fallbacks = []
+    head._screen_bf16 = lambda *a: fallbacks.append(1) or None  # type: ignore[method-assign]
+    head.full_rows = None
+    for scale in (1e-3, 0.1, 1.0, 30.0):
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, dim, generator=gen) * scale
+            x[:, 5] *= 20.0  # an outlier feature sets each row's int8 step
+            got = head.argmax(x.to(dtype) if dtype == torch.float16 else x)
+            assert got is not None and got.dtype == torch.int64
+            xw = x.to(dtype).float() if dtype == torch.float16 else x
+            assert torch.equal(got, _fp32_argmax(xw, w.float()))
+    assert not fallbacks
+    assert head._window8_calls == 12 and head._window8_misses == 0
+
+
+def test_window8_keeps_every_near_tie_for_the_fp32_rescoring() -> None:
+    """Tokens whose logits differ far below the int8 resolution are all candidates: the
+    fp32 rescoring picks the winner, ties going to the lowest id."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=gen) * 0.1
+    x = torch.randn(8, 64, generator=gen)
+    best = _fp32_argmax(x, w)
+    w2 = torch.cat([w, w[best]]).bfloat16()  # exact twins at higher ids
+    head = _window8_head(w2)
+    assert torch.equal(head.argmax(x), _fp32_argmax(x, w2.float()))
+    for sign in (1.0, -1.0):
+        nudged = ((1 + sign * 1e-2) * w2[int(best[0])].float()).bfloat16()
+        w3 = torch.cat([nudged.unsqueeze(0), w2])
+        got = _window8_head(w3).argmax(x[:1])
+        assert torch.equal(got, _fp32_argmax(x[:1], w3.float()))
+
+
+def test_window8_falls_back_and_is_dropped_when_it_rarely_decides(monkeypatch) -> None:
+    """Non-finite or all-zero rows, and rows whose window holds too many tokens, go to the
+    other paths (exact answers or None); after its trial calls a screen that rarely
+    decides is dropped."""
+    w = torch.ones(1000, 16).bfloat16()  # every logit equal: every token a candidate
+    head = _window8_head(w)
+    head.full_rows = None
+    for _ in range(gh._INT8_TRIAL_CALLS):
+        got = head.argmax(torch.randn(4, 16).abs())
+        assert got is None or torch.equal(got, torch.zeros(4, dtype=torch.int64))
+    assert not head.window8 and head._rows8 is None
+    head = _window8_head(torch.randn(100, 16).bfloat16())
+    x = torch.randn(3, 16)
+    x[1, 2] = float("nan")
+    assert head._window8(x) is None
+    assert head._window8(torch.zeros(2, 16)) is None
+
+
+def test_wins_takes_window8_for_half_heads_only(monkeypatch) -> None:
+    """`wins` turns the statistical screen on for a half head where it is the fastest
+    (timings faked), never for an fp32 head, and not where it is slower."""
+    times = iter([])
+
+    def fake_time(fn, rounds):
+        fn()
+        return next(times)
+
+    monkeypatch.setattr(gh, "_best_time", fake_time)
+    w = torch.randn(3000, 96) * 0.1
+    timings = 2 if gh._HAVE_MKLDNN else 1  # the full heads
+    for weight, window_time, taken in ((w.bfloat16(), 0.2, True), (w.bfloat16(), 0.95, False),
+                                       (w, 0.2, False)):
+        head = GreedyHead(weight)
+        screens = 2 if head.int8 else 1
+        times = iter([1.0] * timings + [0.5] * screens + [window_time])
+        assert head.wins(rows=16, rounds=1)
+        assert head.window8 == taken
+        assert (head._rows8 is not None) == taken
+        x = torch.randn(5, 96)
+        assert torch.equal(head.argmax(x), _fp32_argmax(x, weight.float()))
+
+
+def test_engine_bf16_tokens_are_the_same_with_window8(monkeypatch) -> None:
+    """A bf16 model's greedy tokens through the engine with the statistical screen equal
+    those of the exact paths (same steps, same hidden rows: the same fp32 argmax)."""
+    monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: True)
+    model = tm.llama().to(torch.bfloat16)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, tm.VOCAB) for _ in range(n)] for n in (1, 6, 13, 30, 3)]
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=24)
+    outs = {}
+    for window8 in (False, True):
+        with Engine(model, config=cfg) as eng:
+            head = eng.runner._greedy_head
+            assert head is not None
+            head.window8 = window8
+            got = eng.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)
+            outs[window8] = [o.token_ids for o in got]
+            assert head._window8_calls > 0 if window8 else head._window8_calls == 0
+            assert head._window8_misses == 0
+    assert outs[True] == outs[False]
