@@ -207,8 +207,9 @@ class GreedyHead:
             self._key = key
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Token ids [N] (int64, CPU) = argmax of the fp32 logits of `hidden` [N, K]; None
-        when no screen can decide cheaply (the caller then computes full logits)."""
+        """Token ids [N] (int64, CPU) = argmax of the fp32 logits of `hidden` [N, K] (with
+        `window8`, up to its statistical window: module docstring); None when no screen can
+        decide cheaply (the caller then computes full logits)."""
         self._prepare()
         n, k = hidden.shape
         if n == 0:
