@@ -340,6 +340,9 @@ class GreedyHead:
             won = self._wins(rows, rounds)
             if won and self._weight.dtype != torch.float32 and _HAVE_INT_MM:
                 self.window8 = self._window8_wins(rows, rounds)
+                if self.window8:  # its int8 copy replaces the proven int8 screen's
+                    self.int8 = False
+                    self._qweight = None
             return won
         finally:
             torch.set_num_threads(threads)
