@@ -323,6 +323,7 @@ def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_pat
         long = {"model": MODEL, "prompt": "The capital", "max_tokens": 8000, "ignore_eos": True}
         results: dict[str, Any] = {}
         started = threading.Event()
+        short_started = threading.Event()
 
         def stream(key: str, body: dict[str, Any]) -> None:
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
@@ -330,7 +331,7 @@ def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_pat
                 text = ""
                 for chunk in r.iter_text():
                     text += chunk
-                    started.set()
+                    (short_started if key == "short" else started).set()
                 results[key] = (r.status_code, text)
 
         def whole(key: str, body: dict[str, Any]) -> None:
@@ -363,7 +364,9 @@ def test_sigterm_drains_then_ends_requests_openai_shaped(tokenizer: Any, tmp_pat
         time.sleep(0.3)
         short = threading.Thread(target=stream, args=("short", {**long, "max_tokens": 24}))
         short.start()  # in flight at SIGTERM, finishes well within the shutdown timeout
-        time.sleep(0.05)
+        # (SIGTERM once its first chunk came: a fixed pause let a loaded machine send the
+        # SIGTERM before the short request had even connected)
+        assert short_started.wait(30)
         proc.send_signal(signal.SIGTERM)
         sigterm = time.monotonic()
         for t in [*threads, short]:
