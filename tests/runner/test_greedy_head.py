@@ -497,7 +497,7 @@ def test_window8_gives_the_fp32_argmax_of_half_heads(vocab: int, dim: int, dtype
             xw = x.to(dtype).float() if dtype == torch.float16 else x
             assert torch.equal(got, _fp32_argmax(xw, w.float()))
     assert not fallbacks
-    assert head._window8_calls == 12 and head._window8_misses == 0
+    assert head._window8_trial.calls == 12 and head._window8_trial.misses == 0
 
 
 def test_window8_keeps_every_near_tie_for_the_fp32_rescoring() -> None:
@@ -575,6 +575,6 @@ def test_engine_bf16_tokens_are_the_same_with_window8(monkeypatch) -> None:
             head.window8 = window8
             got = eng.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)
             outs[window8] = [o.token_ids for o in got]
-            assert head._window8_calls > 0 if window8 else head._window8_calls == 0
-            assert head._window8_misses == 0
+            assert head._window8_trial.calls > 0 if window8 else head._window8_trial.calls == 0
+            assert head._window8_trial.misses == 0
     assert outs[True] == outs[False]

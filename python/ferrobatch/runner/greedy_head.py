@@ -150,13 +150,11 @@ class GreedyHead:
         #: the statistical int8 screen of half heads (module docstring), chosen by `wins`
         self.window8 = False
         self._rows8: _RowScaled | None = None
-        self._window8_calls = 0
-        self._window8_misses = 0
+        self._window8_trial = _Trial()
         self._best_other = float("inf")
         #: the chosen screen's time over the full fp32 head's, as `wins` measured it
         self._screen_share = float("inf")
-        self._int8_calls = 0
-        self._int8_misses = 0
+        self._int8_trial = _Trial()
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
@@ -221,12 +219,10 @@ class GreedyHead:
         wide = hidden.float()  # exact widening (itself when fp32)
         if self.window8:
             tokens = self._window8(wide)
-            self._window8_calls += 1
             if tokens is not None:
+                self._window8_trial.record(decided=True)
                 return tokens
-            self._window8_misses += 1
-            if (self._window8_calls >= _INT8_TRIAL_CALLS
-                    and self._window8_misses > _INT8_MAX_MISS_SHARE * self._window8_calls):
+            if not self._window8_trial.record(decided=False):
                 logger.info("ferrobatch: int8 window screen rarely decides here; not used")
                 self.window8 = False
                 self._rows8 = None
@@ -246,10 +242,7 @@ class GreedyHead:
         cand = None
         if self.int8:
             cand = self._screen_int8(wide, l1, hmax, delta)
-            self._int8_calls += 1
-            self._int8_misses += cand is None
-            if (self._int8_calls >= _INT8_TRIAL_CALLS
-                    and self._int8_misses > _INT8_MAX_MISS_SHARE * self._int8_calls):
+            if not self._int8_trial.record(decided=cand is not None):
                 logger.info("ferrobatch: int8 head screen rarely decides here; bf16 only")
                 self.int8 = False
                 self._qweight = None
@@ -265,14 +258,15 @@ class GreedyHead:
         if self._rows8 is None:
             self._rows8 = _RowScaled(self._weight)
         w8 = self._rows8
-        n, k = hidden.shape
+        k = hidden.shape[1]
         l2, _, hmax = _core.row_norms(hidden.numpy())
         if not (np.isfinite(l2).all() and (hmax > 0).all()):
             return None
         t = torch.from_numpy(hmax / 127.0).unsqueeze(1)  # f64 [N, 1]
-        q = torch.round(hidden.double() / t)
+        exact = hidden.double()
+        q = torch.round(exact / t)
         near = (q * t).numpy()  # t q, f64
-        e_norm = np.linalg.norm(hidden.double().numpy() - near, axis=1)
+        e_norm = np.linalg.norm(exact.numpy() - near, axis=1)
         near_norm = np.linalg.norm(near, axis=1)
         acc = torch._int_mm(q.to(torch.int8), w8.qweight.t())  # [N, V] int32, exact
         scores = acc.float().mul_(w8.scale)  # in units of each row's t
@@ -343,6 +337,8 @@ class GreedyHead:
                 if self.window8:  # its int8 copy replaces the proven int8 screen's
                     self.int8 = False
                     self._qweight = None
+            if not self.window8:
+                self._rows8 = None  # (built while it was judged)
             return won
         finally:
             torch.set_num_threads(threads)
@@ -363,10 +359,7 @@ class GreedyHead:
         except Exception as exc:  # noqa: BLE001 - an op missing from this build
             logger.info("ferrobatch: no int8 window screen (%s)", exc)
             return False
-        if took > 0.9 * self._best_other:
-            self._rows8 = None
-            return False
-        return True
+        return took <= 0.9 * self._best_other
 
     def _wins(self, rows: int, rounds: int) -> bool:
         gen = torch.Generator().manual_seed(0)
@@ -395,7 +388,7 @@ class GreedyHead:
             logger.info("ferrobatch: no greedy head screen (%s)", exc)
             return False
         finally:
-            self._int8_calls = self._int8_misses = 0  # judge int8 on the model's own rows
+            self._int8_trial = _Trial()  # judge int8 on the model's own rows
         if not timed:
             return False
         self._best_other = min(full, *timed.values())  # (for `_window8_wins`)
@@ -406,6 +399,23 @@ class GreedyHead:
         if self._weight.dtype != torch.float32:
             return True  # exact fp32-accumulated argmax of a half head: worth it at any speed
         return timed[self.int8] <= 0.8 * full
+
+
+class _Trial:
+    """The calls and misses of a screen judged on the model's own rows: it stays on until
+    `_INT8_TRIAL_CALLS` calls have passed with more than `_INT8_MAX_MISS_SHARE` of them
+    undecided."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.misses = 0
+
+    def record(self, *, decided: bool) -> bool:
+        """Count one call; whether the screen stays on."""
+        self.calls += 1
+        self.misses += not decided
+        return not (self.calls >= _INT8_TRIAL_CALLS
+                    and self.misses > _INT8_MAX_MISS_SHARE * self.calls)
 
 
 class _RowScaled:
@@ -426,7 +436,8 @@ class _RowScaled:
             f2 = f.norm(dim=1).double().numpy()
         self.scale = scale.squeeze(1)  # fp32 [V]
         ratio = f2[w2 > 0] / w2[w2 > 0]
-        self.rho = float(np.median(ratio)) if ratio.size and np.median(ratio) > 0 else 1.0
+        median = float(np.median(ratio)) if ratio.size else 0.0
+        self.rho = median if median > 0 else 1.0
         self.per_token = np.maximum(w2, f2 / self.rho)
         self.w2max = float(w2.max()) if w2.size else 0.0
 
