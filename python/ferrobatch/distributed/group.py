@@ -7,7 +7,10 @@ model. `TPGroup.spawn` starts the other ranks as `torch.multiprocessing` spawn p
 Backend gloo on CPU, NCCL on CUDA (one device per rank: ``cuda:LOCAL_RANK``).
 
 Every collective has a timeout (``FERROBATCH_TP_TIMEOUT`` seconds, default 60): a rank
-that hangs makes the others' collectives fail instead of blocking forever. On rank 0 a
+that hangs makes the others' collectives fail instead of blocking forever. Start-up (the
+rendezvous, each rank loading its shard, the construction probes' collectives) runs under
+the longer ``FERROBATCH_TP_START_TIMEOUT`` (default 600 s): a slow import or load is not a
+hang; `TPGroup.steady` switches to the collective timeout once the engine is built. On rank 0 a
 watchdog thread checks the spawned workers' liveness every half second; when one dies it
 calls the engine's failure callback (every waiting caller gets the error) and the group is
 shut down. While the engine is idle the watchdog broadcasts a no-op now and then, so the
@@ -42,6 +45,12 @@ def current() -> TPGroup | None:
 def collective_timeout() -> float:
     """Seconds a collective may wait for the other ranks (``FERROBATCH_TP_TIMEOUT``)."""
     return float(os.environ.get("FERROBATCH_TP_TIMEOUT", "60"))
+
+
+def startup_timeout() -> float:
+    """Seconds the ranks may take to meet while the engine is built
+    (``FERROBATCH_TP_START_TIMEOUT``, never below the collective timeout)."""
+    return max(collective_timeout(), float(os.environ.get("FERROBATCH_TP_START_TIMEOUT", "600")))
 
 
 class TPWorkerError(RuntimeError):
@@ -118,7 +127,7 @@ class TPGroup:
             torch.cuda.set_device(device)
         dist.init_process_group(
             _backend(device), init_method=init_method, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout()),
+            timeout=datetime.timedelta(seconds=startup_timeout()),
         )
         _CURRENT = cls(rank, world_size, device, procs)
         return _CURRENT
@@ -176,6 +185,14 @@ class TPGroup:
         assert _CURRENT is not None
         _CURRENT.from_env = True
         return _CURRENT
+
+    def steady(self) -> None:
+        """The engine is built: collectives from now on time out after
+        `collective_timeout()` (start-up ran under `startup_timeout()`). Every rank calls
+        this at the same point; a group this engine did not create keeps its own timeout."""
+        if self.owns_group and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(
+                datetime.timedelta(seconds=collective_timeout()))
 
     # ------------------------------------------------------------------ rank 0
 

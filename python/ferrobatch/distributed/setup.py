@@ -77,6 +77,7 @@ def attach(engine: Any, group: TPGroup) -> None:
     waiting caller; a ``torchrun`` rank > 0: serve rank 0's steps, then exit."""
     from ferrobatch.distributed.runner import TPRunner
 
+    group.steady()
     if group.rank != 0:
         if group.from_env:
             from ferrobatch.distributed import worker
