@@ -15,8 +15,8 @@ from ferrobatch._core import SCRATCH_CHUNK, ZERO_CHUNK
 RESERVED_CHUNKS = max(ZERO_CHUNK, SCRATCH_CHUNK) + 1
 
 
-#: CPU caches from this size on are a mapping of their own, advised to use huge pages
-_HUGE_PAGES_FROM = 8 << 20
+#: CPU caches from this size on are a mapping of their own, zeroed by the OS on first touch
+_LAZY_FROM = 8 << 20
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -24,25 +24,25 @@ def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> 
 
     `torch.zeros` writes every byte up front (0.7 s a GiB here, for a cache sized to 4 GiB
     of which a workload may touch a few MiB). A large CPU cache is an anonymous mapping
-    (reads as zero) advised to use transparent huge pages where the kernel allows it: the
-    first step to touch a block then faults 2 MiB at a time instead of 4 KiB (SmolLM2's
-    64-request bf16 workload on a fresh engine: 76k page faults and 0.80 s of system time
-    before, 3.7k and 0.69 s after; the zeroing of the pages is most of what is left), and
-    attention's reads across the pool need fewer TLB entries. The price: a touched block
-    makes up to 2 MiB per layer and K/V resident instead of its own pages.
+    (reads as zero), advised *not* to use transparent huge pages: on this project's VMs a
+    2 MiB page that no process touched lately costs the hypervisor's backing of the whole
+    page at its first touch (256 MiB: 3.6-3.8 s cold with huge pages against 0.13-0.25 s
+    with 4 KiB pages; SmolLM2's 64-request fp32 workload on a fresh engine: 2.9-3.5 s of
+    system time and 19.5-21.1 s against 0.17-0.23 s and 16.6-17.2 s), and a block touches
+    a whole huge page per layer and K/V where it needs a few KiB.
     """
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     size = torch.empty((), dtype=dtype).element_size()
     nbytes = int(np.prod(shape, dtype=np.int64)) * size
-    if nbytes < _HUGE_PAGES_FROM:
+    if nbytes < _LAZY_FROM:
         raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
     else:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
             try:
-                region.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # a kernel without transparent huge pages: 4 KiB pages
+                region.madvise(mmap.MADV_NOHUGEPAGE)
+            except OSError:  # a kernel without transparent huge pages: 4 KiB pages anyway
                 pass
         raw = torch.frombuffer(region, dtype=torch.uint8)  # (keeps `region` alive)
     return raw.view(dtype).view(shape)
