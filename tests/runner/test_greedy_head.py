@@ -1,6 +1,7 @@
-"""The bounded int8 screen for greedy tokens (`ferrobatch.runner.greedy_head`) and its use by the
-runner and the engine: always the fp32 argmax (first maximum), full logits when it cannot
-decide, greedy parity with `model.generate` when it is forced on."""
+"""The bounded int8 / int16 / bf16 screens for greedy tokens
+(`ferrobatch.runner.greedy_head`) and their use by the runner and the engine: always the
+fp32 argmax (first maximum), full logits when they cannot decide, greedy parity with
+`model.generate` when they are forced on."""
 
 from __future__ import annotations
 
@@ -35,14 +36,21 @@ def _fp32_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t()).argmax(dim=1)
 
 
+def _only(head: GreedyHead, screen: str) -> GreedyHead:
+    """`head` with `screen` ("int8", "int16" or "bf16") first: int8 and int16 off unless
+    named (bf16 stays the fallback of both)."""
+    head.int8 = screen == "int8" and head.int8
+    head.int16 = screen == "int16" and head.int16
+    return head
+
+
 @pytest.mark.parametrize("wide", [True, False])
-@pytest.mark.parametrize("int8", [True, False])
-@pytest.mark.parametrize("vocab,dim", [(5000, 64), (32000, 256), (777, 300)])
-def test_screen_is_the_fp32_argmax(vocab: int, dim: int, int8: bool, wide: bool) -> None:
+@pytest.mark.parametrize("screen", ["int8", "int16", "bf16"])
+@pytest.mark.parametrize("vocab,dim", [(5000, 64), (32000, 256), (777, 300), (900, 65)])
+def test_screen_is_the_fp32_argmax(vocab: int, dim: int, screen: str, wide: bool) -> None:
     gen = torch.Generator().manual_seed(vocab)
     w = torch.randn(vocab, dim, generator=gen) * dim**-0.5
-    head = GreedyHead(w)
-    head.int8 = int8 and head.int8
+    head = _only(GreedyHead(w), screen)
     head.wide = wide and head.wide
     for scale in (1e-3, 0.1, 1.0, 30.0):
         x = torch.randn(37, dim, generator=gen) * scale
@@ -62,7 +70,7 @@ def test_wide_screen_decides_with_fewer_candidates(dtype: torch.dtype) -> None:
     kept = {}
     for wide in (True, False):
         head = GreedyHead(w)
-        head.int8, head.wide = False, wide
+        _only(head, "bf16").wide = wide
         calls = []
         real = gh._select
         def spy(scores, *a, calls=calls, real=real):
@@ -96,7 +104,7 @@ def test_heavy_tailed_rows_and_outlier_weights() -> None:
         if got is not None:  # None (full logits) is allowed; a wrong token is not
             assert torch.equal(got, _fp32_argmax(x, w))
             decided += 1
-    assert decided >= 15  # the bf16 screen decides where int8 does not
+    assert decided >= 15  # the int16 (or bf16) screen decides where int8 does not
     assert not head.int8  # dropped after its trial calls
     w[:, 5] *= 40.0  # in place: re-derived; both screens too coarse now -> full logits
     x = torch.distributions.StudentT(2.0).sample((16, dim))
@@ -408,9 +416,8 @@ def test_half_rows_and_weight_give_the_argmax_of_their_widening(dtype: torch.dty
     gen = torch.Generator().manual_seed(9)
     w = (torch.randn(3000, 96, generator=gen) * 0.1).to(dtype)
     x = torch.randn(19, 96, generator=gen).to(dtype)
-    for int8 in (True, False):
-        head = GreedyHead(w)
-        head.int8 = int8 and head.int8
+    for screen in ("int8", "int16", "bf16"):
+        head = _only(GreedyHead(w), screen)
         got = head.argmax(x)
         assert got is not None
         assert torch.equal(got, _fp32_argmax(x.float(), w.float()))
@@ -429,7 +436,7 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
     assert GreedyHead(w.float()).full_rows is None  # an fp32 head: screens as before
     screened = []
     monkeypatch.setattr(head, "_screen_bf16", lambda *a: screened.append(1) or None)
-    head.int8 = False
+    _only(head, "bf16")
     for rows in (head.full_rows, 2 * head.full_rows + 3):
         x = torch.randn(rows, 96, generator=gen)
         x[1] = x[0]  # equal rows, equal answers
@@ -550,7 +557,7 @@ def test_wins_takes_window8_for_half_heads_only(monkeypatch) -> None:
     for weight, window_time, taken in ((w.bfloat16(), 0.2, True), (w.bfloat16(), 0.95, False),
                                        (w, 0.2, False)):
         head = GreedyHead(weight)
-        screens = 2 if head.int8 else 1
+        screens = 1 + head.int8 + head.int16  # the configurations `_wins` times
         times = iter([1.0] * timings + [0.5] * screens + [window_time])
         assert head.wins(rows=16, rounds=1)
         assert head.window8 == taken
@@ -578,3 +585,103 @@ def test_engine_bf16_tokens_are_the_same_with_window8(monkeypatch) -> None:
             assert head._window8_trial.calls > 0 if window8 else head._window8_trial.calls == 0
             assert head._window8_trial.misses == 0
     assert outs[True] == outs[False]
+
+
+_NEEDS_I16 = pytest.mark.skipif(not gh._HAVE_I16, reason="no AVX-512 VNNI here")
+
+
+def _spy_select(monkeypatch) -> list:
+    """Each `_select` call's (scores dtype, candidates kept or None)."""
+    calls: list = []
+    real = gh._select
+
+    def spy(scores, *a):
+        out = real(scores, *a)
+        calls.append((scores.dtype, None if out is None else len(out[0])))
+        return out
+
+    monkeypatch.setattr(gh, "_select", spy)
+    return calls
+
+
+@_NEEDS_I16
+@pytest.mark.parametrize("dim", [96, 577])
+def test_int16_keeps_few_candidates_where_outliers_widen_int8(monkeypatch, dim) -> None:
+    """Rows with a few features 100-300x the others (as SmolLM2's final hidden rows have):
+    the int8 screen's window is wide (it keeps many candidates, or too many to decide), the
+    int16 one's ~15x narrower: a few candidates a row, and the fp32 argmax."""
+    gen = torch.Generator().manual_seed(dim)
+    vocab = 6000
+    w = torch.randn(vocab, dim, generator=gen) * dim**-0.5
+    x = torch.randn(64, dim, generator=gen)
+    x[:, 7] *= 300.0
+    x[:, dim - 2] *= -100.0
+    ref = _fp32_argmax(x, w)
+    calls = _spy_select(monkeypatch)
+    int8 = _only(GreedyHead(w), "int8")
+    assert torch.equal(int8.argmax(x), ref)
+    int8_kept = calls[0][1]  # None: too many candidates (the bf16 screen answered)
+    calls.clear()
+    head = _only(GreedyHead(w), "int16")
+    got = head.argmax(x)
+    assert got is not None and torch.equal(got, ref)
+    assert calls[0][0] == np.int32 and calls[0][1] <= 64 * 4
+    assert int8_kept is None or int8_kept > 4 * calls[0][1]
+
+
+@_NEEDS_I16
+def test_int16_scores_stay_in_int32_at_any_width() -> None:
+    """`qmax` keeps every partial sum of `K` products within an int32 (`K` rounded up to
+    even), so the kernel's sums are exact; the widest rows and weights reach it."""
+    for k in (1, 2, 65, 576, 4096):
+        w16 = gh._Int16Weight(torch.randn(40, k))
+        assert w16.k == k + k % 2
+        assert w16.k * w16.qmax**2 < 2**31
+    k = 4096
+    w = torch.full((20, k), -0.5)
+    w16 = gh._Int16Weight(w)
+    rows = torch.full((3, k), -int(w16.qmax), dtype=torch.int16)
+    acc = torch.empty(3, 20, dtype=torch.int32)
+    _core.i16_linear(rows.numpy(), w16.packed.numpy(), acc.numpy(), n=20, k=k)
+    assert (acc.long() == k * int(w16.qmax) ** 2).all()
+
+
+def test_int16_is_dropped_when_it_rarely_decides(monkeypatch) -> None:
+    """Like the int8 screen: after its trial calls with too many misses it is off, and the
+    bf16 screen (or the full logits) answers."""
+    w = torch.randn(500, 32)
+    head = _only(GreedyHead(w), "int16")
+    monkeypatch.setattr(head, "_screen_int16", lambda *a: None)
+    for _ in range(gh._INT8_TRIAL_CALLS):
+        x = torch.randn(4, 32)
+        got = head.argmax(x)
+        assert got is None or torch.equal(got, _fp32_argmax(x, w))
+    assert not head.int16 and head._w16 is None
+
+
+@_NEEDS_I16
+def test_engine_fp32_parity_with_the_int16_screen(monkeypatch) -> None:
+    """An fp32 model's greedy tokens through the engine with the int16 screen first equal
+    `model.generate`'s."""
+    monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: True)
+    monkeypatch.setattr(GreedyHead, "__init__", _int16_first(GreedyHead.__init__))
+    model = tm.llama()
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, tm.VOCAB) for _ in range(n)] for n in (1, 5, 9, 17, 40)]
+    calls = _spy_select(monkeypatch)
+    cfg = ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=16)
+    with Engine(model, config=cfg) as eng:
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)
+    assert calls and all(dtype == np.int32 for dtype, _ in calls)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                 min_new_tokens=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def _int16_first(init):
+    def patched(self, weight):
+        init(self, weight)
+        self.int8 = False
+    return patched

@@ -7,7 +7,8 @@ For greedy rows only the argmax of `hidden @ W.T` is needed. `GreedyHead` screen
 vocabulary with a cheap low-precision product, keeps every token whose screened score is
 within a proven error bound of the row's best, and rescores only those candidates in fp32
 (one fp32 product of the rows with the union of the candidates' weight rows; ties go to the
-lowest token id, as `argmax`). The result is the argmax of the fp32 logits. Two screens:
+lowest token id, as `argmax`). The result is the argmax of the fp32 logits. Three proven
+screens, tried in this order (each only while it is on):
 
 * int8 (`torch._int_mm`, exact int32 accumulation; about a third of the fp32 product's time
   on CPUs with VNNI). The weight is quantized once with one scale `s = max |W| / 127`
@@ -17,6 +18,16 @@ lowest token id, as `argmax`). The result is the argmax of the fp32 logits. Two 
   `|a_j - h . w_j| <= (s/2) ||h||_1 + (t/2) max_j ||w_j||_1 + (3/4) K t s`.
   Weights with outlier rows or features make that window wide: when the int8 screen
   leaves too many candidates on more than a quarter of its first calls, it is dropped.
+* int16 (`_core.i16_linear`: exact int32 sums of int16 products on AVX-512 VNNI, half the
+  fp32 product's time and bytes). The weight is quantized once with one scale
+  `s = max |W| / Q_w` (`w_j = s p_j + f_j`), each row with `t = max |h| / Q_h`
+  (`h = t q + e`), `Q_h = Q_w = floor(sqrt((2^31 - 1) / K))` (every partial sum fits an
+  int32). Since `h . w_j - t s q . p_j = t q . f_j + e . w_j`, Cauchy-Schwarz gives
+  `|a_j - h . w_j| <= ||t q|| ||f_j|| + ||e|| ||w_j|| <= (||e|| + rho ||t q||) u_j` with
+  `u_j = max(||w_j||, ||f_j|| / rho)` (`rho`: the median of `||f_j|| / ||w_j||`), all norms
+  of known vectors. About 11 bits a side instead of int8's 7 make the window ~15x narrower:
+  where outlier features keep the int8 screen from deciding (SmolLM2-135M's hidden rows,
+  384 of its chat rows: 1.5-2.5 candidates a row, at most 29), this one still does.
 * bf16 (oneDNN, weight reordered once; about half the fp32 time with native bf16 dot
   products): `a_j` is `bf(h) . bf(w_j)` accumulated in fp32 and rounded to bf16, so with
   `u = 2^-8`, `|a_j - h . w_j| <= (2u + u^2 + K 2^-24 + u (1 + ...)) ||h|| ||w_j||
@@ -57,6 +68,7 @@ each row's best candidate (`greedy_pick`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -78,7 +90,7 @@ _MAX_CANDIDATES = 64  # per row on average; beyond it the screen is not worth it
 _MAX_STAGE1 = 1024  # per row on average after the first (coarse) selection
 _INT8_TRIAL_CALLS = 16  # the int8 screen is judged after this many calls ...
 _INT8_MAX_MISS_SHARE = 0.25  # ... and dropped when it failed to decide more often than this
-_EXTRA_BYTES_PER_WEIGHT = 2 + 2 + 1 + 4 + 4  # see `GreedyHead.supported`
+_EXTRA_BYTES_PER_WEIGHT = 2 + 2 + 1 + 2 + 4 + 4  # see `GreedyHead.supported`
 #: from this many rows a half-precision head's argmax is that of its full fp32 logits, where
 #: fp32 products of the widened weight are faster than half-precision ones
 #: (`ferrobatch.runner.fp32_products`): on such a Xeon (1 thread, SmolLM2's head) the bf16
@@ -90,6 +102,7 @@ _WINDOW_SIGMAS = 6.0
 _MAX_AVAILABLE_SHARE = 0.1
 
 _HAVE_INT_MM = hasattr(torch, "_int_mm")
+_HAVE_I16 = bool(getattr(_core, "i16_linear_available", lambda: False)())
 _HAVE_MKLDNN = bool(
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -155,13 +168,18 @@ class GreedyHead:
         #: the chosen screen's time over the full fp32 head's, as `wins` measured it
         self._screen_share = float("inf")
         self._int8_trial = _Trial()
+        #: the int16 screen is on (dropped, like int8, when it rarely decides)
+        self.int16 = _HAVE_I16
+        self._w16: _Int16Weight | None = None  # made when first used
+        self._int16_trial = _Trial()
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
         """An fp32 2-D CPU weight with at most 4096 input features, oneDNN present, and the
         memory the screen takes (`_EXTRA_BYTES_PER_WEIGHT` per weight element: the two bf16
-        copies and the int8 one it keeps, fp32 temporaries while deriving them and the construction
-        check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE` of available memory."""
+        copies and the int8 and packed int16 ones it keeps, fp32 temporaries while deriving
+        them and the construction check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE`
+        of available memory."""
         if not (
             _HAVE_MKLDNN
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -202,6 +220,7 @@ class GreedyHead:
                     if self.int8 else None
                 )
                 self._rows8 = None  # made again when next used
+                self._w16 = None
             self._key = key
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -243,9 +262,15 @@ class GreedyHead:
         if self.int8:
             cand = self._screen_int8(wide, l1, hmax, delta)
             if not self._int8_trial.record(decided=cand is not None):
-                logger.info("ferrobatch: int8 head screen rarely decides here; bf16 only")
+                logger.info("ferrobatch: int8 head screen rarely decides here; not used")
                 self.int8 = False
                 self._qweight = None
+        if cand is None and self.int16:
+            cand = self._screen_int16(wide, hmax, delta)
+            if not self._int16_trial.record(decided=cand is not None):
+                logger.info("ferrobatch: int16 head screen rarely decides here; not used")
+                self.int16 = False
+                self._w16 = None
         if cand is None:
             cand = self._screen_bf16(hidden, l2, delta)
         if cand is None:
@@ -294,6 +319,31 @@ class GreedyHead:
         gain = np.full(len(unit), 0.5 / s)
         return _select(acc, base, gain, self._w1)
 
+    def _screen_int16(self, hidden: torch.Tensor, hmax: np.ndarray, delta: np.ndarray
+                      ) -> _Candidates | None:
+        if self._w16 is None:
+            self._w16 = _Int16Weight(self._weight)
+        w16 = self._w16
+        n, k = hidden.shape
+        exact = hidden.double()
+        t = torch.from_numpy(hmax / w16.qmax).unsqueeze(1)  # f64 [N, 1]
+        q = torch.round(exact / t).clamp_(-w16.qmax, w16.qmax)  # (|h| <= hmax: no-op clamp)
+        near = q * t  # t q, f64
+        e_norm = torch.linalg.vector_norm(exact - near, dim=1).numpy()
+        near_norm = torch.linalg.vector_norm(near, dim=1).numpy()
+        rows = torch.zeros(n, w16.k, dtype=torch.int16)  # (k padded to even: a zero column)
+        rows[:, :k] = q.to(torch.int16)
+        acc = torch.empty(n, w16.n, dtype=torch.int32)
+        threads = torch.get_num_threads()
+        _core.i16_linear(rows.numpy(), w16.packed.numpy(), acc.numpy(), n=w16.n, k=w16.k,
+                         threads=threads)
+        unit = t.squeeze(1).numpy() * w16.scale  # one integer step of acc, per row
+        # eps_ij = (||e_i|| + rho ||t q_i||) u_j + delta_i (module docstring), in units of
+        # t_i s; the f64 norms and products: a relative 2^-40 at most, covered by 2^-30
+        gain = (e_norm + w16.rho * near_norm) * (1 + 2.0**-30) / unit
+        base = delta / unit + 1.0
+        return _select(acc.numpy(), base, gain, w16.per_token)
+
     def _screen_bf16(self, hidden: torch.Tensor, l2: np.ndarray, delta: np.ndarray
                      ) -> _Candidates | None:
         assert self._packed is not None
@@ -317,12 +367,13 @@ class GreedyHead:
         return None if tokens is None else torch.from_numpy(tokens)
 
     def wins(self, rows: int = 64, rounds: int = 5) -> bool:
-        """Whether a screen (int8 first, or bf16 alone) agrees with the fp32 argmax on random
+        """Whether a screen (int8, int16 or bf16 first) agrees with the fp32 argmax on random
         rows and takes at most 80% of the CPU time of the fastest fp32 head + argmax here;
-        keeps the faster of the two configurations. False on any failure. Timed on one
-        thread: with more, the CPU time counts what OpenMP workers spend spinning between
-        the screen's parallel and serial parts, not work. A half head's full fp32 path
-        (`full_rows`) is kept only where the chosen screen is slower than it at `rows`."""
+        keeps the fastest configuration (an int8 first keeps int16 behind it). False on any
+        failure. Timed on one thread: with more, the CPU time counts what OpenMP workers
+        spend spinning between the screen's parallel and serial parts, not work. A half
+        head's full fp32 path (`full_rows`) is kept only where the chosen screen is slower
+        than it at `rows`."""
         if not self.supported(self._weight):
             return False
         threads, full_rows = torch.get_num_threads(), self.full_rows
@@ -366,7 +417,7 @@ class GreedyHead:
         k = self._weight.shape[1]
         x = torch.randn(rows, k, generator=gen)
         w = self._weight.detach().float()
-        timed: dict[bool, float] = {}
+        timed: dict[tuple[bool, bool], float] = {}  # (int8, int16) on -> time
         try:
             with torch.inference_mode():
                 ref = torch.mm(x, w.t()).argmax(dim=1)
@@ -376,11 +427,14 @@ class GreedyHead:
                     fulls.append(lambda: torch.ops.mkldnn._linear_pointwise(
                         x, full_packed, None, "none", [], "").numpy().argmax(-1))
                 full = min(_best_time(fn, rounds) for fn in fulls)
-                for int8 in ((True, False) if self.int8 else (False,)):
-                    self.int8 = int8
+                configs = [(i8, i16) for i8 in (True, False) for i16 in (True, False)
+                           if (self.int8 or not i8) and (self.int16 or not i16)
+                           and not (i8 and i16)]
+                for config in configs:  # (int8 first falls back to bf16, like int16)
+                    self.int8, self.int16 = config
                     got = self.argmax(x)
                     if got is not None and torch.equal(got, ref):
-                        timed[int8] = _best_time(lambda: self.argmax(x), rounds)
+                        timed[config] = _best_time(lambda: self.argmax(x), rounds)
                     elif got is not None:
                         logger.info("ferrobatch: greedy head screen disagrees; not used")
                         return False
@@ -388,17 +442,22 @@ class GreedyHead:
             logger.info("ferrobatch: no greedy head screen (%s)", exc)
             return False
         finally:
-            self._int8_trial = _Trial()  # judge int8 on the model's own rows
+            # judge the screens on the model's own rows
+            self._int8_trial, self._int16_trial = _Trial(), _Trial()
         if not timed:
             return False
         self._best_other = min(full, *timed.values())  # (for `_window8_wins`)
-        self.int8 = min(timed, key=timed.__getitem__)
+        best = min(timed, key=timed.__getitem__)
+        # int8 first keeps int16 behind it (it may fail to decide on the model's own rows)
+        self.int8, self.int16 = best[0], best[1] or (best[0] and _HAVE_I16)
         if not self.int8:
             self._qweight = None
-        self._screen_share = timed[self.int8] / full
+        if not self.int16:
+            self._w16 = None
+        self._screen_share = timed[best] / full
         if self._weight.dtype != torch.float32:
             return True  # exact fp32-accumulated argmax of a half head: worth it at any speed
-        return timed[self.int8] <= 0.8 * full
+        return timed[best] <= 0.8 * full
 
 
 class _Trial:
@@ -440,6 +499,43 @@ class _RowScaled:
         self.rho = median if median > 0 else 1.0
         self.per_token = np.maximum(w2, f2 / self.rho)
         self.w2max = float(w2.max()) if w2.size else 0.0
+
+
+class _Int16Weight:
+    """A head weight [V, K] in int16 with one scale for all of it, packed for
+    `_core.i16_linear` (`w_j = s p_j + f_j`, `s = max |W| / qmax`, `|p| <= qmax`), with
+    what `GreedyHead._screen_int16`'s bound needs: `per_token` `u_j = max(||w_j||_2,
+    ||f_j||_2 / rho)` rounded up, `rho` the median of `||f_j|| / ||w_j||`. `qmax` keeps
+    `K qmax^2 < 2^31`, so the int32 sums are exact (`K` even: a zero column is added to an
+    odd one)."""
+
+    _ROWS_PER_PASS = 4096  # rows quantized at a time (bounds the f64 temporaries)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.n, self.k = int(n), int(k + k % 2)
+        self.qmax = float(math.isqrt((2**31 - 1) // max(self.k, 1)))
+        self.qmax = min(self.qmax, 32767.0)
+        with torch.no_grad():
+            w = weight.detach()
+            amax = float(w.abs().max()) if w.numel() else 0.0
+            self.scale = amax / self.qmax if amax > 0 else 1.0
+            q16 = torch.zeros(self.n, self.k, dtype=torch.int16)
+            w2 = np.empty(self.n)
+            f2 = np.empty(self.n)
+            for lo in range(0, self.n, self._ROWS_PER_PASS):
+                rows = w[lo:lo + self._ROWS_PER_PASS].double()
+                q = torch.round(rows / self.scale).clamp_(-self.qmax, self.qmax)
+                q16[lo:lo + len(rows), :k] = q.to(torch.int16)
+                w2[lo:lo + len(rows)] = torch.linalg.vector_norm(rows, dim=1).numpy()
+                f2[lo:lo + len(rows)] = torch.linalg.vector_norm(
+                    rows - q * self.scale, dim=1).numpy()
+            self.packed = torch.empty(_core.i16_packed_len(self.n, self.k), dtype=torch.int16)
+            _core.i16_pack(q16.numpy(), self.packed.numpy())
+        ratio = f2[w2 > 0] / w2[w2 > 0]
+        median = float(np.median(ratio)) if ratio.size else 0.0
+        self.rho = median if median > 0 else 1.0
+        self.per_token = np.maximum(w2, f2 / self.rho) * (1 + 2.0**-30)
 
 
 def _best_time(fn: Any, rounds: int) -> float:

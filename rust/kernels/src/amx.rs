@@ -265,8 +265,8 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// `out` [m, n] shared between tasks that each write only the columns of their own blocks.
-pub(crate) struct OutColumns {
-    ptr: *mut f32,
+pub(crate) struct OutColumns<T = f32> {
+    ptr: *mut T,
     m: usize,
     n: usize,
 }
@@ -277,12 +277,12 @@ pub(crate) struct OutColumns {
 // `linear` call (here or in `f32_linear`) get disjoint column blocks, so no element is
 // written by two threads, and the slice it came from is borrowed mutably by that `linear`
 // until every task has returned.
-unsafe impl Sync for OutColumns {}
+unsafe impl<T: Send> Sync for OutColumns<T> {}
 
-impl OutColumns {
+impl<T: Copy> OutColumns<T> {
     /// `out` [m, n] (its length checked), written only through this until it is dropped:
     /// the caller keeps `out` borrowed while the tasks run.
-    pub(crate) fn new(out: &mut [f32], m: usize, n: usize) -> Self {
+    pub(crate) fn new(out: &mut [T], m: usize, n: usize) -> Self {
         assert_eq!(out.len(), m * n, "out must hold m * n elements");
         OutColumns {
             ptr: out.as_mut_ptr(),
@@ -293,7 +293,7 @@ impl OutColumns {
 
     /// Writes `sums` (row `row`, columns `col0..col0 + sums.len()`), keeping to the columns
     /// below `n`; a row at or past `m` is dropped.
-    pub(crate) fn write_cols(&self, row: usize, col0: usize, sums: &[f32]) {
+    pub(crate) fn write_cols(&self, row: usize, col0: usize, sums: &[T]) {
         let cols = self.n.saturating_sub(col0).min(sums.len());
         if row >= self.m || cols == 0 {
             return;
@@ -305,7 +305,9 @@ impl OutColumns {
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols) };
         dst.copy_from_slice(&sums[..cols]);
     }
+}
 
+impl OutColumns<f32> {
     /// Where the 16 x 16 tile of rows `row0..` and columns `col0..` starts in `out`, when
     /// all of it lies inside (else None: see `write`).
     fn tile(&self, row0: usize, col0: usize) -> Option<*mut f32> {

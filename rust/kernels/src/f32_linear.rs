@@ -20,7 +20,7 @@ use crate::fused::ArgError;
 pub const BLOCK_N: usize = 16;
 /// Column blocks per pass and rows per group when four blocks remain: 6 x 4 accumulators,
 /// 4 weight rows and a broadcast input take 29 of the 32 zmm registers.
-const PASS_BLOCKS: usize = 4;
+pub(crate) const PASS_BLOCKS: usize = 4;
 const GROUP_ROWS: usize = 6;
 /// Rows per chunk of a long call: 192 rows of f32 inputs (432 KiB at k = 576) stay in the
 /// L2 cache while every weight block streams past; each chunk reads the weights once more.
@@ -92,7 +92,7 @@ pub fn linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), ArgError> {
-    let LinearArgs { m, n, k, threads } = *args;
+    let LinearArgs { m, n, k, .. } = *args;
     for (field, got, want) in [
         ("x", x.len(), m * k),
         ("packed", packed.len(), packed_len(n, k)),
@@ -134,17 +134,63 @@ pub fn linear(
         padded.resize(blocks * BLOCK_N, 0.0);
         padded
     });
+    run_panels::<f32>(args, x, packed, bias.as_deref(), out);
+    Ok(())
+}
+
+/// The pieces of a product over a packed weight: each chunk of rows in turn, its panels
+/// split over at most `args.threads` threads of the kernel pool (lengths checked by the
+/// caller; `bias` padded to whole blocks; `args.k > 0`).
+pub(crate) fn run_panels<E: PanelKernel>(
+    args: &LinearArgs,
+    x: &[E],
+    packed: &[E],
+    bias: Option<&[E::Sum]>,
+    out: &mut [E::Sum],
+) {
+    let LinearArgs { m, n, k, threads } = *args;
+    let blocks = n.div_ceil(BLOCK_N);
     let ranges = panel_ranges(blocks.div_ceil(PASS_BLOCKS), threads.max(1));
     for row0 in (0..m).step_by(ROWS_PER_CHUNK) {
         let rows = (m - row0).min(ROWS_PER_CHUNK);
         let a = &x[row0 * k..(row0 + rows) * k];
         // (row0 * n < out.len(): row0 < m)
         let dst = OutColumns::new(&mut out[row0 * n..(row0 + rows) * n], rows, n);
-        let task =
-            |t: usize| run_blocks(a, k, rows, packed, ranges[t].clone(), bias.as_deref(), &dst);
+        let task = |t: usize| run_blocks(a, k, rows, packed, ranges[t].clone(), bias, &dst);
         crate::parallel::pool().run(ranges.len(), ranges.len(), &task);
     }
-    Ok(())
+}
+
+/// The element type of a packed product and its k loop: 32 bits of input per lane, 16
+/// lanes per zmm register, sums of type `Sum` (f32 here; i16 pairs into i32 in
+/// [`crate::i16_linear`]).
+pub(crate) trait PanelKernel: Copy + Send + Sync + Sized {
+    /// What a row's products are summed into.
+    type Sum: Copy + Default + Send + Sync;
+    /// `sums[i][..16 NB] = bias + a[i] . w` for the `R` rows of `a` ([R, k]) and the `NB`
+    /// column blocks of `w` (a panel), fetching `pf`'s weights into L2 on the way.
+    fn dot<const R: usize, const NB: usize>(
+        a: &[Self],
+        k: usize,
+        w: &[Self],
+        bias: Option<&[Self::Sum]>,
+        pf: Option<Prefetch<'_, Self>>,
+        sums: &mut [[Self::Sum; PASS_BLOCKS * BLOCK_N]],
+    );
+}
+
+impl PanelKernel for f32 {
+    type Sum = f32;
+    fn dot<const R: usize, const NB: usize>(
+        a: &[f32],
+        k: usize,
+        w: &[f32],
+        bias: Option<&[f32]>,
+        pf: Option<Prefetch<'_, f32>>,
+        sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
+    ) {
+        kernel::run::<R, NB>(a, k, w, bias, pf, sums)
+    }
 }
 
 /// `panels` panels in `threads` near-equal consecutive ranges (none empty).
@@ -156,14 +202,14 @@ fn panel_ranges(panels: usize, threads: usize) -> Vec<Range<usize>> {
 }
 
 /// The panels `panels` for rows `0..rows` of `a` ([rows, k]).
-fn run_blocks(
-    a: &[f32],
+fn run_blocks<E: PanelKernel>(
+    a: &[E],
     k: usize,
     rows: usize,
-    packed: &[f32],
+    packed: &[E],
     panels: Range<usize>,
-    bias: Option<&[f32]>,
-    out: &OutColumns,
+    bias: Option<&[E::Sum]>,
+    out: &OutColumns<E::Sum>,
 ) {
     let blocks = packed.len() / (BLOCK_N * k);
     let panel_at = |panel: usize| {
@@ -185,7 +231,7 @@ fn run_blocks(
         let b = bias.map(|b| &b[nb * BLOCK_N..(nb + nblocks) * BLOCK_N]);
         for (g, row0) in (0..rows).step_by(GROUP_ROWS).enumerate() {
             let r = (rows - row0).min(GROUP_ROWS);
-            let mut sums = [[0f32; PASS_BLOCKS * BLOCK_N]; GROUP_ROWS];
+            let mut sums = [[E::Sum::default(); PASS_BLOCKS * BLOCK_N]; GROUP_ROWS];
             let pf = next.and_then(|(_, blocks, w)| {
                 (g < blocks).then_some(Prefetch {
                     w,
@@ -212,36 +258,43 @@ fn run_blocks(
 
 /// Which weights a group fetches ahead: column block `block` of the panel `w` (`blocks`
 /// column blocks, [`pack`]'s panel layout), one cache line per input.
-#[derive(Clone, Copy)]
-struct Prefetch<'a> {
-    w: &'a [f32],
-    blocks: usize,
-    block: usize,
+pub(crate) struct Prefetch<'a, E> {
+    pub(crate) w: &'a [E],
+    pub(crate) blocks: usize,
+    pub(crate) block: usize,
 }
+
+// (derived Clone / Copy would ask `E: Copy`; a shared slice is Copy whatever `E`)
+impl<E> Clone for Prefetch<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for Prefetch<'_, E> {}
 
 /// `sums[i][..16 nb] = bias + a[i] . w` for the `r` rows of `a` and the `nb` blocks of `w`,
 /// fetching `pf`'s weights into L2 on the way.
 #[allow(clippy::too_many_arguments)] // one group's operands
-fn group(
-    a: &[f32],
+fn group<E: PanelKernel>(
+    a: &[E],
     k: usize,
     r: usize,
     nb: usize,
-    w: &[f32],
-    bias: Option<&[f32]>,
-    pf: Option<Prefetch<'_>>,
-    sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
+    w: &[E],
+    bias: Option<&[E::Sum]>,
+    pf: Option<Prefetch<'_, E>>,
+    sums: &mut [[E::Sum; PASS_BLOCKS * BLOCK_N]],
 ) {
     // (const row and block counts let the compiler keep every accumulator in a register)
     macro_rules! rows {
         ($nb:literal) => {
             match r {
-                1 => kernel::run::<1, $nb>(a, k, w, bias, pf, sums),
-                2 => kernel::run::<2, $nb>(a, k, w, bias, pf, sums),
-                3 => kernel::run::<3, $nb>(a, k, w, bias, pf, sums),
-                4 => kernel::run::<4, $nb>(a, k, w, bias, pf, sums),
-                5 => kernel::run::<5, $nb>(a, k, w, bias, pf, sums),
-                6 => kernel::run::<6, $nb>(a, k, w, bias, pf, sums),
+                1 => E::dot::<1, $nb>(a, k, w, bias, pf, sums),
+                2 => E::dot::<2, $nb>(a, k, w, bias, pf, sums),
+                3 => E::dot::<3, $nb>(a, k, w, bias, pf, sums),
+                4 => E::dot::<4, $nb>(a, k, w, bias, pf, sums),
+                5 => E::dot::<5, $nb>(a, k, w, bias, pf, sums),
+                6 => E::dot::<6, $nb>(a, k, w, bias, pf, sums),
                 _ => unreachable!("1 to 6 rows per group"),
             }
         };
@@ -266,7 +319,7 @@ mod kernel {
         k: usize,
         w: &[f32],
         bias: Option<&[f32]>,
-        pf: Option<Prefetch<'_>>,
+        pf: Option<Prefetch<'_, f32>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         assert!(NB <= PASS_BLOCKS && a.len() == R * k && w.len() == NB * k * BLOCK_N);
@@ -285,7 +338,7 @@ mod kernel {
         k: usize,
         w: &[f32],
         bias: Option<&[f32]>,
-        pf: Option<Prefetch<'_>>,
+        pf: Option<Prefetch<'_, f32>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         // (`w`'s start, never advanced, when nothing is fetched: the loop keeps one form)
@@ -334,7 +387,7 @@ mod kernel {
         _: usize,
         _: &[f32],
         _: Option<&[f32]>,
-        _: Option<Prefetch<'_>>,
+        _: Option<Prefetch<'_, f32>>,
         _: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         unreachable!("AVX-512F is never available off x86-64")

@@ -6,6 +6,8 @@
 //!   or with AVX-512 BF16 ([`dpbf16`]) where the CPU has no AMX;
 //! * [`f32_linear`]: f32 matrix products on AVX-512F over weights packed once (rows never
 //!   depend on their batch);
+//! * [`i16_linear`]: exact i16 products into i32 on AVX-512 VNNI over the same packing
+//!   (the greedy head's int16 screen);
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
@@ -22,6 +24,7 @@ pub mod decode;
 pub mod dpbf16;
 pub mod f32_linear;
 pub mod fused;
+pub mod i16_linear;
 pub mod layer;
 pub mod parallel;
 pub mod select;

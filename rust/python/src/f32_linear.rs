@@ -1,5 +1,5 @@
-//! PyO3 wrappers of `ferrobatch-kernels`' f32 products (`f32_linear`: AVX-512F over packed
-//! f32 weights): numpy views in, shapes and overlaps checked with a `FieldError` naming the
+//! PyO3 wrappers of `ferrobatch-kernels`' products over packed weights (`f32_linear`:
+//! AVX-512F over f32 weights; `i16_linear`: exact int16 products on AVX-512 VNNI): numpy views in, shapes and overlaps checked with a `FieldError` naming the
 //! argument, then the kernel with the GIL released.
 
 use ferrobatch_kernels::amx::LinearArgs;
@@ -68,4 +68,61 @@ pub fn f32_linear(
     let oe = o.as_slice_mut()?;
     py.detach(|| kernel::linear(&LinearArgs { m, n, k, threads }, xe, pe, be, oe))
         .map_err(|e| invalid(e.field, e.message))
+}
+
+/// Whether `i16_linear` runs on this CPU (AVX-512 VNNI).
+#[pyfunction]
+pub fn i16_linear_available() -> bool {
+    ferrobatch_kernels::i16_linear::available()
+}
+
+/// Elements (int16) of the packed form of an `[n, k]` weight (`k` even).
+#[pyfunction]
+pub fn i16_packed_len(n: usize, k: usize) -> usize {
+    ferrobatch_kernels::i16_linear::packed_len(n, k)
+}
+
+/// Packs `weight` [n, k] (int16, `k` even) into `out` (`i16_packed_len(n, k)` int16).
+#[pyfunction]
+pub fn i16_pack(py: Python<'_>, weight: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let w = ro::<i16>(weight, "weight", "int16")?;
+    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
+    let mut o = rw::<i16>(out, "out", "int16")?;
+    let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| ferrobatch_kernels::i16_linear::pack(w, n, k, o))
+        .map_err(|e| invalid(e.field, e.message))
+}
+
+/// `out = x @ W.T` exactly in int32 (the caller keeps `k max|x| max|W| < 2^31`): `x` [m, k]
+/// int16, `packed` the `i16_pack`ed W [n, k], `out` int32 [m, n]; column blocks split over at
+/// most `threads` threads of the kernel pool.
+#[pyfunction]
+#[pyo3(signature = (x, packed, out, *, n, k, threads = 1))]
+#[allow(clippy::too_many_arguments)] // the Python signature's keywords
+pub fn i16_linear(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    packed: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    n: usize,
+    k: usize,
+    threads: i64,
+) -> PyResult<()> {
+    let threads = threads_of(threads)?;
+    let xa = ro::<i16>(x, "x", "int16")?;
+    let (m, xk) = two_d("x", xa.shape(), "[rows, in_features]")?;
+    if xk != k {
+        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
+    }
+    let p = ro::<i16>(packed, "packed", "int16")?;
+    let mut o = rw::<i32>(out, "out", "int32")?;
+    expect_shape("out", o.shape(), &[m, n], "[rows, out_features]")?;
+    let ospan = crate::views::bytes(o.data(), o.len());
+    let xspan = crate::views::bytes(xa.data(), xa.len());
+    disjoint("out", ospan, &[("x", xspan)])?;
+    let (xe, pe, oe) = (xa.as_slice()?, p.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| {
+        ferrobatch_kernels::i16_linear::linear(&LinearArgs { m, n, k, threads }, xe, pe, oe)
+    })
+    .map_err(|e| invalid(e.field, e.message))
 }
