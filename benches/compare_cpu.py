@@ -64,6 +64,19 @@ _PINNED_ENV = "FERROBATCH_COMPARE_PINNED"
 # ----------------------------------------------------------------------------- set-up
 
 
+def steal_seconds(cpus: list[int]) -> float:
+    """Core-seconds the hypervisor has taken from `cpus` so far (/proc/stat's steal; 0 where
+    it is not there): a noisy host shows here, in both engines' runs alike."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu")]
+    except OSError:
+        return 0.0
+    want = {f"cpu{c}" for c in cpus}
+    ticks = sum(int(p[8]) for p in lines if p[0] in want and len(p) > 8)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def parse_cpus(spec: str) -> list[int]:
     """``"0,2-3"`` -> ``[0, 2, 3]``."""
     out: list[int] = []
@@ -162,10 +175,13 @@ class FerrobatchRunner:
         from ferrobatch import SamplingParams
 
         sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        governor = getattr(self.engine, "_threads", None)
+        changes0 = governor.changes if governor is not None else 0
         c0, t0 = time.process_time(), time.perf_counter()
         outs = self.engine.generate(prompts, sp, progress=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         eng = self.engine
+        changes = (governor.changes if governor is not None else 0) - changes0
         self.info = {
             "model_dtype": str(getattr(eng, "dtype", "")),
             "num_blocks": getattr(eng, "num_blocks", None),
@@ -173,7 +189,8 @@ class FerrobatchRunner:
             "max_batch_tokens": eng.config.max_batch_tokens,
             "greedy_screen": bool(getattr(eng.runner, "fast_greedy", False)),
         }
-        return {"tokens": [list(o.token_ids) for o in outs], "wall_s": wall, "cpu_s": cpu}
+        return {"tokens": [list(o.token_ids) for o in outs], "wall_s": wall, "cpu_s": cpu,
+                "thread_changes": changes}
 
     def close(self) -> None:
         """Close the current engine, if any."""
@@ -452,16 +469,25 @@ def main() -> None:
             results["vllm_worker"]["enforce_eager"] = args.vllm_eager
             peer.call({"cmd": "run", "prompts": warm, "max_tokens": 4})  # warm-up
         for rep in range(args.repeats):
+            watched = cpus or sorted(os.sched_getaffinity(0))
             fb.prepare()
             before = peer.call({"cmd": "cpu"})["cpu_s"] if peer else 0.0
+            steal0 = steal_seconds(watched)
             fb_runs.append(fb.run(prompts, new))
+            fb_steal = steal_seconds(watched) - steal0
             if peer is not None:
                 vllm_idle.append(peer.call({"cmd": "cpu"})["cpu_s"] - before)
             fb.close()
             line = f"  repeat {rep + 1}: ferrobatch {fb_runs[-1]['wall_s']:.2f} s"
+            line += f" (host steal {fb_steal:.2f} s"
+            if fb_runs[-1]["thread_changes"]:
+                line += f", thread count changed {fb_runs[-1]['thread_changes']}x"
+            line += ")"
             if peer is not None:
+                steal0 = steal_seconds(watched)
                 vl_runs.append(peer.call({"cmd": "run", "prompts": prompts, "max_tokens": new}))
-                line += f", vLLM {vl_runs[-1]['wall_s']:.2f} s"
+                line += (f", vLLM {vl_runs[-1]['wall_s']:.2f} s "
+                         f"(host steal {steal_seconds(watched) - steal0:.2f} s)")
             print(line, flush=True)
 
         engines: dict[str, Any] = {"ferrobatch": {**summarize(fb_runs), **fb.info}}
