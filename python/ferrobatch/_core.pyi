@@ -498,6 +498,28 @@ def f32_linear(
     `bias` [n] or None, `out` [m, n]. Panels of 64 columns are split over at most `threads`
     threads of the kernel pool; a row's result depends on neither `m` nor `threads`."""
 
+def i16_linear_available() -> bool:
+    """Whether `i16_linear` runs on this CPU (AVX-512 VNNI)."""
+
+def i16_packed_len(n: int, k: int) -> int:
+    """Elements (int16) of the packed form of an `[n, k]` weight (`k` even)."""
+
+def i16_pack(weight: npt.NDArray[np.int16], out: npt.NDArray[np.int16]) -> None:
+    """Packs `weight` [n, k] (int16, `k` even) into `out` (`i16_packed_len(n, k)` int16)."""
+
+def i16_linear(
+    x: npt.NDArray[np.int16],
+    packed: npt.NDArray[np.int16],
+    out: npt.NDArray[np.int32],
+    *,
+    n: int,
+    k: int,
+    threads: int = 1,
+) -> None:
+    """`out = x @ W.T` exactly in int32 (the caller keeps `k max|x| max|W| < 2^31`): `x`
+    [m, k] int16, `packed` the `i16_pack`ed W [n, k], `out` int32 [m, n]; column blocks split
+    over at most `threads` threads of the kernel pool."""
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed

@@ -1,6 +1,7 @@
 """`ferrobatch.f32_ops` (AVX-512F products over packed fp32 weights): the fp32 product of
 the weight, a row's result independent of the call's row count and thread count, and bad
-arguments refused naming the field with the output untouched."""
+arguments refused naming the field with the output untouched; the same of `_core.i16_linear`
+(exact int16 products over the same packing)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,51 @@ def test_bad_arguments_name_the_field_and_write_nothing(field, change):
 def test_pack_refuses_what_is_not_a_matrix():
     with pytest.raises(ValueError, match="2-D"):
         f32_ops.pack(torch.zeros(3))
+
+
+def _i16_available() -> bool:
+    from ferrobatch import _core
+
+    return bool(_core.i16_linear_available())
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (16, 64), (70, 34), (300, 576)])
+def test_i16_linear_is_the_exact_integer_product(n, k):
+    if not _i16_available():
+        pytest.skip("no AVX-512 VNNI here")
+    from ferrobatch import _core
+
+    rng = np.random.default_rng(n + k)
+    amp = int(np.sqrt((2**31 - 1) // k))  # every partial sum fits an int32
+    w = rng.integers(-amp, amp + 1, (n, k), dtype=np.int16)
+    packed = np.zeros(_core.i16_packed_len(n, k), np.int16)
+    _core.i16_pack(w, packed)
+    for rows in (1, 6, 7, 64):
+        x = rng.integers(-amp, amp + 1, (rows, k), dtype=np.int16)
+        out = np.zeros((rows, n), np.int32)
+        _core.i16_linear(x, packed, out, n=n, k=k, threads=2)
+        assert np.array_equal(out.astype(np.int64), x.astype(np.int64) @ w.T.astype(np.int64))
+
+
+@pytest.mark.parametrize("field,change", [
+    ("x", dict(x=np.zeros((2, 6), np.int16))),
+    ("x", dict(x=np.zeros((2, 4), np.int32))),
+    ("packed", dict(packed=np.zeros(10, np.int16))),
+    ("out", dict(out=np.zeros((2, 5), np.int32))),
+    ("out", dict(out=np.zeros((2, 3), np.float32))),
+    ("k", dict(x=np.zeros((2, 3), np.int16), k=3)),
+])
+def test_i16_bad_arguments_name_the_field_and_write_nothing(field, change):
+    if not _i16_available():
+        pytest.skip("no AVX-512 VNNI here")
+    from ferrobatch import _core
+
+    args = dict(x=np.ones((2, 4), np.int16),
+                packed=np.zeros(_core.i16_packed_len(3, 4), np.int16),
+                out=np.full((2, 3), 7, np.int32), k=4)
+    args.update(change)
+    before = args["out"].copy()
+    with pytest.raises(FieldError) as e:
+        _core.i16_linear(args["x"], args["packed"], args["out"], n=3, k=args["k"])
+    assert e.value.field == field
+    assert np.array_equal(args["out"], before)

@@ -43,27 +43,55 @@ pub fn packed_len(n: usize, k: usize) -> usize {
     n.div_ceil(BLOCK_N) * BLOCK_N * k
 }
 
-fn err(field: &'static str, message: String) -> ArgError {
+pub(crate) fn err(field: &'static str, message: String) -> ArgError {
     ArgError {
         field,
         message: format!("{field} {message}"),
     }
 }
 
-/// Packs `weight` [n, k] into `out` ([`packed_len`] elements; layout in the module docs).
-pub fn pack(weight: &[f32], n: usize, k: usize, out: &mut [f32]) -> Result<(), ArgError> {
-    if weight.len() != n * k {
+/// The lengths [`pack`] (and [`crate::i16_linear::pack`]) expect of the weight [n, k] and
+/// of the packed output.
+pub(crate) fn check_pack(weight: usize, n: usize, k: usize, out: usize) -> Result<(), ArgError> {
+    if weight != n * k {
         return Err(err(
             "weight",
-            format!("has {} elements, not n * k = {}", weight.len(), n * k),
+            format!("has {weight} elements, not n * k = {}", n * k),
         ));
     }
-    if out.len() != packed_len(n, k) {
+    if out != packed_len(n, k) {
         return Err(err(
             "out",
-            format!("has {} elements, not {}", out.len(), packed_len(n, k)),
+            format!("has {out} elements, not {}", packed_len(n, k)),
         ));
     }
+    Ok(())
+}
+
+/// The lengths a product over a packed weight expects of `x` [m, k], the packed weight
+/// and `out` [m, n] (`args`' shapes).
+pub(crate) fn check_product(
+    args: &LinearArgs,
+    x: usize,
+    packed: usize,
+    out: usize,
+) -> Result<(), ArgError> {
+    let LinearArgs { m, n, k, .. } = *args;
+    for (field, got, want) in [
+        ("x", x, m * k),
+        ("packed", packed, packed_len(n, k)),
+        ("out", out, m * n),
+    ] {
+        if got != want {
+            return Err(err(field, format!("has {got} elements, not {want}")));
+        }
+    }
+    Ok(())
+}
+
+/// Packs `weight` [n, k] into `out` ([`packed_len`] elements; layout in the module docs).
+pub fn pack(weight: &[f32], n: usize, k: usize, out: &mut [f32]) -> Result<(), ArgError> {
+    check_pack(weight.len(), n, k, out.len())?;
     if k == 0 {
         return Ok(());
     }
@@ -93,15 +121,7 @@ pub fn linear(
     out: &mut [f32],
 ) -> Result<(), ArgError> {
     let LinearArgs { m, n, k, .. } = *args;
-    for (field, got, want) in [
-        ("x", x.len(), m * k),
-        ("packed", packed.len(), packed_len(n, k)),
-        ("out", out.len(), m * n),
-    ] {
-        if got != want {
-            return Err(err(field, format!("has {got} elements, not {want}")));
-        }
-    }
+    check_product(args, x.len(), packed.len(), out.len())?;
     if let Some(b) = bias {
         if b.len() != n {
             return Err(err(

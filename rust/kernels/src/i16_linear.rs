@@ -12,7 +12,9 @@
 //! blocks of i32 accumulators in registers, each row's pair broadcast into 4 `vpdpwssd`.
 
 use crate::amx::LinearArgs;
-use crate::f32_linear::{run_panels, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS};
+use crate::f32_linear::{
+    check_pack, check_product, err, run_panels, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS,
+};
 use crate::fused::ArgError;
 
 /// Whether the CPU runs the kernel (AVX-512F, BW and VNNI; else [`linear`] fails with
@@ -30,17 +32,9 @@ pub fn available() -> bool {
     }
 }
 
-/// Elements of the packed form of an `[n, k]` weight (`n` padded to whole blocks).
-pub fn packed_len(n: usize, k: usize) -> usize {
-    n.div_ceil(BLOCK_N) * BLOCK_N * k
-}
-
-fn err(field: &'static str, message: String) -> ArgError {
-    ArgError {
-        field,
-        message: format!("{field} {message}"),
-    }
-}
+/// Elements of the packed form of an `[n, k]` weight (`n` padded to whole blocks; the same
+/// count as [`crate::f32_linear::packed_len`]).
+pub use crate::f32_linear::packed_len;
 
 fn check_k(k: usize) -> Result<(), ArgError> {
     if !k.is_multiple_of(2) {
@@ -56,18 +50,7 @@ fn check_k(k: usize) -> Result<(), ArgError> {
 /// module docs).
 pub fn pack(weight: &[i16], n: usize, k: usize, out: &mut [i16]) -> Result<(), ArgError> {
     check_k(k)?;
-    if weight.len() != n * k {
-        return Err(err(
-            "weight",
-            format!("has {} elements, not n * k = {}", weight.len(), n * k),
-        ));
-    }
-    if out.len() != packed_len(n, k) {
-        return Err(err(
-            "out",
-            format!("has {} elements, not {}", out.len(), packed_len(n, k)),
-        ));
-    }
+    check_pack(weight.len(), n, k, out.len())?;
     let blocks = n.div_ceil(BLOCK_N);
     for nb in (0..blocks).step_by(PASS_BLOCKS) {
         let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
@@ -100,15 +83,7 @@ pub fn linear(
 ) -> Result<(), ArgError> {
     let LinearArgs { m, n, k, .. } = *args;
     check_k(k)?;
-    for (field, got, want) in [
-        ("x", x.len(), m * k),
-        ("packed", packed.len(), packed_len(n, k)),
-        ("out", out.len(), m * n),
-    ] {
-        if got != want {
-            return Err(err(field, format!("has {got} elements, not {want}")));
-        }
-    }
+    check_product(args, x.len(), packed.len(), out.len())?;
     if m == 0 || n == 0 {
         return Ok(());
     }

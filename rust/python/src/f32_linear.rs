@@ -4,7 +4,9 @@
 
 use ferrobatch_kernels::amx::LinearArgs;
 use ferrobatch_kernels::f32_linear as kernel;
-use numpy::{PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{
+    Element, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 use crate::errors::invalid;
@@ -52,17 +54,10 @@ pub fn f32_linear(
 ) -> PyResult<()> {
     let threads = threads_of(threads)?;
     let xa = ro::<f32>(x, "x", "float32")?;
-    let (m, xk) = two_d("x", xa.shape(), "[rows, in_features]")?;
-    if xk != k {
-        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
-    }
     let p = ro::<f32>(packed, "packed", "float32")?;
     let b = bias.map(|b| ro::<f32>(b, "bias", "float32")).transpose()?;
     let mut o = rw::<f32>(out, "out", "float32")?;
-    expect_shape("out", o.shape(), &[m, n], "[rows, out_features]")?;
-    let ospan = crate::views::bytes(o.data(), o.len());
-    let xspan = crate::views::bytes(xa.data(), xa.len());
-    disjoint("out", ospan, &[("x", xspan)])?;
+    let m = product_rows(&xa, k, &o, n)?;
     let (xe, pe) = (xa.as_slice()?, p.as_slice()?);
     let be = b.as_ref().map(|b| b.as_slice()).transpose()?;
     let oe = o.as_slice_mut()?;
@@ -110,19 +105,31 @@ pub fn i16_linear(
 ) -> PyResult<()> {
     let threads = threads_of(threads)?;
     let xa = ro::<i16>(x, "x", "int16")?;
-    let (m, xk) = two_d("x", xa.shape(), "[rows, in_features]")?;
-    if xk != k {
-        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
-    }
     let p = ro::<i16>(packed, "packed", "int16")?;
     let mut o = rw::<i32>(out, "out", "int32")?;
-    expect_shape("out", o.shape(), &[m, n], "[rows, out_features]")?;
-    let ospan = crate::views::bytes(o.data(), o.len());
-    let xspan = crate::views::bytes(xa.data(), xa.len());
-    disjoint("out", ospan, &[("x", xspan)])?;
+    let m = product_rows(&xa, k, &o, n)?;
     let (xe, pe, oe) = (xa.as_slice()?, p.as_slice()?, o.as_slice_mut()?);
     py.detach(|| {
         ferrobatch_kernels::i16_linear::linear(&LinearArgs { m, n, k, threads }, xe, pe, oe)
     })
     .map_err(|e| invalid(e.field, e.message))
+}
+
+/// The rows `m` of a product of `x` [m, k] into `out` [m, n], after checking both shapes and
+/// that `out` does not overlap `x`.
+fn product_rows<X: Element, O: Element>(
+    x: &PyReadonlyArrayDyn<'_, X>,
+    k: usize,
+    out: &PyReadwriteArrayDyn<'_, O>,
+    n: usize,
+) -> PyResult<usize> {
+    let (m, xk) = two_d("x", x.shape(), "[rows, in_features]")?;
+    if xk != k {
+        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
+    }
+    expect_shape("out", out.shape(), &[m, n], "[rows, out_features]")?;
+    let ospan = crate::views::bytes(out.data(), out.len());
+    let xspan = crate::views::bytes(x.data(), x.len());
+    disjoint("out", ospan, &[("x", xspan)])?;
+    Ok(m)
 }
