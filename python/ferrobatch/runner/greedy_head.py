@@ -287,12 +287,7 @@ class GreedyHead:
         l2, _, hmax = _core.row_norms(hidden.numpy())
         if not (np.isfinite(l2).all() and (hmax > 0).all()):
             return None
-        t = torch.from_numpy(hmax / 127.0).unsqueeze(1)  # f64 [N, 1]
-        exact = hidden.double()
-        q = torch.round(exact / t)
-        near = (q * t).numpy()  # t q, f64
-        e_norm = np.linalg.norm(exact.numpy() - near, axis=1)
-        near_norm = np.linalg.norm(near, axis=1)
+        q, t, e_norm, near_norm = _quantized_rows(hidden, hmax, 127.0)
         acc = torch._int_mm(q.to(torch.int8), w8.qweight.t())  # [N, V] int32, exact
         scores = acc.float().mul_(w8.scale)  # in units of each row's t
         tn = t.squeeze(1).numpy()
@@ -325,12 +320,7 @@ class GreedyHead:
             self._w16 = _Int16Weight(self._weight)
         w16 = self._w16
         n, k = hidden.shape
-        exact = hidden.double()
-        t = torch.from_numpy(hmax / w16.qmax).unsqueeze(1)  # f64 [N, 1]
-        q = torch.round(exact / t).clamp_(-w16.qmax, w16.qmax)  # (|h| <= hmax: no-op clamp)
-        near = q * t  # t q, f64
-        e_norm = torch.linalg.vector_norm(exact - near, dim=1).numpy()
-        near_norm = torch.linalg.vector_norm(near, dim=1).numpy()
+        q, t, e_norm, near_norm = _quantized_rows(hidden, hmax, w16.qmax)
         rows = torch.zeros(n, w16.k, dtype=torch.int16)  # (k padded to even: a zero column)
         rows[:, :k] = q.to(torch.int16)
         acc = torch.empty(n, w16.n, dtype=torch.int32)
@@ -427,10 +417,11 @@ class GreedyHead:
                     fulls.append(lambda: torch.ops.mkldnn._linear_pointwise(
                         x, full_packed, None, "none", [], "").numpy().argmax(-1))
                 full = min(_best_time(fn, rounds) for fn in fulls)
-                configs = [(i8, i16) for i8 in (True, False) for i16 in (True, False)
-                           if (self.int8 or not i8) and (self.int16 or not i16)
-                           and not (i8 and i16)]
-                for config in configs:  # (int8 first falls back to bf16, like int16)
+                # (int8 first, int16 first, bf16 alone: the first two fall back to bf16)
+                configs = [c for c, on in (((True, False), self.int8),
+                                           ((False, True), self.int16),
+                                           ((False, False), True)) if on]
+                for config in configs:
                     self.int8, self.int16 = config
                     got = self.argmax(x)
                     if got is not None and torch.equal(got, ref):
@@ -494,10 +485,7 @@ class _RowScaled:
             w2 = w.norm(dim=1).double().numpy()
             f2 = f.norm(dim=1).double().numpy()
         self.scale = scale.squeeze(1)  # fp32 [V]
-        ratio = f2[w2 > 0] / w2[w2 > 0]
-        median = float(np.median(ratio)) if ratio.size else 0.0
-        self.rho = median if median > 0 else 1.0
-        self.per_token = np.maximum(w2, f2 / self.rho)
+        self.rho, self.per_token = _folded_norms(w2, f2)
         self.w2max = float(w2.max()) if w2.size else 0.0
 
 
@@ -532,10 +520,30 @@ class _Int16Weight:
                     rows - q * self.scale, dim=1).numpy()
             self.packed = torch.empty(_core.i16_packed_len(self.n, self.k), dtype=torch.int16)
             _core.i16_pack(q16.numpy(), self.packed.numpy())
-        ratio = f2[w2 > 0] / w2[w2 > 0]
-        median = float(np.median(ratio)) if ratio.size else 0.0
-        self.rho = median if median > 0 else 1.0
-        self.per_token = np.maximum(w2, f2 / self.rho) * (1 + 2.0**-30)
+        self.rho, per_token = _folded_norms(w2, f2)
+        self.per_token = per_token * (1 + 2.0**-30)
+
+
+def _quantized_rows(hidden: torch.Tensor, hmax: np.ndarray, qmax: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Each row `h` of `hidden` [N, K] as `t q + e` with `t = max |h| / qmax` (`hmax`, every
+    entry > 0): `q` (f64, integers in `-qmax..qmax`), `t` (f64 [N, 1]) and the f64 norms
+    `||e||` and `||t q||` the screens' windows take."""
+    exact = hidden.double()
+    t = torch.from_numpy(hmax / qmax).unsqueeze(1)
+    q = torch.round(exact / t).clamp_(-qmax, qmax)  # (|h| <= hmax: a no-op clamp)
+    near = (q * t).numpy()  # t q
+    return q, t, np.linalg.norm(exact.numpy() - near, axis=1), np.linalg.norm(near, axis=1)
+
+
+def _folded_norms(w2: np.ndarray, f2: np.ndarray) -> tuple[float, np.ndarray]:
+    """(`rho`, `u`) for weight rows of norms `w2` and rounding norms `f2`: `rho` the median
+    of `f2 / w2` (1 when that is 0), `u_j = max(w2_j, f2_j / rho)`, so that
+    `||e|| w2_j + ||x|| f2_j <= (||e|| + rho ||x||) u_j` (one rank-one window)."""
+    ratio = f2[w2 > 0] / w2[w2 > 0]
+    median = float(np.median(ratio)) if ratio.size else 0.0
+    rho = median if median > 0 else 1.0
+    return rho, np.maximum(w2, f2 / rho)
 
 
 def _best_time(fn: Any, rounds: int) -> float:

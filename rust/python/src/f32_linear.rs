@@ -1,9 +1,11 @@
 //! PyO3 wrappers of `ferrobatch-kernels`' products over packed weights (`f32_linear`:
-//! AVX-512F over f32 weights; `i16_linear`: exact int16 products on AVX-512 VNNI): numpy views in, shapes and overlaps checked with a `FieldError` naming the
-//! argument, then the kernel with the GIL released.
+//! AVX-512F over f32 weights; `i16_linear`: exact int16 products on AVX-512 VNNI): numpy
+//! views in, shapes and overlaps checked with a `FieldError` naming the argument, then the
+//! kernel with the GIL released.
 
 use ferrobatch_kernels::amx::LinearArgs;
 use ferrobatch_kernels::f32_linear as kernel;
+use ferrobatch_kernels::fused::ArgError;
 use numpy::{
     Element, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
@@ -27,11 +29,25 @@ pub fn f32_packed_len(n: usize, k: usize) -> usize {
 /// Packs `weight` [n, k] (float32) into `out` (`f32_packed_len(n, k)` float32).
 #[pyfunction]
 pub fn f32_pack(py: Python<'_>, weight: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-    let w = ro::<f32>(weight, "weight", "float32")?;
+    pack_with(py, weight, out, "float32", kernel::pack)
+}
+
+/// A kernel's `pack(weight, n, k, out)`.
+type PackFn<T> = fn(&[T], usize, usize, &mut [T]) -> Result<(), ArgError>;
+
+/// `weight` [n, k] of `T` (numpy `dtype`) packed into `out` by `pack`, the GIL released.
+fn pack_with<T: Element + Send + Sync>(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+    pack: PackFn<T>,
+) -> PyResult<()> {
+    let w = ro::<T>(weight, "weight", dtype)?;
     let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
-    let mut o = rw::<f32>(out, "out", "float32")?;
+    let mut o = rw::<T>(out, "out", dtype)?;
     let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| kernel::pack(w, n, k, o))
+    py.detach(|| pack(w, n, k, o))
         .map_err(|e| invalid(e.field, e.message))
 }
 
@@ -80,12 +96,13 @@ pub fn i16_packed_len(n: usize, k: usize) -> usize {
 /// Packs `weight` [n, k] (int16, `k` even) into `out` (`i16_packed_len(n, k)` int16).
 #[pyfunction]
 pub fn i16_pack(py: Python<'_>, weight: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-    let w = ro::<i16>(weight, "weight", "int16")?;
-    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
-    let mut o = rw::<i16>(out, "out", "int16")?;
-    let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| ferrobatch_kernels::i16_linear::pack(w, n, k, o))
-        .map_err(|e| invalid(e.field, e.message))
+    pack_with(
+        py,
+        weight,
+        out,
+        "int16",
+        ferrobatch_kernels::i16_linear::pack,
+    )
 }
 
 /// `out = x @ W.T` exactly in int32 (the caller keeps `k max|x| max|W| < 2^31`): `x` [m, k]
