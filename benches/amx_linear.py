@@ -1,4 +1,4 @@
-"""`ferrobatch.amx_ops.linear` (AMX tiles or AVX-512 BF16, fp32 outputs) against oneDNN's
+"""`ferrobatch.cpu.amx_ops.linear` (AMX tiles or AVX-512 BF16, fp32 outputs) against oneDNN's
 packed bf16 product (as the packed linears call it: input converted to bf16, output in bf16)
 at SmolLM2-135M's product shapes, interleaved, medians of `--repeats`; also each one's
 largest error against the exact product of the bf16-rounded input.
@@ -15,8 +15,8 @@ import statistics
 import time
 
 import torch
-from ferrobatch import amx_ops
-from ferrobatch.cpu_threads import share_torch_openmp
+from ferrobatch.cpu import amx_ops
+from ferrobatch.cpu.threads import share_torch_openmp
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -1,4 +1,4 @@
-"""`ferrobatch.f32_ops.linear` (AVX-512F, packed fp32 weights) against oneDNN's packed fp32
+"""`ferrobatch.cpu.f32_ops.linear` (AVX-512F, packed fp32 weights) against oneDNN's packed fp32
 product (`torch.ops.mkldnn._linear_pointwise`, as the packed linears call it) at
 SmolLM2-135M's product shapes plus its head, interleaved, medians of `--repeats`, and each
 one's largest error against an fp64 product.
@@ -14,8 +14,8 @@ import statistics
 
 import torch
 from amx_linear import SHAPES, timed  # (benches/ is the script's directory)
-from ferrobatch import f32_ops
-from ferrobatch.cpu_threads import share_torch_openmp
+from ferrobatch.cpu import f32_ops
+from ferrobatch.cpu.threads import share_torch_openmp
 
 
 def main() -> None:

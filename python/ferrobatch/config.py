@@ -55,7 +55,7 @@ class ContinuousBatchingConfig:
             (beyond it they raise `QueueFullError`); `generate` is not bounded. 0 = unlimited.
         adaptive_threads: on CPU, while other processes keep some of this process's cores
             busy, run torch on fewer threads (never more than it had when the engine was
-            built; `ferrobatch.cpu_threads.ThreadGovernor`): waiting threads spin, and
+            built; `ferrobatch.cpu.threads.ThreadGovernor`): waiting threads spin, and
             spinning beside another process makes every step many times slower.
     """
 

@@ -26,25 +26,13 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
 )
 
-logger = logging.getLogger("ferrobatch")
+from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+logger = logging.getLogger("ferrobatch")
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_SUBDIR = "smollm2-135m-instruct"
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The decoder's config (the text sub-config for multimodal configs, else `config`)."""
-    getter = getattr(config, "get_text_config", None)
-    if getter is not None:
-        try:
-            return getter(decoder=True)
-        except TypeError:
-            return getter()
-    return config
 
 
 def layer_types_of(config: PretrainedConfig | PreTrainedModel) -> list[str]:
@@ -196,8 +184,6 @@ def attention_layout(model: PreTrainedModel) -> AttentionLayout:
 def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> AttentionLayout:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
-    from ferrobatch.attention.registry import model_configs
 
     AttentionInterface.register(_LAYOUT_NAME, _layout_attention)
     AttentionMaskInterface.register(_LAYOUT_NAME, _layout_mask)

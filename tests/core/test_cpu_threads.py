@@ -1,4 +1,4 @@
-"""The CPU kernels on torch's OpenMP team (`ferrobatch.cpu_threads.share_torch_openmp`) and
+"""The CPU kernels on torch's OpenMP team (`ferrobatch.cpu.threads.share_torch_openmp`) and
 the thread governor that lowers torch's thread count while other processes keep the cores
 busy (`ThreadGovernor`)."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ferrobatch import ContinuousBatchingConfig, cpu_threads
+from ferrobatch import ContinuousBatchingConfig
+from ferrobatch.cpu import threads as cpu_threads
 from ferrobatch.errors import FieldError
 
 _core = pytest.importorskip("ferrobatch._core")
@@ -94,7 +95,8 @@ def test_share_openmp_takes_only_loaded_libraries(tmp_path: Path):
     one with no OpenMP under it, is refused; torch's is taken, and no other after it."""
     script = f"""
 import ctypes.util, torch
-from ferrobatch import _core, cpu_threads
+from ferrobatch import _core
+from ferrobatch.cpu import threads as cpu_threads
 for path, words in (({str(tmp_path / "libnothing.so")!r}, "not a library loaded"),
                     (ctypes.util.find_library("c") and "libc.so.6", "no OpenMP runtime")):
     try:

@@ -18,6 +18,7 @@ import threading
 import pytest
 import torch
 from ferrobatch.attention import context, paged_step, registry
+from ferrobatch.model_config import model_configs
 from test_qa_architectures import _build, assert_parity, prompts, reference
 
 torch.set_num_threads(1)
@@ -94,7 +95,7 @@ def test_thread_local_step_is_not_seen_by_other_threads() -> None:
             got.append(m(input_ids=ids).logits)
 
     sentinel = paged_step.PagedStep(cache=None, groups=[], num_tokens=0)  # type: ignore[arg-type]
-    with registry.paged_attention_enabled(registry.model_configs(m), sentinel):
+    with registry.paged_attention_enabled(model_configs(m), sentinel):
         assert context.STATE.step is sentinel
         th = threading.Thread(target=other)
         th.start()

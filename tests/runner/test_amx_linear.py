@@ -1,4 +1,4 @@
-"""bf16 products with fp32 outputs (`ferrobatch.amx_ops`: AMX tiles, or AVX-512 BF16 where
+"""bf16 products with fp32 outputs (`ferrobatch.cpu.amx_ops`: AMX tiles, or AVX-512 BF16 where
 the CPU has no AMX) against their torch reference, the binding's argument checks, and their
 use by the packed linears."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import _core, amx_ops
-from ferrobatch.attention.kernels import numpy_view
+from ferrobatch import _core
+from ferrobatch.cpu import amx_ops
+from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 
 needs_amx = pytest.mark.skipif(not amx_ops.available(),

@@ -12,7 +12,7 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
-from ferrobatch.attention.kernels import numpy_view
+from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.models import resolve_dtype
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.model_runner import ModelRunner

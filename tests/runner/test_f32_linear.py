@@ -1,4 +1,4 @@
-"""`ferrobatch.f32_ops` (AVX-512F products over packed fp32 weights): the fp32 product of
+"""`ferrobatch.cpu.f32_ops` (AVX-512F products over packed fp32 weights): the fp32 product of
 the weight, a row's result independent of the call's row count and thread count, and bad
 arguments refused naming the field with the output untouched; the same of `_core.i16_linear`
 (exact int16 products over the same packing)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ferrobatch import FieldError, f32_ops
+from ferrobatch import FieldError
+from ferrobatch.cpu import f32_ops
 
 pytestmark = pytest.mark.skipif(not f32_ops.available(), reason="no AVX-512F here")
 

@@ -9,7 +9,8 @@ import pytest
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, fused_ops
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.cpu import fused_ops
 from ferrobatch.runner import activations, cpu_linear, fp32_products
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.model_runner import ModelRunner

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams, amx_ops
+from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
+from ferrobatch.cpu import amx_ops
 from ferrobatch.runner import fused_layer
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner

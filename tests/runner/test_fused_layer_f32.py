@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams, f32_ops
+from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
+from ferrobatch.cpu import f32_ops
 from ferrobatch.runner import activations, cpu_linear, fused_layer
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner

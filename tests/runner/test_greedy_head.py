@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core, amx_ops
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
+from ferrobatch.cpu import amx_ops
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner.greedy_head import GreedyHead

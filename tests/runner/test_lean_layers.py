@@ -9,7 +9,8 @@ import threading
 import pytest
 import tiny_models as tm
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, fused_ops
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.cpu import fused_ops
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement

@@ -15,6 +15,7 @@ import tiny_models as tm
 import torch
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.engine.memory import choose_num_blocks
+from ferrobatch.model_config import model_configs
 from ferrobatch.models import layer_types_of, sliding_window_of
 from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import RefPlanner
@@ -154,7 +155,7 @@ def test_calls_without_step_metadata_delegate_to_the_model_implementation():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     with torch.inference_mode():
         ref = model(ids, attention_mask=mask).logits
-        configs = registry.model_configs(model)
+        configs = model_configs(model)
         with registry.paged_attention_enabled(configs):
             assert model.config._attn_implementation == context.ATTENTION_NAME
             context.STATE.depth -= 1  # as seen from another thread

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferrobatch import fused_ops
 from ferrobatch.attention import context, kernels
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.attention.paged_step import PagedStep
 from ferrobatch.attention.sdpa import attend
+from ferrobatch.cpu import fused_ops
+from ferrobatch.cpu.arrays import KERNEL_DTYPES
 
 
 def paged_attention_forward(
@@ -96,7 +97,7 @@ def paged_attention_forward(
             raise NotImplementedError("attention sinks need the SDPA decode path")
         q_dec = q_all.transpose(0, 1) if kd.tokens is None else q_all.index_select(
             1, kd.tokens).transpose(0, 1)
-        if q_dec.dtype not in kernels.KERNEL_DTYPES:
+        if q_dec.dtype not in KERNEL_DTYPES:
             q_dec = q_dec.float()
         o = _kernel_rows(step, layer, q_dec.contiguous(), scaling, softcap, out_dtype)
         if kd.tokens is None:
@@ -177,7 +178,7 @@ def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tenso
     layer's rows need the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 /
     fp16 tensor."""
     group = kernel_only_group(step, layer)
-    if group is None or q.dtype not in kernels.KERNEL_DTYPES or not q.is_contiguous():
+    if group is None or q.dtype not in KERNEL_DTYPES or not q.is_contiguous():
         return None
     step.calls += 1
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
@@ -190,7 +191,7 @@ def _kernel_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
     """The CPU kernel's attention for the kernel rows of `layer` (queries `q` [R, H, D],
     contiguous, in a kernel dtype), in `out_dtype`."""
     cache = step.cache
-    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in kernels.KERNEL_DTYPES
+    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in KERNEL_DTYPES
                     else torch.float32)
     kernels.decode_kernel(q, cache.keys[layer], cache.values[layer],
                           step.groups[layer].kernel_decode, o, cache.page_size, scaling,

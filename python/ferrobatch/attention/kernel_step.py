@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ferrobatch.attention.kv_cache import PagedKVCache
-from ferrobatch.models import SLIDING
+from ferrobatch.model_config import SLIDING
 
 if TYPE_CHECKING:
     from ferrobatch.core import StepPlan

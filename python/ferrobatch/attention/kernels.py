@@ -4,17 +4,13 @@ kernel of `ferrobatch._core` (a `PagedStep`'s single-token rows)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import _KernelDecode
-from ferrobatch.models import SLIDING
-
-KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                  torch.float16: "float16"}
-
+from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
+from ferrobatch.model_config import SLIDING
 
 
 def kernel_attention(
@@ -56,11 +52,6 @@ def decode_kernel_available(cache: PagedKVCache) -> bool:
         and cache.device.type == "cpu"
         and cache.dtype in KERNEL_DTYPES
     )
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing `t`'s memory (bf16 / fp16 as their uint16 bit patterns)."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
 
 
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

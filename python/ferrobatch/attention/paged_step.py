@@ -11,7 +11,7 @@ import torch
 
 from ferrobatch import _core
 from ferrobatch.attention.kv_cache import PagedKVCache
-from ferrobatch.models import SLIDING
+from ferrobatch.model_config import SLIDING
 
 if TYPE_CHECKING:
     from ferrobatch.core import StepPlan

@@ -78,20 +78,6 @@ def cast_attention_enabled(configs: Iterable[PretrainedConfig]) -> Iterator[None
             CAST_ORIGINAL.pop(id(cfg), None)
 
 
-def model_configs(model: torch.nn.Module) -> list[PretrainedConfig]:
-    """Every distinct config object reachable from `model` (its modules' and sub-configs)."""
-    found: dict[int, PretrainedConfig] = {}
-    todo = [getattr(m, "config", None) for m in model.modules()]
-    while todo:
-        cfg = todo.pop()
-        if not isinstance(cfg, PretrainedConfig) or id(cfg) in found:
-            continue
-        found[id(cfg)] = cfg
-        for key in getattr(cfg, "sub_configs", {}) or {}:
-            todo.append(getattr(cfg, key, None))
-    return list(found.values())
-
-
 @contextmanager
 def paged_attention_enabled(
     configs: Iterable[PretrainedConfig], step: PagedStep | KernelStep | None = None

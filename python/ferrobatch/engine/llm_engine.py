@@ -26,7 +26,7 @@ import torch
 
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
-from ferrobatch.cpu_threads import ThreadGovernor
+from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import shard as tp_shard
 from ferrobatch.distributed.broadcast import agree as _agree
 from ferrobatch.distributed.setup import attach as tp_attach

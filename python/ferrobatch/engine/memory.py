@@ -18,7 +18,8 @@ from ferrobatch.defaults import (
     DEFAULT_Q_INTERVAL,
     GiB,
 )
-from ferrobatch.models import layer_types_of, text_config
+from ferrobatch.model_config import text_config
+from ferrobatch.models import layer_types_of
 
 MiB = 2**20
 BOOKKEEPING = 64 * MiB

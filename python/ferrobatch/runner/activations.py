@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ferrobatch.attention import context, registry
-from ferrobatch.models import text_config
+from ferrobatch.model_config import text_config
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.fp32_products import fp32_from_rows
 from ferrobatch.runner.lean_layers import LeanLayers

@@ -47,7 +47,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from ferrobatch import amx_ops, f32_ops
+from ferrobatch.cpu import amx_ops, f32_ops
 
 logger = logging.getLogger("ferrobatch")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from ferrobatch import amx_ops
+from ferrobatch.cpu import amx_ops
 from ferrobatch.runner.cpu_linear import packing_available
 
 logger = logging.getLogger("ferrobatch")

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ferrobatch import amx_ops, f32_ops
-from ferrobatch.attention import context, kernels
+from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_group
+from ferrobatch.cpu import amx_ops, f32_ops
+from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
 
 __all__ = ["MAX_ROWS", "FusedLayer", "available", "takes"]
 
@@ -70,10 +71,10 @@ class FusedLayer:
             return self._layers[wide]
         self._made[wide], self._layers[wide] = made, None
         if any(w is None for w in packed) or any(n.dtype != norms[0].dtype for n in norms) \
-                or norms[0].dtype not in kernels.KERNEL_DTYPES:
+                or norms[0].dtype not in KERNEL_DTYPES:
             return None
         qk = {} if len(norms) == 2 else {
-            "q_norm": kernels.numpy_view(norms[2]), "k_norm": kernels.numpy_view(norms[3]),
+            "q_norm": numpy_view(norms[2]), "k_norm": numpy_view(norms[3]),
             "qk_norm_eps": float(p.q_norm.variance_epsilon)}
         if qk and p.q_norm.variance_epsilon != p.k_norm.variance_epsilon:
             return None
@@ -81,12 +82,12 @@ class FusedLayer:
 
         qkv, o, gate_up, down = packed
         self._layers[wide] = _core.LeanLayer(
-            input_norm=kernels.numpy_view(norms[0]), post_norm=kernels.numpy_view(norms[1]),
-            norm_dtype=kernels.KERNEL_DTYPES[norms[0].dtype],
+            input_norm=numpy_view(norms[0]), post_norm=numpy_view(norms[1]),
+            norm_dtype=KERNEL_DTYPES[norms[0].dtype],
             input_eps=float(p.norms[0].variance_epsilon),
             post_eps=float(p.norms[1].variance_epsilon),
-            qkv=kernels.numpy_view(qkv.packed), o=kernels.numpy_view(o.packed),
-            gate_up=kernels.numpy_view(gate_up.packed), down=kernels.numpy_view(down.packed),
+            qkv=numpy_view(qkv.packed), o=numpy_view(o.packed),
+            gate_up=numpy_view(gate_up.packed), down=numpy_view(down.packed),
             hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
             qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
             down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16", **qk)
@@ -106,16 +107,16 @@ class FusedLayer:
             return False
         kd = group.kernel_decode
         k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
-        if k_cache.dtype not in kernels.KERNEL_DTYPES or k_cache.device.type != "cpu":
+        if k_cache.dtype not in KERNEL_DTYPES or k_cache.device.type != "cpu":
             return False
         layer = self._lean_layer(wide)
         if layer is None:
             return False
         step.calls += 1
         layer.forward(
-            x.numpy(), kernels.numpy_view(k_cache), kernels.numpy_view(v_cache), cos.numpy(),
+            x.numpy(), numpy_view(k_cache), numpy_view(v_cache), cos.numpy(),
             sin.numpy(), group.slot_mapping.numpy(), kd.block_tables, kd.seqlens,
-            cache_dtype=kernels.KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
+            cache_dtype=KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
             window=kd.window, scale=float(p.attn.scaling), threads=torch.get_num_threads())
         return True
 

@@ -32,7 +32,7 @@ screens, tried in this order (each only while it is on):
   products): `a_j` is `bf(h) . bf(w_j)` accumulated in fp32 and rounded to bf16, so with
   `u = 2^-8`, `|a_j - h . w_j| <= (2u + u^2 + K 2^-24 + u (1 + ...)) ||h|| ||w_j||
   <= 0.013 ||h|| max_j ||w_j||` (K <= 4096).
-  Where `ferrobatch.amx_ops` runs (AMX tiles or AVX-512 BF16) and the call has at most
+  Where `ferrobatch.cpu.amx_ops` runs (AMX tiles or AVX-512 BF16) and the call has at most
   `amx_ops.max_rows()` rows, the same sums come from it without the final rounding to
   bf16 (and 1.6x faster at one row): with `u = 2^-9` (bf16 rounding to nearest),
   `|a_j - h . w_j| <= (2u (1 + u) + K 2^-24 (1 + u)^2) ||h|| ||w_j|| <= 0.0045 ||h||
@@ -76,7 +76,8 @@ import numpy as np
 import psutil
 import torch
 
-from ferrobatch import _core, amx_ops
+from ferrobatch import _core
+from ferrobatch.cpu import amx_ops
 from ferrobatch.runner.fp32_products import fp32_from_rows
 from ferrobatch.sampling.sampler import argmax_rows
 

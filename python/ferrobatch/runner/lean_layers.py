@@ -6,7 +6,7 @@ of its cost at decode batch sizes in bf16 (most of it in fp32); the rest is tran
 elementwise code (RMSNorm, rotary embeddings, SiLU * up, residual adds, and the dtype
 conversions between fp32 and bf16 operands) and the Python around it. `LeanLayers` runs
 such a layer as four packed products, the attention function the model's config selects
-(ferrobatch's paged attention in a step), and four fused kernels of `ferrobatch.fused_ops`:
+(ferrobatch's paged attention in a step), and four fused kernels of `ferrobatch.cpu.fused_ops`:
 
     h = rms_norm(x)                       (the products' input dtype: bf16, or fp32)
     qkv = [q | k | v] product of h        (one stacked product)
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ferrobatch import fused_ops
 from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_attention
+from ferrobatch.cpu import fused_ops
 from ferrobatch.runner import fused_layer
 from ferrobatch.runner.cpu_linear import PackedLinears
 

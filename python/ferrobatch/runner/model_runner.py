@@ -16,8 +16,9 @@ from ferrobatch.attention.kernel_step import KernelStep, build_kernel_step
 from ferrobatch.attention.kernels import decode_kernel_available
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import PagedStep, build_step
-from ferrobatch.cpu_threads import share_torch_openmp
-from ferrobatch.models import layer_types_of, sliding_window_of, text_config
+from ferrobatch.cpu.threads import share_torch_openmp
+from ferrobatch.model_config import model_configs, text_config
+from ferrobatch.models import layer_types_of, sliding_window_of
 from ferrobatch.runner.activations import PackedActivations
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.graph_steps import GraphSteps
@@ -122,7 +123,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else 132
         )
-        self._configs = registry.model_configs(model)
+        self._configs = model_configs(model)
         self._base = getattr(model, "base_model", None)
         self._head = model.get_output_embeddings()
         self._final_softcap = getattr(cfg, "final_logit_softcapping", None)

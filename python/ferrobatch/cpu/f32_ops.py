@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrobatch.attention.kernels import numpy_view as _np
+from ferrobatch.cpu.arrays import numpy_view as _np
 
 __all__ = ["F32Weight", "available", "linear", "pack", "torch_linear"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrobatch.attention.kernels import KERNEL_DTYPES as _DTYPES
-from ferrobatch.attention.kernels import numpy_view as _np
+from ferrobatch.cpu.arrays import KERNEL_DTYPES as _DTYPES
+from ferrobatch.cpu.arrays import numpy_view as _np
 
 __all__ = ["available", "handles", "rms_norm", "rope", "silu_mul", "write_rows"]
 
