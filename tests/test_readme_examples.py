@@ -1,7 +1,7 @@
 """The README's Python examples run, and the names they import are ferrobatch's public ones.
 
 Every ```python fence of README.md is an example. They run in order in one namespace, as a
-reader would paste them into one session: the first makes `engine` (the bundled
+reader would paste them into one interpreter: the first makes `engine` (the bundled
 SmolLM2-135M-Instruct) and later ones use it. A fence whose preceding line is an HTML
 comment starting `<!-- not-run` (for an example that needs hardware or files a test does
 not have) is only compiled; such exceptions are kept few.
