@@ -9,9 +9,10 @@ alone.
 
 Workloads (greedy, EOS off, every request generates exactly ``--max-new-tokens``):
 
-* ``brief``: the design brief §4 random-init tiny Llama (``ferrobatch.workloads.brief_model``,
-  saved once with ``save_pretrained`` under ``$FERROBATCH_CACHE/peers/`` so vLLM can load
-  it), 64 prompts of 16..256 tokens from ``brief_prompts``;
+* ``tiny-llama``: a random-init tiny Llama (hidden 256, 4 layers, 4/2 heads, vocab 32000;
+  ``ferrobatch.workloads.tiny_llama_model``, saved once with ``save_pretrained`` under
+  ``$FERROBATCH_CACHE/peers/`` so vLLM can load it), 64 prompts of 16..256 tokens from
+  ``tiny_llama_prompts``;
 * ``smollm2``: the bundled SmolLM2-135M-Instruct checkpoint directory
   (``ferrobatch.models.bundled_model_dir``, stored in fp16), 64 chat prompts through its
   chat template (``e2e_cpu.smollm2_prompts``).
@@ -24,9 +25,9 @@ each engine's agreement with an fp32 greedy reference (ferrobatch fp32, which eq
 ``model.generate``; computed once and cached): share of identical requests, share of tokens
 before the first divergence, mean first-divergence position.
 
-    .venv/bin/python benches/compare_cpu.py --workload brief --dtype float32 --threads 1 --repeats 3
+    .venv/bin/python benches/compare_cpu.py --workload tiny-llama --dtype float32 --repeats 3
     .venv/bin/python benches/compare_cpu.py --workload smollm2 --dtype bfloat16 --threads 2 --pin
-    .venv/bin/python benches/compare_cpu.py --workload brief --no-vllm      # ferrobatch alone
+    .venv/bin/python benches/compare_cpu.py --workload tiny-llama --no-vllm      # ferrobatch alone
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def pin_self(cpus: list[int]) -> None:
 
 
 def cache_dir() -> Path:
-    """Where this driver keeps the saved brief model and the fp32 references."""
+    """Where this driver keeps the saved tiny-llama model and the fp32 references."""
     from ferrobatch.models import cache_root
 
     d = cache_root() / "peers"
@@ -111,26 +112,26 @@ def cache_dir() -> Path:
     return d
 
 
-def brief_model_dir() -> Path:
-    """The brief §4 tiny Llama as a checkpoint directory (saved once, fp32 safetensors)."""
-    target = cache_dir() / "brief-llama"
+def tiny_llama_dir() -> Path:
+    """The tiny-llama model as a checkpoint directory (saved once, fp32 safetensors)."""
+    target = cache_dir() / "tiny-llama"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    from ferrobatch.workloads import brief_model
+    from ferrobatch.workloads import tiny_llama_model
 
     tmp = target.with_name(target.name + ".tmp")
-    brief_model().save_pretrained(tmp)
+    tiny_llama_model().save_pretrained(tmp)
     tmp.rename(target)
     return target
 
 
 def load_workload(name: str, n: int) -> tuple[Path, list[list[int]], str]:
     """(checkpoint dir, prompts, description) of workload ``name``."""
-    if name == "brief":
-        from ferrobatch.workloads import brief_prompts
+    if name == "tiny-llama":
+        from ferrobatch.workloads import tiny_llama_prompts
 
-        return (brief_model_dir(), brief_prompts(n),
-                f"tiny Llama (brief §4), {n} prompts of 16..256 tokens")
+        return (tiny_llama_dir(), tiny_llama_prompts(n),
+                f"tiny-llama, {n} prompts of 16..256 tokens")
     from e2e_cpu import smollm2_prompts
     from ferrobatch.models import bundled_model_dir
     from transformers import AutoTokenizer
@@ -377,7 +378,7 @@ def fmt_agree(a: dict[str, Any]) -> str:
 def main() -> None:
     """Parse the options, run both engines interleaved, print and optionally save figures."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workload", choices=("brief", "smollm2"), default="brief")
+    ap.add_argument("--workload", choices=("tiny-llama", "smollm2"), default="tiny-llama")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both engines load the checkpoint in this dtype")
     ap.add_argument("--threads", type=int, default=1,

@@ -6,7 +6,7 @@ to every prompt per repeat, though a prompt's full blocks are still reused from 
 before, so the figures are mostly decode); medians of 3 in generated tokens per
 second of wall time and per CPU-second.
 
-    python benches/decode_kernel_ab.py brief bfloat16 1     # workload, dtype, threads
+    python benches/decode_kernel_ab.py tiny-llama bfloat16 1     # workload, dtype, threads
     python benches/decode_kernel_ab.py smollm2 bfloat16 1
 """
 
@@ -25,7 +25,8 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa:
 
 
 def main() -> None:
-    workload, dtype, threads = (sys.argv[1:] + ["brief", "bfloat16", "1"][len(sys.argv) - 1:])[:3]
+    defaults = ["tiny-llama", "bfloat16", "1"]
+    workload, dtype, threads = (sys.argv[1:] + defaults[len(sys.argv) - 1:])[:3]
     torch.set_num_threads(int(threads))
     import e2e_cpu  # (after ferrobatch: it imports torch)
 

@@ -1,13 +1,13 @@
 """End-to-end CPU throughput: ferrobatch vs transformers `generate_batch` vs padded `generate`.
 
-The workload of the design brief §4: a random-init tiny Llama (hidden 256, 4 layers, 4/2
+The tiny-llama workload: a random-init Llama (hidden 256, 4 layers, 4/2
 heads, vocab 32000, fp32, `torch.manual_seed(0)`), 64 prompts from `random.Random(1234)`
 with lengths 16..256, greedy, EOS off, 64 new tokens each, 1 torch thread. All three run in
 one process on the same prompts; outputs are compared; the median of `--repeats` timed runs
 (after one warm-up) is reported as generated tokens per second of wall time and of process
 CPU time (the latter is steadier when other work shares the cores), with ratios.
 
-    python benches/e2e_cpu.py                  # the brief's workload
+    python benches/e2e_cpu.py                  # the tiny-llama workload
     python benches/e2e_cpu.py --smollm2        # bundled SmolLM2-135M-Instruct, 64 chat prompts
     python benches/e2e_cpu.py --only ferrobatch --page-size 64 --max-batch-tokens 1024
     python benches/e2e_cpu.py --only ferrobatch --async   # the async pipeline on CPU
@@ -33,10 +33,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from ferrobatch.workloads import (  # noqa: E402
     agreement,
-    brief_model,
-    brief_prompts,
     chat_prompts,
     left_padded,
+    tiny_llama_model,
+    tiny_llama_prompts,
 )
 from transformers import GenerationConfig  # noqa: E402
 
@@ -56,15 +56,17 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 def ab_workload(workload: str, dtype: torch.dtype) -> tuple[Any, list[list[int]]]:
     """The model in `dtype` and 64 prompts of an in-engine A/B bench: "smollm2" (the bundled
-    checkpoint, EOS off, its chat prompts) or "brief" (the design brief's model and
+    checkpoint, EOS off, its chat prompts) or "tiny-llama" (`ferrobatch.workloads`' model and
     prompts)."""
+    if workload not in ("smollm2", "tiny-llama"):
+        raise SystemExit(f"unknown workload {workload!r}: 'tiny-llama' or 'smollm2'")
     if workload == "smollm2":
         from ferrobatch.models import load_model
 
         model, tok = load_model(None, dtype=dtype)
         model.generation_config.eos_token_id = None
         return model, smollm2_prompts(tok, 64)
-    return brief_model().to(dtype), brief_prompts(64)
+    return tiny_llama_model().to(dtype), tiny_llama_prompts(64)
 
 
 # ----------------------------------------------------------------------------- runners
@@ -197,9 +199,9 @@ def main() -> None:
         prompts = smollm2_prompts(tok, args.prompts)
         workload = f"SmolLM2-135M-Instruct fp32, {args.prompts} chat prompts"
     else:
-        model = brief_model()
-        prompts = brief_prompts(args.prompts)
-        workload = f"tiny Llama (brief §4), {args.prompts} prompts of 16..256 tokens"
+        model = tiny_llama_model()
+        prompts = tiny_llama_prompts(args.prompts)
+        workload = f"tiny-llama, {args.prompts} prompts of 16..256 tokens"
     new = args.max_new_tokens
     n_tokens = new * len(prompts)
     print(

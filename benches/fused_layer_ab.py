@@ -10,7 +10,7 @@ of wall time and per CPU-second, and whether both gave the same tokens (they mus
 paths are bit-equal).
 
     python benches/fused_layer_ab.py smollm2 bfloat16 1 5   # workload, dtype, threads, repeats
-    python benches/fused_layer_ab.py brief bfloat16 2
+    python benches/fused_layer_ab.py tiny-llama bfloat16 2
     python benches/fused_layer_ab.py smollm2 float32 1 5 f32   # f32_ops on / off
 """
 
@@ -30,7 +30,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa:
 
 
 def main() -> None:
-    args = sys.argv[1:] + ["brief", "bfloat16", "1", "3", "fused"][len(sys.argv) - 1:]
+    args = sys.argv[1:] + ["tiny-llama", "bfloat16", "1", "3", "fused"][len(sys.argv) - 1:]
     workload, dtype, threads, repeats = args[0], args[1], int(args[2]), int(args[3])
     switch = args[4]
     torch.set_num_threads(threads)

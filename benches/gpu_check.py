@@ -1,4 +1,4 @@
-"""The one prepared GPU check of issue 5 (run it with `benches/gpu_check.sh`).
+"""The GPU check (run it with `benches/gpu_check.sh`).
 
 Needs only torch, transformers, triton and the ferrobatch package (the prebuilt abi3 wheel or
 `python/` with its `_core.abi3.so`); no Rust toolchain, no network, no hub: every model is
@@ -15,7 +15,7 @@ done):
               and Gemma3-shaped models, eager and with use_cuda_graph / use_async_batching
               requested (the report says whether the engine used them)
   decode_step one 135M-shape decode step at 256 requests through ModelRunner: wall time vs
-              summed device-kernel time (the issue's <= 1.5x target is for graphs)
+              summed device-kernel time (the <= 1.5x target is for graphs)
   throughput  bf16 generated tok/s of ferrobatch vs transformers `generate_batch` vs static
               padded `generate` on the same 512 mixed-length prompts, SmolLM2-135M shape and
               a ~1B Llama shape; ratios, peak memory, engine stats
@@ -26,7 +26,7 @@ done):
               tok/s of TP=2 vs TP=1 on the ~1B Llama shape; with --smoke on CPU, TP=2 over
               gloo on the tiny Llama (parity only)
 
-    bash benches/gpu_check.sh                          # on the GPU machine, < 9 minutes
+    bash benches/gpu_check.sh                          # on a GPU (one H200: < 9 minutes)
     python benches/gpu_check.py --smoke                # CPU, tiny shapes, ~1 minute
     python benches/gpu_check.py --only kernels parity  # some sections
 """
@@ -765,7 +765,7 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
     """One ModelRunner decode step, 135M shape, 256 requests of ~256 cached tokens (bf16 on
     CUDA), eager and through its CUDA graph on the same cache: wall time per step (host
     included, synchronized) and device time of back-to-back steps (CUDA events) vs the
-    step's summed kernel time (profiler, eager step). Issue target: the graph step <= 1.5x
+    step's summed kernel time (profiler, eager step). Target: the graph step <= 1.5x
     the pure kernel time. On CPU (smoke) the padded graph forward runs without capture and
     its logits are compared with eager's."""
     sys.path.insert(0, str(REPO / "tests"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of issue 5: kernels, parity, throughput, offload (< 9 minutes on
+# The GPU check: kernels, parity, throughput, offload (< 9 minutes on
 # one H200). Needs python with torch, transformers and triton; no Rust, no network, no hub.
 #
 #   bash benches/gpu_check.sh                 # report: $OUT/gpu_check.json, else ./gpu_check.json
@@ -10,11 +10,9 @@
 # python/ferrobatch/_core.abi3.so when present, else from a prebuilt abi3 wheel in dist/
 # (its _core is extracted next to the sources; the wheel's own .py files are not used).
 #
-# CARRY THE CORE. .gitignore ignores *.so and /dist, and the device tool copies only tracked
-# and non-ignored files, so the core must be named in the run's `carry`:
-#   carry: ["python/ferrobatch/_core.abi3.so"]   (about 1 MB; built here by `make build`
-#                                                 or `maturin develop --release`)
-#   or     ["dist"]                               (`maturin build --release -o dist`)
+# The core is git-ignored (*.so, /dist): a copy of the tree taken from git alone lacks it.
+# Build it (`make build` or `maturin develop --release` for python/ferrobatch/_core.abi3.so,
+# about 1 MB; `maturin build --release -o dist` for a wheel) and copy it along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
@@ -31,9 +29,9 @@ if ! ls python/ferrobatch/_core*.so >/dev/null 2>&1; then
   if [ -z "$whl" ]; then
     cat >&2 <<'MSG'
 gpu_check: no compiled core (python/ferrobatch/_core*.so or dist/ferrobatch-*.whl).
-  Both are git-ignored (*.so, /dist), so the device tool does not send them unless told to:
-  carry "python/ferrobatch/_core.abi3.so" (build it with `make build` or
-  `maturin develop --release`), or carry "dist" (build it with `maturin build --release -o dist`).
+  Both are git-ignored (*.so, /dist), so a copy of the tree taken from git lacks them:
+  build python/ferrobatch/_core.abi3.so (`make build` or `maturin develop --release`) or a
+  wheel in dist/ (`maturin build --release -o dist`) and copy it next to the sources.
 MSG
     exit 2
   fi

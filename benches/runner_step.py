@@ -1,4 +1,4 @@
-"""Micro-benchmark: one decode step at batch 64 on the design brief §4 model, 1 thread.
+"""Micro-benchmark: one decode step at batch 64 on the tiny-llama model, 1 thread.
 
 Compares `ModelRunner.execute` on a packed decode plan (ferrobatch paged cache) against the
 model's plain forward for the same step (static padded batch with a DynamicCache, as
@@ -8,10 +8,10 @@ Also `execute_greedy` (greedy tokens through the bounded int8 screen of
 `ferrobatch.runner.greedy_head`, when the runner enabled it) and that screen alone.
 
 With `--head`: `GreedyHead.argmax` alone on 64 real hidden rows (final-norm outputs of a
-forward) with bf16 head weights, each screen forced: the brief model in bf16 (vocab 32000,
-hidden 256; rows from the last positions of 64 brief prompts) and the bundled SmolLM2-135M
-(vocab 49152, hidden 576; rows from the last 64 positions of the chat questions as text).
-Run it pinned, e.g. `taskset -c 1`.
+forward) with bf16 head weights, each screen forced: the tiny-llama model in bf16 (vocab
+32000, hidden 256; rows from the last positions of 64 tiny-llama prompts) and the bundled
+SmolLM2-135M (vocab 49152, hidden 576; rows from the last 64 positions of the chat
+questions as text). Run it pinned, e.g. `taskset -c 1`.
 
     python benches/runner_step.py [page_size]
     python benches/runner_step.py --head
@@ -119,13 +119,13 @@ def main() -> None:
               "of the candidates)")
 
 
-def head_rows_brief(model, rows: int = 64) -> torch.Tensor:
-    """Final hidden states at the last position of `rows` brief prompts."""
-    from ferrobatch.workloads import brief_prompts
+def head_rows_tiny_llama(model, rows: int = 64) -> torch.Tensor:
+    """Final hidden states at the last position of `rows` tiny-llama prompts."""
+    from ferrobatch.workloads import tiny_llama_prompts
 
     with torch.inference_mode():
         return torch.cat([model.model(input_ids=torch.tensor([p])).last_hidden_state[0, -1:]
-                          for p in brief_prompts(rows)])
+                          for p in tiny_llama_prompts(rows)])
 
 
 def head_rows_text(model, tokenizer, rows: int = 64) -> torch.Tensor:
@@ -142,12 +142,13 @@ def head_main() -> None:
     """`GreedyHead.argmax` CPU time per call at 64 rows, each screen, 1 thread."""
     from ferrobatch.models import bundled_model_dir
     from ferrobatch.runner.greedy_head import GreedyHead, _mkldnn_linear
-    from ferrobatch.workloads import brief_model
+    from ferrobatch.workloads import tiny_llama_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    brief = brief_model().to(torch.bfloat16)
-    cases = [("brief, vocab 32000, hidden 256", brief.lm_head.weight, head_rows_brief(brief))]
+    tiny = tiny_llama_model().to(torch.bfloat16)
+    cases = [("tiny-llama, vocab 32000, hidden 256", tiny.lm_head.weight,
+              head_rows_tiny_llama(tiny))]
     path = str(bundled_model_dir())
     smol = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     cases.append(("SmolLM2-135M, vocab 49152, hidden 576", smol.lm_head.weight,

@@ -1,6 +1,6 @@
 """Speculative decoding on CPU: latency and throughput, spec vs non-spec interleaved.
 
-    python benches/spec_decode.py                 # the README table (SmolLM2, fp32, 1 thread)
+    python benches/spec_decode.py                 # docs/benchmarks.md (SmolLM2, fp32, 1 thread)
     python benches/spec_decode.py --quick         # batch 1 and 4 only, 2 repeats
 
 Bundled SmolLM2-135M-Instruct in fp32, ``torch.set_num_threads(1)``, greedy, a fixed number

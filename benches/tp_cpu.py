@@ -2,7 +2,7 @@
 torch threads: the same two cores, so the difference is what splitting the model costs
 (two all-reduces per layer, the step's plan broadcast, the head computed on every rank).
 
-Workloads: the design brief §4 (random-init Llama hidden 256, 4 layers, 4/2 heads, vocab
+Workloads: tiny-llama (a random-init Llama: hidden 256, 4 layers, 4/2 heads, vocab
 32000, fp32; 64 prompts of 16..256 tokens from ``random.Random(1234)``, 64 new tokens,
 greedy, EOS off) and, with ``--smollm2``, the bundled SmolLM2-135M-Instruct (fp32) on chat
 prompts (SmolLM2-135M has 9 attention heads: TP=2 refuses it, and the bench says so).
@@ -11,7 +11,7 @@ other's blocks) and timed interleaved, ``--repeats`` times each (after one warm-
 median is reported as generated tokens per wall second and per CPU second (all ranks'
 processes), with ms per step. Outputs of the two are compared (greedy, fp32: identical).
 
-    python benches/tp_cpu.py                 # brief workload
+    python benches/tp_cpu.py                 # tiny-llama workload
     python benches/tp_cpu.py --smollm2       # SmolLM2-135M
     python benches/tp_cpu.py --hidden 1024 --prompts 16 --new 32   # a wider model
 """
@@ -33,7 +33,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa:
 from ferrobatch.errors import FieldError  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from ferrobatch.workloads import brief_model, brief_prompts, chat_prompts  # noqa: E402
+from ferrobatch.workloads import tiny_llama_model, tiny_llama_prompts, chat_prompts  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=None,
-                    help="the brief's Llama widened to this hidden size (intermediate 2.75x, "
+                    help="tiny-llama widened to this hidden size (intermediate 2.75x, "
                          "head_dim 64, GQA 2:1): where compute outweighs the all-reduces")
     args = ap.parse_args()
 
@@ -77,15 +77,15 @@ def main() -> None:
         prompts = chat_prompts(encode, args.prompts)
         name = "SmolLM2-135M-Instruct fp32"
     else:
-        path = Path(tmp.name) / "brief"
+        path = Path(tmp.name) / "tiny-llama"
         wide = {}
         if args.hidden:
             heads = args.hidden // 64
             wide = dict(hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
-        brief_model(0, **wide).save_pretrained(path)
-        prompts = brief_prompts(args.prompts)
-        name = "brief §4 Llama fp32" + (f", hidden {args.hidden}" if args.hidden else "")
+        tiny_llama_model(0, **wide).save_pretrained(path)
+        prompts = tiny_llama_prompts(args.prompts)
+        name = "tiny-llama fp32" + (f", hidden {args.hidden}" if args.hidden else "")
     cfg = ContinuousBatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                                    num_blocks=2048, allow_block_sharing=False)
     sp = SamplingParams(max_new_tokens=args.new, ignore_eos=True)

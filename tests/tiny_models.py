@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import transformers
-from ferrobatch.workloads import brief_model
+from ferrobatch.workloads import tiny_llama_model
 from transformers import PreTrainedModel
 
 VOCAB = 512
@@ -103,8 +103,8 @@ BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
 
 
 def bench_llama(seed: int = 0) -> PreTrainedModel:
-    """The design brief §4 benchmark model: hidden 256, 4 layers, 4/2 heads, vocab 32000."""
-    return brief_model(seed)
+    """The tiny-llama benchmark model: hidden 256, 4 layers, 4/2 heads, vocab 32000."""
+    return tiny_llama_model(seed)
 
 
 def transformers_cb_config(**fields: Any) -> Any:

@@ -114,7 +114,7 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
 
     def stop(self) -> None:
-        """SIGTERM the server's process group (it was started in its own session), then
+        """SIGTERM the server's process group (started with `start_new_session`), then
         SIGKILL after 60 s."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

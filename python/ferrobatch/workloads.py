@@ -1,4 +1,5 @@
-"""The benchmark workloads: the design brief §4 tiny Llama and its prompts, chat questions.
+"""The benchmark workloads: "tiny-llama" (a random-init tiny Llama and its prompts) and chat
+questions.
 
 One source for ``benches/e2e_cpu.py``, ``ferrobatch bench`` and the tests: a random-init
 Llama (hidden 256, 4 layers, 4/2 heads, vocab 32000, fp32, ``torch.manual_seed(0)``, EOS
@@ -12,18 +13,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
-    "BRIEF_VOCAB",
-    "agreement",
     "CHAT_QUESTIONS",
-    "brief_llama_config",
-    "brief_model",
-    "brief_prompts",
+    "TINY_LLAMA_VOCAB",
+    "agreement",
     "chat_prompts",
     "left_padded",
+    "tiny_llama_config",
+    "tiny_llama_model",
+    "tiny_llama_prompts",
 ]
 
-#: Vocabulary size of the brief's model.
-BRIEF_VOCAB = 32000
+#: Vocabulary size of the tiny-llama model.
+TINY_LLAMA_VOCAB = 32000
 
 #: User questions of the chat workload (``ferrobatch bench MODEL``, ``--smollm2``).
 CHAT_QUESTIONS: tuple[str, ...] = (
@@ -46,12 +47,12 @@ CHAT_QUESTIONS: tuple[str, ...] = (
 )
 
 
-def brief_llama_config(**overrides: Any) -> Any:
-    """The brief's ``LlamaConfig`` (no EOS token), with ``overrides`` applied."""
+def tiny_llama_config(**overrides: Any) -> Any:
+    """The tiny-llama ``LlamaConfig`` (no EOS token), with ``overrides`` applied."""
     import transformers
 
     fields: dict[str, Any] = dict(
-        vocab_size=BRIEF_VOCAB,
+        vocab_size=TINY_LLAMA_VOCAB,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
@@ -63,18 +64,19 @@ def brief_llama_config(**overrides: Any) -> Any:
     return transformers.LlamaConfig(**{**fields, **overrides})
 
 
-def brief_model(seed: int = 0, **overrides: Any) -> Any:
-    """The brief's random-init fp32 Llama in eval mode (weights from ``torch.manual_seed``)."""
+def tiny_llama_model(seed: int = 0, **overrides: Any) -> Any:
+    """The tiny-llama model: a random-init fp32 Llama in eval mode (weights from
+    ``torch.manual_seed``)."""
     import torch
     import transformers
 
-    config = brief_llama_config(**overrides)
+    config = tiny_llama_config(**overrides)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
 
 
-def brief_prompts(
-    n: int = 64, min_len: int = 16, max_len: int = 256, vocab: int = BRIEF_VOCAB
+def tiny_llama_prompts(
+    n: int = 64, min_len: int = 16, max_len: int = 256, vocab: int = TINY_LLAMA_VOCAB
 ) -> list[list[int]]:
     """``n`` random prompts (token ids 3..vocab) from ``random.Random(1234)``."""
     rng = random.Random(1234)

@@ -1,4 +1,4 @@
-"""Models that derive something from the whole forward (issue 9): every request must still
+"""Models that derive something from the whole forward: every request must still
 get `model.generate`'s answer for its prompt alone, whatever shares its packed step.
 
 * longrope (Phi-3, PhiMoE, a Llama config with `rope_type="longrope"`): short / long factors
@@ -125,7 +125,7 @@ def test_generate_parity_around_the_rope_switch(name: str, scenario: str) -> Non
 
 @pytest.mark.parametrize("name", ["phi3_longrope", "phimoe_longrope"])
 def test_short_prompt_answer_does_not_depend_on_a_long_batch_mate(name: str) -> None:
-    """The issue's first repro: a 4-token prompt alone and next to a 45-token one."""
+    """A 4-token prompt alone and next to a 45-token one."""
     m = model(name)
     rng = random.Random(5)
     short, long = _prompt(rng, 4), _prompt(rng, 45)

@@ -64,8 +64,8 @@ def _smaps_field(addr: int, field: str) -> int | None:
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc")
 def test_a_large_cache_takes_no_huge_pages() -> None:
-    """First touches of a large cache fault 4 KiB pages (cold 2 MiB pages cost the VM's
-    hypervisor seconds: `kv_cache._zeros`)."""
+    """First touches of a large cache fault 4 KiB pages (in a virtual machine cold 2 MiB
+    pages cost the hypervisor seconds: `kv_cache._zeros`)."""
     storage = kv_cache._zeros((8, 2, 8192, 4, 64), torch.device("cpu"), torch.float32)
     storage[:, :, ::64].fill_(1.0)  # touch every 64 KiB
     eligible = _smaps_field(storage.data_ptr(), "THPeligible")

@@ -1,4 +1,4 @@
-"""Generation semantics (issue 9): transformers' GenerationConfig defaults, the model's own
+"""Generation semantics: transformers' GenerationConfig defaults, the model's own
 generation config applied when no sampling is given, unsupported processors named, and
 values that cannot be honoured (tiny temperatures, seeds beyond 64 bits) rejected with the
 field named in the engine and the server alike."""

