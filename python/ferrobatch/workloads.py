@@ -11,6 +11,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import transformers
+
 __all__ = [
     "BRIEF_VOCAB",
     "agreement",
@@ -48,8 +51,6 @@ CHAT_QUESTIONS: tuple[str, ...] = (
 
 def brief_llama_config(**overrides: Any) -> Any:
     """The brief's ``LlamaConfig`` (no EOS token), with ``overrides`` applied."""
-    import transformers
-
     fields: dict[str, Any] = dict(
         vocab_size=BRIEF_VOCAB,
         hidden_size=256,
@@ -65,9 +66,6 @@ def brief_llama_config(**overrides: Any) -> Any:
 
 def brief_model(seed: int = 0, **overrides: Any) -> Any:
     """The brief's random-init fp32 Llama in eval mode (weights from ``torch.manual_seed``)."""
-    import torch
-    import transformers
-
     config = brief_llama_config(**overrides)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
@@ -104,8 +102,6 @@ def chat_prompts(
 def left_padded(prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
     """(input_ids, attention_mask) int64 tensors, prompts right-aligned over 0 padding (the
     padded ``model.generate`` baseline)."""
-    import torch
-
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
