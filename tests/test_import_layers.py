@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import ast
 import itertools
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,6 +234,26 @@ def test_function_local_imports_say_why() -> None:
         "function-local imports without a `# local: <reason>` comment (import at module "
         "level unless a heavy or optional dependency makes it worth it):\n" + "\n".join(missing)
     )
+
+
+def test_the_local_imports_keep_these_imports_light() -> None:
+    """What the `# local:` reasons promise: `import ferrobatch` loads neither torch nor
+    transformers, the CLI (for --help / --version) no torch, the server module no uvicorn."""
+    code = (
+        "import sys\n"
+        "import ferrobatch\n"
+        "a = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "import ferrobatch.cli\n"
+        "b = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "import ferrobatch.server\n"
+        "print(a, b, 'uvicorn' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(PACKAGE.parent), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "[]", "False"], out.stdout
 
 
 def test_the_checks_see_what_they_check() -> None:
