@@ -12,6 +12,10 @@ import sys
 import textwrap
 import time
 
+import torch
+
+from ferrobatch import Engine, SamplingParams
+
 PROMPTS = [
     "What is the capital of France?",
     "Explain in two sentences why the sky is blue.",
@@ -34,10 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    import torch
-
-    from ferrobatch import Engine, SamplingParams
-
     if args.threads:
         torch.set_num_threads(args.threads)
     t_load = time.perf_counter()

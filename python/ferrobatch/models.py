@@ -1,4 +1,5 @@
-"""Model loading (a path, a loaded model, or the bundled SmolLM2) and per-layer attention types."""
+"""Model loading (a path, a loaded model, or the bundled SmolLM2), per-layer attention types,
+and the process-wide lock every ferrobatch forward of a model object holds (`model_lock`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
+    AttentionInterface,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
 
@@ -182,9 +185,6 @@ def attention_layout(model: PreTrainedModel) -> AttentionLayout:
 
 
 def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> AttentionLayout:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(_LAYOUT_NAME, _layout_attention)
     AttentionMaskInterface.register(_LAYOUT_NAME, _layout_mask)
     n = len(declared.layer_types)
@@ -228,6 +228,25 @@ def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> Attenti
         )
     types = tuple(SLIDING if w else FULL for w in windows)
     return AttentionLayout(types, slid[0] if slid else None, shapes, recorded=True)
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.Lock:
+    """The process-wide lock of one model object, held around every ferrobatch forward.
+
+    A forward switches the model's config to the paged attention and restores it
+    afterwards; two engines on the same model (or an engine and its construction probe)
+    stepping at once would interleave those switches: one engine's layers would skip the
+    paged attention mid-forward, and the caller's config could be left switched for good.
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.Lock()
+        return lock
 
 
 def cache_root() -> Path:

@@ -12,6 +12,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import transformers
+
 __all__ = [
     "CHAT_QUESTIONS",
     "TINY_LLAMA_VOCAB",
@@ -49,8 +52,6 @@ CHAT_QUESTIONS: tuple[str, ...] = (
 
 def tiny_llama_config(**overrides: Any) -> Any:
     """The tiny-llama ``LlamaConfig`` (no EOS token), with ``overrides`` applied."""
-    import transformers
-
     fields: dict[str, Any] = dict(
         vocab_size=TINY_LLAMA_VOCAB,
         hidden_size=256,
@@ -67,9 +68,6 @@ def tiny_llama_config(**overrides: Any) -> Any:
 def tiny_llama_model(seed: int = 0, **overrides: Any) -> Any:
     """The tiny-llama model: a random-init fp32 Llama in eval mode (weights from
     ``torch.manual_seed``)."""
-    import torch
-    import transformers
-
     config = tiny_llama_config(**overrides)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval().to(torch.float32)
@@ -106,8 +104,6 @@ def chat_prompts(
 def left_padded(prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
     """(input_ids, attention_mask) int64 tensors, prompts right-aligned over 0 padding (the
     padded ``model.generate`` baseline)."""
-    import torch
-
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ferrobatch import __version__
 from ferrobatch.cli.bench import cmd_bench, format_table
 from ferrobatch.cli.build import build_config, build_engine, build_sampling
 from ferrobatch.cli.flags import CONFIG_FLAGS, SAMPLING_FLAGS, build_parser
@@ -43,8 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from ferrobatch import __version__
-
         print(f"ferrobatch {__version__}")
         return 0
     if args.command is None:

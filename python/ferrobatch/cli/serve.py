@@ -27,6 +27,7 @@ def _is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until interrupted."""
+    # local: fastapi / uvicorn (the serve extra, ~0.4 s) load for this command only
     from ferrobatch.server import create_app
     from ferrobatch.server.background import make_server
 

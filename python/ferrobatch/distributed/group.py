@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -31,6 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+
+from ferrobatch.errors import FieldError
 
 logger = logging.getLogger("ferrobatch")
 
@@ -66,10 +71,6 @@ def release_mesh_groups() -> None:
     ("terminate called without an active exception": a torchrun rank 0 in CI; a 2-rank
     script that keeps a mesh alive to its exit, 4 to 8 exits in 30), so the groups go now,
     with their threads, while Python is still whole."""
-    import gc
-
-    from torch.distributed.device_mesh import DeviceMesh
-
     for obj in gc.get_objects():
         if isinstance(obj, DeviceMesh):
             registry = getattr(obj, "_pg_registry", None)
@@ -134,16 +135,12 @@ class TPGroup:
 
     @classmethod
     def spawn(cls, world_size: int, device: str | torch.device | None,
-              worker_kwargs: dict[str, Any]) -> TPGroup:
-        """Start ranks 1..N-1 (spawn processes running `worker.main`) and join as rank 0."""
-        import torch.multiprocessing as mp
-
-        from ferrobatch.distributed import worker
-
+              target: Callable[..., None], args: tuple[Any, ...]) -> TPGroup:
+        """Start ranks 1..N-1 as spawn processes running
+        ``target(rank, world_size, init_method, device, *args)`` (`worker.main`) and join as
+        rank 0 (`target` and `args` are pickled: module-level functions and classes)."""
         dev = cls.device_for(0, device)
         if dev.type == "cuda" and torch.cuda.device_count() < world_size:
-            from ferrobatch.errors import FieldError
-
             raise FieldError(
                 f"tensor_parallel_size={world_size} needs {world_size} CUDA devices, "
                 f"{torch.cuda.device_count()} visible", field="tensor_parallel_size")
@@ -151,8 +148,8 @@ class TPGroup:
         ctx = mp.get_context("spawn")
         procs = []
         for rank in range(1, world_size):
-            p = ctx.Process(target=worker.main, name=f"ferrobatch-tp{rank}", daemon=True,
-                            args=(rank, world_size, init_method, device, worker_kwargs))
+            p = ctx.Process(target=target, name=f"ferrobatch-tp{rank}", daemon=True,
+                            args=(rank, world_size, init_method, device, *args))
             p.start()
             procs.append(p)
         try:
@@ -168,8 +165,6 @@ class TPGroup:
     @classmethod
     def join_env(cls, world_size: int, device: str | torch.device | None) -> TPGroup:
         """Join the group of a ``torchrun`` launch (env:// init); its WORLD_SIZE must be N."""
-        from ferrobatch.errors import FieldError
-
         env_world = int(os.environ["WORLD_SIZE"])
         if env_world != world_size:
             raise FieldError(

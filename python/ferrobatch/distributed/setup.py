@@ -1,35 +1,43 @@
 """What `Engine(..., tensor_parallel_size=N)` does with N: validate it, start or join the
-group, load this rank's shard, and attach the group to the engine (rank 0: `TPRunner` and
-the watchdog; a ``torchrun`` rank > 0: the worker loop, then exit)."""
+group, load this rank's shard, agree on values across ranks, and hand the engine the
+runner it steps with (rank 0: `TPRunner` and the watchdog; a ``torchrun`` rank > 0: the
+worker loop, then exit)."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
+from ferrobatch.distributed import broadcast, shard, worker
 from ferrobatch.distributed import group as group_mod
-from ferrobatch.distributed import shard
 from ferrobatch.distributed.group import TPGroup
+from ferrobatch.distributed.runner import TPRunner
 from ferrobatch.errors import FieldError
+from ferrobatch.models import _has_tokenizer_files, bundled_model_dir, resolve_dtype
 
 logger = logging.getLogger("ferrobatch")
 
 
-def start(size: Any, model: Any, *, device: Any, worker_kwargs: dict[str, Any]) -> TPGroup | None:
-    """The group for `size` ranks (None for 1); refuses what cannot be sharded first."""
+def start(size: Any, model: Any, *, device: Any, make_engine: Callable[..., Any],
+          worker_kwargs: dict[str, Any]) -> TPGroup | None:
+    """The group for `size` ranks (None for 1); refuses what cannot be sharded first.
+
+    Spawned workers build their engine with ``make_engine(**worker_kwargs, model=...,
+    tensor_parallel_size=size)`` (`worker.main`): `make_engine` is pickled by reference,
+    a module-level class or function (the engine passes its class)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise FieldError(f"tensor_parallel_size must be an integer >= 1, not {size!r}",
                          field=shard.FIELD)
     if size == 1:
         return None
     path = checkpoint_path(model)
-    from transformers import AutoConfig
-
     shard.check(AutoConfig.from_pretrained(str(path), local_files_only=True), size)
     existing = group_mod.current()
     if existing is not None:  # a spawned worker building its engine
@@ -40,13 +48,11 @@ def start(size: Any, model: Any, *, device: Any, worker_kwargs: dict[str, Any]) 
     kwargs = dict(worker_kwargs, model=str(path), tensor_parallel_size=size,
                   num_threads=torch.get_num_threads(),
                   log_level=logging.getLogger("ferrobatch").getEffectiveLevel())
-    return TPGroup.spawn(size, device, kwargs)
+    return TPGroup.spawn(size, device, worker.main, (make_engine, kwargs))
 
 
 def checkpoint_path(model: Any) -> Path:
     """The checkpoint every rank loads its shard from; a loaded model is refused."""
-    from ferrobatch.models import bundled_model_dir
-
     if model is None:
         return bundled_model_dir()
     if isinstance(model, (str, os.PathLike)):
@@ -60,10 +66,6 @@ def checkpoint_path(model: Any) -> Path:
 
 def load(group: TPGroup, model: Any, dtype: Any) -> tuple[Any, Any]:
     """(this rank's shard, the tokenizer) of `model`'s checkpoint."""
-    from transformers import AutoTokenizer
-
-    from ferrobatch.models import _has_tokenizer_files, resolve_dtype
-
     path = checkpoint_path(model)
     dt = resolve_dtype(dtype, group.device, path)
     loaded = shard.load(path, group.rank, group.world_size, dt)
@@ -72,27 +74,25 @@ def load(group: TPGroup, model: Any, dtype: Any) -> tuple[Any, Any]:
     return loaded, tok
 
 
-def attach(engine: Any, group: TPGroup) -> None:
-    """Rank 0: steps go through `TPRunner`, the watchdog reports a dead worker to every
-    waiting caller; a ``torchrun`` rank > 0: serve rank 0's steps, then exit."""
-    from ferrobatch.distributed.runner import TPRunner
+def agree(value: int, group: TPGroup) -> int:
+    """Rank 0's `value` on every rank of `group` (e.g. the cache's `num_blocks`)."""
+    return broadcast.agree(value, group.device if group.backend == "nccl" else None)
 
+
+def attach(runner: Any, group: TPGroup, on_failure: Callable[[BaseException], None]) -> Any:
+    """The runner the engine steps with, once it is built (every rank calls this at the same
+    point). Rank 0: a `TPRunner` around `runner` (each step goes to every rank first), and
+    the watchdog, which reports a dead worker through `on_failure`; a spawned worker:
+    `runner` itself (`worker.main` serves with it); a ``torchrun`` rank > 0: serve rank 0's
+    steps here, then exit."""
     group.steady()
     if group.rank != 0:
         if group.from_env:
-            from ferrobatch.distributed import worker
-
-            worker.serve(engine.runner, group)
+            worker.serve(runner, group)
             group.shutdown()
             raise SystemExit(0)
-        return
-    runner = TPRunner(engine.runner, group)
-    engine.runner = runner
-
-    def on_failure(exc: BaseException) -> None:
-        engine._fail_all(exc, fatal=True)
-        engine._wakeup.set()
-
-    group.watch(on_failure, runner.noop)
-    atexit.register(group.shutdown, runner.stop_workers)
-
+        return runner
+    wrapped = TPRunner(runner, group)
+    group.watch(on_failure, wrapped.noop)
+    atexit.register(group.shutdown, wrapped.stop_workers)
+    return wrapped

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ferrobatch.errors import FieldError
 
@@ -93,17 +97,12 @@ def per_rank_config(config: Any, size: int) -> Any:
 
 
 def _prefix(config: Any) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     return str(getattr(cls, "base_model_prefix", "model"))
 
 
 def load(path: str | Path, rank: int, size: int, dtype: torch.dtype) -> Any:
     """This rank's shard of the checkpoint at `path` (eval mode, fp32 unless `dtype`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     info = check(config, size)
     base_plan = dict(getattr(_text(config), "base_model_tp_plan", None) or {})
@@ -125,8 +124,6 @@ def load(path: str | Path, rank: int, size: int, dtype: torch.dtype) -> Any:
 
 
 def _plain(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return p.full_tensor() if isinstance(p, DTensor) else p.data
 
 

@@ -5,12 +5,15 @@ sends, until it says stop (or the group breaks: the process then exits non-zero)
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ferrobatch.distributed import broadcast
 from ferrobatch.distributed.group import TPGroup
@@ -46,8 +49,9 @@ def serve(runner: Any, group: TPGroup) -> None:
 
 
 def main(rank: int, world_size: int, init_method: str, device: Any,
-         engine_kwargs: dict[str, Any]) -> None:
-    """A spawned worker: join the group, build the engine's runner, serve, leave."""
+         make_engine: Callable[..., Any], engine_kwargs: dict[str, Any]) -> None:
+    """A spawned worker: join the group, build the engine (``make_engine(**engine_kwargs)``,
+    the class rank 0 runs) and serve its runner, leave."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     kwargs = dict(engine_kwargs)
     threads = kwargs.pop("num_threads", None)
@@ -58,9 +62,7 @@ def main(rank: int, world_size: int, init_method: str, device: Any,
     group = TPGroup.init(rank, world_size, init_method, dev)
     code = 0
     try:
-        from ferrobatch.engine.llm_engine import Engine
-
-        engine = Engine(**kwargs)
+        engine = make_engine(**kwargs)
         serve(engine.runner, group)
     except BaseException as exc:  # noqa: BLE001 - a broken group: leave quietly
         logger.error("ferrobatch tp worker %d: %s: %s", rank, type(exc).__name__, exc)
@@ -68,10 +70,13 @@ def main(rank: int, world_size: int, init_method: str, device: Any,
     finally:
         group.closed = True
         try:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
     sys.stdout.flush()
+    # `os._exit` skips the interpreter's exit handlers, multiprocessing's among them: run
+    # that one here, so the semaphores this process made (tqdm's lock, taken by
+    # transformers' loading bars) are unlinked instead of left to the resource tracker
+    # ("There appear to be N leaked semaphore objects" when rank 0's process exits).
+    multiprocessing.util._exit_function()
     os._exit(code)

@@ -23,14 +23,16 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
+from ferrobatch import models
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
+from ferrobatch.core import Scheduler
 from ferrobatch.cpu.threads import ThreadGovernor
+from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
-from ferrobatch.distributed.broadcast import agree as _agree
-from ferrobatch.distributed.setup import attach as tp_attach
-from ferrobatch.distributed.setup import load as tp_load
 from ferrobatch.engine import memory
 from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
 from ferrobatch.engine.outputs import RequestOutput
@@ -47,6 +49,7 @@ from ferrobatch.engine.request import (
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
+from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.sampler import Sampler
@@ -55,7 +58,7 @@ from ferrobatch.spec.setup import build_controller
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
-    from ferrobatch.core import Scheduler
+    from ferrobatch.spec.controller import SpecController
 
     # what `sampling=` accepts (`coerce_sampling`); a list: one per prompt
     SamplingLike = (
@@ -100,76 +103,51 @@ class Engine(ModelProbes):
         tensor_parallel_size: int = 1,
         speculative_config: Any = None,
     ) -> None:
-        from ferrobatch import models
-        from ferrobatch.distributed import setup as tp_setup
-        from ferrobatch.runner.model_runner import ModelRunner
-
         self.config = ContinuousBatchingConfig.coerce(config)
-        # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank
+        # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank; the
+        # spawned ranks build an `Engine` too, from these arguments
         self.tp = tp_setup.start(
-            tensor_parallel_size, model, device=device,
+            tensor_parallel_size, model, device=device, make_engine=Engine,
             worker_kwargs=dict(config=self.config, dtype=dtype, seed=seed, device=device,
                                tokenizer=tokenizer if isinstance(tokenizer, str) else None),
         )
         self.tensor_parallel_size = 1 if self.tp is None else self.tp.world_size
-        self._speculative_config = speculative_config
         try:
-            self._init(model, tokenizer, device, dtype, seed, models, ModelRunner)
+            self._build(model, tokenizer, device, dtype, seed, speculative_config)
         except BaseException:
             if self.tp is not None and self.tp.rank == 0:
                 self.tp.fail(RuntimeError("engine construction failed"))
                 self.tp.shutdown()
             raise
 
-    def _init(self, model: Any, tokenizer: Any, device: Any, dtype: Any, seed: int | None,
-              models: Any, ModelRunner: Any) -> None:  # noqa: N803
-        if self.tp is not None:
-            device = self.tp.device
-            loaded, loaded_tok = tp_load(self.tp, model, dtype)
-        else:
-            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
-        self.model = loaded
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
+    # ------------------------------------------------------------------ construction
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.tokenizer = tokenizer if tokenizer is not None else loaded_tok
+    def _build(self, model: Any, tokenizer: Any, device: Any, dtype: Any, seed: int | None,
+               speculative_config: Any) -> None:
+        """The engine's parts, in build order; each is given what it needs when it is made.
+
+        model and tokenizer → what the model is (names, lengths, EOS, layer types) and what
+        is refused → guides → per-request rope → cache size → runner → scheduler → the
+        construction probes → the tensor-parallel runner → sampler → speculative
+        controller → output router → stepper → thread governor → loop state.
+        """
+        self.model, self.tokenizer = self._load(model, tokenizer, device, dtype)
         # A loaded model is never moved or converted (`load_model` says so when device/dtype
         # differ), so the cache follows the model: a cache in another dtype would silently
         # round every key and value, one on another device could not be read at all.
-        param = next(loaded.parameters())
+        param = next(self.model.parameters())
         self.device = param.device
         self.dtype = param.dtype
 
-        tcfg = self._read_model_config(loaded)
+        tcfg = self._read_model_config(self.model)
         check_architecture(
-            loaded, tcfg if self.tp is None else tp_shard.per_rank_config(tcfg, self.tp.world_size))
-        # rope factors that transformers takes from the whole forward, made per request
-        self.rope = LongRope.of(loaded, self.max_model_len)
-        if self.rope is not None and self.tp is not None:
-            raise FieldError(
-                "longrope models keep per-request rope state on rank 0 only: "
-                "tensor_parallel_size > 1 is not supported for them", field="tensor_parallel_size")
-        use_cuda_graph = self.config.use_cuda_graph  # None: on with CUDA + a kernel backend
-        if self.rope is not None:
-            logger.info(
-                "ferrobatch: %s uses longrope (short/long factors at %d tokens): per-request "
-                "factors, recompute on crossing=%s, no prefix caching, no CUDA graphs",
-                type(loaded).__name__, self.rope.threshold, self.rope.recompute,
-            )
-            use_cuda_graph = False
-        self._size_cache(loaded, tcfg)
-        self.runner = ModelRunner(
-            loaded,
-            num_blocks=self.num_blocks,
-            page_size=self.config.page_size,
-            cpu_offload_blocks=self.cpu_offload_blocks,
-            device=self.device,
-            dtype=self.dtype,
-            use_cuda_graph=use_cuda_graph,
-            config=self.config,
-        )
-        self.runner.rope = self.rope
+            self.model,
+            tcfg if self.tp is None else tp_shard.per_rank_config(tcfg, self.tp.world_size))
+        # grammar matchers of guided requests (json_schema / regex / grammar)
+        self.guides = GuideFactory(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.rope = self._make_rope()
+        self._size_cache(self.model, tcfg)
+        self.runner = self._make_runner()
         self.scheduler = self._build_scheduler()
         try:
             self._probe_model()
@@ -177,25 +155,18 @@ class Engine(ModelProbes):
             self.runner.close()
             raise
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
-            tp_attach(self, self.tp)
+            self.runner = tp_setup.attach(self.runner, self.tp, self._tp_failed)
         self.sampler = Sampler(self.device, seed=seed)
-        # speculative decoding (`ferrobatch.spec`): steps stay synchronous (a speculative
-        # plan's accepted counts decide the next positions: nothing is planned ahead of it)
-        self.spec = build_controller(self, self._speculative_config)
+        self.spec = self._make_spec(speculative_config)
 
         self._stats: collections.Counter[str] = collections.Counter()
         self._router = OutputRouter(self.scheduler, self._stats)
         self._requests = self._router.requests  # live requests by id (the router's table)
         self._table_lock = self._router.lock  # guards _requests
+        # a speculative plan's accepted counts decide the next positions: nothing is planned
+        # ahead of it, so speculation steps synchronously
         self.async_batching = self._resolve_async_batching() and self.spec is None
-        self._stepper: Stepper
-        if self.async_batching:
-            self._stepper = AsyncStepper(self.scheduler, self.runner, self.sampler, self._router,
-                                         self._stats, device=self.device)  # fmt: skip
-        else:
-            self._stepper = Stepper(self.scheduler, self.runner, self.sampler, self._router,
-                                    self._stats)  # fmt: skip
-            self._stepper.spec = self.spec
+        self._stepper = self._make_stepper()
         # CPU: fewer torch threads while other processes keep the cores busy
         self._threads = ThreadGovernor.of(self.device.type, self.config.adaptive_threads) \
             if self.tp is None else None
@@ -207,12 +178,19 @@ class Engine(ModelProbes):
         self._error: BaseException | None = None
         self._ids = itertools.count()
 
-    # ------------------------------------------------------------------ construction
+    def _load(self, model: Any, tokenizer: Any, device: Any, dtype: Any) -> tuple[Any, Any]:
+        """(model, tokenizer): this rank's shard under tensor parallelism, else
+        `models.load_model`; a tokenizer given by name is loaded, None takes the model's."""
+        if self.tp is not None:
+            loaded, loaded_tok = tp_setup.load(self.tp, model, dtype)
+        else:
+            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
+        if isinstance(tokenizer, str):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        return loaded, tokenizer if tokenizer is not None else loaded_tok
 
     def _read_model_config(self, loaded: Any) -> Any:
         """Name, context, vocabulary, EOS ids and layer types; returns the text config."""
-        from ferrobatch import models
-
         mcfg = loaded.config
         tcfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
         self.model_name = str(
@@ -221,14 +199,110 @@ class Engine(ModelProbes):
         self.max_model_len = int(getattr(tcfg, "max_position_embeddings", 0) or 1 << 30)
         self.vocab_size = int(tcfg.vocab_size)
         self.eos_token_ids = eos_ids(loaded, self.tokenizer)
-        # grammar matchers of guided requests (json_schema / regex / grammar)
-        self.guides = GuideFactory(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # what the forward does, not what the config declares (`models.attention_layout`)
         self.layer_types = list(models.layer_types_of(loaded))
         self.sliding_window = models.sliding_window_of(loaded)
         self.default_max_new_tokens = 128
         self.generation_defaults = generation_defaults(loaded)
         return tcfg
+
+    def _make_rope(self) -> LongRope | None:
+        """Per-request rope factors of a longrope model (transformers takes them from the
+        whole forward); None for other models."""
+        rope = LongRope.of(self.model, self.max_model_len)
+        if rope is None:
+            return None
+        if self.tp is not None:
+            raise FieldError(
+                "longrope models keep per-request rope state on rank 0 only: "
+                "tensor_parallel_size > 1 is not supported for them", field="tensor_parallel_size")
+        logger.info(
+            "ferrobatch: %s uses longrope (short/long factors at %d tokens): per-request "
+            "factors, recompute on crossing=%s, no prefix caching, no CUDA graphs",
+            type(self.model).__name__, rope.threshold, rope.recompute,
+        )
+        return rope
+
+    def _size_cache(self, loaded: Any, tcfg: Any) -> None:
+        """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
+        cfg = self.config
+        if self.tp is not None:  # one rank's share of the heads: per-rank memory
+            tcfg = tp_shard.per_rank_config(tcfg, self.tp.world_size)
+            loaded = tcfg
+        self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype)
+        self.memory_explanation = ""
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            num_blocks, self.memory_explanation = memory.choose_num_blocks(
+                loaded,
+                config=cfg,
+                device=self.device,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+            )
+            logger.info("ferrobatch cache: %s", self.memory_explanation)
+        self.num_blocks = int(num_blocks)
+        if self.tp is not None:  # every rank's cache has rank 0's size
+            self.num_blocks = tp_setup.agree(self.num_blocks, self.tp)
+        self.cpu_offload_blocks = (
+            int(cfg.cpu_offload_space * (1 << 30)) // self.chunk_bytes
+            if cfg.cpu_offload_space > 0
+            else 0
+        )
+
+    def _make_runner(self) -> ModelRunner:
+        """The model runner over a cache of `num_blocks` chunks, with the per-request rope."""
+        # None: on with CUDA + a kernel backend; off with per-request rope factors
+        use_cuda_graph = self.config.use_cuda_graph if self.rope is None else False
+        return ModelRunner(
+            self.model,
+            num_blocks=self.num_blocks,
+            page_size=self.config.page_size,
+            cpu_offload_blocks=self.cpu_offload_blocks,
+            device=self.device,
+            dtype=self.dtype,
+            use_cuda_graph=use_cuda_graph,
+            config=self.config,
+            rope=self.rope,
+        )
+
+    def _build_scheduler(self, max_batch_tokens: int | None = None) -> Scheduler:
+        cfg = self.config
+        return Scheduler(
+            self.num_blocks,
+            cfg.page_size,
+            max_batch_tokens or cfg.max_batch_tokens,
+            max_requests_per_batch=cfg.max_requests_per_batch,
+            scheduler_type=cfg.scheduler_type,
+            safety_margin=cfg.resolved_safety_margin,
+            # a longrope request's keys depend on its length, not on its tokens alone
+            allow_block_sharing=cfg.allow_block_sharing and self.rope is None,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window,
+            cpu_offload_blocks=self.cpu_offload_blocks,
+            defer_shared_prefixes=cfg.defer_shared_prefixes,
+        )
+
+    def _tp_failed(self, exc: BaseException) -> None:
+        """The tensor-parallel watchdog's report (a worker died or hung): fail every caller."""
+        self._fail_all(exc, fatal=True)
+        self._wakeup.set()
+
+    def _make_spec(self, speculative_config: Any) -> SpecController | None:
+        """Speculative decoding (`ferrobatch.spec`), or None."""
+        return build_controller(
+            speculative_config, config=self.config, device=self.device, dtype=self.dtype,
+            vocab_size=self.runner.vocab_size, num_blocks=self.num_blocks,
+            spec_cap=self.scheduler.spec_cap, tensor_parallel=self.tp is not None,
+        )  # fmt: skip
+
+    def _make_stepper(self) -> Stepper:
+        """The async pipeline (`async_batching`), else synchronous steps."""
+        if self.async_batching:
+            return AsyncStepper(self.scheduler, self.runner, self.sampler, self._router,
+                                self._stats, device=self.device)  # fmt: skip
+        return Stepper(self.scheduler, self.runner, self.sampler, self._router, self._stats,
+                       spec=self.spec)  # fmt: skip
 
     def _resolve_async_batching(self) -> bool:
         """`use_async_batching`: True → the async pipeline on any device (on CPU it runs
@@ -253,52 +327,6 @@ class Engine(ModelProbes):
         (logger.warning if downgrade else logger.info)(
             "ferrobatch: async batching %s (%s)", "on" if on else "off", why)
         return on
-
-    def _size_cache(self, loaded: Any, tcfg: Any) -> None:
-        """`num_blocks` (given, or sized from free memory) and the CPU swap slots."""
-        cfg = self.config
-        if self.tp is not None:  # one rank's share of the heads: per-rank memory
-            tcfg = tp_shard.per_rank_config(tcfg, self.tp.world_size)
-            loaded = tcfg
-        self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype)
-        self.memory_explanation = ""
-        num_blocks = cfg.num_blocks
-        if num_blocks is None:
-            num_blocks, self.memory_explanation = memory.choose_num_blocks(
-                loaded,
-                config=cfg,
-                device=self.device,
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-            )
-            logger.info("ferrobatch cache: %s", self.memory_explanation)
-        self.num_blocks = int(num_blocks)
-        if self.tp is not None:  # every rank's cache has rank 0's size
-            self.num_blocks = tp_agree(self.num_blocks, self.tp)
-        self.cpu_offload_blocks = (
-            int(cfg.cpu_offload_space * (1 << 30)) // self.chunk_bytes
-            if cfg.cpu_offload_space > 0
-            else 0
-        )
-
-    def _build_scheduler(self, max_batch_tokens: int | None = None) -> Scheduler:
-        from ferrobatch.core import Scheduler
-
-        cfg = self.config
-        return Scheduler(
-            self.num_blocks,
-            cfg.page_size,
-            max_batch_tokens or cfg.max_batch_tokens,
-            max_requests_per_batch=cfg.max_requests_per_batch,
-            scheduler_type=cfg.scheduler_type,
-            safety_margin=cfg.resolved_safety_margin,
-            # a longrope request's keys depend on its length, not on its tokens alone
-            allow_block_sharing=cfg.allow_block_sharing and self.rope is None,
-            layer_types=list(self.layer_types),
-            sliding_window=self.sliding_window,
-            cpu_offload_blocks=self.cpu_offload_blocks,
-            defer_shared_prefixes=cfg.defer_shared_prefixes,
-        )
 
     # ------------------------------------------------------------------ public API
 
@@ -605,8 +633,6 @@ class Engine(ModelProbes):
             self._submit(r, bounded=False)
         bar = None
         if progress and reqs:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=len(reqs), desc=desc, unit="req", dynamic_ncols=True)
         t0 = time.perf_counter()
         gen0 = self._stats["generated_tokens"]
@@ -725,11 +751,6 @@ class Engine(ModelProbes):
         if fatal:
             self._error = exc
         self._router.fail_all(exc)
-
-
-def tp_agree(value: int, group: Any) -> int:
-    """Rank 0's `value` on every rank of the tensor-parallel `group`."""
-    return _agree(value, group.device if group.backend == "nccl" else None)
 
 
 class _Subscription:

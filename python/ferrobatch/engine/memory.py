@@ -99,6 +99,7 @@ def graph_pool_bytes(
     (rows x heads x up to 16 splits x head_dim, fp32). Each graph also keeps its output, the
     hidden states `[rows, hidden]` (the LM head runs outside the graph), and its static
     inputs (a few int32 arrays, counted as 8 per row)."""
+    # local: ferrobatch.cuda.graphs defines the Triton kernels (~40 ms); CPU engines never get here
     from ferrobatch.cuda.graphs import GraphBuckets
 
     shape = _Shape.of(config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferrobatch.models import attention_layout
 from ferrobatch.sampling.params import SamplingParams
 
 _LENGTH_KEYS = ("sliding_window", "attention_chunk_size", "original_max_position_embeddings",
@@ -83,8 +84,6 @@ def check_architecture(model: Any, tcfg: Any) -> None:
                 "layer computes its positions from the cache length inside its forward, which "
                 "in a packed step are not each request's positions; not supported"
             )
-    from ferrobatch.models import attention_layout
-
     layout = attention_layout(model)
     shapes = layout.shapes
     if layout.recorded and len(set(shapes)) > 1:

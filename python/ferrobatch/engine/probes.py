@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrobatch.engine.model_checks import config_lengths
-from ferrobatch.engine.stepper import model_lock
+from ferrobatch.models import model_lock
+from ferrobatch.runner.patches import eval_mode
 
 if TYPE_CHECKING:
     from ferrobatch.engine.llm_engine import Engine
@@ -112,8 +113,6 @@ class ModelProbes:
 
     def _probe_own_forward(self: Engine) -> None:
         """Probe 1 (see `_probe_model`)."""
-        from ferrobatch.runner.patches import eval_mode
-
         name = type(self.model).__name__
         n = max(2, min(12, self.max_model_len - 3, self.num_blocks * self.config.page_size - 1))
         prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]

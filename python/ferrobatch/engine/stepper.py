@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.models import model_lock
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import Sampler, SampleResult
 from ferrobatch.spec.verify import entry_states
@@ -20,26 +20,9 @@ from ferrobatch.spec.verify import entry_states
 if TYPE_CHECKING:
     from ferrobatch.core import Scheduler, StepPlan
     from ferrobatch.runner.model_runner import ModelRunner
+    from ferrobatch.spec.controller import SpecController
 
-__all__ = ["Stepper", "model_lock"]
-
-_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
-_MODEL_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model: Any) -> threading.Lock:
-    """The process-wide lock of one model object, held around every ferrobatch forward.
-
-    A forward switches the model's config to the paged attention and restores it
-    afterwards; two engines on the same model (or an engine and its construction probe)
-    stepping at once would interleave those switches: one engine's layers would skip the
-    paged attention mid-forward, and the caller's config could be left switched for good.
-    """
-    with _MODEL_LOCKS_GUARD:
-        lock = _MODEL_LOCKS.get(model)
-        if lock is None:
-            lock = _MODEL_LOCKS[model] = threading.Lock()
-        return lock
+__all__ = ["Stepper"]
 
 
 class Stepper:
@@ -48,7 +31,9 @@ class Stepper:
     `inbox` (new requests) and `cancel_inbox` (request ids) are filled by any thread and
     drained at the start of each step; only the caller holding the engine's step lock
     calls `step`. `stats` counts steps, step tokens and submitted prompt tokens;
-    `busy_time` is the seconds spent in steps that ran the model.
+    `busy_time` is the seconds spent in steps that ran the model. `spec` (a
+    `ferrobatch.spec.controller.SpecController`, or None) gives proposals before each
+    `schedule()` and counts acceptances after each `update()`.
     """
 
     def __init__(
@@ -58,6 +43,8 @@ class Stepper:
         sampler: Sampler,
         router: OutputRouter,
         stats: collections.Counter[str],
+        *,
+        spec: SpecController | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -73,8 +60,7 @@ class Stepper:
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
         self.forward_lock = model_lock(model) if model is not None else threading.Lock()
-        # speculative decoding (`ferrobatch.spec.controller.SpecController`), or None
-        self.spec: Any = None
+        self.spec = spec  # speculative decoding, or None
 
     def has_mail(self) -> bool:
         """Whether requests or cancellations wait for the next step."""

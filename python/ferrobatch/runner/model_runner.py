@@ -62,6 +62,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         max_graphs: int | None = None,
         activations: str = "auto",
         lean_layers: bool = True,
+        rope: LongRope | None = None,
     ) -> None:
         """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
         flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
@@ -154,9 +155,9 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self._greedy_head is not None
         self._closed = False
-        # Set by the engine: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
-        # factors (the rotary module would take them from the whole packed step).
-        self.rope: LongRope | None = None
+        # `rope`: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
+        # factors (the rotary module would take them from the whole packed step), or None.
+        self.rope = rope
         self._graphs: GraphCache | None = None  # when padded (graph) steps are on
         self._graph_mode: str | None = None
         self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}

@@ -2,5 +2,6 @@
 prompt logprobs.
 
 Modules: ``params`` (`SamplingParams`), ``sampler`` (`Sampler`, `SamplingState`), ``guided``
-(structured outputs through llguidance), ``prompt_logprobs`` (logprobs of prompt tokens).
+(structured outputs through llguidance), ``grammar`` (the grammar fields' checks, no torch),
+``prompt_logprobs`` (logprobs of prompt tokens).
 """

@@ -15,7 +15,6 @@ samples step N+1 after recording step N, needs nothing either.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any
 
@@ -23,72 +22,14 @@ import numpy as np
 import torch
 
 from ferrobatch.errors import FieldError
+from ferrobatch.sampling.grammar import (
+    GRAMMAR_FIELDS,
+    check_grammar_fields,
+    grammar_text,
+    llguidance_module,
+)
 
 __all__ = ["GRAMMAR_FIELDS", "Guide", "GuideFactory", "check_grammar_fields", "mask_rows"]
-
-GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
-_JSON_DEFAULTS = {"whitespace_flexible": False}
-
-
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError as exc:  # pragma: no cover - the extra is in requirements-dev
-        raise ValueError(
-            "structured outputs (json_schema / regex / grammar) need llguidance: "
-            "pip install 'ferrobatch[structured]'"
-        ) from exc
-    return llguidance
-
-
-def _grammar(name: str, value: Any) -> str:
-    """llguidance's grammar text for one field (json_schema: a dict, a JSON string or True
-    for any JSON value; regex and grammar: strings); `FieldError` naming the field."""
-    llg = _llguidance()
-    if name == "json_schema":
-        if value is True:
-            value = {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise FieldError(f"json_schema is not valid JSON: {exc}", "json_schema") from None
-        if not isinstance(value, dict):
-            raise FieldError(
-                f"json_schema must be a JSON schema object (a dict), got {type(value).__name__}",
-                "json_schema",
-            )
-        try:
-            text = json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            msg = f"json_schema is not JSON-serializable: {exc}"
-            raise FieldError(msg, "json_schema") from None
-        # compact JSON (one space after ',' and ':', no free whitespace): small models
-        # otherwise spin in whitespace; a schema's own "x-guidance" options take precedence
-        return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
-    if not isinstance(value, str) or not value:
-        raise FieldError(f"{name} must be a non-empty string, got {value!r}", name)
-    if name == "regex":
-        return llg.LLMatcher.grammar_from_regex(value)
-    return llg.LLMatcher.grammar_from_lark(value)
-
-
-def check_grammar_fields(params: Any) -> str | None:
-    """Validate the grammar fields of `params` (at most one set, each compiles); the name of
-    the one set, else None. `FieldError` names the field."""
-    set_ = [n for n in GRAMMAR_FIELDS if getattr(params, n) is not None]
-    if not set_:
-        return None
-    if len(set_) > 1:
-        raise FieldError(
-            f"at most one of json_schema, regex, grammar may be set, got {set_}"
-        )
-    name = set_[0]
-    grammar = _grammar(name, getattr(params, name))
-    err = _llguidance().LLMatcher.validate_grammar(grammar)
-    if err:
-        raise FieldError(f"{name} is invalid: {err.strip()}", name)
-    return name
 
 
 class GuideFactory:
@@ -109,7 +50,7 @@ class GuideFactory:
                     raise ValueError("structured outputs need the model's tokenizer")
                 if not self.eos_token_ids:
                     raise ValueError("structured outputs need an end-of-sequence token")
-                import llguidance.hf
+                import llguidance.hf  # local: llguidance is optional (the structured extra)
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
@@ -121,8 +62,8 @@ class GuideFactory:
         name = check_grammar_fields(params)
         if name is None:
             return None
-        llg = _llguidance()
-        matcher = llg.LLMatcher(self.ll_tokenizer(), _grammar(name, getattr(params, name)))
+        llg = llguidance_module()
+        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar_text(name, getattr(params, name)))
         if matcher.is_error():
             raise FieldError(f"{name} is invalid: {matcher.get_error()}", name)
         return Guide(matcher, self.vocab_size, self.eos_token_ids)
@@ -158,7 +99,7 @@ class Guide:
             for t in self.eos_token_ids:
                 words[row, t // 32] |= np.uint32(1 << (t % 32))
             return
-        import llguidance.numpy as lnp
+        import llguidance.numpy as lnp  # local: llguidance is optional (the structured extra)
 
         lnp.fill_next_token_bitmask(m, bitmask, row)
 

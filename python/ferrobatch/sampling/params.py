@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrobatch.errors import FieldError
+from ferrobatch.sampling.grammar import check_grammar_fields
 
 
 @dataclass
@@ -95,8 +96,6 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise FieldError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         if self.guided:
-            from ferrobatch.sampling.guided import check_grammar_fields
-
             name = check_grammar_fields(self)
             if self.ignore_eos:
                 raise FieldError(
@@ -199,6 +198,7 @@ def _generation_defaults() -> dict[str, Any]:
     """transformers' values for GenerationConfig fields left None (top_k 50, max_length 20,
     ...), read from transformers when it says them."""
     try:
+        # local: transformers takes a second to import; `import ferrobatch` does without it
         from transformers import GenerationConfig
 
         return dict(GenerationConfig._get_default_generation_params())

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -180,8 +181,6 @@ def _nullable_optionals(schema: dict[str, Any]) -> None:
 def _install_openapi(app: FastAPI) -> None:
     """Declare the request bodies (the routes read and validate them themselves, for the
     body-size limit and OpenAI-shaped errors, so FastAPI cannot see them)."""
-    from fastapi.openapi.utils import get_openapi
-
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema

@@ -39,6 +39,7 @@ def _deadline_protocol(header_timeout: float) -> type[asyncio.Protocol]:
     one is closed when no complete request head arrived ``header_timeout`` seconds after
     the connection opened or after its previous response.
     """
+    # local: uvicorn (~0.1 s) loads only when a server runs, not for create_app alone
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class DeadlineH11Protocol(H11Protocol):
@@ -80,7 +81,7 @@ def _deadline_protocol(header_timeout: float) -> type[asyncio.Protocol]:
 
 
 def _server_class() -> type[Any]:
-    import uvicorn
+    import uvicorn  # local: uvicorn (~0.1 s) loads only when a server runs
 
     class Server(uvicorn.Server):
         """uvicorn.Server that drains the app's requests on shutdown and exits 0 on SIGTERM."""
@@ -127,7 +128,7 @@ def make_server(
     ``shutdown_timeout`` seconds, then ends the rest with OpenAI-shaped errors (an error
     event and ``[DONE]`` on streams) and exits (status 0 on SIGTERM).
     """
-    import uvicorn
+    import uvicorn  # local: uvicorn (~0.1 s) loads only when a server runs
 
     if read_timeout is not None and read_timeout <= 0:
         raise ValueError("read_timeout must be > 0 or None")

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ferrobatch.errors import FieldError
+from ferrobatch.sampling.grammar import check_grammar_fields
+from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.server.protocol import SamplingFields, bad_request
 
 if TYPE_CHECKING:
@@ -104,8 +106,6 @@ def response_format_sampling(fmt: Any) -> dict[str, Any]:
             f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
             "response_format",
         )
-    from ferrobatch.sampling.guided import check_grammar_fields
-
     class _Fields:
         json_schema, regex, grammar = schema, None, None
 
@@ -131,8 +131,6 @@ def choice_samplings(base: dict[str, Any], n: int) -> list[Any]:
 
 
 def _make_sampling(kwargs: dict[str, Any]) -> Any:
-    from ferrobatch.sampling.params import SamplingParams
-
     try:
         return SamplingParams(**kwargs)
     except FieldError as exc:

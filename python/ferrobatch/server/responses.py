@@ -3,6 +3,7 @@ as whole responses, with their logprobs."""
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 from ferrobatch.server.run import Accumulator
 from ferrobatch.server.state import ServerState
+from ferrobatch.server.tools import parse_tool_calls
 
 __all__ = ["ChatFormat", "CompletionFormat", "ResponseMeta", "ToolChatFormat"]
 
@@ -100,8 +102,6 @@ class ToolChatFormat(ChatFormat):
         self._lp: dict[int, list[Any]] = {}
 
     def _calls(self, text: str, reason: str | None) -> list[dict[str, Any]] | None:
-        from ferrobatch.server.tools import parse_tool_calls
-
         if reason not in (None, "stop"):
             return None  # cut (length, abort): not a whole call
         return parse_tool_calls(text, self.names)
@@ -332,8 +332,6 @@ class LogprobTrack:
     """
 
     def __init__(self, tb: TokenBytes, skip_special_tokens: bool, base: int = 0) -> None:
-        import codecs
-
         self.tb = tb
         self.skip_special = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

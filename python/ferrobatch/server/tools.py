@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrobatch.sampling.grammar import check_grammar_fields
 from ferrobatch.server.protocol import bad_request
 
 __all__ = [
@@ -69,8 +70,6 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_schema(schema: dict[str, Any], what: str, param: str) -> None:
-    from ferrobatch.sampling.guided import check_grammar_fields
-
     class _Fields:
         json_schema, regex, grammar = schema, None, None
 

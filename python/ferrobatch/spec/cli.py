@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from ferrobatch.errors import FieldError
+from ferrobatch.spec.config import SpeculativeConfig
 
 __all__ = ["add_spec_flags", "spec_config_from_args"]
 
@@ -52,12 +54,9 @@ _FIELDS = {
 }
 
 
-def spec_config_from_args(args: argparse.Namespace) -> Any:
+def spec_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
     """A ``SpeculativeConfig`` from the flags (None without ``--speculative-method``; a
     FieldError names the field when a value is bad or a flag is given without the method)."""
-    from ferrobatch.errors import FieldError
-    from ferrobatch.spec.config import SpeculativeConfig
-
     given = {f: getattr(args, a, None) for a, f in _FIELDS.items()}
     given = {k: v for k, v in given.items() if v is not None}
     if "method" not in given:

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ferrobatch.core import Scheduler
 from ferrobatch.errors import FieldError
+from ferrobatch.models import load_model, model_lock
+from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from ferrobatch.core import Scheduler
-    from ferrobatch.engine.llm_engine import Engine
+    from ferrobatch.config import ContinuousBatchingConfig
     from ferrobatch.engine.request import Request
 
 __all__ = ["DraftProposer"]
@@ -41,32 +43,39 @@ logger = logging.getLogger("ferrobatch")
 
 
 class DraftProposer:
-    """Greedy k-token proposals from a draft model (see the module docstring)."""
+    """Greedy k-token proposals from a draft model (see the module docstring).
 
-    def __init__(self, engine: Engine, cfg: SpeculativeConfig) -> None:
-        from ferrobatch import models
-        from ferrobatch.core import Scheduler
-        from ferrobatch.engine.stepper import model_lock
-        from ferrobatch.runner.model_runner import ModelRunner
+    The target model's side: its engine `config` (page size, batch budgets), `device` and
+    `dtype` (the draft is loaded there), `vocab_size` (the draft must share the tokenizer)
+    and `num_blocks` (the draft's cache size unless `cfg.draft_num_blocks`)."""
 
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        *,
+        config: ContinuousBatchingConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        vocab_size: int,
+        num_blocks: int,
+    ) -> None:
         self.k = cfg.num_speculative_tokens
-        draft, _ = models.load_model(cfg.draft_model, device=engine.device, dtype=engine.dtype)
+        draft, _ = load_model(cfg.draft_model, device=device, dtype=dtype)
         vocab = getattr(draft.config, "vocab_size", None)
-        if vocab != engine.runner.vocab_size:
+        if vocab != vocab_size:
             raise FieldError(
                 f"draft_model has vocab_size {vocab} but the model has "
-                f"{engine.runner.vocab_size}: the draft must share the tokenizer",
+                f"{vocab_size}: the draft must share the tokenizer",
                 field="draft_model",
             )
-        ecfg = engine.config
-        num_blocks = cfg.draft_num_blocks or engine.num_blocks
+        num_blocks = cfg.draft_num_blocks or num_blocks
         self.runner = ModelRunner(
-            draft, num_blocks=num_blocks, page_size=ecfg.page_size, device=engine.device,
-            dtype=engine.dtype, use_cuda_graph=False, config=ecfg,
+            draft, num_blocks=num_blocks, page_size=config.page_size, device=device,
+            dtype=dtype, use_cuda_graph=False, config=config,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            num_blocks, ecfg.page_size, ecfg.max_batch_tokens,
-            max_requests_per_batch=ecfg.max_requests_per_batch,
+            num_blocks, config.page_size, config.max_batch_tokens,
+            max_requests_per_batch=config.max_requests_per_batch,
             layer_types=list(self.runner.layer_types), sliding_window=self.runner.sliding_window,
         )  # fmt: skip
         self.lock = model_lock(draft)
