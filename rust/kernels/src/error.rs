@@ -39,13 +39,13 @@ pub enum KernelError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expected {
     /// `x has 5 elements, expected 6`
-    Expected,
+    ExpectedN,
     /// `x has 5 elements, not 6`
-    Count,
+    NotN,
     /// `x has 5 elements, not m * k = 6`: the formula of the count
-    Formula(&'static str),
+    NotFormula(&'static str),
     /// `packed has 5 elements, not 6 for n = 2, k = 3`: a packed weight's length
-    PackedFor { n: usize, k: usize },
+    NotPackedFor { n: usize, k: usize },
 }
 
 impl KernelError {
@@ -106,10 +106,10 @@ impl fmt::Display for KernelError {
             } => {
                 write!(f, "{field} has {got} elements, ")?;
                 match expected {
-                    Expected::Expected => write!(f, "expected {want}"),
-                    Expected::Count => write!(f, "not {want}"),
-                    Expected::Formula(formula) => write!(f, "not {formula} = {want}"),
-                    Expected::PackedFor { n, k } => write!(f, "not {want} for n = {n}, k = {k}"),
+                    Expected::ExpectedN => write!(f, "expected {want}"),
+                    Expected::NotN => write!(f, "not {want}"),
+                    Expected::NotFormula(formula) => write!(f, "not {formula} = {want}"),
+                    Expected::NotPackedFor { n, k } => write!(f, "not {want} for n = {n}, k = {k}"),
                 }
             }
             KernelError::Overflow { field } => write!(f, "{field}: size overflows"),
@@ -138,19 +138,19 @@ mod tests {
             expected,
         };
         assert_eq!(
-            len(Expected::Expected).to_string(),
+            len(Expected::ExpectedN).to_string(),
             "x has 5 elements, expected 6"
         );
-        assert_eq!(len(Expected::Count).to_string(), "x has 5 elements, not 6");
+        assert_eq!(len(Expected::NotN).to_string(), "x has 5 elements, not 6");
         assert_eq!(
-            len(Expected::Formula("m * k")).to_string(),
+            len(Expected::NotFormula("m * k")).to_string(),
             "x has 5 elements, not m * k = 6"
         );
         assert_eq!(
-            len(Expected::PackedFor { n: 2, k: 3 }).to_string(),
+            len(Expected::NotPackedFor { n: 2, k: 3 }).to_string(),
             "x has 5 elements, not 6 for n = 2, k = 3"
         );
-        assert_eq!(len(Expected::Count).field(), Some("x"));
+        assert_eq!(len(Expected::NotN).field(), Some("x"));
         let e = KernelError::Unavailable {
             kernel: "f32_linear",
             cpu_lacks: "no AVX-512F",

@@ -1,8 +1,8 @@
 //! The instruction sets the kernels use, detected at run time, and the one gate every test
 //! that needs one goes through.
 //!
-//! An ISA is named as `/proc/cpuinfo` lists its flag; these are the recognised names (the
-//! only list: `tests/isa_helpers.py` reads the same variable with the same names):
+//! An ISA is named as `/proc/cpuinfo` lists its flag; these are the recognised names (their
+//! one list is `Isa::name`, which `tests/isa_helpers.py` and `.ci/run` read from this file):
 //!
 //! | name | what |
 //! |---|---|
@@ -10,10 +10,10 @@
 //! | `avx512f`, `avx512bw` | AVX-512 Foundation, Byte and Word |
 //! | `avx512_bf16` | AVX-512 BF16 (`vdpbf16ps`: the bf16 products without AMX) |
 //! | `avx512_vnni` | AVX-512 VNNI (`vpdpwssd`: the exact int16 products) |
-//! | `amx_tile`, `amx_bf16` | AMX bf16 tiles usable here: CPU, OS state, permission ([`amx_usable`]) |
+//! | `amx_tile`, `amx_bf16` | AMX bf16 tiles this process may use ([`amx_usable`]) |
 //!
-//! A test that needs an ISA the machine lacks calls [`require_or_skip`], which prints
-//! `SKIPPED: needs <isa>` to stderr and lets the test return (it passes, as skipped); where
+//! A test that needs an ISA the machine lacks calls `require_or_skip`, which prints
+//! `SKIPPED: needs <isa> (<test>)` to stderr and lets the test return (it passes, as skipped); where
 //! the environment variable [`REQUIRE_ENV`] (`FERROBATCH_REQUIRE_ISA`, a comma list of the
 //! names above) names a missing ISA, the skip is a failure instead: a machine that has the
 //! ISA (CI sets the variable from its `/proc/cpuinfo`) cannot pass a test it never ran.

@@ -34,7 +34,7 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 /// `Ok` when `got == want`, else an error naming `field`.
 pub(crate) fn check_len(field: &'static str, got: usize, want: usize) -> Result<(), KernelError> {
-    KernelError::check_len(field, got, want, Expected::Expected)
+    KernelError::check_len(field, got, want, Expected::ExpectedN)
 }
 
 /// `a * b`, an error naming `field` on overflow.

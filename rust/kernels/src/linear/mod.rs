@@ -68,8 +68,8 @@ pub(crate) fn pack<L: Layout>(
     out: &mut [L::Elem],
 ) -> Result<(), KernelError> {
     L::check_k(k)?;
-    KernelError::check_len("weight", weight.len(), n * k, Expected::Formula("n * k"))?;
-    KernelError::check_len("out", out.len(), L::packed_len(n, k), Expected::Count)?;
+    KernelError::check_len("weight", weight.len(), n * k, Expected::NotFormula("n * k"))?;
+    KernelError::check_len("out", out.len(), L::packed_len(n, k), Expected::NotN)?;
     L::pack_into(weight, n, k, out);
     Ok(())
 }
@@ -120,17 +120,17 @@ impl Product {
         L::check_k(k)?;
         let (x, packed, out) = match self.spelling {
             Spelling::Formulas => (
-                Expected::Formula("m * k"),
-                Expected::PackedFor { n, k },
-                Expected::Formula("m * n"),
+                Expected::NotFormula("m * k"),
+                Expected::NotPackedFor { n, k },
+                Expected::NotFormula("m * n"),
             ),
-            Spelling::Counts => (Expected::Count, Expected::Count, Expected::Count),
+            Spelling::Counts => (Expected::NotN, Expected::NotN, Expected::NotN),
         };
         KernelError::check_len("x", lens.x, m * k, x)?;
         KernelError::check_len("packed", lens.packed, L::packed_len(n, k), packed)?;
         KernelError::check_len("out", lens.out, m * n, out)?;
         if let Some(bias) = lens.bias {
-            KernelError::check_len("bias", bias, n, Expected::Formula("n"))?;
+            KernelError::check_len("bias", bias, n, Expected::NotFormula("n"))?;
         }
         if m == 0 || n == 0 {
             return Ok(false);
