@@ -11,9 +11,10 @@ from ferrobatch import _core
 from ferrobatch.cpu import amx_ops
 from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
+from isa_helpers import needs_isa
 
-needs_amx = pytest.mark.skipif(not amx_ops.available(),
-                               reason="neither AMX bf16 tiles nor AVX-512 BF16 here")
+needs_amx = needs_isa(amx_ops.available(), "avx512_bf16", "amx_bf16",
+                      what="bf16 products with fp32 outputs")
 
 
 def test_backend_is_named_and_sets_the_row_limit() -> None:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from ferrobatch import FieldError
 from ferrobatch.cpu import f32_ops
+from isa_helpers import needs_isa, require_or_skip
 
-pytestmark = pytest.mark.skipif(not f32_ops.available(), reason="no AVX-512F here")
+pytestmark = needs_isa(f32_ops.available(), "avx512f", what="f32_linear")
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (16, 64), (70, 33), (960, 576), (200, 1536)])
@@ -93,8 +94,7 @@ def _i16_available() -> bool:
 
 @pytest.mark.parametrize("n,k", [(1, 2), (16, 64), (70, 34), (300, 576)])
 def test_i16_linear_is_the_exact_integer_product(n, k):
-    if not _i16_available():
-        pytest.skip("no AVX-512 VNNI here")
+    require_or_skip(_i16_available(), "avx512_vnni", what="i16_linear")
     from ferrobatch import _core
 
     rng = np.random.default_rng(n + k)
@@ -118,8 +118,7 @@ def test_i16_linear_is_the_exact_integer_product(n, k):
     ("k", dict(x=np.zeros((2, 3), np.int16), k=3)),
 ])
 def test_i16_bad_arguments_name_the_field_and_write_nothing(field, change):
-    if not _i16_available():
-        pytest.skip("no AVX-512 VNNI here")
+    require_or_skip(_i16_available(), "avx512_vnni", what="i16_linear")
     from ferrobatch import _core
 
     args = dict(x=np.ones((2, 4), np.int16),

@@ -13,13 +13,16 @@ from ferrobatch.cpu import amx_ops
 from ferrobatch.runner import fused_layer
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner
+from isa_helpers import needs_isa
 from ref_planner import drive_runner
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(
-    not (packing_available() and fused_layer.available() and amx_ops.available()),
-    reason="no oneDNN packed linears, or no bf16 products (AMX / AVX-512 BF16) here",
-)
+pytestmark = [
+    pytest.mark.skipif(not (packing_available() and fused_layer.available()),
+                       reason="no oneDNN packed linears, or no LeanLayer products here"),
+    needs_isa(amx_ops.available(), "avx512_bf16", "amx_bf16",
+              what="bf16 products with fp32 outputs"),
+]
 
 
 def _count_taken(monkeypatch) -> list[bool]:

@@ -14,13 +14,15 @@ from ferrobatch.cpu import f32_ops
 from ferrobatch.runner import activations, cpu_linear, fused_layer
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner
+from isa_helpers import needs_isa
 from ref_planner import drive_runner
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(
-    not (packing_available(torch.float32) and fused_layer.available() and f32_ops.available()),
-    reason="no oneDNN packed linears, or no AVX-512F here",
-)
+pytestmark = [
+    pytest.mark.skipif(not (packing_available(torch.float32) and fused_layer.available()),
+                       reason="no oneDNN packed linears, or no LeanLayer products here"),
+    needs_isa(f32_ops.available(), "avx512f", what="f32_linear"),
+]
 
 
 def _record(monkeypatch) -> list[tuple[bool, bool]]:

@@ -17,6 +17,7 @@ from ferrobatch.errors import FieldError
 from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.runner.model_runner import ModelRunner
+from isa_helpers import needs_isa
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -60,7 +61,7 @@ def test_screen_is_the_fp32_argmax(vocab: int, dim: int, screen: str, wide: bool
         assert torch.equal(got, _fp32_argmax(x, w))
 
 
-@pytest.mark.skipif(not amx_ops.available(), reason="no fp32-output bf16 products here")
+@needs_isa(amx_ops.available(), "avx512_bf16", "amx_bf16", what="fp32-output bf16 products")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_screen_decides_with_fewer_candidates(dtype: torch.dtype) -> None:
     """The bf16 screen through `amx_ops` (fp32 sums): the same argmax as fp32, from a
@@ -588,7 +589,7 @@ def test_engine_bf16_tokens_are_the_same_with_window8(monkeypatch) -> None:
     assert outs[True] == outs[False]
 
 
-_NEEDS_I16 = pytest.mark.skipif(not gh._HAVE_I16, reason="no AVX-512 VNNI here")
+_NEEDS_I16 = needs_isa(gh._HAVE_I16, "avx512_vnni", what="int16 products")
 
 
 def _spy_select(monkeypatch) -> list:

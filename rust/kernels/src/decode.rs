@@ -18,6 +18,7 @@
 //! sizes on AVX-512, and everything on AVX2 or without SIMD, take the generic loop
 //! `rows_impl`. They differ only in the order of fp32 additions.
 
+use crate::error::KernelError;
 use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
@@ -51,18 +52,6 @@ pub enum Window {
     },
 }
 
-/// What is wrong with a call (an argument that does not fit the layout).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KernelError(pub String);
-
-impl std::fmt::Display for KernelError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for KernelError {}
-
 /// The inputs of one call; shapes in the field docs (row-major, contiguous).
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeArgs<'a> {
@@ -91,8 +80,9 @@ pub struct DecodeArgs<'a> {
     pub threads: usize,
 }
 
+/// What is wrong with a call: the arguments do not fit the layout.
 fn err<T>(msg: String) -> Result<T, KernelError> {
-    Err(KernelError(msg))
+    Err(KernelError::Layout(msg))
 }
 
 impl Elems<'_> {
@@ -1034,7 +1024,7 @@ mod tests {
         ];
         for (args, msg) in cases {
             let e = paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap_err();
-            assert!(e.0.contains(msg), "{e} lacks {msg:?}");
+            assert!(e.to_string().contains(msg), "{e} lacks {msg:?}");
         }
     }
 

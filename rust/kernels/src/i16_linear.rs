@@ -5,104 +5,69 @@
 //! keeps `k * max |x| * max |W| < 2^31` (partial sums are bounded by the same), else a sum
 //! wraps.
 //!
-//! Layout and passes are [`crate::f32_linear`]'s, with a pair of inputs in place of one
-//! f32: the weight [n, k] (`k` even) is packed ([`pack`]) into column blocks of 16, block
-//! `nb` holding, for each input pair `(2l, 2l + 1)`, the 16 columns' two weights side by
-//! side (32 i16, one zmm register), in panels of up to 4 blocks; a pass keeps 6 rows x 4
-//! blocks of i32 accumulators in registers, each row's pair broadcast into 4 `vpdpwssd`.
+//! Layout and passes are [`crate::linear::panels`]' (as [`crate::f32_linear`]'s), with a
+//! pair of inputs in place of one f32: the weight [n, k] (`k` even) is packed ([`pack`])
+//! into column blocks of 16, block `nb` holding, for each input pair `(2l, 2l + 1)`, the 16
+//! columns' two weights side by side (32 i16, one zmm register), in panels of up to 4
+//! blocks; a pass keeps 6 rows x 4 blocks of i32 accumulators in registers, each row's pair
+//! broadcast into 4 `vpdpwssd`.
 
-use crate::amx::LinearArgs;
-use crate::f32_linear::{
-    check_pack, check_product, err, run_panels, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS,
+use crate::error::KernelError;
+use crate::isa::{self, Isa};
+use crate::linear::panels::{
+    pack_columns, run_panels, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS,
 };
-use crate::fused::ArgError;
-
-/// Whether the CPU runs the kernel (AVX-512F, BW and VNNI; else [`linear`] fails with
-/// `"i16_linear"`).
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
+use crate::linear::{self, Layout, Lengths, LinearArgs, Product, Spelling};
 
 /// Elements of the packed form of an `[n, k]` weight (`n` padded to whole blocks; the same
 /// count as [`crate::f32_linear::packed_len`]).
-pub use crate::f32_linear::packed_len;
+pub use crate::linear::panels::packed_len;
 
-fn check_k(k: usize) -> Result<(), ArgError> {
-    if !k.is_multiple_of(2) {
-        return Err(err(
-            "k",
-            format!("must be even (inputs go in pairs: pad with a zero column), not {k}"),
-        ));
-    }
-    Ok(())
+/// How this product names itself in its errors.
+const PRODUCT: Product = Product {
+    name: "i16_linear",
+    cpu_lacks: "no AVX-512 VNNI",
+    spelling: Spelling::Counts,
+};
+
+/// What the kernel needs of the CPU: AVX-512F, BW and VNNI.
+pub(crate) const NEEDS: &[Isa] = &[Isa::Avx512F, Isa::Avx512Bw, Isa::Avx512Vnni];
+
+/// Whether the CPU runs the kernel ([`NEEDS`]; else [`linear`] fails with `"i16_linear"`).
+pub fn available() -> bool {
+    isa::all_detected(NEEDS)
 }
 
-/// Packs `weight` [n, k] (`k` even) into `out` ([`packed_len`] elements; layout in the
-/// module docs).
-pub fn pack(weight: &[i16], n: usize, k: usize, out: &mut [i16]) -> Result<(), ArgError> {
-    check_k(k)?;
-    check_pack(weight.len(), n, k, out.len())?;
-    let blocks = n.div_ceil(BLOCK_N);
-    for nb in (0..blocks).step_by(PASS_BLOCKS) {
-        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
-        let panel = &mut out[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
-        for (pair, row) in panel.chunks_exact_mut(2 * width).enumerate() {
-            for (j, v) in row.chunks_exact_mut(2).enumerate() {
-                let col = nb * BLOCK_N + j;
-                for (h, v) in v.iter_mut().enumerate() {
-                    *v = if col < n {
-                        weight[col * k + 2 * pair + h]
-                    } else {
-                        0
-                    };
-                }
-            }
+/// The panel layout of i16 weights, a pair of inputs per step (`k` even); its k loop
+/// (`kernel`).
+pub(crate) struct I16Pairs;
+
+impl Layout for I16Pairs {
+    type Elem = i16;
+
+    fn packed_len(n: usize, k: usize) -> usize {
+        packed_len(n, k)
+    }
+
+    fn check_k(k: usize) -> Result<(), KernelError> {
+        if !k.is_multiple_of(2) {
+            return KernelError::invalid(
+                "k",
+                format!("k must be even (inputs go in pairs: pad with a zero column), not {k}"),
+            );
         }
+        Ok(())
     }
-    Ok(())
+
+    fn pack_into(weight: &[i16], n: usize, k: usize, out: &mut [i16]) {
+        pack_columns(weight, n, k, 2, out);
+    }
 }
 
-/// `out[i, j] = sum_l x[i, l] * W[j, l]` in i32, `x` [m, k], `packed` the [`pack`]ed `W`
-/// [n, k], `out` [m, n] (`args`' shapes; `k` even); panels of 64 columns split over at most
-/// `args.threads` threads of the kernel pool. Fails with the field at fault on a length
-/// mismatch or an odd `k`, and with `"i16_linear"` where [`available`] is false.
-pub fn linear(
-    args: &LinearArgs,
-    x: &[i16],
-    packed: &[i16],
-    out: &mut [i32],
-) -> Result<(), ArgError> {
-    let LinearArgs { m, n, k, .. } = *args;
-    check_k(k)?;
-    check_product(args, x.len(), packed.len(), out.len())?;
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if !available() {
-        return Err(err(
-            "i16_linear",
-            "is not available: this CPU has no AVX-512 VNNI".into(),
-        ));
-    }
-    if k == 0 {
-        out.fill(0);
-        return Ok(());
-    }
-    run_panels::<i16>(args, x, packed, None, out);
-    Ok(())
-}
-
-impl PanelKernel for i16 {
+impl PanelKernel for I16Pairs {
+    type X = i16;
     type Sum = i32;
+
     fn dot<const R: usize, const NB: usize>(
         a: &[i16],
         k: usize,
@@ -115,12 +80,46 @@ impl PanelKernel for i16 {
     }
 }
 
+/// Packs `weight` [n, k] (`k` even) into `out` ([`packed_len`] elements; layout in the
+/// module docs).
+pub fn pack(weight: &[i16], n: usize, k: usize, out: &mut [i16]) -> Result<(), KernelError> {
+    linear::pack::<I16Pairs>(weight, n, k, out)
+}
+
+/// `out[i, j] = sum_l x[i, l] * W[j, l]` in i32, `x` [m, k], `packed` the [`pack`]ed `W`
+/// [n, k], `out` [m, n] (`args`' shapes; `k` even); panels of 64 columns split over at most
+/// `args.threads` threads of the kernel pool. Fails with the field at fault on a length
+/// mismatch or an odd `k`, and with `"i16_linear"` where [`available`] is false.
+pub fn linear(
+    args: &LinearArgs,
+    x: &[i16],
+    packed: &[i16],
+    out: &mut [i32],
+) -> Result<(), KernelError> {
+    let lens = Lengths {
+        x: x.len(),
+        packed: packed.len(),
+        out: out.len(),
+        bias: None,
+    };
+    if !PRODUCT.begin::<I16Pairs>(args, lens, available)? {
+        return Ok(());
+    }
+    if args.k == 0 {
+        out.fill(0);
+        return Ok(());
+    }
+    run_panels::<I16Pairs>(args, x, packed, None, out);
+    Ok(())
+}
+
 #[cfg(target_arch = "x86_64")]
 mod kernel {
     use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
     use std::arch::x86_64::*;
 
-    /// See [`super::PanelKernel::dot`]; `R` rows, `NB` column blocks, `k` even.
+    /// See [`PanelKernel::dot`](crate::linear::panels::PanelKernel::dot); `R` rows, `NB`
+    /// column blocks, `k` even.
     pub(super) fn run<const R: usize, const NB: usize>(
         a: &[i16],
         k: usize,
@@ -222,6 +221,7 @@ mod kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isa::require_or_skip;
     use proptest::prelude::*;
 
     /// Deterministic i16 values in `-amp..=amp`.
@@ -260,7 +260,7 @@ mod tests {
 
     #[test]
     fn sums_are_exact() {
-        if !available() {
+        if !require_or_skip(NEEDS) {
             return;
         }
         // k max^2 < 2^31 in each: 576 * 1929^2 (the greedy head's ranges at SmolLM2's k)
@@ -278,7 +278,7 @@ mod tests {
 
     #[test]
     fn rows_and_threads_do_not_change_a_row() {
-        if !available() {
+        if !require_or_skip(NEEDS) {
             return;
         }
         let (all, _) = run(20, 300, 38, 3, 1000);
@@ -299,30 +299,37 @@ mod tests {
         let mut out = vec![7i32; 4];
         let packed = vec![0i16; packed_len(2, 4)];
         let e = linear(&ARGS, &[0; 7], &packed, &mut out).unwrap_err();
-        assert_eq!(e.field, "x");
+        assert_eq!(e.field(), Some("x"));
         let e = linear(&ARGS, &[0; 8], &packed[1..], &mut out).unwrap_err();
-        assert_eq!(e.field, "packed");
+        assert_eq!(e.field(), Some("packed"));
         let e = linear(&ARGS, &[0; 8], &packed, &mut out[..3]).unwrap_err();
-        assert_eq!(e.field, "out");
+        assert_eq!(e.field(), Some("out"));
+        assert_eq!(e.to_string(), "out has 3 elements, not 4");
         let odd = LinearArgs { k: 3, ..ARGS };
         let e = linear(&odd, &[0; 6], &packed, &mut out).unwrap_err();
-        assert_eq!(e.field, "k");
+        assert_eq!(e.field(), Some("k"));
+        assert_eq!(
+            e.to_string(),
+            "k must be even (inputs go in pairs: pad with a zero column), not 3"
+        );
         assert_eq!(out, vec![7i32; 4]);
         let e = pack(&[0; 7], 2, 4, &mut vec![0i16; packed_len(2, 4)]).unwrap_err();
-        assert_eq!(e.field, "weight");
+        assert_eq!(e.field(), Some("weight"));
         let e = pack(&[0; 6], 2, 3, &mut [0i16; 6 * 16]).unwrap_err();
-        assert_eq!(e.field, "k");
+        assert_eq!(e.field(), Some("k"));
     }
 
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(48))]
-        #[test]
-        fn any_shape_is_exact(m in 1usize..20, n in 1usize..90, half_k in 0usize..40,
-                              threads in 1usize..4) {
-            prop_assume!(available());
+    #[test]
+    fn any_shape_is_exact() {
+        if !require_or_skip(NEEDS) {
+            return;
+        }
+        proptest!(ProptestConfig::with_cases(48), |(m in 1usize..20, n in 1usize..90,
+                                                    half_k in 0usize..40,
+                                                    threads in 1usize..4)| {
             let (out, want) = run(m, n, 2 * half_k, threads, 2000);
             let out: Vec<i64> = out.into_iter().map(i64::from).collect();
             prop_assert_eq!(out, want);
-        }
+        });
     }
 }

@@ -25,7 +25,7 @@
 
 use std::sync::Mutex;
 
-use crate::decode::KernelError;
+use crate::error::KernelError;
 use crate::parallel::{plan_threads, row_ranges, run_pieces};
 
 /// Screened scores `[rows, vocab]`, row-major.
@@ -84,13 +84,13 @@ impl Candidates {
 pub fn select_candidates(a: &SelectArgs<'_>) -> Result<Option<Candidates>, KernelError> {
     let (rows, vocab) = (a.base.len(), a.per_token.len());
     if a.gain.len() != rows {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "gain has {} entries, base {rows}",
             a.gain.len()
         )));
     }
     if u32::try_from(rows).is_err() || u32::try_from(vocab).is_err() {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "at most 2^32 - 1 rows and tokens, not {rows} x {vocab}"
         )));
     }
@@ -100,7 +100,7 @@ pub fn select_candidates(a: &SelectArgs<'_>) -> Result<Option<Candidates>, Kerne
         Scores::I32(s) => s.len(),
     };
     if Some(len) != rows.checked_mul(vocab) {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "scores has {len} entries, not rows * vocab = {rows} * {vocab}"
         )));
     }
@@ -123,13 +123,13 @@ pub fn pick_best(
     inverse: &[i64],
 ) -> Result<Option<Vec<i64>>, KernelError> {
     if width == 0 || !logits.len().is_multiple_of(width) {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "logits has {} entries, not a positive multiple of width {width}",
             logits.len()
         )));
     }
     if cols.len() != rows.len() || inverse.len() != rows.len() {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "rows, cols and inverse differ in length ({}, {}, {})",
             rows.len(),
             cols.len(),
@@ -142,7 +142,7 @@ pub fn pick_best(
         let (r, w) = match (usize::try_from(r), usize::try_from(w)) {
             (Ok(r), Ok(w)) if r < n && w < width => (r, w),
             _ => {
-                return Err(KernelError(format!(
+                return Err(KernelError::Layout(format!(
                     "candidate (row {r}, column {w}) outside logits [{n}, {width}]"
                 )))
             }
@@ -165,7 +165,7 @@ pub fn pick_best(
 /// row holds a NaN. An error when `x` is not `rows * k` long.
 pub fn row_norms(x: &[f32], k: usize) -> Result<[Vec<f64>; 3], KernelError> {
     if k == 0 || !x.len().is_multiple_of(k) {
-        return Err(KernelError(format!(
+        return Err(KernelError::Layout(format!(
             "x has {} entries, not a multiple of k = {k} > 0",
             x.len()
         )));
@@ -944,10 +944,10 @@ mod tests {
         );
         case.per_token = vec![0.0; 3];
         let err = select_candidates(&case.args(Scores::I32(&[1, 2]), 1)).unwrap_err();
-        assert!(err.0.contains("scores has 2 entries"), "{err}");
+        assert!(err.to_string().contains("scores has 2 entries"), "{err}");
         case.gain.pop();
         let err = select_candidates(&case.args(Scores::I32(&[0; 6]), 1)).unwrap_err();
-        assert!(err.0.contains("gain has 1"), "{err}");
+        assert!(err.to_string().contains("gain has 1"), "{err}");
     }
 
     #[test]

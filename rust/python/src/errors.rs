@@ -1,8 +1,10 @@
 //! Core errors as Python exceptions: `ErrorKind::Value` → `ferrobatch.errors.FieldError`
 //! (a `ValueError` subclass whose `.field` names the argument), `ErrorKind::Runtime` →
-//! `RuntimeError`. The bindings' own argument checks raise `FieldError` the same way.
+//! `RuntimeError`. The kernels' one error type (`KernelError`) and the bindings' own
+//! argument checks raise `FieldError` the same way.
 
 use ferrobatch_core::{Error, ErrorKind};
+use ferrobatch_kernels::KernelError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -33,4 +35,10 @@ pub fn to_py(e: Error) -> PyErr {
         ErrorKind::Value => field_error(e.field(), e.message),
         ErrorKind::Runtime => PyRuntimeError::new_err(e.message),
     }
+}
+
+/// A kernel's error as `FieldError(message, field)`: the argument it names (None where the
+/// arguments do not fit together) and its message.
+pub fn kernel_error(e: KernelError) -> PyErr {
+    field_error(e.field(), e.to_string())
 }

@@ -3,16 +3,14 @@
 //! views in, shapes and overlaps checked with a `FieldError` naming the argument, then the
 //! kernel with the GIL released.
 
-use ferrobatch_kernels::amx::LinearArgs;
 use ferrobatch_kernels::f32_linear as kernel;
-use ferrobatch_kernels::fused::ArgError;
-use numpy::{
-    Element, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
-};
+use ferrobatch_kernels::i16_linear as i16_kernel;
+use ferrobatch_kernels::linear::LinearArgs;
+use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 
-use crate::errors::invalid;
-use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d};
+use crate::errors::kernel_error;
+use crate::views::{pack_with, product_out, product_rows, ro, rw, threads_of, Span};
 
 /// Whether `f32_linear` runs on this CPU (AVX-512F).
 #[pyfunction]
@@ -29,26 +27,7 @@ pub fn f32_packed_len(n: usize, k: usize) -> usize {
 /// Packs `weight` [n, k] (float32) into `out` (`f32_packed_len(n, k)` float32).
 #[pyfunction]
 pub fn f32_pack(py: Python<'_>, weight: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-    pack_with(py, weight, out, "float32", kernel::pack)
-}
-
-/// A kernel's `pack(weight, n, k, out)`.
-type PackFn<T> = fn(&[T], usize, usize, &mut [T]) -> Result<(), ArgError>;
-
-/// `weight` [n, k] of `T` (numpy `dtype`) packed into `out` by `pack`, the GIL released.
-fn pack_with<T: Element + Send + Sync>(
-    py: Python<'_>,
-    weight: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    dtype: &str,
-    pack: PackFn<T>,
-) -> PyResult<()> {
-    let w = ro::<T>(weight, "weight", dtype)?;
-    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
-    let mut o = rw::<T>(out, "out", dtype)?;
-    let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| pack(w, n, k, o))
-        .map_err(|e| invalid(e.field, e.message))
+    pack_with(py, (weight, "float32"), (out, "float32"), kernel::pack)
 }
 
 /// `out = x @ W.T (+ bias)` in f32: `x` [m, k] float32, `packed` the `f32_pack`ed W [n, k],
@@ -73,36 +52,31 @@ pub fn f32_linear(
     let p = ro::<f32>(packed, "packed", "float32")?;
     let b = bias.map(|b| ro::<f32>(b, "bias", "float32")).transpose()?;
     let mut o = rw::<f32>(out, "out", "float32")?;
-    let m = product_rows(&xa, k, &o, n)?;
+    let m = product_rows(xa.shape(), k)?;
+    product_out((o.shape(), o.span()), m, n, xa.span())?;
     let (xe, pe) = (xa.as_slice()?, p.as_slice()?);
     let be = b.as_ref().map(|b| b.as_slice()).transpose()?;
     let oe = o.as_slice_mut()?;
     py.detach(|| kernel::linear(&LinearArgs { m, n, k, threads }, xe, pe, be, oe))
-        .map_err(|e| invalid(e.field, e.message))
+        .map_err(kernel_error)
 }
 
 /// Whether `i16_linear` runs on this CPU (AVX-512 VNNI).
 #[pyfunction]
 pub fn i16_linear_available() -> bool {
-    ferrobatch_kernels::i16_linear::available()
+    i16_kernel::available()
 }
 
 /// Elements (int16) of the packed form of an `[n, k]` weight (`k` even).
 #[pyfunction]
 pub fn i16_packed_len(n: usize, k: usize) -> usize {
-    ferrobatch_kernels::i16_linear::packed_len(n, k)
+    i16_kernel::packed_len(n, k)
 }
 
 /// Packs `weight` [n, k] (int16, `k` even) into `out` (`i16_packed_len(n, k)` int16).
 #[pyfunction]
 pub fn i16_pack(py: Python<'_>, weight: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-    pack_with(
-        py,
-        weight,
-        out,
-        "int16",
-        ferrobatch_kernels::i16_linear::pack,
-    )
+    pack_with(py, (weight, "int16"), (out, "int16"), i16_kernel::pack)
 }
 
 /// `out = x @ W.T` exactly in int32 (the caller keeps `k max|x| max|W| < 2^31`): `x` [m, k]
@@ -124,29 +98,9 @@ pub fn i16_linear(
     let xa = ro::<i16>(x, "x", "int16")?;
     let p = ro::<i16>(packed, "packed", "int16")?;
     let mut o = rw::<i32>(out, "out", "int32")?;
-    let m = product_rows(&xa, k, &o, n)?;
+    let m = product_rows(xa.shape(), k)?;
+    product_out((o.shape(), o.span()), m, n, xa.span())?;
     let (xe, pe, oe) = (xa.as_slice()?, p.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| {
-        ferrobatch_kernels::i16_linear::linear(&LinearArgs { m, n, k, threads }, xe, pe, oe)
-    })
-    .map_err(|e| invalid(e.field, e.message))
-}
-
-/// The rows `m` of a product of `x` [m, k] into `out` [m, n], after checking both shapes and
-/// that `out` does not overlap `x`.
-fn product_rows<X: Element, O: Element>(
-    x: &PyReadonlyArrayDyn<'_, X>,
-    k: usize,
-    out: &PyReadwriteArrayDyn<'_, O>,
-    n: usize,
-) -> PyResult<usize> {
-    let (m, xk) = two_d("x", x.shape(), "[rows, in_features]")?;
-    if xk != k {
-        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
-    }
-    expect_shape("out", out.shape(), &[m, n], "[rows, out_features]")?;
-    let ospan = crate::views::bytes(out.data(), out.len());
-    let xspan = crate::views::bytes(x.data(), x.len());
-    disjoint("out", ospan, &[("x", xspan)])?;
-    Ok(m)
+    py.detach(|| i16_kernel::linear(&LinearArgs { m, n, k, threads }, xe, pe, oe))
+        .map_err(kernel_error)
 }

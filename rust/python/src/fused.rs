@@ -3,18 +3,14 @@
 //! dtype, shape, borrow and overlap (an output sharing memory with an input) checked with a
 //! `FieldError` naming the argument, then the kernel with the GIL released. Kept thin: the tensors are small and the calls many.
 
-use ferrobatch_kernels::fused::{self, ArgError, NormInput, RmsNorm, Rope, WriteRows};
-use numpy::{PyArrayMethods, PyUntypedArrayMethods};
+use ferrobatch_kernels::fused::{self, NormInput, RmsNorm, Rope, WriteRows};
+use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, kernel_error};
 use crate::views::{
-    bytes, count, disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Ty,
+    count, disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Span, Ty,
 };
-
-fn to_py(e: ArgError) -> PyErr {
-    invalid(e.field, e.message)
-}
 
 /// RMSNorm of the rows of `x` [T, H] into `out` [T, H], after `x += residual` in place when
 /// `residual` [T, H] is given (`x` must then be float32). `weight` [H]; `weight_offset` is
@@ -63,7 +59,7 @@ pub fn rms_norm(
         let (rows, hidden) = two_d("x", xa.shape(), "[tokens, hidden]")?;
         let r = In::new(r, ty(residual_dtype, "residual_dtype")?, "residual")?;
         expect_shape("residual", r.shape(), &[rows, hidden], "[tokens, hidden]")?;
-        let xs = bytes(xa.data(), xa.len());
+        let xs = xa.span();
         disjoint(
             "x",
             xs.clone(),
@@ -77,7 +73,8 @@ pub fn rms_norm(
             residual: r.elems(),
         };
         let out = o.elems();
-        py.detach(|| fused::rms_norm(&a, input, out)).map_err(to_py)
+        py.detach(|| fused::rms_norm(&a, input, out))
+            .map_err(kernel_error)
     } else {
         let xa = In::new(x, xt, "x")?;
         let (rows, hidden) = two_d("x", xa.shape(), "[tokens, hidden]")?;
@@ -85,7 +82,8 @@ pub fn rms_norm(
         let a = norm_args(&w, &o, rows, hidden, eps, weight_offset, threads)?;
         let input = NormInput::Plain(xa.elems());
         let out = o.elems();
-        py.detach(|| fused::rms_norm(&a, input, out)).map_err(to_py)
+        py.detach(|| fused::rms_norm(&a, input, out))
+            .map_err(kernel_error)
     }
 }
 
@@ -142,7 +140,7 @@ pub fn silu_mul(
     disjoint("out", o.span(), &[("gate_up", g.span())])?;
     let (g, out) = (g.elems(), o.elems());
     py.detach(|| fused::silu_mul(g, out, rows, inter, threads))
-        .map_err(to_py)
+        .map_err(kernel_error)
 }
 
 /// Rotary embedding of `heads` heads of `dim` columns of `src` [T, W] from column
@@ -188,11 +186,7 @@ pub fn rope(
         &[rows, heads, dim],
         "[tokens, heads, dim]",
     )?;
-    let tables = [
-        ("src", s.span()),
-        ("cos", bytes(c.data(), c.len())),
-        ("sin", bytes(n.data(), n.len())),
-    ];
+    let tables = [("src", s.span()), ("cos", c.span()), ("sin", n.span())];
     disjoint("out", o.span(), &tables)?;
     let a = Rope {
         src: s.elems(),
@@ -206,7 +200,7 @@ pub fn rope(
         threads,
     };
     let out = o.elems();
-    py.detach(|| fused::rope(&a, out)).map_err(to_py)
+    py.detach(|| fused::rope(&a, out)).map_err(kernel_error)
 }
 
 /// `dst[slots[t], :] = src[t, col_offset : col_offset + width]` converted to `dst`'s type:
@@ -243,7 +237,7 @@ pub fn write_rows(
             ),
         ));
     }
-    let ins = [("src", s.span()), ("slots", bytes(sl.data(), sl.len()))];
+    let ins = [("src", s.span()), ("slots", sl.span())];
     disjoint("dst", d.span(), &ins)?;
     let a = WriteRows {
         src: s.elems(),
@@ -253,5 +247,6 @@ pub fn write_rows(
         slots: sl.as_slice().unwrap_or_default(),
     };
     let dst = d.elems();
-    py.detach(|| fused::write_rows(&a, dst)).map_err(to_py)
+    py.detach(|| fused::write_rows(&a, dst))
+        .map_err(kernel_error)
 }

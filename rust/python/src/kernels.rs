@@ -7,8 +7,8 @@ use kernels::{DecodeArgs, Window};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::errors::{field_error, invalid};
-use crate::views::{disjoint, ty, In, Out};
+use crate::errors::{field_error, kernel_error};
+use crate::views::{c_slice, disjoint, ty, In, Out};
 
 /// Attention of decode rows over the paged cache, read in place (`ferrobatch-kernels`,
 /// `decode`): `q` [rows, heads, dim], `k_cache` / `v_cache` [slots, kv_heads, dim],
@@ -68,13 +68,12 @@ pub fn paged_decode_attention(
             ("v_cache", v.span()),
         ],
     )?;
-    let contiguous = |field: &'static str| invalid(field, format!("{field} must be C-contiguous"));
     let args = DecodeArgs {
         q: q.elems(),
         k_cache: k.elems(),
         v_cache: v.elems(),
-        block_tables: c_slice(&block_tables).ok_or_else(|| contiguous("block_tables"))?,
-        seqlens: c_slice(&seqlens).ok_or_else(|| contiguous("seqlens"))?,
+        block_tables: c_slice(&block_tables, "block_tables")?,
+        seqlens: c_slice(&seqlens, "seqlens")?,
         heads: q_shape[1],
         kv_heads: k_shape[1],
         dim: q_shape[2],
@@ -91,14 +90,5 @@ pub fn paged_decode_attention(
     };
     let out = out.elems();
     py.detach(|| kernels::paged_decode_attention(&args, out))
-        .map_err(|e| field_error(None, e.0))
-}
-
-/// The elements of a C-contiguous array (None for any other layout, Fortran order included).
-fn c_slice<'a>(a: &'a PyReadonlyArrayDyn<'_, i32>) -> Option<&'a [i32]> {
-    if a.is_c_contiguous() {
-        a.as_slice().ok()
-    } else {
-        None
-    }
+        .map_err(kernel_error)
 }

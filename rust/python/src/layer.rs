@@ -6,11 +6,11 @@
 
 use ferrobatch_kernels::layer::{self, Packed as PackedWeight, Product, QkNorm, Step, Weights};
 use ferrobatch_kernels::{amx, f32_linear, Window};
-use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::errors::invalid;
-use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Ty};
+use crate::errors::{invalid, kernel_error};
+use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Span, Ty};
 
 /// One packed product: the array (bf16 bits in `amx_pack`'s layout, or float32 in
 /// `f32_pack`'s), its optional bias and its shape.
@@ -275,7 +275,7 @@ impl LeanLayer {
                 ));
             }
         }
-        let xs = crate::views::bytes(xa.data(), xa.len());
+        let xs = xa.span();
         disjoint(
             "v_cache",
             vc.span(),
@@ -353,6 +353,6 @@ impl LeanLayer {
         let x = xa.as_slice_mut()?;
         let (kc, vc) = (kc.elems(), vc.elems());
         py.detach(|| layer::decoder_layer(&w, &s, x, kc, vc))
-            .map_err(|e| invalid(e.field, e.message))
+            .map_err(kernel_error)
     }
 }

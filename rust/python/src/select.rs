@@ -10,7 +10,8 @@ use numpy::{
 };
 use pyo3::prelude::*;
 
-use crate::errors::{field_error, invalid};
+use crate::errors::{invalid, kernel_error};
+use crate::views::c_slice;
 
 /// The screened scores, read-only, in the storage type their dtype names.
 enum ScoreArray<'py> {
@@ -45,15 +46,11 @@ impl ScoreArray<'_> {
 
     fn scores(&self) -> PyResult<Scores<'_>> {
         Ok(match self {
-            ScoreArray::Bf16(x) => Scores::Bf16(slice_of(x, "scores")?),
-            ScoreArray::F32(x) => Scores::F32(slice_of(x, "scores")?),
-            ScoreArray::I32(x) => Scores::I32(slice_of(x, "scores")?),
+            ScoreArray::Bf16(x) => Scores::Bf16(c_slice(x, "scores")?),
+            ScoreArray::F32(x) => Scores::F32(c_slice(x, "scores")?),
+            ScoreArray::I32(x) => Scores::I32(c_slice(x, "scores")?),
         })
     }
-}
-
-fn not_contiguous(field: &'static str) -> PyErr {
-    invalid(field, format!("{field} must be C-contiguous"))
 }
 
 /// A 1-D contiguous array of `T` (named `dtype` in the message).
@@ -73,17 +70,6 @@ fn vector<'py, T: Element>(
         ));
     }
     Ok(ro)
-}
-
-fn slice_of<'a, T: Element>(
-    a: &'a PyReadonlyArrayDyn<'_, T>,
-    field: &'static str,
-) -> PyResult<&'a [T]> {
-    // (`as_slice` also takes Fortran-ordered arrays, which would be read transposed)
-    if !a.is_c_contiguous() {
-        return Err(not_contiguous(field));
-    }
-    a.as_slice().map_err(|_| not_contiguous(field))
 }
 
 /// `field` has `got` entries, not `want` (`what`: one per what).
@@ -151,9 +137,9 @@ pub fn greedy_select<'py>(
     }
     let args = SelectArgs {
         scores: scores.scores()?,
-        base: slice_of(&base, "base")?,
-        gain: slice_of(&gain, "gain")?,
-        per_token: slice_of(&per_token, "per_token")?,
+        base: c_slice(&base, "base")?,
+        gain: c_slice(&gain, "gain")?,
+        per_token: c_slice(&per_token, "per_token")?,
         max_stage1,
         max_candidates,
         threads,
@@ -166,7 +152,7 @@ pub fn greedy_select<'py>(
             })
         })
     });
-    let found = found.map_err(|e| field_error(None, e.0))?;
+    let found = found.map_err(kernel_error)?;
     let arr = |v: Vec<u32>| PyArray1::from_vec(py, v.into_iter().map(i64::from).collect());
     Ok(found.map(|[r, c, u, i]| (arr(r), arr(c), arr(u), arr(i))))
 }
@@ -218,10 +204,10 @@ pub fn greedy_pick<'py>(
         ));
     }
     let (logits_s, rows_s, cols_s, inverse_s) = (
-        slice_of(&logits, "logits")?,
-        slice_of(&rows, "rows")?,
-        slice_of(&cols, "cols")?,
-        slice_of(&inverse, "inverse")?,
+        c_slice(&logits, "logits")?,
+        c_slice(&rows, "rows")?,
+        c_slice(&cols, "cols")?,
+        c_slice(&inverse, "inverse")?,
     );
     if width == 0 {
         // no candidate columns: every row lacks one (or there are no rows)
@@ -230,7 +216,7 @@ pub fn greedy_pick<'py>(
     }
     let picked = py
         .detach(|| kernels::pick_best(logits_s, width, rows_s, cols_s, inverse_s))
-        .map_err(|e| field_error(None, e.0))?;
+        .map_err(kernel_error)?;
     Ok(picked.map(|t| PyArray1::from_vec(py, t)))
 }
 
@@ -255,12 +241,12 @@ pub fn row_norms<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<Norms<
             format!("x must be [rows, k], not of shape {:?}", x.shape()),
         ));
     };
-    let xs = slice_of(&x, "x")?;
+    let xs = c_slice(&x, "x")?;
     let [l2, l1, amax] = if k == 0 {
         [vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]]
     } else {
         py.detach(|| kernels::row_norms(xs, k))
-            .map_err(|e| field_error(None, e.0))?
+            .map_err(kernel_error)?
     };
     Ok((
         PyArray1::from_vec(py, l2),

@@ -2,9 +2,10 @@
 //! (f32 as `float32`, bf16 / fp16 as `uint16` bit patterns); arrays are taken C-contiguous
 //! and borrowed (read-only, or writable and exclusive), and an output that shares memory
 //! with an input is refused (`disjoint`: numpy cannot see that two views of one torch tensor
-//! alias). Every error is a `FieldError` naming the argument.
+//! alias). Every error is a `FieldError` naming the argument. The products' bindings
+//! (`amx.rs`, `f32_linear.rs`) share their packing and their `x` / `out` checks here too.
 
-use ferrobatch_kernels::{Elems, ElemsMut};
+use ferrobatch_kernels::{Elems, ElemsMut, KernelError};
 use numpy::{
     Element, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
     PyUntypedArrayMethods,
@@ -12,7 +13,7 @@ use numpy::{
 use pyo3::prelude::*;
 use std::ops::Range;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, kernel_error};
 
 /// Storage named by a dtype string.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -159,6 +160,36 @@ pub(crate) fn bytes<T>(p: *mut T, n: usize) -> Range<usize> {
     start..start + n * std::mem::size_of::<T>()
 }
 
+/// The bytes a borrowed numpy array occupies (for `disjoint`).
+pub(crate) trait Span {
+    fn span(&self) -> Range<usize>;
+}
+
+impl<T: Element> Span for PyReadonlyArrayDyn<'_, T> {
+    fn span(&self) -> Range<usize> {
+        bytes(self.data(), self.len())
+    }
+}
+
+impl<T: Element> Span for PyReadwriteArrayDyn<'_, T> {
+    fn span(&self) -> Range<usize> {
+        bytes(self.data(), self.len())
+    }
+}
+
+/// The elements of a C-contiguous array (an error naming `field` for any other layout,
+/// Fortran order included: `as_slice` takes it, and the kernel would read it transposed).
+pub(crate) fn c_slice<'a, T: Element>(
+    a: &'a PyReadonlyArrayDyn<'_, T>,
+    field: &'static str,
+) -> PyResult<&'a [T]> {
+    let contiguous = || invalid(field, format!("{field} must be C-contiguous"));
+    if !a.is_c_contiguous() {
+        return Err(contiguous());
+    }
+    a.as_slice().map_err(|_| contiguous())
+}
+
 /// An error naming `out` when its memory overlaps one of `inputs` (numpy cannot see that two
 /// views of one torch tensor alias, and the kernels do not work in place).
 pub(crate) fn disjoint(
@@ -216,4 +247,43 @@ pub(crate) fn threads_of(v: i64) -> PyResult<usize> {
         0 => Err(invalid("threads", "threads must be >= 1")),
         n => Ok(n),
     }
+}
+
+/// A kernel's `pack(weight, n, k, out)`.
+pub(crate) type PackFn<T> = fn(&[T], usize, usize, &mut [T]) -> Result<(), KernelError>;
+
+/// `weight` [n, k] of `T` (numpy `dtype` `weight_is`) packed by `pack` into `out` (numpy
+/// `dtype` `out_is`), the GIL released.
+pub(crate) fn pack_with<T: Element + Send + Sync>(
+    py: Python<'_>,
+    (weight, weight_is): (&Bound<'_, PyAny>, &str),
+    (out, out_is): (&Bound<'_, PyAny>, &str),
+    pack: PackFn<T>,
+) -> PyResult<()> {
+    let w = ro::<T>(weight, "weight", weight_is)?;
+    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
+    let mut o = rw::<T>(out, "out", out_is)?;
+    let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| pack(w, n, k, o)).map_err(kernel_error)
+}
+
+/// The rows `m` of a product's `x` [m, k] (a 2-D array of `k` columns).
+pub(crate) fn product_rows(x: &[usize], k: usize) -> PyResult<usize> {
+    let (m, xk) = two_d("x", x, "[rows, in_features]")?;
+    if xk != k {
+        return Err(invalid("x", format!("x has {xk} columns, not k = {k}")));
+    }
+    Ok(m)
+}
+
+/// Checks a product's `out` ([m, n]: `shape`, the bytes `span`) against its `x` (the bytes
+/// `x`): the shape, and no overlap.
+pub(crate) fn product_out(
+    (shape, span): (&[usize], Range<usize>),
+    m: usize,
+    n: usize,
+    x: Range<usize>,
+) -> PyResult<()> {
+    expect_shape("out", shape, &[m, n], "[rows, out_features]")?;
+    disjoint("out", span, &[("x", x)])
 }

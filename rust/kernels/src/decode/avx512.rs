@@ -710,9 +710,12 @@ fn bf16_bits(v: __m512) -> __m512i {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isa::{require_or_skip, Isa};
 
+    /// The gate of these tests: AVX-512F and FMA here (else a reported skip, or a failure
+    /// where `FERROBATCH_REQUIRE_ISA` names one).
     fn avx512() -> bool {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")
+        require_or_skip(&[Isa::Avx512F, Isa::Fma])
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! `0x7fc0`, as torch's scalar conversion).
 //!
 //! Every length, shape and index is checked before anything is read or written; an error
-//! ([`ArgError`]) names the argument at fault. The loops are plain Rust, compiled a second
+//! ([`KernelError`]) names the argument at fault. The loops are plain Rust, compiled a second
 //! time for AVX-512 (F + BW) + FMA and AVX2 + FMA, picked at run time.
 
 mod rms_norm;
@@ -26,46 +26,20 @@ pub use rope::{rope, Rope};
 pub use silu_mul::silu_mul;
 pub use write_rows::{write_rows, WriteRows};
 
+use crate::error::{Expected, KernelError};
 pub(crate) use crate::parallel::{plan_threads, row_ranges, run_pieces};
 use crate::{Elems, ElemsMut};
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-/// A bad argument: `field` is its name (as the Python binding spells it).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ArgError {
-    pub field: &'static str,
-    pub message: String,
-}
-
-impl std::fmt::Display for ArgError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for ArgError {}
-
-pub(crate) fn arg_err<T>(field: &'static str, message: String) -> Result<T, ArgError> {
-    Err(ArgError { field, message })
-}
-
 /// `Ok` when `got == want`, else an error naming `field`.
-pub(crate) fn check_len(field: &'static str, got: usize, want: usize) -> Result<(), ArgError> {
-    if got == want {
-        Ok(())
-    } else {
-        arg_err(
-            field,
-            format!("{field} has {got} elements, expected {want}"),
-        )
-    }
+pub(crate) fn check_len(field: &'static str, got: usize, want: usize) -> Result<(), KernelError> {
+    KernelError::check_len(field, got, want, Expected::ExpectedN)
 }
 
 /// `a * b`, an error naming `field` on overflow.
-pub(crate) fn product(field: &'static str, a: usize, b: usize) -> Result<usize, ArgError> {
-    a.checked_mul(b)
-        .map_or_else(|| arg_err(field, format!("{field}: size overflows")), Ok)
+pub(crate) fn product(field: &'static str, a: usize, b: usize) -> Result<usize, KernelError> {
+    a.checked_mul(b).ok_or(KernelError::Overflow { field })
 }
 
 pub(crate) fn len(e: &Elems<'_>) -> usize {

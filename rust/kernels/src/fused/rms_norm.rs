@@ -1,9 +1,10 @@
 //! RMSNorm of rows, optionally after adding the residual into them.
 
 use super::{
-    arg_err, check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces,
-    split_mut, store_row, widen, ArgError,
+    check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
+    store_row, widen,
 };
+use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
 
 /// The norm's parameters; `x` and `out` are `[rows, hidden]`, row-major.
@@ -41,7 +42,7 @@ pub enum NormInput<'a> {
 /// in order, over the first `hidden / 64 * 64` columns), the lanes added as a pairwise
 /// tree, then the `hidden % 64` last squares in order. This equals transformers' `LlamaRMSNorm` on an f32 input followed by
 /// `.to(out_dtype)`, up to that summation order.
-pub fn rms_norm(a: &RmsNorm<'_>, x: NormInput<'_>, out: ElemsMut<'_>) -> Result<(), ArgError> {
+pub fn rms_norm(a: &RmsNorm<'_>, x: NormInput<'_>, out: ElemsMut<'_>) -> Result<(), KernelError> {
     validate(a, &x, &out)?;
     let n = a.rows * a.hidden;
     if n == 0 {
@@ -79,7 +80,7 @@ pub fn rms_norm(a: &RmsNorm<'_>, x: NormInput<'_>, out: ElemsMut<'_>) -> Result<
     Ok(())
 }
 
-fn validate(a: &RmsNorm<'_>, x: &NormInput<'_>, out: &ElemsMut<'_>) -> Result<(), ArgError> {
+fn validate(a: &RmsNorm<'_>, x: &NormInput<'_>, out: &ElemsMut<'_>) -> Result<(), KernelError> {
     let n = product("x", a.rows, a.hidden)?;
     match x {
         NormInput::Plain(x) => check_len("x", len(x), n)?,
@@ -91,10 +92,10 @@ fn validate(a: &RmsNorm<'_>, x: &NormInput<'_>, out: &ElemsMut<'_>) -> Result<()
     check_len("weight", len(&a.weight), a.hidden)?;
     check_len("out", len_mut(out), n)?;
     if !(a.eps.is_finite() && a.eps >= 0.0) {
-        return arg_err("eps", format!("eps must be finite and >= 0, not {}", a.eps));
+        return KernelError::invalid("eps", format!("eps must be finite and >= 0, not {}", a.eps));
     }
     if !a.weight_offset.is_finite() {
-        return arg_err("weight_offset", "weight_offset must be finite".into());
+        return KernelError::invalid("weight_offset", "weight_offset must be finite".into());
     }
     Ok(())
 }
@@ -362,7 +363,10 @@ mod tests {
             threads: 1,
         };
         let field = |a: &RmsNorm<'_>, x: NormInput<'_>, out: &mut [f32]| {
-            rms_norm(a, x, ElemsMut::F32(out)).unwrap_err().field
+            rms_norm(a, x, ElemsMut::F32(out))
+                .unwrap_err()
+                .field()
+                .unwrap()
         };
         assert_eq!(
             field(&a, NormInput::Plain(Elems::F32(&x[1..])), &mut out),

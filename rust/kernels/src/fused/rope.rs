@@ -1,9 +1,10 @@
 //! Rotary embedding of some heads of a projection's rows.
 
 use super::{
-    arg_err, check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces,
-    split_mut, store_row, widen, ArgError,
+    check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
+    store_row, widen,
 };
+use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
 
 /// The inputs: `src` `[rows, src_width]`, `cos` / `sin` `[rows, dim]`; the heads are
@@ -27,7 +28,7 @@ pub struct Rope<'a> {
 /// dim]`), `x` the head widened, `rot[j] = -x[j + dim/2]` for `j < dim/2`, else
 /// `x[j - dim/2]`: two rounded f32 products and a rounded f32 add, bit-equal to
 /// transformers' `q * cos + rotate_half(q) * sin` in f32.
-pub fn rope(a: &Rope<'_>, out: ElemsMut<'_>) -> Result<(), ArgError> {
+pub fn rope(a: &Rope<'_>, out: ElemsMut<'_>) -> Result<(), KernelError> {
     validate(a, &out)?;
     let row = a.heads * a.dim;
     let n = a.rows * row;
@@ -43,16 +44,16 @@ pub fn rope(a: &Rope<'_>, out: ElemsMut<'_>) -> Result<(), ArgError> {
     Ok(())
 }
 
-fn validate(a: &Rope<'_>, out: &ElemsMut<'_>) -> Result<(), ArgError> {
+fn validate(a: &Rope<'_>, out: &ElemsMut<'_>) -> Result<(), KernelError> {
     if !a.dim.is_multiple_of(2) {
-        return arg_err("dim", format!("dim must be even, not {}", a.dim));
+        return KernelError::invalid("dim", format!("dim must be even, not {}", a.dim));
     }
     check_len("src", len(&a.src), product("src", a.rows, a.src_width)?)?;
     let cols = product("heads", a.heads, a.dim)?;
     match a.col_offset.checked_add(cols) {
         Some(end) if end <= a.src_width => {}
         _ => {
-            return arg_err(
+            return KernelError::invalid(
                 "col_offset",
                 format!(
                     "col_offset + heads * dim = {} + {cols} exceeds src's {} columns",
@@ -227,7 +228,9 @@ mod tests {
             dim: 4,
             threads: 1,
         };
-        let field = |a: Rope<'_>, out: &mut [f32]| rope(&a, ElemsMut::F32(out)).unwrap_err().field;
+        let field = |a: Rope<'_>, out: &mut [f32]| {
+            rope(&a, ElemsMut::F32(out)).unwrap_err().field().unwrap()
+        };
         assert!(rope(&a, ElemsMut::F32(&mut out)).is_ok());
         assert_eq!(field(Rope { col_offset: 9, ..a }, &mut out), "col_offset");
         assert_eq!(

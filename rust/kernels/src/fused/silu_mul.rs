@@ -2,8 +2,9 @@
 
 use super::{
     check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
-    store_row, widen, ArgError,
+    store_row, widen,
 };
+use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
 
 /// `out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, inter + i]`,
@@ -17,7 +18,7 @@ pub fn silu_mul(
     rows: usize,
     inter: usize,
     threads: usize,
-) -> Result<(), ArgError> {
+) -> Result<(), KernelError> {
     let n = product("out", rows, inter)?;
     check_len("gate_up", len(&gate_up), product("gate_up", n, 2)?)?;
     check_len("out", len_mut(&out), n)?;
@@ -218,11 +219,11 @@ mod tests {
         let gu = vec![0u16; 12];
         let mut out = vec![0u16; 6];
         let e = silu_mul(Elems::Bf16(&gu[1..]), ElemsMut::Bf16(&mut out), 2, 3, 1).unwrap_err();
-        assert_eq!(e.field, "gate_up");
+        assert_eq!(e.field().unwrap(), "gate_up");
         let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out[1..]), 2, 3, 1).unwrap_err();
-        assert_eq!(e.field, "out");
+        assert_eq!(e.field().unwrap(), "out");
         let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out), usize::MAX, 3, 1);
-        assert_eq!(e.unwrap_err().field, "out");
+        assert_eq!(e.unwrap_err().field().unwrap(), "out");
     }
 
     proptest! {

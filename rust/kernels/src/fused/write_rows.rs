@@ -1,6 +1,7 @@
 //! Rows of a projection into chosen slots of the paged KV cache.
 
-use super::{arg_err, check_len, dispatch, len, len_mut, narrow, product, widen, ArgError};
+use super::{check_len, dispatch, len, len_mut, narrow, product, widen};
+use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
 
 /// The source rows: `src` `[slots.len(), src_width]`; row `t`'s columns `col_offset ..
@@ -20,13 +21,13 @@ pub struct WriteRows<'a> {
 /// order, so when a slot repeats the last row wins (as `index_copy_` on CPU in practice).
 /// Same-type rows are copied bit for bit (NaN payloads included). Single-threaded: a call
 /// moves a few tens of KiB.
-pub fn write_rows(a: &WriteRows<'_>, mut dst: ElemsMut<'_>) -> Result<(), ArgError> {
+pub fn write_rows(a: &WriteRows<'_>, mut dst: ElemsMut<'_>) -> Result<(), KernelError> {
     let rows = a.slots.len();
     check_len("src", len(&a.src), product("src", rows, a.src_width)?)?;
     match a.col_offset.checked_add(a.width) {
         Some(end) if end <= a.src_width => {}
         _ => {
-            return arg_err(
+            return KernelError::invalid(
                 "col_offset",
                 format!(
                     "col_offset + width = {} + {} exceeds src's {} columns",
@@ -36,11 +37,11 @@ pub fn write_rows(a: &WriteRows<'_>, mut dst: ElemsMut<'_>) -> Result<(), ArgErr
         }
     }
     if a.width == 0 {
-        return arg_err("width", "width must be >= 1".into());
+        return KernelError::invalid("width", "width must be >= 1".into());
     }
     let dst_len = len_mut(&dst);
     if !dst_len.is_multiple_of(a.width) {
-        return arg_err(
+        return KernelError::invalid(
             "dst",
             format!(
                 "dst has {dst_len} elements, not a whole number of {}-wide rows",
@@ -51,7 +52,7 @@ pub fn write_rows(a: &WriteRows<'_>, mut dst: ElemsMut<'_>) -> Result<(), ArgErr
     let slots = dst_len / a.width;
     for (t, &s) in a.slots.iter().enumerate() {
         if s < 0 || s as u64 >= slots as u64 {
-            return arg_err(
+            return KernelError::invalid(
                 "slots",
                 format!("slots[{t}] = {s} is outside dst's {slots} rows"),
             );
@@ -191,8 +192,12 @@ mod tests {
             width: 6,
             slots: &[0, 1, 2],
         };
-        let mut field =
-            |a: WriteRows<'_>| write_rows(&a, ElemsMut::F32(&mut dst)).unwrap_err().field;
+        let mut field = |a: WriteRows<'_>| {
+            write_rows(&a, ElemsMut::F32(&mut dst))
+                .unwrap_err()
+                .field()
+                .unwrap()
+        };
         assert_eq!(
             field(WriteRows {
                 slots: &[0, 1, 4],

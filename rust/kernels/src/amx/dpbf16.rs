@@ -1,4 +1,4 @@
-//! The [`amx`](crate::amx) products on CPUs without AMX but with AVX-512 BF16 (AMD Zen 4
+//! The [`amx`](crate::amx) products' backend on CPUs without AMX but with AVX-512 BF16 (AMD Zen 4
 //! and later, Intel Cooper Lake): `vdpbf16ps` sums the products of bf16 pairs into 16 f32
 //! lanes, the same arithmetic as a tile product, over the same packed weight layout.
 //!
@@ -12,7 +12,9 @@
 
 use std::ops::Range;
 
-use crate::amx::{OutColumns, TILE_K, TILE_N};
+use crate::isa::{self, Isa};
+use crate::linear::pair_blocks::{TILE_K, TILE_N};
+use crate::linear::OutColumns;
 
 /// Column blocks per pass where two pairs remain, and the rows whose 6 x 4 accumulators
 /// then stay in registers (with 4 weight rows and a broadcast input: 29 of the 32 zmm).
@@ -20,17 +22,12 @@ const QUAD: (usize, usize) = (4, 6);
 /// The same for a last single pair: 8 rows x 2 blocks.
 const PAIR: (usize, usize) = (2, 8);
 
-/// Whether the CPU runs `vdpbf16ps` on zmm registers (AVX-512F and AVX-512 BF16).
+/// What the backend needs of the CPU: AVX-512F and AVX-512 BF16.
+pub(super) const NEEDS: &[Isa] = &[Isa::Avx512F, Isa::Avx512Bf16];
+
+/// Whether the CPU runs `vdpbf16ps` on zmm registers ([`NEEDS`]).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    isa::all_detected(NEEDS)
 }
 
 /// Runs the column-block pairs `pairs` for rows `0..rows` of `a` ([rows, kp] bf16, `kp` a
@@ -62,8 +59,7 @@ pub(crate) fn run_pairs(
             group(a, kp, r, blocks, w, b, &mut sums[..r]);
             for (i, s) in sums[..r].iter().enumerate() {
                 for (h, half) in s[..blocks * TILE_N].chunks_exact(2 * TILE_N).enumerate() {
-                    let half: &[f32; 2 * TILE_N] = half.try_into().expect("32 sums");
-                    out.write_row(row0 + i, (nb + 2 * h) * TILE_N, half);
+                    out.write_cols(row0 + i, (nb + 2 * h) * TILE_N, half);
                 }
             }
         }
@@ -100,7 +96,7 @@ fn group(
 
 #[cfg(target_arch = "x86_64")]
 mod kernel {
-    use crate::amx::{TILE_K, TILE_N};
+    use crate::linear::pair_blocks::{TILE_K, TILE_N};
     use std::arch::x86_64::*;
 
     /// See [`super::group`]; `R` rows, `NB` column blocks.
