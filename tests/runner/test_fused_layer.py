@@ -10,7 +10,7 @@ import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
 from ferrobatch.cpu import amx_ops
-from ferrobatch.runner import fused_layer
+from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import drive_runner
@@ -23,12 +23,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _count_taken(monkeypatch) -> list[bool]:
+    """Whether each step's one-call decision ran the layer."""
     taken: list[bool] = []
     own = fused_layer.FusedLayer.forward
 
     def counted(self, *args, **kwargs):
         ran = own(self, *args, **kwargs)
-        taken.append(ran)
+        taken.append(ran is not None)
         return ran
 
     monkeypatch.setattr(fused_layer.FusedLayer, "forward", counted)
@@ -39,8 +40,8 @@ def _fused_and_lean(model, prompts, new, **kw):
     got = {}
     for fused in (True, False):
         runner = ModelRunner(model, num_blocks=128, page_size=4, **kw)
-        assert runner._lean is not None
-        runner._lean.fused_enabled = fused
+        assert runner.activations.lean is not None
+        runner.activations.lean.fused_enabled = fused
         got[fused] = drive_runner(runner, prompts, new, forced=True)
         runner.close()
     return got[True], got[False]
@@ -75,14 +76,14 @@ def test_layers_with_q_k_norms_take_the_one_call_bit_for_bit(monkeypatch, cache_
 
 
 def test_steps_above_max_rows_keep_the_lean_forward(monkeypatch):
-    """A step of more rows than `MAX_ROWS` runs the lean layer (no call is even tried)."""
+    """A step of more rows than `ONE_CALL_MAX_ROWS` runs the lean layer."""
     taken = _count_taken(monkeypatch)
-    monkeypatch.setattr(fused_layer, "MAX_ROWS", 3)
+    monkeypatch.setattr(linear_policy, "ONE_CALL_MAX_ROWS", 3)
     model = tm.llama().to(torch.bfloat16)
     runner = ModelRunner(model, num_blocks=128, page_size=4)
     drive_runner(runner, tm.random_prompts(5, 5, 2, 12), 2, forced=True)
     runner.close()
-    assert not taken
+    assert taken and not any(taken)
 
 
 @pytest.mark.parametrize("setup", ["chunked", "preempt", "prefix"])
@@ -94,8 +95,8 @@ def test_engine_outputs_are_the_same_with_and_without_the_one_call(setup):
     outs = {}
     for fused in (True, False):
         engine = Engine(model, config=ContinuousBatchingConfig(**cfg))
-        assert engine.runner._lean is not None
-        engine.runner._lean.fused_enabled = fused
+        assert engine.runner.activations.lean is not None
+        engine.runner.activations.lean.fused_enabled = fused
         with engine:
             got = engine.generate(prompts, SamplingParams(max_new_tokens=12), progress=False)
         outs[fused] = [o.token_ids for o in got]
