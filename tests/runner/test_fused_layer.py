@@ -9,9 +9,10 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
-from ferrobatch.cpu import amx_ops
+from ferrobatch.cpu import amx_ops, f32_ops
 from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import drive_runner
 
@@ -58,6 +59,32 @@ def test_the_one_call_layer_is_the_lean_layer_bit_for_bit(monkeypatch, name, cac
     kw = {} if cache_dtype is None else {"dtype": cache_dtype}
     fused, lean = _fused_and_lean(model, tm.random_prompts(3, 6, 2, 30), 8, **kw)
     assert sum(taken) >= len(taken) // 2 > 0
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not f32_ops.available(), reason="no f32_ops here")
+@pytest.mark.parametrize("rows,kind", [(2, Backend.AMX_OPS), (6, Backend.F32_OPS), (10, None)])
+def test_each_policy_segment_decides_the_one_call_and_stays_bit_equal(monkeypatch, rows,
+                                                                       kind):
+    """With the policy's thresholds forced low (fp32 copies from 4 rows, `f32_ops` up to 8),
+    decode steps of 2, 6 and 10 rows fall in its three segments for bf16 weights: the one
+    call on `amx_ops`, on `f32_ops`, and none (oneDNN's fp32 products: the lean forward);
+    each with logits bit-equal to the lean forward's."""
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: 4)
+    monkeypatch.setattr(linear_policy, "RULES", linear_policy.limited(Backend.F32_OPS, 8))
+    decided: list[tuple[int, Backend | None]] = []
+    own = fused_layer.FusedLayer.forward
+
+    def recorded(self, x, step, rope):
+        ran = own(self, x, step, rope)
+        decided.append((x.shape[0], ran))
+        return ran
+
+    monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
+    model = tm.llama().to(torch.bfloat16)
+    fused, lean = _fused_and_lean(model, tm.random_prompts(5, rows, 2, 12), 4)
+    assert {ran for n, ran in decided if n == rows} == {kind}
     for a, b in zip(fused, lean, strict=True):
         assert torch.equal(a, b)
 
