@@ -43,7 +43,7 @@ def _old_one_call(backend, rows):
     return {B.F32_OPS: True, B.AMX_OPS: False}.get(backend)
 
 
-ROWS = [1, 2, 3, 4, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1024]
+ROWS = [0, 1, 2, 3, 4, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1024]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -155,8 +155,8 @@ class Rule:
     """One row of the table: `backend` runs a call when its weights are of a format in
     `weights` (empty: any), this CPU has every feature of `needs` ("{w}" stands for the
     weight format), its rows are within `rows` and torch's threads within `threads`
-    (inclusive; None: no bound), and: with `fp32_copies`, the probe found fp32 copies faster
-    (from `Probe.fp32_from_rows` rows: the floor of `rows` rises to it); with
+    (inclusive; None: no bound), and: with `fp32_copies`, the probe found fp32 copies
+    faster (from `Probe.fp32_from_rows` rows: the floor of `rows` rises to it); with
     `fp32_outputs`, the caller takes fp32 outputs; with `max_share`, a timed probe found the
     backend below that share of `F.linear`'s time (`Probe.share`). `use`: "product" rules
     apply to every caller, "head" ones to the output head, "greedy" ones to the greedy head
@@ -165,7 +165,7 @@ class Rule:
     backend: Backend
     weights: frozenset[str] = ANY
     needs: tuple[str, ...] = ()
-    rows: tuple[int, int | None] = (1, None)
+    rows: tuple[int, int | None] = (0, None)
     threads: tuple[int, int | None] = (1, None)
     fp32_copies: bool = False
     fp32_outputs: bool = False
@@ -213,20 +213,20 @@ RULES: tuple[Rule, ...] = (
          fp32_copies=True, use="greedy",
          why="35 ms instead of the bf16 screen's 46 at 64 rows of SmolLM2's head"),
     # products
-    Rule(Backend.F32_OPS, HALF, ("f32_ops",), rows=(1, F32_KERNEL_ROWS), fp32_copies=True,
+    Rule(Backend.F32_OPS, HALF, ("f32_ops",), rows=(0, F32_KERNEL_ROWS), fp32_copies=True,
          why="fp32 copies where fp32 products are faster (AVX-512 BF16 without AMX)"),
     Rule(Backend.ONEDNN_FP32, HALF, ("onednn:float32",), fp32_copies=True,
          why="fp32 copies beyond f32_ops' rows"),
-    Rule(Backend.AMX_OPS, _BF16, ("amx",), rows=(1, AMX_ROWS), fp32_outputs=True,
+    Rule(Backend.AMX_OPS, _BF16, ("amx",), rows=(0, AMX_ROWS), fp32_outputs=True,
          why="AMX tiles: twice oneDNN's speed at one row, level at 64, up to 1.5x slower "
              "from 256"),
     Rule(Backend.AMX_OPS, _BF16, ("avx512_bf16",), threads=(1, 1), fp32_outputs=True,
          why="one thread: 1.5-2x oneDNN at one row, level at 64-256, 0.87-0.94x at 1024, "
              "which costs less end to end than oneDNN's bf16-rounded outputs"),
-    Rule(Backend.AMX_OPS, _BF16, ("avx512_bf16",), rows=(1, AMX_ROWS), threads=(2, None),
+    Rule(Backend.AMX_OPS, _BF16, ("avx512_bf16",), rows=(0, AMX_ROWS), threads=(2, None),
          fp32_outputs=True,
          why="more threads: oneDNN's product splits better from 256 rows (0.6-0.9x)"),
-    Rule(Backend.F32_OPS, _FP32, ("f32_ops",), rows=(1, F32_KERNEL_ROWS),
+    Rule(Backend.F32_OPS, _FP32, ("f32_ops",), rows=(0, F32_KERNEL_ROWS),
          why="1.2-2.7x oneDNN's packed fp32 product at 1-4 rows, level at 16-64"),
     Rule(Backend.ONEDNN, ANY, _ONEDNN,
          why="the weight packed once (F.linear reorders a half weight on every call)"),
@@ -369,7 +369,7 @@ def describe(fmt: str, isa: Isa, probe: Probe, threads: int) -> str:
         if rule.use == "product":
             lo = max(rule.rows[0], probe.fp32_from_rows or 1) if rule.fp32_copies \
                 else rule.rows[0]
-            cuts.add(lo)
+            cuts.add(max(lo, 1))
             if rule.rows[1] is not None:
                 cuts.add(rule.rows[1] + 1)
     starts = sorted(cuts)
