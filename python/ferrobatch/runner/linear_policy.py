@@ -263,7 +263,11 @@ def one_call(backend: Backend, rows: int) -> bool | None:
     `amx_ops`, None not at all."""
     if rows > ONE_CALL_MAX_ROWS:
         return None
-    return {Backend.F32_OPS: True, Backend.AMX_OPS: False}.get(backend)
+    return _ONE_CALL.get(backend)
+
+
+#: the products the one-call layer runs on, as `one_call` names them (True: fp32 weights)
+_ONE_CALL = {Backend.F32_OPS: True, Backend.AMX_OPS: False}
 
 
 def rows_from(use: str, dtype: torch.dtype | str, isa: Isa, probe: Probe,
