@@ -5,7 +5,7 @@ largest error against the exact product of the bf16-rounded input.
 
     .venv/bin/python benches/amx_linear.py --threads 1
     .venv/bin/python benches/amx_linear.py --fp32    # also oneDNN's fp32 product of the
-                                                     # widened weight (`fp32_products`)
+                                                     # widened weight (`linear_policy`'s probe)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from ferrobatch.cpu import amx_ops
+from ferrobatch.cpu import amx_ops, onednn
 from ferrobatch.cpu.threads import share_torch_openmp
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -49,19 +49,18 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k) * 0.05).bfloat16()
         amx_w = amx_ops.pack(w)
-        dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        wide_w = torch.ops.mkldnn._reorder_linear_weight(w.float(), 64) if args.fp32 else None
+        dnn_w = onednn.pack(w)
+        wide_w = onednn.pack(w.float()) if args.fp32 else None
         for rows in args.rows:
             x = torch.randn(rows, k)
             def amx(x=x, amx_w=amx_w):
                 return amx_ops.linear(x, amx_w)
 
             def dnn(x=x, dnn_w=dnn_w):
-                return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), dnn_w, None,
-                                                          "none", [], "")
+                return onednn.linear(x.to(torch.bfloat16), dnn_w)
 
             def wide(x=x, wide_w=wide_w):
-                return torch.ops.mkldnn._linear_pointwise(x, wide_w, None, "none", [], "")
+                return onednn.linear(x, wide_w)
 
             calls = max(3, 20000 // rows)
             ta, td, tw = [], [], []

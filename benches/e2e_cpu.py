@@ -11,6 +11,7 @@ CPU time (the latter is steadier when other work shares the cores), with ratios.
     python benches/e2e_cpu.py --smollm2        # bundled SmolLM2-135M-Instruct, 64 chat prompts
     python benches/e2e_cpu.py --only ferrobatch --page-size 64 --max-batch-tokens 1024
     python benches/e2e_cpu.py --only ferrobatch --async   # the async pipeline on CPU
+    python benches/e2e_cpu.py --only ferrobatch --dtype bfloat16   # the model in bf16
 """
 
 from __future__ import annotations
@@ -179,6 +180,8 @@ def main() -> None:
         "--generate-batch-repeats", type=int, default=1,
         help="timed runs of generate_batch (slow; at most --repeats)",
     )
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the model's dtype (fp32 by default)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     if args.only is None:
@@ -194,14 +197,14 @@ def main() -> None:
     if args.smollm2:
         from ferrobatch.models import load_model
 
-        model, tok = load_model(None, device="cpu", dtype=torch.float32)
+        model, tok = load_model(None, device="cpu", dtype=getattr(torch, args.dtype))
         model.generation_config.eos_token_id = None  # the bench's own copy: EOS off
         prompts = smollm2_prompts(tok, args.prompts)
-        workload = f"SmolLM2-135M-Instruct fp32, {args.prompts} chat prompts"
+        workload = f"SmolLM2-135M-Instruct {args.dtype}, {args.prompts} chat prompts"
     else:
-        model = tiny_llama_model()
+        model = tiny_llama_model().to(getattr(torch, args.dtype))
         prompts = tiny_llama_prompts(args.prompts)
-        workload = f"tiny-llama, {args.prompts} prompts of 16..256 tokens"
+        workload = f"tiny-llama {args.dtype}, {args.prompts} prompts of 16..256 tokens"
     new = args.max_new_tokens
     n_tokens = new * len(prompts)
     print(

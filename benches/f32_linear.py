@@ -1,5 +1,5 @@
 """`ferrobatch.cpu.f32_ops.linear` (AVX-512F, packed fp32 weights) against oneDNN's packed fp32
-product (`torch.ops.mkldnn._linear_pointwise`, as the packed linears call it) at
+product (`ferrobatch.cpu.onednn.linear`, as the packed linears call it) at
 SmolLM2-135M's product shapes plus its head, interleaved, medians of `--repeats`, and each
 one's largest error against an fp64 product.
 
@@ -14,7 +14,7 @@ import statistics
 
 import torch
 from amx_linear import SHAPES, timed  # (benches/ is the script's directory)
-from ferrobatch.cpu import f32_ops
+from ferrobatch.cpu import f32_ops, onednn
 from ferrobatch.cpu.threads import share_torch_openmp
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     for name, (n, k) in {**SHAPES, "head": (49152, 576)}.items():
         w = torch.randn(n, k) * 0.05
         ours_w = f32_ops.pack(w)
-        dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        dnn_w = onednn.pack(w)
         for rows in args.rows:
             x = torch.randn(rows, k)
             out = torch.empty(rows, n)
@@ -43,7 +43,7 @@ def main() -> None:
                 return f32_ops.linear(x, ours_w, out)
 
             def dnn(x=x, dnn_w=dnn_w):
-                return torch.ops.mkldnn._linear_pointwise(x, dnn_w, None, "none", [], "")
+                return onednn.linear(x, dnn_w)
 
             calls = max(3, int(2e8 / (rows * n * k)))
             a, b = [], []

@@ -39,7 +39,7 @@ def main() -> None:
     model, prompts = e2e_cpu.ab_workload(workload, getattr(torch, dtype))
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     engine = Engine(model, config=ContinuousBatchingConfig(allow_block_sharing=False))
-    lean, linears = engine.runner._lean, engine.runner._linears
+    lean, linears = engine.runner.activations.lean, engine.runner.activations.linears
     if switch == "f32":
         if linears is None or not linears.f32_kernel:
             sys.exit("no fp32 products on f32_ops here (no AVX-512F, or no fp32 products)")

@@ -304,7 +304,7 @@ def run_ferrobatch(model: Any, prompts: list[list[int]], new: int, cfg: Any, *,
         stats["use_cuda_graph"] = bool(runner.use_cuda_graph)
         stats["async_batching"] = bool(engine.async_batching)
         stats["cuda_graphs"] = runner.graph_stats()
-        stats["split_head_error"] = getattr(runner, "split_head_error", None)
+        stats["split_head_error"] = getattr(getattr(runner, "head", None), "split_error", None)
         stats["cache_gib"] = round(runner.cache.nbytes / 2**30, 3)
         stats["attention_backend"] = runner.attention_backend
     finally:
@@ -735,12 +735,12 @@ def _parity_model(args: argparse.Namespace, dev: torch.device, kind: str, n: int
 @contextlib.contextmanager
 def graphs_off(runner: Any) -> Iterator[None]:
     """Run `runner`'s steps eager for the block (its graph cache set aside)."""
-    saved = runner._graphs
-    runner._graphs = None
+    saved = runner.graphs.cache
+    runner.graphs.cache = None
     try:
         yield
     finally:
-        runner._graphs = saved
+        runner.graphs.cache = saved
 
 
 def _device_times(events: Any) -> tuple[float, float]:
@@ -785,7 +785,7 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
         from ferrobatch.cuda import triton_attention as ta
 
         interp = ta.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-        runner._setup_graphs("eager", max_graphs=4, backend="triton" if interp else "torch")
+        runner.graphs.setup("eager", max_graphs=4, backend="triton" if interp else "torch")
     planner = RefPlanner(page_size=page, num_blocks=num_blocks, layer_types=[FULL],
                          sliding_window=None)
     rng = random.Random(0)
@@ -845,7 +845,7 @@ def section_decode_step(args: argparse.Namespace, dev: torch.device) -> dict[str
         eager_logits = runner.execute(plan).float().cpu()
     if eager_prof:
         out["kernel_us"], out["eager_device_us"] = eager_prof
-    if runner._graphs is not None:
+    if runner.graphs.cache is not None:
         out["graph_wall_us"] = wall_us()
         out["graph_event_us"] = event_us()
         graph_prof = profiled()

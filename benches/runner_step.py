@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
 
+from ferrobatch.runner.linear_policy import Backend  # noqa: E402
 from ferrobatch.runner.model_runner import ModelRunner  # noqa: E402
 from ref_planner import RefPlanner  # noqa: E402
 from tiny_models import bench_llama  # noqa: E402
@@ -97,12 +98,12 @@ def main() -> None:
     hidden = torch.randn(batch, cfg.hidden_size)
     with torch.inference_mode():
         t_head = timeit(lambda: model.lm_head(hidden))
-        t_runner_head = timeit(lambda: runner._head_logits(hidden))
-        t_screen = (timeit(lambda: runner._greedy_head.argmax(hidden))
+        t_runner_head = timeit(lambda: runner.head.logits(hidden))
+        t_screen = (timeit(lambda: runner.head.greedy.argmax(hidden))
                     if runner.fast_greedy else None)
     head_gflop = 2 * batch * cfg.hidden_size * cfg.vocab_size / 1e9
-    path = ("oneDNN, reordered weight" if runner._use_head_packed
-            else "transposed copy" if runner._use_head_wt else "F.linear")
+    path = {Backend.ONEDNN: "oneDNN, reordered weight",
+            Backend.TRANSPOSED: "transposed copy"}.get(runner.head.backend, "F.linear")
     print(f"decode step, batch {batch}, page {page}, keys {min(lens)}..{lmax} "
           f"(mean {sum(lens) / batch:.0f}), 1 thread, CPU ms")
     print(f"  ferrobatch ModelRunner.execute : {t_runner:7.2f} ms")
@@ -115,7 +116,7 @@ def main() -> None:
           f"({head_gflop / t_runner_head * 1e3:.0f} GFLOP/s, {path})")
     if t_screen is not None:
         print(f"  greedy tokens via the screen   : {t_screen:7.2f} ms  "
-              f"({'int8' if runner._greedy_head.int8 else 'bf16'} product + fp32 rescoring "
+              f"({'int8' if runner.head.greedy.int8 else 'bf16'} product + fp32 rescoring "
               "of the candidates)")
 
 
@@ -140,8 +141,9 @@ def head_rows_text(model, tokenizer, rows: int = 64) -> torch.Tensor:
 
 def head_main() -> None:
     """`GreedyHead.argmax` CPU time per call at 64 rows, each screen, 1 thread."""
+    from ferrobatch.cpu import onednn
     from ferrobatch.models import bundled_model_dir
-    from ferrobatch.runner.greedy_head import GreedyHead, _mkldnn_linear
+    from ferrobatch.runner.greedy_head import GreedyHead
     from ferrobatch.workloads import tiny_llama_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,7 +162,7 @@ def head_main() -> None:
         head.argmax(hidden)  # derives the packed bf16 weight
         with torch.inference_mode():
             rows = hidden.bfloat16()
-            t = timeit(lambda: _mkldnn_linear(rows, head._packed), 20)  # noqa: B023
+            t = timeit(lambda: onednn.linear(rows, head._packed), 20)  # noqa: B023
         print(f"  {name:38s} {'(bf16 product alone)':17s}: {t:7.3f} ms")
         for int8 in (False, True):
             head = GreedyHead(weight)

@@ -58,9 +58,8 @@ ALLOWED_LOCAL = {
     "ferrobatch` loads no torch",
 }
 
-# Rooms whose function-local imports another branch is converting (py-forward); the cycle
-# and layer checks cover them already. Empty this when that branch is merged.
-LOCAL_CHECK_PENDING = {"runner", "attention", "cpu", "cuda"}
+# Rooms exempt from the `# local:` rule (none: every room follows it).
+LOCAL_CHECK_PENDING: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

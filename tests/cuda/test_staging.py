@@ -72,7 +72,7 @@ def test_graph_steps_upload_no_plan_arrays_and_eager_steps_one_batch(monkeypatch
     previous step's samples."""
     model = tm.llama()
     runner = ModelRunner(model, num_blocks=64, page_size=4, attention_backend="torch")
-    runner._setup_graphs("eager", max_graphs=2, buckets=GraphBuckets(
+    runner.graphs.setup("eager", max_graphs=2, buckets=GraphBuckets(
         q_interval=4, kv_interval=8, max_tokens=64, max_rows=64,
         num_kv_heads=runner.cache.num_kv_heads))
     seen = _uploads(monkeypatch, runner)
@@ -104,11 +104,11 @@ def test_graph_steps_upload_no_plan_arrays_and_eager_steps_one_batch(monkeypatch
     assert runner.graph_stats()["graph_steps"] == 2
     assert seen == [["pos", "src"]]
     # the same step eager: one batch with the fill indices
-    saved, runner._graphs = runner._graphs, None
+    saved, runner.graphs.cache = runner.graphs.cache, None
     seen.clear()
     runner.execute(plan, prev_tokens=sampled)
     assert seen == [["input_ids", "positions", "logits_indices", "fill_pos", "fill_src"]]
-    runner._graphs = saved
+    runner.graphs.cache = saved
     runner.close()
 
 

@@ -10,20 +10,37 @@ import torch
 from ferrobatch import _core
 from ferrobatch.cpu import amx_ops
 from ferrobatch.cpu.arrays import numpy_view
+from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
+from ferrobatch.runner.linear_policy import Backend
 from isa_helpers import needs_isa
 
 needs_amx = needs_isa(amx_ops.available(), "avx512_bf16", "amx_bf16",
                       what="bf16 products with fp32 outputs")
 
 
+def _max_rows(isa: linear_policy.Isa, threads: int) -> int | None:
+    """The most rows the policy sends to `amx_ops` (None: any up to 4096; 0: none)."""
+    took = [rows for rows in (1, 2, 63, 64, 65, 256, 4096)
+            if linear_policy.choose(torch.bfloat16, rows, isa, linear_policy.Probe(),
+                                    fp32_outputs=True, threads=threads) is Backend.AMX_OPS]
+    return 0 if not took else None if took[-1] == 4096 else took[-1]
+
+
 def test_backend_is_named_and_sets_the_row_limit() -> None:
     name = amx_ops.backend()
     assert name in ("amx", "avx512_bf16", "none")
     assert amx_ops.available() == (name != "none")
-    assert amx_ops.max_rows() == {"amx": 64, "avx512_bf16": None, "none": 0}[name]
-    assert amx_ops.max_rows(2) == {"amx": 64, "avx512_bf16": 64, "none": 0}[name]
-    assert amx_ops.takes(1) == (name != "none")
+    isa = linear_policy.Isa.detect()
+    assert _max_rows(isa, 1) == {"amx": 64, "avx512_bf16": None, "none": 0}[name]
+    assert _max_rows(isa, 2) == {"amx": 64, "avx512_bf16": 64, "none": 0}[name]
+    # the row limit per backend whatever this CPU is
+    for backend, one, more in (("amx", 64, 64), ("avx512_bf16", None, 64)):
+        other = linear_policy.Isa(frozenset({backend, "onednn:bfloat16"}))
+        assert (_max_rows(other, 1), _max_rows(other, 2)) == (one, more)
+    # only for callers that take fp32 outputs
+    assert linear_policy.choose(torch.bfloat16, 1, isa, linear_policy.Probe()) \
+        is not Backend.AMX_OPS
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -96,7 +113,7 @@ def test_packed_linears_widen_products_of_up_to_max_rows() -> None:
     layer = model.model.layers[0].mlp.down_proj
     packed = lin.packed_of([layer])
     assert packed is not None
-    limit = amx_ops.max_rows(torch.get_num_threads())
+    limit = _max_rows(linear_policy.Isa.detect(), torch.get_num_threads())
     for rows in (1, 300 if limit is None else limit):
         x = torch.randn(rows, layer.in_features)
         got = lin.wide_product(packed, x)

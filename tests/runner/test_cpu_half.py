@@ -68,7 +68,7 @@ def test_packed_linears_group_and_leave_the_model_as_it_was():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
     runner = ModelRunner(model, num_blocks=64, page_size=4)
-    lin = runner._linears
+    lin = runner.activations.linears
     assert lin is not None and lin.weight_dtype == torch.bfloat16
     assert lin.num_groups == 2 * model.config.num_hidden_layers  # q/k/v and gate/up
     assert runner.activation_dtype == torch.float32  # the fp32 residual stream holds here
@@ -123,7 +123,7 @@ def test_weights_replaced_are_packed_again():
     step computes with the new one (packed again; the lean layers read the new norm)."""
     model = _half("llama")
     runner = ModelRunner(model, num_blocks=64, page_size=4)
-    assert runner._lean is not None  # the norm is read by the lean layers
+    assert runner.activations.lean is not None  # the norm is read by the lean layers
     prompts = tm.random_prompts(2, 2, 4, 8)
     first = drive_runner(runner, prompts, 1)[0]
     layer = model.model.layers[0]

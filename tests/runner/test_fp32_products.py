@@ -1,5 +1,5 @@
 """fp32 products of half-precision weights where they are faster (`ferrobatch.runner.
-fp32_products`): the probe's verdict, the packed linears' and lean layers' use of the fp32
+linear_policy`'s probe): the probe's verdict, the packed linears' and lean layers' use of the fp32
 copies from `fp32_rows` rows (forced here, whatever this CPU's verdict), and bf16 quality
 with them under every scheduling mode."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.cpu import fused_ops
-from ferrobatch.runner import activations, cpu_linear, fp32_products
+from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement
@@ -26,45 +26,45 @@ ROWS = 4  # forced threshold: the tests' steps have rows on both sides of it
 @pytest.fixture
 def forced(monkeypatch):
     """fp32 products from `ROWS` rows, whatever this CPU's probe says."""
-    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: ROWS)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: ROWS)
 
 
 @pytest.fixture
 def never(monkeypatch):
-    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: None)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: None)
 
 
-@pytest.mark.parametrize("gain,rows", [(2.0, fp32_products.FP32_ROWS), (1.1, None)])
+@pytest.mark.parametrize("gain,rows", [(2.0, linear_policy.FP32_ROWS), (1.1, None)])
 def test_the_probe_uses_fp32_only_where_it_is_clearly_faster(monkeypatch, gain, rows):
-    fp32_products.fp32_from_rows.cache_clear()
-    monkeypatch.setattr(fp32_products, "measure_gain", lambda dtype: gain)
+    linear_policy.fp32_from_rows.cache_clear()
+    monkeypatch.setattr(linear_policy, "measure_gain", lambda dtype: gain)
     try:
-        assert fp32_products.fp32_from_rows(torch.bfloat16) == rows
+        assert linear_policy.fp32_from_rows(torch.bfloat16) == rows
     finally:
-        fp32_products.fp32_from_rows.cache_clear()
+        linear_policy.fp32_from_rows.cache_clear()
 
 
 def test_a_product_the_cpu_refuses_means_no_fp32_copies(monkeypatch):
     def refuse(dtype):
         raise RuntimeError("no fp16 product here\nmore")
 
-    fp32_products.fp32_from_rows.cache_clear()
-    monkeypatch.setattr(fp32_products, "measure_gain", refuse)
+    linear_policy.fp32_from_rows.cache_clear()
+    monkeypatch.setattr(linear_policy, "measure_gain", refuse)
     try:
-        assert fp32_products.fp32_from_rows(torch.float16) is None
+        assert linear_policy.fp32_from_rows(torch.float16) is None
     finally:
-        fp32_products.fp32_from_rows.cache_clear()
+        linear_policy.fp32_from_rows.cache_clear()
 
 
 def test_the_measured_gain_is_a_positive_ratio():
-    gain = fp32_products.measure_gain(torch.bfloat16, rounds=1)
+    gain = linear_policy.measure_gain(torch.bfloat16, rounds=1)
     assert 0 < gain < 100
 
 
 def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced):
     model = tm.llama().to(torch.bfloat16)
     runner = ModelRunner(model, num_blocks=64, page_size=4)
-    lin = runner._linears
+    lin = runner.activations.linears
     assert lin is not None and lin.fp32_rows == ROWS
     attn = model.model.layers[0].self_attn
     packed = lin.packed_of([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -72,7 +72,7 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
     w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
     gen = torch.Generator().manual_seed(0)
     # (up to F32_KERNEL_ROWS on f32_ops where it runs, oneDNN's fp32 product beyond)
-    for rows in (ROWS, 3 * ROWS + 1, cpu_linear.F32_KERNEL_ROWS + 1):
+    for rows in (ROWS, 3 * ROWS + 1, linear_policy.F32_KERNEL_ROWS + 1):
         x = torch.randn(rows, w.shape[1], generator=gen)
         assert lin.input_dtype(rows) == torch.float32
         got = lin.wide_product(packed, x)
@@ -96,12 +96,12 @@ def test_general_layers_keep_their_output_dtypes(forced):
     model = tm.gemma2().to(torch.bfloat16)
     prompts = tm.random_prompts(3, 6, 3, 12)
     runner = ModelRunner(model, num_blocks=64, page_size=4)
-    assert runner._linears is not None and runner._linears.fp32_rows == ROWS
-    assert runner._lean is None
+    assert runner.activations.linears is not None and runner.activations.linears.fp32_rows == ROWS
+    assert runner.activations.lean is None
     got = drive_runner(runner, prompts, 4, forced=True)
     runner.close()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(activations, "fp32_from_rows", lambda dtype: None)
+        mp.setattr(linear_policy, "fp32_from_rows", lambda dtype: None)
         plain = ModelRunner(model, num_blocks=64, page_size=4)
         want = drive_runner(plain, prompts, 4, forced=True)
         plain.close()
@@ -117,7 +117,8 @@ def test_lean_layers_on_fp32_copies_compute_what_the_own_layers_compute(forced, 
     got = {}
     for lean in (True, False):
         runner = ModelRunner(model, num_blocks=128, page_size=4, lean_layers=lean)
-        assert (runner._lean is not None) == lean and runner._linears.fp32_rows == ROWS
+        assert (runner.activations.lean is not None) == lean
+        assert runner.activations.linears.fp32_rows == ROWS
         got[lean] = drive_runner(runner, prompts, 6, forced=True)
         runner.close()
     for a, b in zip(got[True], got[False], strict=True):
@@ -135,9 +136,9 @@ def test_bf16_on_fp32_copies_is_at_least_as_close_to_fp32_as_without(forced, set
     scores = {}
     for rows in (ROWS, None):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(activations, "fp32_from_rows", lambda dtype, rows=rows: rows)
+            mp.setattr(linear_policy, "fp32_from_rows", lambda dtype, rows=rows: rows)
             with Engine(bf16, config=cfg) as engine:
-                assert engine.runner._linears.fp32_rows == rows
+                assert engine.runner.activations.linears.fp32_rows == rows
                 outs = engine.generate(prompts, sp, progress=False)
                 stats = engine.stats()
         scores[rows] = agreement([o.token_ids for o in outs], ref)["tokens"]
@@ -170,7 +171,7 @@ def test_every_copy_is_packed_at_construction(forced):
     """No step pays for packing: the fp32 copies (oneDNN's and, where it runs, `f32_ops`'),
     and the `amx_ops` one where it runs, exist once the runner is built."""
     runner = ModelRunner(tm.llama().to(torch.bfloat16), num_blocks=64, page_size=4)
-    lin = runner._linears
+    lin = runner.activations.linears
     assert lin is not None
     for packed in lin._packs:
         assert packed.wide is not None

@@ -9,9 +9,10 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
-from ferrobatch.cpu import amx_ops
-from ferrobatch.runner import fused_layer
+from ferrobatch.cpu import amx_ops, f32_ops
+from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from isa_helpers import needs_isa
 from ref_planner import drive_runner
@@ -26,12 +27,13 @@ pytestmark = [
 
 
 def _count_taken(monkeypatch) -> list[bool]:
+    """Whether each step's one-call decision ran the layer."""
     taken: list[bool] = []
     own = fused_layer.FusedLayer.forward
 
     def counted(self, *args, **kwargs):
         ran = own(self, *args, **kwargs)
-        taken.append(ran)
+        taken.append(ran is not None)
         return ran
 
     monkeypatch.setattr(fused_layer.FusedLayer, "forward", counted)
@@ -42,8 +44,8 @@ def _fused_and_lean(model, prompts, new, **kw):
     got = {}
     for fused in (True, False):
         runner = ModelRunner(model, num_blocks=128, page_size=4, **kw)
-        assert runner._lean is not None
-        runner._lean.fused_enabled = fused
+        assert runner.activations.lean is not None
+        runner.activations.lean.fused_enabled = fused
         got[fused] = drive_runner(runner, prompts, new, forced=True)
         runner.close()
     return got[True], got[False]
@@ -64,6 +66,32 @@ def test_the_one_call_layer_is_the_lean_layer_bit_for_bit(monkeypatch, name, cac
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not f32_ops.available(), reason="no f32_ops here")
+@pytest.mark.parametrize("rows,kind", [(2, Backend.AMX_OPS), (6, Backend.F32_OPS), (10, None)])
+def test_each_policy_segment_decides_the_one_call_and_stays_bit_equal(monkeypatch, rows,
+                                                                       kind):
+    """With the policy's thresholds forced low (fp32 copies from 4 rows, `f32_ops` up to 8),
+    decode steps of 2, 6 and 10 rows fall in its three segments for bf16 weights: the one
+    call on `amx_ops`, on `f32_ops`, and none (oneDNN's fp32 products: the lean forward);
+    each with logits bit-equal to the lean forward's."""
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: 4)
+    monkeypatch.setattr(linear_policy, "RULES", linear_policy.limited(Backend.F32_OPS, 8))
+    decided: list[tuple[int, Backend | None]] = []
+    own = fused_layer.FusedLayer.forward
+
+    def recorded(self, x, step, rope):
+        ran = own(self, x, step, rope)
+        decided.append((x.shape[0], ran))
+        return ran
+
+    monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
+    model = tm.llama().to(torch.bfloat16)
+    fused, lean = _fused_and_lean(model, tm.random_prompts(5, rows, 2, 12), 4)
+    assert {ran for n, ran in decided if n == rows} == {kind}
+    for a, b in zip(fused, lean, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("cache_dtype", [None, torch.float32])
 def test_layers_with_q_k_norms_take_the_one_call_bit_for_bit(monkeypatch, cache_dtype):
     """Qwen3's per-head q/k norms run inside the one call as in the lean forward: taken,
@@ -78,14 +106,14 @@ def test_layers_with_q_k_norms_take_the_one_call_bit_for_bit(monkeypatch, cache_
 
 
 def test_steps_above_max_rows_keep_the_lean_forward(monkeypatch):
-    """A step of more rows than `MAX_ROWS` runs the lean layer (no call is even tried)."""
+    """A step of more rows than `ONE_CALL_MAX_ROWS` runs the lean layer."""
     taken = _count_taken(monkeypatch)
-    monkeypatch.setattr(fused_layer, "MAX_ROWS", 3)
+    monkeypatch.setattr(linear_policy, "ONE_CALL_MAX_ROWS", 3)
     model = tm.llama().to(torch.bfloat16)
     runner = ModelRunner(model, num_blocks=128, page_size=4)
     drive_runner(runner, tm.random_prompts(5, 5, 2, 12), 2, forced=True)
     runner.close()
-    assert not taken
+    assert taken and not any(taken)
 
 
 @pytest.mark.parametrize("setup", ["chunked", "preempt", "prefix"])
@@ -97,8 +125,8 @@ def test_engine_outputs_are_the_same_with_and_without_the_one_call(setup):
     outs = {}
     for fused in (True, False):
         engine = Engine(model, config=ContinuousBatchingConfig(**cfg))
-        assert engine.runner._lean is not None
-        engine.runner._lean.fused_enabled = fused
+        assert engine.runner.activations.lean is not None
+        engine.runner.activations.lean.fused_enabled = fused
         with engine:
             got = engine.generate(prompts, SamplingParams(max_new_tokens=12), progress=False)
         outs[fused] = [o.token_ids for o in got]

@@ -11,8 +11,9 @@ import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
 from ferrobatch.cpu import f32_ops
-from ferrobatch.runner import activations, cpu_linear, fused_layer
+from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from isa_helpers import needs_isa
 from ref_planner import drive_runner
@@ -30,9 +31,9 @@ def _record(monkeypatch) -> list[tuple[bool, bool]]:
     seen: list[tuple[bool, bool]] = []
     own = fused_layer.FusedLayer.forward
 
-    def recorded(self, x, step, cos, sin, wide=False):
-        ran = own(self, x, step, cos, sin, wide)
-        seen.append((ran, wide))
+    def recorded(self, x, step, rope):
+        ran = own(self, x, step, rope)
+        seen.append((ran is not None, ran is Backend.F32_OPS))
         return ran
 
     monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
@@ -43,8 +44,8 @@ def _fused_and_lean(model, prompts, new, **kw):
     got = {}
     for fused in (True, False):
         runner = ModelRunner(model, num_blocks=128, page_size=4, **kw)
-        assert runner._lean is not None and runner._linears.f32_kernel
-        runner._lean.fused_enabled = fused
+        assert runner.activations.lean is not None and runner.activations.linears.f32_kernel
+        runner.activations.lean.fused_enabled = fused
         got[fused] = drive_runner(runner, prompts, new, forced=True)
         runner.close()
     return got[True], got[False]
@@ -68,7 +69,7 @@ def test_fp32_copies_of_half_weights_take_the_one_call_on_f32_products(monkeypat
     """A bf16 model whose products of >= 2 rows run on fp32 copies (forced): those steps
     take the one call on f32 products (the attention output widened from the cache's type),
     bit-equal to the lean layer."""
-    monkeypatch.setattr(activations, "fp32_from_rows", lambda dtype: 2)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: 2)
     seen = _record(monkeypatch)
     model = tm.llama().to(torch.bfloat16)
     kw = {} if cache_dtype is None else {"dtype": cache_dtype}
@@ -79,8 +80,9 @@ def test_fp32_copies_of_half_weights_take_the_one_call_on_f32_products(monkeypat
 
 
 def test_steps_above_the_kernels_rows_keep_the_lean_forward(monkeypatch):
-    """Beyond `F32_KERNEL_ROWS` fp32 products go to oneDNN: no one call on them."""
-    monkeypatch.setattr(cpu_linear, "F32_KERNEL_ROWS", 2)
+    """Beyond `f32_ops`' rows (the policy's `F32_KERNEL_ROWS`) fp32 products go to oneDNN:
+    no one call on them."""
+    monkeypatch.setattr(linear_policy, "RULES", linear_policy.limited(Backend.F32_OPS, 2))
     seen = _record(monkeypatch)
     runner = ModelRunner(tm.llama(), num_blocks=128, page_size=4)
     drive_runner(runner, tm.random_prompts(5, 5, 2, 12), 3, forced=True)
@@ -94,7 +96,7 @@ def test_fp32_engine_outputs_equal_generate_with_the_one_call():
     model = tm.llama()
     prompts = tm.random_prompts(6, 5, 3, 40)
     with Engine(model, config=ContinuousBatchingConfig(page_size=4, num_blocks=256)) as engine:
-        assert engine.runner._linears.f32_kernel
+        assert engine.runner.activations.linears.f32_kernel
         got = engine.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)
     for p, o in zip(prompts, got, strict=True):
         ids = torch.tensor([p])

@@ -30,7 +30,7 @@ def test_engine_with_padded_graph_steps_matches_generate(name, use_async):
                for _ in range(7)]
     new = 10
     with Engine(model, config=cfg) as engine:
-        engine.runner._setup_graphs("eager", config=cfg, max_graphs=4)
+        engine.runner.graphs.setup("eager", config=cfg, max_graphs=4)
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True),
                                progress=False)
         stats = engine.runner.graph_stats()

@@ -70,7 +70,7 @@ def test_input_ids_from_previous_samples(backend):
     fake2 = _with_prev_index(plan2, np.full(3, -1))
     torch.testing.assert_close(runner.execute(fake2, prev_tokens=sampled),
                                ref.execute(plan2), atol=1e-5, rtol=1e-5)
-    if runner._graphs is not None:
+    if runner.graphs.cache is not None:
         assert runner.graph_stats()["graph_steps"] == 2
     runner.close()
     ref.close()
@@ -96,7 +96,7 @@ def _padded_runner(model, *, max_graphs=3, num_blocks=128, kv_interval=8):
     from ferrobatch.cuda.graphs import GraphBuckets
 
     runner = ModelRunner(model, num_blocks=num_blocks, page_size=PAGE, attention_backend="torch")
-    runner._setup_graphs("eager", max_graphs=max_graphs, buckets=GraphBuckets(
+    runner.graphs.setup("eager", max_graphs=max_graphs, buckets=GraphBuckets(
         q_interval=4, kv_interval=kv_interval, max_tokens=64, max_rows=64,
         num_kv_heads=runner.cache.num_kv_heads))
     return runner
@@ -171,10 +171,10 @@ def test_padding_writes_only_the_scratch_chunk_and_reads_only_the_zero_chunk(nam
     plain = ModelRunner(model, num_blocks=64, page_size=PAGE)
     plain.cache.storage.copy_(runner.cache.storage)
     plan = planner.plan([(f"r{i}", 1) for i in range(n)])  # 3 rows -> padded to 4
-    padded = graphs.pad_plan(plan, runner._buckets, page_size=PAGE,
+    padded = graphs.pad_plan(plan, runner.graphs.buckets, page_size=PAGE,
                              sliding_window=runner.sliding_window)
     assert padded.key.tokens > n
-    graph = runner._graphs.get(padded.key)
+    graph = runner.graphs.cache.get(padded.key)
     cache = runner.cache
     store = cache.storage.view(cache.num_layers, 2, cache.num_chunks, PAGE, -1)
     before = store.clone()
@@ -206,7 +206,7 @@ def test_graph_stats_and_the_eager_bound():
     _, runner, planner, n = _decode_setup("llama")
     stats = runner.graph_stats()
     assert stats["enabled"] and stats["mode"] == "eager" and stats["eager_steps"] == 1
-    runner._buckets = GraphBuckets(q_interval=2, kv_interval=8, max_tokens=2, max_rows=2,
+    runner.graphs.buckets = GraphBuckets(q_interval=2, kv_interval=8, max_tokens=2, max_rows=2,
                                    num_kv_heads=2)
     logits = runner.execute(planner.plan([(f"r{i}", 1) for i in range(n)]))
     assert logits.shape[0] == n
@@ -226,8 +226,8 @@ def test_failed_capture_turns_graphs_off_and_runs_eager(caplog):
     def broken(key):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    runner._graphs._capture = broken
-    runner._graph_mode = "cuda"  # the fallback only applies to real captures
+    runner.graphs.cache._capture = broken
+    runner.graphs.mode = "cuda"  # the fallback only applies to real captures
     plan = planner.plan([(f"r{i}", 1) for i in range(n)])
     with caplog.at_level("WARNING", logger="ferrobatch"):
         got = runner.execute(plan)
@@ -261,7 +261,7 @@ def test_a_shape_gets_its_graph_on_its_second_step():
     from ferrobatch.cuda.graphs import GraphBuckets
 
     model, runner, planner, n = _decode_setup("llama")
-    runner._setup_graphs("eager", capture_after=2, buckets=GraphBuckets(
+    runner.graphs.setup("eager", capture_after=2, buckets=GraphBuckets(
         q_interval=4, kv_interval=64, max_tokens=64, max_rows=64, num_kv_heads=2))
     plain = ModelRunner(model, num_blocks=64, page_size=PAGE)
     plain.cache.storage.copy_(runner.cache.storage)

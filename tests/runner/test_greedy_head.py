@@ -12,9 +12,10 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
-from ferrobatch.cpu import amx_ops
+from ferrobatch.cpu import amx_ops, onednn
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import greedy_head as gh
+from ferrobatch.runner import linear_policy
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.runner.model_runner import ModelRunner
 from isa_helpers import needs_isa
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 def _screens_only(monkeypatch):
     """The screens at any row count, whatever this CPU's fp32 products (the full fp32 path
     of half-precision heads has tests of its own)."""
-    monkeypatch.setattr(gh, "fp32_from_rows", lambda dtype: None)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: None)
 
 
 def _fp32_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -175,8 +176,8 @@ def test_runner_execute_greedy_equals_argmax_of_execute(monkeypatch) -> None:
         planner.add(f"r{i}", [rng.randrange(3, tm.VOCAB) for _ in range(rng.randint(2, 30))])
     plan = planner.plan([(f"r{i}", n) for i, n in enumerate((3, 1, 7, 2, 5))])
     calls = []
-    argmax = runner._greedy_head.argmax
-    monkeypatch.setattr(runner._greedy_head, "argmax", lambda h: calls.append(1) or argmax(h))
+    argmax = runner.head.greedy.argmax
+    monkeypatch.setattr(runner.head.greedy, "argmax", lambda h: calls.append(1) or argmax(h))
     tokens = runner.execute_greedy(plan)
     assert calls, "the screen was not used"
     assert tokens.dtype == torch.int64
@@ -430,11 +431,11 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
     """Where fp32 products win, calls of `full_rows` rows or more take the argmax of the
     full fp32 product of the widened weight (first maximum, NaN wins, as the full logits
     would give); fewer rows are screened; `wins` judges the screens, not that path."""
-    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda d: 16)
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(3000, 96, generator=gen) * 0.1).to(dtype)
     head = GreedyHead(w)
-    assert head.full_rows == gh._FULL_FP32_ROWS
+    assert head.full_rows == linear_policy.GREEDY_FULL_ROWS
     assert GreedyHead(w.float()).full_rows is None  # an fp32 head: screens as before
     screened = []
     monkeypatch.setattr(head, "_screen_bf16", lambda *a: screened.append(1) or None)
@@ -453,7 +454,7 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
     tie.full_rows = 1
     assert torch.equal(tie.argmax(torch.randn(4, 8).abs()), torch.zeros(4, dtype=torch.int64))
     monkeypatch.undo()
-    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda d: 16)
     judged = GreedyHead(w)
     assert judged.wins(rows=64, rounds=1)
     assert (judged.full_rows is None) == (judged._screen_share < 1.0)
@@ -462,8 +463,8 @@ def test_half_head_from_full_rows_is_the_argmax_of_full_fp32_logits(monkeypatch,
 @pytest.mark.parametrize("screen_time,keeps_full", [(0.5, False), (2.0, True)])
 def test_wins_keeps_the_full_fp32_path_only_where_it_beats_the_screen(
         monkeypatch, screen_time, keeps_full):
-    monkeypatch.setattr(gh, "fp32_from_rows", lambda d: 16)
-    fulls = 2 if gh._HAVE_MKLDNN else 1  # `_wins` times the full heads first
+    monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda d: 16)
+    fulls = 2 if onednn.available() else 1  # `_wins` times the full heads first
     calls = []
 
     def fake_time(fn, rounds):
@@ -473,7 +474,7 @@ def test_wins_keeps_the_full_fp32_path_only_where_it_beats_the_screen(
     monkeypatch.setattr(gh, "_best_time", fake_time)
     head = GreedyHead((torch.randn(3000, 96) * 0.1).bfloat16())
     assert head.wins(rows=64, rounds=1)
-    assert (head.full_rows == gh._FULL_FP32_ROWS) == keeps_full
+    assert (head.full_rows == linear_policy.GREEDY_FULL_ROWS) == keeps_full
     assert keeps_full or head.full_rows is None
 
 
@@ -555,7 +556,7 @@ def test_wins_takes_window8_for_half_heads_only(monkeypatch) -> None:
 
     monkeypatch.setattr(gh, "_best_time", fake_time)
     w = torch.randn(3000, 96) * 0.1
-    timings = 2 if gh._HAVE_MKLDNN else 1  # the full heads
+    timings = 2 if onednn.available() else 1  # the full heads
     for weight, window_time, taken in ((w.bfloat16(), 0.2, True), (w.bfloat16(), 0.95, False),
                                        (w, 0.2, False)):
         head = GreedyHead(weight)
@@ -579,7 +580,7 @@ def test_engine_bf16_tokens_are_the_same_with_window8(monkeypatch) -> None:
     outs = {}
     for window8 in (False, True):
         with Engine(model, config=cfg) as eng:
-            head = eng.runner._greedy_head
+            head = eng.runner.head.greedy
             assert head is not None
             head.window8 = window8
             got = eng.generate(prompts, SamplingParams(max_new_tokens=10), progress=False)

@@ -35,7 +35,7 @@ def _lean_and_own(model: torch.nn.Module, prompts, new: int, **kw) -> list[tuple
     got = {}
     for lean in (True, False):
         runner = _runner(model, lean_layers=lean, **kw)
-        assert (runner._lean is not None) == lean
+        assert (runner.activations.lean is not None) == lean
         if "dtype" in kw:
             assert runner.cache.dtype == kw["dtype"]
         got[lean] = drive_runner(runner, prompts, new, forced=True)
@@ -64,7 +64,7 @@ def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
 @pytest.mark.parametrize("name", ["gemma2", "gpt2"])
 def test_other_layers_keep_their_own_forward(name):
     runner = _runner(tm.BUILDERS[name]().to(torch.bfloat16))
-    assert runner._lean is None
+    assert runner.activations.lean is None
 
 
 @pytest.mark.parametrize("broken", ["rope", "silu_mul"])
@@ -83,11 +83,11 @@ def test_a_lean_layer_that_computes_something_else_is_not_used(monkeypatch, brok
             out.copy_(args[0][:, out.shape[1]:])
 
     monkeypatch.setattr(fused_ops, broken, wrong)
-    assert _runner(tm.llama().to(torch.bfloat16))._lean is None
+    assert _runner(tm.llama().to(torch.bfloat16)).activations.lean is None
 
 
 def test_model_dtype_activations_keep_their_own_forward():
-    assert _runner(tm.llama().to(torch.bfloat16), activations="model")._lean is None
+    assert _runner(tm.llama().to(torch.bfloat16), activations="model").activations.lean is None
 
 
 @pytest.mark.parametrize("name", LEAN)
@@ -108,8 +108,8 @@ def test_an_fp32_lean_layer_slightly_off_is_not_used(monkeypatch):
         real(x, weight, out, eps * 3, *args, **kwargs)
 
     monkeypatch.setattr(fused_ops, "rms_norm", loose)
-    assert _runner(tm.llama())._lean is None
-    assert _runner(tm.llama().to(torch.bfloat16))._lean is not None
+    assert _runner(tm.llama()).activations.lean is None
+    assert _runner(tm.llama().to(torch.bfloat16)).activations.lean is not None
 
 
 def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
@@ -118,7 +118,7 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
     with torch.inference_mode():
         before = model(ids).logits
     runner = _runner(model)
-    assert runner._lean is not None
+    assert runner.activations.lean is not None
     drive_runner(runner, tm.random_prompts(1, 3, 3, 9), 2)
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert not any("forward" in m.__dict__ for m in layers)
@@ -128,7 +128,7 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
         with torch.inference_mode():
             seen["logits"] = model(ids).logits
 
-    with runner._linears_active():  # as during a step: another thread calls the model
+    with runner.activations.active():  # as during a step: another thread calls the model
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
@@ -150,9 +150,9 @@ def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
     for lean in (True, False):
         with Engine(bf16, config=cfg) as engine:
             if not lean:
-                engine.runner._lean = None
+                engine.runner.activations.lean = None
             else:
-                assert engine.runner._lean is not None
+                assert engine.runner.activations.lean is not None
             outs = engine.generate(prompts, sp, progress=False)
         scores[lean] = agreement([o.token_ids for o in outs], ref)["tokens"]
     assert scores[True] >= scores[False] - 0.05, scores
@@ -182,8 +182,8 @@ def test_kernel_only_attention_is_the_interface_path_bit_for_bit(monkeypatch, na
                             counted if fast else (lambda *a, **k: None))
         kw = {} if cache_dtype is None else {"dtype": cache_dtype}
         runner = _runner(model, **kw)
-        assert runner._lean is not None
-        runner._lean.fused_enabled = False  # (the one-call layer would take these steps)
+        assert runner.activations.lean is not None
+        runner.activations.lean.fused_enabled = False  # (the one-call layer would take these steps)
         got[fast] = drive_runner(runner, prompts, 6, forced=True)
         runner.close()
     assert any(taken) and sum(taken) >= len(taken) // 2

@@ -17,7 +17,9 @@ from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.engine.memory import choose_num_blocks
 from ferrobatch.model_config import model_configs
 from ferrobatch.models import layer_types_of, sliding_window_of
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
+from ferrobatch.runner.output_head import OutputHead
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
@@ -307,9 +309,9 @@ def test_rust_scheduler_under_memory_pressure_with_offload(name):
 def test_full_forward_fallback_for_logits(monkeypatch):
     """Models whose output head cannot be split off run the full forward with logits_to_keep."""
     model = tm.gemma2()
-    monkeypatch.setattr(ModelRunner, "_check_split_head", lambda self: False)
+    monkeypatch.setattr(OutputHead, "_check_split", lambda self: False)
     runner, planner = _runner(model)
-    assert not runner._split_head
+    assert not runner.head.split
     for i, p in enumerate(tm.random_prompts(5, 3, 4, 20)):
         planner.add(f"r{i}", p)
     _step(runner, planner, [(f"r{i}", min(planner.remaining(f"r{i}"), n))
@@ -324,13 +326,13 @@ def test_split_head_check_is_like_with_like_and_dtype_aware(monkeypatch):
     off for every bf16 run), a head that really differs fails and says by how much."""
     model = tm.llama().to(torch.bfloat16)
     runner, _ = _runner(model, num_blocks=16)
-    assert runner._split_head and runner.split_head_error is None
+    assert runner.head.split and runner.head.split_error is None
     runner.close()
-    real = ModelRunner._head_logits
-    monkeypatch.setattr(ModelRunner, "_head_logits", lambda self, h: real(self, h) + 0.5)
+    real = OutputHead.logits
+    monkeypatch.setattr(OutputHead, "logits", lambda self, h: real(self, h) + 0.5)
     runner, _ = _runner(model, num_blocks=16)
-    assert not runner._split_head
-    assert "max |logit diff|" in runner.split_head_error
+    assert not runner.head.split
+    assert "max |logit diff|" in runner.head.split_error
     runner.close()
 
 
@@ -374,11 +376,11 @@ def test_load_model_from_a_path_and_as_an_object(tmp_path):
 
 
 def test_transposed_head_copy_follows_weight_changes(monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_packed_head_wins", lambda self: False)
-    monkeypatch.setattr(ModelRunner, "_transposed_head_wins", lambda self: True)
+    monkeypatch.setattr(OutputHead, "_packed_share", lambda self: None)
+    monkeypatch.setattr(OutputHead, "_transposed_share", lambda self: 0.5)
     model = tm.llama()
     runner, planner = _runner(model)
-    assert runner._use_head_wt
+    assert runner.head.backend is Backend.TRANSPOSED
     planner.add("x", [5, 6, 7, 8])
     _step(runner, planner, [("x", 4)], model)
     with torch.no_grad():
@@ -397,7 +399,7 @@ def test_packed_head_follows_weight_changes(monkeypatch):
     monkeypatch.setattr(output_head, "_best_times", lambda fns, rounds=5: [0.0, 1.0])
     model = tm.llama()
     runner, planner = _runner(model)
-    assert runner._use_head_packed and not runner._use_head_wt
+    assert runner.head.backend is Backend.ONEDNN
     planner.add("x", [5, 6, 7, 8])
     _step(runner, planner, [("x", 4)], model)
     with torch.no_grad():

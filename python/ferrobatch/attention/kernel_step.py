@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from ferrobatch.attention.kv_cache import PagedKVCache
+from ferrobatch.cuda import triton_attention as ta
+from ferrobatch.cuda.staging import upload
 from ferrobatch.model_config import SLIDING
 
 if TYPE_CHECKING:
@@ -46,9 +48,6 @@ def build_kernel_step(
     num_sms: int = 132,
 ) -> KernelStep:
     """The device tensors and host integers the kernels need for `plan`."""
-    from ferrobatch.cuda import triton_attention as ta
-    from ferrobatch.cuda.staging import upload
-
     device = cache.device
     cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
     seqlens = np.asarray(plan.seqlens_k, dtype=np.int64)

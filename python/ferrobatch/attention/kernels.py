@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from ferrobatch import _core
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import _KernelDecode
 from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
+from ferrobatch.cuda import triton_attention as ta
 from ferrobatch.model_config import SLIDING
 
 
@@ -22,8 +24,6 @@ def kernel_attention(
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    from ferrobatch.cuda import triton_attention as ta
-
     typ = step.layer_types[layer]
     sliding = typ == SLIDING
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
@@ -45,8 +45,6 @@ def kernel_attention(
 def decode_kernel_available(cache: PagedKVCache) -> bool:
     """Whether decode rows can use the in-place CPU kernel of `ferrobatch._core` with
     `cache` (a CPU cache in fp32, bf16 or fp16)."""
-    from ferrobatch import _core
-
     return (
         hasattr(_core, "paged_decode_attention")
         and cache.device.type == "cpu"
@@ -57,8 +55,6 @@ def decode_kernel_available(cache: PagedKVCache) -> bool:
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kd: _KernelDecode, out: torch.Tensor, page: int, scale: float,
                    softcap: float | None) -> None:
-    from ferrobatch import _core
-
     _core.paged_decode_attention(
         numpy_view(q), numpy_view(k_cache), numpy_view(v_cache), kd.block_tables,
         kd.seqlens, numpy_view(out), q_dtype=KERNEL_DTYPES[q.dtype],

@@ -6,7 +6,9 @@ torch exposes them, round every output to bf16; inside a lean decoder layer that
 fp32 computation.
 
 `pack` lays a weight out once (the same layout for both backends); `linear` runs the
-product; `torch_linear` is the reference it is tested against.
+product; `torch_linear` is the reference it is tested against. Which calls are worth
+sending here (row counts per backend and thread count) is decided by
+`ferrobatch.runner.linear_policy`.
 """
 
 from __future__ import annotations
@@ -16,49 +18,22 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
 
-__all__ = ["AmxWeight", "available", "backend", "linear", "max_rows", "pack", "takes",
-           "torch_linear"]
-
-# Up to how many rows `linear` is worth calling instead of oneDNN's packed product, per
-# backend and thread count (`benches/amx_linear.py`, and end to end; None: any number).
-# AMX tiles (Sapphire Rapids): twice as fast at one row, level at 64, up to 1.5x slower from
-# 256 rows on. AVX-512 BF16 (Zen 4): 1.5-2x as fast at one row; on one thread level at
-# 64-256 rows and 0.87-0.94x at 1024, which costs less end to end than the bf16 rounding of
-# oneDNN's outputs in prefill chunks (SmolLM2 chat, 256 prompts: 64% of requests identical to
-# fp32 instead of 58%, at the same speed); on two threads oneDNN's product splits better
-# (0.6-0.9x from 256 rows, 12% of the end-to-end time), so there the limit is 64 rows.
-_MAX_ROWS: dict[str, tuple[int | None, int | None]] = {
-    "amx": (64, 64), "avx512_bf16": (None, 64)}  # (1 thread, more)
+__all__ = ["AmxWeight", "available", "backend", "linear", "pack", "torch_linear"]
 
 
 @functools.cache
 def backend() -> str:
     """Which instructions run `linear` here: "amx", "avx512_bf16", or "none" (the CPU has
     neither, or this build of `ferrobatch._core` lacks the products); detected once."""
-    from ferrobatch import _core
-
     return str(_core.amx_backend()) if hasattr(_core, "amx_backend") else "none"
 
 
 def available() -> bool:
     """Whether `linear` runs here (on either backend)."""
     return backend() != "none"
-
-
-def max_rows(threads: int = 1) -> int | None:
-    """The most rows for which `linear` is worth calling instead of oneDNN's packed product
-    here on `threads` threads (None: any number; 0 when `linear` does not run here)."""
-    one, more = _MAX_ROWS.get(backend(), (0, 0))
-    return one if threads <= 1 else more
-
-
-def takes(rows: int) -> bool:
-    """Whether a call of `rows` rows is worth sending to `linear` at torch's current thread
-    count (`max_rows`)."""
-    limit = max_rows(torch.get_num_threads())
-    return limit is None or rows <= limit
 
 
 @dataclass(frozen=True)
@@ -77,8 +52,6 @@ class AmxWeight:
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight:
     """`weight` (bf16 [n, k], CPU) packed once for `linear`; `bias` kept as fp32."""
-    from ferrobatch import _core
-
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D bfloat16 tensor, not {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -92,8 +65,6 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight:
 def linear(x: torch.Tensor, w: AmxWeight) -> torch.Tensor:
     """`bf16(x) @ W.T + b` in fp32, `x` [T, k] (fp32 rounded to bf16 here; other dtypes
     converted to bf16 first)."""
-    from ferrobatch import _core
-
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.to(torch.bfloat16)
     x = x.contiguous()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
 
 __all__ = ["F32Weight", "available", "linear", "pack", "torch_linear"]
@@ -29,8 +30,6 @@ SPLIT_MACS = 1 << 18
 @functools.cache
 def available() -> bool:
     """Whether `linear` runs here (AVX-512F, and a build of `ferrobatch._core` that has it)."""
-    from ferrobatch import _core
-
     return bool(getattr(_core, "f32_linear_available", lambda: False)())
 
 
@@ -51,8 +50,6 @@ class F32Weight:
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
     """`weight` ([n, k], CPU; widened to fp32 exactly if half precision) packed once for
     `linear`; `bias` kept as fp32."""
-    from ferrobatch import _core
-
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D floating-point tensor, not {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -66,8 +63,6 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
 def linear(x: torch.Tensor, w: F32Weight, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T + b` in fp32, `x` [T, k] (widened to fp32 first if it is not), into `out`
     ([T, n] fp32, contiguous) when given."""
-    from ferrobatch import _core
-
     x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
     rows = x.shape[0]
     if out is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferrobatch import _core
 from ferrobatch.cpu.arrays import KERNEL_DTYPES as _DTYPES
 from ferrobatch.cpu.arrays import numpy_view as _np
 
@@ -23,8 +24,6 @@ _KERNELS = ("rms_norm", "silu_mul", "rope", "write_rows")
 
 def available() -> bool:
     """Whether this build of `ferrobatch._core` has the four kernels."""
-    from ferrobatch import _core
-
     return all(hasattr(_core, name) for name in _KERNELS)
 
 
@@ -41,8 +40,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: floa
              weight_offset: float = 0.0, residual: torch.Tensor | None = None) -> None:
     """`out = round(x * rsqrt(mean(x^2) + eps) * (weight + weight_offset))` per row of `x`
     [T, H]; with `residual`, first `x += residual` in place (`x` fp32)."""
-    from ferrobatch import _core
-
     if not hasattr(_core, "rms_norm"):
         return torch_rms_norm(x, weight, out, eps, weight_offset, residual)
     kw = {}
@@ -56,8 +53,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: floa
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """`out[t, i] = silu(g) * u`, `g, u = gate_up[t, i], gate_up[t, I + i]` ([T, 2I] -> [T, I])."""
-    from ferrobatch import _core
-
     if not hasattr(_core, "silu_mul"):
         return torch_silu_mul(gate_up, out)
     _core.silu_mul(_np(gate_up), _np(out), dtype=_DTYPES[gate_up.dtype],
@@ -68,8 +63,6 @@ def rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
          col_offset: int, heads: int, dim: int) -> None:
     """Rotary embedding (rotate-half form) of the `heads` heads of `dim` starting at column
     `col_offset` of `src` [T, W]; cos / sin fp32 [T, dim]; `out` [T, heads, dim]."""
-    from ferrobatch import _core
-
     if not hasattr(_core, "rope"):
         return torch_rope(src, cos, sin, out, col_offset, heads, dim)
     _core.rope(_np(src), _np(cos), _np(sin), _np(out), src_dtype=_DTYPES[src.dtype],
@@ -81,8 +74,6 @@ def write_rows(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor,
                col_offset: int = 0, width: int | None = None) -> None:
     """`dst[slots[t]] = src[t, col_offset : col_offset + width]` in `dst`'s dtype (`src`
     [T, W], `dst` [S, width], slots int64 [T])."""
-    from ferrobatch import _core
-
     width = dst.shape[1] if width is None else width
     if not hasattr(_core, "write_rows"):
         return torch_write_rows(src, dst, slots, col_offset, width)

@@ -18,6 +18,10 @@ import os
 import sys
 import time
 
+import torch
+
+from ferrobatch import _core
+
 logger = logging.getLogger("ferrobatch")
 
 __all__ = ["ThreadGovernor", "share_torch_openmp", "torch_cpu_library"]
@@ -49,10 +53,6 @@ def share_torch_openmp() -> bool:
     if _shared is not None:
         return _shared
     _shared = False
-    import torch
-
-    from ferrobatch import _core
-
     if not hasattr(_core, "share_openmp") or not sys.platform.startswith("linux"):
         return False
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
@@ -121,8 +121,6 @@ class ThreadGovernor:
     @classmethod
     def of(cls, device_type: str, enabled: bool) -> ThreadGovernor | None:
         """A governor for a CPU engine built with more than one torch thread, on Linux."""
-        import torch
-
         if not enabled or device_type != "cpu" or not sys.platform.startswith("linux"):
             return None
         threads = torch.get_num_threads()
@@ -157,8 +155,6 @@ class ThreadGovernor:
 
     def set_threads(self, n: int) -> None:
         """Use `n` threads (clamped to 1 .. max_threads)."""
-        import torch
-
         n = max(1, min(self.max_threads, n))
         if n != self.threads:
             logger.info("ferrobatch: %d torch threads (other processes busy on this "

@@ -35,6 +35,7 @@ import torch
 
 from ferrobatch._core import SCRATCH_CHUNK
 from ferrobatch.defaults import DEFAULT_KV_INTERVAL, DEFAULT_Q_INTERVAL
+from ferrobatch.model_config import SLIDING
 
 from .triton_attention import choose_num_splits
 
@@ -53,9 +54,6 @@ __all__ = [
     "dummy_plan",
     "pad_plan",
 ]
-
-SLIDING = "sliding_attention"
-
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m

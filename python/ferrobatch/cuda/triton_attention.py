@@ -92,6 +92,7 @@ def _interpreter_scalar_bounds() -> None:
     touched: compiled kernels (the GPU path) never call it, and the kernels' source, so
     what they compile to, is the same either way."""
     try:
+        # local: triton's interpreter, only under TRITON_INTERPRET=1 (triton is optional)
         from triton.runtime import interpreter as interp
     except Exception:  # noqa: BLE001 - no interpreter in this triton
         return
@@ -795,6 +796,7 @@ def flash_attn_paged_attention(
     come here (see `paged_attention`).
     """
     try:
+        # local: flash-attn is optional (CUDA only), imported where it is called
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise RuntimeError("flash_attn is not installed") from exc
@@ -836,6 +838,7 @@ def flash_attn_paged_decode(
     its heuristic). Same requirements and the same caveat as `flash_attn_paged_attention`:
     not run on a GPU from this repository."""
     try:
+        # local: flash-attn is optional (CUDA only), imported where it is called
         from flash_attn import flash_attn_with_kvcache
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise RuntimeError("flash_attn is not installed") from exc

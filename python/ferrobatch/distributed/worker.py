@@ -29,8 +29,7 @@ def serve(runner: Any, group: TPGroup) -> None:
     runs, the replicated head (no collective) is skipped. Graph steps keep the plan as is
     (its shape is the graph's key)."""
     device = group.device if group.backend == "nccl" else None
-    skip_head = bool(getattr(runner, "_split_head", False)) and getattr(
-        runner, "_graphs", None) is None
+    skip_head = bool(getattr(runner, "head_skippable", False))
     empty = np.zeros(0, np.int32)
     while True:
         cmd, plan = broadcast.receive(device)

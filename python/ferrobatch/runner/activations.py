@@ -1,6 +1,7 @@
-"""Half-precision linears on CPU: which activations dtype a bf16 / fp16 model runs with,
-decided once against its own forward (the runner's `PackedActivations` part; the packed
-layers themselves are `ferrobatch.runner.cpu_linear`)."""
+"""A CPU model's packed linears and lean decoder layers, and which activations dtype a bf16 /
+fp16 model runs with, decided once against its own forward (the runner's `activations`
+part; the packed layers themselves are `ferrobatch.runner.cpu_linear`, the lean ones
+`ferrobatch.runner.lean_layers`)."""
 
 from __future__ import annotations
 
@@ -12,38 +13,72 @@ import torch
 
 from ferrobatch.attention import context, registry
 from ferrobatch.model_config import text_config
+from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears
-from ferrobatch.runner.fp32_products import fp32_from_rows
 from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.patches import eval_mode
 
 logger = logging.getLogger("ferrobatch")
 
+__all__ = ["PackedActivations"]
+
 
 class PackedActivations:
-    """`ModelRunner`'s packed half-precision linears (None unless a bf16 / fp16 CPU model)."""
+    """The runner's packed linears (`linears`: a bf16 / fp16 / fp32 CPU model's; None
+    otherwise) and lean decoder layers (`lean`, None where they don't apply), both made and
+    checked once at construction; `active()` puts them in place for a forward."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, vocab_size: int, configs: list,
+                 activations: str = "auto", lean_layers: bool = True) -> None:
+        """`dtype`: the activations' dtype without packed linears (the runner's); `kv_dtype`
+        the KV cache's; `configs` the model's configs (`model_config.model_configs`, for the
+        checks' attention); `activations` and `lean_layers` as `ModelRunner` takes them.
+        Off the CPU: neither part."""
+        if activations not in ("auto", "float32", "model"):
+            raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
+                             f"not {activations!r}")
+        self.model = model
+        self._device = device
+        self._dtype = dtype
+        self._kv_dtype = kv_dtype
+        self._vocab_size = vocab_size
+        self._configs = configs
+        self.linears: PackedLinears | None = None
+        self.lean: LeanLayers | None = None
+        if device.type == "cpu":
+            self.linears = self._make_packed_linears(activations)
+            self.lean = self._make_lean_layers(lean_layers)
 
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of the activations between the linear layers."""
-        return self._linears.activation_dtype if self._linears is not None else self.dtype
+        return self.linears.activation_dtype if self.linears is not None else self._dtype
+
+    @property
+    def widens(self) -> bool:
+        """Whether activations are kept wider than the weights (fp32 between products)."""
+        return self.linears is not None and self.linears.widens
 
     @contextmanager
-    def _linears_active(self) -> Iterator[None]:
+    def active(self) -> Iterator[None]:
         """The packed linears, and the lean decoder layers when there are, for a forward."""
-        if self._linears is None:
+        if self.linears is None:
             yield
             return
-        lean = self._lean.active() if self._lean is not None else nullcontext()
-        with self._linears.active(), lean:
+        lean = self.lean.active() if self.lean is not None else nullcontext()
+        with self.linears.active(), lean:
             yield
+
+    def close(self) -> None:
+        self.lean = None
 
     def _make_lean_layers(self, lean: bool) -> LeanLayers | None:
         """The lean decoder layers (`ferrobatch.runner.lean_layers`) when asked, they apply,
         and `_lean_holds` (forwards with them are about as close to the exact computation
         as the model's own forward on the same packed weights)."""
-        layers = LeanLayers.of(self.model, self._linears, context.in_ferrobatch_forward,
-                               self.cache.dtype) if lean else None
+        layers = LeanLayers.of(self.model, self.linears, context.in_ferrobatch_forward,
+                               self._kv_dtype) if lean else None
         if layers is None:
             return None
         if not self._lean_holds(layers):
@@ -61,15 +96,15 @@ class PackedActivations:
         for half-precision weights, 1e-5 for fp32 ones (whose lean layers differ from the
         model's own by fp32 rounding: 2e-7 to 1e-6 of the norm measured, tiny models to
         SmolLM2)."""
-        assert self._linears is not None
-        floor = 1e-5 if self._linears.weight_dtype == torch.float32 else 1e-3
+        assert self.linears is not None
+        floor = 1e-5 if self.linears.weight_dtype == torch.float32 else 1e-3
         for n in (16, 33):
             ids = self._check_ids(n)
             try:
                 with torch.inference_mode(), eval_mode(self.model):
-                    with self._linears.active(exact=True):
+                    with self.linears.active(exact=True):
                         ref = self._logits(ids)
-                    with self._linears.active(everywhere=True), \
+                    with self.linears.active(everywhere=True), \
                             registry.cast_attention_enabled(self._configs):
                         own = self._logits(ids)
                         with lean.active(everywhere=True):
@@ -102,7 +137,7 @@ class PackedActivations:
             linears = PackedLinears.of(
                 self.model, activation_dtype=torch.float32, in_thread=in_fwd,
                 hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
-                amx=True, fp32_rows=fp32_from_rows(self.model.dtype),
+                amx=True, fp32_rows=linear_policy.probe(self.model.dtype).fp32_from_rows,
             )
             if linears is not None and activations == "auto" and not self._widening_holds(
                 linears
@@ -139,7 +174,7 @@ class PackedActivations:
 
     def _check_ids(self, n: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(0)
-        return torch.randint(0, self.vocab_size, (1, n), generator=gen).to(self.device)
+        return torch.randint(0, self._vocab_size, (1, n), generator=gen).to(self._device)
 
     def _widening_holds(self, wide: PackedLinears) -> bool:
         """Whether the model's forward with fp32 activations runs and is at least as close

@@ -3,9 +3,10 @@
 On CPU, `F.linear` with a bf16 (or fp16) weight hands oneDNN the weight in its plain layout,
 and oneDNN reorders it into its blocked layout for the AMX / AVX512-BF16 kernels on every
 call: at decode batch sizes that reorder costs as much as the product. `PackedLinears`
-reorders each `nn.Linear` weight of a model once (`torch.ops.mkldnn._reorder_linear_weight`,
-the op inductor uses for frozen linears) and, for the duration of a ferrobatch forward,
-runs every such layer as one `_linear_pointwise` call on the packed weight.
+reorders each `nn.Linear` weight of a model once (`ferrobatch.cpu.onednn.pack`) and, for
+the duration of a ferrobatch forward, runs every such layer as one product on the packed
+weight, or on the copies `ferrobatch.runner.linear_policy` chooses for that many rows
+(`backend`): fp32 copies of half-precision weights, `f32_ops`' and `amx_ops`' layouts.
 
 Layers seen (in one calibration forward) to take the same input one after the other, such as
 q/k/v or gate/up projections, form a group: its first member runs one product with the
@@ -36,7 +37,6 @@ layer's own forward on any other thread), and weights changed in place are packe
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -47,7 +47,10 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from ferrobatch.cpu import amx_ops, f32_ops
+from ferrobatch.cpu import amx_ops, f32_ops, onednn
+from ferrobatch.cpu.onednn import packing_available
+from ferrobatch.runner import linear_policy as policy
+from ferrobatch.runner.linear_policy import Backend
 
 logger = logging.getLogger("ferrobatch")
 
@@ -56,39 +59,6 @@ __all__ = ["HALF_DTYPES", "PackedLinears", "packing_available"]
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # the packed copies may take at most this share of available memory
 _MAX_AVAILABLE_SHARE = 0.5
-_BATCH_HINT = 64  # oneDNN's layout choice is tuned for this many rows (any count works)
-#: fp32 products of up to this many rows run on `f32_ops` instead of oneDNN's fp32 product
-#: (`benches/f32_linear.py` at SmolLM2's shapes, Xeon with AVX-512, 1 thread: 1.2-2.7x as
-#: fast at 1-4 rows, level at 64, 0.9x at 128-256 and 0.83x at 2048; at 2 threads level at
-#: 16-64). Up to it a row's fp32 result does not depend on its step's row count.
-F32_KERNEL_ROWS = 128
-
-
-@functools.cache
-def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this torch build has oneDNN's packed linear ops and they run `dtype` weights
-    on this CPU (probed once per dtype on a tiny product: oneDNN refuses fp16 weights on
-    CPUs without AVX-NE-CONVERT or AVX512-FP16, such as AMD Zen 4, and bf16 ones without
-    AVX-512)."""
-    if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    try:
-        with torch.inference_mode():
-            w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 4)
-            y = torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=dtype), w, None,
-                                                   "none", [], "")
-        ok = bool((y == 16).all())
-    except RuntimeError as exc:
-        logger.info("ferrobatch: oneDNN's packed linears don't run %s weights here (%s)",
-                    dtype, str(exc).splitlines()[0])
-        return False
-    if not ok:
-        logger.info("ferrobatch: oneDNN's packed %s product is wrong here; not used", dtype)
-    return ok
 
 
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
@@ -133,7 +103,7 @@ class _Packed:
         self.amx: amx_ops.AmxWeight | None = None
         self.wants_wide = wide
         #: the weight widened to fp32 and packed for oneDNN's fp32 product (and the bias in
-        #: fp32), when asked for (`fp32_products`)
+        #: fp32), when asked for (`linear_policy.probe`)
         self.wide: torch.Tensor | None = None
         self.wide_bias: torch.Tensor | None = None
         self.wants_f32 = f32
@@ -147,7 +117,7 @@ class _Packed:
         with torch.no_grad():
             w = torch.cat([m.weight.detach() for m in self.layers]) if len(self.layers) > 1 \
                 else self.layers[0].weight.detach()
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+            self.weight = onednn.pack(w)
             dtype = w.dtype
             if all(m.bias is None for m in self.layers):
                 self.bias = None
@@ -186,20 +156,14 @@ class _Packed:
             return f32_ops.linear(x, w)
         return f32_ops.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.n)
 
-    def fp32_product(self, x: torch.Tensor, f32: bool = True) -> torch.Tensor | None:
-        """`x @ W.T + b` in fp32 on the fp32 copy of the weight (packed on first use after
-        each `refresh`; `x` widened to fp32): on `f32_ops` up to `F32_KERNEL_ROWS` rows
-        where that copy is wanted and `f32`, else oneDNN's; None when neither copy is
-        wanted."""
-        if f32 and self.wants_f32 and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
-            return self.f32_product(x)
-        if not self.wants_wide:
-            return None
+    def onednn_fp32_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T + b` in fp32 on oneDNN's fp32 copy of the weight (packed on first use
+        after each `refresh`; `x` widened to fp32); the copy must be wanted."""
+        assert self.wants_wide, "no fp32 copy wanted"
         if self.wide is None:
             self._make_wide()
-        return torch.ops.mkldnn._linear_pointwise(
-            x if x.dtype == torch.float32 else x.float(), self.wide, self.wide_bias, "none",
-            [], "")
+        return onednn.linear(x if x.dtype == torch.float32 else x.float(), self.wide,
+                             self.wide_bias)
 
     def prepack(self) -> None:
         """Make every copy this product may run on now (else each is made on its first
@@ -212,7 +176,7 @@ class _Packed:
     def _make_wide(self) -> None:
         with torch.no_grad():
             w = torch.cat([m.weight.detach() for m in self.layers]).float()
-        self.wide = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        self.wide = onednn.pack(w)
         self.wide_bias = None if self.bias is None else self.bias.float()
 
     @property
@@ -266,16 +230,18 @@ class PackedLinears:
         self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
         self.activation_dtype = activation_dtype
+        #: (rows, fp32 outputs, threads) -> the policy's backend (`backend`)
+        self._chosen: dict[tuple[int, bool, int], Backend] = {}
         #: every product also packed for `amx_ops` (`wide_product`: fp32 outputs)
-        self.amx = (amx and self.weight_dtype == torch.bfloat16
-                    and activation_dtype == torch.float32 and amx_ops.available())
+        self._amx = (amx and self.weight_dtype == torch.bfloat16
+                     and activation_dtype == torch.float32 and amx_ops.available())
         #: from this many rows, products run on fp32 copies of the half-precision weights
-        #: (`fp32_products`; fp32 activations only; None: never)
+        #: (the policy's probe; fp32 activations only; None: never)
         self.fp32_rows = fp32_rows if (
             activation_dtype == torch.float32 and self.weight_dtype in HALF_DTYPES) else None
-        #: fp32 products (an fp32 model's, or on the fp32 copies) of up to `F32_KERNEL_ROWS`
-        #: rows run on `f32_ops` (`f32_takes`)
-        self.f32_kernel = f32_kernel and f32_ops.available() and (
+        #: fp32 products (an fp32 model's, or on the fp32 copies) run on `f32_ops` where the
+        #: policy says (up to `linear_policy.F32_KERNEL_ROWS` rows)
+        self._f32_kernel = f32_kernel and f32_ops.available() and (
             self.weight_dtype == torch.float32 or self.fp32_rows is not None)
         self._in_thread = in_thread
         self._active = False
@@ -321,7 +287,7 @@ class PackedLinears:
         activations over bf16 weights where `amx_ops` runs, also pack every product for
         `wide_product` (fp32 outputs; the packed copies take twice the memory).
         `fp32_rows`: with fp32 activations over half-precision weights, products of that
-        many rows or more run on fp32 copies of the weights (`fp32_products`; the copies
+        many rows or more run on fp32 copies of the weights (`linear_policy.probe`; the copies
         take twice the weights' memory). `dtypes`:
         the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
         fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant)."""
@@ -359,6 +325,71 @@ class PackedLinears:
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
                    hidden_size, amx, fp32_rows, wants_f32)
 
+    # --- which product (`linear_policy`) ---------------------------------------------------
+
+    @property
+    def amx(self) -> bool:
+        """Whether every product is also packed for `amx_ops` (fp32 outputs)."""
+        return self._amx
+
+    @amx.setter
+    def amx(self, on: bool) -> None:
+        self._amx = on
+        self._chosen.clear()
+
+    @property
+    def f32_kernel(self) -> bool:
+        """Whether fp32 products may run on `f32_ops` (where the policy says)."""
+        return self._f32_kernel
+
+    @f32_kernel.setter
+    def f32_kernel(self, on: bool) -> None:
+        self._f32_kernel = on
+        self._chosen.clear()
+
+    @property
+    def isa(self) -> policy.Isa:
+        """This CPU's products (`linear_policy.Isa`) that these packed weights have copies
+        for."""
+        isa = policy.Isa.detect()
+        if not self._amx:
+            isa = isa.without("amx", "avx512_bf16")
+        if not self._f32_kernel:
+            isa = isa.without("f32_ops")
+        return isa
+
+    def backend(self, rows: int, fp32_outputs: bool = False) -> Backend:
+        """The product a call of `rows` rows runs on (`linear_policy.choose`, at torch's
+        current thread count: the thread governor may change it); `fp32_outputs`: the
+        caller takes fp32 outputs (the lean layers)."""
+        threads = torch.get_num_threads()
+        key = (rows, fp32_outputs, threads)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            chosen = self._chosen[key] = policy.choose(
+                self.weight_dtype, rows, self.isa, policy.Probe(fp32_from_rows=self.fp32_rows),
+                fp32_outputs=fp32_outputs, threads=threads)
+        return chosen
+
+    def _run(self, packed: _Packed, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        """`x @ W.T + b` of a packed product on `backend`: fp32 outputs on the fp32 copies,
+        `f32_ops` and `amx_ops`; else in the weight dtype (`x` rounded to it)."""
+        if backend is Backend.F32_OPS:
+            return packed.f32_product(x)
+        if backend is Backend.ONEDNN_FP32:
+            return packed.onednn_fp32_product(x)
+        if backend is Backend.AMX_OPS:
+            return amx_ops.linear(x, packed.amx_weight())
+        # (`onednn`: packed layers exist only where oneDNN runs their dtype)
+        wdt = self.weight_dtype
+        return onednn.linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias)
+
+    def one_call(self, rows: int) -> bool | None:
+        """Whether a lean layer's products of `rows` rows may run in one call of
+        `_core.LeanLayer` (`linear_policy.one_call`): True on `f32_ops`, False on `amx_ops`,
+        None not at all."""
+        return policy.one_call(self.backend(rows, fp32_outputs=True), rows)
+
     @property
     def widens(self) -> bool:
         """Whether activations are kept wider than the weights (fp32 between products)."""
@@ -386,43 +417,18 @@ class PackedLinears:
                 return packed
         return None
 
-    def product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a packed product, in the weight dtype (`x` rounded to it); fp32
-        products of up to `F32_KERNEL_ROWS` rows on `f32_ops` where `f32_kernel`."""
-        x = x if x.dtype == self.weight_dtype else x.to(self.weight_dtype)
-        if self.f32_kernel and x.dtype == torch.float32 \
-                and math.prod(x.shape[:-1]) <= F32_KERNEL_ROWS:
-            return packed.f32_product(x)
-        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
-
-    def f32_takes(self, rows: int) -> bool:
-        """Whether every product of `rows` rows runs on `f32_ops` (fp32 weights or fp32
-        copies at that size, the kernel on, at most `F32_KERNEL_ROWS` rows)."""
-        return self.f32_kernel and rows <= F32_KERNEL_ROWS and (
-            self.weight_dtype == torch.float32 or self.runs_fp32(rows))
-
-    def runs_fp32(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs on the fp32 copies (`fp32_rows`)."""
-        return self.fp32_rows is not None and rows >= self.fp32_rows
-
     def input_dtype(self, rows: int) -> torch.dtype:
         """The dtype `wide_product` computes a `rows`-row input in (one in another dtype is
-        converted first): fp32 on the fp32 copies, else the weight dtype."""
-        return torch.float32 if self.runs_fp32(rows) else self.weight_dtype
+        converted first): fp32 on fp32 products, else the weight dtype."""
+        return torch.float32 if self.backend(rows, fp32_outputs=True).fp32_inputs \
+            else self.weight_dtype
 
     def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a packed product: in fp32 on the fp32 copy of the weight when
-        `runs_fp32` that many rows; else in fp32 by `amx_ops` (`x` rounded to bf16, the
-        output not rounded) when `amx` and `amx_ops.takes` them; else `product` (in the
-        weight dtype)."""
-        rows = x.shape[0]
-        y = packed.fp32_product(x, self.f32_kernel) if self.runs_fp32(rows) else None
-        if y is not None:
-            return y
-        w = packed.amx_weight() if self.amx and amx_ops.takes(rows) else None
-        if w is None:
-            return self.product(packed, x)
-        return amx_ops.linear(x, w)
+        """`x @ W.T + b` of a packed product (`x` [T, k]) for a caller that takes fp32
+        outputs (the lean layers): in fp32 on the fp32 copies, `f32_ops` or `amx_ops` (`x`
+        rounded to bf16, the output not rounded) where the policy says; else in the weight
+        dtype."""
+        return self._run(packed, x, self.backend(x.shape[0], fp32_outputs=True))
 
     # --- groups ----------------------------------------------------------------------------
 
@@ -430,8 +436,8 @@ class PackedLinears:
         self._forwards = [None] * len(self._layers)  # type: ignore[list-item]
         self._packs, self._groups = [], []
         for members in groups:
-            packed = _Packed([self._layers[i] for i in members], self.amx,
-                             wide=self.fp32_rows is not None, f32=self.f32_kernel)
+            packed = _Packed([self._layers[i] for i in members], self._amx,
+                             wide=self.fp32_rows is not None, f32=self._f32_kernel)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)
@@ -500,7 +506,6 @@ class PackedLinears:
         module = self._layers[index]
         own = type(module).forward
         wdt = self.weight_dtype
-        linear = torch.ops.mkldnn._linear_pointwise
         in_thread = self._in_thread
         packed = group.packed
         alone = len(packed.layers) == 1
@@ -511,15 +516,9 @@ class PackedLinears:
             return y if y.dtype == adt else y.to(adt)
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            rows = math.prod(x.shape[:-1])
-            # (the fp32 copy from `fp32_rows` rows; its output is rounded as the half one's)
-            y = packed.fp32_product(x, self.f32_kernel) if self.runs_fp32(rows) else None
-            if y is not None:
-                return y
-            if wdt == torch.float32 and self.f32_kernel and rows <= F32_KERNEL_ROWS:
-                return packed.f32_product(x)
-            return linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias,
-                          "none", [], "")
+            # (on an fp32 copy the output is fp32: widened or rounded below as the half
+            # product's would be)
+            return self._run(packed, x, self.backend(math.prod(x.shape[:-1])))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not (in_thread() or self._everywhere):

@@ -4,44 +4,47 @@ At decode batch sizes a lean layer's four products and five fused kernels take a
 hundred microseconds of compute each step, and the Python between them (tensor
 allocations, numpy views, argument parsing of ten calls) as much again. `FusedLayer` runs
 the same kernels in the same order with the same roundings inside one Rust call, so its
-results are bit-equal to `lean_layers._lean_forward`'s (tested). It applies when:
+results are bit-equal to `lean_layers._lean_forward`'s (tested). The lean layer asks
+`FusedLayer.forward` first on every step; it is the one place that decides, and it runs
+the call when:
 
-* every product goes to `amx_ops` (bf16 weights, `PackedLinears.amx`, at most `MAX_ROWS`
-  rows and `amx_ops.takes` them, no fp32 copies at that size), or every product to
-  `f32_ops` (an fp32 model's weights, or fp32 copies of half-precision ones at that size:
-  `PackedLinears.f32_takes`; the norms and SiLU then write fp32 inputs, as the lean forward
-  does for them);
-* Qwen3's per-head q/k norms run inside the call too (as the lean forward's
-  `_head_norm`);
-* every row of the step goes to the CPU decode kernel (`kernel_only_attention`'s case:
-  decode rows and short prompt rows, no SDPA rows, no gathered prompt keys).
+* the policy puts every product of the step's rows on `amx_ops` (bf16 weights) or every
+  one on `f32_ops` (an fp32 model's weights, or fp32 copies of half-precision ones; the
+  norms and SiLU then write fp32 inputs, as the lean forward does for them), and the step
+  has at most `linear_policy.ONE_CALL_MAX_ROWS` rows (`linear_policy.one_call`);
+* the layer's attention is ferrobatch's paged attention and every row of the step goes to
+  the CPU decode kernel (`kernel_only_attention`'s case: decode rows and short prompt
+  rows, no SDPA rows, no gathered prompt keys), over a cache of a kernel dtype;
+* the weights and norms make a `LeanLayer` (norms of one kernel dtype; Qwen3's per-head
+  q/k norms with one epsilon run inside the call, as the lean forward's `_head_norm`).
 
-Otherwise the lean layer runs as before. `MAX_ROWS` keeps the scratch the Rust side keeps
-per thread small (a few MiB); above it the Python between the kernels costs under 5%.
+Everything else is the lean forward's, the fallback: oneDNN's products (bf16 outputs, or
+fp32 copies beyond `f32_ops`' rows), steps with SDPA rows, longer steps (the scratch the
+Rust side keeps per thread stays a few MiB; above it the Python between the kernels costs
+under 5%), other attention functions (the construction checks' own attention).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ferrobatch import _core
 from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_group
 from ferrobatch.cpu import amx_ops, f32_ops
 from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
+from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.linear_policy import Backend
 
-__all__ = ["MAX_ROWS", "FusedLayer", "available", "takes"]
-
-#: most rows a step may have for the one-call layer
-MAX_ROWS = 256
+__all__ = ["FusedLayer", "available"]
 
 
 def available() -> bool:
     """Whether this build of `ferrobatch._core` has `LeanLayer` and its products (bf16 or
     f32) run here."""
-    from ferrobatch import _core
-
     return hasattr(_core, "LeanLayer") and (amx_ops.available() or f32_ops.available())
 
 
@@ -49,8 +52,9 @@ class FusedLayer:
     """The one-call forward of one lean layer's parts (`lean_layers._Layer`), made on first
     use and again whenever a packed weight or norm weight object changes."""
 
-    def __init__(self, part: Any) -> None:
+    def __init__(self, part: Any, linears: PackedLinears) -> None:
         self._part = part
+        self._linears = linears
         #: per weight kind (False: bf16 for `amx_ops`, True: fp32 for `f32_ops`), the
         #: weights and norms a `_core.LeanLayer` was made of, and that layer
         self._made: dict[bool, tuple[Any, ...]] = {}
@@ -78,8 +82,6 @@ class FusedLayer:
             "qk_norm_eps": float(p.q_norm.variance_epsilon)}
         if qk and p.q_norm.variance_epsilon != p.k_norm.variance_epsilon:
             return None
-        from ferrobatch import _core
-
         qkv, o, gate_up, down = packed
         self._layers[wide] = _core.LeanLayer(
             input_norm=numpy_view(norms[0]), post_norm=numpy_view(norms[1]),
@@ -93,45 +95,38 @@ class FusedLayer:
             down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16", **qk)
         return self._layers[wide]
 
-    def forward(self, x: torch.Tensor, step: Any, cos: torch.Tensor,
-                sin: torch.Tensor, wide: bool = False) -> bool:
-        """The layer on the fp32 residual rows `x` [T, H] (updated in place) if the step
-        and the weights allow the one call (see the module docstring); False, with nothing
-        done, if not. `wide`: the products on `f32_ops` (else `amx_ops`)."""
+    def forward(self, x: torch.Tensor, step: Any,
+                rope: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Backend | None:
+        """The layer on the fp32 residual rows `x` [T, H] (updated in place) in one call
+        where the policy, the step and the weights allow it (see the module docstring):
+        returns the backend its products ran on (`f32_ops` or `amx_ops`); None, with
+        nothing done, where not (the caller runs the lean forward). `rope()` gives the
+        position embeddings' fp32 rows (cos, sin)."""
+        wide = self._linears.one_call(x.shape[0])
+        if wide is None:
+            return None
         p = self._part
-        if p.attn.config._attn_implementation != context.ATTENTION_NAME:
-            return False
+        if step is None or p.attn.config._attn_implementation != context.ATTENTION_NAME:
+            return None
         layer_idx = p.attn.layer_idx
         group = kernel_only_group(step, layer_idx)
         if group is None:
-            return False
+            return None
         kd = group.kernel_decode
         k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
         if k_cache.dtype not in KERNEL_DTYPES or k_cache.device.type != "cpu":
-            return False
+            return None
         layer = self._lean_layer(wide)
         if layer is None:
-            return False
+            return None
+        cos, sin = rope()
         step.calls += 1
         layer.forward(
             x.numpy(), numpy_view(k_cache), numpy_view(v_cache), cos.numpy(),
             sin.numpy(), group.slot_mapping.numpy(), kd.block_tables, kd.seqlens,
             cache_dtype=KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
             window=kd.window, scale=float(p.attn.scaling), threads=torch.get_num_threads())
-        return True
-
-
-def takes(linears: Any, tokens: int) -> bool | None:
-    """Whether a `tokens`-row step may run the one-call layer with these packed linears
-    (`PackedLinears`), and on which products: True, every product on `f32_ops` in fp32
-    (`f32_takes`); False, every product on `amx_ops` in bf16; None: neither."""
-    if tokens > MAX_ROWS:
-        return None
-    if linears.f32_takes(tokens):
-        return True
-    if linears.amx and not linears.runs_fp32(tokens) and amx_ops.takes(tokens):
-        return False
-    return None
+        return Backend.F32_OPS if wide else Backend.AMX_OPS
 
 
 def _bias(w: amx_ops.AmxWeight | f32_ops.F32Weight) -> Any:

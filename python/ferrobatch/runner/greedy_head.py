@@ -32,9 +32,10 @@ screens, tried in this order (each only while it is on):
   products): `a_j` is `bf(h) . bf(w_j)` accumulated in fp32 and rounded to bf16, so with
   `u = 2^-8`, `|a_j - h . w_j| <= (2u + u^2 + K 2^-24 + u (1 + ...)) ||h|| ||w_j||
   <= 0.013 ||h|| max_j ||w_j||` (K <= 4096).
-  Where `ferrobatch.cpu.amx_ops` runs (AMX tiles or AVX-512 BF16) and the call has at most
-  `amx_ops.max_rows()` rows, the same sums come from it without the final rounding to
-  bf16 (and 1.6x faster at one row): with `u = 2^-9` (bf16 rounding to nearest),
+  Where `ferrobatch.cpu.amx_ops` runs (AMX tiles or AVX-512 BF16) and the policy gives it
+  the call's rows (`linear_policy`, as for any product with fp32 outputs), the same sums
+  come from it without the final rounding to bf16 (and 1.6x faster at one row): with
+  `u = 2^-9` (bf16 rounding to nearest),
   `|a_j - h . w_j| <= (2u (1 + u) + K 2^-24 (1 + u)^2) ||h|| ||w_j|| <= 0.0045 ||h||
   ||w_j||`, plus `K 2^-126 max_j ||w_j||` for inputs the products flush to zero.
 
@@ -56,9 +57,10 @@ SmolLM2-135M's head and 954 hidden rows of chat prompts the largest error was 4.
 over 47M (row, token) pairs, 7.7 candidates per row were kept). fp32 heads never take it.
 
 Where fp32 products of a half-precision weight's widened copy are faster than half-precision
-ones (`ferrobatch.runner.fp32_products`: Intel cores with AVX-512 BF16 but no AMX), calls of
-`_FULL_FP32_ROWS` rows or more skip the screens: the full fp32 logits on a packed fp32 copy
-of the weight, and their argmax, cost less than the bf16 screen there.
+ones (`ferrobatch.runner.linear_policy`'s probe: Intel cores with AVX-512 BF16 but no AMX),
+calls of `full_rows` rows or more (the policy's "greedy" rule,
+`linear_policy.GREEDY_FULL_ROWS`) skip the screens: the full fp32 logits on a packed fp32
+copy of the weight, and their argmax, cost less than the bf16 screen there.
 
 The per-call host work is in Rust (`ferrobatch._core`): the rows' norms (`row_norms`), the
 selection over the screen's scores as they come, bf16 bits or int32 (`greedy_select`), and
@@ -77,8 +79,9 @@ import psutil
 import torch
 
 from ferrobatch import _core
-from ferrobatch.cpu import amx_ops
-from ferrobatch.runner.fp32_products import fp32_from_rows
+from ferrobatch.cpu import amx_ops, onednn
+from ferrobatch.runner import linear_policy as policy
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.sampling.sampler import argmax_rows
 
 logger = logging.getLogger("ferrobatch")
@@ -92,23 +95,12 @@ _MAX_STAGE1 = 1024  # per row on average after the first (coarse) selection
 _INT8_TRIAL_CALLS = 16  # the int8 screen is judged after this many calls ...
 _INT8_MAX_MISS_SHARE = 0.25  # ... and dropped when it failed to decide more often than this
 _EXTRA_BYTES_PER_WEIGHT = 2 + 2 + 1 + 2 + 4 + 4  # see `GreedyHead.supported`
-#: from this many rows a half-precision head's argmax is that of its full fp32 logits, where
-#: fp32 products of the widened weight are faster than half-precision ones
-#: (`ferrobatch.runner.fp32_products`): on such a Xeon (1 thread, SmolLM2's head) the bf16
-#: screen took 2.7 / 12.6 / 46 ms at 1 / 16 / 64 rows, the fp32 product and argmax 7.7 /
-#: 15 / 35 ms
-_FULL_FP32_ROWS = 32
 #: the statistical window of `window8`, in standard deviations of its scores' rounding error
 _WINDOW_SIGMAS = 6.0
 _MAX_AVAILABLE_SHARE = 0.1
 
 _HAVE_INT_MM = hasattr(torch, "_int_mm")
 _HAVE_I16 = bool(getattr(_core, "i16_linear_available", lambda: False)())
-_HAVE_MKLDNN = bool(
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
 
 
 _Candidates = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -132,10 +124,6 @@ def _select(scores: np.ndarray, base: np.ndarray, gain: np.ndarray, per_token: n
                                max_candidates=_MAX_CANDIDATES, threads=torch.get_num_threads())
 
 
-def _mkldnn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
 class GreedyHead:
     """Argmax rows of `hidden @ weight.T` (fp32 CPU, no bias) via bounded low-precision
     screens. What they need (int8 and bf16 copies of the weight, its norms) is derived once
@@ -146,9 +134,10 @@ class GreedyHead:
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None  # bf16, oneDNN layout
         self._wide: amx_ops.AmxWeight | None = None  # bf16 packed for `amx_ops`
-        #: the bf16 screen's calls of up to `amx_ops.max_rows()` rows go to `amx_ops`
-        #: (fp32 sums, a tighter bound), where it runs
+        #: the bf16 screen's calls go to `amx_ops` (fp32 sums, a tighter bound) where it runs
+        #: and the policy gives it their rows (`linear_policy`: fp32 outputs)
         self.wide = amx_ops.available()
+        self._isa = policy.Isa.detect()
         self._qweight: torch.Tensor | None = None  # [V, K] int8
         self._scale = 1.0  # s
         self._w1 = np.zeros(0)  # ||w_j||_1
@@ -157,9 +146,10 @@ class GreedyHead:
         self._w2max = 0.0
         self.int8 = _HAVE_INT_MM  # the int8 screen is on (dropped when it rarely decides)
         #: from this many rows, the exact argmax of the fp32 product of the widened weight
-        #: (packed once in `_full`) instead of a screen; None: never
-        self.full_rows = _FULL_FP32_ROWS if weight.dtype in (torch.bfloat16, torch.float16) \
-            and fp32_from_rows(weight.dtype) is not None else None
+        #: (packed once in `_full`) instead of a screen (the policy's "greedy" rule, where
+        #: its probe finds fp32 products faster); None: never
+        self.full_rows = policy.rows_from("greedy", weight.dtype, self._isa,
+                                          policy.probe(weight.dtype))
         self._full: torch.Tensor | None = None
         #: the statistical int8 screen of half heads (module docstring), chosen by `wins`
         self.window8 = False
@@ -182,7 +172,7 @@ class GreedyHead:
         them and the construction check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE`
         of available memory."""
         if not (
-            _HAVE_MKLDNN
+            onednn.available()
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and weight.device.type == "cpu"
             and weight.dim() == 2
@@ -204,8 +194,7 @@ class GreedyHead:
         if self._packed is None or self._key != key:
             with torch.no_grad():
                 wd = w.detach().float()  # exact for a half-precision weight
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    w.detach().bfloat16(), 64)
+                self._packed = onednn.pack(w.detach().bfloat16())
                 self._wide = amx_ops.pack(w.detach().bfloat16()) if self.wide else None
                 self._full = None  # packed again when next used
                 # fp32 norms rounded up (relative error <= K 2^-24 <= 2^-12)
@@ -249,10 +238,9 @@ class GreedyHead:
         if self.full_rows is not None and n >= self.full_rows:
             if self._full is None:
                 with torch.no_grad():
-                    self._full = torch.ops.mkldnn._reorder_linear_weight(
-                        self._weight.detach().float(), 64)
+                    self._full = onednn.pack(self._weight.detach().float())
             # (what the caller's full logits would give: the first maximum, NaN wins)
-            return argmax_rows(_mkldnn_linear(wide, self._full))
+            return argmax_rows(onednn.linear(wide, self._full))
         l2, l1, hmax = _core.row_norms(wide.numpy())  # f64 sums
         if not (np.isfinite(l1).all() and (hmax > 0).all()):
             return None  # non-finite, or an all-zero row (every logit ties)
@@ -338,13 +326,15 @@ class GreedyHead:
     def _screen_bf16(self, hidden: torch.Tensor, l2: np.ndarray, delta: np.ndarray
                      ) -> _Candidates | None:
         assert self._packed is not None
-        if self.wide and self._wide is not None and amx_ops.takes(hidden.shape[0]):
+        if self.wide and self._wide is not None and policy.choose(
+                torch.bfloat16, hidden.shape[0], self._isa, policy.Probe(),
+                fp32_outputs=True) is Backend.AMX_OPS:
             sums = amx_ops.linear(hidden, self._wide).numpy()  # [N, V] fp32
             # eps_j = 0.0045 ||h||_2 ||w_j||_2 + delta + K 2^-126 max ||w_j||_2
             base = delta + hidden.shape[1] * 2.0**-126 * self._w2max
             return _select(sums, base, _WIDE_BOUND * l2, self._w2)
         # bf(h) of the rows as given (rounding a half row to bf16 is that of its widening)
-        approx = _mkldnn_linear(hidden.bfloat16(), self._packed).contiguous()  # [N, V] bf16
+        approx = onednn.linear(hidden.bfloat16(), self._packed).contiguous()  # [N, V] bf16
         bits = approx.view(torch.int16).numpy().view(np.uint16)
         # eps_j = 0.013 ||h||_2 ||w_j||_2 + delta
         return _select(bits, delta, _BF16_BOUND * l2, self._w2)
@@ -413,10 +403,9 @@ class GreedyHead:
             with torch.inference_mode():
                 ref = torch.mm(x, w.t()).argmax(dim=1)
                 fulls: list = [lambda: torch.mm(x, w.t()).numpy().argmax(-1)]
-                if _HAVE_MKLDNN:  # the runner's fastest fp32 head on CPU
-                    full_packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-                    fulls.append(lambda: torch.ops.mkldnn._linear_pointwise(
-                        x, full_packed, None, "none", [], "").numpy().argmax(-1))
+                if onednn.available():  # the runner's fastest fp32 head on CPU
+                    full_packed = onednn.pack(w, rows)
+                    fulls.append(lambda: onednn.linear(x, full_packed).numpy().argmax(-1))
                 full = min(_best_time(fn, rounds) for fn in fulls)
                 # (int8 first, int16 first, bf16 alone: the first two fall back to bf16)
                 configs = [c for c, on in (((True, False), self.int8),

@@ -19,7 +19,10 @@ Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, 
 Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
 q/k RMSNorms run as `fused_ops.rms_norm` over each head's row), whose q/k/v and gate/up
 products are stacked groups of the packed linears, and whose attention has no extra
-state. The runner also checks, on two short forwards through the model's own attention,
+state. Where a step allows it, the whole layer runs in one call of `_core.LeanLayer`
+instead (`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal
+to the forward here, which is the fallback for everything the one call cannot run).
+The runner also checks, on two short forwards through the model's own attention,
 that the lean layers' logits are within twice the model's own layers' distance from the
 exact fp32 computation on the same packed weights; if not, nothing changes. The caller's
 model is never modified: the layers' `forward` is an instance attribute only inside
@@ -39,8 +42,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_attention
 from ferrobatch.cpu import fused_ops
-from ferrobatch.runner import fused_layer
 from ferrobatch.runner.cpu_linear import PackedLinears
+from ferrobatch.runner.fused_layer import FusedLayer
+from ferrobatch.runner.fused_layer import available as fused_available
 
 logger = logging.getLogger("ferrobatch")
 
@@ -76,7 +80,7 @@ class _Layer:
         #: weight object is replaced
         self._norm_weights: list[tuple[Any, Any]] = [(None, None)] * 4
         #: the whole layer in one call, where the build has it (`fused_layer`)
-        self.fused = fused_layer.FusedLayer(self) if fused_layer.available() else None
+        self.fused = FusedLayer(self, linears) if fused_available() else None
 
     def norm_weight(self, i: int) -> torch.Tensor:
         """The weight of norm `i` (0: input, 1: post-attention, 2: q, 3: k), detached."""
@@ -186,24 +190,21 @@ class LeanLayers:
     def _forward_of(self, p: _Layer) -> Callable[..., torch.Tensor]:
         own = type(p.layer).forward
         layer = p.layer
-        linears = self._linears
         product = self._linears.wide_product
         input_dtype, kv_dtype = self._linears.input_dtype, self._kv_dtype
         in_thread = self._in_thread
+        rope_rows = self._rope_rows
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
                     or args or not hidden_states.is_contiguous():
                 return own(layer, hidden_states, *args, **kwargs)
-            wide = fused_layer.takes(linears, hidden_states.shape[1]) \
-                if p.fused is not None and self.fused_enabled else None
-            if wide is not None:
-                cos, sin = self._rope_rows(*kwargs["position_embeddings"])
-                if p.fused.forward(hidden_states[0], kwargs.get(context.STEP_KWARG), cos, sin,
-                                   wide):
-                    return hidden_states
+            if p.fused is not None and self.fused_enabled and p.fused.forward(
+                    hidden_states[0], kwargs.get(context.STEP_KWARG),
+                    lambda: rope_rows(*kwargs["position_embeddings"])):
+                return hidden_states
             return _lean_forward(p, hidden_states, product, input_dtype, kv_dtype, kwargs,
-                                 self._rope_rows)
+                                 rope_rows)
 
         return forward
 

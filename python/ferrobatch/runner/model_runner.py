@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +18,14 @@ from ferrobatch.attention.kernels import decode_kernel_available
 from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import PagedStep, build_step
 from ferrobatch.cpu.threads import share_torch_openmp
+from ferrobatch.cuda import triton_attention
+from ferrobatch.cuda.staging import upload
 from ferrobatch.model_config import model_configs, text_config
 from ferrobatch.models import layer_types_of, sliding_window_of
+from ferrobatch.runner import linear_policy
 from ferrobatch.runner.activations import PackedActivations
-from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.graph_steps import GraphSteps
-from ferrobatch.runner.lean_layers import LeanLayers
-from ferrobatch.runner.output_head import OutputHead, WeightDerived
+from ferrobatch.runner.output_head import OutputHead
 from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
 from ferrobatch.sampling.sampler import argmax_rows
 
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from ferrobatch.attention.rope import LongRope
     from ferrobatch.config import ContinuousBatchingConfig
     from ferrobatch.core import StepPlan
-    from ferrobatch.cuda.graphs import GraphCache
 
 logger = logging.getLogger("ferrobatch")
 
@@ -39,12 +40,16 @@ logger = logging.getLogger("ferrobatch")
 __all__ = ["ModelRunner"]
 
 
-class ModelRunner(GraphSteps, OutputHead, PackedActivations):
+class ModelRunner:
     """Executes step plans (ARCHITECTURE.md §3) on `model` with ferrobatch's paged KV cache.
 
     The caller's model is used as is: its attention implementation is switched to the paged
     one only for the duration of each forward and restored afterwards; its weights, config
     and generation config are never changed.
+
+    Its parts: `activations` (a CPU model's packed linears and lean decoder layers,
+    `PackedActivations`), `head` (the output head and the greedy screen, `OutputHead`) and
+    `graphs` (decode-only steps through CUDA graphs, `GraphSteps`).
     """
 
     def __init__(
@@ -84,7 +89,10 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         `lean_layers`: with fp32 activations over packed weights (an fp32 model, or
         half-precision weights widened), run Llama-style decoder layers through fused
         kernels (`ferrobatch.runner.lean_layers`; checked once against the model's own
-        forward)."""
+        forward).
+
+        `rope`: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
+        factors (also settable later as `runner.rope`)."""
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)
@@ -125,56 +133,66 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             if self.device.type == "cuda" else 132
         )
         self._configs = model_configs(model)
-        self._base = getattr(model, "base_model", None)
-        self._head = model.get_output_embeddings()
-        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self._logit_scale = getattr(model, "logit_scale", None) or getattr(
-            cfg, "logit_scale", None
-        )
-        self._logits_scaling = getattr(cfg, "logits_scaling", None)
-        self._head_wt = WeightDerived(lambda w: w.t().contiguous())
-        self._head_packed = WeightDerived(
-            lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        )
-        self._use_head_wt = False
-        self._use_head_packed = False
-        if activations not in ("auto", "float32", "model"):
-            raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
-                             f"not {activations!r}")
-        self._linears: PackedLinears | None = None
-        self._lean: LeanLayers | None = None
         if self.device.type == "cpu":
             share_torch_openmp()
-            self._linears = self._make_packed_linears(activations)
-            self._lean = self._make_lean_layers(lean_layers)
-        self._split_head = self._check_split_head()
-        if self._split_head:
-            self._use_head_packed = self._packed_head_wins()
-            self._use_head_wt = not self._use_head_packed and self._transposed_head_wins()
-        self._greedy_head = self._make_greedy_head()
+        self.activations = PackedActivations(
+            model, device=self.device, dtype=self.dtype, kv_dtype=self.cache.dtype,
+            vocab_size=self.vocab_size, configs=self._configs, activations=activations,
+            lean_layers=lean_layers)
+        if self.device.type == "cpu":
+            linear_policy.log_table()
+        self.head = OutputHead(model, self.device, self.vocab_size)
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
-        self.fast_greedy: bool = self._greedy_head is not None
+        self.fast_greedy: bool = self.head.greedy is not None
         self._closed = False
-        # `rope`: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
-        # factors (the rotary module would take them from the whole packed step), or None.
-        self.rope = rope
-        self._graphs: GraphCache | None = None  # when padded (graph) steps are on
-        self._graph_mode: str | None = None
-        self._graph_counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
-        self._graph_pool_bytes = 0
-        self._graph_input_bytes = 0
-        self._graph_error: str | None = None
+        # A `ferrobatch.attention.rope.LongRope` giving each request its own rope factors (the
+        # rotary module would take them from the whole packed step); the engine's.
+        self.rope: LongRope | None = rope
         if self.device.type == "cuda":
             install_packed_check_bypass()
-        self.cuda_graph_off_reason: str | None = None  # why graphs are off, when they are
-        self.use_cuda_graph = self._resolve_cuda_graph(use_cuda_graph)
-        if self.use_cuda_graph:
-            self._setup_graphs("cuda", config=config, max_graphs=max_graphs)
+        self.graphs = GraphSteps(
+            kv_cache=self.cache, layer_types=self.layer_types,
+            sliding_window=self.sliding_window, device=self.device,
+            attention_backend=self.attention_backend, num_sms=self._num_sms,
+            split_head=self.head.split, base_forward=self._base_forward)
+        if self._resolve_cuda_graph(use_cuda_graph):
+            self.graphs.setup("cuda", config=config, max_graphs=max_graphs)
+            assert self.graphs.cache is not None and self.graphs.buckets is not None
             logger.info(
                 "ferrobatch: CUDA graphs on for decode-only steps (backend %s, at most %d "
                 "graphs, q interval %d, kv interval %d)", self.attention_backend,
-                self._graphs.max_graphs, self._buckets.q_interval, self._buckets.kv_interval,
+                self.graphs.cache.max_graphs, self.graphs.buckets.q_interval,
+                self.graphs.buckets.kv_interval,
             )
+
+    # --- what the engine reads -------------------------------------------------------------
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether decode-only steps run through CUDA graphs (resolved at construction; off
+        again after a failed capture)."""
+        return self.graphs.use_cuda_graph
+
+    @property
+    def cuda_graph_off_reason(self) -> str | None:
+        """Why CUDA graphs were resolved off at construction (None: they were not)."""
+        return self.graphs.off_reason
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the activations between the linear layers."""
+        return self.activations.activation_dtype
+
+    @property
+    def head_skippable(self) -> bool:
+        """Whether a plan with no `logits_indices` runs the base model only (a separable
+        head and eager steps): what a tensor-parallel worker, which samples nothing, asks."""
+        return self.head.split and not self.graphs.enabled
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Graph counters (`GraphSteps.stats`): graphs, captures, hits, misses, evictions,
+        graph / eager steps, pool bytes, why graphs are off."""
+        return self.graphs.stats()
 
     def _resolve_cuda_graph(self, requested: bool | None) -> bool:
         """Whether decode-only steps run through CUDA graphs (see `__init__`)."""
@@ -185,12 +203,12 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             why = f"the model is on {self.device.type}, not CUDA"
         elif self.attention_backend not in ("triton", "flash_attn", "torch"):
             why = f"attention backend {self.attention_backend!r} builds masks per step"
-        elif not self._split_head:
+        elif not self.head.split:
             why = ("the output head is not separable from the base model: "
-                   f"{self.split_head_error}")
+                   f"{self.head.split_error}")
         if why is None:
             return True
-        self.cuda_graph_off_reason = why
+        self.graphs.off_reason = why
         msg = f"ferrobatch: CUDA graphs off ({why}); running eager"
         if requested:
             warnings.warn(msg, stacklevel=3)
@@ -223,9 +241,8 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             return requested
         if self.device.type != "cuda" or sinks:
             return "sdpa"
-        from ferrobatch.cuda import triton_attention as ta
-
-        chosen = ta.select_backend(self.device, page_size=self.page_size, dtype=self.dtype)
+        chosen = triton_attention.select_backend(self.device, page_size=self.page_size,
+                                                 dtype=self.dtype)
         backend = chosen if chosen in ("triton", "flash_attn") else "sdpa"
         logger.info("ferrobatch: attention backend %s", backend)
         return backend
@@ -237,6 +254,17 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
                 "attention layers went through ferrobatch's paged attention; the model must "
                 "dispatch attention through transformers' AttentionInterface"
             )
+
+    def _base_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      step: KernelStep) -> torch.Tensor:
+        """The base model's final hidden states [T, hidden] over a step through the paged
+        attention (the forward a graph captures; its attention calls checked on the host)."""
+        kwargs = {context.STEP_KWARG: step, "use_cache": False}
+        with eval_mode(self.model), registry.paged_attention_enabled(self._configs, step):
+            out = self.head.base(input_ids=input_ids, position_ids=positions, **kwargs)
+        self._check_calls(step)
+        return out[0][0]
+
     def execute_greedy(
         self, plan: StepPlan, prev_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -268,8 +296,6 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         pinned staging buffer (`ferrobatch.cuda.staging`: a copy from pageable memory may
         sync the host with the stream), elsewhere each array as before."""
         if self.device.type == "cuda":
-            from ferrobatch.cuda.staging import upload
-
             return upload(arrays, torch.int64, self.device)
         return {k: self._tensor(a) for k, a in arrays.items() if a is not None}
 
@@ -295,6 +321,21 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
                 "previous samples"
             )
         return pos, src
+
+    def _graph_fill(
+        self, fill: tuple[np.ndarray, np.ndarray] | None, prev_tokens: torch.Tensor | None
+    ) -> Callable[[torch.Tensor], None] | None:
+        """How a graph step writes the inputs taken from the previous step's samples into
+        its static input ids: `fill`, the host (pos, src) of `_prev_token_fill`, uploaded
+        (only they) and applied by `_fill_prev_tokens`; None when there are none."""
+        if fill is None:
+            return None
+
+        def fill_ids(input_ids: torch.Tensor) -> None:
+            dev = self._upload({"pos": fill[0], "src": fill[1]})
+            self._fill_prev_tokens(input_ids, (dev["pos"], dev["src"]), prev_tokens)
+
+        return fill_ids
 
     def _fill_prev_tokens(
         self,
@@ -328,13 +369,13 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
             fill = self._prev_token_fill(plan, prev_tokens)
             if len(plan.input_ids) == 0:
                 return torch.empty(0, self.vocab_size, device=self.device)
-            if self._graphs is not None and self.rope is None and _extra is None:
+            if self.graphs.enabled and self.rope is None and _extra is None:
                 # a graph step loads its inputs into the graph's static buffers: nothing
                 # of the plan is uploaded here
-                hidden = self._execute_graph(plan, fill, prev_tokens)
+                hidden = self.graphs.hidden(plan, page_size=self.page_size,
+                                            fill_ids=self._graph_fill(fill, prev_tokens))
                 if hidden is not None:
-                    return self._head_logits(hidden).float()
-                self._graph_counts["eager_steps"] += 1
+                    return self.head.logits(hidden).float()
             logits_indices: Any = plan.logits_indices
             if _extra is not None:  # prompt positions too (execute_with_prompt)
                 logits_indices = np.concatenate([np.asarray(logits_indices, np.int64),
@@ -357,7 +398,7 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
                     plan, self.cache, self.layer_types, self.sliding_window,
                     decode_kernel=self.decode_kernel,
                 )
-                if self._linears is not None and self._linears.widens:
+                if self.activations.widens:
                     step.out_dtype = self.cache.dtype  # o_proj rounds its input to it
             else:
                 step = build_kernel_step(
@@ -381,15 +422,16 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         """Logits of the sampled tokens; with `greedy` and a greedy head, their argmax
         token ids (int64) when the screen decides."""
         kwargs = {context.STEP_KWARG: step, "use_cache": False}
-        with registry.paged_attention_enabled(self._configs, step), self._linears_active():
-            if self._split_head:
-                out = self._base(input_ids=input_ids, position_ids=positions, **kwargs)
+        head = self.head
+        with registry.paged_attention_enabled(self._configs, step), self.activations.active():
+            if head.split:
+                out = head.base(input_ids=input_ids, position_ids=positions, **kwargs)
                 hidden = out[0][0].index_select(0, logits_indices)
-                if greedy and self._greedy_head is not None:
-                    tokens = self._greedy_head.argmax(hidden)
+                if greedy and head.greedy is not None:
+                    tokens = head.greedy.argmax(hidden)
                     if tokens is not None:
                         return tokens
-                return self._head_logits(hidden)
+                return head.logits(hidden)
             out = self.model(
                 input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
                 **kwargs,
@@ -401,14 +443,11 @@ class ModelRunner(GraphSteps, OutputHead, PackedActivations):
         if self._closed:
             return
         self._closed = True
-        if self._graphs is not None:
-            self._graphs.clear()
+        self.graphs.close()
         registry.forget(self._configs)
         self.cache = None  # type: ignore[assignment]
-        self._head_wt.clear()
-        self._head_packed.clear()
-        self._greedy_head = None
-        self._lean = None
+        self.head.close()
+        self.activations.close()
         self.fast_greedy = False
 
     def __enter__(self) -> ModelRunner:

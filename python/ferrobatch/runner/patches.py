@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from transformers import masking_utils
 
 from ferrobatch.attention import context
 
@@ -24,8 +25,6 @@ def install_packed_check_bypass() -> None:
     global _BYPASS_INSTALLED
     if _BYPASS_INSTALLED:
         return
-    from transformers import masking_utils
-
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None:
         return
