@@ -82,6 +82,10 @@ class Engine(ModelProbes):
     `torch.dtype`. On CPU a bf16 / fp16 model runs its linear layers on weights packed once
     for the matrix units, with fp32 activations between them (`ferrobatch.runner.cpu_linear`).
 
+    A GGUF file (or a directory holding exactly one) loads with its matrices kept
+    quantized (`ferrobatch.gguf`); `quantization` ("q8_0", "q4_0", "q4_1"; a checkpoint path
+    or the bundled model, CPU) quantizes a float checkpoint's linears on load.
+
     `tensor_parallel_size` (a checkpoint path or the bundled model): shard the model over
     that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
@@ -99,12 +103,18 @@ class Engine(ModelProbes):
         seed: int | None = None,
         tensor_parallel_size: int = 1,
         speculative_config: Any = None,
+        quantization: str | None = None,
     ) -> None:
         from ferrobatch import models
         from ferrobatch.distributed import setup as tp_setup
         from ferrobatch.runner.model_runner import ModelRunner
 
         self.config = ContinuousBatchingConfig.coerce(config)
+        # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
+        self._quantization = quantization
+        if quantization is not None and tensor_parallel_size != 1:
+            raise FieldError("quantization is not supported with tensor_parallel_size > 1",
+                             field="quantization")
         # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank
         self.tp = tp_setup.start(
             tensor_parallel_size, model, device=device,
@@ -127,7 +137,8 @@ class Engine(ModelProbes):
             device = self.tp.device
             loaded, loaded_tok = tp_load(self.tp, model, dtype)
         else:
-            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
+            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
+                                                   quantization=self._quantization)
         self.model = loaded
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer

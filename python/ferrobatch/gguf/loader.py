@@ -46,34 +46,15 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf import arch as archs
 from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
-from ferrobatch.gguf.reader import GGUFFile, TensorEntry, is_gguf_file
+from ferrobatch.gguf.reader import GGUFFile, TensorEntry
 
-__all__ = ["GGUFModelInfo", "LoadPlan", "gguf_path_of", "load_gguf", "plan"]
+__all__ = ["GGUFModelInfo", "LoadPlan", "fill", "load_gguf", "plan"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: bump when what is cached per file (config, tokenizer) changes meaning
 _CACHE_VERSION = "1"
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def gguf_path_of(model: Any) -> Path | None:
-    """The GGUF file `model` (a path) names, or None: a file whose name ends in `.gguf` or
-    that starts with the GGUF magic, or a directory with no `config.json` holding exactly
-    one `*.gguf` (more than one: `FieldError` naming them)."""
-    if not isinstance(model, str | os.PathLike):
-        return None
-    p = Path(model).expanduser()
-    if p.is_file():
-        return p if p.suffix.lower() == ".gguf" or is_gguf_file(p) else None
-    if p.is_dir() and not (p / "config.json").is_file():
-        found = sorted(x for x in p.iterdir() if x.suffix.lower() == ".gguf" and x.is_file())
-        if len(found) == 1:
-            return found[0]
-        if len(found) > 1:
-            raise FieldError(f"{p} holds {len(found)} GGUF files "
-                             f"({', '.join(x.name for x in found)}); name one", "model")
-    return None
 
 
 @dataclass
