@@ -199,11 +199,13 @@ def _name_maps_cached() -> Iterator[None]:
         gguf.get_tensor_name_map = original
 
 
-def _weights_map(skeleton: nn.Module, processor: Any) -> dict[str, str]:
-    """GGUF tensor name -> the model's parameter name (transformers' mapping)."""
+def _weights_map(skeleton: nn.Module, processor: Any, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name (transformers' mapping, by the file's
+    architecture: a Mistral written as `llama` is a `mistral` model to transformers, which
+    gguf-py's name tables do not know)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    return get_gguf_hf_weights_map(skeleton, processor)
+    return get_gguf_hf_weights_map(skeleton, processor, model_type=arch)
 
 
 def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
@@ -228,12 +230,16 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     config_dict = config.to_dict()
     base_config = copy.deepcopy(config)
     archs.fix_config(config, f.metadata, arch, path)
-    with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dt)
+    try:
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=dt)
+    except Exception as exc:  # noqa: BLE001 - metadata transformers cannot build a model of
+        raise FieldError(f"{path}: transformers cannot build a {config.model_type} model from "
+                         f"this file's metadata ({type(exc).__name__}: {exc})", "model") from exc
     skeleton.tie_weights()  # (`from_config` leaves meta parameters untied)
     processor = archs.tensor_processor(arch, config_dict)
     with _name_maps_cached():
-        names = _weights_map(skeleton, processor)
+        names = _weights_map(skeleton, processor, arch)
     groups = _param_groups(skeleton)
     shapes = dict(skeleton.named_parameters(remove_duplicate=False))
     items: list[_Item] = []
