@@ -180,7 +180,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             t = embed_qtype if gname == "token_embd.weight" and embed_qtype else \
                 output_qtype if gname == "output.weight" and output_qtype else qtype
         t = t or "F32"
-        if t not in ("F32", "F16") and x.shape[1] % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]:
+        if t not in ("F32", "F16", "BF16") and \
+                x.shape[1] % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]:
             t = "Q8_0"  # llama.cpp's fallback too, for rows that are not whole K-blocks
         gtype = GGMLQuantizationType[t]
         if t == "F32":
@@ -190,6 +191,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             data = x.astype(np.float16)
             values = data.astype(np.float32)
             w.add_tensor(gname, data)
+        elif t == "BF16":
+            bf = torch.from_numpy(x).to(torch.bfloat16)
+            data = bf.view(torch.uint8).numpy()
+            values = bf.float().numpy()
+            w.add_tensor(gname, data, raw_dtype=gtype)
         else:
             n, k = x.shape
             data = _random_k_blocks(t, n, k, rng) if t in K_TYPES else quantize(x, gtype)

@@ -89,10 +89,12 @@ def test_mixed_types(gguf_file) -> None:
     ones."""
     written, source = gguf_file("llama", "Q4_1", output_qtype="F32", embed_qtype="F16",
                                 types={"blk.0.attn_q.weight": "F16",
-                                       "blk.1.ffn_up.weight": "F32"})
+                                       "blk.1.ffn_up.weight": "F32",
+                                       "blk.1.attn_v.weight": "BF16"})
     model, _ = load_gguf(written.path)
     plain = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-    assert plain == {"lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"}
+    assert plain == {"lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj",
+                     "model.layers.1.self_attn.v_proj"}
     assert type(model.get_input_embeddings()) is torch.nn.Embedding
     torch.testing.assert_close(_logits(model), _logits(reference_model(source, written)),
                                rtol=1e-5, atol=1e-5)
@@ -183,3 +185,16 @@ def test_directory_with_one_file(gguf_file) -> None:
     assert gguf_path_of(str(written.path)) == written.path
     model, _ = load_model(written.path.parent)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
+    """The config read back from the cache is the one transformers made of the file."""
+    written, _ = gguf_file(arch, "Q8_0")
+    fresh = loader.plan(written.path, cache=False)
+    load_gguf(written.path)  # fills the cache
+    cached = loader.plan(written.path)
+    assert cached.config_cached
+    a, b = fresh.config.to_dict(), cached.config.to_dict()
+    a.pop("transformers_version", None), b.pop("transformers_version", None)
+    assert a == b

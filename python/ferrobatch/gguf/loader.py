@@ -227,6 +227,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     dt = _resolve_dtype(dtype, f)
     cache_dir = _cache_dir(path) if cache else None
     config, cached = _base_config(path, cache_dir)
+    config._name_or_path = str(path)
     config_dict = config.to_dict()
     base_config = copy.deepcopy(config)
     archs.fix_config(config, f.metadata, arch, path)
@@ -365,7 +366,6 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
     if left:  # a plan that let this through is a bug, not bad input
         raise RuntimeError(f"GGUF load left {left[:4]} unfilled")
     model.eval()
-    model.config._name_or_path = str(p.file.path)
     fbytes = sum(t.numel() * t.element_size() for t in model.parameters())
     info = GGUFModelInfo(
         path=p.file.path, architecture=p.architecture, file_bytes=p.file.file_size,
