@@ -32,6 +32,18 @@ def rss() -> dict[str, float]:
     return out
 
 
+def mapped_rss(path: str) -> float:
+    """MiB of `path`'s pages resident in this process's mappings of it (`/proc/self/smaps`)."""
+    target, total, inside = str(Path(path).resolve()), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = len(head) >= 6 and head[5] == target
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total / 1024
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path")
@@ -53,7 +65,8 @@ def main() -> None:
     modules.set_backend(args.backend)
     size = Path(args.path).stat().st_size / 2**20
     base = rss()
-    print(f"file {size:.0f} MiB; RSS before load {base['VmRSS']:.0f} MiB (imports)", flush=True)
+    print(f"file {size:.0f} MiB; RSS before load {base['VmRSS']:.0f} MiB (imports; file-backed "
+          f"{base['RssFile']:.0f}, anonymous {base['RssAnon']:.0f})", flush=True)
     t0 = time.perf_counter()
     model, tok = load_gguf(args.path, cache=not args.no_cache)
     t_load = time.perf_counter() - t0
@@ -63,7 +76,8 @@ def main() -> None:
           f"(+{after['VmRSS'] - base['VmRSS']:.0f}; file-backed {after['RssFile']:.0f}, "
           f"anonymous {after['RssAnon']:.0f}); quantized {info.quantized_bytes / 2**20:.0f} "
           f"MiB ({info.mapped_bytes / 2**20:.0f} mapped), float {info.float_bytes / 2**20:.0f} "
-          f"MiB; types {info.types}", flush=True)
+          f"MiB; types {info.types}; the file's pages resident {mapped_rss(args.path):.0f} MiB",
+          flush=True)
     qs = QUESTIONS[:args.questions]
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -78,7 +92,8 @@ def main() -> None:
     mid = rss()
     print(f"first token (prefill of {batch['input_ids'].shape} ) {t_first:.1f} s; load + "
           f"first token {t_load + t_first:.1f} s; RSS {mid['VmRSS']:.0f} MiB "
-          f"(file-backed {mid['RssFile']:.0f}), peak {mid['VmHWM']:.0f} MiB", flush=True)
+          f"(file-backed {mid['RssFile']:.0f}, anonymous {mid['RssAnon']:.0f}; the file's pages "
+          f"{mapped_rss(args.path):.0f}), peak {mid['VmHWM']:.0f} MiB", flush=True)
     t2 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -88,7 +103,8 @@ def main() -> None:
     end = rss()
     print(f"generate {args.max_new_tokens} steps x {len(qs)}: {dt:.1f} s "
           f"({dt / args.max_new_tokens:.2f} s a step, {n} tokens); RSS {end['VmRSS']:.0f} MiB "
-          f"(file-backed {end['RssFile']:.0f}), peak {end['VmHWM']:.0f} MiB", flush=True)
+          f"(file-backed {end['RssFile']:.0f}, anonymous {end['RssAnon']:.0f}; the file's pages "
+          f"{mapped_rss(args.path):.0f}), peak {end['VmHWM']:.0f} MiB", flush=True)
     for q, row in zip(qs, new, strict=True):
         print(f"\nQ: {q}\nA: {tok.decode(row, skip_special_tokens=True)!r}")
 

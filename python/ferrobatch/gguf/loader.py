@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,6 @@ class GGUFModelInfo:
     float_bytes: int  # bytes of the float parameters
     mapped_bytes: int  # of quantized_bytes, those that are views of the file's map
     load_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
