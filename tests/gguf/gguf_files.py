@@ -47,7 +47,11 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                dict(head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
                     tie_word_embeddings=True, num_hidden_layers=6)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+    # Conv1D linears (weights [in, out]), learned positions, LayerNorm with biases
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=512, tie_word_embeddings=True)),
 }
+#: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
+_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
@@ -115,18 +119,24 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     file_arch = "llama" if arch == "mistral" else arch
     w = gguf.GGUFWriter(str(path), file_arch)
     w.add_name(name or ("mistral" if arch == "mistral" else f"tiny-{arch}"))
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    gpt2 = arch == "gpt2"
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(lie.get("feed_forward_length", cfg.intermediate_size))
+    w.add_feed_forward_length(lie.get("feed_forward_length",
+                                      cfg.n_inner if gpt2 else cfg.intermediate_size))
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = cfg.rope_parameters.get("rope_theta") if "rope_theta" in cfg.rope_parameters \
-        else cfg.rope_parameters["full_attention"]["rope_theta"]
-    w.add_rope_freq_base(theta)
+    if gpt2:
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        tokenizer = True  # (transformers takes GPT-2's vocabulary size from the tokens)
+    else:
+        w.add_head_count_kv(kv)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        theta = cfg.rope_parameters.get("rope_theta") if "rope_theta" in cfg.rope_parameters \
+            else cfg.rope_parameters["full_attention"]["rope_theta"]
+        w.add_rope_freq_base(theta)
     w.add_vocab_size(cfg.vocab_size)
     if file_arch == "llama":
         w.add_rope_dimension_count(head_dim)
@@ -175,6 +185,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             perm = np.argsort(_permute(np.arange(x.shape[0])[:, None], heads, n_kv)[:, 0])
         if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
             x = (x + 1).astype(np.float32)
+        conv1d = gpt2 and gname.endswith(_CONV1D)
+        if conv1d:
+            x = np.ascontiguousarray(x.T)
         t = (types or {}).get(gname)
         if t is None and x.ndim == 2:
             t = embed_qtype if gname == "token_embd.weight" and embed_qtype else \
@@ -203,6 +216,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             w.add_tensor(gname, data, raw_dtype=gtype)
         if perm is not None:
             values = values[perm]
+        if conv1d:
+            values = values.T
         if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
             values = values - 1
         ref = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

@@ -18,7 +18,7 @@ IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
 CASES = [("llama", q) for q in QTYPES] + [("qwen2", q) for q in QTYPES] + [
     ("qwen3", "Q4_K"), ("qwen3", "Q4_1"), ("mistral", "Q5_K"), ("mistral", "Q8_0"),
     ("gemma2", "Q6_K"), ("gemma2", "Q4_0"), ("gemma3", "Q4_K"), ("gemma3", "Q8_0"),
-    ("phi3", "Q5_K"), ("phi3", "Q4_1"),
+    ("phi3", "Q5_K"), ("phi3", "Q4_1"), ("gpt2", "Q4_K"), ("gpt2", "Q8_0"),
 ]
 
 
@@ -52,7 +52,9 @@ def test_logits_equal_dequantized_oracle(gguf_file, arch: str, qtype: str) -> No
                                              ("phi3", "Q4_0")])
 def test_logits_equal_transformers_gguf_loader(gguf_file, arch: str, qtype: str) -> None:
     """An oracle independent of the test writer: transformers' own GGUF loading (which
-    dequantizes everything) of the same file."""
+    dequantizes everything) of the same file. (Of the architectures whose metadata it reads
+    fully: it takes Qwen3's head size, Gemma's softcapping and attention scale, GPT-2's
+    context and MLP widths from defaults, which `arch.fix_config` reads from the file.)"""
     from transformers import AutoModelForCausalLM
 
     written, _ = gguf_file(arch, qtype)
@@ -187,7 +189,8 @@ def test_directory_with_one_file(gguf_file) -> None:
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                  "phi3", "gpt2"])
 def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
     """The config read back from the cache is the one transformers made of the file."""
     written, _ = gguf_file(arch, "Q8_0")

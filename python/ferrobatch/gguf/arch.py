@@ -4,7 +4,7 @@ mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor 
 
 Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
 them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
-`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`. Anything else is refused with a
+`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`. Anything else is refused with a
 `FieldError` (field "model") before anything is built.
 """
 
@@ -18,13 +18,13 @@ import numpy as np
 
 from ferrobatch.errors import FieldError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config", "refuse_metadata",
-           "row_permutation", "tensor_processor"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config", "process",
+           "refuse_metadata", "row_permutation", "tensor_processor"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
 
 #: metadata (`{arch}.` + key) that changes the computation in ways no supported model uses:
 #: refused when present (a model loaded without it would compute something else)
@@ -50,14 +50,28 @@ def tensor_processor(arch: str, config_dict: dict[str, Any]) -> Any:
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
 
 
-def row_permutation(processor: Any, name: str, rows: int) -> np.ndarray | None:
+def process(processor: Any, weights: np.ndarray, name: str) -> np.ndarray:
+    """`processor.process` of one tensor, its values only (a processor that files a tensor
+    under another name, as GPT-2's does for `output.weight`, writes into a scratch dict)."""
+    out = processor.process(weights=weights, name=name, tensor_key_mapping={},
+                            parsed_parameters={"tensors": {}})
+    return np.asarray(out.weights)
+
+
+def row_permutation(processor: Any, name: str, rows: int,
+                    transposed: bool = False) -> np.ndarray | None:
     """How `processor` reorders the rows of tensor `name` (GGUF name) with `rows` rows:
     None when it leaves them (and their values) alone, else the permutation `p` (row `i` of
     the result is row `p[i]` of the file's). Found by processing the column of row indices;
     `ValueError` when the processor does anything but reorder rows (the tensor cannot stay
-    quantized then)."""
+    quantized then). `transposed`: the processor must transpose the tensor and do nothing
+    else (GPT-2's `Conv1D` weights, which keep the file's rows as a `QuantLinear`)."""
     index = np.arange(rows, dtype=np.float64).reshape(rows, 1)
-    out = np.asarray(processor.process(weights=index.copy(), name=name).weights)
+    out = process(processor, index.copy(), name)
+    if transposed:
+        if not np.array_equal(out, index.T):
+            raise ValueError(f"the conversion of {name} is not a transposition")
+        return None
     if out.shape != index.shape:
         raise ValueError(f"the conversion of {name} changes its shape")
     perm = out.reshape(-1)
@@ -100,6 +114,7 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
     * Gemma 2: `attn_logit_softcapping`, `final_logit_softcapping`; Gemma 2 / 3:
       `query_pre_attn_scalar` as llama.cpp derives it (the head size, hidden / heads for the
       27B shapes);
+    * GPT-2: `context_length` -> `n_positions`, `feed_forward_length` -> `n_inner`;
     * Mistral (written as `llama`): no sliding window (llama.cpp attends over the whole
       context); Phi-3: `attention.sliding_window`.
     """
@@ -142,5 +157,10 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
     if arch == "phi3":
         window = _meta(metadata, arch, "attention.sliding_window")
         config.sliding_window = int(window) if window else None
+    if arch == "gpt2":  # transformers maps these onto names GPT2Config does not read
+        if _meta(metadata, arch, "context_length") is not None:
+            config.n_positions = int(_meta(metadata, arch, "context_length"))
+        if _meta(metadata, arch, "feed_forward_length") is not None:
+            config.n_inner = int(_meta(metadata, arch, "feed_forward_length"))
     if not math.isfinite(float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)):
         raise FieldError(f"{path}: rms_norm_eps is not finite", "model")

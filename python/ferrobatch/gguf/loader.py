@@ -170,13 +170,18 @@ def _param_groups(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _module_kind(model: nn.Module, param: str) -> str:
-    """"linear", "embedding" or "other" for the module holding parameter `param`."""
+    """"linear", "conv1d" (transformers' `Conv1D`: GPT-2's linears, weight [in, out]),
+    "embedding" or "other" for the module holding parameter `param`."""
+    from transformers.pytorch_utils import Conv1D
+
     mod_name, _, attr = param.rpartition(".")
     module = model.get_submodule(mod_name)
     if attr != "weight":
         return "other"
     if type(module) is nn.Linear:
         return "linear"
+    if type(module) is Conv1D:
+        return "conv1d"
     if type(module) is nn.Embedding or (isinstance(module, nn.Embedding)
                                         and type(module).__name__.endswith("ScaledWordEmbedding")):
         return "embedding"
@@ -257,7 +262,9 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
             raise FieldError(f"{path}: tensor {t.name} maps to {target}, which "
                              f"{type(skeleton).__name__} does not have", "model")
         want = tuple(shapes[target].shape)
-        if tuple(t.shape) != want:
+        kinds = {_module_kind(skeleton, n) for n in groups[target]}
+        stored = tuple(reversed(t.shape)) if kinds == {"conv1d"} else tuple(t.shape)
+        if stored != want:
             raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
                              f"{target} {list(want)} (the metadata and the tensors disagree)",
                              "model")
@@ -265,12 +272,13 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         if filled.intersection(group):
             raise FieldError(f"{path}: tensor {t.name} fills {target} a second time", "model")
         filled.update(group)
-        kinds = {_module_kind(skeleton, n) for n in group}
-        quantized = t.qtype in QUANT_TYPES and "other" not in kinds
+        quantized = t.qtype in QUANT_TYPES and "other" not in kinds and (
+            len(kinds) == 1 or "conv1d" not in kinds)
         item = _Item(t, group, quantized)
         if quantized:
             try:
-                item.perm = archs.row_permutation(processor, t.name, t.shape[0])
+                item.perm = archs.row_permutation(processor, t.name, t.shape[0],
+                                                  transposed=kinds == {"conv1d"})
             except ValueError as exc:
                 raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) cannot stay quantized: "
                                  f"{exc}", "model") from exc
@@ -309,7 +317,7 @@ def _float_tensor(p: LoadPlan, t: TensorEntry) -> torch.Tensor:
     else:  # BF16 bits, or a quantized tensor read as floats
         raw = p.file.raw(t.name)
         arr = dequantize(np.asarray(raw), GGMLQuantizationType[t.qtype]).reshape(t.shape)
-    arr = np.asarray(p.processor.process(weights=arr, name=t.name).weights)
+    arr = archs.process(p.processor, arr, t.name)
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(p.dtype)
 
 
@@ -346,7 +354,7 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
                 _set_param(model, name, param)
     for mod_name, (kind, qw) in replace.items():
         old = model.get_submodule(mod_name)
-        if kind == "linear":
+        if kind in ("linear", "conv1d"):  # (a Conv1D computes x @ W + b: the file's rows)
             bias = old.bias.detach() if old.bias is not None else None
             new: nn.Module = QuantLinear(qw, bias)
         else:
