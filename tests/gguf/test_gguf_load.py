@@ -201,3 +201,15 @@ def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
     a, b = fresh.config.to_dict(), cached.config.to_dict()
     a.pop("transformers_version", None), b.pop("transformers_version", None)
     assert a == b
+
+
+def test_bfloat16_model(gguf_file) -> None:
+    """`dtype=torch.bfloat16`: norms, biases and activations in bf16, products still fp32 over
+    the quantized blocks."""
+    written, source = gguf_file("qwen2", "Q4_K")
+    model, _ = load_gguf(written.path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.dtype == torch.bfloat16
+    got = _logits(model).float()
+    want = _logits(reference_model(source, written))
+    assert (got - want).norm() < 0.05 * want.norm()
