@@ -385,15 +385,27 @@ def load_model(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    quantization: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Return `(model, tokenizer)` in eval mode.
 
     `model` is a loaded `PreTrainedModel` (returned as is, never moved or converted: a
     different `device`/`dtype` request is logged and ignored), a local checkpoint directory,
-    or None for the bundled SmolLM2-135M-Instruct, loaded in `resolve_dtype(dtype, ...)`.
-    The tokenizer is None when it cannot be found locally for a given model. Never contacts
-    a hub.
+    a GGUF file or a directory holding exactly one (`ferrobatch.gguf`: matrices kept
+    quantized), or None for the bundled SmolLM2-135M-Instruct, loaded in
+    `resolve_dtype(dtype, ...)`. `quantization` ("q8_0", "q4_0", "q4_1", ...; a checkpoint
+    path or the bundled model only): its linear layers quantized on load
+    (`ferrobatch.gguf.quantize`). The tokenizer is None when it cannot be found locally for a
+    given model. Never contacts a hub.
     """
+    # GGUF files and quantize-on-load (`ferrobatch.gguf`, imported only when asked for)
+    if quantization is not None or isinstance(model, str | os.PathLike):
+        from ferrobatch.gguf import source
+
+        loaded = source.load(model, device=device, dtype=dtype, quantization=quantization,
+                           load_plain=load_model)
+        if loaded is not None:
+            return loaded
     if isinstance(model, PreTrainedModel):
         mdev, mdtype = model.device, model.dtype
         if device is not None and torch.device(device) != mdev:

@@ -38,6 +38,7 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
         seed=args.engine_seed,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=spec_config_from_args(args),
+        quantization=getattr(args, "quantization", None),
     )
 
 

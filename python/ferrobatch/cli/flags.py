@@ -138,8 +138,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="Local checkpoint directory (config, weights, tokenizer). Default: the bundled "
-        "SmolLM2-135M-Instruct (prepared into a cache directory on first use).",
+        help="Local checkpoint directory (config, weights, tokenizer), or a GGUF file (or a "
+        "directory holding exactly one), loaded with its matrices kept quantized. Default: "
+        "the bundled SmolLM2-135M-Instruct (prepared into a cache directory on first use).",
     )
     group = parser.add_argument_group("model")
     group.add_argument(
@@ -160,6 +161,15 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "on CUDA bfloat16 (float16 without bf16 support). float32 is the exact mode (greedy "
         "output equal to model.generate in fp32); bfloat16/float16 on CPU run the linear "
         "layers on packed half-precision weights with fp32 activations.",
+    )
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"),
+        help="Quantize a float checkpoint's linear layers on load (CPU; weights kept "
+        "quantized, products on ferrobatch.gguf's QuantLinear). q8_0/q4_0/q4_1 use gguf's "
+        "quantizers; the K-types need the kernels' quantizer. Not for GGUF files (already "
+        "quantized). Default: none.",
     )
     group.add_argument(
         "--threads",

@@ -56,6 +56,11 @@ def checkpoint_path(model: Any) -> Path:
     if model is None:
         return bundled_model_dir()
     if isinstance(model, (str, os.PathLike)):
+        from ferrobatch.gguf.source import gguf_path_of
+
+        if gguf_path_of(model) is not None:  # quantized GGUF modules are not sharded
+            raise FieldError("a GGUF model cannot be sharded: tensor_parallel_size must be 1",
+                             field=shard.FIELD)
         return Path(model).expanduser()
     raise FieldError(
         f"tensor_parallel_size > 1 needs a checkpoint path (each rank loads its own shard); "

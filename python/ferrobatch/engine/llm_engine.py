@@ -85,6 +85,10 @@ class Engine(ModelProbes):
     `torch.dtype`. On CPU a bf16 / fp16 model runs its linear layers on weights packed once
     for the matrix units, with fp32 activations between them (`ferrobatch.runner.cpu_linear`).
 
+    A GGUF file (or a directory holding exactly one) loads with its matrices kept
+    quantized (`ferrobatch.gguf`); `quantization` ("q8_0", "q4_0", "q4_1"; a checkpoint path
+    or the bundled model, CPU) quantizes a float checkpoint's linears on load.
+
     `tensor_parallel_size` (a checkpoint path or the bundled model): shard the model over
     that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
@@ -102,8 +106,14 @@ class Engine(ModelProbes):
         seed: int | None = None,
         tensor_parallel_size: int = 1,
         speculative_config: Any = None,
+        quantization: str | None = None,
     ) -> None:
         self.config = ContinuousBatchingConfig.coerce(config)
+        # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
+        self._quantization = quantization
+        if quantization is not None and tensor_parallel_size != 1:
+            raise FieldError("quantization is not supported with tensor_parallel_size > 1",
+                             field="quantization")
         # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank; the
         # spawned ranks build an `Engine` too, from these arguments
         self.tp = tp_setup.start(
@@ -184,7 +194,8 @@ class Engine(ModelProbes):
         if self.tp is not None:
             loaded, loaded_tok = tp_setup.load(self.tp, model, dtype)
         else:
-            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype)
+            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
+                                                   quantization=self._quantization)
         if isinstance(tokenizer, str):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         return loaded, tokenizer if tokenizer is not None else loaded_tok

@@ -1,0 +1,166 @@
+"""What each GGUF architecture becomes: the transformers config (transformers' own GGUF
+mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor processor
+(llama's q/k row order, Gemma's norm offsets), and what is refused.
+
+Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
+them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
+`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`. Anything else is refused with a
+`FieldError` (field "model") before anything is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from ferrobatch.errors import FieldError
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config", "process",
+           "refuse_metadata", "row_permutation", "tensor_processor"]
+
+logger = logging.getLogger("ferrobatch")
+
+#: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+
+#: metadata (`{arch}.` + key) that changes the computation in ways no supported model uses:
+#: refused when present (a model loaded without it would compute something else)
+_REFUSED_KEYS = ("logit_scale", "embedding_scale", "residual_scale", "attention.scale",
+                 "attention.clamp_kqv", "attention.max_alibi_bias", "expert_count")
+
+
+def check_architecture(arch: str, path: Any) -> None:
+    """`FieldError` unless ferrobatch loads GGUF files of `arch`."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch in SUPPORTED_ARCHITECTURES and arch in GGUF_SUPPORTED_ARCHITECTURES:
+        return
+    raise FieldError(
+        f"{path}: GGUF architecture {arch!r} is not supported (ferrobatch loads "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)})", "model")
+
+
+def tensor_processor(arch: str, config_dict: dict[str, Any]) -> Any:
+    """transformers' tensor processor for `arch` (its base class when it has none)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
+
+
+def process(processor: Any, weights: np.ndarray, name: str) -> np.ndarray:
+    """`processor.process` of one tensor, its values only (a processor that files a tensor
+    under another name, as GPT-2's does for `output.weight`, writes into a scratch dict)."""
+    out = processor.process(weights=weights, name=name, tensor_key_mapping={},
+                            parsed_parameters={"tensors": {}})
+    return np.asarray(out.weights)
+
+
+def row_permutation(processor: Any, name: str, rows: int,
+                    transposed: bool = False) -> np.ndarray | None:
+    """How `processor` reorders the rows of tensor `name` (GGUF name) with `rows` rows:
+    None when it leaves them (and their values) alone, else the permutation `p` (row `i` of
+    the result is row `p[i]` of the file's). Found by processing the column of row indices;
+    `ValueError` when the processor does anything but reorder rows (the tensor cannot stay
+    quantized then). `transposed`: the processor must transpose the tensor and do nothing
+    else (GPT-2's `Conv1D` weights, which keep the file's rows as a `QuantLinear`)."""
+    index = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    out = process(processor, index.copy(), name)
+    if transposed:
+        if not np.array_equal(out, index.T):
+            raise ValueError(f"the conversion of {name} is not a transposition")
+        return None
+    if out.shape != index.shape:
+        raise ValueError(f"the conversion of {name} changes its shape")
+    perm = out.reshape(-1)
+    if np.array_equal(perm, index.reshape(-1)):
+        return None
+    if not np.array_equal(np.sort(perm), index.reshape(-1)):
+        raise ValueError(f"the conversion of {name} changes its values")
+    return perm.astype(np.int64)
+
+
+def _meta(metadata: dict[str, Any], arch: str, key: str) -> Any:
+    return metadata.get(f"{arch}.{key}")
+
+
+def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
+    """`FieldError` for metadata that would change the computation and is not handled."""
+    for key in _REFUSED_KEYS:
+        if _meta(metadata, arch, key) is not None:
+            raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")
+    scaling = _meta(metadata, arch, "rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise FieldError(f"{path}: rope scaling {scaling!r} ({arch}.rope.scaling.type) is not "
+                         "supported (only linear)", "model")
+    k, v = _meta(metadata, arch, "attention.key_length"), _meta(metadata, arch,
+                                                                "attention.value_length")
+    if k is not None and v is not None and k != v:
+        raise FieldError(f"{path}: key length {k} != value length {v} is not supported", "model")
+
+
+def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> None:
+    """Metadata llama.cpp writes that transformers' GGUF mapping leaves out, applied to the
+    transformers `config` so the model computes what llama.cpp computes from the same file:
+
+    * `attention.key_length` -> `head_dim` (Qwen3 and others whose head size is not
+      hidden / heads); where the config has no `head_dim`, it must equal hidden / heads;
+    * `rope.dimension_count` below the head size: Phi-3's `partial_rotary_factor`; elsewhere
+      refused;
+    * `rope.scaling.type` linear + `rope.scaling.factor` (Gemma 3: the global layers only, as
+      llama.cpp);
+    * Gemma 2: `attn_logit_softcapping`, `final_logit_softcapping`; Gemma 2 / 3:
+      `query_pre_attn_scalar` as llama.cpp derives it (the head size, hidden / heads for the
+      27B shapes);
+    * GPT-2: `context_length` -> `n_positions`, `feed_forward_length` -> `n_inner`;
+    * Mistral (written as `llama`): no sliding window (llama.cpp attends over the whole
+      context); Phi-3: `attention.sliding_window`.
+    """
+    heads = int(config.num_attention_heads)
+    hidden = int(config.hidden_size)
+    key_length = _meta(metadata, arch, "attention.key_length")
+    if key_length is not None:
+        if hasattr(config, "head_dim"):
+            config.head_dim = int(key_length)
+        elif int(key_length) != hidden // heads:
+            raise FieldError(f"{path}: head size {key_length} != hidden / heads "
+                             f"({hidden // heads}) is not supported for {arch}", "model")
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    rope_dims = _meta(metadata, arch, "rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        if arch == "phi3":
+            config.rope_parameters["partial_rotary_factor"] = int(rope_dims) / head_dim
+        else:
+            raise FieldError(f"{path}: rotary dimensions {rope_dims} != head size {head_dim} "
+                             f"is not supported for {arch}", "model")
+    if _meta(metadata, arch, "rope.scaling.type") == "linear":
+        factor = float(_meta(metadata, arch, "rope.scaling.factor") or 1.0)
+        params = config.rope_parameters
+        target = params.get("full_attention", params) if arch == "gemma3" else params
+        if factor != 1.0:
+            target.update(rope_type="linear", factor=factor)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _meta(metadata, arch, key)
+            if value is not None:
+                setattr(config, key, float(value))
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp (llama-model.cpp, f_attention_scale): 1/sqrt(hidden / heads) for the 27B
+        # models (46 layers of 4608 for Gemma 2, 62 of 5376 for Gemma 3), else 1/sqrt(head size)
+        big = (arch == "gemma2" and config.num_hidden_layers == 46 and hidden == 4608) or (
+            arch == "gemma3" and config.num_hidden_layers == 62 and hidden == 5376)
+        config.query_pre_attn_scalar = hidden // heads if big else head_dim
+    if getattr(config, "model_type", None) == "mistral":
+        config.sliding_window = None
+    if arch == "phi3":
+        window = _meta(metadata, arch, "attention.sliding_window")
+        config.sliding_window = int(window) if window else None
+    if arch == "gpt2":  # transformers maps these onto names GPT2Config does not read
+        if _meta(metadata, arch, "context_length") is not None:
+            config.n_positions = int(_meta(metadata, arch, "context_length"))
+        if _meta(metadata, arch, "feed_forward_length") is not None:
+            config.n_inner = int(_meta(metadata, arch, "feed_forward_length"))
+    if not math.isfinite(float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)):
+        raise FieldError(f"{path}: rms_norm_eps is not finite", "model")

@@ -1,0 +1,453 @@
+"""Load a GGUF file as a transformers model whose matrices stay quantized.
+
+1. **Read and refuse** (`plan`): the header (`reader.GGUFFile`, a memory map), the
+   architecture (`arch.check_architecture`), every tensor's type (`QUANT_TYPES` stay
+   quantized, F32 / F16 / BF16 are read as floats, anything else is refused naming the
+   tensor), the config (transformers' GGUF mapping + `arch.fix_config`), the model skeleton
+   on the meta device (`accelerate.init_empty_weights`: no weight memory), the tensor names
+   (transformers' `get_gguf_hf_weights_map`), each tensor's shape against the skeleton's,
+   and that every parameter gets a tensor. Every refusal is a `FieldError` (field "model";
+   "device" for a device other than the CPU) raised before any weight memory is committed.
+2. **Fill**: small tensors (norms, biases) and float matrices as parameters in the model's
+   dtype; each `nn.Linear` / `nn.Embedding` whose tensor is quantized replaced by a
+   `QuantLinear` / `QuantEmbedding` over a `QuantWeight` that is a view of the file's map
+   (llama's q/k rows, reordered by transformers' processor, are a copy in the new row order);
+   a tied output head shares the embedding's `QuantWeight`. Llama 3's `rope_freqs` divide the
+   rotary frequencies, as llama.cpp does.
+
+Config and tokenizer come from transformers' GGUF support (`load_gguf_checkpoint`,
+`AutoTokenizer.from_pretrained(dir, gguf_file=name)`); both parse the whole vocabulary
+(tens of seconds for a 150k-token vocabulary on a busy machine), so they are saved once per
+file (path, size, mtime) under `cache_root()/gguf/` and read from there afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf import arch as archs
+from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
+from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
+from ferrobatch.gguf.reader import GGUFFile, TensorEntry
+
+__all__ = ["GGUFModelInfo", "LoadPlan", "fill", "load_gguf", "plan"]
+
+logger = logging.getLogger("ferrobatch")
+
+#: bump when what is cached per file (config, tokenizer) changes meaning
+_CACHE_VERSION = "1"
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass
+class _Item:
+    """One GGUF tensor's way into the model."""
+
+    entry: TensorEntry
+    targets: list[str]  # the model's parameter names it fills (a tie group)
+    quantized: bool  # stays a QuantWeight (else read as floats)
+    perm: np.ndarray | None = None  # row order of a quantized tensor (None: the file's)
+
+
+@dataclass
+class GGUFModelInfo:
+    """What `load_gguf` made of a file (`model.ferrobatch_gguf`)."""
+
+    path: Path
+    architecture: str
+    file_bytes: int
+    types: dict[str, int]  # tensor type -> count in the file
+    quantized_modules: int  # QuantLinear + QuantEmbedding
+    quantized_bytes: int  # bytes of quantized blocks the model holds (shared once)
+    float_bytes: int  # bytes of the float parameters
+    mapped_bytes: int  # of quantized_bytes, those that are views of the file's map
+    load_seconds: float = 0.0
+
+
+@dataclass
+class LoadPlan:
+    """Everything decided before any weight memory is committed (`plan`)."""
+
+    file: GGUFFile
+    architecture: str
+    config: Any
+    base_config: Any  # transformers' config, before `fix_config` (what is cached)
+    model: Any  # the skeleton, parameters on the meta device
+    processor: Any
+    items: list[_Item]
+    rope_freqs: TensorEntry | None
+    dtype: torch.dtype
+    cache_dir: Path | None
+    config_cached: bool
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def _check_types(f: GGUFFile) -> None:
+    for t in f.tensors.values():
+        if t.qtype not in QUANT_TYPES and t.qtype not in FLOAT_TYPES:
+            raise FieldError(
+                f"{f.path}: tensor {t.name} has type {t.qtype}, which ferrobatch does not "
+                f"load (quantized: {', '.join(QUANT_TYPES)}; float: {', '.join(FLOAT_TYPES)})",
+                "model")
+
+
+def _cache_dir(path: Path) -> Path:
+    import transformers
+
+    from ferrobatch.models import cache_root
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
+          f"{_CACHE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{path.stem[:60]}-{digest}"
+
+
+def _config_dict(path: Path) -> dict[str, Any]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    return dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+
+
+def _base_config(path: Path, cache_dir: Path | None) -> tuple[Any, bool]:
+    """transformers' config of the file (before `fix_config`), from the cache when there;
+    and whether it came from there."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if cache_dir is not None and (cache_dir / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(str(cache_dir), local_files_only=True), True
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry: read the file again
+            logger.info("ferrobatch: GGUF config cache %s unreadable (%s)", cache_dir, exc)
+    d = _config_dict(path)
+    model_type = d.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise FieldError(f"{path}: transformers has no config for model type {model_type!r}",
+                         "model")
+    cls: type[PretrainedConfig] = CONFIG_MAPPING[model_type]
+    return cls.from_dict(d), False
+
+
+def _resolve_dtype(dtype: Any, f: GGUFFile) -> torch.dtype:
+    from ferrobatch.models import cpu_has_native_bf16, resolve_dtype
+
+    if dtype is None or dtype == "auto":
+        if dtype == "auto":
+            mats = [t.qtype for t in f.tensors.values() if len(t.shape) == 2]
+            if mats and all(q in ("F16", "BF16") for q in mats) and cpu_has_native_bf16():
+                return torch.bfloat16
+        return torch.float32
+    return resolve_dtype(dtype, torch.device("cpu"))
+
+
+def _param_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter name -> every name of the same parameter object (ties)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def _module_kind(model: nn.Module, param: str) -> str:
+    """"linear", "conv1d" (transformers' `Conv1D`: GPT-2's linears, weight [in, out]),
+    "embedding" or "other" for the module holding parameter `param`."""
+    from transformers.pytorch_utils import Conv1D
+
+    mod_name, _, attr = param.rpartition(".")
+    module = model.get_submodule(mod_name)
+    if attr != "weight":
+        return "other"
+    if type(module) is nn.Linear:
+        return "linear"
+    if type(module) is Conv1D:
+        return "conv1d"
+    if type(module) is nn.Embedding or (isinstance(module, nn.Embedding)
+                                        and type(module).__name__.endswith("ScaledWordEmbedding")):
+        return "embedding"
+    return "other"
+
+
+@contextmanager
+def _name_maps_cached() -> Iterator[None]:
+    """`gguf.get_tensor_name_map` memoized while inside: transformers'
+    `get_gguf_hf_weights_map` builds the same map again for every submodule it recurses
+    into (about 400 times, 19 s, for SmolLM2); the map is only read."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def _weights_map(skeleton: nn.Module, processor: Any, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name (transformers' mapping, by the file's
+    architecture: a Mistral written as `llama` is a `mistral` model to transformers, which
+    gguf-py's name tables do not know)."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    return get_gguf_hf_weights_map(skeleton, processor, model_type=arch)
+
+
+def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
+         cache: bool = True) -> LoadPlan:
+    """Read, check and map a GGUF file without committing weight memory (see the module
+    docstring); `FieldError` for anything that would not load."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path).expanduser()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cpu":
+        raise FieldError(f"quantized GGUF weights run on the CPU only, not {dev}", "device")
+    f = GGUFFile(path)
+    arch = f.architecture
+    archs.check_architecture(arch, path)
+    archs.refuse_metadata(f.metadata, arch, path)
+    _check_types(f)
+    dt = _resolve_dtype(dtype, f)
+    cache_dir = _cache_dir(path) if cache else None
+    config, cached = _base_config(path, cache_dir)
+    config._name_or_path = str(path)
+    config_dict = config.to_dict()
+    base_config = copy.deepcopy(config)
+    archs.fix_config(config, f.metadata, arch, path)
+    try:
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=dt)
+    except Exception as exc:  # noqa: BLE001 - metadata transformers cannot build a model of
+        raise FieldError(f"{path}: transformers cannot build a {config.model_type} model from "
+                         f"this file's metadata ({type(exc).__name__}: {exc})", "model") from exc
+    skeleton.tie_weights()  # (`from_config` leaves meta parameters untied)
+    processor = archs.tensor_processor(arch, config_dict)
+    with _name_maps_cached():
+        names = _weights_map(skeleton, processor, arch)
+    groups = _param_groups(skeleton)
+    shapes = dict(skeleton.named_parameters(remove_duplicate=False))
+    items: list[_Item] = []
+    filled: set[str] = set()
+    rope_freqs = None
+    for t in f.tensors.values():
+        target = names.get(t.name)
+        if target is None:
+            if t.name == _ROPE_FREQS and arch == "llama":
+                rope_freqs = t
+                continue
+            raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) has no place in "
+                             f"{type(skeleton).__name__} (not supported)", "model")
+        if target not in groups:
+            raise FieldError(f"{path}: tensor {t.name} maps to {target}, which "
+                             f"{type(skeleton).__name__} does not have", "model")
+        want = tuple(shapes[target].shape)
+        kinds = {_module_kind(skeleton, n) for n in groups[target]}
+        stored = tuple(reversed(t.shape)) if kinds == {"conv1d"} else tuple(t.shape)
+        if stored != want:
+            raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
+                             f"{target} {list(want)} (the metadata and the tensors disagree)",
+                             "model")
+        group = groups[target]
+        if filled.intersection(group):
+            raise FieldError(f"{path}: tensor {t.name} fills {target} a second time", "model")
+        filled.update(group)
+        quantized = t.qtype in QUANT_TYPES and "other" not in kinds and (
+            len(kinds) == 1 or "conv1d" not in kinds)
+        item = _Item(t, group, quantized)
+        if quantized:
+            try:
+                item.perm = archs.row_permutation(processor, t.name, t.shape[0],
+                                                  transposed=kinds == {"conv1d"})
+            except ValueError as exc:
+                raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) cannot stay quantized: "
+                                 f"{exc}", "model") from exc
+        items.append(item)
+    missing = sorted(n for n in groups if n not in filled)
+    if missing:
+        raise FieldError(f"{path}: no tensor for {', '.join(missing[:6])}"
+                         f"{' ...' if len(missing) > 6 else ''} of {type(skeleton).__name__}",
+                         "model")
+    if rope_freqs is not None:
+        inv = [m for m in skeleton.modules() if isinstance(getattr(m, "inv_freq", None),
+                                                           torch.Tensor)]
+        if not inv or any(tuple(m.inv_freq.shape) != tuple(rope_freqs.shape) for m in inv):
+            raise FieldError(f"{path}: tensor {_ROPE_FREQS} {list(rope_freqs.shape)} does not "
+                             "match the rotary embedding's frequencies", "model")
+        if rope_freqs.qtype != "F32":
+            raise FieldError(f"{path}: tensor {_ROPE_FREQS} must be F32, not {rope_freqs.qtype}",
+                             "model")
+    return LoadPlan(f, arch, config, base_config, skeleton, processor, items, rope_freqs, dt,
+                    cache_dir, cached)
+
+
+# ---------------------------------------------------------------------------- fill
+
+
+def _float_tensor(p: LoadPlan, t: TensorEntry) -> torch.Tensor:
+    """A tensor read as floats (dequantized if stored quantized), through the processor, in
+    the model's dtype."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.qtype == "F32":
+        arr = np.array(p.file.array(t.name), dtype=np.float32)
+    elif t.qtype == "F16":
+        arr = p.file.array(t.name).astype(np.float32)
+    else:  # BF16 bits, or a quantized tensor read as floats
+        raw = p.file.raw(t.name)
+        arr = dequantize(np.asarray(raw), GGMLQuantizationType[t.qtype]).reshape(t.shape)
+    arr = archs.process(p.processor, arr, t.name)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(p.dtype)
+
+
+def _quant_weight(p: LoadPlan, item: _Item) -> tuple[QuantWeight, bool]:
+    """The tensor's `QuantWeight` and whether it is a view of the map."""
+    t = item.entry
+    data = torch.from_numpy(p.file.raw(t.name))
+    mapped = item.perm is None
+    if not mapped:
+        data = data.index_select(0, torch.from_numpy(item.perm))
+    return QuantWeight(t.qtype, t.shape[0], t.shape[1], data), mapped
+
+
+def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    model.get_submodule(mod_name)._parameters[attr] = param
+
+
+def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
+    """The model of a plan, weights in place (see the module docstring)."""
+    model = p.model
+    replace: dict[str, tuple[str, QuantWeight]] = {}
+    qbytes = mbytes = 0
+    for item in p.items:
+        if item.quantized:
+            qw, mapped = _quant_weight(p, item)
+            qbytes += qw.nbytes
+            mbytes += qw.nbytes if mapped else 0
+            for name in item.targets:
+                replace[name.rpartition(".")[0]] = (_module_kind(model, name), qw)
+        else:
+            param = nn.Parameter(_float_tensor(p, item.entry), requires_grad=False)
+            for name in item.targets:
+                _set_param(model, name, param)
+    for mod_name, (kind, qw) in replace.items():
+        old = model.get_submodule(mod_name)
+        if kind in ("linear", "conv1d"):  # (a Conv1D computes x @ W + b: the file's rows)
+            bias = old.bias.detach() if old.bias is not None else None
+            new: nn.Module = QuantLinear(qw, bias)
+        else:
+            new = QuantEmbedding(qw, p.dtype, embed_scale=getattr(old, "embed_scale", None),
+                                 padding_idx=old.padding_idx)
+        model.set_submodule(mod_name, new)
+    if p.rope_freqs is not None:
+        freqs = torch.from_numpy(np.array(p.file.array(p.rope_freqs.name), dtype=np.float32))
+        for m in model.modules():
+            if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+                m.inv_freq = m.inv_freq / freqs.to(m.inv_freq.dtype)
+                if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor):
+                    m.original_inv_freq = m.original_inv_freq / freqs.to(m.inv_freq.dtype)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+            if t.device.type == "meta"]
+    if left:  # a plan that let this through is a bug, not bad input
+        raise RuntimeError(f"GGUF load left {left[:4]} unfilled")
+    model.eval()
+    fbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    info = GGUFModelInfo(
+        path=p.file.path, architecture=p.architecture, file_bytes=p.file.file_size,
+        types=dict(Counter(t.qtype for t in p.file.tensors.values())),
+        quantized_modules=len(replace), quantized_bytes=qbytes, float_bytes=fbytes,
+        mapped_bytes=mbytes)
+    model.ferrobatch_gguf = info
+    return model, info
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def _tokenizer(path: Path, cache_dir: Path | None) -> Any:
+    """The file's tokenizer (transformers' GGUF conversion; cached like the config), or
+    None when the file has none."""
+    from transformers import AutoTokenizer
+
+    if cache_dir is not None:
+        if (cache_dir / "no-tokenizer").is_file():
+            return None
+        if (cache_dir / "tokenizer_config.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cache_dir), local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - a damaged cache entry: convert again
+                logger.info("ferrobatch: GGUF tokenizer cache %s unreadable (%s)", cache_dir,
+                            exc)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                             local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a model without a tokenizer is still usable
+        logger.warning("ferrobatch: no tokenizer from %s (%s: %s)", path.name,
+                       type(exc).__name__, exc)
+        return None
+
+
+def _save_cache(cache_dir: Path, config: Any, tokenizer: Any) -> None:
+    """Write the config (transformers', before `fix_config`) and the tokenizer atomically."""
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=cache_dir.parent))
+    try:
+        config.save_pretrained(tmp)
+        if tokenizer is None:
+            (tmp / "no-tokenizer").touch()
+        else:
+            tokenizer.save_pretrained(tmp)
+        if cache_dir.exists():
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        os.replace(tmp, cache_dir)
+    except OSError as exc:  # a read-only cache: nothing saved, nothing lost
+        logger.info("ferrobatch: GGUF metadata not cached in %s (%s)", cache_dir, exc)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+def load_gguf(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
+              cache: bool = True) -> tuple[nn.Module, Any]:
+    """`(model, tokenizer)` of a GGUF file, matrices quantized (see the module docstring).
+    `dtype` (None / "auto" / a name / a torch dtype): the float parameters' and the
+    activations' dtype (None: fp32; "auto": bf16 for an F16 / BF16 file on a CPU with native
+    bf16, else fp32). `cache`: keep / read the config and tokenizer under `cache_root()`."""
+    start = time.perf_counter()
+    p = plan(path, device=device, dtype=dtype, cache=cache)
+    tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None)
+    if p.cache_dir is not None and not p.config_cached:
+        _save_cache(p.cache_dir, p.base_config, tokenizer)
+    model, info = fill(p)
+    info.load_seconds = time.perf_counter() - start
+    logger.info(
+        "ferrobatch: %s (%s, %.0f MiB): %d quantized modules, %.0f MiB quantized (%.0f MiB "
+        "mapped from the file), %.0f MiB float, %.1f s", p.file.path.name, p.architecture,
+        info.file_bytes / 2**20, info.quantized_modules, info.quantized_bytes / 2**20,
+        info.mapped_bytes / 2**20, info.float_bytes / 2**20, info.load_seconds)
+    return model, tokenizer

@@ -1,0 +1,124 @@
+"""Quantize a float checkpoint's matrices on load (`Engine(path, quantization="q8_0")`).
+
+Every `nn.Linear` (output head included) and the input `nn.Embedding` whose input width is
+whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantized with
+`gguf.quants.quantize` (Q8_0, Q4_0, Q4_1: llama.cpp's reference quantizers); tied weights
+share one `QuantWeight`. The K-types need a quantizer gguf-py does not have: they are taken
+only from `ferrobatch.cpu.quant_ops.quantize(w, qtype)` (fp32 [n, k] -> uint8 [n, row bytes])
+when the kernels provide it, else refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, block_shape
+from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, kernel_ops
+
+__all__ = ["GGUF_PY_QUANTIZERS", "check_device", "check_name", "quantize_model",
+           "quantize_weight"]
+
+logger = logging.getLogger("ferrobatch")
+
+#: the types gguf-py quantizes
+GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def _kernel_quantizer() -> Any:
+    ops = kernel_ops()
+    fn = getattr(ops, "quantize", None) if ops is not None else None
+    return fn if callable(fn) else None
+
+
+def check_name(name: Any) -> str:
+    """The type `name` asks for ("q8_0" -> "Q8_0"); `FieldError` (field "quantization") for a
+    name that is not a quantized type or one with no quantizer here."""
+    qtype = str(name).upper() if isinstance(name, str) else None
+    if qtype not in QUANT_TYPES:
+        raise FieldError(f"quantization must be one of "
+                         f"{', '.join(q.lower() for q in QUANT_TYPES)} or None, not {name!r}",
+                         "quantization")
+    if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer() is None:
+        raise FieldError(
+            f"quantization {qtype.lower()} needs a K-type quantizer "
+            "(ferrobatch.cpu.quant_ops.quantize), which this build does not have: use "
+            f"{', '.join(q.lower() for q in GGUF_PY_QUANTIZERS)}, or load a GGUF file that "
+            "holds K-type tensors", "quantization")
+    return qtype
+
+
+def check_device(device: Any) -> None:
+    if device is not None and torch.device(device).type != "cpu":
+        raise FieldError(f"quantized weights run on the CPU only, not {device}", "device")
+
+
+def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantWeight:
+    """A float [n, k] matrix (k whole blocks) quantized to `qtype`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = weight.detach().to("cpu", torch.float32).contiguous()
+    n, k = w.shape
+    if qtype in GGUF_PY_QUANTIZERS:
+        data = quantize(w.numpy(), GGMLQuantizationType[qtype])
+        return QuantWeight(qtype, n, k, torch.from_numpy(np.ascontiguousarray(data)))
+    fn = _kernel_quantizer()
+    if fn is None:
+        check_name(qtype)  # raises the FieldError
+    data = fn(w, qtype)
+    if isinstance(data, QuantWeight):
+        return data
+    return QuantWeight(qtype, n, k, torch.as_tensor(data, dtype=torch.uint8).contiguous())
+
+
+def _is_embedding(m: nn.Module) -> bool:
+    return type(m) is nn.Embedding or (isinstance(m, nn.Embedding)
+                                       and type(m).__name__.endswith("ScaledWordEmbedding"))
+
+
+def quantize_model(model: nn.Module, qtype: str) -> dict[str, Any]:
+    """Replace `model`'s linears and input embedding by quantized ones, in place (see the
+    module docstring); returns a summary (also `model.ferrobatch_quantization`)."""
+    qtype = check_name(qtype)
+    block = block_shape(qtype)[0]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # id(weight) -> (the weight, kept so its id is not reused, and its quantized form: ties
+    # share it)
+    done: dict[int, tuple[torch.Tensor, QuantWeight]] = {}
+    kept: list[str] = []
+    replaced = 0
+    for name, m in list(model.named_modules()):
+        linear = type(m) is nn.Linear
+        if not (linear or _is_embedding(m)):
+            continue
+        w = m.weight
+        k = w.shape[1]
+        if k % block or w.device.type != "cpu":
+            kept.append(name)
+            continue
+        if id(w) not in done:
+            done[id(w)] = (w, quantize_weight(w, qtype))
+        qw = done[id(w)][1]
+        if linear:
+            bias = m.bias.detach() if m.bias is not None else None
+            new: nn.Module = QuantLinear(qw, bias)
+        else:
+            new = QuantEmbedding(qw, dtype, embed_scale=getattr(m, "embed_scale", None),
+                                 padding_idx=m.padding_idx)
+        model.set_submodule(name, new)
+        replaced += 1
+    if kept:
+        logger.info("ferrobatch: %d layers keep float weights (input width not whole %s "
+                    "blocks): %s", len(kept), qtype, ", ".join(kept[:4]))
+    summary = {"qtype": qtype, "quantized_modules": replaced,
+               "quantized_bytes": sum(q.nbytes for _, q in done.values()), "float_layers": kept}
+    model.ferrobatch_quantization = summary
+    logger.info("ferrobatch: %d layers quantized to %s (%.0f MiB)", replaced, qtype,
+                summary["quantized_bytes"] / 2**20)
+    return summary

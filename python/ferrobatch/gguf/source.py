@@ -1,0 +1,61 @@
+"""What a model argument names for `models.load_model`: a GGUF file (loaded quantized by
+`loader.load_gguf`), a checkpoint to quantize on load (`quantize`), or neither (None: the
+plain path loads it)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf.reader import is_gguf_file
+
+__all__ = ["gguf_path_of", "load"]
+
+
+def gguf_path_of(model: Any) -> Path | None:
+    """The GGUF file `model` (a path) names, or None: a file whose name ends in `.gguf` or
+    that starts with the GGUF magic, or a directory with no `config.json` holding exactly
+    one `*.gguf` (more than one: `FieldError` naming them)."""
+    if not isinstance(model, str | os.PathLike):
+        return None
+    p = Path(model).expanduser()
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" or is_gguf_file(p) else None
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(x for x in p.iterdir() if x.suffix.lower() == ".gguf" and x.is_file())
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise FieldError(f"{p} holds {len(found)} GGUF files "
+                             f"({', '.join(x.name for x in found)}); name one", "model")
+    return None
+
+
+def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
+         load_plain: Callable[..., tuple[Any, Any]]) -> tuple[Any, Any] | None:
+    """`(model, tokenizer)` when `model` is a GGUF file or `quantization` is asked for, else
+    None. `load_plain(model, device=, dtype=)` loads a checkpoint the plain way (to be
+    quantized here)."""
+    path = gguf_path_of(model)
+    if path is not None:
+        if quantization is not None:
+            raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
+                             "stored in (quantization must be None)", "quantization")
+        from ferrobatch.gguf.loader import load_gguf
+
+        return load_gguf(path, device=device, dtype=dtype)
+    if quantization is None:
+        return None
+    from ferrobatch.gguf import quantize
+
+    qtype = quantize.check_name(quantization)
+    if not isinstance(model, str | os.PathLike) and model is not None:
+        raise FieldError("a loaded model is never converted: pass its checkpoint directory "
+                         "to quantize it on load", "quantization")
+    quantize.check_device(device)
+    loaded, tokenizer = load_plain(model, device=device, dtype=dtype)
+    quantize.quantize_model(loaded, qtype)
+    return loaded, tokenizer

@@ -1,0 +1,36 @@
+"""Fixtures of the GGUF tests: files written once per session, and a cache directory of the
+test's own (the loader caches configs and tokenizers under `FERROBATCH_CACHE`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import Written, tiny_model, write_gguf
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERROBATCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Written, object]]:
+    """`gguf_file(arch, qtype, **kw)` -> (the written file, its source model), written once
+    per session per arguments, each in a directory of its own."""
+    made: dict[tuple, tuple[Written, object]] = {}
+
+    def make(arch: str, qtype: str = "Q8_0", **kw: object) -> tuple[Written, object]:
+        key = (arch, qtype, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in made:
+            d = Path(tmp_path_factory.mktemp(f"{arch}-{qtype}"))
+            model = tiny_model(arch)
+            made[key] = (write_gguf(d / f"tiny-{arch}-{qtype.lower()}.gguf", model, arch, qtype,
+                                    **kw), model)
+        return made[key]
+
+    return make

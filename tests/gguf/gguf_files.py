@@ -1,0 +1,288 @@
+"""Tiny GGUF files written the way llama.cpp's `convert_hf_to_gguf.py` writes them, from tiny
+random transformers models, with every matrix of a chosen type.
+
+`write_gguf` returns the file and the *reference* weights: for every parameter of the
+source model, exactly the values the file holds (dequantized with `gguf.quants`, back in the
+transformers layout), so `reference_model` (the source model with those weights, fp32) is
+the oracle "gguf.quants.dequantize + fp32 forward". gguf-py quantizes Q8_0 / Q4_0 / Q4_1;
+K-type matrices are random blocks with small fp16 scales.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+# config of the tiny models: widths that are whole K-type blocks (256)
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5)
+
+# GGUF arch -> (config class, model class, config overrides)
+ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=64, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(head_dim=64, sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # head size 32 (not hidden / heads = 64, nor Qwen3Config's default 128): key_length
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=64, sliding_window=8, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0, query_pre_attn_scalar=64,
+                    tie_word_embeddings=True)),
+    # llama.cpp's Gemma 3 layers: every sixth full attention, the others sliding
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
+                    tie_word_embeddings=True, num_hidden_layers=6)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+    # Conv1D linears (weights [in, out]), learned positions, LayerNorm with biases
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=512, tie_word_embeddings=True)),
+}
+#: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
+_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A random fp32 model of `arch` (a key of `ARCHS`), norms perturbed off their init."""
+    cfg_name, cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cfg_name)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).eval().float()
+    with torch.no_grad():  # norms of 1 (or 0 for Gemma) would hide a wrong offset
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute` (HF rotate-half rows -> interleaved pairs)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _random_k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+
+    def f16(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float16)[..., None].view(np.uint8)
+
+    d = (rng.random((n, k // block)) + 0.25) * 3e-4
+    if qtype in ("Q4_K", "Q5_K"):
+        # value d*sc*q - dmin*m, sc, m ~ U(0..63), q ~ U(0..15 or 31): dmin = mean(q) * d
+        # centres the weights on 0
+        blocks[..., 0:2] = f16(d)
+        blocks[..., 2:4] = f16(d * (7.5 if qtype == "Q4_K" else 15.5))
+    else:  # Q6_K: ql[128] qh[64] scales int8[16] d fp16; value d*sc*(q-32)
+        blocks[..., 208:210] = f16(d / 10)
+    return blocks.reshape(n, k // block * size)
+
+
+@dataclass
+class Written:
+    path: Path
+    reference: dict[str, torch.Tensor]  # HF name -> the values the file holds (fp32)
+    types: dict[str, str]  # GGUF tensor name -> type written
+
+
+def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype: str = "Q8_0",
+               *, seed: int = 0, name: str | None = None, tokenizer: bool = False,
+               embed_qtype: str | None = None, output_qtype: str | None = None,
+               types: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None,
+               extra_metadata: dict[str, Any] | None = None,
+               metadata: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
+               extra_tensors: dict[str, np.ndarray] | None = None) -> Written:
+    """Write `model` as llama.cpp would (GGUF architecture `arch`: "mistral" is written as
+    "llama" named "mistral", as transformers recognises it). Matrices of `qtype` (the token
+    embedding `embed_qtype`, the output head `output_qtype`, any GGUF tensor named in `types`
+    its own), vectors F32. `metadata` replaces the config's values of the standard keys
+    (`feed_forward_length`, ...: a file whose metadata and tensors disagree); `drop` leaves
+    GGUF tensors out, `extra_tensors` adds F32 ones."""
+    lie = metadata or {}
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    file_arch = "llama" if arch == "mistral" else arch
+    w = gguf.GGUFWriter(str(path), file_arch)
+    w.add_name(name or ("mistral" if arch == "mistral" else f"tiny-{arch}"))
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    gpt2 = arch == "gpt2"
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(lie.get("feed_forward_length",
+                                      cfg.n_inner if gpt2 else cfg.intermediate_size))
+    w.add_head_count(heads)
+    if gpt2:
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        tokenizer = True  # (transformers takes GPT-2's vocabulary size from the tokens)
+    else:
+        w.add_head_count_kv(kv)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        theta = cfg.rope_parameters.get("rope_theta") if "rope_theta" in cfg.rope_parameters \
+            else cfg.rope_parameters["full_attention"]["rope_theta"]
+        w.add_rope_freq_base(theta)
+    w.add_vocab_size(cfg.vocab_size)
+    if file_arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    if tokenizer:
+        add_tiny_tokenizer(w, cfg.vocab_size)
+    else:  # the special ids alone (as a file whose tokenizer transformers cannot convert)
+        w.add_bos_token_id(cfg.bos_token_id)
+        w.add_eos_token_id(cfg.eos_token_id)
+        w.add_pad_token_id(cfg.pad_token_id)
+
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == file_arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    reference: dict[str, torch.Tensor] = {}
+    written: dict[str, str] = {}
+    for hf_name, param in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        gname = name_map.get_name(base)
+        assert gname is not None, hf_name
+        gname = f"{gname}.{suffix}"
+        if gname in drop:
+            continue
+        x = param.detach().float().numpy().copy()
+        perm = None
+        if file_arch == "llama" and suffix == "weight" and (".attn_q." in gname
+                                                            or ".attn_k." in gname):
+            n_kv = heads if ".attn_q." in gname else kv
+            x = _permute(x, heads, n_kv)
+            perm = np.argsort(_permute(np.arange(x.shape[0])[:, None], heads, n_kv)[:, 0])
+        if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
+            x = (x + 1).astype(np.float32)
+        conv1d = gpt2 and gname.endswith(_CONV1D)
+        if conv1d:
+            x = np.ascontiguousarray(x.T)
+        t = (types or {}).get(gname)
+        if t is None and x.ndim == 2:
+            t = embed_qtype if gname == "token_embd.weight" and embed_qtype else \
+                output_qtype if gname == "output.weight" and output_qtype else qtype
+        t = t or "F32"
+        if t not in ("F32", "F16", "BF16") and \
+                x.shape[1] % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]:
+            t = "Q8_0"  # llama.cpp's fallback too, for rows that are not whole K-blocks
+        gtype = GGMLQuantizationType[t]
+        if t == "F32":
+            data, values = x.astype(np.float32), x.astype(np.float32)
+            w.add_tensor(gname, data)
+        elif t == "F16":
+            data = x.astype(np.float16)
+            values = data.astype(np.float32)
+            w.add_tensor(gname, data)
+        elif t == "BF16":
+            bf = torch.from_numpy(x).to(torch.bfloat16)
+            data = bf.view(torch.uint8).numpy()
+            values = bf.float().numpy()
+            w.add_tensor(gname, data, raw_dtype=gtype)
+        else:
+            n, k = x.shape
+            data = _random_k_blocks(t, n, k, rng) if t in K_TYPES else quantize(x, gtype)
+            values = dequantize(data, gtype).reshape(n, k)
+            w.add_tensor(gname, data, raw_dtype=gtype)
+        if perm is not None:
+            values = values[perm]
+        if conv1d:
+            values = values.T
+        if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
+            values = values - 1
+        ref = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        reference[hf_name] = ref
+        if tied and hf_name == "model.embed_tokens.weight":
+            reference["lm_head.weight"] = ref
+        written[gname] = t
+    for gname, x in (extra_tensors or {}).items():
+        w.add_tensor(gname, x.astype(np.float32))
+        written[gname] = "F32"
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+        written["rope_freqs.weight"] = "F32"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Written(Path(path), reference, written)
+
+
+def reference_model(model: transformers.PreTrainedModel,
+                    written: Written) -> transformers.PreTrainedModel:
+    """`model` (deep-copied) with the file's values: the oracle of a loaded file."""
+    ref = copy.deepcopy(model)
+    missing, unexpected = ref.load_state_dict(written.reference, strict=False)
+    assert not unexpected, unexpected
+    assert all(k == "lm_head.weight" for k in missing), missing
+    return ref.eval()
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet (the byte-level BPE tokens of every byte)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def add_tiny_tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE vocabulary of `vocab` tokens (bytes, a few merges, specials at 0-2
+    and 509-511... ), a chat template, BOS 1 / EOS 2."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + _byte_tokens()
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
+    tokens += [m.replace(" ", "") for m in merges]
+    tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
+    assert len(tokens) == vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (vocab - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)

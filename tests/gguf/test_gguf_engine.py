@@ -1,0 +1,91 @@
+"""GGUF models through the engine: greedy `Engine.generate` equal to the loaded model's own
+`model.generate`, the runner's fast paths (packed oneDNN linears, lean and fused layers,
+greedy head) left to plain `nn.Linear` layers, `Engine(dir)`, `chat`, tensor parallelism
+refused, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf.modules import QuantLinear
+
+CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16)
+PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
+
+
+def _own_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _check_parity(engine: Engine, n: int = 10) -> None:
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=n), progress=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == _own_greedy(engine.model, prompt, n), prompt
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [
+    ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q4_0"), ("mistral", "Q8_0"),
+    ("gemma2", "Q5_K"), ("gemma3", "Q4_1"), ("phi3", "Q4_K"), ("gpt2", "Q6_K"),
+])
+def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
+    written, _ = gguf_file(arch, qtype)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        assert isinstance(engine.model.get_output_embeddings(), QuantLinear)
+        runner = engine.runner
+        # a fully quantized model: no plain nn.Linear for any fast path to take
+        assert runner._linears is None and runner._lean is None
+        assert runner._greedy_head is None and not runner.fast_greedy
+        _check_parity(engine)
+
+
+def test_mixed_model_packs_only_plain_linears(gguf_file) -> None:
+    """Float matrices next to quantized ones: the packed linears take exactly the plain
+    `nn.Linear` layers, the lean layers step aside, the output equals `model.generate`."""
+    written, _ = gguf_file("llama", "Q4_0", output_qtype="F32", embed_qtype="F16",
+                           types={"blk.0.attn_q.weight": "F32", "blk.1.ffn_up.weight": "F16"})
+    with Engine(written.path, config=CONFIG) as engine:
+        linears = engine.runner._linears
+        plain = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
+        assert linears is not None and linears.num_layers == len(plain) == 3
+        assert engine.runner._lean is None
+        _check_parity(engine)
+
+
+def test_directory_and_chat(gguf_file) -> None:
+    written, _ = gguf_file("llama", "Q4_K", tokenizer=True)
+    with Engine(written.path.parent, config=CONFIG) as engine:
+        assert engine.tokenizer is not None and 2 in engine.eos_token_ids
+        msgs = [{"role": "user", "content": "the"}]
+        ids = engine.encode_chat(msgs)
+        assert engine.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+        out = engine.chat(msgs, SamplingParams(max_new_tokens=6), progress=False)[0]
+        ref = _own_greedy(engine.model, ids, 6)
+        cut = ref.index(2) + 1 if 2 in ref else len(ref)
+        assert out.token_ids == ref[:cut]
+
+
+def test_tensor_parallel_refused(gguf_file) -> None:
+    written, _ = gguf_file("llama", "Q8_0")
+    with pytest.raises(FieldError) as err:
+        Engine(written.path, tensor_parallel_size=2)
+    assert err.value.field == "tensor_parallel_size"
+
+
+def test_cli_generate(gguf_file, capsys: pytest.CaptureFixture[str]) -> None:
+    from ferrobatch import cli
+
+    written, _ = gguf_file("llama", "Q4_K", tokenizer=True)
+    rc = cli.main(["generate", str(written.path), "--prompt", "the the", "--format", "jsonl",
+                   "--max-new-tokens", "5", "--num-blocks", "64", "--page-size", "16",
+                   "--no-progress"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    with Engine(written.path, config=CONFIG) as engine:
+        ref = engine.generate(["the the"], SamplingParams(max_new_tokens=5), progress=False)[0]
+    assert record["text"] == ref.text
