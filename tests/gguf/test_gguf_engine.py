@@ -39,8 +39,8 @@ def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
         assert isinstance(engine.model.get_output_embeddings(), QuantLinear)
         runner = engine.runner
         # a fully quantized model: no plain nn.Linear for any fast path to take
-        assert runner._linears is None and runner._lean is None
-        assert runner._greedy_head is None and not runner.fast_greedy
+        assert runner.activations.linears is None and runner.activations.lean is None
+        assert runner.head.greedy is None and not runner.fast_greedy
         _check_parity(engine)
 
 
@@ -50,10 +50,10 @@ def test_mixed_model_packs_only_plain_linears(gguf_file) -> None:
     written, _ = gguf_file("llama", "Q4_0", output_qtype="F32", embed_qtype="F16",
                            types={"blk.0.attn_q.weight": "F32", "blk.1.ffn_up.weight": "F16"})
     with Engine(written.path, config=CONFIG) as engine:
-        linears = engine.runner._linears
+        linears = engine.runner.activations.linears
         plain = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
         assert linears is not None and linears.num_layers == len(plain) == 3
-        assert engine.runner._lean is None
+        assert engine.runner.activations.lean is None
         _check_parity(engine)
 
 
