@@ -27,6 +27,7 @@ pub mod fused;
 pub mod i16_linear;
 pub mod layer;
 pub mod parallel;
+pub mod quant;
 pub mod select;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, KernelError, Window};

@@ -1,0 +1,355 @@
+//! The panel products on AVX-512 VNNI: 16 output columns in the 16 i32 lanes of a zmm
+//! register, one `vpdpbusd` per quad of inputs (the 16 columns' codes of 4 inputs, unsigned,
+//! times one row's 4 int8 inputs broadcast), up to [`MAX_ROWS`] rows sharing each load and
+//! unpacking of the weights. Each lane follows the portable formula ([`super::portable`])
+//! operation for operation: integer sums (exact), then `cvtdq2ps`, `mulps`, `addps` /
+//! `subps` in the same order, so both paths give the same bits.
+//!
+//! Code vectors from the packed streams ([`super::packing`]): 8-bit codes are loaded as
+//! they are; a row of nibbles gives two quads (`v & 0xF`, `(v >> 4) & 0xF`); Q5_K's fifth
+//! bits and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits that cross a
+//! byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`). Sub-block scales
+//! are widened to i32 lanes (`vpmovzxbd` / `vpmovsxbd`) for one `vpmulld` a sub-block and
+//! row; the K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks
+//! a lane).
+
+use std::arch::x86_64::*;
+
+use super::act::{A256, A32};
+use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::{ActRows, PanelFn, QType, MAX_ROWS};
+
+/// Whether the CPU runs these kernels (AVX-512 F, BW and VNNI).
+pub(crate) fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// The safe panel product of `qt` (a [`PanelFn`]).
+pub(crate) fn panel_fn(qt: QType) -> PanelFn {
+    match qt {
+        QType::Q8_0 => panel::<0>,
+        QType::Q4_0 => panel::<1>,
+        QType::Q4_1 => panel::<2>,
+        QType::Q4_K => panel::<3>,
+        QType::Q5_K => panel::<4>,
+        QType::Q6_K => panel::<5>,
+    }
+}
+
+/// `out[i][c]`: the panel `w` (`nb` blocks of type number `T`) times activation row `i` of
+/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]). Panics on a length that does not match,
+/// or where [`available`] is false.
+fn panel<const T: u8>(w: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; PANEL]]) {
+    let qt = QType::ALL[T as usize];
+    let r = out.len();
+    assert!(available(), "AVX-512 VNNI is not available");
+    assert!((1..=MAX_ROWS).contains(&r), "1 to {MAX_ROWS} rows, not {r}");
+    assert_eq!(
+        w.len(),
+        nb * panel_block_bytes(qt),
+        "one panel of {nb} blocks"
+    );
+    let o = out.as_mut_ptr();
+    macro_rules! rows {
+        ($f:ident, $a:expr $(, $c:expr)?) => {
+            match r {
+                // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted above); `w` holds one
+                // panel of `nb` blocks of `qt` (asserted above), `$a` holds `r * nb`
+                // activation blocks (asserted by the caller of this macro) and `o` points at
+                // `r` rows of 16 f32: the contract of the kernel.
+                1 => unsafe { $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                2 => unsafe { $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                3 => unsafe { $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                4 => unsafe { $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                5 => unsafe { $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                6 => unsafe { $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                7 => unsafe { $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                _ => unsafe { $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+            }
+        };
+    }
+    match (qt, acts) {
+        (QType::Q8_0 | QType::Q4_0 | QType::Q4_1, ActRows::A32(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            match qt {
+                QType::Q8_0 => rows!(blocks32, a, 0),
+                QType::Q4_0 => rows!(blocks32, a, 1),
+                _ => rows!(blocks32, a, 2),
+            }
+        }
+        (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            if qt == QType::Q5_K {
+                rows!(q45k, a, true)
+            } else {
+                rows!(q45k, a, false)
+            }
+        }
+        (QType::Q6_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            rows!(q6k, a)
+        }
+        _ => panic!("{}: wrong activation format", qt.name()),
+    }
+}
+
+/// 64 bytes at `p`.
+///
+/// # Safety
+/// `p .. p + 64` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn load(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p.cast())
+}
+
+/// The 4 bytes at `p` (4 int8 inputs) in every i32 lane (an embedded broadcast of
+/// `vpdpbusd`).
+///
+/// # Safety
+/// `p .. p + 4` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn quad(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// 16 fp16 at `p` widened to f32.
+///
+/// # Safety
+/// `p .. p + 32` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn halves(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+}
+
+/// `acc + f32(s) * (d * dx)` lane by lane (the portable order).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn scaled(acc: __m512, s: __m512i, d: __m512, dx: f32) -> __m512 {
+    _mm512_add_ps(
+        acc,
+        _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx))),
+    )
+}
+
+/// Stores `R` rows of sums.
+///
+/// # Safety
+/// `out .. out + R` rows of 16 f32 are writable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn store<const R: usize>(out: *mut [f32; PANEL], acc: &[__m512; R]) {
+    for (i, v) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(i).cast(), *v);
+    }
+}
+
+/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1), `R` rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb` blocks of the
+/// type; `a` at `R * nb` activation blocks (row `i`'s block `b` at `i * nb + b`); `out` at
+/// `R` writable rows of 16 f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn blocks32<const R: usize, const K: u8>(
+    w: *const u8,
+    nb: usize,
+    a: *const A32,
+    out: *mut [f32; PANEL],
+) {
+    let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
+    let st = stream_starts(qt, nb);
+    let code_bytes = if K == 0 { 512 } else { 256 };
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // (b < nb: every offset below stays inside stream `s`'s `nb` blocks, the sizes of
+        // `packing::streams`; row i's block b is inside `a`'s R * nb blocks)
+        let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let mut s: [__m512i; R] = std::array::from_fn(|i| _mm512_set1_epi32((*ab[i]).init));
+        let codes = w.add(st[0] + b * code_bytes);
+        if K == 0 {
+            for q in 0..8 {
+                let c = load(codes.add(64 * q));
+                for i in 0..R {
+                    let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
+                    s[i] = _mm512_dpbusd_epi32(s[i], c, x);
+                }
+            }
+        } else {
+            for p in 0..4 {
+                let v = load(codes.add(64 * p));
+                let lo = _mm512_and_si512(v, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(8 * p);
+                    s[i] = _mm512_dpbusd_epi32(s[i], lo, quad(qs));
+                    s[i] = _mm512_dpbusd_epi32(s[i], hi, quad(qs.add(4)));
+                }
+            }
+        }
+        let d = halves(w.add(st[1] + 32 * b));
+        for i in 0..R {
+            acc[i] = scaled(acc[i], s[i], d, (*ab[i]).d);
+        }
+        if K == 2 {
+            let m = halves(w.add(st[2] + 32 * b));
+            for i in 0..R {
+                let t = _mm512_mul_ps(m, _mm512_set1_ps((*ab[i]).sd));
+                acc[i] = _mm512_add_ps(acc[i], t);
+            }
+        }
+    }
+    store::<R>(out, &acc);
+}
+
+/// `a | (b & c)` bitwise.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
+    _mm512_ternarylogic_epi32::<0xF8>(a, b, c)
+}
+
+/// Q4_K (`Q5` false) or Q5_K, `R` rows.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn q45k<const R: usize, const Q5: bool>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+) {
+    let st = stream_starts(if Q5 { QType::Q5_K } else { QType::Q4_K }, nb);
+    // (stream numbers: nibbles, [fifth bits], sc, mins, d, dmin)
+    let (qh, sc, mins, dd, dmin) = if Q5 {
+        (st[1], st[2], st[3], st[4], st[5])
+    } else {
+        (0, st[1], st[2], st[3], st[4])
+    };
+    let m4 = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b);
+        let mut s1 = [_mm512_setzero_si512(); R];
+        for j in 0..8 {
+            let mut t = [_mm512_setzero_si512(); R];
+            // fifth bits of sub-block j: bit v of a byte for quad v
+            let mut h = if Q5 {
+                load(w.add(qh + 512 * b + 64 * j))
+            } else {
+                _mm512_setzero_si512()
+            };
+            for l in 0..4 {
+                let v = load(nib.add(64 * (4 * j + l)));
+                let mut lo = _mm512_and_si512(v, m4);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                if Q5 {
+                    // quads 2 l and 2 l + 1: bits 0 and 1 of h (shifted down 2 l so far)
+                    lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
+                    hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
+                    h = _mm512_srli_epi16::<2>(h);
+                }
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(32 * j + 8 * l);
+                    t[i] = _mm512_dpbusd_epi32(t[i], lo, quad(qs));
+                    t[i] = _mm512_dpbusd_epi32(t[i], hi, quad(qs.add(4)));
+                }
+            }
+            let scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast()));
+            for i in 0..R {
+                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t[i], scale));
+            }
+        }
+        let mut s2 = [_mm512_setzero_si512(); R];
+        for p in 0..4 {
+            let mp =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(w.add(mins + 128 * b + 32 * p).cast()));
+            for i in 0..R {
+                let pair = (*ab[i])
+                    .sum32
+                    .as_ptr()
+                    .add(2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                s2[i] = _mm512_dpwssd_epi32(s2[i], mp, _mm512_set1_epi32(pair));
+            }
+        }
+        let d = halves(w.add(dd + 32 * b));
+        let e = halves(w.add(dmin + 32 * b));
+        for i in 0..R {
+            let dx = (*ab[i]).d;
+            acc[i] = scaled(acc[i], s1[i], d, dx);
+            let m = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(s2[i]),
+                _mm512_mul_ps(e, _mm512_set1_ps(dx)),
+            );
+            acc[i] = _mm512_sub_ps(acc[i], m);
+        }
+    }
+    store::<R>(out, &acc);
+}
+
+/// Q6_K, `R` rows.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, a: *const A256, out: *mut [f32; PANEL]) {
+    let st = stream_starts(QType::Q6_K, nb);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b);
+        let mut s1 = [_mm512_setzero_si512(); R];
+        for j in 0..16 {
+            // sub-block j (16 inputs, quads 0..4): nibble rows 2 j, 2 j + 1, bit pairs row j
+            let h = load(w.add(st[1] + 1024 * b + 64 * j));
+            let v0 = load(nib.add(128 * j));
+            let v1 = load(nib.add(128 * j + 64));
+            let c = [
+                or_and(_mm512_and_si512(v0, m4), _mm512_slli_epi16::<4>(h), bits45),
+                or_and(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v0), m4),
+                    _mm512_slli_epi16::<2>(h),
+                    bits45,
+                ),
+                or_and(_mm512_and_si512(v1, m4), h, bits45),
+                or_and(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v1), m4),
+                    _mm512_srli_epi16::<2>(h),
+                    bits45,
+                ),
+            ];
+            let scale =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(w.add(st[2] + 256 * b + 16 * j).cast()));
+            for i in 0..R {
+                let qs = (*ab[i]).qs.as_ptr().add(16 * j);
+                let mut t = _mm512_set1_epi32((*ab[i]).neg32_sum16[j]);
+                for (v, c) in c.iter().enumerate() {
+                    t = _mm512_dpbusd_epi32(t, *c, quad(qs.add(4 * v)));
+                }
+                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t, scale));
+            }
+        }
+        let d = halves(w.add(st[3] + 32 * b));
+        for i in 0..R {
+            acc[i] = scaled(acc[i], s1[i], d, (*ab[i]).d);
+        }
+    }
+    store::<R>(out, &acc);
+}
