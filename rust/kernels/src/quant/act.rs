@@ -55,24 +55,25 @@ impl A256 {
     };
 }
 
-/// Round to nearest, ties to even, for `|v| <= 2^22` (adding 1.5 * 2^23 leaves no fraction
-/// bits); auto-vectorizes, unlike a libm call.
-#[inline]
+/// `rne(v)` (round to nearest, ties to even) for `|v| < 2^22`, in integer arithmetic:
+/// adding 1.5 * 2^23 leaves no fraction bits, and the sum's bits less the constant's are the
+/// rounded value. Branch-free (it vectorizes, unlike a saturating `as` or a libm call); any
+/// other `v` (non-finite) gives some integer, never undefined behaviour.
+#[inline(always)]
 fn rne(v: f32) -> i32 {
     const MAGIC: f32 = 12_582_912.0;
-    ((v + MAGIC) - MAGIC) as i32
+    ((v + MAGIC).to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32)
 }
 
-/// `x` (a block) as `(d, q)`: `q` written into `q`.
-#[inline]
-fn block(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    // a NaN input is lost by `max`: keep it in the scale, so the outputs show it
-    let amax = if x.iter().any(|v| v.is_nan()) {
-        f32::NAN
-    } else {
-        amax
-    };
+/// `x` (a block of `N`) as `(d, q)`: `q` written into `q`.
+#[inline(always)]
+fn block<const N: usize>(x: &[f32; N], q: &mut [i8; N]) -> f32 {
+    // max |x| as the largest bit pattern with the sign cleared: for floats that are not
+    // NaN the patterns order as the values do, and a NaN's pattern is above infinity's,
+    // so a NaN input makes the scale NaN (an integer maximum vectorizes; a float one,
+    // which LLVM may not reorder, does not)
+    let bits = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF));
+    let amax = f32::from_bits(bits);
     let d = amax / 127.0;
     let id = if amax > 0.0 && amax.is_finite() {
         127.0 / amax
@@ -85,11 +86,42 @@ fn block(x: &[f32], q: &mut [i8]) -> f32 {
     d
 }
 
+/// Whether the row quantizers run their AVX-512 build (the same operations: the same
+/// values).
+fn wide() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Row `x` (`32 * out.len()` values) quantized into `out`, weights coded `w + offset`.
 pub(crate) fn quantize_a32(x: &[f32], offset: i32, out: &mut [A32]) {
     assert_eq!(x.len(), 32 * out.len(), "32 inputs a block");
+    #[cfg(target_arch = "x86_64")]
+    if wide() {
+        // SAFETY: the CPU has AVX-512 F and BW (`wide`), the target features enabled.
+        unsafe { a32_avx512(x, offset, out) };
+        return;
+    }
+    a32_body(x, offset, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn a32_avx512(x: &[f32], offset: i32, out: &mut [A32]) {
+    a32_body(x, offset, out)
+}
+
+#[inline(always)]
+fn a32_body(x: &[f32], offset: i32, out: &mut [A32]) {
     for (a, x) in out.iter_mut().zip(x.chunks_exact(32)) {
-        a.d = block(x, &mut a.qs);
+        a.d = block(x.try_into().expect("32 inputs"), &mut a.qs);
         let s: i32 = a.qs.iter().map(|&q| i32::from(q)).sum();
         a.init = -offset * s;
         a.sd = a.d * s as f32;
@@ -99,8 +131,25 @@ pub(crate) fn quantize_a32(x: &[f32], offset: i32, out: &mut [A32]) {
 /// Row `x` (`256 * out.len()` values) quantized into `out`.
 pub(crate) fn quantize_a256(x: &[f32], out: &mut [A256]) {
     assert_eq!(x.len(), 256 * out.len(), "256 inputs a block");
+    #[cfg(target_arch = "x86_64")]
+    if wide() {
+        // SAFETY: the CPU has AVX-512 F and BW (`wide`), the target features enabled.
+        unsafe { a256_avx512(x, out) };
+        return;
+    }
+    a256_body(x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn a256_avx512(x: &[f32], out: &mut [A256]) {
+    a256_body(x, out)
+}
+
+#[inline(always)]
+fn a256_body(x: &[f32], out: &mut [A256]) {
     for (a, x) in out.iter_mut().zip(x.chunks_exact(256)) {
-        a.d = block(x, &mut a.qs);
+        a.d = block(x.try_into().expect("256 inputs"), &mut a.qs);
         for j in 0..16 {
             let s: i32 = a.qs[16 * j..16 * j + 16]
                 .iter()
@@ -156,6 +205,8 @@ mod tests {
             (-127.0, -127),
             (0.49999997, 0),
             (3.7, 4),
+            (-3.7, -4),
+            (4_194_303.0, 4_194_303),
         ] {
             assert_eq!(rne(v), want, "{v}");
         }

@@ -2,16 +2,16 @@
 //! register, one `vpdpbusd` per quad of inputs (the 16 columns' codes of 4 inputs, unsigned,
 //! times one row's 4 int8 inputs broadcast), up to [`MAX_ROWS`] rows sharing each load and
 //! unpacking of the weights. Each lane follows the portable formula ([`super::portable`])
-//! operation for operation: integer sums (exact), then `cvtdq2ps`, `mulps`, `addps` /
-//! `subps` in the same order, so both paths give the same bits.
+//! operation for operation: integer sums (exact), then `cvtdq2ps`, `mulps` and fused
+//! multiply-adds in the same order, so both paths give the same bits.
 //!
 //! Code vectors from the packed streams ([`super::packing`]): 8-bit codes are loaded as
 //! they are; a row of nibbles gives two quads (`v & 0xF`, `(v >> 4) & 0xF`); Q5_K's fifth
 //! bits and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits that cross a
 //! byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`). Sub-block scales
-//! are widened to i32 lanes (`vpmovzxbd` / `vpmovsxbd`) for one `vpmulld` a sub-block and
-//! row; the K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks
-//! a lane).
+//! are widened to f32 lanes once a panel block, for one exact fused multiply-add a
+//! sub-block and row (`vpmulld` + `vpaddd` cost one more instruction, on one port); the
+//! K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
 
 use std::arch::x86_64::*;
 
@@ -129,14 +129,31 @@ unsafe fn halves(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
-/// `acc + f32(s) * (d * dx)` lane by lane (the portable order).
+/// `fma(f32(s), d * dx, acc)` lane by lane (the portable order).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn scaled(acc: __m512, s: __m512i, d: __m512, dx: f32) -> __m512 {
-    _mm512_add_ps(
-        acc,
-        _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx))),
-    )
+unsafe fn scaled(acc: __m512, s: __m512, d: __m512, dx: f32) -> __m512 {
+    _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc)
+}
+
+/// `acc + x * w` by pairs of i16 (`vpdpwssd`). Written as assembly: LLVM turns the
+/// intrinsic into `vpmaddwd` + `vpaddd`, two instructions (as `i16_linear` found).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn dpwssd(mut acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
+    // SAFETY: one register-only instruction of AVX-512 VNNI, which this function's target
+    // features require of the CPU; it reads `x`, `w` and `acc`, writes `acc`, and touches
+    // no memory, stack or flags.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {x}, {w}",
+            acc = inout(zmm_reg) acc,
+            x = in(zmm_reg) x,
+            w = in(zmm_reg) w,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
 }
 
 /// Stores `R` rows of sums.
@@ -167,6 +184,9 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
     let st = stream_starts(qt, nb);
     let code_bytes = if K == 0 { 512 } else { 256 };
+    // one or two rows: two chains of `vpdpbusd` a row (their latency, not their rate,
+    // bounds a single chain)
+    let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
@@ -174,13 +194,18 @@ unsafe fn blocks32<const R: usize, const K: u8>(
         // `packing::streams`; row i's block b is inside `a`'s R * nb blocks)
         let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let mut s: [__m512i; R] = std::array::from_fn(|i| _mm512_set1_epi32((*ab[i]).init));
+        let mut s_odd = [_mm512_setzero_si512(); R];
         let codes = w.add(st[0] + b * code_bytes);
         if K == 0 {
             for q in 0..8 {
                 let c = load(codes.add(64 * q));
                 for i in 0..R {
                     let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
-                    s[i] = _mm512_dpbusd_epi32(s[i], c, x);
+                    if split && q % 2 == 1 {
+                        s_odd[i] = _mm512_dpbusd_epi32(s_odd[i], c, x);
+                    } else {
+                        s[i] = _mm512_dpbusd_epi32(s[i], c, x);
+                    }
                 }
             }
         } else {
@@ -191,19 +216,27 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                 for i in 0..R {
                     let qs = (*ab[i]).qs.as_ptr().add(8 * p);
                     s[i] = _mm512_dpbusd_epi32(s[i], lo, quad(qs));
-                    s[i] = _mm512_dpbusd_epi32(s[i], hi, quad(qs.add(4)));
+                    if split {
+                        s_odd[i] = _mm512_dpbusd_epi32(s_odd[i], hi, quad(qs.add(4)));
+                    } else {
+                        s[i] = _mm512_dpbusd_epi32(s[i], hi, quad(qs.add(4)));
+                    }
                 }
             }
         }
         let d = halves(w.add(st[1] + 32 * b));
         for i in 0..R {
-            acc[i] = scaled(acc[i], s[i], d, (*ab[i]).d);
+            let si = if split {
+                _mm512_add_epi32(s[i], s_odd[i])
+            } else {
+                s[i]
+            };
+            acc[i] = scaled(acc[i], _mm512_cvtepi32_ps(si), d, (*ab[i]).d);
         }
         if K == 2 {
             let m = halves(w.add(st[2] + 32 * b));
             for i in 0..R {
-                let t = _mm512_mul_ps(m, _mm512_set1_ps((*ab[i]).sd));
-                acc[i] = _mm512_add_ps(acc[i], t);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps((*ab[i]).sd), acc[i]);
             }
         }
     }
@@ -235,6 +268,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
     } else {
         (0, st[1], st[2], st[3], st[4])
     };
+    let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bit4 = _mm512_set1_epi8(0x10);
     let mut acc = [_mm512_setzero_ps(); R];
@@ -242,9 +276,10 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
-        let mut s1 = [_mm512_setzero_si512(); R];
+        let mut s1 = [_mm512_setzero_ps(); R];
         for j in 0..8 {
             let mut t = [_mm512_setzero_si512(); R];
+            let mut t_hi = [_mm512_setzero_si512(); R];
             // fifth bits of sub-block j: bit v of a byte for quad v
             let mut h = if Q5 {
                 load(w.add(qh + 512 * b + 64 * j))
@@ -264,12 +299,24 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
                 for i in 0..R {
                     let qs = (*ab[i]).qs.as_ptr().add(32 * j + 8 * l);
                     t[i] = _mm512_dpbusd_epi32(t[i], lo, quad(qs));
-                    t[i] = _mm512_dpbusd_epi32(t[i], hi, quad(qs.add(4)));
+                    if split {
+                        t_hi[i] = _mm512_dpbusd_epi32(t_hi[i], hi, quad(qs.add(4)));
+                    } else {
+                        t[i] = _mm512_dpbusd_epi32(t[i], hi, quad(qs.add(4)));
+                    }
                 }
             }
-            let scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast()));
+            let scale = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                w.add(sc + 128 * b + 16 * j).cast(),
+            )));
             for i in 0..R {
-                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t[i], scale));
+                let ti = if split {
+                    _mm512_add_epi32(t[i], t_hi[i])
+                } else {
+                    t[i]
+                };
+                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), scale, s1[i]);
             }
         }
         let mut s2 = [_mm512_setzero_si512(); R];
@@ -283,7 +330,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
                     .add(2 * p)
                     .cast::<i32>()
                     .read_unaligned();
-                s2[i] = _mm512_dpwssd_epi32(s2[i], mp, _mm512_set1_epi32(pair));
+                s2[i] = dpwssd(s2[i], mp, _mm512_set1_epi32(pair));
             }
         }
         let d = halves(w.add(dd + 32 * b));
@@ -291,11 +338,8 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         for i in 0..R {
             let dx = (*ab[i]).d;
             acc[i] = scaled(acc[i], s1[i], d, dx);
-            let m = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(s2[i]),
-                _mm512_mul_ps(e, _mm512_set1_ps(dx)),
-            );
-            acc[i] = _mm512_sub_ps(acc[i], m);
+            let edx = _mm512_mul_ps(e, _mm512_set1_ps(dx));
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[i]), edx, acc[i]);
         }
     }
     store::<R>(out, &acc);
@@ -308,6 +352,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, a: *const A256, out: *mut [f32; PANEL]) {
     let st = stream_starts(QType::Q6_K, nb);
+    let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
     let mut acc = [_mm512_setzero_ps(); R];
@@ -315,7 +360,7 @@ unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, a: *const A256, out: *mut
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
-        let mut s1 = [_mm512_setzero_si512(); R];
+        let mut s1 = [_mm512_setzero_ps(); R];
         for j in 0..16 {
             // sub-block j (16 inputs, quads 0..4): nibble rows 2 j, 2 j + 1, bit pairs row j
             let h = load(w.add(st[1] + 1024 * b + 64 * j));
@@ -335,15 +380,25 @@ unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, a: *const A256, out: *mut
                     bits45,
                 ),
             ];
-            let scale =
-                _mm512_cvtepi8_epi32(_mm_loadu_si128(w.add(st[2] + 256 * b + 16 * j).cast()));
+            let scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                w.add(st[2] + 256 * b + 16 * j).cast(),
+            )));
             for i in 0..R {
                 let qs = (*ab[i]).qs.as_ptr().add(16 * j);
                 let mut t = _mm512_set1_epi32((*ab[i]).neg32_sum16[j]);
+                let mut t_odd = _mm512_setzero_si512();
                 for (v, c) in c.iter().enumerate() {
-                    t = _mm512_dpbusd_epi32(t, *c, quad(qs.add(4 * v)));
+                    if split && v % 2 == 1 {
+                        t_odd = _mm512_dpbusd_epi32(t_odd, *c, quad(qs.add(4 * v)));
+                    } else {
+                        t = _mm512_dpbusd_epi32(t, *c, quad(qs.add(4 * v)));
+                    }
                 }
-                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t, scale));
+                if split {
+                    t = _mm512_add_epi32(t, t_odd);
+                }
+                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, s1[i]);
             }
         }
         let d = halves(w.add(st[3] + 32 * b));
