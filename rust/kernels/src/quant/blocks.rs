@@ -104,8 +104,8 @@ pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
             if let Some(qh) = qh {
                 // bit s of qh[l] is the fifth bit of weight 32 s + l
                 for s in 0..8 {
-                    for l in 0..32 {
-                        out.codes[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+                    for (c, &h) in out.codes[32 * s..32 * s + 32].iter_mut().zip(qh) {
+                        *c |= ((h >> s) & 1) << 4;
                     }
                 }
             }

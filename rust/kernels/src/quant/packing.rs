@@ -67,13 +67,13 @@ pub(crate) fn stream_starts(qt: QType, nb: usize) -> [usize; 6] {
 }
 
 /// Stream `s`, block `b` of the panel `panel` (`nb` blocks).
-fn stream<'a>(qt: QType, panel: &'a [u8], nb: usize, s: usize, b: usize) -> &'a [u8] {
+fn stream(qt: QType, panel: &[u8], nb: usize, s: usize, b: usize) -> &[u8] {
     let len = streams(qt)[s];
     let at = stream_starts(qt, nb)[s] + b * len;
     &panel[at..at + len]
 }
 
-fn stream_mut<'a>(qt: QType, panel: &'a mut [u8], nb: usize, s: usize, b: usize) -> &'a mut [u8] {
+fn stream_mut(qt: QType, panel: &mut [u8], nb: usize, s: usize, b: usize) -> &mut [u8] {
     let len = streams(qt)[s];
     let at = stream_starts(qt, nb)[s] + b * len;
     &mut panel[at..at + len]

@@ -294,14 +294,12 @@ fn reference(
     (want, bound)
 }
 
+/// Packs `rows` and runs `linear` on `backend` (`(m, n, k, threads)` the shape).
 fn run(
     qt: QType,
     rows: &[u8],
     x: &[f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    threads: usize,
+    (m, n, k, threads): (usize, usize, usize, usize),
     backend: Backend,
 ) -> Vec<f32> {
     let mut packed = vec![0u8; packed_len(qt, n, k).unwrap()];
@@ -342,7 +340,7 @@ fn check_all(qt: QType, m: usize, n: usize, k: usize, threads: usize, seed: u64)
     let x = random_x(m, k, seed ^ 0x55);
     let (want, bound) = reference(qt, &rows, &x, m, n, k);
     let dot = by_vec_dot(qt, &rows, &x, m, n, k);
-    let portable = run(qt, &rows, &x, m, n, k, threads, Backend::Portable);
+    let portable = run(qt, &rows, &x, (m, n, k, threads), Backend::Portable);
     let name = qt.name();
     for (idx, ((p, w), b)) in portable.iter().zip(&want).zip(&bound).enumerate() {
         assert!(
@@ -358,7 +356,7 @@ fn check_all(qt: QType, m: usize, n: usize, k: usize, threads: usize, seed: u64)
         "{name}: portable != vec_dot"
     );
     if Backend::Avx512Vnni.available() {
-        let v = run(qt, &rows, &x, m, n, k, threads, Backend::Avx512Vnni);
+        let v = run(qt, &rows, &x, (m, n, k, threads), Backend::Avx512Vnni);
         for (idx, (a, b)) in v.iter().zip(&portable).enumerate() {
             assert_eq!(
                 a.to_bits(),
@@ -387,8 +385,8 @@ fn vnni_equals_portable_bit_for_bit() {
         let (m, n, k) = (13, 50, 1024);
         let rows = random_rows(qt, n, k, 3);
         let x = random_x(m, k, 4);
-        let a = run(qt, &rows, &x, m, n, k, 1, Backend::Portable);
-        let b = run(qt, &rows, &x, m, n, k, 2, Backend::Avx512Vnni);
+        let a = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+        let b = run(qt, &rows, &x, (m, n, k, 2), Backend::Avx512Vnni);
         assert!(
             a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
             "{}",
@@ -407,12 +405,12 @@ fn a_row_does_not_depend_on_its_batch_nor_the_threads() {
             let (m, n, k) = (20, 70, 512);
             let rows = random_rows(qt, n, k, 5);
             let x = random_x(m, k, 6);
-            let all = run(qt, &rows, &x, m, n, k, 3, backend);
+            let all = run(qt, &rows, &x, (m, n, k, 3), backend);
             for threads in [1, 2, 5] {
-                assert_eq!(run(qt, &rows, &x, m, n, k, threads, backend), all);
+                assert_eq!(run(qt, &rows, &x, (m, n, k, threads), backend), all);
             }
             for i in [0, 7, 19] {
-                let one = run(qt, &rows, &x[i * k..(i + 1) * k], 1, n, k, 1, backend);
+                let one = run(qt, &rows, &x[i * k..(i + 1) * k], (1, n, k, 1), backend);
                 assert_eq!(one[..], all[i * n..(i + 1) * n], "{} row {i}", qt.name());
             }
         }
