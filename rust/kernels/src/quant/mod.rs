@@ -94,8 +94,9 @@ pub enum ActRowMut<'a> {
     A256(&'a mut [A256]),
 }
 
-/// `(panel, blocks, acts, out)`: a panel's sums for `out.len()` activation rows.
-pub(crate) type PanelFn = fn(&[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
+/// `(panel, next, blocks, acts, out)`: a panel's sums for `out.len()` activation rows,
+/// fetching the panel `next` into the L2 cache on the way (empty: none).
+pub(crate) type PanelFn = fn(&[u8], &[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
 
 const fn qtype(i: u8) -> QType {
     QType::ALL[i as usize]
@@ -138,7 +139,13 @@ fn vec_dot<const T: u8>(b: &[u8], acts: ActRows<'_>) -> f32 {
     }
 }
 
-fn panel_portable<const T: u8>(p: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; PANEL]]) {
+fn panel_portable<const T: u8>(
+    p: &[u8],
+    _next: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
     portable::panel(qtype(T), p, nb, acts, out)
 }
 
@@ -518,9 +525,18 @@ pub fn linear(
             let per = rows.div_ceil(rows.div_ceil(MAX_ROWS));
             for (p, sums) in range.clone().zip(piece.chunks_exact_mut(m)) {
                 let w = &packed[p * panel_bytes..(p + 1) * panel_bytes];
+                // the first group of rows fetches the thread's next panel on the way (a
+                // decode call streams its weights from memory once: without this, the
+                // loads stall on memory and the work between them does not overlap)
+                let next = if p + 1 < range.end {
+                    &packed[(p + 1) * panel_bytes..(p + 2) * panel_bytes]
+                } else {
+                    &[]
+                };
                 for g in (row0..row0 + rows).step_by(per) {
                     let end = (g + per).min(row0 + rows);
-                    run(w, nb, acts.rows(g..end, nb), &mut sums[g..end]);
+                    let next = if g == row0 { next } else { &[] };
+                    run(w, next, nb, acts.rows(g..end, nb), &mut sums[g..end]);
                 }
             }
         }

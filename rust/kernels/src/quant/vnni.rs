@@ -39,9 +39,16 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
 }
 
 /// `out[i][c]`: the panel `w` (`nb` blocks of type number `T`) times activation row `i` of
-/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]). Panics on a length that does not match,
-/// or where [`available`] is false.
-fn panel<const T: u8>(w: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; PANEL]]) {
+/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]), fetching `next` (a panel, or empty) into the
+/// L2 cache on the way. Panics on a length that does not match, or where [`available`] is
+/// false.
+fn panel<const T: u8>(
+    w: &[u8],
+    next: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
     let qt = QType::ALL[T as usize];
     let r = out.len();
     assert!(available(), "AVX-512 VNNI is not available");
@@ -51,6 +58,11 @@ fn panel<const T: u8>(w: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; P
         nb * panel_block_bytes(qt),
         "one panel of {nb} blocks"
     );
+    let pf = Fetch {
+        at: next.as_ptr(),
+        len: next.len(),
+        nb,
+    };
     let o = out.as_mut_ptr();
     macro_rules! rows {
         ($f:ident, $a:expr $(, $c:expr)?) => {
@@ -59,14 +71,14 @@ fn panel<const T: u8>(w: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; P
                 // panel of `nb` blocks of `qt` (asserted above), `$a` holds `r * nb`
                 // activation blocks (asserted by the caller of this macro) and `o` points at
                 // `r` rows of 16 f32: the contract of the kernel.
-                1 => unsafe { $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                2 => unsafe { $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                3 => unsafe { $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                4 => unsafe { $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                5 => unsafe { $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                6 => unsafe { $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                7 => unsafe { $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o) },
-                _ => unsafe { $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o) },
+                1 => unsafe { $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                2 => unsafe { $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                3 => unsafe { $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                4 => unsafe { $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                5 => unsafe { $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                6 => unsafe { $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                7 => unsafe { $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+                _ => unsafe { $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
             }
         };
     }
@@ -95,6 +107,34 @@ fn panel<const T: u8>(w: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; P
             rows!(q6k, a)
         }
         _ => panic!("{}: wrong activation format", qt.name()),
+    }
+}
+
+/// The bytes a kernel fetches into the L2 cache while it runs: `len` bytes from `at` (none
+/// when `len` is 0), the `b`th of `nb` near-equal parts during block `b`.
+#[derive(Clone, Copy)]
+struct Fetch {
+    at: *const u8,
+    len: usize,
+    nb: usize,
+}
+
+impl Fetch {
+    /// Fetches part `b` (one prefetch a cache line; a prefetch never faults, and the
+    /// addresses are formed with `wrapping_add`, never dereferenced).
+    #[inline(always)]
+    fn part(self, b: usize) {
+        if self.len == 0 {
+            return;
+        }
+        let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
+        let mut at = from & !63;
+        while at < to {
+            // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
+            // and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
+            at += 64;
+        }
     }
 }
 
@@ -180,6 +220,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     nb: usize,
     a: *const A32,
     out: *mut [f32; PANEL],
+    pf: Fetch,
 ) {
     let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
     let st = stream_starts(qt, nb);
@@ -190,6 +231,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     let m4 = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
+        pf.part(b);
         // (b < nb: every offset below stays inside stream `s`'s `nb` blocks, the sizes of
         // `packing::streams`; row i's block b is inside `a`'s R * nb blocks)
         let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
@@ -260,6 +302,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
     nb: usize,
     a: *const A256,
     out: *mut [f32; PANEL],
+    pf: Fetch,
 ) {
     let st = stream_starts(if Q5 { QType::Q5_K } else { QType::Q4_K }, nb);
     // (stream numbers: nibbles, [fifth bits], sc, mins, d, dmin)
@@ -273,6 +316,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
     let bit4 = _mm512_set1_epi8(0x10);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
+        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
@@ -350,13 +394,20 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
 /// # Safety
 /// As [`blocks32`], with [`A256`] activation blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, a: *const A256, out: *mut [f32; PANEL]) {
+unsafe fn q6k<const R: usize>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    pf: Fetch,
+) {
     let st = stream_starts(QType::Q6_K, nb);
     let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
+        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
