@@ -7,9 +7,10 @@
 //! * activations are quantized per row ([`act`]): int8 blocks of 32 with an f32 scale for
 //!   the 32-weight types, of 256 with an f32 scale and partial sums for the K-types;
 //! * [`linear`]: every block's product is an exact integer sum (`vpdpbusd` on AVX-512 VNNI,
-//!   plain integer arithmetic on the portable path), then a fixed sequence of f32 operations
-//!   per block in k order ([`portable`]'s docs): a row's outputs depend on nothing but the
-//!   row (not on `m`, the thread count, nor the path: VNNI and portable agree bit for bit).
+//!   `vpmaddubsw` on AVX2, plain integer arithmetic on the portable path), then a fixed
+//!   sequence of f32 operations per block in k order ([`portable`]'s docs): a row's outputs
+//!   depend on nothing but the row (not on `m`, the thread count, nor the [`Backend`]: all
+//!   three agree bit for bit).
 //!   Threads split panels (output columns), never k; decode rows (up to 8) go through the
 //!   weights together, which are read once; longer calls go panel by panel, each panel's
 //!   weights staying in cache while the rows pass.
@@ -17,6 +18,8 @@
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
 pub mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod blocks;
 mod packing;
 mod portable;
@@ -231,19 +234,22 @@ pub enum Backend {
     Portable,
     /// AVX-512 F + BW + VNNI (`vpdpbusd` on 512-bit registers)
     Avx512Vnni,
+    /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
+    Avx2,
 }
 
-/// The environment variable that picks the backend of [`Backend::auto`]: `portable` or
-/// `avx512vnni`.
+/// The environment variable that picks the backend of [`Backend::auto`]: `portable`,
+/// `avx2` or `avx512vnni`.
 pub const BACKEND_ENV: &str = "FERROBATCH_QUANT_BACKEND";
 
 impl Backend {
-    pub const ALL: [Backend; 2] = [Backend::Portable, Backend::Avx512Vnni];
+    pub const ALL: [Backend; 3] = [Backend::Portable, Backend::Avx512Vnni, Backend::Avx2];
 
     pub fn name(self) -> &'static str {
         match self {
             Backend::Portable => "portable",
             Backend::Avx512Vnni => "avx512vnni",
+            Backend::Avx2 => "avx2",
         }
     }
 
@@ -259,8 +265,10 @@ impl Backend {
             Backend::Portable => true,
             #[cfg(target_arch = "x86_64")]
             Backend::Avx512Vnni => vnni::available(),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => avx2::available(),
             #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx512Vnni => false,
+            Backend::Avx512Vnni | Backend::Avx2 => false,
         }
     }
 
@@ -274,11 +282,10 @@ impl Backend {
                 return b;
             }
         }
-        if Backend::Avx512Vnni.available() {
-            Backend::Avx512Vnni
-        } else {
-            Backend::Portable
-        }
+        [Backend::Avx512Vnni, Backend::Avx2]
+            .into_iter()
+            .find(|b| b.available())
+            .unwrap_or(Backend::Portable)
     }
 }
 
@@ -556,7 +563,9 @@ fn kernel(qt: QType, backend: Backend) -> PanelFn {
         Backend::Portable => qt.traits().panel_portable,
         #[cfg(target_arch = "x86_64")]
         Backend::Avx512Vnni => vnni::panel_fn(qt),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::panel_fn(qt),
         #[cfg(not(target_arch = "x86_64"))]
-        Backend::Avx512Vnni => unreachable!("never available off x86-64"),
+        Backend::Avx512Vnni | Backend::Avx2 => unreachable!("never available off x86-64"),
     }
 }

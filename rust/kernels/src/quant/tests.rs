@@ -12,22 +12,45 @@ use proptest::prelude::*;
 /// `true` when the CPU has `isa`; else prints `SKIPPED: needs <isa>` on stderr and returns
 /// `false`, or fails when `FERROBATCH_REQUIRE_ISA` (comma-separated names) lists it.
 fn has_isa(isa: &str, available: bool) -> bool {
-    if available {
-        return true;
-    }
     let required = std::env::var("FERROBATCH_REQUIRE_ISA").unwrap_or_default();
+    match isa_gate(isa, available, &required) {
+        Ok(run) => run,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// [`has_isa`] given the variable's value `required`: `Ok(true)` run, `Ok(false)` skip
+/// (after printing `SKIPPED`), `Err` fail.
+fn isa_gate(isa: &str, available: bool, required: &str) -> Result<bool, String> {
+    if available {
+        return Ok(true);
+    }
     if required
         .split(',')
         .any(|s| s.trim().eq_ignore_ascii_case(isa))
     {
-        panic!("FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks");
+        return Err(format!(
+            "FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks"
+        ));
     }
     eprintln!("SKIPPED: needs {isa}");
-    false
+    Ok(false)
+}
+
+#[test]
+fn the_isa_gate_skips_or_fails_as_asked() {
+    assert_eq!(isa_gate("avx512vnni", true, "avx512vnni"), Ok(true));
+    assert_eq!(isa_gate("avx512vnni", false, ""), Ok(false));
+    assert_eq!(isa_gate("avx512vnni", false, "avx2"), Ok(false));
+    assert!(isa_gate("avx512vnni", false, "avx2, AVX512VNNI").is_err());
 }
 
 fn vnni() -> bool {
     has_isa("avx512vnni", Backend::Avx512Vnni.available())
+}
+
+fn avx2() -> bool {
+    has_isa("avx2", Backend::Avx2.available())
 }
 
 /// SplitMix64.
@@ -376,6 +399,67 @@ fn every_type_matches_the_reference_and_paths_agree() {
     }
 }
 
+/// GGUF rows of `n` rows whose bytes are all `byte` (codes, scales and mins at the
+/// extremes for 0xFF, 0x80, 0x7F), with the factors of [`random_rows`].
+fn constant_rows(qt: QType, n: usize, k: usize, byte: u8) -> Vec<u8> {
+    let mut rows = random_rows(qt, n, k, u64::from(byte));
+    let bb = qt.block_bytes();
+    let factors: &[usize] = match qt {
+        QType::Q8_0 | QType::Q4_0 => &[0],
+        QType::Q4_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+        QType::Q6_K => &[208],
+    };
+    for b in rows.chunks_exact_mut(bb) {
+        for (i, v) in b.iter_mut().enumerate() {
+            if !factors.iter().any(|&f| i == f || i == f + 1) {
+                *v = byte;
+            }
+        }
+    }
+    rows
+}
+
+#[test]
+fn extreme_blocks_and_inputs_reach_no_limit() {
+    // the largest sums each integer path must hold: every code, scale and min at an
+    // extreme, every input at +-127 (a saturated or wrapped sum shows as a difference)
+    for qt in QType::ALL {
+        let (n, k) = (20, 512);
+        for byte in [0x00, 0xFF, 0x80, 0x7F, 0x55, 0xAA] {
+            let rows = constant_rows(qt, n, k, byte);
+            let inputs: [Vec<f32>; 3] = [
+                vec![1.0; 3 * k],
+                vec![-1.0; 3 * k],
+                (0..3 * k)
+                    .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+                    .collect(),
+            ];
+            for x in inputs {
+                let (want, bound) = reference(qt, &rows, &x, 3, n, k);
+                let p = run(qt, &rows, &x, (3, n, k, 1), Backend::Portable);
+                for (idx, ((p, w), b)) in p.iter().zip(&want).zip(&bound).enumerate() {
+                    let name = qt.name();
+                    assert!(
+                        (f64::from(*p) - w).abs() <= *b,
+                        "{name} {byte:#x} [{idx}]: {p} vs {w}"
+                    );
+                }
+                for backend in [Backend::Avx512Vnni, Backend::Avx2] {
+                    if backend.available() {
+                        let v = run(qt, &rows, &x, (3, n, k, 1), backend);
+                        assert!(
+                            v.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{} {byte:#x} {}",
+                            qt.name(),
+                            backend.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn vnni_equals_portable_bit_for_bit() {
     if !vnni() {
@@ -396,9 +480,35 @@ fn vnni_equals_portable_bit_for_bit() {
 }
 
 #[test]
+fn avx2_equals_portable_bit_for_bit() {
+    if !avx2() {
+        return;
+    }
+    for qt in QType::ALL {
+        // rows 1 to 9: every group size of the kernel's four-row passes
+        for (m, n, k) in [(1, 20, 512), (5, 33, 768), (9, 16, 256)] {
+            let rows = random_rows(qt, n, k, 8);
+            let x = random_x(m, k, 9);
+            let a = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+            let b = run(qt, &rows, &x, (m, n, k, 2), Backend::Avx2);
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{}",
+                qt.name()
+            );
+        }
+    }
+}
+
+#[test]
 fn a_row_does_not_depend_on_its_batch_nor_the_threads() {
     for backend in Backend::ALL {
-        if backend == Backend::Avx512Vnni && !vnni() {
+        let skip = match backend {
+            Backend::Portable => false,
+            Backend::Avx512Vnni => !vnni(),
+            Backend::Avx2 => !avx2(),
+        };
+        if skip {
             continue;
         }
         for qt in QType::ALL {
