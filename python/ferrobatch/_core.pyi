@@ -526,7 +526,8 @@ def quant_types() -> list[str]:
 
 def quant_backend() -> str:
     """The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it,
-    else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those that run here)."""
+    else "avx2" where it has that, else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of
+    those that run here)."""
 
 def quant_backend_available(backend: str) -> bool:
     """Whether this CPU runs `backend` ("portable" always does)."""
@@ -572,7 +573,7 @@ def quant_linear(
     """`out = x @ W.T` in f32 through int8 activations: `x` float32 [m, k], `weight` the
     `quant_pack`ed W [n, k] of `qtype` (uint8), `out` float32 [m, n]. Output panels of 16
     are split over at most `threads` threads of the kernel pool; a row's result depends on
-    neither `m`, `threads` nor `backend` ("portable", "avx512vnni", or None for
+    neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
     `quant_backend()`)."""
 
 class LeanLayer:

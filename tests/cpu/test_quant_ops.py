@@ -22,7 +22,7 @@ BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144
          "q5_k": (256, 176), "q6_k": (256, 210)}
 GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
         "q6_k": G.Q6_K}
-BACKENDS = [b for b in ("portable", "avx512vnni") if _core.quant_backend_available(b)]
+BACKENDS = [b for b in ("portable", "avx2", "avx512vnni") if _core.quant_backend_available(b)]
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:

@@ -4,9 +4,10 @@ Q4_K, Q5_K and Q6_K, the types of a `Q4_K_M` file and of quantize-on-load Q8_0.
 `pack` lays the GGUF rows of a weight [n, k] (as `gguf.GGUFReader` gives them: uint8,
 `k / block` blocks a row) out once into panels of 16 rows; `linear` computes `x @ W.T` in
 f32: each row of `x` is quantized to int8 blocks (a scale per 32 or 256 inputs), every
-block's product is an exact integer sum (AVX-512 VNNI `vpdpbusd`, or the portable path,
-which gives the same bits), and block sums are added in k order. A row's result depends
-on nothing but the row (not on the call's row count, the threads, nor the backend).
+block's product is an exact integer sum (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, or
+the portable path: all give the same bits), and block sums are added in k order. A row's
+result depends on nothing but the row (not on the call's row count, the threads, nor the
+backend).
 `dequantize` is `gguf.quants.dequantize`'s f32, bit for bit (the reference, and embedding
 lookups).
 """
@@ -14,7 +15,7 @@ lookups).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,8 +41,9 @@ def qtype_name(qtype: object) -> str:
 
 @functools.cache
 def backend() -> str:
-    """The backend `linear` runs by default: "avx512vnni" where the CPU has it, else
-    "portable" (the environment variable `FERROBATCH_QUANT_BACKEND` picks one that runs)."""
+    """The backend `linear` runs by default: "avx512vnni" where the CPU has it, else "avx2"
+    where it has that, else "portable" (the environment variable `FERROBATCH_QUANT_BACKEND`
+    picks one that runs)."""
     from ferrobatch import _core
 
     return str(_core.quant_backend())
@@ -55,6 +57,11 @@ class QuantWeight:
     n: int
     k: int
     packed: torch.Tensor  # uint8, `_core.quant_packed_len(qtype, n, k)` bytes
+    # (`packed` as numpy, made once: a decode step calls `linear` per weight)
+    _array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_array", self.packed.numpy())
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +105,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
            backend: str | None = None) -> torch.Tensor:
     """`x @ W.T` in f32, `x` [m, k] (widened to f32 first if it is not), `weight` a
     `pack`ed W [n, k], into `out` ([m, n] f32, contiguous) when given; `backend`
-    "portable" or "avx512vnni" (None: `backend()`)."""
+    "portable", "avx2" or "avx512vnni" (None: `backend()`)."""
     from ferrobatch import _core
 
     if not isinstance(weight, QuantWeight):
@@ -110,6 +117,6 @@ def linear(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None
     if out is None:
         out = torch.empty(rows, weight.n, dtype=torch.float32)
     threads = torch.get_num_threads() if rows * weight.n * weight.k >= SPLIT_MACS else 1
-    _core.quant_linear(weight.qtype, x.numpy(), weight.packed.numpy(), out.numpy(),
+    _core.quant_linear(weight.qtype, x.numpy(), weight._array, out.numpy(),
                        n=weight.n, k=weight.k, threads=threads, backend=backend)
     return out

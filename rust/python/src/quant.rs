@@ -26,7 +26,10 @@ fn backend_of(name: Option<&str>) -> PyResult<Backend> {
         Some(n) => Backend::from_name(n).ok_or_else(|| {
             invalid(
                 "backend",
-                format!("backend must be \"portable\", \"avx512vnni\" or None, not {n:?}"),
+                format!(
+                    "backend must be \"portable\", \"avx2\", \"avx512vnni\" or None, \
+                     not {n:?}"
+                ),
             )
         }),
     }
@@ -44,7 +47,8 @@ pub fn quant_types() -> Vec<&'static str> {
 }
 
 /// The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it, else
-/// "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those that run here).
+/// "avx2" where it has that, else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those
+/// that run here).
 #[pyfunction]
 pub fn quant_backend() -> &'static str {
     Backend::auto().name()
@@ -110,7 +114,7 @@ pub fn quant_pack(
 /// `out = x @ W.T` in f32 through int8 activations: `x` float32 [m, k], `weight` the
 /// `quant_pack`ed W [n, k] of `qtype` (uint8), `out` float32 [m, n]. Output panels of 16
 /// are split over at most `threads` threads of the kernel pool; a row's result depends on
-/// neither `m`, `threads` nor `backend` ("portable", "avx512vnni", or None for
+/// neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
 /// `quant_backend()`).
 #[pyfunction]
 #[pyo3(signature = (qtype, x, weight, out, *, n, k, threads = 1, backend = None))]

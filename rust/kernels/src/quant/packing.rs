@@ -66,6 +66,7 @@ pub(crate) fn stream_starts(qt: QType, nb: usize) -> [usize; 6] {
     at
 }
 
+#[cfg(test)]
 /// Stream `s`, block `b` of the panel `panel` (`nb` blocks).
 fn stream(qt: QType, panel: &[u8], nb: usize, s: usize, b: usize) -> &[u8] {
     let len = streams(qt)[s];
@@ -85,6 +86,7 @@ fn put_halves(out: &mut [u8], vals: impl Iterator<Item = f32>) {
     }
 }
 
+#[cfg(test)]
 fn get_halves(b: &[u8]) -> impl Iterator<Item = f32> + '_ {
     b.chunks_exact(2)
         .map(|h| f16::from_bits(u16::from_le_bytes([h[0], h[1]])).to_f32())
@@ -112,6 +114,7 @@ fn put_nibbles(out: &mut [u8], blks: &[Block; PANEL], len: usize) {
     }
 }
 
+#[cfg(test)]
 fn get_nibbles(src: &[u8], blks: &mut [Block; PANEL], len: usize) {
     for p in 0..len / 8 {
         for (c, blk) in blks.iter_mut().enumerate() {
@@ -142,6 +145,7 @@ fn put_high(out: &mut [u8], blks: &[Block; PANEL], bits: u32, quads: usize) {
     }
 }
 
+#[cfg(test)]
 fn get_high(src: &[u8], blks: &mut [Block; PANEL], bits: u32, quads: usize) {
     let mask = (1u8 << bits) - 1;
     for (row, src) in src.chunks_exact(64).enumerate() {
@@ -214,7 +218,9 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
     }
 }
 
-/// The 16 columns' block `b` of the panel `panel` (`nb` blocks) in integer form.
+/// The 16 columns' block `b` of the panel `panel` (`nb` blocks) in integer form (the
+/// tests' inverse of [`encode`]).
+#[cfg(test)]
 pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Block; PANEL] {
     let bl = qt.block();
     let mut blks = [Block::ZERO; PANEL];
