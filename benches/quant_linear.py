@@ -1,10 +1,11 @@
-"""`ferrobatch.cpu.quant_ops.linear` (GGUF quantized weights) on one thread: weight bytes
-read per second at m = 1 (decode), hot (the weight stays in cache between calls) and cold
-(calls rotate through copies of the weight larger than the last-level cache, so every call
-reads it from memory), against this machine's read bandwidth (the best of a numpy sum, a
-numpy max and a torch sum of a 1 GiB array); and GOP/s (2 m n k / s) at m = 512
-(prefill), with torch's fp32 product of the dequantized weight for scale. Times are the calling thread's CPU time (the machine may be
-shared: wall time would count other processes' turns), best of `--repeats`.
+"""`ferrobatch.cpu.quant_ops.linear` (GGUF quantized weights) on one thread: weight bytes read
+per second at m = 1 (decode), hot (the weight stays in cache between calls) and cold (calls
+rotate through copies of the weight larger than the last-level cache, so every call reads it
+from memory), against this machine's read bandwidth (the best of a numpy sum, a numpy max
+and a torch sum of a 1 GiB array); and GOP/s (2 m n k / s) at m = 512 (prefill), with
+torch's fp32 product of the dequantized weight for scale. Times are the calling thread's CPU
+time (the machine may be shared: wall time would count other processes' turns), best of
+`--repeats`.
 
     .venv/bin/python benches/quant_linear.py
     .venv/bin/python benches/quant_linear.py --types q4_k q6_k --backend portable
