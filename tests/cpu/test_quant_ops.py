@@ -190,3 +190,27 @@ def test_out_is_untouched_on_error():
         _core_call("quant_linear", "q8_0", np.zeros((2, 32), np.float32),
                    np.zeros(543, np.uint8), out, n=1, k=32)
     assert (out == 7).all()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_a_tensor_read_from_a_gguf_file(qtype, tmp_path):
+    """What `gguf.GGUFReader` gives (uint8 rows [n, bytes], shape [k, n], the type) packs
+    as it is, and `linear` is the product of the dequantized tensor."""
+    n, k = 48, 512
+    rows = random_blocks(qtype, n, k, 11)
+    path = str(tmp_path / "w.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", rows, raw_dtype=GGML[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(path).tensors[0]
+    k_file, n_file = (int(v) for v in t.shape)
+    assert (n_file, k_file) == (n, k)
+    weight = quant_ops.pack(t.tensor_type, t.data, n_file, k_file)
+    x = random_x(5, k, 12)
+    w = quant_ops.dequantize(t.tensor_type, t.data, n, k)
+    want = x.double().numpy() @ w.astype(np.float64).T
+    got = quant_ops.linear(x, weight).double().numpy()
+    assert (np.abs(got - want) <= bound(qtype, w, x.numpy())).all()

@@ -89,9 +89,10 @@ def dequantize(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int)
 
 
 def pack(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> QuantWeight:
-    """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`, e.g. a
-    `GGUFReader` tensor's `data`) packed once for `linear`. The packed bytes are as many as
-    the GGUF rows (Q4_K and Q5_K: 2.8% and 2.3% more), `n` padded to a multiple of 16."""
+    """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) packed once for
+    `linear`. The packed bytes are as many as the GGUF rows (Q4_K and Q5_K: 2.8% and 2.3%
+    more), `n` padded to a multiple of 16. From a `gguf.GGUFReader` tensor `t` (whose
+    `shape` is [k, n], GGUF's order): `pack(t.tensor_type, t.data, t.shape[1], t.shape[0])`."""
     from ferrobatch import _core
 
     name = qtype_name(qtype)
