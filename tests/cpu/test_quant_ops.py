@@ -7,6 +7,9 @@ bad arguments name the field. K-type blocks are random bytes with sane fp16 `d` 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -99,6 +102,27 @@ def test_linear_is_within_the_quantization_bound(qtype, m, n, blocks):
     assert (err <= bound(qtype, w, x.numpy())).all(), err.max()
     for o in outs[1:]:
         assert torch.equal(o.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+def test_each_simd_backend_is_the_portable_bits(isa):
+    """Skipped (`SKIPPED: needs <isa>` on stderr) where the CPU lacks `isa`, failed instead
+    when `FERROBATCH_REQUIRE_ISA` (comma-separated) lists it."""
+    if not _core.quant_backend_available(isa):
+        required = os.environ.get("FERROBATCH_REQUIRE_ISA", "")
+        if isa in {s.strip().lower() for s in required.split(",")}:
+            pytest.fail(f"FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks")
+        print(f"SKIPPED: needs {isa}", file=sys.stderr)
+        pytest.skip(f"needs {isa}")
+    rng = np.random.default_rng(21)
+    for qtype in quant_ops.QTYPES:
+        m, n, blocks = int(rng.integers(1, 20)), int(rng.integers(1, 50)), 3
+        k = blocks * BLOCK[qtype][0]
+        weight = quant_ops.pack(qtype, random_blocks(qtype, n, k, m), n, k)
+        x = random_x(m, k, n) if k >= 128 else torch.randn(m, k)
+        a = quant_ops.linear(x, weight, backend="portable")
+        b = quant_ops.linear(x, weight, backend=isa)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), qtype
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
