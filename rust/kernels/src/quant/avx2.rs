@@ -115,16 +115,18 @@ fn panel<const T: u8>(
             let o = out[i0..].as_mut_ptr();
             macro_rules! rows {
                 ($f:ident, $a:expr $(, $c:expr)?) => {
-                    match rows {
-                        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` holds
-                        // one panel of `nb` blocks of `qt`, the activations hold `r * nb`
-                        // blocks (both asserted above), so rows `i0 .. i0 + rows` start at
-                        // block `i0 * nb`; `o` points at rows `i0 ..` of `out`, `rows` of
-                        // them: the contract of the kernel; `h` < 2.
-                        1 => unsafe { $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf) },
-                        2 => unsafe { $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf) },
-                        3 => unsafe { $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf) },
-                        _ => unsafe { $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf) },
+                    // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` holds one
+                    // panel of `nb` blocks of `qt`, the activations hold `r * nb` blocks
+                    // (both asserted above), so rows `i0 .. i0 + rows` start at block
+                    // `i0 * nb`; `o` points at rows `i0 ..` of `out`, `rows` of them: the
+                    // contract of the kernel of `rows` rows; `h` < 2.
+                    unsafe {
+                        match rows {
+                            1 => $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            2 => $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            3 => $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            _ => $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                        }
                     }
                 };
             }

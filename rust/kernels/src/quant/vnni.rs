@@ -66,19 +66,21 @@ fn panel<const T: u8>(
     let o = out.as_mut_ptr();
     macro_rules! rows {
         ($f:ident, $a:expr $(, $c:expr)?) => {
-            match r {
-                // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted above); `w` holds one
-                // panel of `nb` blocks of `qt` (asserted above), `$a` holds `r * nb`
-                // activation blocks (asserted by the caller of this macro) and `o` points at
-                // `r` rows of 16 f32: the contract of the kernel.
-                1 => unsafe { $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                2 => unsafe { $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                3 => unsafe { $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                4 => unsafe { $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                5 => unsafe { $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                6 => unsafe { $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                7 => unsafe { $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
-                _ => unsafe { $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o, pf) },
+            // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted above); `w` holds one
+            // panel of `nb` blocks of `qt` (asserted above), `$a` holds `r * nb` activation
+            // blocks (asserted by the caller of this macro) and `o` points at `r` rows of 16
+            // f32: the contract of each kernel; the kernel is the one of `r` rows.
+            unsafe {
+                match r {
+                    1 => $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    2 => $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    3 => $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    4 => $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    5 => $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    6 => $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    7 => $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    _ => $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                }
             }
         };
     }
