@@ -520,6 +520,62 @@ def i16_linear(
     [m, k] int16, `packed` the `i16_pack`ed W [n, k], `out` int32 [m, n]; column blocks split
     over at most `threads` threads of the kernel pool."""
 
+def quant_types() -> list[str]:
+    """The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
+    "q6_k")."""
+
+def quant_backend() -> str:
+    """The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it,
+    else "avx2" where it has that, else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of
+    those that run here)."""
+
+def quant_backend_available(backend: str) -> bool:
+    """Whether this CPU runs `backend` ("portable" always does)."""
+
+def quant_packed_len(qtype: str, n: int, k: int) -> int:
+    """Bytes (uint8) of the packed form of an `[n, k]` weight of `qtype` (`k` whole blocks)."""
+
+def quant_dequantize(
+    qtype: str,
+    blocks: npt.NDArray[np.uint8],
+    out: npt.NDArray[np.float32],
+    *,
+    n: int,
+    k: int,
+) -> None:
+    """`out` (float32 [n, k]) = the GGUF rows `blocks` (uint8, `n * k / block` blocks of
+    `qtype`) dequantized, as `gguf.quants.dequantize`."""
+
+def quant_pack(
+    qtype: str,
+    blocks: npt.NDArray[np.uint8],
+    out: npt.NDArray[np.uint8],
+    *,
+    n: int,
+    k: int,
+    threads: int = 1,
+) -> None:
+    """Packs the GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) into `out`
+    (uint8, `quant_packed_len(qtype, n, k)` bytes), panels split over at most `threads`
+    threads."""
+
+def quant_linear(
+    qtype: str,
+    x: npt.NDArray[np.float32],
+    weight: npt.NDArray[np.uint8],
+    out: npt.NDArray[np.float32],
+    *,
+    n: int,
+    k: int,
+    threads: int = 1,
+    backend: str | None = None,
+) -> None:
+    """`out = x @ W.T` in f32 through int8 activations: `x` float32 [m, k], `weight` the
+    `quant_pack`ed W [n, k] of `qtype` (uint8), `out` float32 [m, n]. Output panels of 16
+    are split over at most `threads` threads of the kernel pool; a row's result depends on
+    neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
+    `quant_backend()`)."""
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed

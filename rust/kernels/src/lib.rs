@@ -35,6 +35,7 @@ pub mod isa;
 pub mod layer;
 pub mod linear;
 pub mod parallel;
+pub mod quant;
 pub mod select;
 
 pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};

@@ -34,6 +34,7 @@ mod layer;
 mod openmp;
 mod output;
 mod plan;
+mod quant;
 mod recycle;
 mod scheduler;
 mod select;
@@ -69,6 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(f32_linear::i16_pack, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::i16_linear, m)?)?;
     m.add_class::<layer::LeanLayer>()?;
+    quant::register(m)?;
     m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_pick, m)?)?;

@@ -1,0 +1,123 @@
+"""Products with GGUF quantized weights (`ferrobatch-kernels`' `quant`): Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K and Q6_K, the types of a `Q4_K_M` file and of quantize-on-load Q8_0.
+
+`pack` lays the GGUF rows of a weight [n, k] (as `gguf.GGUFReader` gives them: uint8,
+`k / block` blocks a row) out once into panels of 16 rows; `linear` computes `x @ W.T` in
+f32: each row of `x` is quantized to int8 blocks (a scale per 32 or 256 inputs), every
+block's product is an exact integer sum (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, or
+the portable path: all give the same bits), and block sums are added in k order. A row's
+result depends on nothing but the row (not on the call's row count, the threads, nor the
+backend).
+`dequantize` is `gguf.quants.dequantize`'s f32, bit for bit (the reference, and embedding
+lookups).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["QTYPES", "QuantWeight", "backend", "dequantize", "linear", "pack", "qtype_name"]
+
+#: the types the products take, by their lower-case `GGMLQuantizationType` names
+QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+
+#: products of at least this many multiply-adds split their output panels over torch's
+#: threads (below it, waking a second thread costs more than it saves)
+SPLIT_MACS = 1 << 18
+
+
+def qtype_name(qtype: object) -> str:
+    """`qtype` (a name such as "q4_k" / "Q4_K", or a `gguf.GGMLQuantizationType`) as the
+    lower-case name the kernels take."""
+    name = getattr(qtype, "name", qtype)
+    if not isinstance(name, str) or name.lower() not in QTYPES:
+        raise ValueError(f"qtype must be one of {QTYPES}, not {qtype!r}")
+    return name.lower()
+
+
+@functools.cache
+def backend() -> str:
+    """The backend `linear` runs by default: "avx512vnni" where the CPU has it, else "avx2"
+    where it has that, else "portable" (the environment variable `FERROBATCH_QUANT_BACKEND`
+    picks one that runs)."""
+    from ferrobatch import _core
+
+    return str(_core.quant_backend())
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A GGUF quantized weight [n, k] packed for `linear`."""
+
+    qtype: str  # "q8_0", "q4_k", ...
+    n: int
+    k: int
+    packed: torch.Tensor  # uint8, `_core.quant_packed_len(qtype, n, k)` bytes
+    # (`packed` as numpy, made once: a decode step calls `linear` per weight)
+    _array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_array", self.packed.numpy())
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def _blocks(blocks: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(blocks, torch.Tensor):
+        if blocks.dtype != torch.uint8:
+            raise ValueError(f"blocks must be uint8, not {blocks.dtype}")
+        blocks = blocks.detach().cpu().contiguous().numpy()
+    if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8:
+        raise ValueError("blocks must be a uint8 numpy array or tensor of GGUF blocks")
+    return np.ascontiguousarray(blocks)
+
+
+def dequantize(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> np.ndarray:
+    """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) as float32 [n, k],
+    bit for bit `gguf.quants.dequantize`."""
+    from ferrobatch import _core
+
+    out = np.empty((n, k), dtype=np.float32)
+    _core.quant_dequantize(qtype_name(qtype), _blocks(blocks), out, n=n, k=k)
+    return out
+
+
+def pack(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> QuantWeight:
+    """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) packed once for
+    `linear`. The packed bytes are as many as the GGUF rows (Q4_K and Q5_K: 2.8% and 2.3%
+    more), `n` padded to a multiple of 16. From a `gguf.GGUFReader` tensor `t` (whose
+    `shape` is [k, n], GGUF's order): `pack(t.tensor_type, t.data, t.shape[1], t.shape[0])`."""
+    from ferrobatch import _core
+
+    name = qtype_name(qtype)
+    packed = torch.empty(_core.quant_packed_len(name, n, k), dtype=torch.uint8)
+    _core.quant_pack(name, _blocks(blocks), packed.numpy(), n=n, k=k,
+                     threads=torch.get_num_threads())
+    return QuantWeight(name, int(n), int(k), packed)
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None,
+           backend: str | None = None) -> torch.Tensor:
+    """`x @ W.T` in f32, `x` [m, k] (widened to f32 first if it is not), `weight` a
+    `pack`ed W [n, k], into `out` ([m, n] f32, contiguous) when given; `backend`
+    "portable", "avx2" or "avx512vnni" (None: `backend()`)."""
+    from ferrobatch import _core
+
+    if not isinstance(weight, QuantWeight):
+        raise ValueError(f"weight must be a QuantWeight (quant_ops.pack), not {type(weight)}")
+    x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [m, k], not shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    if out is None:
+        out = torch.empty(rows, weight.n, dtype=torch.float32)
+    threads = torch.get_num_threads() if rows * weight.n * weight.k >= SPLIT_MACS else 1
+    _core.quant_linear(weight.qtype, x.numpy(), weight._array, out.numpy(),
+                       n=weight.n, k=weight.k, threads=threads, backend=backend)
+    return out

@@ -1,0 +1,110 @@
+//! Quick timing of the quantized products (one thread): weight GB/s at m = 1..8 and GOP/s
+//! at m = 512. `cargo run --release -p ferrobatch-kernels --example quant_speed [type] [n]
+//! [k] [m...]`; `benches/quant_linear.py` is the bench of record.
+
+/// Nanoseconds this thread has run on a CPU (the machine is shared: wall time counts the
+/// other processes' turns too).
+fn cpu_ns() -> u64 {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+    s.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+use ferrobatch_kernels::amx::LinearArgs;
+use ferrobatch_kernels::quant::{linear, pack, packed_len, Backend, QType};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let types: Vec<QType> = match args.first() {
+        Some(t) if t != "all" => vec![QType::from_name(t).expect("type")],
+        _ => QType::ALL.to_vec(),
+    };
+    let n: usize = args.get(1).map_or(1536, |s| s.parse().unwrap());
+    let k: usize = args.get(2).map_or(1536, |s| s.parse().unwrap());
+    let ms: Vec<usize> = if args.len() > 3 {
+        args[3..].iter().map(|s| s.parse().unwrap()).collect()
+    } else {
+        vec![1, 4, 8, 512]
+    };
+    let backend = Backend::auto();
+    // COLD=1: rotate through copies of the weights, 512 MiB in all (past the L3 cache)
+    let cold = std::env::var("COLD").is_ok_and(|v| v == "1");
+    if cold {
+        // read bandwidth: sums of a 1 GiB array
+        let big: Vec<u64> = (0..1u64 << 27).collect();
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t = cpu_ns();
+            let s: u64 = big.iter().fold(0u64, |a, &v| a.wrapping_add(v));
+            std::hint::black_box(s);
+            best = best.min((cpu_ns() - t) as f64 * 1e-9);
+        }
+        println!(
+            "read bandwidth (1 GiB u64 sum): {:.1} GB/s",
+            8.0 * big.len() as f64 / best / 1e9
+        );
+    }
+    for qt in types {
+        let nb = k / qt.block();
+        let mut state = 0x1234_5678u64;
+        let mut rows: Vec<u8> = (0..n * nb * qt.block_bytes())
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                (state >> 56) as u8
+            })
+            .collect();
+        // sane fp16 factors (0.01) in every block
+        let at: &[usize] = match qt {
+            QType::Q8_0 | QType::Q4_0 => &[0],
+            QType::Q4_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+            QType::Q6_K => &[208],
+        };
+        for b in rows.chunks_exact_mut(qt.block_bytes()) {
+            for &a in at {
+                b[a..a + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            }
+        }
+        let mut packed = vec![0u8; packed_len(qt, n, k).unwrap()];
+        pack(qt, &rows, n, k, &mut packed, 1).unwrap();
+        let copies = if cold {
+            (512 << 20) / packed.len() + 1
+        } else {
+            1
+        };
+        let all: Vec<Vec<u8>> = (0..copies).map(|_| packed.clone()).collect();
+        for &m in &ms {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
+                .collect();
+            let mut out = vec![0f32; m * n];
+            let args = LinearArgs {
+                m,
+                n,
+                k,
+                threads: 1,
+            };
+            // (schedstat moves at scheduler ticks: loops of 0.25 s or more)
+            let t = std::time::Instant::now();
+            linear(qt, &args, &x, &all[0], &mut out, backend).unwrap();
+            let once = t.elapsed().as_secs_f64();
+            let reps = ((0.25 / once) as usize).max(3).max(copies);
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let t = cpu_ns();
+                for r in 0..reps {
+                    linear(qt, &args, &x, &all[r % copies], &mut out, backend).unwrap();
+                }
+                best = best.min((cpu_ns() - t) as f64 * 1e-9 / reps as f64);
+            }
+            println!(
+                "{:5} {}x{} m={:4} {:9.1} us  {:6.1} GB/s weights  {:7.1} GOP/s",
+                qt.name(),
+                n,
+                k,
+                m,
+                best * 1e6,
+                packed.len() as f64 / best / 1e9,
+                2.0 * (m * n * k) as f64 / best / 1e9
+            );
+        }
+    }
+}

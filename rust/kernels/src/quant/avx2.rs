@@ -1,0 +1,449 @@
+//! The panel products on AVX2 (with FMA and F16C), for CPUs without AVX-512 VNNI: the same
+//! packed layout and the same formula as [`super::vnni`], 8 output columns in the 8 i32
+//! lanes of a ymm register (a panel in two halves), up to [`ROWS`] rows at a time.
+//!
+//! There is no `vpdpbusd`: `vpmaddubsw` multiplies the unsigned codes by the int8 inputs and
+//! adds pairs into i16 with signed saturation, so partial sums are widened (`vpmaddwd` by
+//! ones) before they could saturate: a pair is at most 2 * 15 * 127 = 3810 for 4-bit codes
+//! (8 quads summed in i16: 30480), 7874 for Q5_K (4 quads), 16002 for Q6_K (2 quads). Q8_0's
+//! codes `w + 128` would saturate, so its quads take `|w|` times `sign(w) * x` (`vpsignb`;
+//! a pair is at most 2 * 128 * 127 = 32512) and sum `w * x` directly, the integer VNNI's
+//! `-128 * sum(x) + sum((w + 128) * x)` comes to. Every integer sum is the same exact value
+//! as on the other paths and every f32 operation the same, so the results are the same bits.
+
+use std::arch::x86_64::*;
+
+use super::act::{A256, A32};
+use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::{ActRows, PanelFn, QType, MAX_ROWS};
+
+/// Rows a kernel call takes (16 ymm registers: three or four a row).
+const ROWS: usize = 4;
+
+/// Whether the CPU runs these kernels (AVX2, FMA and F16C).
+pub(crate) fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// The safe panel product of `qt` (a [`PanelFn`]).
+pub(crate) fn panel_fn(qt: QType) -> PanelFn {
+    match qt {
+        QType::Q8_0 => panel::<0>,
+        QType::Q4_0 => panel::<1>,
+        QType::Q4_1 => panel::<2>,
+        QType::Q4_K => panel::<3>,
+        QType::Q5_K => panel::<4>,
+        QType::Q6_K => panel::<5>,
+    }
+}
+
+/// The bytes a kernel fetches into the L2 cache while it runs (see `vnni::Fetch`).
+#[derive(Clone, Copy)]
+struct Fetch {
+    at: *const u8,
+    len: usize,
+    nb: usize,
+}
+
+impl Fetch {
+    const NONE: Fetch = Fetch {
+        at: std::ptr::null(),
+        len: 0,
+        nb: 1,
+    };
+
+    #[inline(always)]
+    fn part(self, b: usize) {
+        if self.len == 0 {
+            return;
+        }
+        let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
+        // (one line in two: the L2's adjacent-line prefetcher brings the other of each
+        // 128-byte pair)
+        let mut at = from & !127;
+        while at < to {
+            // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
+            // and cannot fault; the address is formed with `wrapping_add`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
+            at += 128;
+        }
+    }
+}
+
+/// `out[i][c]` as `vnni::panel`, in halves of 8 columns and groups of up to [`ROWS`] rows.
+/// Panics on a length that does not match, or where [`available`] is false.
+fn panel<const T: u8>(
+    w: &[u8],
+    next: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
+    let qt = QType::ALL[T as usize];
+    let r = out.len();
+    assert!(available(), "AVX2, FMA and F16C are not available");
+    assert!((1..=MAX_ROWS).contains(&r), "1 to {MAX_ROWS} rows, not {r}");
+    assert_eq!(
+        w.len(),
+        nb * panel_block_bytes(qt),
+        "one panel of {nb} blocks"
+    );
+    match (qt, acts) {
+        (QType::Q8_0 | QType::Q4_0 | QType::Q4_1, ActRows::A32(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
+        }
+        (QType::Q4_K | QType::Q5_K | QType::Q6_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
+        }
+        _ => panic!("{}: wrong activation format", qt.name()),
+    }
+    for h in 0..2 {
+        for i0 in (0..r).step_by(ROWS) {
+            let rows = (r - i0).min(ROWS);
+            // the first pass fetches the next panel
+            let pf = if h == 0 && i0 == 0 {
+                Fetch {
+                    at: next.as_ptr(),
+                    len: next.len(),
+                    nb,
+                }
+            } else {
+                Fetch::NONE
+            };
+            let o = out[i0..].as_mut_ptr();
+            macro_rules! rows {
+                ($f:ident, $a:expr $(, $c:expr)?) => {
+                    // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` holds one
+                    // panel of `nb` blocks of `qt`, the activations hold `r * nb` blocks
+                    // (both asserted above), so rows `i0 .. i0 + rows` start at block
+                    // `i0 * nb`; `o` points at rows `i0 ..` of `out`, `rows` of them: the
+                    // contract of the kernel of `rows` rows; `h` < 2.
+                    unsafe {
+                        match rows {
+                            1 => $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            2 => $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            3 => $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                            _ => $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, h, pf),
+                        }
+                    }
+                };
+            }
+            match acts {
+                ActRows::A32(a) => {
+                    let a = a[i0 * nb..].as_ptr();
+                    match qt {
+                        QType::Q8_0 => rows!(blocks32, a, 0),
+                        QType::Q4_0 => rows!(blocks32, a, 1),
+                        _ => rows!(blocks32, a, 2),
+                    }
+                }
+                ActRows::A256(a) => {
+                    let a = a[i0 * nb..].as_ptr();
+                    match qt {
+                        QType::Q4_K => rows!(q45k, a, false),
+                        QType::Q5_K => rows!(q45k, a, true),
+                        _ => rows!(q6k, a),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 32 bytes at `p`.
+///
+/// # Safety
+/// `p .. p + 32` is readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p.cast())
+}
+
+/// The 4 bytes at `p` in every i32 lane.
+///
+/// # Safety
+/// `p .. p + 4` is readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn quad(p: *const i8) -> __m256i {
+    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// 8 fp16 at `p` widened to f32.
+///
+/// # Safety
+/// `p .. p + 16` is readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn halves(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+}
+
+/// i16 pairs summed into i32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn widen(v: __m256i) -> __m256i {
+    _mm256_madd_epi16(v, _mm256_set1_epi16(1))
+}
+
+/// `a | (b & c)` bitwise.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn or_and(a: __m256i, b: __m256i, c: __m256i) -> __m256i {
+    _mm256_or_si256(a, _mm256_and_si256(b, c))
+}
+
+/// Stores `R` rows of 8 sums into columns `8 h ..` of `out`.
+///
+/// # Safety
+/// `out .. out + R` rows of 16 f32 are writable; `h < 2`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store<const R: usize>(out: *mut [f32; PANEL], h: usize, acc: &[__m256; R]) {
+    for (i, v) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.add(i).cast::<f32>().add(8 * h), *v);
+    }
+}
+
+/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1), `R` rows, columns `8 h ..`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `w` points at one packed panel of `nb` blocks of the
+/// type; `a` at `R * nb` activation blocks (row `i`'s block `b` at `i * nb + b`); `out` at
+/// `R` writable rows of 16 f32; `h < 2`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn blocks32<const R: usize, const K: u8>(
+    w: *const u8,
+    nb: usize,
+    a: *const A32,
+    out: *mut [f32; PANEL],
+    h: usize,
+    pf: Fetch,
+) {
+    let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
+    let st = stream_starts(qt, nb);
+    let code_bytes = if K == 0 { 512 } else { 256 };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(-128);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (b < nb and h < 2: every offset below stays inside its stream's `nb` blocks, the
+        // sizes of `packing::streams`; row i's block b is inside `a`'s R * nb blocks)
+        let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let codes = w.add(st[0] + b * code_bytes + 32 * h);
+        let mut s = [_mm256_setzero_si256(); R];
+        if K == 0 {
+            for q in 0..8 {
+                // w = u ^ 0x80: |w| times sign(w) * x, exactly sum(w * x)
+                let wv = _mm256_xor_si256(load(codes.add(64 * q)), flip);
+                let aw = _mm256_abs_epi8(wv);
+                for i in 0..R {
+                    let x = _mm256_sign_epi8(quad((*ab[i]).qs.as_ptr().add(4 * q)), wv);
+                    s[i] = _mm256_add_epi32(s[i], widen(_mm256_maddubs_epi16(aw, x)));
+                }
+            }
+        } else {
+            let mut s16 = [_mm256_setzero_si256(); R];
+            for p in 0..4 {
+                let v = load(codes.add(64 * p));
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(8 * p);
+                    let t = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, quad(qs)),
+                        _mm256_maddubs_epi16(hi, quad(qs.add(4))),
+                    );
+                    s16[i] = _mm256_add_epi16(s16[i], t);
+                }
+            }
+            for i in 0..R {
+                s[i] = _mm256_add_epi32(widen(s16[i]), _mm256_set1_epi32((*ab[i]).init));
+            }
+        }
+        let d = halves(w.add(st[1] + 32 * b + 16 * h));
+        for i in 0..R {
+            let dx = _mm256_set1_ps((*ab[i]).d);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, dx), acc[i]);
+        }
+        if K == 2 {
+            let m = halves(w.add(st[2] + 32 * b + 16 * h));
+            for i in 0..R {
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps((*ab[i]).sd), acc[i]);
+            }
+        }
+    }
+    store::<R>(out, h, &acc);
+}
+
+/// Q4_K (`Q5` false) or Q5_K, `R` rows, columns `8 h ..`.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q45k<const R: usize, const Q5: bool>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    h: usize,
+    pf: Fetch,
+) {
+    let st = stream_starts(if Q5 { QType::Q5_K } else { QType::Q4_K }, nb);
+    let (qh, sc, mins, dd, dmin) = if Q5 {
+        (st[1], st[2], st[3], st[4], st[5])
+    } else {
+        (0, st[1], st[2], st[3], st[4])
+    };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let bit4 = _mm256_set1_epi8(0x10);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b + 32 * h);
+        let mut s1 = [_mm256_setzero_ps(); R];
+        for j in 0..8 {
+            let mut hb = if Q5 {
+                load(w.add(qh + 512 * b + 64 * j + 32 * h))
+            } else {
+                _mm256_setzero_si256()
+            };
+            let mut t = [_mm256_setzero_si256(); R];
+            let mut t16 = [_mm256_setzero_si256(); R];
+            for l in 0..4 {
+                let v = load(nib.add(64 * (4 * j + l)));
+                let mut lo = _mm256_and_si256(v, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                if Q5 {
+                    lo = or_and(lo, _mm256_slli_epi16::<4>(hb), bit4);
+                    hi = or_and(hi, _mm256_slli_epi16::<3>(hb), bit4);
+                    hb = _mm256_srli_epi16::<2>(hb);
+                }
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(32 * j + 8 * l);
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, quad(qs)),
+                        _mm256_maddubs_epi16(hi, quad(qs.add(4))),
+                    );
+                    t16[i] = _mm256_add_epi16(t16[i], p);
+                }
+                // Q5_K: 4 quads a widening (7874 a pair)
+                if Q5 && l == 1 {
+                    for i in 0..R {
+                        t[i] = widen(t16[i]);
+                        t16[i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                w.add(sc + 128 * b + 16 * j + 8 * h).cast(),
+            )));
+            for i in 0..R {
+                let ti = _mm256_add_epi32(t[i], widen(t16[i]));
+                s1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), scale, s1[i]);
+            }
+        }
+        let mut s2 = [_mm256_setzero_si256(); R];
+        for p in 0..4 {
+            let mp = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                w.add(mins + 128 * b + 32 * p + 16 * h).cast(),
+            ));
+            for i in 0..R {
+                let pair = (*ab[i])
+                    .sum32
+                    .as_ptr()
+                    .add(2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                let m = _mm256_madd_epi16(mp, _mm256_set1_epi32(pair));
+                s2[i] = _mm256_add_epi32(s2[i], m);
+            }
+        }
+        let d = halves(w.add(dd + 32 * b + 16 * h));
+        let e = halves(w.add(dmin + 32 * b + 16 * h));
+        for i in 0..R {
+            let dx = _mm256_set1_ps((*ab[i]).d);
+            acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+            let s2f = _mm256_cvtepi32_ps(s2[i]);
+            acc[i] = _mm256_fnmadd_ps(s2f, _mm256_mul_ps(e, dx), acc[i]);
+        }
+    }
+    store::<R>(out, h, &acc);
+}
+
+/// Q6_K, `R` rows, columns `8 h ..`.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k<const R: usize>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    h: usize,
+    pf: Fetch,
+) {
+    let st = stream_starts(QType::Q6_K, nb);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let bits45 = _mm256_set1_epi8(0x30);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b + 32 * h);
+        let mut s1 = [_mm256_setzero_ps(); R];
+        for j in 0..16 {
+            let hb = load(w.add(st[1] + 1024 * b + 64 * j + 32 * h));
+            let v0 = load(nib.add(128 * j));
+            let v1 = load(nib.add(128 * j + 64));
+            let c = [
+                or_and(_mm256_and_si256(v0, m4), _mm256_slli_epi16::<4>(hb), bits45),
+                or_and(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(v0), m4),
+                    _mm256_slli_epi16::<2>(hb),
+                    bits45,
+                ),
+                or_and(_mm256_and_si256(v1, m4), hb, bits45),
+                or_and(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(v1), m4),
+                    _mm256_srli_epi16::<2>(hb),
+                    bits45,
+                ),
+            ];
+            let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                w.add(st[2] + 256 * b + 16 * j + 8 * h).cast(),
+            )));
+            for i in 0..R {
+                let qs = (*ab[i]).qs.as_ptr().add(16 * j);
+                // 2 quads a widening (16002 a pair)
+                let p01 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(c[0], quad(qs)),
+                    _mm256_maddubs_epi16(c[1], quad(qs.add(4))),
+                );
+                let p23 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(c[2], quad(qs.add(8))),
+                    _mm256_maddubs_epi16(c[3], quad(qs.add(12))),
+                );
+                let t = _mm256_add_epi32(
+                    _mm256_add_epi32(widen(p01), widen(p23)),
+                    _mm256_set1_epi32((*ab[i]).neg32_sum16[j]),
+                );
+                s1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, s1[i]);
+            }
+        }
+        let d = halves(w.add(st[3] + 32 * b + 16 * h));
+        for i in 0..R {
+            let dx = _mm256_set1_ps((*ab[i]).d);
+            acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+        }
+    }
+    store::<R>(out, h, &acc);
+}

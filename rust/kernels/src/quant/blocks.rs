@@ -1,0 +1,180 @@
+//! GGUF blocks as stored in a file, decoded into one integer form ([`Block`]) that every
+//! product path shares: unsigned weight codes, integer sub-block scales and mins, and the
+//! block's fp16 factors widened to f32. The value of weight `t` of a block is
+//!
+//! | type | value |
+//! |---|---|
+//! | Q8_0 | `d * (u - 128)` (`u` = the int8 weight + 128) |
+//! | Q4_0 | `d * (u - 8)` |
+//! | Q4_1 | `d * u + e` (`e` = the fp16 `m`) |
+//! | Q4_K, Q5_K | `(d * sc[j]) * u - e * mn[j]`, `j = t / 32` (`e` = `dmin`) |
+//! | Q6_K | `(d * sc[j]) * (u - 32)`, `j = t / 16`, `sc` signed |
+//!
+//! computed in f32 in exactly that order by [`dequantize_block`], the order of
+//! `gguf.quants.dequantize` (so the two agree bit for bit).
+
+use half::f16;
+
+use super::QType;
+
+/// One block in integer form (the first `block` codes used; `sc` / `mn` only for K-types).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Block {
+    /// unsigned weight codes in k order: 8, 4, 4, 4, 5 and 6 bits
+    pub(crate) codes: [u8; 256],
+    /// integer sub-block scales (Q4_K / Q5_K: 8 six-bit; Q6_K: 16 int8)
+    pub(crate) sc: [i32; 16],
+    /// integer sub-block mins (Q4_K / Q5_K: 8 six-bit)
+    pub(crate) mn: [i32; 8],
+    /// the block scale `d`
+    pub(crate) d: f32,
+    /// the second factor: `m` (Q4_1) or `dmin` (Q4_K, Q5_K), else 0
+    pub(crate) e: f32,
+}
+
+impl Block {
+    pub(crate) const ZERO: Block = Block {
+        codes: [0; 256],
+        sc: [0; 16],
+        mn: [0; 8],
+        d: 0.0,
+        e: 0.0,
+    };
+}
+
+fn half(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// The K-types' six-bit scale and min of sub-block `j` (of 8) from `s` (12 bytes).
+fn scale_min_k4(s: &[u8], j: usize) -> (i32, i32) {
+    if j < 4 {
+        (i32::from(s[j] & 63), i32::from(s[j + 4] & 63))
+    } else {
+        (
+            i32::from((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)),
+            i32::from((s[j + 4] >> 4) | ((s[j] >> 6) << 4)),
+        )
+    }
+}
+
+/// `b` (one block of `qt`, `qt.block_bytes()` bytes) in integer form.
+pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
+    assert_eq!(b.len(), qt.block_bytes(), "one {} block", qt.name());
+    let mut out = Block::ZERO;
+    match qt {
+        QType::Q8_0 => {
+            out.d = half(b, 0);
+            for (u, &w) in out.codes.iter_mut().zip(&b[2..34]) {
+                *u = w ^ 0x80;
+            }
+        }
+        QType::Q4_0 | QType::Q4_1 => {
+            out.d = half(b, 0);
+            let qs = if qt == QType::Q4_1 {
+                out.e = half(b, 2);
+                &b[4..20]
+            } else {
+                &b[2..18]
+            };
+            for (l, &q) in qs.iter().enumerate() {
+                out.codes[l] = q & 0xF;
+                out.codes[l + 16] = q >> 4;
+            }
+        }
+        QType::Q4_K | QType::Q5_K => {
+            out.d = half(b, 0);
+            out.e = half(b, 2);
+            for j in 0..8 {
+                (out.sc[j], out.mn[j]) = scale_min_k4(&b[4..16], j);
+            }
+            let (qh, qs) = if qt == QType::Q5_K {
+                (Some(&b[16..48]), &b[48..176])
+            } else {
+                (None, &b[16..144])
+            };
+            // per 64 weights: the low nibbles of 32 bytes, then their high nibbles
+            for g in 0..4 {
+                for l in 0..32 {
+                    let q = qs[32 * g + l];
+                    out.codes[64 * g + l] = q & 0xF;
+                    out.codes[64 * g + 32 + l] = q >> 4;
+                }
+            }
+            if let Some(qh) = qh {
+                // bit s of qh[l] is the fifth bit of weight 32 s + l
+                for s in 0..8 {
+                    for (c, &h) in out.codes[32 * s..32 * s + 32].iter_mut().zip(qh) {
+                        *c |= ((h >> s) & 1) << 4;
+                    }
+                }
+            }
+        }
+        QType::Q6_K => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            out.d = half(b, 208);
+            for (o, &s) in out.sc.iter_mut().zip(sc) {
+                *o = i32::from(s as i8);
+            }
+            // per half h of 128 weights: weight 128 h + 64 n + t has nibble n of ql[64 h + t]
+            // and, writing it 128 h + 32 s + l, bits 2 s of qh[32 h + l]
+            for h in 0..2 {
+                for w in 0..128 {
+                    let q = ql[64 * h + w % 64] >> (4 * (w / 64)) & 0xF;
+                    let hi = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
+                    out.codes[128 * h + w] = q | (hi << 4);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The block's weights in f32 (`out`: `qt.block()` values), in `gguf.quants`' order of
+/// operations (module docs).
+pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
+    let (d, e) = (blk.d, blk.e);
+    let codes = &blk.codes[..out.len()];
+    match qt {
+        QType::Q8_0 => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                // (u ^ 0x80: back to the int8 weight)
+                *o = d * f32::from((u ^ 0x80) as i8);
+            }
+        }
+        QType::Q4_0 => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                *o = d * f32::from(u as i8 - 8);
+            }
+        }
+        QType::Q4_1 => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                *o = d * f32::from(u) + e;
+            }
+        }
+        QType::Q4_K | QType::Q5_K => {
+            for (j, (o, u)) in out
+                .chunks_exact_mut(32)
+                .zip(codes.chunks_exact(32))
+                .enumerate()
+            {
+                let (a, m) = (d * blk.sc[j] as f32, e * blk.mn[j] as f32);
+                for (o, &u) in o.iter_mut().zip(u) {
+                    *o = a * f32::from(u) - m;
+                }
+            }
+        }
+        QType::Q6_K => {
+            for (j, (o, u)) in out
+                .chunks_exact_mut(16)
+                .zip(codes.chunks_exact(16))
+                .enumerate()
+            {
+                let a = d * blk.sc[j] as f32;
+                for (o, &u) in o.iter_mut().zip(u) {
+                    *o = a * f32::from(u as i8 - 32);
+                }
+            }
+        }
+    }
+}

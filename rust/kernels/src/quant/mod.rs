@@ -1,0 +1,571 @@
+//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K):
+//! `y[m, n] = x[m, k] . W[n, k]^T`, `x` and `y` f32, `W` the GGUF rows (one row a weight
+//! row, `k / block` blocks each) packed once ([`pack`]) into panels of 16 rows.
+//!
+//! * [`dequantize`]: GGUF rows to f32, bit for bit `gguf.quants.dequantize` (reference,
+//!   embedding lookups);
+//! * activations are quantized per row ([`act`]): int8 blocks of 32 with an f32 scale for
+//!   the 32-weight types, of 256 with an f32 scale and partial sums for the K-types;
+//! * [`linear`]: every block's product is an exact integer sum (`vpdpbusd` on AVX-512 VNNI,
+//!   `vpmaddubsw` on AVX2, plain integer arithmetic on the portable path), then a fixed
+//!   sequence of f32 operations per block in k order ([`portable`]'s docs): a row's outputs
+//!   depend on nothing but the row (not on `m`, the thread count, nor the [`Backend`]: all
+//!   three agree bit for bit).
+//!   Threads split panels (output columns), never k; decode rows (up to 8) go through the
+//!   weights together, which are read once; longer calls go panel by panel, each panel's
+//!   weights staying in cache while the rows pass.
+//!
+//! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
+
+pub mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod blocks;
+mod packing;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+pub use act::{Acts, A256, A32};
+pub use packing::PANEL;
+
+use crate::amx::LinearArgs;
+use crate::fused::ArgError;
+
+/// A GGUF quantization type.
+#[allow(non_camel_case_types)] // ggml's names
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QType {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+}
+
+/// The activation blocks a type's products take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    /// [`A32`], weights coded `w + offset` (the start of a block's integer sum is
+    /// `-offset * sum(q)`)
+    A32 { offset: i32 },
+    /// [`A256`]
+    A256,
+}
+
+/// Activation rows of a product, `rows * (k / block)` blocks.
+#[derive(Clone, Copy, Debug)]
+pub enum ActRows<'a> {
+    A32(&'a [A32]),
+    A256(&'a [A256]),
+}
+
+/// One type's sizes and functions (an entry of [`TYPES`]).
+pub struct TypeTraits {
+    pub qtype: QType,
+    /// lower-case name, as `gguf`'s `GGMLQuantizationType` member lower-cased ("q4_k")
+    pub name: &'static str,
+    /// the `ggml_type` number in a GGUF file
+    pub ggml_type: u32,
+    /// weights a block
+    pub block: usize,
+    /// bytes a block in a GGUF file
+    pub block_bytes: usize,
+    /// bytes a block of a packed panel of [`PANEL`] rows
+    pub panel_block_bytes: usize,
+    /// the activation blocks it takes
+    pub act: ActFormat,
+    /// `(blocks, out)`: one GGUF row of `out.len() / block` blocks to f32
+    pub dequantize_row: fn(&[u8], &mut [f32]),
+    /// `(x, out)`: one row of `x` quantized into its activation blocks
+    pub quantize_row: fn(&[f32], ActRowMut<'_>),
+    /// `(blocks, acts)`: one GGUF row times one activation row (as [`linear`] computes it)
+    pub vec_dot: fn(&[u8], ActRows<'_>) -> f32,
+    /// the portable panel product (see [`Backend`])
+    pub(crate) panel_portable: PanelFn,
+}
+
+/// One activation row to write.
+pub enum ActRowMut<'a> {
+    A32(&'a mut [A32]),
+    A256(&'a mut [A256]),
+}
+
+/// `(panel, next, blocks, acts, out)`: a panel's sums for `out.len()` activation rows,
+/// fetching the panel `next` into the L2 cache on the way (empty: none).
+pub(crate) type PanelFn = fn(&[u8], &[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
+
+const fn qtype(i: u8) -> QType {
+    QType::ALL[i as usize]
+}
+
+fn dequantize_row<const T: u8>(b: &[u8], out: &mut [f32]) {
+    let qt = qtype(T);
+    for (src, dst) in b
+        .chunks_exact(qt.block_bytes())
+        .zip(out.chunks_exact_mut(qt.block()))
+    {
+        blocks::dequantize_block(qt, &blocks::decode(qt, src), dst);
+    }
+}
+
+fn quantize_row<const T: u8>(x: &[f32], out: ActRowMut<'_>) {
+    match (qtype(T).traits().act, out) {
+        (ActFormat::A32 { offset }, ActRowMut::A32(o)) => act::quantize_a32(x, offset, o),
+        (ActFormat::A256, ActRowMut::A256(o)) => act::quantize_a256(x, o),
+        _ => panic!("{}: wrong activation format", qtype(T).name()),
+    }
+}
+
+fn vec_dot<const T: u8>(b: &[u8], acts: ActRows<'_>) -> f32 {
+    let qt = qtype(T);
+    let blks = b
+        .chunks_exact(qt.block_bytes())
+        .map(|s| blocks::decode(qt, s));
+    match acts {
+        ActRows::A32(a) => {
+            assert_eq!(a.len() * qt.block_bytes(), b.len(), "one row");
+            blks.zip(a)
+                .fold(0.0, |acc, (blk, a)| portable::dot_a32(qt, &blk, a, acc))
+        }
+        ActRows::A256(a) => {
+            assert_eq!(a.len() * qt.block_bytes(), b.len(), "one row");
+            blks.zip(a)
+                .fold(0.0, |acc, (blk, a)| portable::dot_a256(qt, &blk, a, acc))
+        }
+    }
+}
+
+fn panel_portable<const T: u8>(
+    p: &[u8],
+    _next: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
+    portable::panel(qtype(T), p, nb, acts, out)
+}
+
+macro_rules! traits {
+    ($t:ident, $name:literal, $ggml:literal, $block:literal, $bytes:literal, $panel:literal,
+     $act:expr) => {
+        TypeTraits {
+            qtype: QType::$t,
+            name: $name,
+            ggml_type: $ggml,
+            block: $block,
+            block_bytes: $bytes,
+            panel_block_bytes: $panel,
+            act: $act,
+            dequantize_row: dequantize_row::<{ QType::$t as u8 }>,
+            quantize_row: quantize_row::<{ QType::$t as u8 }>,
+            vec_dot: vec_dot::<{ QType::$t as u8 }>,
+            panel_portable: panel_portable::<{ QType::$t as u8 }>,
+        }
+    };
+}
+
+/// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
+/// layout summed, checked against it in the tests).
+pub static TYPES: [TypeTraits; 6] = [
+    traits!(Q8_0, "q8_0", 8, 32, 34, 544, ActFormat::A32 { offset: 128 }),
+    traits!(Q4_0, "q4_0", 2, 32, 18, 288, ActFormat::A32 { offset: 8 }),
+    traits!(Q4_1, "q4_1", 3, 32, 20, 320, ActFormat::A32 { offset: 0 }),
+    traits!(Q4_K, "q4_k", 12, 256, 144, 2368, ActFormat::A256),
+    traits!(Q5_K, "q5_k", 13, 256, 176, 2880, ActFormat::A256),
+    traits!(Q6_K, "q6_k", 14, 256, 210, 3360, ActFormat::A256),
+];
+
+impl QType {
+    pub const ALL: [QType; 6] = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+    ];
+
+    pub fn traits(self) -> &'static TypeTraits {
+        &TYPES[self as usize]
+    }
+
+    /// The lower-case name ("q8_0", "q4_k", ...).
+    pub fn name(self) -> &'static str {
+        self.traits().name
+    }
+
+    /// Weights a block.
+    pub const fn block(self) -> usize {
+        match self {
+            QType::Q8_0 | QType::Q4_0 | QType::Q4_1 => 32,
+            _ => 256,
+        }
+    }
+
+    /// Bytes a block in a GGUF file.
+    pub fn block_bytes(self) -> usize {
+        self.traits().block_bytes
+    }
+
+    /// The type named `name` (case-insensitive: "q4_k", "Q4_K").
+    pub fn from_name(name: &str) -> Option<QType> {
+        QType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
+    }
+
+    /// The type of GGUF `ggml_type` number `id`.
+    pub fn from_ggml(id: u32) -> Option<QType> {
+        QType::ALL.into_iter().find(|t| t.traits().ggml_type == id)
+    }
+}
+
+/// Which code runs a product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// plain Rust, any CPU
+    Portable,
+    /// AVX-512 F + BW + VNNI (`vpdpbusd` on 512-bit registers)
+    Avx512Vnni,
+    /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
+    Avx2,
+}
+
+/// The environment variable that picks the backend of [`Backend::auto`]: `portable`,
+/// `avx2` or `avx512vnni`.
+pub const BACKEND_ENV: &str = "FERROBATCH_QUANT_BACKEND";
+
+impl Backend {
+    pub const ALL: [Backend; 3] = [Backend::Portable, Backend::Avx512Vnni, Backend::Avx2];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Portable => "portable",
+            Backend::Avx512Vnni => "avx512vnni",
+            Backend::Avx2 => "avx2",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Backend> {
+        Backend::ALL
+            .into_iter()
+            .find(|b| b.name().eq_ignore_ascii_case(name))
+    }
+
+    /// Whether this CPU runs it.
+    pub fn available(self) -> bool {
+        match self {
+            Backend::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx512Vnni => vnni::available(),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => avx2::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Backend::Avx512Vnni | Backend::Avx2 => false,
+        }
+    }
+
+    /// The fastest backend this CPU runs, or the one [`BACKEND_ENV`] names (if available).
+    pub fn auto() -> Backend {
+        if let Some(b) = std::env::var(BACKEND_ENV)
+            .ok()
+            .and_then(|v| Backend::from_name(v.trim()))
+        {
+            if b.available() {
+                return b;
+            }
+        }
+        [Backend::Avx512Vnni, Backend::Avx2]
+            .into_iter()
+            .find(|b| b.available())
+            .unwrap_or(Backend::Portable)
+    }
+}
+
+fn err(field: &'static str, message: String) -> ArgError {
+    ArgError {
+        field,
+        message: format!("{field}: {message}"),
+    }
+}
+
+/// `k` as a whole number of `qt` blocks.
+fn blocks_of(qt: QType, k: usize) -> Result<usize, ArgError> {
+    if k.is_multiple_of(qt.block()) {
+        Ok(k / qt.block())
+    } else {
+        Err(err(
+            "k",
+            format!(
+                "must be a multiple of {} for {}, not {k}",
+                qt.block(),
+                qt.name()
+            ),
+        ))
+    }
+}
+
+/// Checks that `got` bytes are the GGUF rows of an [n, k] weight of `qt`.
+fn check_rows(
+    field: &'static str,
+    qt: QType,
+    got: usize,
+    n: usize,
+    k: usize,
+) -> Result<(), ArgError> {
+    let nb = blocks_of(qt, k)?;
+    let want = n * nb * qt.block_bytes();
+    if got != want {
+        return Err(err(
+            field,
+            format!(
+                "expected {}*k/{} bytes per row for {} (n = {n}, k = {k}: {want} bytes), got {got}",
+                qt.block_bytes(),
+                qt.block(),
+                qt.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes of the packed form of an [n, k] weight of `qt` (`n` padded to whole panels).
+pub fn packed_len(qt: QType, n: usize, k: usize) -> Result<usize, ArgError> {
+    Ok(n.div_ceil(PANEL) * blocks_of(qt, k)? * qt.traits().panel_block_bytes)
+}
+
+/// `out` [n, k] = the GGUF rows `rows` of `qt` ([n, k / block] blocks) in f32.
+pub fn dequantize(
+    qt: QType,
+    rows: &[u8],
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+) -> Result<(), ArgError> {
+    check_rows("blocks", qt, rows.len(), n, k)?;
+    if out.len() != n * k {
+        return Err(err(
+            "out",
+            format!("has {} elements, not n * k = {}", out.len(), n * k),
+        ));
+    }
+    if k > 0 {
+        (qt.traits().dequantize_row)(rows, out);
+    }
+    Ok(())
+}
+
+/// `ranges` of `items` split into at most `threads` near-equal consecutive pieces.
+fn split(items: usize, threads: usize) -> Vec<Range<usize>> {
+    let parts = threads.clamp(1, items.max(1));
+    (0..parts)
+        .map(|t| items * t / parts..items * (t + 1) / parts)
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// Packs the GGUF rows `rows` ([n, k / block] blocks of `qt`) into `out` ([`packed_len`]
+/// bytes), panels split over at most `threads` threads.
+pub fn pack(
+    qt: QType,
+    rows: &[u8],
+    n: usize,
+    k: usize,
+    out: &mut [u8],
+    threads: usize,
+) -> Result<(), ArgError> {
+    check_rows("blocks", qt, rows.len(), n, k)?;
+    let want = packed_len(qt, n, k)?;
+    if out.len() != want {
+        return Err(err(
+            "out",
+            format!("has {} bytes, not packed_len = {want}", out.len()),
+        ));
+    }
+    if want == 0 {
+        return Ok(());
+    }
+    let panel_bytes = want / n.div_ceil(PANEL);
+    let mut pieces = Vec::new();
+    let mut rest = out;
+    for r in split(n.div_ceil(PANEL), threads) {
+        let (piece, tail) = rest.split_at_mut(r.len() * panel_bytes);
+        rest = tail;
+        pieces.push((r, piece));
+    }
+    crate::parallel::run_pieces(pieces, |panels, piece| {
+        packing::pack_panels(qt, rows, n, k, panels, piece)
+    });
+    Ok(())
+}
+
+/// `x` [m, k] quantized per row into the activation blocks `qt`'s products take.
+pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> Result<Acts, ArgError> {
+    let nb = blocks_of(qt, k)?;
+    if x.len() != m * k {
+        return Err(err(
+            "x",
+            format!("has {} elements, not m * k = {}", x.len(), m * k),
+        ));
+    }
+    let t = qt.traits();
+    Ok(match t.act {
+        ActFormat::A32 { .. } => {
+            let mut a = vec![A32::ZERO; m * nb];
+            if nb > 0 {
+                for (x, a) in x.chunks_exact(k).zip(a.chunks_exact_mut(nb)) {
+                    (t.quantize_row)(x, ActRowMut::A32(a));
+                }
+            }
+            Acts::A32(a)
+        }
+        ActFormat::A256 => {
+            let mut a = vec![A256::ZERO; m * nb];
+            if nb > 0 {
+                for (x, a) in x.chunks_exact(k).zip(a.chunks_exact_mut(nb)) {
+                    (t.quantize_row)(x, ActRowMut::A256(a));
+                }
+            }
+            Acts::A256(a)
+        }
+    })
+}
+
+impl Acts {
+    /// Rows `rows` of `nb` blocks each.
+    pub fn rows(&self, rows: Range<usize>, nb: usize) -> ActRows<'_> {
+        match self {
+            Acts::A32(a) => ActRows::A32(&a[rows.start * nb..rows.end * nb]),
+            Acts::A256(a) => ActRows::A256(&a[rows.start * nb..rows.end * nb]),
+        }
+    }
+}
+
+/// Rows a kernel call takes at most (the activations of 8 rows share each weight load).
+pub const MAX_ROWS: usize = 8;
+
+/// Activation bytes of a chunk of rows: a chunk's rows stay in the L2 cache while every
+/// panel of a thread passes them.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// `out[i, j] = sum_l x[i, l] * W[j, l]` in f32 (through the activations' quantization),
+/// `x` [m, k], `packed` the [`pack`]ed `W` [n, k] of `qt`, `out` [m, n] (`args`' shapes);
+/// panels split over at most `args.threads` threads of the kernel pool. Fails naming the
+/// field at fault on a length mismatch or a `k` that is not whole blocks, and naming
+/// `backend` when this CPU does not run `backend`.
+pub fn linear(
+    qt: QType,
+    args: &LinearArgs,
+    x: &[f32],
+    packed: &[u8],
+    out: &mut [f32],
+    backend: Backend,
+) -> Result<(), ArgError> {
+    let LinearArgs { m, n, k, threads } = *args;
+    let nb = blocks_of(qt, k)?;
+    let want = packed_len(qt, n, k)?;
+    if packed.len() != want {
+        return Err(err(
+            "weight",
+            format!(
+                "packed {} weight [n = {n}, k = {k}] has {want} bytes, got {}",
+                qt.name(),
+                packed.len()
+            ),
+        ));
+    }
+    if x.len() != m * k {
+        return Err(err(
+            "x",
+            format!("has {} elements, not m * k = {}", x.len(), m * k),
+        ));
+    }
+    if out.len() != m * n {
+        return Err(err(
+            "out",
+            format!("has {} elements, not m * n = {}", out.len(), m * n),
+        ));
+    }
+    if !backend.available() {
+        return Err(err(
+            "backend",
+            format!("{} is not available on this CPU", backend.name()),
+        ));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if nb == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let acts = quantize_acts(qt, x, m, k)?;
+    let run = kernel(qt, backend);
+    let panels = n.div_ceil(PANEL);
+    let panel_bytes = nb * qt.traits().panel_block_bytes;
+    let act_row_bytes = nb
+        * match acts {
+            Acts::A32(_) => std::mem::size_of::<A32>(),
+            Acts::A256(_) => std::mem::size_of::<A256>(),
+        };
+    let chunk = (CHUNK_BYTES / act_row_bytes).max(MAX_ROWS) / MAX_ROWS * MAX_ROWS;
+    // sums by panel: [panel][row][16], each thread's panels one slice
+    let mut sums = vec![[0f32; PANEL]; panels * m];
+    let mut pieces = Vec::new();
+    let mut rest = &mut sums[..];
+    for r in split(panels, threads) {
+        let (piece, tail) = rest.split_at_mut(r.len() * m);
+        rest = tail;
+        pieces.push((r, piece));
+    }
+    crate::parallel::run_pieces(pieces, |range, piece| {
+        for row0 in (0..m).step_by(chunk) {
+            let rows = (m - row0).min(chunk);
+            // groups of near-equal size, at most MAX_ROWS
+            let per = rows.div_ceil(rows.div_ceil(MAX_ROWS));
+            for (p, sums) in range.clone().zip(piece.chunks_exact_mut(m)) {
+                let w = &packed[p * panel_bytes..(p + 1) * panel_bytes];
+                // the first group of rows fetches the thread's next panel on the way (a
+                // decode call streams its weights from memory once: without this, the
+                // loads stall on memory and the work between them does not overlap)
+                let next = if p + 1 < range.end {
+                    &packed[(p + 1) * panel_bytes..(p + 2) * panel_bytes]
+                } else {
+                    &[]
+                };
+                for g in (row0..row0 + rows).step_by(per) {
+                    let end = (g + per).min(row0 + rows);
+                    let next = if g == row0 { next } else { &[] };
+                    run(w, next, nb, acts.rows(g..end, nb), &mut sums[g..end]);
+                }
+            }
+        }
+    });
+    for (p, sums) in sums.chunks_exact(m).enumerate() {
+        let cols = (n - p * PANEL).min(PANEL);
+        for (i, s) in sums.iter().enumerate() {
+            out[i * n + p * PANEL..][..cols].copy_from_slice(&s[..cols]);
+        }
+    }
+    Ok(())
+}
+
+/// The panel product of `qt` on `backend` (available).
+fn kernel(qt: QType, backend: Backend) -> PanelFn {
+    match backend {
+        Backend::Portable => qt.traits().panel_portable,
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx512Vnni => vnni::panel_fn(qt),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::panel_fn(qt),
+        #[cfg(not(target_arch = "x86_64"))]
+        Backend::Avx512Vnni | Backend::Avx2 => unreachable!("never available off x86-64"),
+    }
+}

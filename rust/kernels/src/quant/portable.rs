@@ -1,0 +1,230 @@
+//! The product of one weight block with one activation block, the one formula every path
+//! follows (this portable one, the GGUF-row [`super::vec_dot`] and the SIMD kernels): an
+//! exact integer sum over the block (or sub-block), then a fixed sequence of f32 operations
+//! into the running sum of an output, blocks in k order. The SIMD kernels run the same
+//! operations lane by lane, so every path gives the same bits.
+//!
+//! For a block with integer form [`Block`] (codes `u`, scales `sc`, mins `mn`, factors `d`,
+//! `e`) and activation block `(qs, dx)` (`fma(a, b, c)`: `a * b + c` rounded once):
+//!
+//! * Q8_0, Q4_0, Q4_1: `s = init + sum(u * qs)` (i32), `acc = fma(f32(s), d * dx, acc)`,
+//!   then for Q4_1 `acc = fma(e, sd, acc)` (`init`, `sd`: [`A32`]);
+//! * Q4_K, Q5_K: `t[j] = sum_{32 j..}(u * qs)` (i32), `s1 = fma(f32(t[j]), f32(sc[j]), s1)`
+//!   for j = 0..8 (f32), `s2 = sum_j mn[j] * sum32[j]` (i32), `acc = fma(s1, d * dx, acc)`,
+//!   `acc = fma(-f32(s2), e * dx, acc)`;
+//! * Q6_K: `t[j] = neg32_sum16[j] + sum_{16 j..}(u * qs)`, `s1 = fma(f32(t[j]), f32(sc[j]),
+//!   s1)` for j = 0..16, `acc = fma(s1, d * dx, acc)`.
+//!
+//! The integer sums are exact in i32 (|t[j]| < 2^17, |s2| < 2^21), and so are the products
+//! `f32(t[j]) * sc[j]` (< 2^24), so `s1`'s fused multiply-adds round as plain adds would.
+
+use super::act::{A256, A32};
+use super::blocks::Block;
+use super::packing::PANEL;
+use super::{ActRows, QType};
+
+#[inline]
+fn idot(u: &[u8], q: &[i8]) -> i32 {
+    u.iter()
+        .zip(q)
+        .map(|(&u, &q)| i32::from(u) * i32::from(q))
+        .sum()
+}
+
+/// `acc` plus block `blk` (of a 32-weight type) times `a`.
+#[inline(always)]
+pub(crate) fn dot_a32(qt: QType, blk: &Block, a: &A32, acc: f32) -> f32 {
+    let s = a.init + idot(&blk.codes[..32], &a.qs);
+    let mut acc = (s as f32).mul_add(blk.d * a.d, acc);
+    if qt == QType::Q4_1 {
+        acc = blk.e.mul_add(a.sd, acc);
+    }
+    acc
+}
+
+/// `acc` plus block `blk` (of a K-type) times `a`.
+#[inline(always)]
+pub(crate) fn dot_a256(qt: QType, blk: &Block, a: &A256, acc: f32) -> f32 {
+    let mut s1 = 0f32;
+    if qt == QType::Q6_K {
+        for j in 0..16 {
+            let r = 16 * j..16 * j + 16;
+            let t = a.neg32_sum16[j] + idot(&blk.codes[r.clone()], &a.qs[r]);
+            // (exact product: one rounding, as the SIMD kernels' fused multiply-add)
+            s1 += t as f32 * blk.sc[j] as f32;
+        }
+        s1.mul_add(blk.d * a.d, acc)
+    } else {
+        for j in 0..8 {
+            let r = 32 * j..32 * j + 32;
+            let t = idot(&blk.codes[r.clone()], &a.qs[r]);
+            s1 += t as f32 * blk.sc[j] as f32;
+        }
+        let s2: i32 = (0..8).map(|j| blk.mn[j] * i32::from(a.sum32[j])).sum();
+        let acc = s1.mul_add(blk.d * a.d, acc);
+        (-(s2 as f32)).mul_add(blk.e * a.d, acc)
+    }
+}
+
+/// `out[i][c] = sum over blocks` of the panel `panel` (`nb` blocks of `qt`) times row `i` of
+/// `acts` (`out.len()` rows of `nb` blocks), following the formula of the module docs.
+pub(crate) fn panel(
+    qt: QType,
+    panel: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA, the only target feature `panel_fma` enables.
+        unsafe { panel_fma(qt, panel, nb, acts, out) };
+        return;
+    }
+    panel_body(qt, panel, nb, acts, out)
+}
+
+/// [`panel`] where `mul_add` is one instruction (else it is a correctly rounded libm call:
+/// the same values, slower).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn panel_fma(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; PANEL]]) {
+    panel_body(qt, panel, nb, acts, out)
+}
+
+/// The codes of quad `q` (inputs `4 q .. 4 q + 4`) of block `b` for the 16 columns (byte
+/// `4 c + i`: column `c`, input `4 q + i`), read from the streams of `panel` as the SIMD
+/// kernels read them ([`super::packing`]'s layout).
+#[inline(always)]
+fn quad_codes(qt: QType, panel: &[u8], st: &[usize; 6], b: usize, q: usize) -> [u8; 64] {
+    let row = |at: usize| -> &[u8; 64] { panel[at..at + 64].try_into().expect("64 bytes") };
+    if qt == QType::Q8_0 {
+        return *row(st[0] + 512 * b + 64 * q);
+    }
+    let bytes = if qt.block() == 32 { 256 } else { 2048 };
+    let v = row(st[0] + bytes * b + 64 * (q / 2));
+    let shift = 4 * (q % 2);
+    let mut c: [u8; 64] = std::array::from_fn(|i| (v[i] >> shift) & 0xF);
+    match qt {
+        QType::Q5_K => {
+            // sub-block j = q / 8, bit q % 8 of its fifth-bit row
+            let h = row(st[1] + 512 * b + 64 * (q / 8));
+            for (c, h) in c.iter_mut().zip(h) {
+                *c |= ((h >> (q % 8)) & 1) << 4;
+            }
+        }
+        QType::Q6_K => {
+            // sub-block j = q / 4, bits 2 (q % 4) of its bit-pair row
+            let h = row(st[1] + 1024 * b + 64 * (q / 4));
+            for (c, h) in c.iter_mut().zip(h) {
+                *c |= ((h >> (2 * (q % 4))) & 3) << 4;
+            }
+        }
+        _ => {}
+    }
+    c
+}
+
+/// `t[c] += sum_i codes[4 c + i] * x[i]`: one quad for the 16 columns.
+#[inline(always)]
+fn add_quad(t: &mut [i32; PANEL], codes: &[u8; 64], x: &[i8]) {
+    let x: [i32; 4] = std::array::from_fn(|i| i32::from(x[i]));
+    for (c, t) in t.iter_mut().enumerate() {
+        let u = &codes[4 * c..4 * c + 4];
+        *t += (0..4).map(|i| i32::from(u[i]) * x[i]).sum::<i32>();
+    }
+}
+
+/// 16 fp16 widened.
+#[inline(always)]
+fn halves(b: &[u8]) -> [f32; PANEL] {
+    std::array::from_fn(|c| {
+        half::f16::from_bits(u16::from_le_bytes([b[2 * c], b[2 * c + 1]])).to_f32()
+    })
+}
+
+#[inline(always)]
+fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [[f32; PANEL]]) {
+    let st = super::packing::stream_starts(qt, nb);
+    let rows = out.len();
+    out.iter_mut().for_each(|o| *o = [0.0; PANEL]);
+    // one block of codes of the 16 columns, quad by quad (shared by the rows)
+    let mut codes = [[0u8; 64]; 64];
+    for b in 0..nb {
+        let quads = qt.block() / 4;
+        for (q, c) in codes[..quads].iter_mut().enumerate() {
+            *c = quad_codes(qt, panel, &st, b, q);
+        }
+        match acts {
+            ActRows::A32(a) => {
+                let d = halves(&panel[st[1] + 32 * b..][..32]);
+                let m = (qt == QType::Q4_1).then(|| halves(&panel[st[2] + 32 * b..][..32]));
+                for (i, o) in out.iter_mut().enumerate().take(rows) {
+                    let a = &a[i * nb + b];
+                    let mut s = [a.init; PANEL];
+                    for (q, c) in codes[..8].iter().enumerate() {
+                        add_quad(&mut s, c, &a.qs[4 * q..]);
+                    }
+                    for c in 0..PANEL {
+                        o[c] = (s[c] as f32).mul_add(d[c] * a.d, o[c]);
+                        if let Some(m) = m {
+                            o[c] = m[c].mul_add(a.sd, o[c]);
+                        }
+                    }
+                }
+            }
+            ActRows::A256(a) => {
+                let q6 = qt == QType::Q6_K;
+                let (subs, per) = if q6 { (16, 4) } else { (8, 8) };
+                // (stream numbers: Q4_K nibbles, sc, mins, d, dmin; Q5_K one more before
+                // sc; Q6_K nibbles, bit pairs, sc, d)
+                let sc_at = match qt {
+                    QType::Q4_K => st[1],
+                    _ => st[2],
+                } + if q6 { 256 } else { 128 } * b;
+                let (d_at, e_at, mins_at) = match qt {
+                    QType::Q4_K => (st[3], st[4], st[2]),
+                    QType::Q5_K => (st[4], st[5], st[3]),
+                    _ => (st[3], 0, 0),
+                };
+                let d = halves(&panel[d_at + 32 * b..][..32]);
+                for (i, o) in out.iter_mut().enumerate().take(rows) {
+                    let a = &a[i * nb + b];
+                    let mut s1 = [0f32; PANEL];
+                    for j in 0..subs {
+                        let mut t = [if q6 { a.neg32_sum16[j] } else { 0 }; PANEL];
+                        for (q, c) in codes.iter().enumerate().skip(per * j).take(per) {
+                            add_quad(&mut t, c, &a.qs[4 * q..]);
+                        }
+                        for c in 0..PANEL {
+                            let sc = panel[sc_at + 16 * j + c];
+                            let sc = if q6 {
+                                f32::from(sc as i8)
+                            } else {
+                                f32::from(sc)
+                            };
+                            // (exact product: one rounding, as the kernels' fused one)
+                            s1[c] += t[c] as f32 * sc;
+                        }
+                    }
+                    for c in 0..PANEL {
+                        o[c] = s1[c].mul_add(d[c] * a.d, o[c]);
+                    }
+                    if !q6 {
+                        let e = halves(&panel[e_at + 32 * b..][..32]);
+                        let mins = &panel[mins_at + 128 * b..][..128];
+                        for c in 0..PANEL {
+                            let s2: i32 = (0..8)
+                                .map(|j| {
+                                    i32::from(mins[32 * (j / 2) + 2 * c + j % 2])
+                                        * i32::from(a.sum32[j])
+                                })
+                                .sum();
+                            o[c] = (-(s2 as f32)).mul_add(e[c] * a.d, o[c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

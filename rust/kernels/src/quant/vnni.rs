@@ -1,0 +1,465 @@
+//! The panel products on AVX-512 VNNI: 16 output columns in the 16 i32 lanes of a zmm
+//! register, one `vpdpbusd` per quad of inputs (the 16 columns' codes of 4 inputs, unsigned,
+//! times one row's 4 int8 inputs broadcast), up to [`MAX_ROWS`] rows sharing each load and
+//! unpacking of the weights. Each lane follows the portable formula ([`super::portable`])
+//! operation for operation: integer sums (exact), then `cvtdq2ps`, `mulps` and fused
+//! multiply-adds in the same order, so both paths give the same bits.
+//!
+//! Code vectors from the packed streams ([`super::packing`]): 8-bit codes are loaded as
+//! they are; a row of nibbles gives two quads (`v & 0xF`, `(v >> 4) & 0xF`); Q5_K's fifth
+//! bits and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits that cross a
+//! byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`). Sub-block scales
+//! are widened to f32 lanes once a panel block, for one exact fused multiply-add a
+//! sub-block and row (`vpmulld` + `vpaddd` cost one more instruction, on one port); the
+//! K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
+
+use std::arch::x86_64::*;
+
+use super::act::{A256, A32};
+use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::{ActRows, PanelFn, QType, MAX_ROWS};
+
+/// Whether the CPU runs these kernels (AVX-512 F, BW and VNNI).
+pub(crate) fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// The safe panel product of `qt` (a [`PanelFn`]).
+pub(crate) fn panel_fn(qt: QType) -> PanelFn {
+    match qt {
+        QType::Q8_0 => panel::<0>,
+        QType::Q4_0 => panel::<1>,
+        QType::Q4_1 => panel::<2>,
+        QType::Q4_K => panel::<3>,
+        QType::Q5_K => panel::<4>,
+        QType::Q6_K => panel::<5>,
+    }
+}
+
+/// `out[i][c]`: the panel `w` (`nb` blocks of type number `T`) times activation row `i` of
+/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]), fetching `next` (a panel, or empty) into the
+/// L2 cache on the way. Panics on a length that does not match, or where [`available`] is
+/// false.
+fn panel<const T: u8>(
+    w: &[u8],
+    next: &[u8],
+    nb: usize,
+    acts: ActRows<'_>,
+    out: &mut [[f32; PANEL]],
+) {
+    let qt = QType::ALL[T as usize];
+    let r = out.len();
+    assert!(available(), "AVX-512 VNNI is not available");
+    assert!((1..=MAX_ROWS).contains(&r), "1 to {MAX_ROWS} rows, not {r}");
+    assert_eq!(
+        w.len(),
+        nb * panel_block_bytes(qt),
+        "one panel of {nb} blocks"
+    );
+    let pf = Fetch {
+        at: next.as_ptr(),
+        len: next.len(),
+        nb,
+    };
+    let o = out.as_mut_ptr();
+    macro_rules! rows {
+        ($f:ident, $a:expr $(, $c:expr)?) => {
+            // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted above); `w` holds one
+            // panel of `nb` blocks of `qt` (asserted above), `$a` holds `r * nb` activation
+            // blocks (asserted by the caller of this macro) and `o` points at `r` rows of 16
+            // f32: the contract of each kernel; the kernel is the one of `r` rows.
+            unsafe {
+                match r {
+                    1 => $f::<1 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    2 => $f::<2 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    3 => $f::<3 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    4 => $f::<4 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    5 => $f::<5 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    6 => $f::<6 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    7 => $f::<7 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                    _ => $f::<8 $(, $c)?>(w.as_ptr(), nb, $a, o, pf),
+                }
+            }
+        };
+    }
+    match (qt, acts) {
+        (QType::Q8_0 | QType::Q4_0 | QType::Q4_1, ActRows::A32(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            match qt {
+                QType::Q8_0 => rows!(blocks32, a, 0),
+                QType::Q4_0 => rows!(blocks32, a, 1),
+                _ => rows!(blocks32, a, 2),
+            }
+        }
+        (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            if qt == QType::Q5_K {
+                rows!(q45k, a, true)
+            } else {
+                rows!(q45k, a, false)
+            }
+        }
+        (QType::Q6_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            rows!(q6k, a)
+        }
+        _ => panic!("{}: wrong activation format", qt.name()),
+    }
+}
+
+/// The bytes a kernel fetches into the L2 cache while it runs: `len` bytes from `at` (none
+/// when `len` is 0), the `b`th of `nb` near-equal parts during block `b`.
+#[derive(Clone, Copy)]
+struct Fetch {
+    at: *const u8,
+    len: usize,
+    nb: usize,
+}
+
+impl Fetch {
+    /// Fetches part `b` (one prefetch a cache line; a prefetch never faults, and the
+    /// addresses are formed with `wrapping_add`, never dereferenced).
+    #[inline(always)]
+    fn part(self, b: usize) {
+        if self.len == 0 {
+            return;
+        }
+        let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
+        // (one line in two: the L2's adjacent-line prefetcher brings the other of each
+        // 128-byte pair)
+        let mut at = from & !127;
+        while at < to {
+            // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
+            // and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
+            at += 128;
+        }
+    }
+}
+
+/// 64 bytes at `p`.
+///
+/// # Safety
+/// `p .. p + 64` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn load(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p.cast())
+}
+
+/// The 4 bytes at `p` (4 int8 inputs) in every i32 lane (an embedded broadcast of
+/// `vpdpbusd`).
+///
+/// # Safety
+/// `p .. p + 4` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn quad(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// 16 fp16 at `p` widened to f32.
+///
+/// # Safety
+/// `p .. p + 32` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn halves(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+}
+
+/// `fma(f32(s), d * dx, acc)` lane by lane (the portable order).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn scaled(acc: __m512, s: __m512, d: __m512, dx: f32) -> __m512 {
+    _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc)
+}
+
+/// `acc + x * w` by pairs of i16 (`vpdpwssd`). Written as assembly: LLVM turns the
+/// intrinsic into `vpmaddwd` + `vpaddd`, two instructions (as `i16_linear` found).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn dpwssd(mut acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
+    // SAFETY: one register-only instruction of AVX-512 VNNI, which this function's target
+    // features require of the CPU; it reads `x`, `w` and `acc`, writes `acc`, and touches
+    // no memory, stack or flags.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {x}, {w}",
+            acc = inout(zmm_reg) acc,
+            x = in(zmm_reg) x,
+            w = in(zmm_reg) w,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// Stores `R` rows of sums.
+///
+/// # Safety
+/// `out .. out + R` rows of 16 f32 are writable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn store<const R: usize>(out: *mut [f32; PANEL], acc: &[__m512; R]) {
+    for (i, v) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(i).cast(), *v);
+    }
+}
+
+/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1), `R` rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb` blocks of the
+/// type; `a` at `R * nb` activation blocks (row `i`'s block `b` at `i * nb + b`); `out` at
+/// `R` writable rows of 16 f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn blocks32<const R: usize, const K: u8>(
+    w: *const u8,
+    nb: usize,
+    a: *const A32,
+    out: *mut [f32; PANEL],
+    pf: Fetch,
+) {
+    let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
+    let st = stream_starts(qt, nb);
+    let code_bytes = if K == 0 { 512 } else { 256 };
+    // one or two rows: two chains of `vpdpbusd` a row (their latency, not their rate,
+    // bounds a single chain)
+    let split = R <= 2;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (b < nb: every offset below stays inside stream `s`'s `nb` blocks, the sizes of
+        // `packing::streams`; row i's block b is inside `a`'s R * nb blocks)
+        let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let mut s: [__m512i; R] = std::array::from_fn(|i| _mm512_set1_epi32((*ab[i]).init));
+        let mut s_odd = [_mm512_setzero_si512(); R];
+        let codes = w.add(st[0] + b * code_bytes);
+        if K == 0 {
+            for q in 0..8 {
+                let c = load(codes.add(64 * q));
+                for i in 0..R {
+                    let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
+                    if split && q % 2 == 1 {
+                        s_odd[i] = _mm512_dpbusd_epi32(s_odd[i], c, x);
+                    } else {
+                        s[i] = _mm512_dpbusd_epi32(s[i], c, x);
+                    }
+                }
+            }
+        } else {
+            for p in 0..4 {
+                let v = load(codes.add(64 * p));
+                let lo = _mm512_and_si512(v, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(8 * p);
+                    s[i] = _mm512_dpbusd_epi32(s[i], lo, quad(qs));
+                    if split {
+                        s_odd[i] = _mm512_dpbusd_epi32(s_odd[i], hi, quad(qs.add(4)));
+                    } else {
+                        s[i] = _mm512_dpbusd_epi32(s[i], hi, quad(qs.add(4)));
+                    }
+                }
+            }
+        }
+        let d = halves(w.add(st[1] + 32 * b));
+        for i in 0..R {
+            let si = if split {
+                _mm512_add_epi32(s[i], s_odd[i])
+            } else {
+                s[i]
+            };
+            acc[i] = scaled(acc[i], _mm512_cvtepi32_ps(si), d, (*ab[i]).d);
+        }
+        if K == 2 {
+            let m = halves(w.add(st[2] + 32 * b));
+            for i in 0..R {
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps((*ab[i]).sd), acc[i]);
+            }
+        }
+    }
+    store::<R>(out, &acc);
+}
+
+/// `a | (b & c)` bitwise.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
+    _mm512_ternarylogic_epi32::<0xF8>(a, b, c)
+}
+
+/// Q4_K (`Q5` false) or Q5_K, `R` rows.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn q45k<const R: usize, const Q5: bool>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    pf: Fetch,
+) {
+    let st = stream_starts(if Q5 { QType::Q5_K } else { QType::Q4_K }, nb);
+    // (stream numbers: nibbles, [fifth bits], sc, mins, d, dmin)
+    let (qh, sc, mins, dd, dmin) = if Q5 {
+        (st[1], st[2], st[3], st[4], st[5])
+    } else {
+        (0, st[1], st[2], st[3], st[4])
+    };
+    let split = R <= 2;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b);
+        let mut s1 = [_mm512_setzero_ps(); R];
+        for j in 0..8 {
+            let mut t = [_mm512_setzero_si512(); R];
+            let mut t_hi = [_mm512_setzero_si512(); R];
+            // fifth bits of sub-block j: bit v of a byte for quad v
+            let mut h = if Q5 {
+                load(w.add(qh + 512 * b + 64 * j))
+            } else {
+                _mm512_setzero_si512()
+            };
+            for l in 0..4 {
+                let v = load(nib.add(64 * (4 * j + l)));
+                let mut lo = _mm512_and_si512(v, m4);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                if Q5 {
+                    // quads 2 l and 2 l + 1: bits 0 and 1 of h (shifted down 2 l so far)
+                    lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
+                    hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
+                    h = _mm512_srli_epi16::<2>(h);
+                }
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(32 * j + 8 * l);
+                    t[i] = _mm512_dpbusd_epi32(t[i], lo, quad(qs));
+                    if split {
+                        t_hi[i] = _mm512_dpbusd_epi32(t_hi[i], hi, quad(qs.add(4)));
+                    } else {
+                        t[i] = _mm512_dpbusd_epi32(t[i], hi, quad(qs.add(4)));
+                    }
+                }
+            }
+            let scale = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                w.add(sc + 128 * b + 16 * j).cast(),
+            )));
+            for i in 0..R {
+                let ti = if split {
+                    _mm512_add_epi32(t[i], t_hi[i])
+                } else {
+                    t[i]
+                };
+                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), scale, s1[i]);
+            }
+        }
+        let mut s2 = [_mm512_setzero_si512(); R];
+        for p in 0..4 {
+            let mp =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(w.add(mins + 128 * b + 32 * p).cast()));
+            for i in 0..R {
+                let pair = (*ab[i])
+                    .sum32
+                    .as_ptr()
+                    .add(2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                s2[i] = dpwssd(s2[i], mp, _mm512_set1_epi32(pair));
+            }
+        }
+        let d = halves(w.add(dd + 32 * b));
+        let e = halves(w.add(dmin + 32 * b));
+        for i in 0..R {
+            let dx = (*ab[i]).d;
+            acc[i] = scaled(acc[i], s1[i], d, dx);
+            let edx = _mm512_mul_ps(e, _mm512_set1_ps(dx));
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[i]), edx, acc[i]);
+        }
+    }
+    store::<R>(out, &acc);
+}
+
+/// Q6_K, `R` rows.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn q6k<const R: usize>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    pf: Fetch,
+) {
+    let st = stream_starts(QType::Q6_K, nb);
+    let split = R <= 2;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let nib = w.add(st[0] + 2048 * b);
+        let mut s1 = [_mm512_setzero_ps(); R];
+        for j in 0..16 {
+            // sub-block j (16 inputs, quads 0..4): nibble rows 2 j, 2 j + 1, bit pairs row j
+            let h = load(w.add(st[1] + 1024 * b + 64 * j));
+            let v0 = load(nib.add(128 * j));
+            let v1 = load(nib.add(128 * j + 64));
+            let c = [
+                or_and(_mm512_and_si512(v0, m4), _mm512_slli_epi16::<4>(h), bits45),
+                or_and(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v0), m4),
+                    _mm512_slli_epi16::<2>(h),
+                    bits45,
+                ),
+                or_and(_mm512_and_si512(v1, m4), h, bits45),
+                or_and(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v1), m4),
+                    _mm512_srli_epi16::<2>(h),
+                    bits45,
+                ),
+            ];
+            let scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                w.add(st[2] + 256 * b + 16 * j).cast(),
+            )));
+            for i in 0..R {
+                let qs = (*ab[i]).qs.as_ptr().add(16 * j);
+                let mut t = _mm512_set1_epi32((*ab[i]).neg32_sum16[j]);
+                let mut t_odd = _mm512_setzero_si512();
+                for (v, c) in c.iter().enumerate() {
+                    if split && v % 2 == 1 {
+                        t_odd = _mm512_dpbusd_epi32(t_odd, *c, quad(qs.add(4 * v)));
+                    } else {
+                        t = _mm512_dpbusd_epi32(t, *c, quad(qs.add(4 * v)));
+                    }
+                }
+                if split {
+                    t = _mm512_add_epi32(t, t_odd);
+                }
+                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, s1[i]);
+            }
+        }
+        let d = halves(w.add(st[3] + 32 * b));
+        for i in 0..R {
+            acc[i] = scaled(acc[i], s1[i], d, (*ab[i]).d);
+        }
+    }
+    store::<R>(out, &acc);
+}

@@ -1,0 +1,240 @@
+"""`ferrobatch.cpu.quant_ops` (GGUF quantized products) against the `gguf` package:
+`dequantize` is `gguf.quants.dequantize` bit for bit; `linear` is within the bound the
+activations' int8 quantization allows of the f64 product of the dequantized weights, the
+same bits on every backend, a row's result independent of its batch and of the threads;
+bad arguments name the field. K-type blocks are random bytes with sane fp16 `d` / `dmin`
+(`gguf` cannot quantize K-types; dequantize defines their values)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from ferrobatch import FieldError, _core
+from ferrobatch.cpu import quant_ops
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as G  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
+         "q5_k": (256, 176), "q6_k": (256, 210)}
+GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
+        "q6_k": G.Q6_K}
+BACKENDS = [b for b in ("portable", "avx2", "avx512vnni") if _core.quant_backend_available(b)]
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """GGUF rows [n, k / block * bytes] of random bytes with sane fp16 factors."""
+    block, nbytes = BLOCK[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    d = (rng.choice([-1.0, 1.0], size=(n, k // block)) *
+         rng.uniform(1e-3, 5e-2, size=(n, k // block))).astype(np.float16)
+    e = rng.uniform(0, 5e-2, size=(n, k // block)).astype(np.float16)
+    if qtype in ("q8_0", "q4_0"):
+        b[..., 0:2] = d[..., None].view(np.uint8)
+    elif qtype == "q4_1":
+        b[..., 0:2] = d[..., None].view(np.uint8)
+        b[..., 2:4] = (-e)[..., None].view(np.uint8)
+    elif qtype in ("q4_k", "q5_k"):
+        b[..., 0:2] = np.abs(d)[..., None].view(np.uint8)
+        b[..., 2:4] = e[..., None].view(np.uint8)
+    else:
+        b[..., 208:210] = d[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def random_x(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(m, k, generator=gen) * 2 - 1
+    x[:, 96:128] *= 20  # a block of large values
+    return x
+
+
+def bound(qtype: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Half an activation step per weight (|x - dx q| <= dx / 2, dx = max|x_block| / 127),
+    with f32 rounding slack (the Rust tests hold the exact bound)."""
+    block = BLOCK[qtype][0]
+    m, k = x.shape
+    dx = np.abs(x.reshape(m, k // block, block)).max(-1) / 127.0  # [m, nb]
+    wabs = np.abs(w.astype(np.float64)).reshape(w.shape[0], k // block, block).sum(-1)
+    quant = dx @ wabs.T  # [m, n]
+    slack = (np.abs(x).astype(np.float64) + np.repeat(dx, block, axis=1)) @ np.abs(w).T
+    return 0.5001 * quant + 1e-5 * slack + 1e-6
+
+
+@pytest.mark.parametrize("qtype", quant_ops.QTYPES)
+@pytest.mark.parametrize("n,blocks", [(1, 1), (5, 3), (33, 2)])
+def test_dequantize_is_gguf_bit_for_bit(qtype, n, blocks):
+    k = blocks * BLOCK[qtype][0]
+    b = random_blocks(qtype, n, k, seed=n * 31 + blocks)
+    want = gguf_dequantize(b, GGML[qtype])
+    got = quant_ops.dequantize(qtype, b, n, k)
+    assert got.shape == (n, k)
+    np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_dequantize_of_gguf_quantized_rows(qtype):
+    w = np.random.default_rng(1).standard_normal((40, 128)).astype(np.float32)
+    b = gguf_quantize(w, GGML[qtype])
+    np.testing.assert_array_equal(quant_ops.dequantize(GGML[qtype], b, 40, 128),
+                                  gguf_dequantize(b, GGML[qtype]))
+
+
+@pytest.mark.parametrize("qtype", quant_ops.QTYPES)
+@pytest.mark.parametrize("m,n,blocks", [(1, 1, 1), (1, 40, 2), (3, 17, 3), (9, 64, 2),
+                                        (70, 20, 1)])
+def test_linear_is_within_the_quantization_bound(qtype, m, n, blocks):
+    k = blocks * max(BLOCK[qtype][0], 128)
+    b = random_blocks(qtype, n, k, seed=m * 7 + n)
+    x = random_x(m, k, seed=n)
+    w = gguf_dequantize(b, GGML[qtype]).astype(np.float32)
+    want = x.double().numpy() @ w.astype(np.float64).T
+    weight = quant_ops.pack(qtype, b, n, k)
+    outs = [quant_ops.linear(x, weight, backend=be) for be in BACKENDS]
+    err = np.abs(outs[0].double().numpy() - want)
+    assert (err <= bound(qtype, w, x.numpy())).all(), err.max()
+    for o in outs[1:]:
+        assert torch.equal(o.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+def test_each_simd_backend_is_the_portable_bits(isa):
+    """Skipped (`SKIPPED: needs <isa>` on stderr) where the CPU lacks `isa`, failed instead
+    when `FERROBATCH_REQUIRE_ISA` (comma-separated) lists it."""
+    if not _core.quant_backend_available(isa):
+        required = os.environ.get("FERROBATCH_REQUIRE_ISA", "")
+        if isa in {s.strip().lower() for s in required.split(",")}:
+            pytest.fail(f"FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks")
+        print(f"SKIPPED: needs {isa}", file=sys.stderr)
+        pytest.skip(f"needs {isa}")
+    rng = np.random.default_rng(21)
+    for qtype in quant_ops.QTYPES:
+        m, n, blocks = int(rng.integers(1, 20)), int(rng.integers(1, 50)), 3
+        k = blocks * BLOCK[qtype][0]
+        weight = quant_ops.pack(qtype, random_blocks(qtype, n, k, m), n, k)
+        x = random_x(m, k, n) if k >= 128 else torch.randn(m, k)
+        a = quant_ops.linear(x, weight, backend="portable")
+        b = quant_ops.linear(x, weight, backend=isa)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), qtype
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_quantized_float_weights(qtype):
+    """Quantize-on-load: a float weight through gguf's quantizer, then `linear`, is close to
+    the float product (the weights' own quantization dominates)."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 256)).astype(np.float32) * 0.05
+    x = torch.from_numpy(rng.standard_normal((4, 256)).astype(np.float32))
+    weight = quant_ops.pack(qtype, gguf_quantize(w, GGML[qtype]), 96, 256)
+    got = quant_ops.linear(x, weight).numpy()
+    want = x.numpy() @ w.T
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < {"q8_0": 0.02, "q4_0": 0.15, "q4_1": 0.15}[qtype], rel
+
+
+def test_a_row_does_not_depend_on_its_batch_nor_the_threads():
+    qtype, n, k = "q4_k", 300, 512
+    weight = quant_ops.pack(qtype, random_blocks(qtype, n, k, 3), n, k)
+    x = random_x(40, k, 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([quant_ops.linear(x[i:i + 1], weight) for i in range(40)])
+        torch.set_num_threads(2)
+        together = quant_ops.linear(x, weight)
+        split = quant_ops.linear(x, weight)  # threads from get_num_threads (2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together) and torch.equal(together, split)
+
+
+def test_out_is_written_and_inputs_widened():
+    qtype, n, k = "q6_k", 20, 256
+    weight = quant_ops.pack(G.Q6_K, random_blocks(qtype, n, k, 5), n, k)
+    x = random_x(3, k, 6)
+    out = torch.full((3, n), 7.0)
+    assert quant_ops.linear(x, weight, out=out) is out
+    assert torch.equal(out, quant_ops.linear(x.double(), weight))
+    assert weight.nbytes == 32 * 210  # 16-row panels: n = 20 padded to 32
+
+
+def test_packed_bytes_are_the_gguf_bytes():
+    for qtype, (block, nbytes) in BLOCK.items():
+        extra = {"q4_k": 4, "q5_k": 4}.get(qtype, 0)
+        assert _core.quant_packed_len(qtype, 64, 4 * 256) == 64 * 4 * 256 // block * (
+            nbytes + extra)
+
+
+def _core_call(fn, *args, **kw):
+    return getattr(_core, fn)(*args, **kw)
+
+
+@pytest.mark.parametrize("field,call", [
+    ("qtype", lambda: quant_ops.pack("q2_k", np.zeros(84, np.uint8), 1, 256)),
+    ("blocks", lambda: quant_ops.pack("q8_0", np.zeros(33, np.uint8), 1, 32)),
+    ("k", lambda: quant_ops.pack("q4_k", np.zeros(144, np.uint8), 1, 255)),
+    ("blocks", lambda: quant_ops.dequantize("q6_k", np.zeros(211, np.uint8), 1, 256)),
+    ("x", lambda: _core_call("quant_linear", "q8_0", np.zeros((2, 31), np.float32),
+                             np.zeros(544, np.uint8), np.zeros((2, 1), np.float32), n=1, k=32)),
+    ("weight", lambda: _core_call("quant_linear", "q8_0", np.zeros((2, 32), np.float32),
+                                  np.zeros(543, np.uint8), np.zeros((2, 1), np.float32),
+                                  n=1, k=32)),
+    ("out", lambda: _core_call("quant_linear", "q8_0", np.zeros((2, 32), np.float32),
+                               np.zeros(544, np.uint8), np.zeros((2, 2), np.float32),
+                               n=1, k=32)),
+    ("backend", lambda: _core_call("quant_linear", "q8_0", np.zeros((2, 32), np.float32),
+                                   np.zeros(544, np.uint8), np.zeros((2, 1), np.float32),
+                                   n=1, k=32, backend="avx3")),
+])
+def test_bad_arguments_name_the_field(field, call):
+    with pytest.raises((FieldError, ValueError)) as e:
+        call()
+    if isinstance(e.value, FieldError):
+        assert e.value.field == field, e.value
+    else:
+        assert field == "qtype"
+
+
+def test_wrong_weight_bytes_message():
+    with pytest.raises(FieldError) as e:
+        quant_ops.pack("q8_0", np.zeros(35, np.uint8), 1, 32)
+    assert str(e.value).startswith("blocks: expected 34*k/32 bytes per row for q8_0"), e.value
+
+
+def test_out_is_untouched_on_error():
+    out = np.full((2, 1), 7, np.float32)
+    with pytest.raises(FieldError):
+        _core_call("quant_linear", "q8_0", np.zeros((2, 32), np.float32),
+                   np.zeros(543, np.uint8), out, n=1, k=32)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_a_tensor_read_from_a_gguf_file(qtype, tmp_path):
+    """What `gguf.GGUFReader` gives (uint8 rows [n, bytes], shape [k, n], the type) packs
+    as it is, and `linear` is the product of the dequantized tensor."""
+    n, k = 48, 512
+    rows = random_blocks(qtype, n, k, 11)
+    path = str(tmp_path / "w.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", rows, raw_dtype=GGML[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(path).tensors[0]
+    k_file, n_file = (int(v) for v in t.shape)
+    assert (n_file, k_file) == (n, k)
+    weight = quant_ops.pack(t.tensor_type, t.data, n_file, k_file)
+    x = random_x(5, k, 12)
+    w = quant_ops.dequantize(t.tensor_type, t.data, n, k)
+    want = x.double().numpy() @ w.astype(np.float64).T
+    got = quant_ops.linear(x, weight).double().numpy()
+    assert (np.abs(got - want) <= bound(qtype, w, x.numpy())).all()
