@@ -90,7 +90,7 @@ def shape(qtype: str, n: int, k: int, args: argparse.Namespace, backend: str, bw
     x1 = torch.randn(1, k)
     out1 = torch.empty(1, n)
     hot = best(lambda i: quant_ops.linear(x1, w, out1, backend), 200, args.repeats)
-    copies = [w] + [quant_ops.QuantWeight(w.qtype, n, k, w.packed.clone())
+    copies = [w] + [quant_ops.PackedWeight(w.qtype, n, k, w.packed.clone())
                     for _ in range(int(args.cold_mib / mib))]
     cold = best(lambda i: quant_ops.linear(x1, copies[i % len(copies)], out1, backend),
                 len(copies), args.repeats)

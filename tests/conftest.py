@@ -10,6 +10,9 @@ def pytest_configure(config) -> None:
         "markers",
         "needs_isa(available, *isas, what): skip unless available; fail instead where "
         "FERROBATCH_REQUIRE_ISA names one of isas (isa_helpers.py)")
+    config.addinivalue_line(
+        "markers", "kernel_products: GGUF tests on the quantized kernels (tests/gguf run the "
+        "reference products otherwise)")
 
 
 def pytest_runtest_setup(item) -> None:

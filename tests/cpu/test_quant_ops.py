@@ -7,14 +7,12 @@ bad arguments name the field. K-type blocks are random bytes with sane fp16 `d` 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 from ferrobatch import FieldError, _core
 from ferrobatch.cpu import quant_ops
+from isa_helpers import require_or_skip
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as G  # noqa: E402
@@ -106,14 +104,10 @@ def test_linear_is_within_the_quantization_bound(qtype, m, n, blocks):
 
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
 def test_each_simd_backend_is_the_portable_bits(isa):
-    """Skipped (`SKIPPED: needs <isa>` on stderr) where the CPU lacks `isa`, failed instead
-    when `FERROBATCH_REQUIRE_ISA` (comma-separated) lists it."""
-    if not _core.quant_backend_available(isa):
-        required = os.environ.get("FERROBATCH_REQUIRE_ISA", "")
-        if isa in {s.strip().lower() for s in required.split(",")}:
-            pytest.fail(f"FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks")
-        print(f"SKIPPED: needs {isa}", file=sys.stderr)
-        pytest.skip(f"needs {isa}")
+    """Skipped where the CPU lacks the backend's ISA, failed instead where
+    `FERROBATCH_REQUIRE_ISA` names it (`isa_helpers`)."""
+    isas = {"avx512vnni": ("avx512_vnni",), "avx2": ("avx2",)}[isa]
+    require_or_skip(_core.quant_backend_available(isa), *isas, what=f"the {isa} quant backend")
     rng = np.random.default_rng(21)
     for qtype in quant_ops.QTYPES:
         m, n, blocks = int(rng.integers(1, 20)), int(rng.integers(1, 50)), 3

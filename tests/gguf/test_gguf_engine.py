@@ -11,6 +11,7 @@ import pytest
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import FieldError
+from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
 
 CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16)
@@ -89,3 +90,21 @@ def test_cli_generate(gguf_file, capsys: pytest.CaptureFixture[str]) -> None:
     with Engine(written.path, config=CONFIG) as engine:
         ref = engine.generate(["the the"], SamplingParams(max_new_tokens=5), progress=False)[0]
     assert record["text"] == ref.text
+
+
+@pytest.mark.kernel_products
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_K"), ("qwen2", "Q6_K"),
+                                             ("qwen3", "Q8_0")])
+def test_kernel_products_are_batch_independent(gguf_file, arch: str, qtype: str) -> None:
+    """On the quantized kernels every request's tokens are the same alone and batched
+    (each row's products depend on that row only), and its first token is the model's own
+    greedy token on the same kernels."""
+    written, _ = gguf_file(arch, qtype)
+    params = SamplingParams(max_new_tokens=8)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        assert modules.kernel_ops() is not None and modules.get_backend() == "auto"
+        together = engine.generate(PROMPTS, params, progress=False)
+        for prompt, out in zip(PROMPTS, together, strict=True):
+            alone = engine.generate([prompt], params, progress=False)[0]
+            assert out.token_ids == alone.token_ids, prompt
+            assert out.token_ids[0] == _own_greedy(engine.model, prompt, 1)[0], prompt

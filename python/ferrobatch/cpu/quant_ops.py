@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["QTYPES", "QuantWeight", "backend", "dequantize", "linear", "pack", "qtype_name"]
+from ferrobatch import _core
+
+__all__ = ["QTYPES", "PackedWeight", "backend", "dequantize", "linear", "pack", "qtype_name"]
 
 #: the types the products take, by their lower-case `GGMLQuantizationType` names
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
@@ -44,13 +46,12 @@ def backend() -> str:
     """The backend `linear` runs by default: "avx512vnni" where the CPU has it, else "avx2"
     where it has that, else "portable" (the environment variable `FERROBATCH_QUANT_BACKEND`
     picks one that runs)."""
-    from ferrobatch import _core
 
     return str(_core.quant_backend())
 
 
 @dataclass(frozen=True)
-class QuantWeight:
+class PackedWeight:
     """A GGUF quantized weight [n, k] packed for `linear`."""
 
     qtype: str  # "q8_0", "q4_k", ...
@@ -81,36 +82,33 @@ def _blocks(blocks: np.ndarray | torch.Tensor) -> np.ndarray:
 def dequantize(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> np.ndarray:
     """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) as float32 [n, k],
     bit for bit `gguf.quants.dequantize`."""
-    from ferrobatch import _core
 
     out = np.empty((n, k), dtype=np.float32)
     _core.quant_dequantize(qtype_name(qtype), _blocks(blocks), out, n=n, k=k)
     return out
 
 
-def pack(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> QuantWeight:
+def pack(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> PackedWeight:
     """The GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) packed once for
     `linear`. The packed bytes are as many as the GGUF rows (Q4_K and Q5_K: 2.8% and 2.3%
     more), `n` padded to a multiple of 16. From a `gguf.GGUFReader` tensor `t` (whose
     `shape` is [k, n], GGUF's order): `pack(t.tensor_type, t.data, t.shape[1], t.shape[0])`."""
-    from ferrobatch import _core
 
     name = qtype_name(qtype)
     packed = torch.empty(_core.quant_packed_len(name, n, k), dtype=torch.uint8)
     _core.quant_pack(name, _blocks(blocks), packed.numpy(), n=n, k=k,
                      threads=torch.get_num_threads())
-    return QuantWeight(name, int(n), int(k), packed)
+    return PackedWeight(name, int(n), int(k), packed)
 
 
-def linear(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None,
            backend: str | None = None) -> torch.Tensor:
     """`x @ W.T` in f32, `x` [m, k] (widened to f32 first if it is not), `weight` a
     `pack`ed W [n, k], into `out` ([m, n] f32, contiguous) when given; `backend`
     "portable", "avx2" or "avx512vnni" (None: `backend()`)."""
-    from ferrobatch import _core
 
-    if not isinstance(weight, QuantWeight):
-        raise ValueError(f"weight must be a QuantWeight (quant_ops.pack), not {type(weight)}")
+    if not isinstance(weight, PackedWeight):
+        raise ValueError(f"weight must be a PackedWeight (quant_ops.pack), not {type(weight)}")
     x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [m, k], not shape {tuple(x.shape)}")

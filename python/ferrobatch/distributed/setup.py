@@ -20,6 +20,7 @@ from ferrobatch.distributed import group as group_mod
 from ferrobatch.distributed.group import TPGroup
 from ferrobatch.distributed.runner import TPRunner
 from ferrobatch.errors import FieldError
+from ferrobatch.gguf.source import gguf_path_of
 from ferrobatch.models import _has_tokenizer_files, bundled_model_dir, resolve_dtype
 
 logger = logging.getLogger("ferrobatch")
@@ -56,7 +57,6 @@ def checkpoint_path(model: Any) -> Path:
     if model is None:
         return bundled_model_dir()
     if isinstance(model, (str, os.PathLike)):
-        from ferrobatch.gguf.source import gguf_path_of
 
         if gguf_path_of(model) is not None:  # quantized GGUF modules are not sharded
             raise FieldError("a GGUF model cannot be sharded: tensor_parallel_size must be 1",

@@ -15,6 +15,11 @@ import math
 from typing import Any
 
 import numpy as np
+from transformers.modeling_gguf_pytorch_utils import (
+    GGUF_SUPPORTED_ARCHITECTURES,
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+)
 
 from ferrobatch.errors import FieldError
 
@@ -34,7 +39,6 @@ _REFUSED_KEYS = ("logit_scale", "embedding_scale", "residual_scale", "attention.
 
 def check_architecture(arch: str, path: Any) -> None:
     """`FieldError` unless ferrobatch loads GGUF files of `arch`."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     if arch in SUPPORTED_ARCHITECTURES and arch in GGUF_SUPPORTED_ARCHITECTURES:
         return
@@ -45,7 +49,6 @@ def check_architecture(arch: str, path: Any) -> None:
 
 def tensor_processor(arch: str, config_dict: dict[str, Any]) -> Any:
     """transformers' tensor processor for `arch` (its base class when it has none)."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
 

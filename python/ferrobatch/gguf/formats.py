@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 __all__ = ["FLOAT_TYPES", "QUANT_TYPES", "QuantWeight", "block_shape", "dequantize_reference",
            "qtype_name", "row_bytes"]
@@ -107,7 +108,6 @@ class QuantWeight:
 
 def dequantize_reference(weight: QuantWeight) -> torch.Tensor:
     """`weight` as fp32 [n, k] through `gguf.quants.dequantize` (the oracle)."""
-    from gguf.quants import dequantize
 
     arr = weight.data.numpy()
     out = dequantize(arr, GGMLQuantizationType[weight.qtype])

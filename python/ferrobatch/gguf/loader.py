@@ -38,15 +38,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+import transformers
+from accelerate import init_empty_weights
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map, load_gguf_checkpoint
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.pytorch_utils import Conv1D
 
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import arch as archs
 from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.gguf.reader import GGUFFile, TensorEntry
+from ferrobatch.model_dtype import cache_root, cpu_has_native_bf16, resolve_dtype
 
 __all__ = ["GGUFModelInfo", "LoadPlan", "fill", "load_gguf", "plan"]
 
@@ -112,9 +122,6 @@ def _check_types(f: GGUFFile) -> None:
 
 
 def _cache_dir(path: Path) -> Path:
-    import transformers
-
-    from ferrobatch.models import cache_root
 
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
@@ -124,7 +131,6 @@ def _cache_dir(path: Path) -> Path:
 
 
 def _config_dict(path: Path) -> dict[str, Any]:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     return dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
 
@@ -132,8 +138,6 @@ def _config_dict(path: Path) -> dict[str, Any]:
 def _base_config(path: Path, cache_dir: Path | None) -> tuple[Any, bool]:
     """transformers' config of the file (before `fix_config`), from the cache when there;
     and whether it came from there."""
-    from transformers import AutoConfig, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if cache_dir is not None and (cache_dir / "config.json").is_file():
         try:
@@ -150,8 +154,6 @@ def _base_config(path: Path, cache_dir: Path | None) -> tuple[Any, bool]:
 
 
 def _resolve_dtype(dtype: Any, f: GGUFFile) -> torch.dtype:
-    from ferrobatch.models import cpu_has_native_bf16, resolve_dtype
-
     if dtype is None or dtype == "auto":
         if dtype == "auto":
             mats = [t.qtype for t in f.tensors.values() if len(t.shape) == 2]
@@ -172,7 +174,6 @@ def _param_groups(model: nn.Module) -> dict[str, list[str]]:
 def _module_kind(model: nn.Module, param: str) -> str:
     """"linear", "conv1d" (transformers' `Conv1D`: GPT-2's linears, weight [in, out]),
     "embedding" or "other" for the module holding parameter `param`."""
-    from transformers.pytorch_utils import Conv1D
 
     mod_name, _, attr = param.rpartition(".")
     module = model.get_submodule(mod_name)
@@ -193,7 +194,6 @@ def _name_maps_cached() -> Iterator[None]:
     """`gguf.get_tensor_name_map` memoized while inside: transformers'
     `get_gguf_hf_weights_map` builds the same map again for every submodule it recurses
     into (about 400 times, 19 s, for SmolLM2); the map is only read."""
-    import gguf
 
     original = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(original)
@@ -207,7 +207,6 @@ def _weights_map(skeleton: nn.Module, processor: Any, arch: str) -> dict[str, st
     """GGUF tensor name -> the model's parameter name (transformers' mapping, by the file's
     architecture: a Mistral written as `llama` is a `mistral` model to transformers, which
     gguf-py's name tables do not know)."""
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     return get_gguf_hf_weights_map(skeleton, processor, model_type=arch)
 
@@ -216,8 +215,6 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
          cache: bool = True) -> LoadPlan:
     """Read, check and map a GGUF file without committing weight memory (see the module
     docstring); `FieldError` for anything that would not load."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -307,8 +304,6 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
 def _float_tensor(p: LoadPlan, t: TensorEntry) -> torch.Tensor:
     """A tensor read as floats (dequantized if stored quantized), through the processor, in
     the model's dtype."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     if t.qtype == "F32":
         arr = np.array(p.file.array(t.name), dtype=np.float32)
@@ -389,7 +384,6 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
 def _tokenizer(path: Path, cache_dir: Path | None) -> Any:
     """The file's tokenizer (transformers' GGUF conversion; cached like the config), or
     None when the file has none."""
-    from transformers import AutoTokenizer
 
     if cache_dir is not None:
         if (cache_dir / "no-tokenizer").is_file():

@@ -1,34 +1,36 @@
 """`QuantLinear` and `QuantEmbedding`: layers whose weight stays GGUF blocks in memory.
 
-Products run on `ferrobatch.cpu.quant_ops` (the Rust kernels) where that module exists and
-its `available()` says so, else on the reference path: the weight dequantized with
-`gguf.quants.dequantize` a slice of rows at a time, inside the call (nothing dequantized is
-kept), and an fp32 `F.linear`. `set_backend` / `backend()` choose ("auto", "kernel",
-"reference"; `FERROBATCH_QUANT_BACKEND` sets the process default) so tests can compare.
+Products run on `ferrobatch.cpu.quant_ops` (the Rust kernels: AVX-512 VNNI, AVX2 or a
+portable path, equal bit for bit) over a copy of the rows packed at the first product; the
+reference path dequantizes the weight with `gguf.quants.dequantize` a slice of rows at a
+time, inside the call (nothing dequantized is kept), for an fp32 `F.linear`. `set_backend` /
+`backend()` choose ("auto", "kernel", "reference"; `FERROBATCH_QUANT_PATH` sets the process
+default) so tests can compare.
 
-The kernel contract (what `QuantLinear` calls; `QuantWeight` is `ferrobatch.gguf.formats`'):
+The kernel contract (what `QuantLinear` calls, `kernel_ops()`; `QuantWeight` is
+`ferrobatch.gguf.formats`'):
 
-* `quant_ops.available() -> bool` (optional; absent = available);
-* `quant_ops.supports(qtype: str) -> bool` (optional; absent = every type of `QUANT_TYPES`);
-* `quant_ops.linear(x, weight) -> y`: `x` fp32 C-contiguous [m, k] CPU, `weight` a
-  `QuantWeight`; returns fp32 [m, n] = `x @ dequantize(weight).T` (no bias: added here);
-* `quant_ops.dequantize(weight) -> w`: fp32 [n, k] (the embedding's looked-up rows).
+* `supports(qtype: str) -> bool`;
+* `linear(x, weight) -> y`: `x` fp32 C-contiguous [m, k] CPU, `weight` a `QuantWeight`;
+  returns fp32 [m, n] = `x @ dequantize(weight).T` (no bias: added here);
+* `dequantize(weight) -> w`: fp32 [n, k] (the embedding's looked-up rows).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
@@ -40,9 +42,9 @@ BACKENDS = ("auto", "kernel", "reference")
 #: the reference path dequantizes at most this many fp32 weights at once (32 MiB)
 REFERENCE_CHUNK = 8 << 20
 
-_backend = os.environ.get("FERROBATCH_QUANT_BACKEND", "auto")
+_backend = os.environ.get("FERROBATCH_QUANT_PATH", "auto")
 if _backend not in BACKENDS:
-    logger.warning("ferrobatch: FERROBATCH_QUANT_BACKEND=%r is not one of %s; using 'auto'",
+    logger.warning("ferrobatch: FERROBATCH_QUANT_PATH=%r is not one of %s; using 'auto'",
                    _backend, ", ".join(BACKENDS))
     _backend = "auto"
 
@@ -72,28 +74,50 @@ def backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
-@functools.cache
-def kernel_ops() -> ModuleType | None:
-    """`ferrobatch.cpu.quant_ops` when it exists, has `linear` and `dequantize`, and says it
-    is available; else None (checked once)."""
-    try:
-        from ferrobatch.cpu import quant_ops  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    if not (callable(getattr(quant_ops, "linear", None))
-            and callable(getattr(quant_ops, "dequantize", None))):
-        return None
-    available = getattr(quant_ops, "available", None)
-    try:
-        if callable(available) and not available():
-            return None
-    except Exception as exc:  # noqa: BLE001 - a kernel build that cannot say: not used
-        logger.info("ferrobatch: quant_ops.available() failed (%s); reference path", exc)
-        return None
-    return quant_ops
+class _Kernels:
+    """The kernel contract over `ferrobatch.cpu.quant_ops`: a weight's GGUF rows are packed
+    for the products once, at its first product (the packed copy is kept beside the rows,
+    for as long as the rows' tensor lives), and dequantized from the rows themselves."""
+
+    def __init__(self) -> None:
+        # by `id` of the rows' tensor (tensors compare elementwise, so no weak-key dict);
+        # an entry goes with its tensor (`weakref.finalize`)
+        self._packed: dict[int, quant_ops.PackedWeight] = {}
+        self._lock = threading.Lock()
+
+    def supports(self, qtype: str) -> bool:
+        return qtype.lower() in quant_ops.QTYPES
+
+    def packed(self, weight: QuantWeight) -> quant_ops.PackedWeight:
+        """`weight` packed for `quant_ops.linear` (made once per rows tensor)."""
+        key = id(weight.data)
+        found = self._packed.get(key)
+        if found is None:
+            with self._lock:
+                found = self._packed.get(key)
+                if found is None:
+                    found = quant_ops.pack(weight.qtype, weight.data, weight.n, weight.k)
+                    self._packed[key] = found
+                    weakref.finalize(weight.data, self._packed.pop, key, None)
+        return found
+
+    def linear(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        return quant_ops.linear(x, self.packed(weight))
+
+    def dequantize(self, weight: QuantWeight) -> torch.Tensor:
+        rows = quant_ops.dequantize(weight.qtype, weight.data, weight.n, weight.k)
+        return torch.from_numpy(rows)
 
 
-def _kernel_for(qtype: str) -> ModuleType | None:
+_KERNELS = _Kernels()
+
+
+def kernel_ops() -> _Kernels | None:
+    """The compiled kernels (`ferrobatch.cpu.quant_ops`) behind the kernel contract."""
+    return _KERNELS
+
+
+def _kernel_for(qtype: str) -> Any:
     """The kernels' module for a product of `qtype` under the current backend, or None for
     the reference path."""
     if _backend == "reference":

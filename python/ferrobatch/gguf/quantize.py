@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from torch import nn
 
 from ferrobatch.errors import FieldError
@@ -60,8 +62,6 @@ def check_device(device: Any) -> None:
 
 def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantWeight:
     """A float [n, k] matrix (k whole blocks) quantized to `qtype`."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
     w = weight.detach().to("cpu", torch.float32).contiguous()
     n, k = w.shape

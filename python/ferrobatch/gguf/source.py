@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ferrobatch.errors import FieldError
+from ferrobatch.gguf import quantize
+from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.reader import is_gguf_file
 
 __all__ = ["gguf_path_of", "load"]
@@ -44,12 +46,10 @@ def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
         if quantization is not None:
             raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
                              "stored in (quantization must be None)", "quantization")
-        from ferrobatch.gguf.loader import load_gguf
 
         return load_gguf(path, device=device, dtype=dtype)
     if quantization is None:
         return None
-    from ferrobatch.gguf import quantize
 
     qtype = quantize.check_name(quantization)
     if not isinstance(model, str | os.PathLike) and model is not None:

@@ -9,7 +9,7 @@ fn cpu_ns() -> u64 {
     s.split_whitespace().next().unwrap().parse().unwrap()
 }
 
-use ferrobatch_kernels::amx::LinearArgs;
+use ferrobatch_kernels::linear::LinearArgs;
 use ferrobatch_kernels::quant::{linear, pack, packed_len, Backend, QType};
 
 fn main() {

@@ -2,7 +2,7 @@
 //! in (GGUF blocks and packed weights as uint8), shapes checked with a `FieldError` naming
 //! the argument, then the kernel with the GIL released.
 
-use ferrobatch_kernels::amx::LinearArgs;
+use ferrobatch_kernels::linear::LinearArgs;
 use ferrobatch_kernels::quant::{self as kernel, Backend, QType};
 use numpy::{PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -35,8 +35,8 @@ fn backend_of(name: Option<&str>) -> PyResult<Backend> {
     }
 }
 
-fn to_py(e: ferrobatch_kernels::fused::ArgError) -> PyErr {
-    invalid(e.field, e.message)
+fn to_py(e: ferrobatch_kernels::error::KernelError) -> PyErr {
+    crate::errors::kernel_error(e)
 }
 
 /// The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",

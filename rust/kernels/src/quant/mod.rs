@@ -34,8 +34,8 @@ use std::ops::Range;
 pub use act::{Acts, A256, A32};
 pub use packing::PANEL;
 
-use crate::amx::LinearArgs;
-use crate::fused::ArgError;
+use crate::error::KernelError;
+use crate::linear::LinearArgs;
 
 /// A GGUF quantization type.
 #[allow(non_camel_case_types)] // ggml's names
@@ -289,15 +289,15 @@ impl Backend {
     }
 }
 
-fn err(field: &'static str, message: String) -> ArgError {
-    ArgError {
+fn err(field: &'static str, message: String) -> KernelError {
+    KernelError::Invalid {
         field,
         message: format!("{field}: {message}"),
     }
 }
 
 /// `k` as a whole number of `qt` blocks.
-fn blocks_of(qt: QType, k: usize) -> Result<usize, ArgError> {
+fn blocks_of(qt: QType, k: usize) -> Result<usize, KernelError> {
     if k.is_multiple_of(qt.block()) {
         Ok(k / qt.block())
     } else {
@@ -319,7 +319,7 @@ fn check_rows(
     got: usize,
     n: usize,
     k: usize,
-) -> Result<(), ArgError> {
+) -> Result<(), KernelError> {
     let nb = blocks_of(qt, k)?;
     let want = n * nb * qt.block_bytes();
     if got != want {
@@ -337,7 +337,7 @@ fn check_rows(
 }
 
 /// Bytes of the packed form of an [n, k] weight of `qt` (`n` padded to whole panels).
-pub fn packed_len(qt: QType, n: usize, k: usize) -> Result<usize, ArgError> {
+pub fn packed_len(qt: QType, n: usize, k: usize) -> Result<usize, KernelError> {
     Ok(n.div_ceil(PANEL) * blocks_of(qt, k)? * qt.traits().panel_block_bytes)
 }
 
@@ -348,7 +348,7 @@ pub fn dequantize(
     n: usize,
     k: usize,
     out: &mut [f32],
-) -> Result<(), ArgError> {
+) -> Result<(), KernelError> {
     check_rows("blocks", qt, rows.len(), n, k)?;
     if out.len() != n * k {
         return Err(err(
@@ -380,7 +380,7 @@ pub fn pack(
     k: usize,
     out: &mut [u8],
     threads: usize,
-) -> Result<(), ArgError> {
+) -> Result<(), KernelError> {
     check_rows("blocks", qt, rows.len(), n, k)?;
     let want = packed_len(qt, n, k)?;
     if out.len() != want {
@@ -407,7 +407,7 @@ pub fn pack(
 }
 
 /// `x` [m, k] quantized per row into the activation blocks `qt`'s products take.
-pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> Result<Acts, ArgError> {
+pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> Result<Acts, KernelError> {
     let nb = blocks_of(qt, k)?;
     if x.len() != m * k {
         return Err(err(
@@ -467,7 +467,7 @@ pub fn linear(
     packed: &[u8],
     out: &mut [f32],
     backend: Backend,
-) -> Result<(), ArgError> {
+) -> Result<(), KernelError> {
     let LinearArgs { m, n, k, threads } = *args;
     let nb = blocks_of(qt, k)?;
     let want = packed_len(qt, n, k)?;

@@ -6,51 +6,17 @@
 use super::blocks::{decode, Block};
 use super::packing::{decode_panel, panel_block_bytes, streams};
 use super::*;
+use crate::isa::Isa;
 use half::f16;
 use proptest::prelude::*;
 
-/// `true` when the CPU has `isa`; else prints `SKIPPED: needs <isa>` on stderr and returns
-/// `false`, or fails when `FERROBATCH_REQUIRE_ISA` (comma-separated names) lists it.
-fn has_isa(isa: &str, available: bool) -> bool {
-    let required = std::env::var("FERROBATCH_REQUIRE_ISA").unwrap_or_default();
-    match isa_gate(isa, available, &required) {
-        Ok(run) => run,
-        Err(e) => panic!("{e}"),
-    }
-}
-
-/// [`has_isa`] given the variable's value `required`: `Ok(true)` run, `Ok(false)` skip
-/// (after printing `SKIPPED`), `Err` fail.
-fn isa_gate(isa: &str, available: bool, required: &str) -> Result<bool, String> {
-    if available {
-        return Ok(true);
-    }
-    if required
-        .split(',')
-        .any(|s| s.trim().eq_ignore_ascii_case(isa))
-    {
-        return Err(format!(
-            "FERROBATCH_REQUIRE_ISA lists {isa}, which this CPU lacks"
-        ));
-    }
-    eprintln!("SKIPPED: needs {isa}");
-    Ok(false)
-}
-
-#[test]
-fn the_isa_gate_skips_or_fails_as_asked() {
-    assert_eq!(isa_gate("avx512vnni", true, "avx512vnni"), Ok(true));
-    assert_eq!(isa_gate("avx512vnni", false, ""), Ok(false));
-    assert_eq!(isa_gate("avx512vnni", false, "avx2"), Ok(false));
-    assert!(isa_gate("avx512vnni", false, "avx2, AVX512VNNI").is_err());
-}
-
 fn vnni() -> bool {
-    has_isa("avx512vnni", Backend::Avx512Vnni.available())
+    crate::isa::require_or_skip(&[Isa::Avx512F, Isa::Avx512Bw, Isa::Avx512Vnni])
+        && Backend::Avx512Vnni.available()
 }
 
 fn avx2() -> bool {
-    has_isa("avx2", Backend::Avx2.available())
+    crate::isa::require_or_skip(&[Isa::Avx2, Isa::Fma]) && Backend::Avx2.available()
 }
 
 /// SplitMix64.
@@ -543,28 +509,28 @@ fn bad_arguments_name_the_field_and_write_nothing() {
     let x = vec![0.5f32; m * k];
     let mut out = vec![7f32; m * n];
     let e = linear(qt, &args, &x[1..], &packed, &mut out, Backend::Portable).unwrap_err();
-    assert_eq!(e.field, "x");
+    assert_eq!(e.field(), Some("x"));
     let e = linear(qt, &args, &x, &packed[1..], &mut out, Backend::Portable).unwrap_err();
-    assert_eq!(e.field, "weight");
+    assert_eq!(e.field(), Some("weight"));
     let e = linear(qt, &args, &x, &packed, &mut out[1..], Backend::Portable).unwrap_err();
-    assert_eq!(e.field, "out");
+    assert_eq!(e.field(), Some("out"));
     let bad_k = LinearArgs { k: 48, ..args };
     let e = linear(qt, &bad_k, &x[..96], &packed, &mut out, Backend::Portable).unwrap_err();
-    assert_eq!(e.field, "k");
+    assert_eq!(e.field(), Some("k"));
     assert_eq!(out, vec![7f32; m * n]);
     let e = pack(qt, &rows[1..], n, k, &mut packed, 1).unwrap_err();
-    assert_eq!(e.field, "blocks");
+    assert_eq!(e.field(), Some("blocks"));
     assert!(
-        e.message
+        e.to_string()
             .starts_with("blocks: expected 34*k/32 bytes per row for q8_0"),
         "{}",
-        e.message
+        e.to_string()
     );
     let e = dequantize(qt, &rows, n, k, &mut [0f32; 5]).unwrap_err();
-    assert_eq!(e.field, "out");
+    assert_eq!(e.field(), Some("out"));
     if !Backend::Avx512Vnni.available() {
         let e = linear(qt, &args, &x, &packed, &mut out, Backend::Avx512Vnni).unwrap_err();
-        assert_eq!(e.field, "backend");
+        assert_eq!(e.field(), Some("backend"));
     }
 }
 
