@@ -49,6 +49,7 @@ from ferrobatch.engine.request import (
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
+from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
@@ -164,6 +165,8 @@ class Engine(ModelProbes):
         except BaseException:
             self.runner.close()
             raise
+        # GGUF weights: packed for the kernels once, the file's pages of them given back
+        quant_modules.prepare_for_serving(self.model)
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
             self.runner = tp_setup.attach(self.runner, self.tp, self._tp_failed)
         self.sampler = Sampler(self.device, seed=seed)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrobatch.engine.model_checks import config_lengths
+from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.models import model_lock
 from ferrobatch.runner.patches import eval_mode
 
@@ -41,7 +42,10 @@ class ModelProbes:
         self.probe_packed_error: float | None = None
         try:
             # another engine on the same model must not switch its attention meanwhile
-            with model_lock(self.model):
+            # quantized products (GGUF weights) on the reference path: the kernels quantize
+            # activations to int8, whose roundings turn the paged attention's last-bit
+            # differences into errors these probes would take for a missing feature
+            with model_lock(self.model), quant_modules.backend("reference"):
                 self._probe_own_forward()
                 self._probe_packed()
         except NotImplementedError:

@@ -18,8 +18,12 @@ The kernel contract (what `QuantLinear` calls, `kernel_ops()`; `QuantWeight` is
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import mmap
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -34,7 +38,8 @@ from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
-           "kernel_ops", "quant_dequantize", "quant_linear", "set_backend"]
+           "kernel_ops", "prepare_for_serving", "quant_dequantize", "quant_linear",
+           "set_backend"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -132,18 +137,26 @@ def _kernel_for(qtype: str) -> Any:
     return None
 
 
+def _dequantized(weight: QuantWeight) -> torch.Tensor:
+    """`weight` as fp32 [n, k]: the compiled dequantization (bit for bit `gguf.quants`',
+    `tests/cpu/test_quant_ops.py`) where it takes the type, else `gguf.quants` itself."""
+    if _KERNELS.supports(weight.qtype):
+        return _KERNELS.dequantize(weight)
+    return dequantize_reference(weight)
+
+
 def quant_linear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """fp32 `x` [m, k] @ `weight`.T -> fp32 [m, n] (the kernels or the reference path)."""
     ops = _kernel_for(weight.qtype)
     if ops is not None:
         return ops.linear(x, weight)
     if weight.n * weight.k <= REFERENCE_CHUNK:
-        return F.linear(x, dequantize_reference(weight))
+        return F.linear(x, _dequantized(weight))
     out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
     step = max(1, REFERENCE_CHUNK // weight.k)
     for start in range(0, weight.n, step):
         stop = min(weight.n, start + step)
-        out[:, start:stop] = F.linear(x, dequantize_reference(weight.slice_rows(start, stop)))
+        out[:, start:stop] = F.linear(x, _dequantized(weight.slice_rows(start, stop)))
     return out
 
 
@@ -228,3 +241,42 @@ class QuantEmbedding(nn.Module):
 def quantized_modules(model: nn.Module) -> list[Any]:
     """The `QuantLinear` / `QuantEmbedding` modules of `model`."""
     return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+
+
+#: `madvise(2)` advice: reclaim these pages now (clean file pages are dropped and read again
+#: on their next touch; anonymous pages go to swap, or stay where there is none): never
+#: loses data, unlike MADV_DONTNEED on a private mapping.
+_MADV_PAGEOUT = 21
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the whole pages inside `t`'s bytes (best effort)."""
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    stop = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if stop > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_PAGEOUT)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def prepare_for_serving(model: nn.Module) -> int:
+    """Pack every `QuantLinear`'s rows for the kernels now (when the kernels run them), then
+    let the kernel reclaim the GGUF rows' pages (views of the file's memory map, read again
+    from the file where the reference path or an embedding lookup needs them): the process
+    keeps one copy of each matrix, the packed one. Returns the number of matrices packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and _kernel_for(module.qtype) is not None:
+            _KERNELS.packed(module.weight_q)
+            packed += 1
+    if sys.platform.startswith("linux"):
+        for module in model.modules():
+            if isinstance(module, QuantLinear | QuantEmbedding):
+                _page_out(module.qdata)
+    return packed
