@@ -52,8 +52,8 @@ class QuantWeight:
     """A block-quantized matrix `W` [n, k] as GGUF stores it, for `y = x @ W.T`.
 
     `data` is a C-contiguous CPU uint8 tensor [n, row_bytes(qtype, k)]: row `i` holds the
-    blocks of output feature `i`, little-endian as in the file (`/work/shared/
-    quantized-formats.md`). It may be a view of the memory-mapped file (read, never written)
+    blocks of output feature `i`, little-endian as in the file (the block layouts of
+    ggml's `ggml-common.h`). It may be a view of the memory-mapped file (read, never written)
     or memory of its own; either way nothing else is kept (no dequantized copy).
     """
 

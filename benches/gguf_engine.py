@@ -1,0 +1,78 @@
+"""A GGUF model through the engine on the quantized kernels: construction time and resident
+memory, one chat answer, single-stream decode (one request, 128 tokens) and offline
+throughput (32 chat prompts x 64 tokens), greedy, EOS ignored; tokens per wall second and
+per CPU-second.
+
+    taskset -c 1 .venv/bin/python benches/gguf_engine.py model.gguf --threads 1
+
+The file's read bandwidth limit for single-stream decode is (bytes of the matrices read per
+token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+from ferrobatch import Engine, SamplingParams
+from ferrobatch.workloads import chat_prompts
+
+
+def rss_mib() -> dict[str, float]:
+    """VmRSS and its anonymous / file-backed parts, MiB."""
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def timed(engine: Engine, prompts: list[list[int]], n: int) -> tuple[int, float, float]:
+    """(generated tokens, wall s, CPU s) of one `generate` call."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True),
+                           progress=False)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    return sum(len(o.token_ids) for o in outs), wall, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a .gguf file")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    start = time.perf_counter()
+    engine = Engine(args.model)
+    print(f"engine built in {time.perf_counter() - start:.1f} s; RSS {rss_mib()}")
+    question = [{"role": "user", "content": "What is the capital of France? One sentence."}]
+    start = time.perf_counter()
+    answer = engine.chat([question], SamplingParams(max_new_tokens=20), progress=False)[0]
+    print(f"chat: {answer.text!r} ({time.perf_counter() - start:.1f} s)")
+
+    prompt = engine.tokenizer("def fibonacci(n):").input_ids
+    timed(engine, [prompt], 4)  # warm-up
+    n, wall, cpu = timed(engine, [prompt], 128)
+    print(f"single stream, {args.threads} thread(s): {n / wall:.2f} tok/s wall, "
+          f"{n / cpu:.2f} tok per CPU-s")
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+
+    n, wall, cpu = timed(engine, chat_prompts(encode, args.prompts), 64)
+    print(f"{args.prompts} x 64, {args.threads} thread(s): {n / wall:.1f} tok/s wall, "
+          f"{n / cpu:.1f} tok per CPU-s")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"RSS {rss_mib()}, peak {peak:.0f} MiB")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
