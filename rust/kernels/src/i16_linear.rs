@@ -116,6 +116,7 @@ pub fn linear(
 #[cfg(target_arch = "x86_64")]
 mod kernel {
     use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
+    use crate::asm::dpwssd;
     use std::arch::x86_64::*;
 
     /// See [`PanelKernel::dot`](crate::linear::panels::PanelKernel::dot); `R` rows, `NB`
@@ -134,27 +135,6 @@ mod kernel {
         // SAFETY: the CPU has AVX-512F, BW and VNNI (asserted just above), the only target
         // features `dot` enables; the lengths `dot` relies on are asserted above too.
         unsafe { dot::<R, NB>(a, k, w, pf, sums) }
-    }
-
-    /// `acc + x * w` by pairs (`vpdpwssd`). Written as assembly: LLVM turns most of the
-    /// intrinsic's uses in a 6 x 4 pass into `vpmaddwd` + `vpaddd` (its generic tuning takes
-    /// that for the shorter chain), twice the instructions, at ~55% of the peak here.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    #[inline]
-    fn dpwssd(mut acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
-        // SAFETY: one register-only instruction of AVX-512 VNNI, which this function's
-        // target features require of the CPU; it reads `x`, `w` and `acc`, writes `acc`,
-        // and touches no memory, stack or flags.
-        unsafe {
-            std::arch::asm!(
-                "vpdpwssd {acc}, {x}, {w}",
-                acc = inout(zmm_reg) acc,
-                x = in(zmm_reg) x,
-                w = in(zmm_reg) w,
-                options(pure, nomem, nostack, preserves_flags),
-            );
-        }
-        acc
     }
 
     /// The k loop of [`run`] (lengths checked there).

@@ -26,6 +26,7 @@
 //!   the tests that need one (`FERROBATCH_REQUIRE_ISA`).
 
 pub mod amx;
+mod asm;
 pub mod decode;
 pub mod error;
 pub mod f32_linear;

@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 use super::act::{A256, A32};
 use super::packing::{panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
+use crate::asm::dpwssd;
 
 /// Whether the CPU runs these kernels (AVX-512 F, BW and VNNI).
 pub(crate) fn available() -> bool {
@@ -178,26 +179,6 @@ unsafe fn halves(p: *const u8) -> __m512 {
 #[inline]
 unsafe fn scaled(acc: __m512, s: __m512, d: __m512, dx: f32) -> __m512 {
     _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc)
-}
-
-/// `acc + x * w` by pairs of i16 (`vpdpwssd`). Written as assembly: LLVM turns the
-/// intrinsic into `vpmaddwd` + `vpaddd`, two instructions (as `i16_linear` found).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-fn dpwssd(mut acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
-    // SAFETY: one register-only instruction of AVX-512 VNNI, which this function's target
-    // features require of the CPU; it reads `x`, `w` and `acc`, writes `acc`, and touches
-    // no memory, stack or flags.
-    unsafe {
-        std::arch::asm!(
-            "vpdpwssd {acc}, {x}, {w}",
-            acc = inout(zmm_reg) acc,
-            x = in(zmm_reg) x,
-            w = in(zmm_reg) w,
-            options(pure, nomem, nostack, preserves_flags),
-        );
-    }
-    acc
 }
 
 /// Stores `R` rows of sums.
