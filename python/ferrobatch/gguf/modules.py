@@ -163,7 +163,7 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 def quant_dequantize(weight: QuantWeight) -> torch.Tensor:
     """`weight` as fp32 [n, k] (the kernels or the reference path)."""
     ops = _kernel_for(weight.qtype)
-    return ops.dequantize(weight) if ops is not None else dequantize_reference(weight)
+    return ops.dequantize(weight) if ops is not None else _dequantized(weight)
 
 
 class QuantLinear(nn.Module):
