@@ -421,11 +421,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_stop_token_ids(engine, req)
         state.check_size(1, req.n, "messages")
         state.admit(req.n)
-        setup = tools.prepare_tools(req.tools, req.tool_choice)
-        if setup.schema is not None and req.response_format not in (None, {"type": "text"}):
-            raise bad_request("response_format cannot be combined with a forced tool_choice "
-                              "('required' or a named function).", "tool_choice")  # fmt: skip
+        setup = tools.prepare_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if setup.parses_output and req.response_format not in (None, {"type": "text"}):
+            raise bad_request("response_format cannot be combined with tools unless tool_choice "
+                              "is 'none': tool calls are decoded under their own grammar.",
+                              "response_format")  # fmt: skip
         native = bool(setup.tools) and tools.template_supports_tools(engine)
+        tools.constrain(setup, tools.chat_template(engine), native)
         messages = tools.chat_messages(req.messages, setup, native)
         if native:
             encode = functools.partial(engine.encode_chat, tools=setup.tools)
@@ -437,8 +439,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         base = params.base_sampling(req, max_tokens, top_n)
         base.update(params.response_format_sampling(req.response_format))
-        if setup.schema is not None:
-            base["json_schema"] = setup.schema
+        if setup.grammar is not None:
+            base["grammar"] = setup.grammar
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [
             Job(i, prompt_ids, sp, f"{rid}-{i}", arrival)
@@ -447,7 +449,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         params.check_with_engine(engine, jobs, "messages")
         fmt: ChatFormat = ChatFormat(state, top_n, req.skip_special_tokens)
         if setup.parses_output:
-            fmt = ToolChatFormat(state, top_n, req.skip_special_tokens, setup.names)
+            assert setup.syntax is not None
+            fmt = ToolChatFormat(state, top_n, req.skip_special_tokens, setup.names,
+                                 setup.syntax)  # fmt: skip
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
 

@@ -186,6 +186,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------

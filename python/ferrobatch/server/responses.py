@@ -11,7 +11,7 @@ from typing import Any
 
 from ferrobatch.server.run import Accumulator
 from ferrobatch.server.state import ServerState
-from ferrobatch.server.tools import parse_tool_calls
+from ferrobatch.server.tool_syntax import ToolSyntax, parse_calls
 
 __all__ = ["ChatFormat", "CompletionFormat", "ResponseMeta", "ToolChatFormat"]
 
@@ -85,50 +85,75 @@ class ChatFormat:
 
 
 class ToolChatFormat(ChatFormat):
-    """Chat choices of a request whose output may be a tool call (``tools`` with
-    ``tool_choice`` other than ``"none"``): the text is parsed at the end
-    (`ferrobatch.server.tools.parse_tool_calls`). A tool call answers ``content: null``,
-    ``tool_calls`` and finish_reason ``"tool_calls"``; other output is plain content. When
-    streamed, a choice's text is held back and sent in its last chunk, as content or as one
-    ``tool_calls`` delta holding the whole call (with the logprobs of its tokens)."""
+    """Chat choices of a request whose output may hold tool calls (``tools`` with
+    ``tool_choice`` other than ``"none"``), written under `syntax` and read back at the end
+    (`ferrobatch.server.tool_syntax.parse_calls`). A choice with calls answers
+    ``tool_calls``, finish_reason ``"tool_calls"`` and the text around them as ``content``
+    (null when none); other output is plain content. When streamed, a choice's text is held
+    back until it is known not to be a call (a JSON-format answer whose first non-blank
+    character does not open one streams from there on); a call is sent in the last chunk as
+    one ``tool_calls`` delta holding the whole call (with the logprobs of its tokens)."""
 
     def __init__(
         self, state: ServerState, top_n: int | None, skip_special_tokens: bool,
-        names: set[str],
+        names: set[str], syntax: ToolSyntax,
     ) -> None:  # fmt: skip
         super().__init__(state, top_n, skip_special_tokens)
         self.names = names
+        self.syntax = syntax
         self._text: dict[int, list[str]] = {}
         self._lp: dict[int, list[Any]] = {}
+        self._plain: set[int] = set()
 
-    def _calls(self, text: str, reason: str | None) -> list[dict[str, Any]] | None:
+    def _calls(
+        self, text: str, reason: str | None
+    ) -> tuple[str | None, list[dict[str, Any]]] | None:
         if reason not in (None, "stop"):
             return None  # cut (length, abort): not a whole call
-        return parse_tool_calls(text, self.names)
+        return parse_calls(text, self.syntax, self.names)
+
+    def _is_plain(self, text: str) -> bool:
+        """Whether held-back text is already known to be no call (JSON formats only)."""
+        head = text.lstrip()
+        return self.syntax.leading_only and bool(head) and not head.startswith(
+            self.syntax.trigger
+        )
 
     def piece(self, index: int, delta: Any, ids: list[int]) -> dict[str, Any] | None:
         chunk = super().piece(index, delta, ids)
-        if chunk is not None:
-            self._text.setdefault(index, []).append(chunk["delta"].get("content") or "")
-            if chunk["logprobs"] is not None:
-                self._lp.setdefault(index, []).extend(chunk["logprobs"]["content"])
-        return None
+        if chunk is None or index in self._plain:
+            return chunk
+        self._text.setdefault(index, []).append(chunk["delta"].get("content") or "")
+        if chunk["logprobs"] is not None:
+            self._lp.setdefault(index, []).extend(chunk["logprobs"]["content"])
+        text = "".join(self._text[index])
+        if not self._is_plain(text):
+            return None
+        self._plain.add(index)
+        del self._text[index]
+        lp = {"content": self._lp.pop(index, [])} if self.top_n is not None else None
+        return _chat_chunk(index, {"content": text}, None, lp)
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
+        if index in self._plain:
+            return super().finish(index, reason)
         text = "".join(self._text.pop(index, []))
         lp_entries = self._lp.pop(index, None)
         lp = {"content": lp_entries} if self.top_n is not None else None
-        calls = self._calls(text, reason)
-        if calls is None:
+        found = self._calls(text, reason)
+        if found is None:
             return _chat_chunk(index, {"content": text} if text else {}, reason, lp)
-        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        content, calls = found
+        delta: dict[str, Any] = {"content": content} if content else {}
+        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
         return _chat_chunk(index, delta, "tool_calls", lp)
 
     def choice(self, index: int, acc: Accumulator) -> dict[str, Any]:
         out = super().choice(index, acc)
-        calls = self._calls(out["message"]["content"], acc.finish_reason)
-        if calls is not None:
-            out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        found = self._calls(out["message"]["content"], acc.finish_reason)
+        if found is not None:
+            content, calls = found
+            out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
             out["finish_reason"] = "tool_calls"
         return out
 

@@ -1,14 +1,18 @@
-"""Function calling on ``/v1/chat/completions``: ``tools`` / ``tool_choice``.
+"""Function calling on ``/v1/chat/completions``: ``tools``, ``tool_choice`` and
+``parallel_tool_calls``.
 
 * The tools are rendered through the chat template's own tools support
   (``apply_chat_template(messages, tools=[...])``) when the template mentions ``tools``;
   otherwise they are described in a system message (`fallback_system_text`), added to the
   first system message or put first.
-* ``tool_choice``: ``"none"`` (plain text; the tools are still rendered), ``"auto"`` (the
-  default with tools: the model decides; a tool call is parsed from its output, see
-  `parse_tool_calls`), ``"required"`` and ``{"type": "function", "function": {"name": ...}}``
-  (the output is constrained by guided decoding to ``{"name": ..., "arguments": {...}}``,
-  ``arguments`` matching the function's ``parameters``; ``required``: any of the tools).
+* The output is decoded under a grammar built from the tools
+  (`ferrobatch.server.tool_syntax`), in the call format of the template: ``"none"`` (plain
+  text; the tools are still rendered), ``"auto"`` (the default with tools: free text, but
+  once the model opens a call its name is one of the tools' and its arguments match that
+  function's ``parameters``), ``"required"`` (a call from the first token) and
+  ``{"type": "function", "function": {"name": ...}}`` (a call of that function).
+  ``parallel_tool_calls: false`` allows at most one call. A template whose tool-call format
+  the server does not know gets a 400 for ``auto`` instead of a guess.
 * Input: assistant messages with ``tool_calls`` and ``tool`` messages are accepted. With a
   tools-aware template they go to it as Hugging Face expects (``arguments`` as an object);
   otherwise the calls are written into the assistant text as the same JSON the model is told
@@ -19,36 +23,40 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from ferrobatch.sampling.grammar import check_grammar_fields
 from ferrobatch.server.protocol import bad_request
+from ferrobatch.server.tool_syntax import ToolSyntax, call_grammar, detect_syntax
 
 __all__ = [
     "ToolSetup",
     "chat_messages",
+    "chat_template",
+    "constrain",
     "fallback_system_text",
-    "parse_tool_calls",
     "prepare_tools",
     "template_supports_tools",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 @dataclass
 class ToolSetup:
     """A request's validated tools: the OpenAI tool objects, the mode (``none``, ``auto``,
-    ``required``, ``named``), the forced function's name, and the guided JSON schema of the
-    forced modes (None otherwise)."""
+    ``required``, ``named``), the forced function's name, whether several calls may come
+    (``parallel_tool_calls``), and once `constrain` ran, the call format and the grammar
+    the output is decoded under (None in mode ``none``)."""
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     mode: str = "none"
     name: str | None = None
-    schema: dict[str, Any] | None = None
+    parallel: bool = True
+    syntax: ToolSyntax | None = None
+    grammar: str | None = None
 
     @property
     def names(self) -> set[str]:
@@ -58,15 +66,6 @@ class ToolSetup:
     def parses_output(self) -> bool:
         """Whether the output is checked for tool calls (buffered when streamed)."""
         return bool(self.tools) and self.mode != "none"
-
-
-def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
 
 
 def _check_schema(schema: dict[str, Any], what: str, param: str) -> None:
@@ -80,8 +79,16 @@ def _check_schema(schema: dict[str, Any], what: str, param: str) -> None:
         raise bad_request(f"Invalid {what}: {msg}", param) from None
 
 
-def prepare_tools(tools: Any, tool_choice: Any) -> ToolSetup:
-    """Validate ``tools`` and ``tool_choice`` (a 400 naming the param) into a `ToolSetup`."""
+def prepare_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None) -> ToolSetup:
+    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (a 400 naming the
+    param) into a `ToolSetup`."""
+    if parallel_tool_calls is not None:
+        if not isinstance(parallel_tool_calls, bool):
+            raise bad_request("parallel_tool_calls must be a boolean.", "parallel_tool_calls",
+                              "invalid_type")  # fmt: skip
+        if not tools:
+            raise bad_request("parallel_tool_calls is only allowed when 'tools' are specified.",
+                              "parallel_tool_calls")  # fmt: skip
     out: list[dict[str, Any]] = []
     if tools is not None:
         if not isinstance(tools, list):
@@ -120,7 +127,7 @@ def prepare_tools(tools: Any, tool_choice: Any) -> ToolSetup:
             if desc is not None:
                 clean["description"] = desc
             out.append({"type": "function", "function": clean})
-    setup = ToolSetup(out)
+    setup = ToolSetup(out, parallel=parallel_tool_calls is not False)
     choice = tool_choice
     if choice is None:
         setup.mode = "auto" if out else "none"
@@ -149,27 +156,56 @@ def prepare_tools(tools: Any, tool_choice: Any) -> ToolSetup:
             "{'type': 'function', 'function': {'name': ...}}.",
             "tool_choice",
         )
-    if setup.mode == "named":
-        fn = next(t["function"] for t in out if t["function"]["name"] == setup.name)
-        setup.schema = _call_schema(fn)
-    elif setup.mode == "required":
-        schemas = [_call_schema(t["function"]) for t in out]
-        setup.schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if setup.schema is not None:
-        _check_schema(setup.schema, "tools for tool_choice", "tool_choice")
     return setup
+
+
+def constrain(setup: ToolSetup, template: str | None, native: bool) -> None:
+    """Pick the call format of the chat template (`template`; ``native``: it renders the
+    tools) and build the grammar of the answer (nothing in mode ``none``). A 400 naming
+    ``tools`` for ``auto`` with a template whose call format the server does not know, or
+    when the grammar does not compile."""
+    if setup.mode == "none" or not setup.tools:
+        return
+    syntax = detect_syntax(template, native)
+    if syntax is None:
+        if setup.mode == "auto":
+            raise bad_request(
+                "This model's chat template renders tools but writes tool calls in a format "
+                "the server does not know (it knows <tool_call> tags, Llama 3 JSON, and its "
+                "own JSON for templates without tools support), so a call could not be told "
+                "from text. Use tool_choice 'required' or a named function (the answer is "
+                "then a JSON call object), or 'none'.",
+                "tools",
+                "unsupported",
+            )
+        syntax = detect_syntax(None, False)
+    assert syntax is not None
+    fns = [t for t in setup.tools if setup.mode != "named" or t["function"]["name"] == setup.name]
+    grammar = call_grammar(syntax, fns, setup.mode, setup.parallel)
+
+    try:
+        check_grammar_fields(SimpleNamespace(json_schema=None, regex=None, grammar=grammar))
+    except ValueError as exc:
+        raise bad_request(f"Invalid tools: {exc}", "tools") from None
+    setup.syntax, setup.grammar = syntax, grammar
 
 
 # ---------------------------------------------------------------------------------------
 # rendering
 
 
-def template_supports_tools(engine: Any) -> bool:
-    """Whether the engine's chat template renders ``tools`` (it mentions them)."""
+def chat_template(engine: Any) -> str | None:
+    """The engine's chat template (its ``tool_use`` one when it has several)."""
     template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and "tools" in template
+    return template if isinstance(template, str) else None
+
+
+def template_supports_tools(engine: Any) -> bool:
+    """Whether the engine's chat template renders ``tools`` (it mentions them)."""
+    template = chat_template(engine)
+    return template is not None and "tools" in template
 
 
 def fallback_system_text(tools: list[dict[str, Any]]) -> str:
@@ -243,57 +279,3 @@ def chat_messages(messages: list[Any], setup: ToolSetup, native: bool) -> list[d
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# output
-
-
-def _call_from(obj: Any, names: set[str]) -> dict[str, Any] | None:
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(name, str) and name in names:
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if isinstance(args, dict):
-            return {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-    return None
-
-
-def parse_tool_calls(text: str, names: set[str]) -> list[dict[str, Any]] | None:
-    """Tool calls in a model's output, else None. Recognised: the whole output (stripped,
-    a fenced ```json block allowed) being a JSON object ``{"name", "arguments"}`` (or
-    ``"parameters"``), a JSON array of such objects, or ``<tool_call>{...}</tool_call>``
-    blocks (Hermes / Qwen templates). ``name`` must be one of the tools'; anything else is
-    plain content."""
-    body = text.strip()
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
-    if fence:
-        body = fence.group(1)
-    tagged = _TOOL_CALL_TAG.findall(body) if "<tool_call>" in body else None
-    candidates: list[Any] = []
-    if tagged:
-        for part in tagged:
-            try:
-                candidates.append(json.loads(part))
-            except ValueError:
-                return None
-    else:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        candidates = value if isinstance(value, list) else [value]
-    calls = [_call_from(c, names) for c in candidates]
-    if not calls or any(c is None for c in calls):
-        return None
-    return calls  # type: ignore[return-value]
