@@ -1,16 +1,20 @@
-"""Function calling (``tools`` / ``tool_choice``) on the server with the official ``openai``
-client on the bundled SmolLM2 (loopback only), plus the parsing and validation helpers."""
+"""Function calling (``tools`` / ``tool_choice`` / ``parallel_tool_calls``) on the server with
+the official ``openai`` client on the bundled SmolLM2 (loopback only), plus the grammar,
+parsing and validation helpers. Every call is checked with ``jsonschema`` against its
+function's ``parameters``."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from bundled_server import openai_client
 from ferrobatch.server.protocol import APIError, ChatMessage
-from ferrobatch.server.tools import chat_messages, parse_tool_calls, prepare_tools
+from ferrobatch.server.tool_syntax import SYNTAXES, detect_syntax, parse_calls
+from ferrobatch.server.tools import chat_messages, prepare_tools
 
 WEATHER = {
     "type": "object",
@@ -50,13 +54,7 @@ def _check_call(call: object, name: str | None = None) -> dict:
 
 
 def _validate(args: object, schema: dict) -> None:
-    """The schemas here: an object of required string fields (maxLength, enum), no others."""
-    assert isinstance(args, dict) and set(args) == set(schema["required"]), args
-    for key, value in args.items():
-        prop = schema["properties"][key]
-        assert isinstance(value, str)
-        assert len(value) <= prop.get("maxLength", 1 << 30)
-        assert value in prop.get("enum", [value])
+    jsonschema.validate(args, schema)
 
 
 def test_named_tool_choice_forces_valid_call(url: str) -> None:
@@ -81,7 +79,7 @@ def test_required_and_stream(url: str) -> None:
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_call(choice.message.tool_calls[0])
-    # streamed: one tool_calls delta with the whole call, then finish_reason tool_calls
+    # streamed: the same calls in one tool_calls delta, then finish_reason tool_calls
     deltas, finish = [], None
     for ch in c.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS,
                                         max_tokens=60, tool_choice="required", temperature=0,
@@ -89,9 +87,12 @@ def test_required_and_stream(url: str) -> None:
         if ch.choices:
             deltas.extend(ch.choices[0].delta.tool_calls or [])
             finish = ch.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and len(deltas) == 1
-    assert deltas[0].function.name == choice.message.tool_calls[0].function.name
-    assert deltas[0].function.arguments == choice.message.tool_calls[0].function.arguments
+    calls = choice.message.tool_calls
+    assert finish == "tool_calls" and len(deltas) == len(calls)
+    for delta, call in zip(deltas, calls, strict=True):
+        assert delta.function.name == call.function.name
+        assert delta.function.arguments == call.function.arguments
+        _check_call(call)
 
 
 def test_round_trip_and_none(url: str) -> None:
@@ -147,24 +148,44 @@ def test_bad_tools_is_400(url: str, tools: list) -> None:
     assert r.json()["error"]["param"] == "tools"
 
 
-def test_parse_tool_calls() -> None:
+def test_parse_calls() -> None:
     names = {"get_weather"}
-    for text in (
-        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
-        '```json\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n```',
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-        '[{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]',
-    ):
-        calls = parse_tool_calls(text, names)
-        assert calls is not None and len(calls) == 1, text
+    js, hermes = SYNTAXES["json"], SYNTAXES["hermes"]
+    one = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for text, syntax, content, count in (
+        (one, js, None, 1),
+        ("\n" + one + "\n" + one, js, None, 2),
+        ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', SYNTAXES["llama3_json"],
+         None, 1),
+        (f"Let me look.<tool_call>\n{one}\n</tool_call>", hermes, "Let me look.", 1),
+    ):  # fmt: skip
+        content_, calls = parse_calls(text, syntax, names)
+        assert content_ == content and len(calls) == count, text
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    for text in ("hello", '{"name": "other", "arguments": {}}', '{"a": 1}', "[]"):
-        assert parse_tool_calls(text, names) is None
+        assert calls[0]["id"].startswith("call_")
+    for text, syntax in (("hello", js), ('{"name": "other", "arguments": {}}', js),
+                         ('{"a": 1}', js), ('{"name": "get_weather", "arguments": {"ci', js),
+                         (" [" + one + "]", js), (one, hermes)):  # fmt: skip
+        assert parse_calls(text, syntax, names) is None, text
+    # cut by max_tokens: the whole calls before the cut
+    cut = parse_calls(f"{one}\n{one[:20]}", js, names, partial=True)
+    assert cut is not None and len(cut[1]) == 1
+    cut = parse_calls(f"a<tool_call>\n{one}\n</tool_call>b<tool_call>\n{one[:9]}", hermes,
+                      names, partial=True)  # fmt: skip
+    assert cut is not None and cut[0] == "ab" and len(cut[1]) == 1
+
+
+def test_detect_syntax() -> None:
+    assert detect_syntax(None, native=False) is SYNTAXES["json"]
+    assert detect_syntax("{{ tools }} <tool_call>{...}</tool_call>", True) is SYNTAXES["hermes"]
+    llama = 'Respond in the format {"name": function name, "parameters": dictionary of argument'
+    assert detect_syntax("{{ tools }} " + llama, True) is SYNTAXES["llama3_json"]
+    assert detect_syntax("{{ tools }} [TOOL_CALLS]", True) is None
 
 
 def test_fallback_rendering() -> None:
     setup = prepare_tools(TOOLS, None)
-    assert setup.mode == "auto" and setup.schema is None
+    assert setup.mode == "auto" and setup.grammar is None and setup.parallel
     msgs = [
         ChatMessage(role="user", content="hi"),
         ChatMessage(role="assistant", content=None, tool_calls=[{

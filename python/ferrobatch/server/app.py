@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
-from ferrobatch.server import params, tools
+from ferrobatch.server import checks, params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
 from ferrobatch.server.protocol import (
     APIError,
@@ -362,6 +362,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         """(engine, validated body) after auth, readiness and model checks."""
         state.require_auth(request)
         engine = state.require_engine()
+        checks.check_content_type(request.headers.get("content-type"))
         body = await read_body(request, state.max_body_bytes, state.body_timeout)
         if len(body) > _PARSE_ON_LOOP_BYTES:  # validating a big body takes the loop too long
             loop = asyncio.get_running_loop()
@@ -369,6 +370,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         else:
             req = parse(schema, body)
         state.check_model(req.model)
+        checks.check_stream_options(req.stream_options, req.stream)
         return engine, req
 
     @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
@@ -418,6 +420,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.perf_counter()
         engine, req = await accept(request, ChatCompletionRequest)
         _check_chat_options(req)
+        checks.check_messages(req.messages)
         _check_stop_token_ids(engine, req)
         state.check_size(1, req.n, "messages")
         state.admit(req.n)

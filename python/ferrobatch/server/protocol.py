@@ -346,6 +346,15 @@ def _validation_error(exc: ValidationError, body: bytes = b"") -> APIError:
     if etype == "json_invalid":
         if (unicode := _unicode_error(body)) is not None:
             return unicode
+        if "recursion limit" in str(err.get("msg", "")):
+            field = _deep_field(body)
+            where = f" (in '{field}')" if field else ""
+            return bad_request(
+                f"The request body nests JSON objects and arrays too deep{where}: at most "
+                f"{JSON_NESTING_LIMIT} levels below the top-level object are accepted.",
+                field,
+                "nesting_too_deep",
+            )
         return APIError(
             400,
             f"Request body is not valid JSON: {err.get('msg', '')}. "
@@ -370,6 +379,37 @@ def _validation_error(exc: ValidationError, body: bytes = b"") -> APIError:
     if given is not None and not isinstance(given, dict | list) and err.get("loc"):
         shown = f" (got {json.dumps(given)[:80]})"
     return bad_request(f"Invalid value for '{param}': {msg}{shown}.", param, code)
+
+
+#: Objects and arrays a body may nest below its top-level object (pydantic-core's parser).
+JSON_NESTING_LIMIT = 200
+
+
+def _deep_field(body: bytes) -> str | None:
+    """The top-level field of a JSON object body in which nesting passes the limit (a scan
+    of the bytes: no recursion, whatever the depth)."""
+    depth, key, in_string, escaped = 0, None, False, False
+    start = 0
+    for i, byte in enumerate(body):
+        ch = chr(byte)
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 1:
+                    key = body[start:i].decode("utf-8", "replace")
+        elif ch == '"':
+            in_string, start = True, i + 1
+        elif ch in "[{":
+            depth += 1
+            if depth > JSON_NESTING_LIMIT + 1:
+                return key
+        elif ch in "]}":
+            depth -= 1
+    return None
 
 
 def _unicode_error(body: bytes) -> APIError | None:

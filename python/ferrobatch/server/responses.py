@@ -89,7 +89,9 @@ class ToolChatFormat(ChatFormat):
     ``tool_choice`` other than ``"none"``), written under `syntax` and read back at the end
     (`ferrobatch.server.tool_syntax.parse_calls`). A choice with calls answers
     ``tool_calls``, finish_reason ``"tool_calls"`` and the text around them as ``content``
-    (null when none); other output is plain content. When streamed, a choice's text is held
+    (null when none); other output is plain content. Cut by ``max_tokens``, the whole calls
+    before the cut are answered with finish_reason ``"length"`` (the cut one is dropped).
+    When streamed, a choice's text is held
     back until it is known not to be a call (a JSON-format answer whose first non-blank
     character does not open one streams from there on); a call is sent in the last chunk as
     one ``tool_calls`` delta holding the whole call (with the logprobs of its tokens)."""
@@ -108,9 +110,14 @@ class ToolChatFormat(ChatFormat):
     def _calls(
         self, text: str, reason: str | None
     ) -> tuple[str | None, list[dict[str, Any]]] | None:
-        if reason not in (None, "stop"):
-            return None  # cut (length, abort): not a whole call
-        return parse_calls(text, self.syntax, self.names)
+        if reason not in (None, "stop", "length"):
+            return None  # aborted
+        return parse_calls(text, self.syntax, self.names, partial=reason == "length")
+
+    @staticmethod
+    def _reason(reason: str | None) -> str:
+        """The finish_reason of a choice with calls: ``length`` stays (a call was cut)."""
+        return "length" if reason == "length" else "tool_calls"
 
     def _is_plain(self, text: str) -> bool:
         """Whether held-back text is already known to be no call (JSON formats only)."""
@@ -146,7 +153,7 @@ class ToolChatFormat(ChatFormat):
         content, calls = found
         delta: dict[str, Any] = {"content": content} if content else {}
         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-        return _chat_chunk(index, delta, "tool_calls", lp)
+        return _chat_chunk(index, delta, self._reason(reason), lp)
 
     def choice(self, index: int, acc: Accumulator) -> dict[str, Any]:
         out = super().choice(index, acc)
@@ -154,7 +161,7 @@ class ToolChatFormat(ChatFormat):
         if found is not None:
             content, calls = found
             out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-            out["finish_reason"] = "tool_calls"
+            out["finish_reason"] = self._reason(acc.finish_reason)
         return out
 
 

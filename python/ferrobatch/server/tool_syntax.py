@@ -16,7 +16,8 @@ non-blank character ``{`` for the JSON formats, the text ``<tool_call>`` for Her
 there the function's name must be one of the tools' and its arguments must match that
 function's ``parameters`` schema, so a finished call always validates. ``required`` and a
 named function force a call from the first token. With ``parallel_tool_calls: false`` at
-most one call is allowed: once it closes the answer ends (only end-of-sequence may follow).
+most one call is allowed: once it closes the answer ends (a newline at most, then
+end-of-sequence).
 
 `parse_calls` reads the calls back out of a finished output (only what the grammar made can
 be a call; anything else, or a call cut short by ``max_tokens``, is plain content).
@@ -124,7 +125,9 @@ def call_grammar(
     """The Lark grammar of an answer in ``mode`` (``auto``, ``required``, ``named``; for
     ``named`` `tools` holds only the named function) under `syntax`."""
     trig = syntax.trigger
-    lines = ["%llguidance {}", r"TAIL: /\s+/", f"next_open[lazy]: /\\s*{_regex(trig)}/",
+    # between calls and after the last one at most one newline: a model that goes on with
+    # blanks is never trapped in a loop of them, nor forced into another call
+    lines = ["%llguidance {}", r"TAIL: /\n/", f"next_open[lazy]: /\\n?{_regex(trig)}/",
              "more: next_open call_body"]  # fmt: skip
     rest = "more* TAIL?" if parallel and mode != "named" else "TAIL?"
     if mode != "auto":
@@ -160,8 +163,9 @@ def _call(obj: Any, syntax: ToolSyntax, names: set[str]) -> dict[str, Any] | Non
     }
 
 
-def _objects(text: str) -> list[Any] | None:
-    """The JSON values of `text`, one after the other (blank-separated), else None."""
+def _objects(text: str, partial: bool) -> list[Any] | None:
+    """The JSON values of `text`, one after the other (blank-separated), else None; with
+    `partial`, those before a value cut short."""
     decoder = json.JSONDecoder()
     out, pos = [], 0
     while True:
@@ -172,33 +176,36 @@ def _objects(text: str) -> list[Any] | None:
         try:
             value, pos = decoder.raw_decode(text, pos)
         except ValueError:
-            return None
+            return out if partial else None
         out.append(value)
 
 
 def parse_calls(
-    text: str, syntax: ToolSyntax, names: set[str]
+    text: str, syntax: ToolSyntax, names: set[str], partial: bool = False
 ) -> tuple[str | None, list[dict[str, Any]]] | None:
     """(content, calls) of an output written under `call_grammar`, None when it holds no
-    whole call (plain content). ``content``: the text around the calls (Hermes), else None."""
+    whole call (plain content). ``content``: the text around the calls (Hermes), else None.
+    `partial`: the output was cut (``max_tokens``); a call cut short is dropped."""
     if syntax.leading_only:
         if not text.lstrip().startswith(syntax.trigger):
             return None
-        values = _objects(text)
-        if not values:
-            return None
-        calls = [_call(v, syntax, names) for v in values]
-        if any(c is None for c in calls):
+        values = _objects(text, partial)
+        calls = [_call(v, syntax, names) for v in values or ()]
+        if not calls or any(c is None for c in calls):
             return None
         return None, calls  # type: ignore[return-value]
-    pattern = re.compile(re.escape(syntax.trigger) + r"\s*(.*?)\s*" + re.escape(syntax.end.strip()),
-                         re.S)  # fmt: skip
+    end = syntax.end.strip()
+    pattern = re.compile(re.escape(syntax.trigger) + r"\s*(.*?)\s*" + re.escape(end), re.S)
+    if partial:
+        cut = text.rfind(syntax.trigger)
+        if cut >= 0 and text.find(end, cut) < 0:
+            text = text[:cut]
     parts = pattern.findall(text)
     if not parts:
         return None
     calls = []
     for part in parts:
-        values = _objects(part)
+        values = _objects(part, False)
         call = _call(values[0], syntax, names) if values and len(values) == 1 else None
         if call is None:
             return None
