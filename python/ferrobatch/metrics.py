@@ -1,8 +1,8 @@
-"""Prometheus metrics for the ferrobatch server.
+"""Prometheus metrics for the ferrobatch server, through ``prometheus_client``.
 
-A small, dependency-free writer of the Prometheus text exposition format (version 0.0.4):
-counters, gauges and histograms with labels, plus :class:`ServerMetrics`, the set of
-metrics the OpenAI-compatible server exports at ``GET /metrics``.
+:class:`ServerMetrics` holds the metrics the OpenAI-compatible server exports at
+``GET /metrics`` in a registry of its own (several servers in one process do not collide),
+rendered in the Prometheus text format or, when the scraper asks for it, OpenMetrics.
 
 Server-side metrics (request counts, latencies, token counts) are updated by the server as
 requests run; engine-side metrics (cache blocks, prefix hit rate, offloads, soft resets,
@@ -11,232 +11,14 @@ scheduler queue) are read from ``Engine.stats()`` each time the endpoint is scra
 
 from __future__ import annotations
 
-import bisect
-import math
 import re
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "CONTENT_TYPE",
-    "Counter",
-    "Gauge",
-    "Histogram",
-    "Registry",
-    "ServerMetrics",
-]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, generate_latest
 
-#: The ``Content-Type`` of the Prometheus text format.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-
-LabelKey = tuple[str, ...]
-
-
-def _format_value(value: float) -> str:
-    """Format a sample value the way Prometheus parses it."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels_text(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    inner = ",".join(f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + inner + "}"
-
-
-class _Metric:
-    """Common part of every metric: name, help text, label names, a lock."""
-
-    kind = "untyped"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        if not _NAME_RE.match(name):
-            raise ValueError(f"invalid metric name {name!r}")
-        for label in labelnames:
-            if not _LABEL_RE.match(label) or label.startswith("__"):
-                raise ValueError(f"invalid label name {label!r}")
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: Mapping[str, Any]) -> LabelKey:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(
-                f"{self.name}: expected labels {sorted(self.labelnames)}, got {sorted(labels)}"
-            )
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-
-    def render(self) -> list[str]:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-class _Values(_Metric):
-    """A metric holding one float per label set."""
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        self._values: dict[LabelKey, float] = {}
-
-    def _add(self, amount: float, labels: Mapping[str, Any]) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def get(self, **labels: Any) -> float:
-        """Current value for the given label values (0 when never changed)."""
-        return self._values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [
-            f"{self.name}{_labels_text(self.labelnames, k)} {_format_value(v)}" for k, v in items
-        ]
-
-
-class Counter(_Values):
-    """A monotonically increasing value per label set."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labelnames)
-        if not self.labelnames:
-            self._values[()] = 0.0
-
-    def inc(self, amount: float = 1.0, **labels: Any) -> None:
-        """Add ``amount`` (>= 0) to the counter of the given label values."""
-        if amount < 0:
-            raise ValueError("a counter can only increase")
-        self._add(amount, labels)
-
-
-class Gauge(_Values):
-    """A value that can go up and down, per label set."""
-
-    kind = "gauge"
-
-    def set(self, value: float, **labels: Any) -> None:
-        """Set the gauge of the given label values."""
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = float(value)
-
-    def inc(self, amount: float = 1.0, **labels: Any) -> None:
-        """Add ``amount`` (may be negative)."""
-        self._add(amount, labels)
-
-    def dec(self, amount: float = 1.0, **labels: Any) -> None:
-        """Subtract ``amount``."""
-        self._add(-amount, labels)
-
-    def clear(self) -> None:
-        """Forget every label set."""
-        with self._lock:
-            self._values.clear()
-
-
-class Histogram(_Metric):
-    """Cumulative histogram with fixed upper bounds (``le`` buckets), ``_sum`` and ``_count``."""
-
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help: str,
-        buckets: Iterable[float],
-        labelnames: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, help, labelnames)
-        if "le" in self.labelnames:
-            raise ValueError("'le' is reserved for histogram buckets")
-        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
-        if not bounds:
-            raise ValueError("a histogram needs at least one finite bucket")
-        self.buckets = bounds
-        # per label set: counts per finite bucket (non-cumulative), sum, count
-        self._data: dict[LabelKey, tuple[list[int], list[float]]] = {}
-        if not self.labelnames:
-            self._data[()] = ([0] * len(bounds), [0.0, 0.0])
-
-    def observe(self, value: float, **labels: Any) -> None:
-        """Record one observation."""
-        key = self._key(labels)
-        idx = bisect.bisect_left(self.buckets, value)
-        with self._lock:
-            counts, totals = self._data.setdefault(key, ([0] * len(self.buckets), [0.0, 0.0]))
-            if idx < len(counts):
-                counts[idx] += 1
-            totals[0] += value
-            totals[1] += 1
-
-    def count(self, **labels: Any) -> int:
-        """Number of observations recorded for the given label values."""
-        data = self._data.get(self._key(labels))
-        return int(data[1][1]) if data else 0
-
-    def render(self) -> list[str]:
-        lines: list[str] = []
-        with self._lock:
-            items = sorted((k, (list(c), list(t))) for k, (c, t) in self._data.items())
-        for key, (counts, (total, count)) in items:
-            cumulative = 0
-            names = (*self.labelnames, "le")
-            for bound, c in zip(self.buckets, counts, strict=True):
-                cumulative += c
-                lbl = _labels_text(names, (*key, _format_value(bound)))
-                lines.append(f"{self.name}_bucket{lbl} {cumulative}")
-            lbl = _labels_text(names, (*key, "+Inf"))
-            lines.append(f"{self.name}_bucket{lbl} {int(count)}")
-            base = _labels_text(self.labelnames, key)
-            lines.append(f"{self.name}_sum{base} {_format_value(total)}")
-            lines.append(f"{self.name}_count{base} {int(count)}")
-        return lines
-
-
-class Registry:
-    """An ordered set of metrics rendered together."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-
-    def register(self, metric: _Metric) -> _Metric:
-        """Add ``metric``; names must be unique."""
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name!r} already registered")
-        self._metrics[metric.name] = metric
-        return metric
-
-    def render(self) -> str:
-        """The whole registry in the Prometheus text format."""
-        out: list[str] = []
-        for metric in self._metrics.values():
-            out.extend(metric.header())
-            out.extend(metric.render())
-        return "\n".join(out) + "\n"
+__all__ = ["ServerMetrics"]
 
 
 # Latency buckets (seconds): fine at the low end for CPU decode steps, long tail for queues.
@@ -296,7 +78,7 @@ class ServerMetrics:
     """
 
     def __init__(self, prefix: str = "ferrobatch") -> None:
-        self.registry = Registry()
+        self.registry = CollectorRegistry()
         self._prefix = prefix
         self.requests = self._counter(
             "requests_total",
@@ -396,32 +178,27 @@ class ServerMetrics:
         )
 
     def _counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
-        """Register the counter ``<prefix>_<name>``."""
-        metric = Counter(f"{self._prefix}_{name}", help, labelnames)
-        self.registry.register(metric)
-        return metric
+        """The counter ``<prefix>_<name>`` (``name`` ends in ``_total``)."""
+        return Counter(f"{self._prefix}_{name}", help, labelnames, registry=self.registry)
 
     def _gauge(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Gauge:
-        """Register the gauge ``<prefix>_<name>``."""
-        metric = Gauge(f"{self._prefix}_{name}", help, labelnames)
-        self.registry.register(metric)
-        return metric
+        """The gauge ``<prefix>_<name>``."""
+        return Gauge(f"{self._prefix}_{name}", help, labelnames, registry=self.registry)
 
     def _histogram(self, name: str, help: str, buckets: Iterable[float]) -> Histogram:
-        """Register the histogram ``<prefix>_<name>``."""
-        metric = Histogram(f"{self._prefix}_{name}", help, buckets)
-        self.registry.register(metric)
-        return metric
+        """The histogram ``<prefix>_<name>``."""
+        return Histogram(f"{self._prefix}_{name}", help, buckets=tuple(buckets),
+                         registry=self.registry)  # fmt: skip
 
     # -- request-path hooks -------------------------------------------------------------
 
     def on_request_error(self, status: int) -> None:
         """A request was rejected with HTTP ``status``."""
-        self.http_errors.inc(code=str(status))
+        self.http_errors.labels(code=str(status)).inc()
 
     def on_client_gone(self, stage: str) -> None:
         """A client disconnected at ``stage`` (body, response)."""
-        self.client_gone.inc(stage=stage)
+        self.client_gone.labels(stage=stage).inc()
 
     def on_admitted(self, prompt_tokens: int) -> None:
         """A choice was submitted to the engine."""
@@ -450,7 +227,7 @@ class ServerMetrics:
             self.running.dec()
         else:
             self.waiting.dec()
-        self.requests.inc(endpoint=endpoint, finish_reason=finish_reason)
+        self.requests.labels(endpoint=endpoint, finish_reason=finish_reason).inc()
         if duration is not None:
             self.e2e.observe(duration)
 
@@ -481,11 +258,11 @@ class ServerMetrics:
         total = _lookup(stats, "blocks_total")
         for state, value in (("used", used), ("free", free), ("cached", cached)):
             if value is not None:
-                self.cache_blocks.set(value, state=state)
+                self.cache_blocks.labels(state=state).set(value)
         if total is None and used is not None and free is not None:
             total = used + free + (cached or 0.0)
         if total is not None:
-            self.cache_blocks.set(total, state="total")
+            self.cache_blocks.labels(state="total").set(total)
             if used is not None and total > 0:
                 self.cache_usage.set(used / total)
         rate = _lookup(stats, "prefix_hit_rate")
@@ -501,9 +278,18 @@ class ServerMetrics:
             if isinstance(value, bool):
                 value = int(value)
             if isinstance(value, int | float):
-                self.engine_stats.set(float(value), key=_sanitize(str(key)))
+                self.engine_stats.labels(key=_sanitize(str(key))).set(float(value))
 
     def render(self, stats: Mapping[str, Any] | None = None, ready: bool = True) -> str:
-        """The exposition text, engine gauges refreshed from ``stats`` first."""
+        """The Prometheus text format, engine gauges refreshed from ``stats`` first."""
         self.update_from_stats(stats, ready)
-        return self.registry.render()
+        return generate_latest(self.registry).decode("utf-8")
+
+    def exposition(
+        self, stats: Mapping[str, Any] | None, ready: bool, accept: str | None
+    ) -> tuple[bytes, str]:
+        """(body, Content-Type) of a scrape whose ``Accept`` header is `accept`: OpenMetrics
+        when it asks for it, else the Prometheus text format."""
+        self.update_from_stats(stats, ready)
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -28,7 +28,7 @@ import pytest
 import tiny_models
 import torch
 from ferrobatch.engine.outputs import RequestOutput
-from ferrobatch.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
+from ferrobatch.metrics import ServerMetrics
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.server import BackgroundServer, create_app
 from server_helpers import (
@@ -53,31 +53,46 @@ torch.set_num_threads(1)
 # metrics unit tests
 
 
-def test_metrics_exposition_format() -> None:
-    reg = Registry()
-    c = reg.register(Counter("x_total", "help\nline", ("reason",)))
-    g = reg.register(Gauge("y", "a gauge"))
-    h = reg.register(Histogram("z_seconds", "hist", (0.1, 1.0)))
-    c.inc(reason="stop")
-    c.inc(2, reason='we"ird')
-    g.set(3.5)
-    for v in (0.05, 0.5, 5.0):
-        h.observe(v)
-    text = reg.render()
-    assert "# HELP x_total help\\nline" in text
-    assert "# TYPE x_total counter" in text
-    assert 'x_total{reason="stop"} 1' in text
-    assert 'x_total{reason="we\\"ird"} 2' in text
-    assert "y 3.5" in text
-    assert 'z_seconds_bucket{le="0.1"} 1' in text
-    assert 'z_seconds_bucket{le="1"} 2' in text
-    assert 'z_seconds_bucket{le="+Inf"} 3' in text
-    assert "z_seconds_count 3" in text
-    assert "z_seconds_sum 5.55" in text
-    with pytest.raises(ValueError):
-        c.inc(-1, reason="stop")
-    with pytest.raises(ValueError):
-        c.inc(reason="stop", extra="x")
+def test_metrics_exposition_parses() -> None:
+    """Both formats parse with prometheus_client's own parsers; label values are escaped."""
+    from prometheus_client.openmetrics.parser import (  # local: only this test reads it
+        text_string_to_metric_families as openmetrics_families,
+    )
+    from prometheus_client.parser import text_string_to_metric_families  # local: as above
+
+    m = ServerMetrics()
+    m.on_admitted(4)
+    m.on_first_token(0.05)
+    m.on_tokens(2, 0.5)
+    m.on_finished("chat", "stop", True, 5.55)
+    m.on_request_error(400)
+    stats = {'we"ird\nkey': 1.5, "num_used_blocks": 1, "num_free_blocks": 3}
+    text = m.render(stats)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["ferrobatch_requests"].type == "counter"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}  # fmt: skip
+    assert samples[("ferrobatch_requests_total",
+                    (("endpoint", "chat"), ("finish_reason", "stop")))] == 1  # fmt: skip
+    assert samples[("ferrobatch_http_errors_total", (("code", "400"),))] == 1
+    assert samples[("ferrobatch_request_duration_seconds_bucket", (("le", "5.0"),))] == 0
+    assert samples[("ferrobatch_request_duration_seconds_bucket", (("le", "10.0"),))] == 1
+    assert samples[("ferrobatch_request_duration_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert samples[("ferrobatch_inter_token_latency_seconds_count", ())] == 2
+    assert samples[("ferrobatch_request_duration_seconds_sum", ())] == 5.55
+    assert samples[("ferrobatch_engine_stat", (("key", "we_ird_key"),))] == 1.5
+    assert samples[("ferrobatch_cache_blocks", (("state", "total"),))] == 4
+    body, ctype = m.exposition(stats, True, "application/openmetrics-text; version=1.0.0")
+    assert ctype.startswith("application/openmetrics-text")
+    om = {f.name for f in openmetrics_families(body.decode())}
+    assert {"ferrobatch_requests", "ferrobatch_time_to_first_token_seconds"} <= om
+    body, ctype = m.exposition(stats, True, None)
+    assert ctype.startswith("text/plain; version=0.0.4") and body.decode() == m.render(stats)
+    # two servers in one process keep their own registries
+    fresh = {s.name for f in text_string_to_metric_families(ServerMetrics().render({}))
+             for s in f.samples}  # fmt: skip
+    assert "ferrobatch_prompt_tokens_total" in fresh
+    assert "ferrobatch_requests_total" not in fresh
 
 
 def test_server_metrics_from_stats() -> None:
@@ -131,6 +146,14 @@ def test_models_health_metrics(any_server: tuple[Any, str]) -> None:
         'ferrobatch_cache_blocks{state="used"}',
     ):
         assert name in text, name
+    from prometheus_client.parser import text_string_to_metric_families  # local: test only
+
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert families["ferrobatch_requests"] == "counter"
+    assert families["ferrobatch_time_to_first_token_seconds"] == "histogram"
+    r = httpx.get(url + "/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    assert r.text.rstrip().endswith("# EOF")
 
 
 def test_completion_and_chat_nonstream(any_server: tuple[Any, str], tokenizer: Any) -> None:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import checks, params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
@@ -305,18 +304,20 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         "/metrics",
         response_class=PlainTextResponse,
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                         "description": "Prometheus text exposition format 0.0.4"}},
+                         "description": "Prometheus text exposition format 0.0.4 (OpenMetrics "
+                                        "1.0 when Accept asks for application/openmetrics-text)"}},
     )  # fmt: skip
-    async def metrics() -> Response:
-        """Prometheus text format."""
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format (OpenMetrics when the ``Accept`` header asks for it)."""
         stats = None
         if state.engine is not None:
             try:
                 stats = state.engine.stats()
             except Exception as exc:  # pragma: no cover - scrape must not fail
                 logger.warning("engine.stats() failed: %s", exc)
-        text = state.metrics.render(stats, ready=state.engine is not None and not state.closing)
-        return Response(text, media_type=METRICS_CONTENT_TYPE)
+        ready = state.engine is not None and not state.closing
+        body, content_type = state.metrics.exposition(stats, ready, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     def model_entry(engine: Any) -> dict[str, Any]:
         return {
