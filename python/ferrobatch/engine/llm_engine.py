@@ -33,7 +33,8 @@ from ferrobatch.core import Scheduler
 from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
-from ferrobatch.engine import memory
+from ferrobatch.engine import embedding, memory
+from ferrobatch.engine.embedding import EmbeddingOutput
 from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
 from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.engine.pipeline import AsyncStepper
@@ -50,6 +51,7 @@ from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.gguf import modules as quant_modules
+from ferrobatch.model_config import text_config
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
@@ -190,6 +192,9 @@ class Engine(ModelProbes):
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        # embed()'s pooling when the caller names none (a sentence-transformers checkpoint's)
+        self.pooling_defaults = embedding.pooling_defaults(
+            getattr(self.model.config, "_name_or_path", None))
 
     def _load(self, model: Any, tokenizer: Any, device: Any, dtype: Any) -> tuple[Any, Any]:
         """(model, tokenizer): this rank's shard under tensor parallelism, else
@@ -372,6 +377,65 @@ class Engine(ModelProbes):
             conversations = [conversations]
         ids = [self.encode_chat(c, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(ids, sampling, max_new_tokens=max_new_tokens, progress=progress)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        progress: bool = False,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt (a string or token ids), in input order: the base
+        model's final hidden states pooled ("last" token, "mean" of all, "cls": the first),
+        L2-normalized with `normalize`. None takes the checkpoint's own sentence-transformers
+        settings where it has them (`pooling_defaults`), else "last" and True. Embedding
+        requests batch with generation requests in the same steps."""
+        reqs = self._embedding_requests(as_prompt_list(prompts), pooling, normalize)
+        self._run_batch(reqs, progress=progress, desc="embed")
+        return [embedding.embedding_output(r) for r in reqs]
+
+    async def aembed(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Async form of `embed` (every prompt validated before any runs; cancelling the
+        call cancels its requests)."""
+        reqs = self._embedding_requests(list(prompts), pooling, normalize)
+
+        async def run(req: Request) -> EmbeddingOutput:
+            async for _ in self._astream_gen(req):
+                pass
+            return embedding.embedding_output(req)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(r)) for r in reqs]
+        return [t.result() for t in tasks]
+
+    def _embedding_requests(
+        self, prompts: list[Prompt], pooling: str | None, normalize: bool | None
+    ) -> list[Request]:
+        """Validated embedding requests (`FieldError` naming the field)."""
+        if self.tp is not None:
+            raise FieldError("embeddings are not supported with tensor_parallel_size > 1",
+                             "tensor_parallel_size")
+        if not self.runner.head.split:
+            raise FieldError(
+                f"{type(self.model).__name__} can't embed: its base model is not separable "
+                f"from its output head ({self.runner.head.split_error})", "model")
+        if not prompts:
+            raise FieldError("prompts must not be empty", "prompt")
+        mode, norm = embedding.resolve_pooling(self.pooling_defaults, pooling, normalize)
+        return [embedding.embedding_request(self, p, mode, norm, self._new_request_id)
+                for p in prompts]
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of the embeddings `embed` returns (the model's hidden size)."""
+        return int(text_config(self.model.config).hidden_size)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Prompt token ids for a conversation, through the tokenizer's chat template."""

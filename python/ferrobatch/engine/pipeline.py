@@ -32,7 +32,6 @@ import torch
 
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
-from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import DeviceSample, Sampler, SamplingState
 
 if TYPE_CHECKING:
@@ -251,14 +250,10 @@ class AsyncStepper(Stepper):
             and self.runner.fast_greedy
             and all(s.plain_greedy for s in states)
         )
-        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
-                cur.logits, prompt_logits = self.runner.execute_with_prompt(
-                    plan, job.indices, prev_tokens
-                )
-                job.record(prompt_logits)
-                del prompt_logits
+            rows_logits = self.execute_rows(plan, prev_tokens)
+            if rows_logits is not None:  # prompt logprobs or embeddings of prompt rows
+                cur.logits = rows_logits
             elif greedy:
                 cur.sample = DeviceSample(self.runner.execute_greedy(plan, prev_tokens))
             elif prev_tokens is None:

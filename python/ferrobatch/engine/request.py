@@ -17,6 +17,7 @@ from ferrobatch.engine.detok import IncrementalDetokenizer
 from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.params import SamplingParams, coerce_sampling
+from ferrobatch.sampling.pooling import Pooled
 from ferrobatch.sampling.sampler import SamplingState
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Request:
     in_scheduler: bool = False
     keep: bool = False  # stays in the table after finishing until get_output claims it
     prompt_lp_sent: bool = False  # the prompt logprobs went out in a delta
+    pool: Pooled | None = None  # an embedding request's pooling (`sampling.pooling`)
 
     @property
     def plain(self) -> bool:

@@ -13,11 +13,14 @@ import numpy as np
 from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.models import model_lock
+from ferrobatch.sampling.pooling import PoolJob
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import Sampler, SampleResult
 from ferrobatch.spec.verify import entry_states
 
 if TYPE_CHECKING:
+    import torch
+
     from ferrobatch.core import Scheduler, StepPlan
     from ferrobatch.runner.model_runner import ModelRunner
     from ferrobatch.spec.controller import SpecController
@@ -56,6 +59,8 @@ class Stepper:
         self.busy_time = 0.0
         # requests with prompt logprobs still to compute, by id (empty: no step looks)
         self.prompt_pending: dict[str, Request] = {}
+        # embedding requests whose pooled positions are not all computed yet, by id
+        self.pool_pending: dict[str, Request] = {}
         # per-request rope factors (`ferrobatch.attention.rope.LongRope`), when the model needs them
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
@@ -85,13 +90,11 @@ class Stepper:
         greedy = self.runner.fast_greedy and all(
             s.plain_greedy for s in states
         )
-        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
         with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
+            rows_logits = self.execute_rows(plan, None)
+            if rows_logits is not None:  # prompt logprobs or embeddings of prompt rows
                 greedy = False
-                logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices)
-                job.record(prompt_logits)
-                del prompt_logits
+                logits = rows_logits
             elif greedy:
                 result = SampleResult(self.runner.execute_greedy(plan))
             else:
@@ -101,6 +104,31 @@ class Stepper:
         self._record(plan, rids, rows, result)
         self.busy_time += time.perf_counter() - t0
         return True
+
+    def execute_rows(
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """When requests of `plan` want prompt rows (prompt logprobs,
+        `sampling.prompt_logprobs`; embeddings, `sampling.pooling`): the forward that also
+        returns those rows, recorded into the requests; the sampled rows' logits. None
+        (nothing run) when no request wants any."""
+        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
+        pool = PoolJob.of(plan, self.pool_pending) if self.pool_pending else None
+        if pool is None:
+            if job is None:
+                return None
+            logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices,
+                                                                    prev_tokens)
+            job.record(prompt_logits)
+            return logits
+        logits, prompt_logits, hidden = self.runner.execute_with_rows(
+            plan, None if job is None else job.indices, pool.indices, prev_tokens)
+        if job is not None:
+            assert prompt_logits is not None
+            job.record(prompt_logits)
+        assert hidden is not None
+        pool.record(hidden)
+        return logits
 
     def _record(
         self, plan: StepPlan, rids: list[str], rows: list[int], result: SampleResult
@@ -133,8 +161,11 @@ class Stepper:
             req = self.inbox.popleft()
             if req.done.is_set():
                 continue
-            # prompt logprobs need every prompt position computed: no prefix-cache hits
-            extra = {"skip_prefix_lookup": True} if req.params.prompt_logprobs is not None else {}
+            # prompt logprobs (and mean / cls embeddings) need every prompt position
+            # computed: no prefix-cache hits
+            every = req.params.prompt_logprobs is not None or (
+                req.pool is not None and req.pool.needs_every_position)
+            extra = {"skip_prefix_lookup": True} if every else {}
             try:
                 self.scheduler.add_request(
                     req.request_id,
@@ -150,6 +181,8 @@ class Stepper:
             req.in_scheduler = True
             if req.params.prompt_logprobs is not None and len(req.prompt_ids) > 1:
                 self.prompt_pending[req.request_id] = req
+            if req.pool is not None:
+                self.pool_pending[req.request_id] = req
             if self.rope is not None:
                 self.rope.add(req.request_id, len(req.prompt_ids))
             self.stats["prompt_tokens"] += len(req.prompt_ids)
