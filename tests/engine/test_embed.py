@@ -159,3 +159,16 @@ def test_checkpoint_pooling_is_the_default(tmp_path):
         assert_close(out.embedding, reference(model, [7, 8, 9, 10], "cls", False))
         # an explicit argument wins over the checkpoint's setting
         assert eng.embed([[7, 8, 9, 10]], pooling="last")[0].pooling == "last"
+
+
+def test_bundled_model_embeddings():
+    """The bundled SmolLM2: both poolings equal its own forward pooled the same way."""
+    with Engine() as eng:
+        texts = ["Paged attention stores keys and values in blocks.", "Hello!"]
+        ids = [list(eng.tokenizer(t)["input_ids"]) for t in texts]
+        for pooling in ("mean", "last"):
+            outs = eng.embed(texts, pooling=pooling)
+            for p, out in zip(ids, outs, strict=True):
+                assert out.prompt_token_ids == p
+                assert out.dimensions == eng.embedding_size == 576
+                assert_close(out.embedding, reference(eng.model, p, pooling, True))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ferrobatch.engine.outputs import EmbeddingOutput
 from ferrobatch.engine.request import Prompt, Request, make_request
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.params import SamplingParams
@@ -22,7 +23,7 @@ from ferrobatch.sampling.pooling import Pooled, check_pooling
 if TYPE_CHECKING:
     from ferrobatch.engine.llm_engine import Engine
 
-__all__ = ["EmbeddingOutput", "PoolingDefaults", "embedding_request", "pooling_defaults"]
+__all__ = ["PoolingDefaults", "embedding_request", "pooling_defaults"]
 
 # sentence-transformers pooling-config keys and the mode each names
 _ST_MODES = {
@@ -32,23 +33,6 @@ _ST_MODES = {
 }
 # sentence-transformers modules that change nothing ferrobatch computes
 _ST_NEUTRAL = ("Transformer", "Pooling", "Normalize")
-
-
-@dataclass(frozen=True)
-class EmbeddingOutput:
-    """One prompt's embedding: `embedding` (floats, `dimensions` long), the pooling that made
-    it, whether it is L2-normalized, and the prompt's token ids."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    embedding: list[float]
-    pooling: str
-    normalized: bool
-
-    @property
-    def dimensions(self) -> int:
-        """The embedding's length (the model's hidden size)."""
-        return len(self.embedding)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,8 @@ from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
 from ferrobatch.engine import embedding, memory
-from ferrobatch.engine.embedding import EmbeddingOutput
 from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
-from ferrobatch.engine.outputs import RequestOutput
+from ferrobatch.engine.outputs import EmbeddingOutput, RequestOutput
 from ferrobatch.engine.pipeline import AsyncStepper
 from ferrobatch.engine.probes import ModelProbes
 from ferrobatch.engine.request import (

@@ -22,6 +22,7 @@ from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
+from ferrobatch.server.embeddings import add_embedding_routes
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -118,6 +119,7 @@ def create_app(
     _add_error_handlers(app, state)
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
+    add_embedding_routes(app, state)
     _install_openapi(app)
     return app
 
