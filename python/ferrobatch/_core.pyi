@@ -225,8 +225,10 @@ class Scheduler:
         priority: int = 0,
         stop_sequences: Iterable[_TokenIds] | None = None,
         skip_prefix_lookup: bool = False,
+        cache_salt: int = 0,
     ) -> None:
-        """Queue a request; FieldError naming the field on bad input or if it could never fit."""
+        """Queue a request; FieldError naming the field on bad input or if it could never fit.
+        `cache_salt` (non-zero): its prefix-cache namespace (blocks shared only within it)."""
     def schedule(self) -> StepPlan | None:
         """Plan the next step (None when nothing can run); RuntimeError while a plan is out."""
     def schedule_ahead(self) -> StepPlan | None:

@@ -171,11 +171,14 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
 
     /// Add a request; `FieldError` naming the field on bad input or if it could never fit.
     /// `skip_prefix_lookup=True`: the request takes no prefix-cache hits (every prompt
-    /// position is computed; its blocks are still offered to the cache).
+    /// position is computed; its blocks are still offered to the cache). `cache_salt`
+    /// (non-zero): the request's prefix-cache namespace (a LoRA adapter's): it shares blocks
+    /// only with requests of the same salt.
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, eos_token_ids=None,
-        stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false),
+        stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false,
+        cache_salt=0),
         text_signature = "($self, request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(), \
-stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
+stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cache_salt=0)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -187,6 +190,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         priority: i64,
         stop_sequences: Option<&Bound<'_, PyAny>>,
         skip_prefix_lookup: bool,
+        cache_salt: u64,
     ) -> PyResult<()> {
         let prompt = tokens_from(prompt_token_ids, "prompt_token_ids", "prompt")?;
         let max_new_tokens = usize_arg(max_new_tokens, "max_new_tokens")?;
@@ -213,6 +217,10 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
             .inner
             .add_request_opts(id, prompt, stop, priority, skip_prefix_lookup)
             .map_err(to_py)? as usize;
+        if cache_salt != 0 {
+            // a request just added is waiting with nothing computed: this can't fail
+            self.inner.set_cache_salt(id, cache_salt).map_err(to_py)?;
+        }
         if self.names.len() <= idx {
             self.names.resize_with(idx + 1, || None);
             self.gens.resize(idx + 1, 0);

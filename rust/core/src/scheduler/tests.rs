@@ -348,6 +348,31 @@ fn skip_prefix_lookup_computes_every_position_and_still_registers() {
 }
 
 #[test]
+fn cache_salts_never_share_blocks() {
+    let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+    let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2
+    s.add_request("a", prompt.clone(), stop(3), 0).unwrap();
+    s.set_cache_salt("a", 7).unwrap();
+    step(&mut s, 1);
+    // another salt (and the shared namespace) misses; the same salt hits both blocks
+    s.add_request("b", prompt.clone(), stop(3), 0).unwrap();
+    s.set_cache_salt("b", 8).unwrap();
+    s.add_request("c", prompt.clone(), stop(3), 0).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(s.stats().prefix_hit_tokens, 0);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    s.add_request("d", prompt, stop(3), 0).unwrap();
+    s.set_cache_salt("d", 7).unwrap();
+    let _ = s.schedule().unwrap().unwrap();
+    assert_eq!(s.stats().prefix_hit_tokens, 8);
+    s.check_invariants().unwrap();
+    // a request that has started can't change namespace
+    assert!(s.set_cache_salt("d", 1).is_err());
+    assert!(s.set_cache_salt("nope", 1).is_err());
+}
+
+#[test]
 fn prefix_hits_refcounts_and_last_token_computed() {
     let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
     let prompt: Vec<u32> = (0..8).collect(); // exactly 2 full blocks
