@@ -36,6 +36,7 @@ from ferrobatch.sampling.sampler import DeviceSample, Sampler, SamplingState
 
 if TYPE_CHECKING:
     from ferrobatch.core import Scheduler, StepPlan
+    from ferrobatch.lora.manager import LoraManager
     from ferrobatch.runner.model_runner import ModelRunner
 
 __all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
@@ -146,8 +147,9 @@ class AsyncStepper(Stepper):
         stats: collections.Counter[str],
         *,
         device: torch.device | str = "cpu",
+        lora: LoraManager | None = None,
     ) -> None:
-        super().__init__(scheduler, runner, sampler, router, stats)
+        super().__init__(scheduler, runner, sampler, router, stats, lora=lora)
         self.device = torch.device(device)
         self.to_host = DeviceToHost(self.device)
         self._inflight: _InFlight | None = None
@@ -250,7 +252,7 @@ class AsyncStepper(Stepper):
             and self.runner.fast_greedy
             and all(s.plain_greedy for s in states)
         )
-        with self.forward_lock:
+        with self.forward_lock, self.lora_bound(plan):
             rows_logits = self.execute_rows(plan, prev_tokens)
             if rows_logits is not None:  # prompt logprobs or embeddings of prompt rows
                 cur.logits = rows_logits

@@ -30,6 +30,8 @@ class SamplingParams:
     `grammar` (a Lark grammar as llguidance reads it; at most one of the three) constrain
     the output with a token mask (`ferrobatch.sampling.guided`, needs llguidance): end-of-sequence
     only where the grammar accepts; not with `ignore_eos`.
+    `lora` names a LoRA adapter the engine has loaded (`Engine(lora_modules=...)`,
+    `Engine.load_lora`); None: the base model.
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
     means), else the engine's default (128 unless overridden). A `temperature` below
@@ -56,6 +58,7 @@ class SamplingParams:
     json_schema: Any = None
     regex: str | None = None
     grammar: str | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +96,8 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise FieldError(f"lora must be an adapter's name, got {self.lora!r}", "lora")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         if self.guided:

@@ -23,6 +23,7 @@ from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
 from ferrobatch.server.embeddings import add_embedding_routes
+from ferrobatch.server.lora_routes import add_lora_routes
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -120,6 +121,7 @@ def create_app(
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
     add_embedding_routes(app, state)
+    add_lora_routes(app, state)
     _install_openapi(app)
     return app
 
@@ -320,21 +322,28 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         text = state.metrics.render(stats, ready=state.engine is not None and not state.closing)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
-    def model_entry(engine: Any) -> dict[str, Any]:
-        return {
-            "id": state.primary_name(),
+    def model_entry(engine: Any, adapter: str | None = None) -> dict[str, Any]:
+        entry = {
+            "id": adapter or state.primary_name(),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "ferrobatch",
             "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
         }
+        if adapter is not None:  # a LoRA adapter: its base model and where it came from
+            entry.update(parent=state.primary_name(), root=engine.lora.path_of(adapter))
+        return entry
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(401, 503)})
     async def models(request: Request) -> Response:
-        """The served model."""
+        """The served model and its LoRA adapters."""
         state.require_auth(request)
         engine = state.require_engine()
-        return JSONResponse({"object": "list", "data": [model_entry(engine)]})
+        data = [model_entry(engine)]
+        for name in state.lora_names():
+            with contextlib.suppress(KeyError):  # unloaded meanwhile
+                data.append(model_entry(engine, name))
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -345,7 +354,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         state.require_auth(request)
         engine = state.require_engine()
         state.check_model(model_id)
-        return JSONResponse({**model_entry(engine), "id": model_id})
+        adapter = state.lora_of(model_id)
+        return JSONResponse({**model_entry(engine, adapter), "id": model_id})
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -399,6 +409,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
             base = params.base_sampling(req, max_tokens_each[p], req.logprobs)
+            base["lora"] = state.lora_of(req.model)  # model=<adapter name>: that adapter
             base.update(guided)
             for i, sp in enumerate(params.choice_samplings(base, req.n)):
                 index = p * req.n + i
@@ -438,6 +449,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         base = params.base_sampling(req, max_tokens, top_n)
+        base["lora"] = state.lora_of(req.model)  # model=<adapter name>: that adapter
         base.update(params.response_format_sampling(req.response_format))
         if setup.schema is not None:
             base["json_schema"] = setup.schema

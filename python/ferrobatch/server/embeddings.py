@@ -57,6 +57,9 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_body(request, state.max_body_bytes, state.body_timeout)
         req = parse(EmbeddingRequest, body)
         state.check_model(req.model)
+        if state.lora_of(req.model) is not None:
+            raise bad_request("Embeddings come from the base model; a LoRA adapter can't be "
+                              "chosen for them.", "model")
         _check_dimensions(engine, req.dimensions)
         loop = asyncio.get_running_loop()
         prompts = await loop.run_in_executor(state.tokenize_pool, _prompts, engine, req.input)
