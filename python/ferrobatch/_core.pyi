@@ -213,6 +213,7 @@ class Scheduler:
         cpu_offload_blocks: int = 0,
         max_batch_cache_tokens: int | None = None,
         defer_shared_prefixes: bool = True,
+        priority_preemption: bool = False,
     ) -> Scheduler:
         """A scheduler over `num_blocks` chunks of `page_size` tokens; FieldError on bad values."""
     def add_request(

@@ -69,6 +69,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
           "4 GiB.")),
     ("max_requests_per_batch", dict(type=int, metavar="N",
      help="Rows per forward pass; caps logits memory for large vocabularies.")),
+    ("scheduling_policy", dict(choices=("fcfs", "priority"),
+     help="fcfs: arrival order; priority: lower request priority first, and a waiting "
+          "request that doesn't fit preempts running ones of lower priority (each at most "
+          "3 times). Default: fcfs.")),
     ("scheduler_type", dict(choices=("fifo", "prefill_first"),
      help="fifo: decodes first, then in-flight prefills, then new requests in arrival order; "
           "prefill_first: finish chunked prefills before resuming decodes.")),

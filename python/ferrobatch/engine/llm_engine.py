@@ -332,6 +332,7 @@ class Engine(ModelProbes):
             sliding_window=self.sliding_window,
             cpu_offload_blocks=self.cpu_offload_blocks,
             defer_shared_prefixes=cfg.defer_shared_prefixes,
+            priority_preemption=cfg.scheduling_policy == "priority",
         )
 
     def _tp_failed(self, exc: BaseException) -> None:

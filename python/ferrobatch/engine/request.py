@@ -155,6 +155,9 @@ def make_request(
     for t in sp.stop_token_ids:
         if t >= engine.vocab_size:
             raise FieldError(f"stop_token_ids: {t} is outside the vocabulary", "stop_token_ids")
+    if sp.priority and getattr(engine.config, "scheduling_policy", "fcfs") != "priority":
+        raise FieldError("priority: this engine schedules in arrival order; start it with "
+                         "scheduling_policy='priority' to use request priorities", "priority")
     lora_salt = 0
     if sp.lora is not None:
         manager = getattr(engine, "lora", None)

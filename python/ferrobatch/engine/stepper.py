@@ -224,6 +224,8 @@ class Stepper:
             extra: dict[str, Any] = {"skip_prefix_lookup": True} if every else {}
             if req.lora_salt:  # blocks shared only among requests of the same adapter
                 extra["cache_salt"] = req.lora_salt
+            if req.params.priority:
+                extra["priority"] = req.params.priority
             try:
                 self.scheduler.add_request(
                     req.request_id,

@@ -11,6 +11,8 @@ from typing import Any
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.grammar import check_grammar_fields
 
+#: `priority` is in [-PRIORITY_LIMIT, PRIORITY_LIMIT)
+PRIORITY_LIMIT = 2**31
 
 @dataclass
 class SamplingParams:
@@ -32,6 +34,8 @@ class SamplingParams:
     only where the grammar accepts; not with `ignore_eos`.
     `lora` names a LoRA adapter the engine has loaded (`Engine(lora_modules=...)`,
     `Engine.load_lora`); None: the base model.
+    `priority` (with the engine's `scheduling_policy="priority"`): lower runs first, and may
+    preempt running requests of higher value; in [-2**31, 2**31).
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
     means), else the engine's default (128 unless overridden). A `temperature` below
@@ -59,6 +63,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     lora: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +101,10 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        _int_field("priority", self.priority, minimum=-PRIORITY_LIMIT)
+        if self.priority >= PRIORITY_LIMIT:
+            raise FieldError(f"priority must be in [-2**31, 2**31), got {self.priority}",
+                             "priority")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise FieldError(f"lora must be an adapter's name, got {self.lora!r}", "lora")
         if not isinstance(self.ignore_eos, bool):

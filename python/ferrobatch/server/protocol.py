@@ -124,6 +124,10 @@ class SamplingFields(_Schema):
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
     skip_special_tokens: bool = Field(True, description="Extension.")
+    priority: int | None = Field(
+        None, ge=-(2**31), lt=2**31,
+        description="Extension (--scheduling-policy priority): lower runs first and may "
+        "preempt running requests of higher value.")
     logit_bias: dict[str, float] | None = None
 
     @property

@@ -1013,6 +1013,8 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
     cfg.sliding_window = Some(c.window);
     cfg.max_batch_cache_tokens = c.cache_budget;
     cfg.hash_mask = c.hash_mask;
+    // priority preemption in half the configurations (the ops give random priorities)
+    cfg.priority_preemption = c.num_blocks.is_multiple_of(2);
     cfg
 }
 
