@@ -84,6 +84,13 @@ def test_mixed_adapters_in_one_batch_match_peft(setup):
         got = run(eng, list(zip(ps, adapters, strict=True)))
     want = [peft_greedy(base, paths, a, p, 10) for p, a in zip(ps, adapters, strict=True)]
     assert got == want
+    # and to PEFT's merged model (W + scale * B @ A), the form adapters are shipped merged in
+    for name in ("a", "b"):
+        merged = peft.PeftModel.from_pretrained(copy.deepcopy(base), paths[name])
+        merged = merged.merge_and_unload().eval()
+        for p, a, g in zip(ps, adapters, got, strict=True):
+            if a == name:
+                assert g == tiny_models.generate_greedy(merged, p, 10, ignore_eos=True)
     # the adapters do change the tokens (the test would be empty otherwise)
     plain = [peft_greedy(base, paths, None, p, 10) for p in ps]
     assert sum(g != w for g, w, a in zip(got, plain, adapters, strict=True) if a) >= 4

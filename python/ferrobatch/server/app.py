@@ -22,19 +22,19 @@ from ferrobatch.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
-from ferrobatch.server.embeddings import add_embedding_routes
-from ferrobatch.server.lora_routes import add_lora_routes
+from ferrobatch.server.embeddings import EmbeddingRequest, add_embedding_routes
+from ferrobatch.server.lora_routes import LoadLoraRequest, UnloadLoraRequest, add_lora_routes
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     bad_request,
+    error_responses,
     parse,
     usage,
 )
@@ -130,13 +130,7 @@ def create_app(
 _PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
-def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries of the error statuses a route answers."""
-    text = {400: "Invalid request (the field is named in param)", 401: "Missing or wrong key",
-            404: "Unknown model", 408: "Body too slow", 413: "Body too large",
-            429: "Queue full; retry after Retry-After", 500: "Server error",
-            503: "Engine loading, failed, or shutting down"}  # fmt: skip
-    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
+_errors = error_responses
 
 
 # One Server-Sent Event (OpenAPI 3.1: a text/event-stream schema describes each event).
@@ -194,6 +188,9 @@ def _install_openapi(app: FastAPI) -> None:
         for path, model in (
             ("/v1/completions", CompletionRequest),
             ("/v1/chat/completions", ChatCompletionRequest),
+            ("/v1/embeddings", EmbeddingRequest),
+            ("/v1/load_lora_adapter", LoadLoraRequest),
+            ("/v1/unload_lora_adapter", UnloadLoraRequest),
         ):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             defs = body.pop("$defs", {})

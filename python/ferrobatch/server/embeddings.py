@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.pooling import encode_vector
 from ferrobatch.server import params
-from ferrobatch.server.protocol import APIError, bad_request, parse, usage
+from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse, usage
 from ferrobatch.server.state import ServerState, read_body
 
 __all__ = ["EmbeddingRequest", "add_embedding_routes"]
@@ -49,7 +49,8 @@ class EmbeddingRequest(BaseModel):
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     """Register ``POST /v1/embeddings`` on `app`."""
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings",
+              responses=error_responses(400, 401, 404, 408, 413, 429, 500, 503))
     async def embeddings(request: Request) -> Response:
         """OpenAI embeddings of one input or a list of them."""
         state.require_auth(request)
@@ -57,6 +58,8 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_body(request, state.max_body_bytes, state.body_timeout)
         req = parse(EmbeddingRequest, body)
         state.check_model(req.model)
+        if not callable(getattr(engine, "aembed", None)):
+            raise bad_request("This engine can't compute embeddings.", "model")
         if state.lora_of(req.model) is not None:
             raise bad_request("Embeddings come from the base model; a LoRA adapter can't be "
                               "chosen for them.", "model")

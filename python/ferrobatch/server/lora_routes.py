@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ferrobatch.errors import FieldError
-from ferrobatch.server.protocol import APIError, bad_request, parse
+from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse
 from ferrobatch.server.state import ServerState, read_body
 
 __all__ = ["LoadLoraRequest", "UnloadLoraRequest", "add_lora_routes"]
@@ -33,6 +33,11 @@ class UnloadLoraRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
+# the routes' 200: a line of text (as vLLM answers)
+_TEXT_OK: dict[int | str, dict[str, object]] = {
+    200: {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     """Register the adapter routes on `app`."""
 
@@ -45,7 +50,8 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
                               "or --enable-lora).", "lora_name")
         return engine, body
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/load_lora_adapter",
+              responses={**_TEXT_OK, **error_responses(400, 401, 408, 413, 500, 503)})
     async def load_lora_adapter(request: Request) -> Response:
         """Load a PEFT adapter; 400 naming the field when it can't be."""
         engine, req = await engine_of(request, LoadLoraRequest)
@@ -61,7 +67,8 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(str(exc), param) from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/unload_lora_adapter",
+              responses={**_TEXT_OK, **error_responses(400, 401, 404, 408, 413, 500, 503)})
     async def unload_lora_adapter(request: Request) -> Response:
         """Unload an adapter (its running requests finish with it)."""
         engine, req = await engine_of(request, UnloadLoraRequest)

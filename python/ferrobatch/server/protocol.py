@@ -23,6 +23,7 @@ __all__ = [
     "SamplingFields",
     "StreamOptions",
     "bad_request",
+    "error_responses",
     "parse",
     "usage",
 ]
@@ -443,3 +444,12 @@ def _error_path(loc: tuple[Any, ...]) -> tuple[str | None, bool]:
         else:
             path.append(("." if path else "") + part)
     return "".join(path) or None, False
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries of the error statuses a route answers."""
+    text = {400: "Invalid request (the field is named in param)", 401: "Missing or wrong key",
+            404: "Unknown model", 408: "Body too slow", 413: "Body too large",
+            429: "Queue full; retry after Retry-After", 500: "Server error",
+            503: "Engine loading, failed, or shutting down"}  # fmt: skip
+    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
