@@ -40,6 +40,7 @@ LAYERS = [
     "cuda",
     "gguf",
     "models",
+    "lora",
     "attention",
     "sampling",
     "runner",

@@ -1,7 +1,7 @@
 """ferrobatch: continuous-batching LLM inference (Rust scheduler, PyTorch model).
 
 `from ferrobatch import Engine, ContinuousBatchingConfig, SamplingParams, SpeculativeConfig`
-(and `RequestOutput`, `FieldError`).
+(and `RequestOutput`, `EmbeddingOutput`, `FieldError`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "30000"
 
 from ferrobatch.config import ContinuousBatchingConfig  # noqa: E402 - after the policy
-from ferrobatch.engine.outputs import RequestOutput  # noqa: E402
+from ferrobatch.engine.outputs import EmbeddingOutput, RequestOutput  # noqa: E402
 from ferrobatch.errors import FieldError  # noqa: E402
 from ferrobatch.sampling.params import SamplingParams  # noqa: E402
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "ContinuousBatchingConfig",
+    "EmbeddingOutput",
     "Engine",
     "FieldError",
     "RequestOutput",

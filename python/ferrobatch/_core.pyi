@@ -213,6 +213,7 @@ class Scheduler:
         cpu_offload_blocks: int = 0,
         max_batch_cache_tokens: int | None = None,
         defer_shared_prefixes: bool = True,
+        priority_preemption: bool = False,
     ) -> Scheduler:
         """A scheduler over `num_blocks` chunks of `page_size` tokens; FieldError on bad values."""
     def add_request(
@@ -225,8 +226,10 @@ class Scheduler:
         priority: int = 0,
         stop_sequences: Iterable[_TokenIds] | None = None,
         skip_prefix_lookup: bool = False,
+        cache_salt: int = 0,
     ) -> None:
-        """Queue a request; FieldError naming the field on bad input or if it could never fit."""
+        """Queue a request; FieldError naming the field on bad input or if it could never fit.
+        `cache_salt` (non-zero): its prefix-cache namespace (blocks shared only within it)."""
     def schedule(self) -> StepPlan | None:
         """Plan the next step (None when nothing can run); RuntimeError while a plan is out."""
     def schedule_ahead(self) -> StepPlan | None:

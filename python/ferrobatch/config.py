@@ -15,6 +15,8 @@ from ferrobatch.defaults import SAFETY_MARGIN
 from ferrobatch.errors import FieldError
 
 SCHEDULER_TYPES = tuple(SAFETY_MARGIN)
+#: `scheduling_policy` values: arrival order, or `SamplingParams.priority` first, preempting
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -39,6 +41,10 @@ class ContinuousBatchingConfig:
         max_requests_per_batch: rows per forward; caps logits memory for large vocabularies.
         scheduler_type: "fifo" (decodes first, then in-flight prefills, then new requests) or
             "prefill_first" (finish chunked prefills before resuming decodes).
+        scheduling_policy: "fcfs" (arrival order; requests may not set a priority) or
+            "priority" (lower `SamplingParams.priority` first; a waiting request that doesn't
+            fit preempts running ones of lower priority, each request at most 3 times:
+            ARCHITECTURE.md section 3).
         safety_margin: share of the cache held in reserve for decodes; once free capacity is
             below it no new prefill is admitted. None = 0.15 for fifo, 0.0 for prefill_first.
         allow_block_sharing: prefix caching (only active on full-attention-only models).
@@ -65,6 +71,7 @@ class ContinuousBatchingConfig:
     max_memory_percent: float | None = None
     max_requests_per_batch: int = 256
     scheduler_type: str = "fifo"
+    scheduling_policy: str = "fcfs"
     safety_margin: float | None = None
     allow_block_sharing: bool = True
     defer_shared_prefixes: bool = True
@@ -95,6 +102,10 @@ class ContinuousBatchingConfig:
                 f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}",
                 "scheduler_type",
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise FieldError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                f"{self.scheduling_policy!r}", "scheduling_policy")
         if self.safety_margin is not None:
             _check_float(self, "safety_margin", low=0.0, high=1.0, high_open=True)
         if not isinstance(self.allow_block_sharing, bool):

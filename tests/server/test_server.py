@@ -344,7 +344,7 @@ def _bad_requests(max_len: int) -> list[tuple[str, str, Any, dict[str, str], int
          404, "model", "does not exist"),
         ("oversized body", "/v1/completions", {"prompt": "x" * 300_000}, {}, 413, None,
          "too large"),
-        ("unknown route", "/v1/embeddings", {"input": "x"}, {}, 404, None, "Not Found"),
+        ("unknown route", "/v1/audio/speech", {"input": "x"}, {}, 404, None, "Not Found"),
     ]  # fmt: skip
 
 

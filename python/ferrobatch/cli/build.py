@@ -39,6 +39,9 @@ def build_engine(args: argparse.Namespace, model: Any = None) -> Any:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=spec_config_from_args(args),
         quantization=getattr(args, "quantization", None),
+        lora_modules=dict(getattr(args, "lora_modules", None) or []) or None,
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 4),
     )
 
 

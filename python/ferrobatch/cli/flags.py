@@ -69,6 +69,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
           "4 GiB.")),
     ("max_requests_per_batch", dict(type=int, metavar="N",
      help="Rows per forward pass; caps logits memory for large vocabularies.")),
+    ("scheduling_policy", dict(choices=("fcfs", "priority"),
+     help="fcfs: arrival order; priority: lower request priority first, and a waiting "
+          "request that doesn't fit preempts running ones of lower priority (each at most "
+          "3 times). Default: fcfs.")),
     ("scheduler_type", dict(choices=("fifo", "prefill_first"),
      help="fifo: decodes first, then in-flight prefills, then new requests in arrival order; "
           "prefill_first: finish chunked prefills before resuming decodes.")),
@@ -192,6 +196,29 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "starts N-1 worker processes, or joins a torchrun launch. Default: 1.",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters to load at start (adapter_config.json + "
+        "adapter_model.safetensors in PATH); a request picks one by NAME (the server's "
+        "'model' field). Decoder layers then run unfused.",
+    )
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Take LoRA adapters (POST /v1/load_lora_adapter) even without --lora-modules.",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="LoRA adapters with requests running at once; requests of another adapter "
+        "wait until one of them is idle. Default: 4.",
+    )
+    group.add_argument(
         "--engine-seed",
         type=int,
         default=None,
@@ -199,6 +226,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="Seed of the engine's sampler for requests without their own seed.",
     )
     add_spec_flags(parser)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora-modules``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 # (flag dest = SamplingParams field, argparse kwargs), after --max-new-tokens whose default

@@ -33,9 +33,9 @@ from ferrobatch.core import Scheduler
 from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
-from ferrobatch.engine import memory
+from ferrobatch.engine import embedding, memory
 from ferrobatch.engine.model_checks import check_architecture, eos_ids, generation_defaults
-from ferrobatch.engine.outputs import RequestOutput
+from ferrobatch.engine.outputs import EmbeddingOutput, RequestOutput
 from ferrobatch.engine.pipeline import AsyncStepper
 from ferrobatch.engine.probes import ModelProbes
 from ferrobatch.engine.request import (
@@ -50,6 +50,8 @@ from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.gguf import modules as quant_modules
+from ferrobatch.lora.manager import LoraManager
+from ferrobatch.model_config import text_config
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
@@ -108,8 +110,15 @@ class Engine(ModelProbes):
         tensor_parallel_size: int = 1,
         speculative_config: Any = None,
         quantization: str | None = None,
+        lora_modules: dict[str, str] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
     ) -> None:
         self.config = ContinuousBatchingConfig.coerce(config)
+        # LoRA adapters to load (name -> PEFT directory); `enable_lora` without any: loaded
+        # at run time (`load_lora`)
+        self._lora_setup = _lora_setup(lora_modules, enable_lora, max_loras,
+                                       tensor_parallel_size)
         # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
         self._quantization = quantization
         if quantization is not None and tensor_parallel_size != 1:
@@ -159,6 +168,7 @@ class Engine(ModelProbes):
         self.rope = self._make_rope()
         self._size_cache(self.model, tcfg)
         self.runner = self._make_runner()
+        self.lora = self._make_lora()
         self.scheduler = self._build_scheduler()
         try:
             self._probe_model()
@@ -190,6 +200,9 @@ class Engine(ModelProbes):
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        # embed()'s pooling when the caller names none (a sentence-transformers checkpoint's)
+        self.pooling_defaults = embedding.pooling_defaults(
+            getattr(self.model.config, "_name_or_path", None))
 
     def _load(self, model: Any, tokenizer: Any, device: Any, dtype: Any) -> tuple[Any, Any]:
         """(model, tokenizer): this rank's shard under tensor parallelism, else
@@ -268,6 +281,9 @@ class Engine(ModelProbes):
         """The model runner over a cache of `num_blocks` chunks, with the per-request rope."""
         # None: on with CUDA + a kernel backend; off with per-request rope factors
         use_cuda_graph = self.config.use_cuda_graph if self.rope is None else False
+        lora = self._lora_setup is not None
+        if lora:  # graphs would replay one step's adapter rows
+            use_cuda_graph = False
         return ModelRunner(
             self.model,
             num_blocks=self.num_blocks,
@@ -278,7 +294,28 @@ class Engine(ModelProbes):
             use_cuda_graph=use_cuda_graph,
             config=self.config,
             rope=self.rope,
+            # the adapters' hooks need each linear layer called as a module
+            lean_layers=not lora,
         )
+
+    def _make_lora(self) -> LoraManager | None:
+        """The LoRA adapters (`ferrobatch.lora`) with those of `lora_modules` loaded, or None
+        when the engine was not asked for LoRA."""
+        if self._lora_setup is None:
+            return None
+        modules, max_loras = self._lora_setup
+        manager = LoraManager(self.model, max_loras)
+        try:
+            for name, path in modules.items():
+                manager.load(name, path)
+        except BaseException:
+            manager.close()
+            self.runner.close()
+            raise
+        if modules:
+            logger.info("ferrobatch: LoRA adapters %s (at most %d active)", list(modules),
+                        max_loras)
+        return manager
 
     def _build_scheduler(self, max_batch_tokens: int | None = None) -> Scheduler:
         cfg = self.config
@@ -295,6 +332,7 @@ class Engine(ModelProbes):
             sliding_window=self.sliding_window,
             cpu_offload_blocks=self.cpu_offload_blocks,
             defer_shared_prefixes=cfg.defer_shared_prefixes,
+            priority_preemption=cfg.scheduling_policy == "priority",
         )
 
     def _tp_failed(self, exc: BaseException) -> None:
@@ -314,9 +352,9 @@ class Engine(ModelProbes):
         """The async pipeline (`async_batching`), else synchronous steps."""
         if self.async_batching:
             return AsyncStepper(self.scheduler, self.runner, self.sampler, self._router,
-                                self._stats, device=self.device)  # fmt: skip
+                                self._stats, device=self.device, lora=self.lora)  # fmt: skip
         return Stepper(self.scheduler, self.runner, self.sampler, self._router, self._stats,
-                       spec=self.spec)  # fmt: skip
+                       spec=self.spec, lora=self.lora)  # fmt: skip
 
     def _resolve_async_batching(self) -> bool:
         """`use_async_batching`: True → the async pipeline on any device (on CPU it runs
@@ -372,6 +410,86 @@ class Engine(ModelProbes):
             conversations = [conversations]
         ids = [self.encode_chat(c, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(ids, sampling, max_new_tokens=max_new_tokens, progress=progress)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        progress: bool = False,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt (a string or token ids), in input order: the base
+        model's final hidden states pooled ("last" token, "mean" of all, "cls": the first),
+        L2-normalized with `normalize`. None takes the checkpoint's own sentence-transformers
+        settings where it has them (`pooling_defaults`), else "last" and True. Embedding
+        requests batch with generation requests in the same steps."""
+        reqs = self._embedding_requests(as_prompt_list(prompts), pooling, normalize)
+        self._run_batch(reqs, progress=progress, desc="embed")
+        return [embedding.embedding_output(r) for r in reqs]
+
+    async def aembed(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Async form of `embed` (every prompt validated before any runs; cancelling the
+        call cancels its requests)."""
+        reqs = self._embedding_requests(list(prompts), pooling, normalize)
+
+        async def run(req: Request) -> EmbeddingOutput:
+            async for _ in self._astream_gen(req):
+                pass
+            return embedding.embedding_output(req)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(r)) for r in reqs]
+        return [t.result() for t in tasks]
+
+    def _embedding_requests(
+        self, prompts: list[Prompt], pooling: str | None, normalize: bool | None
+    ) -> list[Request]:
+        """Validated embedding requests (`FieldError` naming the field)."""
+        if self.tp is not None:
+            raise FieldError("embeddings are not supported with tensor_parallel_size > 1",
+                             "tensor_parallel_size")
+        if not self.runner.head.split:
+            raise FieldError(
+                f"{type(self.model).__name__} can't embed: its base model is not separable "
+                f"from its output head ({self.runner.head.split_error})", "model")
+        if not prompts:
+            raise FieldError("prompts must not be empty", "prompt")
+        mode, norm = embedding.resolve_pooling(self.pooling_defaults, pooling, normalize)
+        return [embedding.embedding_request(self, p, mode, norm, self._new_request_id)
+                for p in prompts]
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name`, for requests with
+        `SamplingParams(lora=name)` (`FieldError`: the engine was started without LoRA, the
+        name is taken, the adapter doesn't fit the model)."""
+        self._require_lora().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (its running requests finish with it)."""
+        self._require_lora().unload(name)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return [] if self.lora is None else self.lora.names()
+
+    def _require_lora(self) -> LoraManager:
+        if self.lora is None:
+            raise FieldError("this engine was started without LoRA support (pass "
+                             "lora_modules= or enable_lora=True)", "lora_name")
+        return self.lora
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of the embeddings `embed` returns (the model's hidden size)."""
+        return int(text_config(self.model.config).hidden_size)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Prompt token ids for a conversation, through the tokenizer's chat template."""
@@ -553,6 +671,8 @@ class Engine(ModelProbes):
             if self.spec is not None:
                 self.spec.close()
             self.runner.close()
+            if self.lora is not None:  # the adapters' hooks off the caller's model
+                self.lora.close()
             if self._threads is not None:
                 self._threads.close()
         if self.tp is not None and self.tp.rank == 0:
@@ -792,6 +912,21 @@ class _Subscription:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _lora_setup(modules: Any, enable: bool, max_loras: int,
+                tensor_parallel_size: int) -> tuple[dict[str, str], int] | None:
+    """(adapters to load, max_loras), or None without LoRA; `FieldError` naming the
+    argument otherwise."""
+    if not modules and not enable:
+        return None
+    if modules is not None and not isinstance(modules, dict):
+        raise FieldError("lora_modules must be a dict of adapter name -> PEFT directory",
+                         "lora_modules")
+    if tensor_parallel_size != 1:
+        raise FieldError("LoRA adapters are not supported with tensor_parallel_size > 1",
+                         "lora_modules")
+    return {str(k): str(v) for k, v in (modules or {}).items()}, max_loras
 
 
 async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:

@@ -1,4 +1,5 @@
-"""`RequestOutput`: a request's result, or one streamed delta of it."""
+"""`RequestOutput`: a request's result, or one streamed delta of it; `EmbeddingOutput`: an
+embedding request's result."""
 
 from __future__ import annotations
 
@@ -35,3 +36,20 @@ class RequestOutput:
     def num_tokens(self) -> int:
         """Number of generated tokens."""
         return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """One prompt's embedding: `embedding` (floats, `dimensions` long), the pooling that made
+    it, whether it is L2-normalized, and the prompt's token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    pooling: str
+    normalized: bool
+
+    @property
+    def dimensions(self) -> int:
+        """The embedding's length (the model's hidden size)."""
+        return len(self.embedding)

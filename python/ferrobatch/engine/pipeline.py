@@ -32,11 +32,11 @@ import torch
 
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
-from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import DeviceSample, Sampler, SamplingState
 
 if TYPE_CHECKING:
     from ferrobatch.core import Scheduler, StepPlan
+    from ferrobatch.lora.manager import LoraManager
     from ferrobatch.runner.model_runner import ModelRunner
 
 __all__ = ["AsyncStepper", "DeviceToHost", "PendingCopy"]
@@ -147,8 +147,9 @@ class AsyncStepper(Stepper):
         stats: collections.Counter[str],
         *,
         device: torch.device | str = "cpu",
+        lora: LoraManager | None = None,
     ) -> None:
-        super().__init__(scheduler, runner, sampler, router, stats)
+        super().__init__(scheduler, runner, sampler, router, stats, lora=lora)
         self.device = torch.device(device)
         self.to_host = DeviceToHost(self.device)
         self._inflight: _InFlight | None = None
@@ -251,14 +252,10 @@ class AsyncStepper(Stepper):
             and self.runner.fast_greedy
             and all(s.plain_greedy for s in states)
         )
-        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
-        with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
-                cur.logits, prompt_logits = self.runner.execute_with_prompt(
-                    plan, job.indices, prev_tokens
-                )
-                job.record(prompt_logits)
-                del prompt_logits
+        with self.forward_lock, self.lora_bound(plan):
+            rows_logits = self.execute_rows(plan, prev_tokens)
+            if rows_logits is not None:  # prompt logprobs or embeddings of prompt rows
+                cur.logits = rows_logits
             elif greedy:
                 cur.sample = DeviceSample(self.runner.execute_greedy(plan, prev_tokens))
             elif prev_tokens is None:

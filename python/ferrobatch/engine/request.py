@@ -17,6 +17,7 @@ from ferrobatch.engine.detok import IncrementalDetokenizer
 from ferrobatch.engine.outputs import RequestOutput
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.params import SamplingParams, coerce_sampling
+from ferrobatch.sampling.pooling import Pooled
 from ferrobatch.sampling.sampler import SamplingState
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ class Request:
     in_scheduler: bool = False
     keep: bool = False  # stays in the table after finishing until get_output claims it
     prompt_lp_sent: bool = False  # the prompt logprobs went out in a delta
+    pool: Pooled | None = None  # an embedding request's pooling (`sampling.pooling`)
+    lora_salt: int = 0  # its LoRA adapter's prefix-cache salt (0: the base model)
+    lora_admitted: bool = False  # counted among its adapter's requests in the scheduler
 
     @property
     def plain(self) -> bool:
@@ -151,6 +155,16 @@ def make_request(
     for t in sp.stop_token_ids:
         if t >= engine.vocab_size:
             raise FieldError(f"stop_token_ids: {t} is outside the vocabulary", "stop_token_ids")
+    if sp.priority and getattr(engine.config, "scheduling_policy", "fcfs") != "priority":
+        raise FieldError("priority: this engine schedules in arrival order; start it with "
+                         "scheduling_policy='priority' to use request priorities", "priority")
+    lora_salt = 0
+    if sp.lora is not None:
+        manager = getattr(engine, "lora", None)
+        if manager is None:
+            raise FieldError("lora: this engine was started without LoRA support (pass "
+                             "lora_modules= or enable_lora=True)", "lora")
+        lora_salt = manager.salt(sp.lora)
     guide = None
     if sp.guided:  # compiled here, in the caller's thread, not in a step
         factory = getattr(engine, "guides", None)
@@ -186,6 +200,7 @@ def make_request(
         arrival=time.perf_counter(),
         output=out,
         listener=listener,
+        lora_salt=lora_salt,
     )
 
 

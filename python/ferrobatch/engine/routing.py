@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ferrobatch.engine.request import Request
@@ -29,6 +30,8 @@ class OutputRouter:
         self.lock = threading.Lock()
         self.scheduler = scheduler
         self.stats = stats
+        # called with each request as it ends (finished, cancelled or failed), or None
+        self.on_done: Callable[[Request], None] | None = None
 
     def route(
         self, step_out: StepOutput, lp_by_rid: dict[str, dict[int, float]], now: float
@@ -119,6 +122,8 @@ class OutputRouter:
             return [r for r in self.requests.values() if not r.done.is_set()]
 
     def _done(self, req: Request) -> None:
+        if self.on_done is not None:
+            self.on_done(req)
         with self.lock:
             req.done.set()
             if not req.keep and self.requests.get(req.request_id) is req:

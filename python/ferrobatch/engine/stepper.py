@@ -6,19 +6,24 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.models import model_lock
+from ferrobatch.sampling.pooling import PoolJob
 from ferrobatch.sampling.prompt_logprobs import PromptJob
 from ferrobatch.sampling.sampler import Sampler, SampleResult
 from ferrobatch.spec.verify import entry_states
 
 if TYPE_CHECKING:
+    import torch
+
     from ferrobatch.core import Scheduler, StepPlan
+    from ferrobatch.lora.manager import LoraManager
     from ferrobatch.runner.model_runner import ModelRunner
     from ferrobatch.spec.controller import SpecController
 
@@ -45,6 +50,7 @@ class Stepper:
         stats: collections.Counter[str],
         *,
         spec: SpecController | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -56,15 +62,24 @@ class Stepper:
         self.busy_time = 0.0
         # requests with prompt logprobs still to compute, by id (empty: no step looks)
         self.prompt_pending: dict[str, Request] = {}
+        # embedding requests whose pooled positions are not all computed yet, by id
+        self.pool_pending: dict[str, Request] = {}
         # per-request rope factors (`ferrobatch.attention.rope.LongRope`), when the model needs them
         self.rope = getattr(runner, "rope", None)
         model = getattr(runner, "model", None)
         self.forward_lock = model_lock(model) if model is not None else threading.Lock()
         self.spec = spec  # speculative decoding, or None
+        # LoRA adapters (`ferrobatch.lora`), or None; requests of an adapter beyond the
+        # `max_loras` active ones wait here, in arrival order, outside the scheduler
+        self.lora = lora
+        self.lora_waiting: collections.deque[Request] = collections.deque()
+        if lora is not None:
+            router.on_done = self._lora_release
 
     def has_mail(self) -> bool:
-        """Whether requests or cancellations wait for the next step."""
-        return bool(self.inbox or self.cancel_inbox)
+        """Whether requests or cancellations wait for the next step (or requests held back
+        for their LoRA adapter)."""
+        return bool(self.inbox or self.cancel_inbox or self.lora_waiting)
 
     def step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
@@ -85,13 +100,11 @@ class Stepper:
         greedy = self.runner.fast_greedy and all(
             s.plain_greedy for s in states
         )
-        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
-        with self.forward_lock:
-            if job is not None:  # prompt positions' logits too (sampling.prompt_logprobs)
+        with self.forward_lock, self.lora_bound(plan):
+            rows_logits = self.execute_rows(plan, None)
+            if rows_logits is not None:  # prompt logprobs or embeddings of prompt rows
                 greedy = False
-                logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices)
-                job.record(prompt_logits)
-                del prompt_logits
+                logits = rows_logits
             elif greedy:
                 result = SampleResult(self.runner.execute_greedy(plan))
             else:
@@ -101,6 +114,46 @@ class Stepper:
         self._record(plan, rids, rows, result)
         self.busy_time += time.perf_counter() - t0
         return True
+
+    def lora_bound(self, plan: StepPlan) -> AbstractContextManager[None]:
+        """The forward of `plan` with each row's LoRA adapter applied (nothing to do
+        without adapters)."""
+        if self.lora is None:
+            return nullcontext()
+        requests = self.router.requests
+        salts = [getattr(requests.get(rid), "lora_salt", 0) for rid in plan.request_ids]
+        return self.lora.bind(salts, plan.cu_seqlens_q)
+
+    def _lora_release(self, req: Request) -> None:
+        """A request left: its adapter's count in the scheduler drops."""
+        if req.lora_admitted and self.lora is not None:
+            req.lora_admitted = False
+            self.lora.release(req.lora_salt)
+
+    def execute_rows(
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """When requests of `plan` want prompt rows (prompt logprobs,
+        `sampling.prompt_logprobs`; embeddings, `sampling.pooling`): the forward that also
+        returns those rows, recorded into the requests; the sampled rows' logits. None
+        (nothing run) when no request wants any."""
+        job = PromptJob.of(plan, self.prompt_pending) if self.prompt_pending else None
+        pool = PoolJob.of(plan, self.pool_pending) if self.pool_pending else None
+        if pool is None:
+            if job is None:
+                return None
+            logits, prompt_logits = self.runner.execute_with_prompt(plan, job.indices,
+                                                                    prev_tokens)
+            job.record(prompt_logits)
+            return logits
+        logits, prompt_logits, hidden = self.runner.execute_with_rows(
+            plan, None if job is None else job.indices, pool.indices, prev_tokens)
+        if job is not None:
+            assert prompt_logits is not None
+            job.record(prompt_logits)
+        assert hidden is not None
+        pool.record(hidden)
+        return logits
 
     def _record(
         self, plan: StepPlan, rids: list[str], rows: list[int], result: SampleResult
@@ -127,14 +180,52 @@ class Stepper:
     def close(self) -> None:
         """Nothing is left in flight between synchronous steps."""
 
-    def _drain_inboxes(self) -> bool:
-        changed = False
+    def _next_request(self) -> Request | None:
+        """The next request to add to the scheduler: those held back for their LoRA adapter
+        first, once it may run (arrival order within the held ones), then the inbox's; None
+        when none can go in now."""
+        if self.lora_waiting:
+            while self.lora_waiting and self.lora_waiting[0].done.is_set():
+                self.lora_waiting.popleft()
+            if self.lora_waiting and self._lora_admit(self.lora_waiting[0]):
+                return self.lora_waiting.popleft()
         while self.inbox:
             req = self.inbox.popleft()
             if req.done.is_set():
                 continue
-            # prompt logprobs need every prompt position computed: no prefix-cache hits
-            extra = {"skip_prefix_lookup": True} if req.params.prompt_logprobs is not None else {}
+            if self.lora_waiting and req.lora_salt:  # behind the held ones of its kind
+                self.lora_waiting.append(req)
+                continue
+            if not self._lora_admit(req):
+                self.lora_waiting.append(req)
+                continue
+            return req
+        return None
+
+    def _lora_admit(self, req: Request) -> bool:
+        """Whether `req` may enter the scheduler now (`LoraManager.admit`)."""
+        if self.lora is None or not req.lora_salt:
+            return True
+        if self.lora.admit(req.lora_salt):
+            req.lora_admitted = True
+            return True
+        return False
+
+    def _drain_inboxes(self) -> bool:
+        changed = False
+        while True:
+            req = self._next_request()
+            if req is None:
+                break
+            # prompt logprobs (and mean / cls embeddings) need every prompt position
+            # computed: no prefix-cache hits
+            every = req.params.prompt_logprobs is not None or (
+                req.pool is not None and req.pool.needs_every_position)
+            extra: dict[str, Any] = {"skip_prefix_lookup": True} if every else {}
+            if req.lora_salt:  # blocks shared only among requests of the same adapter
+                extra["cache_salt"] = req.lora_salt
+            if req.params.priority:
+                extra["priority"] = req.params.priority
             try:
                 self.scheduler.add_request(
                     req.request_id,
@@ -145,11 +236,13 @@ class Stepper:
                     **extra,
                 )
             except (ValueError, KeyError, TypeError) as exc:  # this request only
-                self.router.fail(req, exc)
+                self.router.fail(req, exc)  # (its LoRA count released as it ends)
                 continue
             req.in_scheduler = True
             if req.params.prompt_logprobs is not None and len(req.prompt_ids) > 1:
                 self.prompt_pending[req.request_id] = req
+            if req.pool is not None:
+                self.pool_pending[req.request_id] = req
             if self.rope is not None:
                 self.rope.add(req.request_id, len(req.prompt_ids))
             self.stats["prompt_tokens"] += len(req.prompt_ids)

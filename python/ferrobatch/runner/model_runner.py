@@ -145,6 +145,9 @@ class ModelRunner:
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self.head.greedy is not None
         self._closed = False
+        # execute_with_rows' request for final hidden states, and the rows it got
+        self._hidden_indices: np.ndarray | None = None
+        self._hidden_rows: torch.Tensor | None = None
         # A `ferrobatch.attention.rope.LongRope` giving each request its own rope factors (the
         # rotary module would take them from the whole packed step); the engine's.
         self.rope: LongRope | None = rope
@@ -281,9 +284,37 @@ class ModelRunner:
         `prompt_indices` (token indices into the plan: prompt positions whose next-token
         logprobs a request wants, `ferrobatch.sampling.prompt_logprobs`), from the same forward
         (always eager)."""
+        logits, prompt_logits, _ = self.execute_with_rows(plan, prompt_indices, None,
+                                                          prev_tokens)
+        assert prompt_logits is not None
+        return logits, prompt_logits
+
+    def execute_with_rows(
+        self, plan: StepPlan, prompt_indices: np.ndarray | None,
+        hidden_indices: np.ndarray | None, prev_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`execute`'s logits [N, vocab]; fp32 logits [M, vocab] of the tokens at
+        `prompt_indices` (as `execute_with_prompt`); and the final hidden states [K, hidden]
+        (the base model's output, fp32) of the tokens at `hidden_indices` (token indices
+        into the plan: the prompt positions embeddings pool, `ferrobatch.sampling.pooling`),
+        from the same forward (always eager). None for an index array not given."""
+        if hidden_indices is not None and not self.head.split:
+            raise RuntimeError(
+                f"{type(self.model).__name__}: hidden states need a base model separable "
+                f"from the output head ({self.head.split_error})"
+            )
         n = len(plan.logits_indices)
-        out = self.execute(plan, prev_tokens, _extra=prompt_indices)
-        return out[:n], out[n:]
+        extra = np.zeros(0, np.int64) if prompt_indices is None else prompt_indices
+        self._hidden_indices = hidden_indices
+        try:
+            out = self.execute(plan, prev_tokens, _extra=extra)
+        finally:
+            hidden, self._hidden_rows = self._hidden_rows, None
+            self._hidden_indices = None
+        prompt_logits = None if prompt_indices is None else out[n:]
+        if hidden_indices is not None and hidden is None:  # an empty plan
+            hidden = torch.empty(0, 0)
+        return out[:n], prompt_logits, hidden
 
     # --- execution -------------------------------------------------------------------------
 
@@ -426,6 +457,10 @@ class ModelRunner:
         with registry.paged_attention_enabled(self._configs, step), self.activations.active():
             if head.split:
                 out = head.base(input_ids=input_ids, position_ids=positions, **kwargs)
+                if self._hidden_indices is not None:  # execute_with_rows' hidden rows
+                    rows = torch.from_numpy(np.asarray(self._hidden_indices, np.int64))
+                    self._hidden_rows = out[0][0].index_select(
+                        0, rows.to(out[0].device)).float()
                 hidden = out[0][0].index_select(0, logits_indices)
                 if greedy and head.greedy is not None:
                     tokens = head.greedy.argmax(hidden)

@@ -11,6 +11,8 @@ from typing import Any
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.grammar import check_grammar_fields
 
+#: `priority` is in [-PRIORITY_LIMIT, PRIORITY_LIMIT)
+PRIORITY_LIMIT = 2**31
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,10 @@ class SamplingParams:
     `grammar` (a Lark grammar as llguidance reads it; at most one of the three) constrain
     the output with a token mask (`ferrobatch.sampling.guided`, needs llguidance): end-of-sequence
     only where the grammar accepts; not with `ignore_eos`.
+    `lora` names a LoRA adapter the engine has loaded (`Engine(lora_modules=...)`,
+    `Engine.load_lora`); None: the base model.
+    `priority` (with the engine's `scheduling_policy="priority"`): lower runs first, and may
+    preempt running requests of higher value; in [-2**31, 2**31).
     `max_new_tokens=None` takes `max_length - prompt length` when `max_length` is set
     (transformers' total-length cap, what a `GenerationConfig` without `max_new_tokens`
     means), else the engine's default (128 unless overridden). A `temperature` below
@@ -56,6 +62,8 @@ class SamplingParams:
     json_schema: Any = None
     regex: str | None = None
     grammar: str | None = None
+    lora: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +101,12 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _int_field("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        _int_field("priority", self.priority, minimum=-PRIORITY_LIMIT)
+        if self.priority >= PRIORITY_LIMIT:
+            raise FieldError(f"priority must be in [-2**31, 2**31), got {self.priority}",
+                             "priority")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise FieldError(f"lora must be an adapter's name, got {self.lora!r}", "lora")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         if self.guided:

@@ -21,17 +21,19 @@ from starlette.requests import ClientDisconnect
 from ferrobatch.metrics import ServerMetrics
 from ferrobatch.server import checks, params, tools
 from ferrobatch.server.background import DEFAULT_READ_TIMEOUT
+from ferrobatch.server.embeddings import EmbeddingRequest, add_embedding_routes
+from ferrobatch.server.lora_routes import LoadLoraRequest, UnloadLoraRequest, add_lora_routes
 from ferrobatch.server.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     bad_request,
+    error_responses,
     parse,
     usage,
 )
@@ -117,6 +119,8 @@ def create_app(
     _add_error_handlers(app, state)
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
+    add_embedding_routes(app, state)
+    add_lora_routes(app, state)
     _install_openapi(app)
     return app
 
@@ -125,13 +129,7 @@ def create_app(
 _PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
-def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries of the error statuses a route answers."""
-    text = {400: "Invalid request (the field is named in param)", 401: "Missing or wrong key",
-            404: "Unknown model", 408: "Body too slow", 413: "Body too large",
-            429: "Queue full; retry after Retry-After", 500: "Server error",
-            503: "Engine loading, failed, or shutting down"}  # fmt: skip
-    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}
+_errors = error_responses
 
 
 # One Server-Sent Event (OpenAPI 3.1: a text/event-stream schema describes each event).
@@ -189,6 +187,9 @@ def _install_openapi(app: FastAPI) -> None:
         for path, model in (
             ("/v1/completions", CompletionRequest),
             ("/v1/chat/completions", ChatCompletionRequest),
+            ("/v1/embeddings", EmbeddingRequest),
+            ("/v1/load_lora_adapter", LoadLoraRequest),
+            ("/v1/unload_lora_adapter", UnloadLoraRequest),
         ):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             defs = body.pop("$defs", {})
@@ -319,21 +320,28 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.exposition(stats, ready, request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
-    def model_entry(engine: Any) -> dict[str, Any]:
-        return {
-            "id": state.primary_name(),
+    def model_entry(engine: Any, adapter: str | None = None) -> dict[str, Any]:
+        entry = {
+            "id": adapter or state.primary_name(),
             "object": "model",
             "created": int(time.time()),
             "owned_by": "ferrobatch",
             "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
         }
+        if adapter is not None:  # a LoRA adapter: its base model and where it came from
+            entry.update(parent=state.primary_name(), root=engine.lora.path_of(adapter))
+        return entry
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(401, 503)})
     async def models(request: Request) -> Response:
-        """The served model."""
+        """The served model and its LoRA adapters."""
         state.require_auth(request)
         engine = state.require_engine()
-        return JSONResponse({"object": "list", "data": [model_entry(engine)]})
+        data = [model_entry(engine)]
+        for name in state.lora_names():
+            with contextlib.suppress(KeyError):  # unloaded meanwhile
+                data.append(model_entry(engine, name))
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -344,7 +352,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         state.require_auth(request)
         engine = state.require_engine()
         state.check_model(model_id)
-        return JSONResponse({**model_entry(engine), "id": model_id})
+        adapter = state.lora_of(model_id)
+        return JSONResponse({**model_entry(engine, adapter), "id": model_id})
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -400,6 +409,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
             base = params.base_sampling(req, max_tokens_each[p], req.logprobs)
+            base["lora"] = state.lora_of(req.model)  # model=<adapter name>: that adapter
             base.update(guided)
             for i, sp in enumerate(params.choice_samplings(base, req.n)):
                 index = p * req.n + i
@@ -442,6 +452,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         base = params.base_sampling(req, max_tokens, top_n)
+        base["lora"] = state.lora_of(req.model)  # model=<adapter name>: that adapter
         base.update(params.response_format_sampling(req.response_format))
         if setup.grammar is not None:
             base["grammar"] = setup.grammar

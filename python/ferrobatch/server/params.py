@@ -68,6 +68,8 @@ def base_sampling(req: SamplingFields, max_tokens: int, logprobs: int | None) ->
             kwargs[name] = float(value)
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.priority:
+        kwargs["priority"] = req.priority
     return kwargs
 
 

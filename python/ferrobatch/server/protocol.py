@@ -23,6 +23,7 @@ __all__ = [
     "SamplingFields",
     "StreamOptions",
     "bad_request",
+    "error_responses",
     "parse",
     "usage",
 ]
@@ -124,6 +125,10 @@ class SamplingFields(_Schema):
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
     skip_special_tokens: bool = Field(True, description="Extension.")
+    priority: int | None = Field(
+        None, ge=-(2**31), lt=2**31,
+        description="Extension (--scheduling-policy priority): lower runs first and may "
+        "preempt running requests of higher value.")
     logit_bias: dict[str, float] | None = None
 
     @property
@@ -480,3 +485,12 @@ def _error_path(loc: tuple[Any, ...]) -> tuple[str | None, bool]:
         else:
             path.append(("." if path else "") + part)
     return "".join(path) or None, False
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries of the error statuses a route answers."""
+    text = {400: "Invalid request (the field is named in param)", 401: "Missing or wrong key",
+            404: "Unknown model", 408: "Body too slow", 413: "Body too large",
+            429: "Queue full; retry after Retry-After", 500: "Server error",
+            503: "Engine loading, failed, or shutting down"}  # fmt: skip
+    return {c: {"model": ErrorResponse, "description": text[c]} for c in codes}

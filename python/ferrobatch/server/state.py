@@ -75,8 +75,19 @@ class ServerState:
         return str(name) if name else None
 
     def served_names(self) -> set[str]:
-        """Every name a client may pass as ``model``."""
-        return {name for name in (self.model_name, self._engine_name()) if name}
+        """Every name a client may pass as ``model`` (the model's, its LoRA adapters')."""
+        return {name for name in (self.model_name, self._engine_name()) if name} | set(
+            self.lora_names())
+
+    def lora_names(self) -> list[str]:
+        """The engine's loaded LoRA adapters (a client picks one as ``model``)."""
+        return list(getattr(self.engine, "lora_adapters", None) or []) if self.engine else []
+
+    def lora_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        if name is None or name in (self.model_name, self._engine_name()):
+            return None
+        return name if name in self.lora_names() else None
 
     def primary_name(self) -> str:
         """The name the server reports."""

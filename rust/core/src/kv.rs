@@ -129,12 +129,13 @@ impl KvManager {
         let page = self.layout.page;
         let max_hit = (r.tokens.len() - 1) / page;
         self.hasher
-            .extend(&mut r.block_hashes, &r.tokens, page, max_hit);
+            .extend(&mut r.block_hashes, &r.tokens, page, max_hit, r.cache_salt);
         let mut parent = None;
         for i in 0..max_hit {
             match self.pool.lookup(
                 r.block_hashes[i],
                 parent,
+                r.cache_salt,
                 &r.tokens[i * page..(i + 1) * page],
             ) {
                 Some(c) => {
@@ -173,13 +174,15 @@ impl KvManager {
     pub fn register(&mut self, r: &mut Request) {
         let page = self.layout.page;
         let n = r.num_computed / page;
-        self.hasher.extend(&mut r.block_hashes, &r.tokens, page, n);
+        self.hasher
+            .extend(&mut r.block_hashes, &r.tokens, page, n, r.cache_salt);
         for i in r.num_registered..n {
             let parent = if i == 0 { None } else { Some(r.full[i - 1]) };
             self.pool.cache(
                 r.full[i],
                 r.block_hashes[i],
                 parent,
+                r.cache_salt,
                 &r.tokens[i * page..(i + 1) * page],
             );
         }
@@ -196,7 +199,7 @@ impl KvManager {
         let page = self.layout.page;
         let last = end.min(r.tokens.len()) / page;
         self.hasher
-            .extend(&mut r.block_hashes, &r.tokens, page, last);
+            .extend(&mut r.block_hashes, &r.tokens, page, last, r.cache_salt);
         out.extend_from_slice(&r.block_hashes[(start / page).min(last)..last]);
     }
 

@@ -73,6 +73,9 @@ struct HashMeta {
     parent: u32,
     /// `epoch[parent]` at that time: the parent's content was unchanged iff still equal.
     parent_epoch: u32,
+    /// The cache salt of the request that computed it (0: none): blocks computed under
+    /// different salts (another LoRA adapter, say) are never shared.
+    salt: u64,
 }
 
 /// The device chunk pool.
@@ -311,7 +314,8 @@ impl ChunkPool {
     }
 
     /// Register the content of a used, full, computed chunk under `hash`.
-    /// `parent` is the chunk holding the previous block (None for block 0). Returns false
+    /// `parent` is the chunk holding the previous block (None for block 0); `salt` the
+    /// computing request's cache salt (0: none). Returns false
     /// (and leaves the chunk unhashed) when the hash is already taken by another chunk or
     /// the chunk is already hashed.
     pub fn cache(
@@ -319,6 +323,7 @@ impl ChunkPool {
         c: ChunkId,
         hash: u64,
         parent: Option<ChunkId>,
+        salt: u64,
         block_tokens: &[Token],
     ) -> bool {
         let i = c as usize;
@@ -335,6 +340,7 @@ impl ChunkPool {
             hash,
             parent,
             parent_epoch,
+            salt,
         });
         self.tokens[i * self.page_size..(i + 1) * self.page_size].copy_from_slice(block_tokens);
         self.table.insert(hash, c);
@@ -343,17 +349,19 @@ impl ChunkPool {
 
     /// Token-verified lookup of one block: the chunk registered under `hash` whose content
     /// equals `block_tokens` and which was computed on top of `parent` (the chunk matched
-    /// for the previous block, unchanged since). A mismatch is a miss.
+    /// for the previous block, unchanged since) under the same cache `salt`. A mismatch is a
+    /// miss.
     pub fn lookup(
         &self,
         hash: u64,
         parent: Option<ChunkId>,
+        salt: u64,
         block_tokens: &[Token],
     ) -> Option<ChunkId> {
         let &c = self.table.get(&hash)?;
         let i = c as usize;
         let m = self.meta[i]?;
-        if m.hash != hash {
+        if m.hash != hash || m.salt != salt {
             return None;
         }
         match parent {
@@ -485,8 +493,8 @@ mod tests {
         let a = p.allocate().unwrap();
         let b = p.allocate().unwrap();
         let c = p.allocate().unwrap();
-        assert!(p.cache(a, 10, None, &[1, 2]));
-        assert!(p.cache(b, 11, Some(a), &[3, 4]));
+        assert!(p.cache(a, 10, None, 0, &[1, 2]));
+        assert!(p.cache(b, 11, Some(a), 0, &[3, 4]));
         // Free in reverse block order: b then a => b evicted first.
         p.free(c);
         p.free(b);
@@ -497,8 +505,8 @@ mod tests {
         assert_eq!(p.allocate(), Some(c));
         // Then LRU head b (its hash dropped).
         assert_eq!(p.allocate(), Some(b));
-        assert_eq!(p.lookup(11, Some(a), &[3, 4]), None);
-        assert_eq!(p.lookup(10, None, &[1, 2]), Some(a));
+        assert_eq!(p.lookup(11, Some(a), 0, &[3, 4]), None);
+        assert_eq!(p.lookup(10, None, 0, &[1, 2]), Some(a));
         let mut holders = vec![0; 5];
         holders[c as usize] = 1;
         holders[b as usize] = 1;
@@ -510,18 +518,22 @@ mod tests {
         let mut p = ChunkPool::new(4, 2, true);
         let a = p.allocate().unwrap();
         let b = p.allocate().unwrap();
-        assert!(p.cache(a, 1, None, &[5, 6]));
-        assert!(p.cache(b, 2, Some(a), &[7, 8]));
-        assert_eq!(p.lookup(1, None, &[5, 7]), None, "token mismatch is a miss");
+        assert!(p.cache(a, 1, None, 0, &[5, 6]));
+        assert!(p.cache(b, 2, Some(a), 0, &[7, 8]));
         assert_eq!(
-            p.lookup(2, None, &[7, 8]),
+            p.lookup(1, None, 0, &[5, 7]),
+            None,
+            "token mismatch is a miss"
+        );
+        assert_eq!(
+            p.lookup(2, None, 0, &[7, 8]),
             None,
             "parent mismatch is a miss"
         );
-        assert_eq!(p.lookup(2, Some(a), &[7, 8]), Some(b));
+        assert_eq!(p.lookup(2, Some(a), 0, &[7, 8]), Some(b));
         // Twin hash: another chunk cannot take a registered hash.
         let c = p.allocate().unwrap();
-        assert!(!p.cache(c, 1, None, &[9, 9]));
+        assert!(!p.cache(c, 1, None, 0, &[9, 9]));
         assert!(!p.is_hashed(c));
     }
 
@@ -530,14 +542,18 @@ mod tests {
         let mut p = ChunkPool::new(4, 2, true);
         let a = p.allocate().unwrap();
         let b = p.allocate().unwrap();
-        assert!(p.cache(a, 1, None, &[1, 1]));
+        assert!(p.cache(a, 1, None, 0, &[1, 1]));
         p.free(a);
         p.free(b);
         assert_eq!((p.num_free(), p.num_cached()), (4, 1));
         p.pin(a); // cached
         p.pin(b); // uninitialized
         assert_eq!((p.num_free(), p.num_cached()), (2, 0));
-        assert_eq!(p.lookup(1, None, &[1, 1]), Some(a), "pin keeps the content");
+        assert_eq!(
+            p.lookup(1, None, 0, &[1, 1]),
+            Some(a),
+            "pin keeps the content"
+        );
         p.pin(a); // used: one more reference
         assert_eq!(p.refcount(a), 2);
         let mut h = vec![0; 6];
@@ -556,7 +572,7 @@ mod tests {
     fn touch_removes_from_cached() {
         let mut p = ChunkPool::new(2, 2, true);
         let a = p.allocate().unwrap();
-        assert!(p.cache(a, 1, None, &[1, 1]));
+        assert!(p.cache(a, 1, None, 0, &[1, 1]));
         p.free(a);
         assert_eq!(p.num_free(), 2);
         p.touch(a);

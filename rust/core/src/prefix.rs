@@ -36,17 +36,26 @@ impl BlockHasher {
         xxh3_64_with_seed(bytes, parent.unwrap_or(ROOT_SEED)) & self.mask
     }
 
-    /// Extend `hashes` so it covers the first `n_blocks` full blocks of `tokens`.
+    /// Extend `hashes` so it covers the first `n_blocks` full blocks of `tokens`, computed
+    /// under the cache `salt` (0: none; another salt seeds block 0 differently, so every
+    /// hash of the chain differs).
     pub fn extend(
         &mut self,
         hashes: &mut Vec<u64>,
         tokens: &[Token],
         page: usize,
         n_blocks: usize,
+        salt: u64,
     ) {
         while hashes.len() < n_blocks {
             let i = hashes.len();
-            let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+            let parent = if i > 0 {
+                Some(hashes[i - 1])
+            } else if salt != 0 {
+                Some(xxh3_64_with_seed(&salt.to_le_bytes(), ROOT_SEED))
+            } else {
+                None
+            };
             let h = self.hash(parent, &tokens[i * page..(i + 1) * page]);
             hashes.push(h);
         }
@@ -61,9 +70,9 @@ mod tests {
     fn chained() {
         let mut h = BlockHasher::new();
         let mut a = Vec::new();
-        h.extend(&mut a, &[1, 2, 3, 4], 2, 2);
+        h.extend(&mut a, &[1, 2, 3, 4], 2, 2, 0);
         let mut b = Vec::new();
-        h.extend(&mut b, &[9, 9, 3, 4], 2, 2);
+        h.extend(&mut b, &[9, 9, 3, 4], 2, 2, 0);
         assert_ne!(a[1], b[1], "same block content, different prefix");
         assert_eq!(a[0], h.hash(None, &[1, 2]));
     }

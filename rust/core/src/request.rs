@@ -111,6 +111,12 @@ pub struct Request {
     pub block_hashes: Vec<u64>,
     /// Never take prefix-cache hits (every prompt position is computed).
     pub skip_prefix_lookup: bool,
+    /// Times a request of higher priority preempted it (`priority_preemption`); at
+    /// `MAX_PRIORITY_PREEMPTIONS` it is no longer a priority victim.
+    pub priority_preemptions: u32,
+    /// Prefix-cache namespace (0: none): blocks are shared only between requests of the same
+    /// salt (a LoRA adapter's requests compute other keys and values for the same tokens).
+    pub cache_salt: u64,
     /// Speculative tokens proposed for the next `schedule()` (`Scheduler::propose`; it
     /// consumes them whether or not it uses them).
     pub proposal: Vec<Token>,
@@ -156,6 +162,8 @@ impl Request {
             max_new_tokens: 0,
             has_stop_sequences: false,
             skip_prefix_lookup,
+            cache_salt: 0,
+            priority_preemptions: 0,
             proposal: Vec::new(),
             ring_floor: 0,
             admission_deferred: false,

@@ -120,11 +120,11 @@ impl Scheduler {
     #[pyo3(signature = (num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
         scheduler_type="fifo", safety_margin=None, allow_block_sharing=true,
         layer_types=None, sliding_window=None, cpu_offload_blocks=0,
-        max_batch_cache_tokens=None, defer_shared_prefixes=true),
+        max_batch_cache_tokens=None, defer_shared_prefixes=true, priority_preemption=false),
         text_signature = "(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256, \
 scheduler_type='fifo', safety_margin=None, allow_block_sharing=True, \
 layer_types=('full_attention',), sliding_window=None, cpu_offload_blocks=0, \
-max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
+max_batch_cache_tokens=None, defer_shared_prefixes=True, priority_preemption=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -139,6 +139,7 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
         cpu_offload_blocks: i64,
         max_batch_cache_tokens: Option<i64>,
         defer_shared_prefixes: bool,
+        priority_preemption: bool,
     ) -> PyResult<Self> {
         let cfg = ConfigArgs {
             num_blocks,
@@ -153,6 +154,7 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
             cpu_offload_blocks,
             max_batch_cache_tokens,
             defer_shared_prefixes,
+            priority_preemption,
         }
         .to_config()?;
         let inner = core::Scheduler::new(cfg).map_err(to_py)?;
@@ -171,11 +173,14 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True)")]
 
     /// Add a request; `FieldError` naming the field on bad input or if it could never fit.
     /// `skip_prefix_lookup=True`: the request takes no prefix-cache hits (every prompt
-    /// position is computed; its blocks are still offered to the cache).
+    /// position is computed; its blocks are still offered to the cache). `cache_salt`
+    /// (non-zero): the request's prefix-cache namespace (a LoRA adapter's): it shares blocks
+    /// only with requests of the same salt.
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, eos_token_ids=None,
-        stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false),
+        stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false,
+        cache_salt=0),
         text_signature = "($self, request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(), \
-stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
+stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cache_salt=0)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -187,6 +192,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         priority: i64,
         stop_sequences: Option<&Bound<'_, PyAny>>,
         skip_prefix_lookup: bool,
+        cache_salt: u64,
     ) -> PyResult<()> {
         let prompt = tokens_from(prompt_token_ids, "prompt_token_ids", "prompt")?;
         let max_new_tokens = usize_arg(max_new_tokens, "max_new_tokens")?;
@@ -213,6 +219,10 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
             .inner
             .add_request_opts(id, prompt, stop, priority, skip_prefix_lookup)
             .map_err(to_py)? as usize;
+        if cache_salt != 0 {
+            // a request just added is waiting with nothing computed: this can't fail
+            self.inner.set_cache_salt(id, cache_salt).map_err(to_py)?;
+        }
         if self.names.len() <= idx {
             self.names.resize_with(idx + 1, || None);
             self.gens.resize(idx + 1, 0);
@@ -360,7 +370,8 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
     /// `swapped` (request counts); `finished` (finished or cancelled, reported);
     /// `prefix_hit_tokens` and `prompt_tokens` (summed over admissions, re-admissions after a
     /// soft reset included); `deferred_admissions` (admissions put off a step to share a
-    /// block another row of that step fills); `num_preemptions`, `num_offloads`, `num_soft_resets`;
+    /// block another row of that step fills); `num_preemptions` (`priority_preemptions` of
+    /// them for a waiting request of higher priority), `num_offloads`, `num_soft_resets`;
     /// `num_recomputes` (`recompute()` calls that reset a request); `num_evictions` (cached
     /// blocks reclaimed); `num_swap_free`, `cpu_offload_blocks`; `steps`,
     /// `generated_tokens`; `stalled_requests`, `stalled_blocks` (last plan: rows that found
@@ -382,6 +393,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)")]
         d.set_item("deferred_admissions", s.deferred_admissions)?;
         d.set_item("prompt_tokens", s.prompt_tokens)?;
         d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("priority_preemptions", s.priority_preemptions)?;
         d.set_item("num_offloads", s.num_offloads)?;
         d.set_item("num_soft_resets", s.num_soft_resets)?;
         d.set_item("num_recomputes", s.num_recomputes)?;

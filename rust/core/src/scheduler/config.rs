@@ -74,6 +74,10 @@ pub struct SchedulerConfig {
     pub layer_types: Vec<AttentionType>,
     pub sliding_window: Option<usize>,
     pub cpu_offload_blocks: usize,
+    /// Priority scheduling that preempts: a waiting or swapped request that does not fit
+    /// preempts running requests of lower priority (`preemption::MAX_PRIORITY_PREEMPTIONS`
+    /// bounds how often one request is preempted this way).
+    pub priority_preemption: bool,
     /// Testing only: mask applied to block hashes (shrink it to force twin hashes).
     pub hash_mask: u64,
 }
@@ -94,6 +98,7 @@ impl SchedulerConfig {
             layer_types: vec![AttentionType::Full],
             sliding_window: None,
             cpu_offload_blocks: 0,
+            priority_preemption: false,
             hash_mask: u64::MAX,
         }
     }

@@ -25,6 +25,11 @@
 //!    step (possibly the requester itself), never the last active one. A victim is swapped
 //!    out when `cpu_offload_blocks` has room for all its chunks, else soft-reset. Then the
 //!    row retries within the same call.
+//!    With `priority_preemption`, before phase 1: while the best-keyed swapped or waiting
+//!    request could not be admitted (a row, one token's chunks above the safety margin),
+//!    the running request of strictly lower priority with the largest key (and fewer than
+//!    `MAX_PRIORITY_PREEMPTIONS` priority preemptions so far) is preempted the same way;
+//!    queued requests age (`preemption` docs: the starvation bound).
 //! 2. swapped and waiting requests, merged in `(priority, arrival)` order (head of line:
 //!    admission stops at the first one that does not fit), while the free fraction of the
 //!    pool is at least `safety_margin` (ignored when nothing is running). Admission is
@@ -104,6 +109,9 @@ pub struct Stats {
     /// Admissions put off a step to share a block another row of that step fills.
     pub deferred_admissions: u64,
     pub num_preemptions: u64,
+    /// Preemptions made for a waiting request of higher priority (`priority_preemption`;
+    /// counted in `num_preemptions` too).
+    pub priority_preemptions: u64,
     pub num_offloads: u64,
     pub num_soft_resets: u64,
     /// Requests recomputed on the caller's demand (`recompute()`), not by preemption.
@@ -285,7 +293,15 @@ impl Scheduler {
         // Phase 1: the running rows, advanced in place on a steady step, else placed anew
         // (always with proposals: speculative rows).
         let ready = self.steady.take_ready();
-        let steady = ready && self.proposed.is_empty() && self.advance_steady::<false>(&mut b);
+        // a waiting request of higher priority takes running requests' places first
+        if self.cfg.priority_preemption {
+            self.age_queued();
+        }
+        let preempting = self.cfg.priority_preemption && self.priority_victim().is_some();
+        let steady = ready
+            && !preempting
+            && self.proposed.is_empty()
+            && self.advance_steady::<false>(&mut b);
         if steady && self.plan.ahead {
             // Advanced from an ahead plan: every input id is known now.
             self.plan.ahead = false;
@@ -295,6 +311,9 @@ impl Scheduler {
         let from = if steady { self.plan.rows.len() } else { 0 };
         if !steady {
             self.plan.clear();
+            if preempting {
+                self.preempt_for_priority();
+            }
             self.place_running_rows(&mut b);
         }
         if !self.proposed.is_empty() {

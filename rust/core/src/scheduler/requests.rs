@@ -140,6 +140,27 @@ impl Scheduler {
         Ok(idx)
     }
 
+    /// Put a waiting request that has computed nothing yet into the prefix-cache namespace
+    /// `salt` (0: the shared one): it takes hits only from, and offers its blocks only to,
+    /// requests of the same salt. Call it right after `add_request`.
+    pub fn set_cache_salt(&mut self, id: &str, salt: u64) -> Result<()> {
+        let Some(&idx) = self.ids.get(id) else {
+            return Err(Error::invalid(
+                "request_id",
+                format!("unknown request_id {id:?}"),
+            ));
+        };
+        let r = self.req_mut(idx);
+        if r.state != RequestState::Waiting || r.num_computed != 0 || !r.block_hashes.is_empty() {
+            return Err(Error::invalid(
+                "cache_salt",
+                format!("request {id:?} has started: its cache salt can't change"),
+            ));
+        }
+        r.cache_salt = salt;
+        Ok(())
+    }
+
     /// Cancel a request in any state, freeing everything it holds. It is reported once by
     /// the next `update()` with reason `cancelled`. Returns false if unknown or finished.
     ///

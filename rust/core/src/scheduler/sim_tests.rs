@@ -26,8 +26,14 @@ fn mix(mut x: u64) -> u64 {
 
 /// "K/V" of position p: a hash of tokens[0..=p] (it depends on the whole prefix, like real K/V).
 fn kv_values(tokens: &[u32]) -> Vec<u64> {
+    kv_values_salted(tokens, 0)
+}
+
+/// `kv_values` of a request in the prefix-cache namespace `salt` (another LoRA adapter
+/// computes other K/V for the same tokens: a hit across salts would read wrong values).
+fn kv_values_salted(tokens: &[u32], salt: u64) -> Vec<u64> {
     let mut v = Vec::with_capacity(tokens.len());
-    let mut h = 0x1234_5678u64;
+    let mut h = 0x1234_5678u64 ^ mix(salt);
     for &t in tokens {
         h = mix(h ^ (t as u64 + 1).wrapping_mul(0x9e3779b97f4a7c15));
         v.push(h);
@@ -48,6 +54,8 @@ pub struct Spec {
     pub priority: i64,
     /// Added with `skip_prefix_lookup`: every position must be computed (no hits).
     pub skip_prefix_lookup: bool,
+    /// Its prefix-cache namespace (`Scheduler::set_cache_salt`; 0: none).
+    pub cache_salt: u64,
 }
 
 /// Reference output of an unconstrained run.
@@ -96,6 +104,8 @@ pub struct Sim {
     /// Requests added with `skip_prefix_lookup`: the furthest position computed so far
     /// (a row of one never starts beyond it: no prefix hit skips a position).
     no_hits: HashMap<String, usize>,
+    /// Each request's cache salt (`Spec::cache_salt`).
+    salts: HashMap<String, u64>,
     /// Ahead plans launched.
     pub ahead_steps: usize,
     /// ... of which advanced the outstanding plan in place (steady decode).
@@ -147,6 +157,7 @@ impl Sim {
             queue: VecDeque::new(),
             virt: HashMap::new(),
             no_hits: HashMap::new(),
+            salts: HashMap::new(),
             ahead_steps: 0,
             steady_ahead: 0,
             spec_k: 0,
@@ -165,6 +176,8 @@ impl Sim {
             spec.skip_prefix_lookup,
         ) {
             Ok(_) => {
+                self.s.set_cache_salt(&spec.id, spec.cache_salt).unwrap();
+                self.salts.insert(spec.id.clone(), spec.cache_salt);
                 if spec.skip_prefix_lookup {
                     self.no_hits.insert(spec.id.clone(), 0);
                 }
@@ -530,7 +543,7 @@ impl Sim {
                 ext.extend(plan.input_ids[t0 + 1..t1].iter().map(|&t| t as u32));
             }
             let toks = &ext;
-            let vals = kv_values(toks);
+            let vals = kv_values_salted(toks, self.salts.get(&id).copied().unwrap_or(0));
             let start = plan.positions[t0] as usize;
             let end = start + (t1 - t0);
             assert_eq!(plan.seqlens_k[r] as usize, end);
@@ -743,6 +756,7 @@ fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
         },
         priority: 0,
         skip_prefix_lookup: false,
+        cache_salt: 0,
     }
 }
 
@@ -999,6 +1013,8 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
     cfg.sliding_window = Some(c.window);
     cfg.max_batch_cache_tokens = c.cache_budget;
     cfg.hash_mask = c.hash_mask;
+    // priority preemption in half the configurations (the ops give random priorities)
+    cfg.priority_preemption = c.num_blocks.is_multiple_of(2);
     cfg
 }
 
@@ -1025,6 +1041,7 @@ proptest! {
                     let mut sp = spec(&format!("q{k}"), p, *max_new);
                     sp.priority = *prio;
                     sp.skip_prefix_lookup = k % 3 == 0;
+                    sp.cache_salt = (k % 5 == 1) as u64 * 7;
                     if *eos { sp.stop.eos_token_ids = vec![5]; }
                     if *seq { sp.stop.stop_sequences = vec![vec![2, 3], vec![7]]; }
                     if sim.add(&sp) {

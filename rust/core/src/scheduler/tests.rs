@@ -348,6 +348,31 @@ fn skip_prefix_lookup_computes_every_position_and_still_registers() {
 }
 
 #[test]
+fn cache_salts_never_share_blocks() {
+    let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
+    let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2
+    s.add_request("a", prompt.clone(), stop(3), 0).unwrap();
+    s.set_cache_salt("a", 7).unwrap();
+    step(&mut s, 1);
+    // another salt (and the shared namespace) misses; the same salt hits both blocks
+    s.add_request("b", prompt.clone(), stop(3), 0).unwrap();
+    s.set_cache_salt("b", 8).unwrap();
+    s.add_request("c", prompt.clone(), stop(3), 0).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(s.stats().prefix_hit_tokens, 0);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    s.add_request("d", prompt, stop(3), 0).unwrap();
+    s.set_cache_salt("d", 7).unwrap();
+    let _ = s.schedule().unwrap().unwrap();
+    assert_eq!(s.stats().prefix_hit_tokens, 8);
+    s.check_invariants().unwrap();
+    // a request that has started can't change namespace
+    assert!(s.set_cache_salt("d", 1).is_err());
+    assert!(s.set_cache_salt("nope", 1).is_err());
+}
+
+#[test]
 fn prefix_hits_refcounts_and_last_token_computed() {
     let mut s = Scheduler::new(cfg(32, 4, 64)).unwrap();
     let prompt: Vec<u32> = (0..8).collect(); // exactly 2 full blocks
@@ -1295,4 +1320,115 @@ fn nothing_is_put_off_without_prefix_caching_or_when_switched_off() {
         assert_eq!(p.rows.len(), 2);
         assert_eq!(s.stats().deferred_admissions, 0);
     }
+}
+
+fn priority_cfg(num_blocks: usize) -> SchedulerConfig {
+    let mut c = cfg(num_blocks, 4, 64);
+    c.priority_preemption = true;
+    c
+}
+
+#[test]
+fn priority_preempts_only_lower_priority_running_requests() {
+    // 10 chunks of 4 tokens; "lo" (priority 5) fills all of them
+    let mut s = Scheduler::new(priority_cfg(10)).unwrap();
+    s.add_request("lo", (0..36).collect(), stop(4), 5).unwrap();
+    step(&mut s, 1);
+    step(&mut s, 1);
+    assert_eq!(s.stats().num_free_blocks, 0);
+    s.add_request("same", (100..108).collect(), stop(2), 5)
+        .unwrap();
+    step(&mut s, 1);
+    // an equal priority never preempts: "same" waits
+    assert_eq!(
+        s.request(idx(&s, "same")).unwrap().state,
+        RequestState::Waiting
+    );
+    assert_eq!(s.stats().priority_preemptions, 0);
+    s.add_request("hi", (200..208).collect(), stop(2), 0)
+        .unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    assert_eq!(s.stats().priority_preemptions, 1);
+    assert_eq!(
+        s.request(idx(&s, "lo")).unwrap().state,
+        RequestState::Waiting
+    );
+    assert_eq!(p.rows[0].req, idx(&s, "hi"));
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    run(&mut s, 1);
+    assert_eq!(s.stats().finished, 3);
+}
+
+#[test]
+fn priority_preemption_is_off_by_default() {
+    let mut s = Scheduler::new(cfg(10, 4, 64)).unwrap();
+    s.add_request("lo", (0..36).collect(), stop(4), 5).unwrap();
+    step(&mut s, 1);
+    step(&mut s, 1);
+    s.add_request("hi", (200..208).collect(), stop(2), 0)
+        .unwrap();
+    step(&mut s, 1);
+    assert_eq!(
+        s.request(idx(&s, "lo")).unwrap().state,
+        RequestState::Decoding
+    );
+    assert_eq!(s.stats().num_preemptions, 0);
+}
+
+#[test]
+fn low_priority_requests_finish_under_a_stream_of_high_priority_ones() {
+    // A new high-priority request that needs the whole pool arrives whenever none waits:
+    // "lo" is preempted for priority at most MAX_PRIORITY_PREEMPTIONS times, ages while it
+    // waits, and finishes.
+    use super::preemption::{MAX_PRIORITY_PREEMPTIONS, PRIORITY_AGING_STEPS};
+    let mut s = Scheduler::new(priority_cfg(10)).unwrap();
+    s.add_request("lo", (0..36).collect(), stop(4), 2).unwrap();
+    let mut k = 0u32;
+    let mut lo_done = 0;
+    for n in 0..(20 * PRIORITY_AGING_STEPS) {
+        if s.stats().waiting == 0 {
+            let prompt = (1000 + 40 * k..1036 + 40 * k).collect();
+            s.add_request(&format!("hi{k}"), prompt, stop(4), 0)
+                .unwrap();
+            k += 1;
+        }
+        if step(&mut s, 1)
+            .iter()
+            .any(|(id, _, fin)| id == "lo" && fin.is_some())
+        {
+            lo_done = n;
+            break;
+        }
+    }
+    assert!(lo_done > 0, "the low-priority request finished");
+    let st = s.stats();
+    assert!(st.priority_preemptions >= 1);
+    assert!(st.priority_preemptions <= MAX_PRIORITY_PREEMPTIONS as u64);
+    assert!(k >= 2, "high-priority requests kept arriving ({k})");
+}
+
+#[test]
+fn waiting_requests_age_into_higher_priority() {
+    use super::preemption::PRIORITY_AGING_STEPS;
+    // one row per step: "lo" (priority 1) waits behind "busy" (priority 0) and ages until it
+    // outranks it, then takes its place
+    let mut c = priority_cfg(64);
+    c.max_requests_per_batch = 1;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("busy", (0..4).collect(), stop(200), 0)
+        .unwrap();
+    step(&mut s, 1);
+    s.add_request("lo", (100..108).collect(), stop(2), 1)
+        .unwrap();
+    let mut n = 0;
+    while s.request(idx(&s, "lo")).unwrap().state == RequestState::Waiting {
+        step(&mut s, 1);
+        n += 1;
+        assert!(n < 4 * PRIORITY_AGING_STEPS, "lo starved");
+    }
+    assert!(n >= PRIORITY_AGING_STEPS, "admitted after {n} steps");
+    assert!(s.request(idx(&s, "lo")).unwrap().key.0 < 0);
+    assert_eq!(s.stats().priority_preemptions, 1);
+    run(&mut s, 1);
 }
