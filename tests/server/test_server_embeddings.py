@@ -96,3 +96,9 @@ def test_dimensions_equal_to_the_model_size_is_accepted(real_engine, real_server
     out = c.embeddings.create(model=MODEL, input="Hello", dimensions=real_engine.embedding_size,
                               encoding_format="float")
     assert len(out.data[0].embedding) == real_engine.embedding_size
+
+
+def test_a_body_that_is_not_json_is_refused(real_server):
+    r = httpx.post(real_server.url + "/v1/embeddings", content=b'{"input": "x"}',
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_type"

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.pooling import encode_vector
-from ferrobatch.server import params
+from ferrobatch.server import checks, params
 from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse, usage
 from ferrobatch.server.state import ServerState, read_body
 
@@ -55,6 +55,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         """OpenAI embeddings of one input or a list of them."""
         state.require_auth(request)
         engine = state.require_engine()
+        checks.check_content_type(request.headers.get("content-type"))
         body = await read_body(request, state.max_body_bytes, state.body_timeout)
         req = parse(EmbeddingRequest, body)
         state.check_model(req.model)

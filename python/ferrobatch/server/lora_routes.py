@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ferrobatch.errors import FieldError
+from ferrobatch.server import checks
 from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse
 from ferrobatch.server.state import ServerState, read_body
 
@@ -44,6 +45,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     async def engine_of(request: Request, schema: type[BaseModel]) -> tuple[object, object]:
         state.require_auth(request)
         engine = state.require_engine()
+        checks.check_content_type(request.headers.get("content-type"))
         body = parse(schema, await read_body(request, state.max_body_bytes, state.body_timeout))
         if getattr(engine, "lora", None) is None:
             raise bad_request("This server was started without LoRA support (--lora-modules "
