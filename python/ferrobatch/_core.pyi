@@ -284,6 +284,10 @@ class Scheduler:
     def num_stalled(self) -> int:
         """Rows the last plan found short of chunks (`stats()["stalled_requests"]`)."""
     @property
+    def wants_priority_preemption(self) -> bool:
+        """A waiting request of higher priority would preempt running ones (only
+        `schedule()` does)."""
+    @property
     def num_outstanding(self) -> int:
         """Outstanding plans (0, 1 or 2): scheduled, not yet updated."""
     @property

@@ -119,6 +119,8 @@ class FakeScheduler:
     def num_swapped(self) -> int:
         return int(bool(self.free_at))
 
+    wants_priority_preemption = False  # no priorities here
+
     @property
     def num_free_blocks(self) -> int:
         return self.free_at.get(self.pids, 10)

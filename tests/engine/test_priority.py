@@ -12,12 +12,13 @@ from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingPar
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("offload", [0.0, 0.01])
-def test_high_priority_preempts_and_outputs_stay_exact(offload):
+@pytest.mark.parametrize("offload,async_batching", [(0.0, False), (0.01, False), (0.0, True)])
+def test_high_priority_preempts_and_outputs_stay_exact(offload, async_batching):
     model = tiny_models.llama()
     cfg = ContinuousBatchingConfig(num_blocks=14, page_size=4, max_batch_tokens=64,
                                    scheduling_policy="priority", safety_margin=0.0,
-                                   cpu_offload_space=offload)
+                                   cpu_offload_space=offload,
+                                   use_async_batching=async_batching)
     low = [list(range(3 + i, 23 + i)) for i in range(2)]
     high = list(range(100, 124))
     with Engine(model, config=cfg) as eng:

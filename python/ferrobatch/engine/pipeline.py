@@ -207,6 +207,8 @@ class AsyncStepper(Stepper):
         * `stall_drains`: the plan left a running request out for want of chunks; only
           `schedule()` preempts (newest first), as in synchronous mode, instead of letting
           newer requests run ahead while an older one waits.
+        * `priority_drains`: a waiting request of higher priority would preempt running
+          ones (`scheduling_policy="priority"`); only `schedule()` preempts.
         * `swap_drains`: requests are swapped out and chunks were freed since the previous
           ahead plan; only `schedule()` swaps in (an ahead plan stops admission at a swapped
           request), so without this a swapped request would wait for the running ones to
@@ -217,6 +219,8 @@ class AsyncStepper(Stepper):
         last, self._last_free = self._last_free, free
         if sched.num_stalled:
             return "stall_drains"
+        if sched.wants_priority_preemption:
+            return "priority_drains"
         if sched.num_swapped and last is not None and free > last:
             return "swap_drains"
         return ""

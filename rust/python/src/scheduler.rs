@@ -525,6 +525,12 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
     fn num_stalled(&self) -> usize {
         self.inner.num_stalled()
     }
+    /// A waiting request of higher priority would preempt running ones: only `schedule()`
+    /// does (`schedule_ahead()` never preempts).
+    #[getter]
+    fn wants_priority_preemption(&self) -> bool {
+        self.inner.wants_priority_preemption()
+    }
     /// Data chunks in the device pool (chunk ids `2 .. num_blocks + 2`).
     #[getter]
     fn num_blocks(&self) -> usize {

@@ -660,6 +660,13 @@ impl Scheduler {
         self.stats.stalled_requests
     }
 
+    /// With `priority_preemption`: a waiting or swapped request can't be admitted and a
+    /// running one of lower priority could make room (only `schedule()` preempts, so a
+    /// pipelined caller should plan with it next).
+    pub fn wants_priority_preemption(&self) -> bool {
+        self.cfg.priority_preemption && self.priority_victim().is_some()
+    }
+
     pub fn stats(&self) -> Stats {
         let pool = self.kv.pool();
         let mut s = self.stats.clone();
