@@ -43,7 +43,9 @@ def test_high_priority_preempts_and_outputs_stay_exact(offload, async_batching):
     outs = {id(r): r.output for r in [*lows, hi]}
     ids = [id(r) for r in lows]
     hi = id(hi)
-    assert stats["priority_preemptions"] >= 1
+    # a low one was preempted for it (by a priority preemption before admission, or, once
+    # admitted, by its growth: lower priorities are preempted first)
+    assert stats["num_preemptions"] >= 1
     for rid, p in zip(ids, low, strict=True):
         assert outs[rid].token_ids == tiny_models.generate_greedy(model, p, 20, ignore_eos=True)
     assert outs[hi].token_ids == tiny_models.generate_greedy(model, high, 8, ignore_eos=True)
