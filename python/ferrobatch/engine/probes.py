@@ -58,11 +58,12 @@ class ModelProbes:
 
     def _half_precision(self: Engine) -> bool:
         """Whether the runner's products round to half precision (a bf16 / fp16 model or
-        cache, or linears run in half precision by the runner)."""
+        cache, an int8 cache, or linears run in half precision by the runner)."""
         half = (torch.float16, torch.bfloat16)
         act = self.runner.activation_dtype
         return (
-            self.runner.cache.keys[0].dtype in half
+            self.runner.cache.quantized  # int8 keys and values: rounded more than bf16
+            or self.runner.cache.keys[0].dtype in half
             or next(self.model.parameters()).dtype in half
             or act in half
         )

@@ -63,8 +63,8 @@ pub fn linear(
     let x_len = match x {
         Elems::F32(s) => s.len(),
         Elems::Bf16(s) => s.len(),
-        Elems::F16(_) => {
-            return KernelError::invalid("x", "x must be float32 or bfloat16, not float16".into())
+        Elems::F16(_) | Elems::I8 { .. } => {
+            return KernelError::invalid("x", "x must be float32 or bfloat16".into())
         }
     };
     let lens = Lengths {
@@ -149,7 +149,7 @@ fn padded_rows(x: Elems<'_>, m: usize, k: usize) -> Vec<Line> {
                 }
             }
             Elems::Bf16(s) => row[..k].copy_from_slice(&s[i * k..(i + 1) * k]),
-            Elems::F16(_) => unreachable!("checked by linear"),
+            Elems::F16(_) | Elems::I8 { .. } => unreachable!("checked by linear"),
         }
     }
     lines

@@ -99,6 +99,7 @@ pub(super) fn rows(a: &DecodeArgs<'_>, range: Range<usize>, out: &mut ElemsMut<'
         (Elems::Bf16(_), _) => rows_of::<Bf16s, 8>(a, range, out),
         (Elems::F16(_), 64) => rows_of::<F16s, 4>(a, range, out),
         (Elems::F16(_), _) => rows_of::<F16s, 8>(a, range, out),
+        (Elems::I8 { .. }, _) => unreachable!("an int8 cache takes rows_impl (run_rows)"),
     }
 }
 
@@ -667,6 +668,7 @@ fn load16(e: Elems<'_>, at: usize) -> __m512 {
             let h = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
             _mm512_cvtph_ps(h)
         }
+        Elems::I8 { .. } => unreachable!("queries and caches here are never int8"),
     }
 }
 
