@@ -8,12 +8,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferrobatch import _core
 from ferrobatch._core import SCRATCH_CHUNK, ZERO_CHUNK
+from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
 
 # chunks before the first allocatable one: the zero chunk (padding reads) and the scratch
 # chunk (padding writes), ids of the core's
 RESERVED_CHUNKS = max(ZERO_CHUNK, SCRATCH_CHUNK) + 1
 
+
+#: this build of the core quantizes rows into an int8 cache in one call
+_FUSED_INT8 = hasattr(_core, "write_rows_int8")
 
 #: CPU caches from this size on are a mapping of their own, zeroed by the OS on first touch
 _LAZY_FROM = 8 << 20
@@ -114,6 +119,10 @@ class PagedKVCache:
             [self.scales[i, 0] for i in range(num_layers)]
         self.value_scales: list[torch.Tensor] = [] if self.scales is None else \
             [self.scales[i, 1] for i in range(num_layers)]
+        # numpy views (int8, scales) per layer and K/V, made once: the fused write's operands
+        self._np_int8 = [((self.keys[i].numpy(), self.key_scales[i].numpy()),
+                          (self.values[i].numpy(), self.value_scales[i].numpy()))
+                         for i in range(num_layers)] if self.quantized else []
         self._workspaces: list[torch.Tensor | None] = [None, None]
         self.cpu_offload_blocks = cpu_offload_blocks
         self._copy_stream: Any = None  # CUDA: the swaps' copy stream (created on first use)
@@ -186,6 +195,8 @@ class PagedKVCache:
         127, elements round(x / scale); an all-zero vector gets scale 0)."""
         assert self.scales is not None
         for cache, new, kv in ((self.keys[layer], k_new, 0), (self.values[layer], v_new, 1)):
+            if _fused_write(new, self._np_int8[layer][kv], slots):
+                continue
             q, scale = quantize_int8(new)
             cache.index_copy_(0, slots, q)
             self.scales[layer, kv].index_copy_(0, slots, scale)
@@ -338,6 +349,22 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def _fused_write(new: torch.Tensor, dst: tuple[np.ndarray, np.ndarray],
+                 slots: torch.Tensor) -> bool:
+    """`quantize_int8` of the rows `new` [T, heads, dim] into `dst` (one layer's int8 K or V
+    and its scales, as numpy views) at `slots`, in one call of the core's `write_rows_int8`
+    (the same arithmetic); False, nothing written, where it does not apply (another build,
+    device or dtype)."""
+    if not _FUSED_INT8 or new.device.type != "cpu" \
+            or new.dtype not in KERNEL_DTYPES or slots.dtype != torch.int64:
+        return False
+    rows = new.reshape(new.shape[0], -1)
+    _core.write_rows_int8(numpy_view(rows if rows.is_contiguous() else rows.contiguous()),
+                          dst[0], dst[1], slots.contiguous().numpy(),
+                          src_dtype=KERNEL_DTYPES[new.dtype], group=new.shape[-1])
+    return True
 
 
 def _pairs(pairs: np.ndarray | None) -> np.ndarray:

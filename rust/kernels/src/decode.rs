@@ -18,9 +18,10 @@
 //! sizes on AVX-512, and everything on AVX2 or without SIMD, take the generic loop
 //! `rows_impl`. They differ only in the order of fp32 additions.
 //!
-//! An int8 cache ([`Elems::I8`], one scale per slot and KV head) takes `rows_impl` on every
-//! CPU: each key and value slot is dequantized into the fp32 scratch row as it is read (never
-//! a dequantized copy of the cache), then scored and summed like a widened bf16 row.
+//! An int8 cache ([`Elems::I8`], one scale per slot and KV head) is read in place, never as
+//! a dequantized copy: `rows_impl` dequantizes each key and value slot into its fp32
+//! scratch row as it reads it; the AVX-512 path widens the integers into registers and
+//! applies the scales to the scores (keys) and the softmax weights (values).
 
 use crate::error::KernelError;
 use half::{bf16, f16};
@@ -327,7 +328,7 @@ fn run_rows(a: &DecodeArgs<'_>, range: std::ops::Range<usize>, mut out: ElemsMut
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("fma")
         {
-            if avx512::handles(a.dim) && !a.k_cache.is_quantized() {
+            if avx512::handles(a.dim) {
                 // SAFETY: `avx512::rows` is safe but for its target features, AVX-512F and
                 // FMA, both just detected on this CPU (its reads are bounds-checked slices).
                 unsafe { avx512::rows(a, range, &mut out) };
@@ -1215,6 +1216,22 @@ mod tests {
             let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
             let c = case(seed, rows, kvh, g, dim, page, w);
             let (got, want) = run(&c, None, threads, seed % 2 == 0);
+            assert_close(&got, &want, 3e-5);
+        }
+
+        #[test]
+        fn random_int8_layouts_match_the_dequantized_reference(seed in 0u64..1000,
+                                                              rows in 1usize..6,
+                                                              kvh in 1usize..4, g in 1usize..9,
+                                                              dim in prop::sample::select(
+                                                                  vec![8usize, 24, 64, 128]),
+                                                              page in 1usize..40,
+                                                              window in 0usize..80,
+                                                              threads in 1usize..4,
+                                                              cap in any::<bool>()) {
+            let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
+            let c = case(seed, rows, kvh, g, dim, page, w);
+            let (got, want) = run_int8(&c, cap.then_some(3.0), threads);
             assert_close(&got, &want, 3e-5);
         }
 

@@ -63,8 +63,11 @@ pub fn linear(
     let x_len = match x {
         Elems::F32(s) => s.len(),
         Elems::Bf16(s) => s.len(),
-        Elems::F16(_) | Elems::I8 { .. } => {
-            return KernelError::invalid("x", "x must be float32 or bfloat16".into())
+        Elems::F16(_) => {
+            return KernelError::invalid("x", "x must be float32 or bfloat16, not float16".into())
+        }
+        Elems::I8 { .. } => {
+            return KernelError::invalid("x", "x must be float32 or bfloat16, not int8".into())
         }
     };
     let lens = Lengths {

@@ -24,7 +24,7 @@ mod write_rows;
 pub use rms_norm::{rms_norm, NormInput, RmsNorm};
 pub use rope::{rope, Rope};
 pub use silu_mul::silu_mul;
-pub use write_rows::{write_rows, WriteRows};
+pub use write_rows::{write_rows, write_rows_int8, WriteRows};
 
 use crate::error::{Expected, KernelError};
 pub(crate) use crate::parallel::{plan_threads, row_ranges, run_pieces};
