@@ -154,11 +154,15 @@ class ModelProbes:
                 "attention features the paged attention does not implement"
             )
         if self._half_precision() and err > 0.05:
+            why = ("the int8 KV cache (kv_cache_dtype='int8') rounds this model's keys and "
+                   "values coarsely" if self.runner.cache.quantized
+                   else "expected rounding in half precision is smaller")
             logger.warning(
                 "ferrobatch: %s logits through the paged attention differ from the model's own "
-                "forward by %.2g (relative); expected rounding in half precision is smaller",
+                "forward by %.2g (relative); %s",
                 name,
                 err,
+                why,
             )
 
     def _probe_lengths(self: Engine) -> list[int]:
