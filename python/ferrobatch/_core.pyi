@@ -332,22 +332,25 @@ def slots(
 
 def paged_decode_attention(
     q: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
-    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
-    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16] | npt.NDArray[np.int8],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16] | npt.NDArray[np.int8],
     block_tables: _Int32Array,
     seqlens: _Int32Array,
     out: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
     *,
     q_dtype: Literal["float32", "bfloat16", "float16"],
-    cache_dtype: Literal["float32", "bfloat16", "float16"],
+    cache_dtype: Literal["float32", "bfloat16", "float16", "int8"],
     out_dtype: Literal["float32", "bfloat16", "float16"],
     page: int,
     window: int,
     scale: float,
     softcap: float,
     threads: int,
+    k_scales: npt.NDArray[np.float32] | None = None,
+    v_scales: npt.NDArray[np.float32] | None = None,
 ) -> None:
-    """Decode rows' attention over the paged cache, read in place, written to `out`."""
+    """Decode rows' attention over the paged cache, read in place, written to `out`; an
+    int8 cache (`cache_dtype="int8"`) with `k_scales` / `v_scales` float32 [slots, kv_heads]."""
 
 def share_openmp(path: str | None) -> None:
     """Run the CPU kernels' threads on the OpenMP runtime of the library at `path`, already
@@ -421,6 +424,19 @@ def write_rows(
     """`dst[slots[t]] = src[t, col_offset : col_offset + width]` in `dst`'s type (`dst`
     [S, width] or [S, kv_heads, dim]); slots checked in `0 .. S` before any write; a
     repeated slot keeps its last row. Equals `index_copy_(0, slots, ...)`."""
+
+def write_rows_int8(
+    src: _Storage,
+    dst: npt.NDArray[np.int8],
+    scales: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+    *,
+    src_dtype: _DType,
+    group: int,
+) -> None:
+    """`src` [T, width] quantized per `group` columns (symmetric absmax int8, one float32
+    scale each) into `dst` int8 [S, width] and `scales` [S, width / group] at `slots`
+    (checked in `0 .. S` first); the arithmetic of `kv_cache.quantize_int8`."""
 def greedy_select(
     scores: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | npt.NDArray[np.int32],
     base: npt.NDArray[np.float64],

@@ -94,7 +94,18 @@ def test_kernel_arguments():
                     seqlens, out, **kw) == "q"
     # a dtype name the kernel does not know is the dtype argument's fault
     assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, out,
-                    **(kw | {"cache_dtype": "int8"})) == "cache_dtype"
+                    **(kw | {"cache_dtype": "int4"})) == "cache_dtype"
+    # an int8 cache needs its scales, and int8 storage
+    assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, out,
+                    **(kw | {"cache_dtype": "int8"})) == "k_scales"
+    scales = np.ones((8, 1), dtype=np.float32)
+    int8 = kw | {"cache_dtype": "int8", "k_scales": scales, "v_scales": scales}
+    assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, out,
+                    **int8) == "k_cache"
+    c8 = np.zeros((8, 1, 4), dtype=np.int8)
+    _core.paged_decode_attention(q, c8, c8, table, seqlens, out, **int8)
+    assert field_of(_core.paged_decode_attention, q, c8, c8, table, seqlens, out,
+                    **(int8 | {"v_scales": scales[:4]})) == "v_scales"
     strided = np.zeros((1, 2, 8), dtype=np.float32)[:, :, ::2]
     assert field_of(_core.paged_decode_attention, q, cache, cache, table, seqlens, strided,
                     **kw) == "out"

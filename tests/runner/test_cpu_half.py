@@ -60,7 +60,7 @@ def test_decode_kernel_refuses_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
         _core.paged_decode_attention(q.numpy(), numpy_view(k), numpy_view(k), table,
                                      np.array([3, 3], dtype=np.int32), out.numpy(),
-                                     **{**kw, "cache_dtype": "int8"})
+                                     **{**kw, "cache_dtype": "int4"})
 
 
 def test_packed_linears_group_and_leave_the_model_as_it_was():

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ferrobatch.attention import context, kernels
 from ferrobatch.attention.kernel_step import KernelStep
+from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.attention.paged_step import PagedStep
 from ferrobatch.attention.sdpa import attend
 from ferrobatch.cpu import fused_ops
@@ -79,15 +80,16 @@ def paged_attention_forward(
     q_all = query[0]  # [H, T, D]
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
-    k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)  # no-ops when equal
+    cache = step.cache
+    dt = cache.dtype  # attention runs in the cache's compute dtype (an int8 cache's too)
+    k_new, v_new = k_new.to(dt), v_new.to(dt)  # no-ops when equal
 
     cached_k = cached_v = None
-    cache = step.cache
     if group.prefill_cached_slots is not None:
+        # (an int8 cache: only these slots are dequantized)
         cached_k, cached_v = cache.gather_buffers(1, group.prefill_cached_slots.shape[0])
-        torch.index_select(k_cache, 0, group.prefill_cached_slots, out=cached_k)
-        torch.index_select(v_cache, 0, group.prefill_cached_slots, out=cached_v)
-    write_kv(k_cache, v_cache, group.slot_mapping, k_new, v_new)
+        cache.read_slots(layer, group.prefill_cached_slots, cached_k, cached_v)
+    write_layer(cache, layer, group.slot_mapping, k_new, v_new)
 
     out = None
     out_dtype = step.out_dtype or query.dtype
@@ -110,7 +112,7 @@ def paged_attention_forward(
             q_dec = q_all.transpose(0, 1)  # [Bd, H, D]
         else:
             q_dec = q_all.index_select(1, bucket.tokens).transpose(0, 1)
-        k, v = cache.gather_chunks(k_cache, v_cache, bucket.chunks)
+        k, v = cache.gather_chunks(k_cache, v_cache, bucket.chunks, layer)
         k = k.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         v = v.view(bd, bucket.keys, kv_heads, dim).transpose(1, 2)
         mask = bucket.mask
@@ -134,7 +136,6 @@ def paged_attention_forward(
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
     # attention runs in the cache's dtype (the keys of a chunked prompt are rounded alike
     # whether they come from the cache or from this forward): each operand converted once
-    dt = k_cache.dtype
     if group.prefill:
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
     for row in group.prefill:
@@ -181,8 +182,8 @@ def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tenso
     if group is None or q.dtype not in KERNEL_DTYPES or not q.is_contiguous():
         return None
     step.calls += 1
-    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
-    write_kv(k_cache, v_cache, group.slot_mapping, k.to(k_cache.dtype), v.to(v_cache.dtype))
+    dt = step.cache.dtype
+    write_layer(step.cache, layer, group.slot_mapping, k.to(dt), v.to(dt))
     return _kernel_rows(step, layer, q, scaling, None, step.out_dtype or q.dtype)
 
 
@@ -193,10 +194,22 @@ def _kernel_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
     cache = step.cache
     o = torch.empty(q.shape, dtype=out_dtype if out_dtype in KERNEL_DTYPES
                     else torch.float32)
+    scales = (cache.key_scales[layer], cache.value_scales[layer]) if cache.quantized \
+        else None
     kernels.decode_kernel(q, cache.keys[layer], cache.values[layer],
                           step.groups[layer].kernel_decode, o, cache.page_size, scaling,
-                          softcap)
+                          softcap, scales)
     return o.to(out_dtype)
+
+
+def write_layer(cache: PagedKVCache, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
+                v_new: torch.Tensor) -> None:
+    """Write the step's keys and values [T, Hkv, D] (in the cache's compute dtype) at their
+    slots of layer `layer` (an int8 cache quantizes them once, here)."""
+    if cache.quantized:
+        cache.write(layer, slots, k_new, v_new)
+    else:
+        write_kv(cache.keys[layer], cache.values[layer], slots, k_new, v_new)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

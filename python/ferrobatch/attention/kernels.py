@@ -54,13 +54,19 @@ def decode_kernel_available(cache: PagedKVCache) -> bool:
 
 def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kd: _KernelDecode, out: torch.Tensor, page: int, scale: float,
-                   softcap: float | None) -> None:
+                   softcap: float | None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The CPU kernel over the rows `kd`; `scales` (key, value) [slots, kv_heads] fp32 with
+    an int8 cache (read in place, each slot dequantized as the kernel reads it)."""
+    extra = {} if scales is None else {"k_scales": scales[0].numpy(),
+                                       "v_scales": scales[1].numpy()}
+    cache_dtype = "int8" if k_cache.dtype == torch.int8 else KERNEL_DTYPES[k_cache.dtype]
     _core.paged_decode_attention(
         numpy_view(q), numpy_view(k_cache), numpy_view(v_cache), kd.block_tables,
         kd.seqlens, numpy_view(out), q_dtype=KERNEL_DTYPES[q.dtype],
-        cache_dtype=KERNEL_DTYPES[k_cache.dtype], out_dtype=KERNEL_DTYPES[out.dtype],
+        cache_dtype=cache_dtype, out_dtype=KERNEL_DTYPES[out.dtype],
         page=page, window=kd.window, scale=float(scale), softcap=float(softcap or 0.0),
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), **extra,
     )
 
 

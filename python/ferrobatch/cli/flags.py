@@ -106,6 +106,9 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("adaptive_threads", dict(action=argparse.BooleanOptionalAction,
      help="CPU: run torch on fewer threads (never more than --threads) while other "
           "processes keep this process's cores busy, and go back up when they free up.")),
+    ("kv_cache_dtype", dict(metavar="DTYPE",
+     help="KV-cache storage: auto (the model's dtype) or int8 (one fp32 scale per token and "
+          "KV head: ~2x the blocks of a bf16 cache for the same memory; CPU only).")),
 ]  # fmt: skip
 
 

@@ -13,5 +13,7 @@ KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing `t`'s memory (bf16 / fp16 as their uint16 bit patterns)."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
+    """A numpy array sharing `t`'s memory (bf16 / fp16 as their uint16 bit patterns; fp32
+    and int8 as they are)."""
+    return t.numpy() if t.dtype in (torch.float32, torch.int8) else \
+        t.view(torch.uint16).numpy()

@@ -256,7 +256,13 @@ class Engine(ModelProbes):
         if self.tp is not None:  # one rank's share of the heads: per-rank memory
             tcfg = tp_shard.per_rank_config(tcfg, self.tp.world_size)
             loaded = tcfg
-        self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype)
+        if cfg.kv_cache_dtype != "auto" and self.device.type != "cpu":
+            raise FieldError(
+                f"kv_cache_dtype={cfg.kv_cache_dtype!r} is CPU only (the {self.device.type} "
+                "attention kernels read the model's dtype); use kv_cache_dtype='auto'",
+                "kv_cache_dtype")
+        self.chunk_bytes = memory.kv_bytes_per_chunk(tcfg, cfg.page_size, self.dtype,
+                                                     cfg.kv_cache_dtype)
         self.memory_explanation = ""
         num_blocks = cfg.num_blocks
         if num_blocks is None:

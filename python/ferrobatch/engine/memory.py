@@ -75,12 +75,17 @@ def _largest(value: Any) -> int:
 
 
 def kv_bytes_per_chunk(
-    config: PretrainedConfig, page_size: int, dtype: torch.dtype = torch.float32
+    config: PretrainedConfig, page_size: int, dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes of one chunk: all layers, K and V, `page_size` slots."""
+    """Bytes of one chunk: all layers, K and V, `page_size` slots (`kv_cache_dtype="int8"`:
+    one byte an element plus a 4-byte scale per slot and KV head)."""
     shape = _Shape.of(config)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return len(layer_types_of(config)) * 2 * page_size * shape.kv_heads * shape.head_dim * elem
+    if kv_cache_dtype == "int8":
+        per_slot_head = shape.head_dim + 4
+    else:
+        per_slot_head = shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    return len(layer_types_of(config)) * 2 * page_size * shape.kv_heads * per_slot_head
 
 
 def graph_pool_bytes(
@@ -132,6 +137,7 @@ def choose_num_blocks(
     free_bytes: int | None = None,
     use_cuda_graph: bool | None = None,
     max_graphs: int | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[int, str]:
     """Number of data chunks the cache can take, and a sentence saying why.
 
@@ -148,8 +154,9 @@ def choose_num_blocks(
 
     `model_config` is the model's config (or the model). `config`, a
     `ContinuousBatchingConfig`, supplies `page_size`, `max_batch_tokens`,
-    `max_requests_per_batch`, `max_memory_percent`, `use_cuda_graph` and the graph padding
-    interval where they are not passed.
+    `max_requests_per_batch`, `max_memory_percent`, `use_cuda_graph`, `kv_cache_dtype` and
+    the graph padding interval where they are not passed. An int8 cache's chunk costs its
+    int8 elements and fp32 scales (the gathers still dequantize into `dtype` workspaces).
     """
     if isinstance(model_config, PreTrainedModel):
         model_config = model_config.config
@@ -163,6 +170,8 @@ def choose_num_blocks(
             max_memory_percent = getattr(config, "max_memory_percent", None)
         if use_cuda_graph is None:
             use_cuda_graph = getattr(config, "use_cuda_graph", None)
+        if kv_cache_dtype is None:
+            kv_cache_dtype = getattr(config, "kv_cache_dtype", None)
     q_interval = int(getattr(config, "q_padding_interval_size", 0) or 0) if config else 0
     if page_size is None or max_batch_tokens is None or max_requests_per_batch is None:
         raise ValueError("page_size, max_batch_tokens and max_requests_per_batch are needed")
@@ -204,10 +213,13 @@ def choose_num_blocks(
             q_interval=q_interval, max_graphs=max_graphs,
         )
     overhead = activations + logits + graph_pool + BOOKKEEPING
-    kv_chunk = kv_bytes_per_chunk(config, page_size, dtype)
-    # Attention gathers one layer's K and V of the rows it reads into reusable workspaces:
-    # at most about one layer's share of the cache (+50% for bucket padding and prefill).
-    gather_chunk = int(1.5 * kv_chunk / max(len(layer_types_of(config)), 1))
+    kv_dtype = kv_cache_dtype or "auto"
+    kv_chunk = kv_bytes_per_chunk(config, page_size, dtype, kv_dtype)
+    # Attention gathers one layer's K and V of the rows it reads into reusable workspaces
+    # (in `dtype`, an int8 cache's too): at most about one layer's share of the cache (+50%
+    # for bucket padding and prefill).
+    gather_chunk = int(1.5 * kv_bytes_per_chunk(config, page_size, dtype)
+                       / max(len(layer_types_of(config)), 1))
     per_chunk = kv_chunk + gather_chunk
     kv_budget = budget - overhead
     num = int(kv_budget // per_chunk) - RESERVED_CHUNKS
@@ -226,7 +238,8 @@ def choose_num_blocks(
         f"{graph_note + ', ' if graph_note else ''}bookkeeping "
         f"{_fmt(BOOKKEEPING)}; leaves {_fmt(max(kv_budget, 0))} for the cache at "
         f"{_fmt(per_chunk)} per chunk (KV {_fmt(kv_chunk)}: {page_size} tokens, all layers, "
-        f"K and V, {dtype}; attention gather workspace {_fmt(gather_chunk)}; "
+        f"K and V, {dtype if kv_dtype == 'auto' else kv_dtype}; attention gather workspace "
+        f"{_fmt(gather_chunk)}; "
         f"+{RESERVED_CHUNKS} reserved chunks){cap_note}"
     )
     if num < 4:

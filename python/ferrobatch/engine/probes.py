@@ -58,11 +58,12 @@ class ModelProbes:
 
     def _half_precision(self: Engine) -> bool:
         """Whether the runner's products round to half precision (a bf16 / fp16 model or
-        cache, or linears run in half precision by the runner)."""
+        cache, an int8 cache, or linears run in half precision by the runner)."""
         half = (torch.float16, torch.bfloat16)
         act = self.runner.activation_dtype
         return (
-            self.runner.cache.keys[0].dtype in half
+            self.runner.cache.quantized  # int8 keys and values: rounded more than bf16
+            or self.runner.cache.keys[0].dtype in half
             or next(self.model.parameters()).dtype in half
             or act in half
         )
@@ -153,11 +154,15 @@ class ModelProbes:
                 "attention features the paged attention does not implement"
             )
         if self._half_precision() and err > 0.05:
+            why = ("the int8 KV cache (kv_cache_dtype='int8') rounds this model's keys and "
+                   "values coarsely" if self.runner.cache.quantized
+                   else "expected rounding in half precision is smaller")
             logger.warning(
                 "ferrobatch: %s logits through the paged attention differ from the model's own "
-                "forward by %.2g (relative); expected rounding in half precision is smaller",
+                "forward by %.2g (relative); %s",
                 name,
                 err,
+                why,
             )
 
     def _probe_lengths(self: Engine) -> list[int]:

@@ -114,7 +114,10 @@ class FusedLayer:
             return None
         kd = group.kernel_decode
         k_cache, v_cache = step.cache.keys[layer_idx], step.cache.values[layer_idx]
-        if k_cache.dtype not in KERNEL_DTYPES or k_cache.device.type != "cpu":
+        # an int8 cache (quantized on write) takes the lean forward: its write and kernel
+        # attention are `kernel_only_attention`'s
+        if step.cache.quantized or k_cache.dtype not in KERNEL_DTYPES \
+                or k_cache.device.type != "cpu":
             return None
         layer = self._lean_layer(wide)
         if layer is None:

@@ -76,9 +76,9 @@ class ModelRunner:
         `use_cuda_graph`: None = CUDA graphs for decode-only steps when on CUDA with a kernel
         backend (no dense mask), else eager (logged); True forces them where possible and
         warns + runs eager where not (CPU, the SDPA backend); False = always eager.
-        `config` (a `ContinuousBatchingConfig`) supplies the graph padding intervals and
-        `max_requests_per_batch`; `max_graphs` bounds the graph cache (default
-        `DEFAULT_MAX_GRAPHS`).
+        `config` (a `ContinuousBatchingConfig`) supplies the graph padding intervals,
+        `max_requests_per_batch` and `kv_cache_dtype` (an int8 cache: CPU only);
+        `max_graphs` bounds the graph cache (default `DEFAULT_MAX_GRAPHS`).
 
         `activations` (bf16 / fp16 models on CPU, whose linear layers then run on weights
         packed once for oneDNN, `ferrobatch.runner.cpu_linear`): "float32" keeps activations in
@@ -119,6 +119,7 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             cpu_offload_blocks=cpu_offload_blocks,
+            kv_dtype=getattr(config, "kv_cache_dtype", "auto") or "auto",
         )
         self.attention_backend = self._choose_backend(attention_backend)
         # decode rows attended in place by the CPU kernel of `ferrobatch._core` (no gather);

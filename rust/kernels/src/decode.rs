@@ -17,6 +17,11 @@
 //! take the `avx512` module (KV head outer, query heads and sums in registers); other head
 //! sizes on AVX-512, and everything on AVX2 or without SIMD, take the generic loop
 //! `rows_impl`. They differ only in the order of fp32 additions.
+//!
+//! An int8 cache ([`Elems::I8`], one scale per slot and KV head) is read in place, never as
+//! a dequantized copy: `rows_impl` dequantizes each key and value slot into its fp32
+//! scratch row as it reads it; the AVX-512 path widens the integers into registers and
+//! applies the scales to the scores (keys) and the softmax weights (values).
 
 use crate::error::KernelError;
 use half::{bf16, f16};
@@ -32,6 +37,14 @@ pub enum Elems<'a> {
     Bf16(&'a [u16]),
     /// IEEE half bit patterns
     F16(&'a [u16]),
+    /// symmetric int8 with one fp32 scale per `group` consecutive elements: element `i` is
+    /// `data[i] * scales[i / group]` (a KV cache: one scale per slot and KV head, `group` =
+    /// head_dim)
+    I8 {
+        data: &'a [i8],
+        scales: &'a [f32],
+        group: usize,
+    },
 }
 
 /// A writable tensor's elements in one of the storage types.
@@ -90,12 +103,18 @@ impl Elems<'_> {
         match self {
             Elems::F32(s) => s.len(),
             Elems::Bf16(s) | Elems::F16(s) => s.len(),
+            Elems::I8 { data, .. } => data.len(),
         }
+    }
+
+    /// Whether the elements are int8 with scales (read dequantized).
+    pub(crate) fn is_quantized(&self) -> bool {
+        matches!(self, Elems::I8 { .. })
     }
 
     /// `out[i] = self[start + i]` widened to f32.
     #[inline(always)]
-    fn load(&self, start: usize, out: &mut [f32]) {
+    pub(crate) fn load(&self, start: usize, out: &mut [f32]) {
         let n = out.len();
         match self {
             Elems::F32(s) => out.copy_from_slice(&s[start..start + n]),
@@ -109,7 +128,28 @@ impl Elems<'_> {
                     *o = f16::from_bits(b).to_f32();
                 }
             }
+            Elems::I8 {
+                data,
+                scales,
+                group,
+            } => dequantize(&data[start..start + n], scales, start, *group, out),
         }
+    }
+}
+
+/// `out[i] = data[i] * scales[(start + i) / group]`: int8 elements starting at element
+/// `start` of their tensor, each group (a KV head's vector) times its scale.
+#[inline(always)]
+fn dequantize(data: &[i8], scales: &[f32], start: usize, group: usize, out: &mut [f32]) {
+    let mut i = 0;
+    while i < data.len() {
+        let at = start + i;
+        let take = (group - at % group).min(data.len() - i);
+        let s = scales[at / group];
+        for (o, &x) in out[i..i + take].iter_mut().zip(&data[i..i + take]) {
+            *o = f32::from(x) * s;
+        }
+        i += take;
     }
 }
 
@@ -186,6 +226,28 @@ fn validate(a: &DecodeArgs<'_>, out_len: usize) -> Result<usize, KernelError> {
     }
     if !same_kind(&a.k_cache, &a.v_cache) || a.k_cache.len() != a.v_cache.len() {
         return err("k_cache and v_cache must have the same type and length".into());
+    }
+    if a.q.is_quantized() {
+        return err("q must be float32, bfloat16 or float16, not int8".into());
+    }
+    for (name, c) in [("k", &a.k_cache), ("v", &a.v_cache)] {
+        if let Elems::I8 {
+            data,
+            scales,
+            group,
+        } = c
+        {
+            if *group != a.dim || scales.len() * a.dim != data.len() {
+                return err(format!(
+                    "{name}_scales must have one scale per slot and KV head ({} for {} \
+                     elements of head size {}), with group = head size, not {} (group {group})",
+                    data.len() / a.dim,
+                    data.len(),
+                    a.dim,
+                    scales.len()
+                ));
+            }
+        }
     }
     let row = a.kv_heads * a.dim;
     if !a.k_cache.len().is_multiple_of(row * a.page) {
@@ -1041,6 +1103,109 @@ mod tests {
         assert_eq!(y, [0.0, 0.0, 0.0]);
     }
 
+    /// `x` quantized per `dim` elements (symmetric absmax int8, one scale each), and the
+    /// values those int8 elements and scales stand for.
+    fn quantize(x: &[f32], dim: usize) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
+        let mut data = Vec::with_capacity(x.len());
+        let mut scales = Vec::with_capacity(x.len() / dim);
+        let mut seen = Vec::with_capacity(x.len());
+        for v in x.chunks_exact(dim) {
+            let amax = v.iter().fold(0f32, |m, &e| m.max(e.abs()));
+            let s = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+            scales.push(s);
+            for &e in v {
+                let q = (e / s).round().clamp(-127.0, 127.0) as i8;
+                data.push(q);
+                seen.push(f32::from(q) * s);
+            }
+        }
+        (data, scales, seen)
+    }
+
+    /// The kernel over an int8 cache against the f64 reference over the dequantized cache.
+    fn run_int8(c: &Case, softcap: Option<f32>, threads: usize) -> (Vec<f32>, Vec<f64>) {
+        let (kq, ks, kd) = quantize(&c.k, c.dim);
+        let (vq, vs, vd) = quantize(&c.v, c.dim);
+        let k = Elems::I8 {
+            data: &kq,
+            scales: &ks,
+            group: c.dim,
+        };
+        let v = Elems::I8 {
+            data: &vq,
+            scales: &vs,
+            group: c.dim,
+        };
+        let args = args_of(c, k, v, softcap, threads);
+        let mut out = vec![0f32; c.q.len()];
+        paged_decode_attention(&args, ElemsMut::F32(&mut out)).unwrap();
+        let want = reference(
+            &c.q, &kd, &vd, &c.table, &c.seqlens, c.heads, c.kv_heads, c.dim, c.page, c.width,
+            c.window, 0.125, softcap,
+        );
+        (out, want)
+    }
+
+    #[test]
+    fn int8_cache_matches_the_dequantized_reference() {
+        for (rows, kvh, g, dim, page, window) in [
+            (5, 2, 3, 64, 8, Window::Full),
+            (3, 1, 2, 128, 16, Window::Full),
+            (4, 3, 1, 20, 4, Window::Sliding { window: 9 }),
+        ] {
+            let c = case(rows as u64 + 11, rows, kvh, g, dim, page, window);
+            for threads in [1, 2] {
+                let (got, want) = run_int8(&c, None, threads);
+                assert_close(&got, &want, 2e-5);
+            }
+            let (got, want) = run_int8(&c, Some(4.0), 1);
+            assert_close(&got, &want, 2e-5);
+        }
+    }
+
+    #[test]
+    fn int8_scales_of_the_wrong_length_are_errors() {
+        let c = case(1, 2, 2, 1, 16, 4, Window::Full);
+        let data = vec![0i8; c.k.len()];
+        let short = vec![1f32; c.k.len() / 16 - 1];
+        let full = vec![1f32; c.k.len() / 16];
+        let bad = Elems::I8 {
+            data: &data,
+            scales: &short,
+            group: 16,
+        };
+        let good = Elems::I8 {
+            data: &data,
+            scales: &full,
+            group: 16,
+        };
+        let mut out = vec![0f32; c.q.len()];
+        assert!(
+            paged_decode_attention(&args_of(&c, bad, good, None, 1), ElemsMut::F32(&mut out))
+                .is_err()
+        );
+        let wrong_group = Elems::I8 {
+            data: &data,
+            scales: &full,
+            group: 8,
+        };
+        assert!(paged_decode_attention(
+            &args_of(&c, good, wrong_group, None, 1),
+            ElemsMut::F32(&mut out)
+        )
+        .is_err());
+        let q8 = Elems::I8 {
+            data: &data[..c.q.len()],
+            scales: &full[..c.q.len() / 16],
+            group: 16,
+        };
+        let args = DecodeArgs {
+            q: q8,
+            ..args_of(&c, good, good, None, 1)
+        };
+        assert!(paged_decode_attention(&args, ElemsMut::F32(&mut out)).is_err());
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         #[test]
@@ -1051,6 +1216,22 @@ mod tests {
             let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
             let c = case(seed, rows, kvh, g, dim, page, w);
             let (got, want) = run(&c, None, threads, seed % 2 == 0);
+            assert_close(&got, &want, 3e-5);
+        }
+
+        #[test]
+        fn random_int8_layouts_match_the_dequantized_reference(seed in 0u64..1000,
+                                                              rows in 1usize..6,
+                                                              kvh in 1usize..4, g in 1usize..9,
+                                                              dim in prop::sample::select(
+                                                                  vec![8usize, 24, 64, 128]),
+                                                              page in 1usize..40,
+                                                              window in 0usize..80,
+                                                              threads in 1usize..4,
+                                                              cap in any::<bool>()) {
+            let w = if window == 0 { Window::Full } else { Window::Sliding { window } };
+            let c = case(seed, rows, kvh, g, dim, page, w);
+            let (got, want) = run_int8(&c, cap.then_some(3.0), threads);
             assert_close(&got, &want, 3e-5);
         }
 

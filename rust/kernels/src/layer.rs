@@ -301,6 +301,7 @@ pub fn decoder_layer(
                 }
                 Elems::F32(&*wide)
             }
+            Elems::I8 { .. } => unreachable!("a writable cache is never int8"),
         };
         let out = take(&mut sc.out, rows * hidden);
         product(&w.o, att, rows, nq, &mut *out, s.threads)?;

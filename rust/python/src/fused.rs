@@ -250,3 +250,50 @@ pub fn write_rows(
     py.detach(|| fused::write_rows(&a, dst))
         .map_err(kernel_error)
 }
+
+/// Rows into an int8 KV cache: `src` [T, width] (float32 / bfloat16 / float16 named by
+/// `src_dtype`) quantized per `group` columns (one KV head; symmetric absmax, one fp32
+/// scale each) into `dst` int8 [S, width] (or [S, kv_heads, dim]) at `slots` (int64 [T],
+/// checked in `0 .. S` first), the scales into `scales` float32 [S, width / group].
+/// Single-threaded.
+#[pyfunction]
+#[pyo3(signature = (src, dst, scales, slots, *, src_dtype, group))]
+pub fn write_rows_int8(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    slots: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    group: i64,
+) -> PyResult<()> {
+    let group = count(group, "group")?;
+    let s = In::new(src, ty(src_dtype, "src_dtype")?, "src")?;
+    let sl = ro::<i64>(slots, "slots", "int64")?;
+    let mut d = rw::<i8>(dst, "dst", "int8")?;
+    let mut sc = rw::<f32>(scales, "scales", "float32")?;
+    let (rows, width) = two_d("src", s.shape(), "[tokens, width]")?;
+    expect_shape("slots", sl.shape(), &[rows], "[tokens]")?;
+    let row: usize = d.shape().iter().skip(1).product();
+    if d.shape().len() < 2 || row != width {
+        return Err(invalid(
+            "dst",
+            format!(
+                "dst must be [slots, width = {width}] (or [slots, kv_heads, dim]), not shape {:?}",
+                d.shape()
+            ),
+        ));
+    }
+    let ins = [("src", s.span()), ("slots", sl.span())];
+    disjoint("dst", d.span(), &ins)?;
+    disjoint("scales", sc.span(), &ins)?;
+    disjoint("scales", sc.span(), &[("dst", d.span())])?;
+    let slots = sl.as_slice().unwrap_or_default();
+    let (dst, scales) = (
+        d.as_slice_mut().unwrap_or_default(),
+        sc.as_slice_mut().unwrap_or_default(),
+    );
+    let src = s.elems();
+    py.detach(|| fused::write_rows_int8(src, width, slots, group, dst, scales))
+        .map_err(kernel_error)
+}

@@ -3,21 +3,133 @@
 //! `ValueError`). The GIL is released while a kernel runs.
 
 use ferrobatch_kernels as kernels;
-use kernels::{DecodeArgs, Window};
+use kernels::{DecodeArgs, Elems, Window};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use std::ops::Range;
 
-use crate::errors::{field_error, kernel_error};
-use crate::views::{c_slice, disjoint, ty, In, Out};
+use crate::errors::{field_error, invalid, kernel_error};
+use crate::views::{c_slice, disjoint, ro, ty, In, Out, Span};
+
+/// The K and V caches of a call: one of the float storages, or int8 with their scales.
+enum Caches<'py> {
+    Plain(In<'py>, In<'py>),
+    Int8 {
+        k: PyReadonlyArrayDyn<'py, i8>,
+        v: PyReadonlyArrayDyn<'py, i8>,
+        k_scales: PyReadonlyArrayDyn<'py, f32>,
+        v_scales: PyReadonlyArrayDyn<'py, f32>,
+    },
+}
+
+impl<'py> Caches<'py> {
+    fn new(
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+        cache_dtype: &str,
+        scales: (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
+    ) -> PyResult<Self> {
+        if cache_dtype != "int8" {
+            let t = ty(cache_dtype, "cache_dtype")?;
+            return Ok(Caches::Plain(
+                In::new(k, t, "k_cache")?,
+                In::new(v, t, "v_cache")?,
+            ));
+        }
+        let (Some(ks), Some(vs)) = scales else {
+            return Err(invalid(
+                "k_scales",
+                "an int8 cache needs k_scales and v_scales (float32 [slots, kv_heads])",
+            ));
+        };
+        let caches = Caches::Int8 {
+            k: ro(k, "k_cache", "int8")?,
+            v: ro(v, "v_cache", "int8")?,
+            k_scales: ro(ks, "k_scales", "float32")?,
+            v_scales: ro(vs, "v_scales", "float32")?,
+        };
+        if let Caches::Int8 {
+            k,
+            k_scales,
+            v_scales,
+            ..
+        } = &caches
+        {
+            let want = &k.shape()[..k.shape().len().min(2)];
+            for (name, s) in [("k_scales", k_scales), ("v_scales", v_scales)] {
+                if s.shape() != want {
+                    return Err(invalid(
+                        name,
+                        format!(
+                            "{name} must be [slots, kv_heads] = {want:?}, not {:?}",
+                            s.shape()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(caches)
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Caches::Plain(k, _) => k.shape(),
+            Caches::Int8 { k, .. } => k.shape(),
+        }
+    }
+
+    fn spans(&self) -> Vec<(&'static str, Range<usize>)> {
+        match self {
+            Caches::Plain(k, v) => vec![("k_cache", k.span()), ("v_cache", v.span())],
+            Caches::Int8 {
+                k,
+                v,
+                k_scales,
+                v_scales,
+            } => vec![
+                ("k_cache", k.span()),
+                ("v_cache", v.span()),
+                ("k_scales", k_scales.span()),
+                ("v_scales", v_scales.span()),
+            ],
+        }
+    }
+
+    /// The K and V elements (`dim`: the head size, the int8 scales' group).
+    fn elems(&self, dim: usize) -> PyResult<(Elems<'_>, Elems<'_>)> {
+        Ok(match self {
+            Caches::Plain(k, v) => (k.elems(), v.elems()),
+            Caches::Int8 {
+                k,
+                v,
+                k_scales,
+                v_scales,
+            } => (
+                Elems::I8 {
+                    data: c_slice(k, "k_cache")?,
+                    scales: c_slice(k_scales, "k_scales")?,
+                    group: dim,
+                },
+                Elems::I8 {
+                    data: c_slice(v, "v_cache")?,
+                    scales: c_slice(v_scales, "v_scales")?,
+                    group: dim,
+                },
+            ),
+        })
+    }
+}
 
 /// Attention of decode rows over the paged cache, read in place (`ferrobatch-kernels`,
 /// `decode`): `q` [rows, heads, dim], `k_cache` / `v_cache` [slots, kv_heads, dim],
 /// `block_tables` int32 [rows, width], `seqlens` int32 [rows], writes `out` [rows, heads,
 /// dim]. `window` 0 = full attention, else the sliding window through a ring of `width`
-/// chunks. `softcap` 0 = none.
+/// chunks. `softcap` 0 = none. `cache_dtype="int8"`: the caches are int8, `k_scales` /
+/// `v_scales` float32 [slots, kv_heads] (one scale per slot and KV head), read dequantized.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seqlens, out, *, q_dtype, cache_dtype,
-                    out_dtype, page, window, scale, softcap, threads))]
+                    out_dtype, page, window, scale, softcap, threads, k_scales=None,
+                    v_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -35,14 +147,13 @@ pub fn paged_decode_attention(
     scale: f32,
     softcap: f32,
     threads: usize,
+    k_scales: Option<&Bound<'_, PyAny>>,
+    v_scales: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let (q, k, v) = (
-        In::new(q, ty(q_dtype, "q_dtype")?, "q")?,
-        In::new(k_cache, ty(cache_dtype, "cache_dtype")?, "k_cache")?,
-        In::new(v_cache, ty(cache_dtype, "cache_dtype")?, "v_cache")?,
-    );
+    let q = In::new(q, ty(q_dtype, "q_dtype")?, "q")?;
+    let caches = Caches::new(k_cache, v_cache, cache_dtype, (k_scales, v_scales))?;
     let mut out = Out::new(out, ty(out_dtype, "out_dtype")?, "out")?;
-    let (q_shape, k_shape, t_shape) = (q.shape(), k.shape(), block_tables.shape().to_vec());
+    let (q_shape, k_shape, t_shape) = (q.shape(), caches.shape(), block_tables.shape().to_vec());
     if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
         return Err(field_error(
             None,
@@ -59,19 +170,14 @@ pub fn paged_decode_attention(
             ),
         ));
     }
-    disjoint(
-        "out",
-        out.span(),
-        &[
-            ("q", q.span()),
-            ("k_cache", k.span()),
-            ("v_cache", v.span()),
-        ],
-    )?;
+    let mut inputs = caches.spans();
+    inputs.push(("q", q.span()));
+    disjoint("out", out.span(), &inputs)?;
+    let (k, v) = caches.elems(q_shape[2])?;
     let args = DecodeArgs {
         q: q.elems(),
-        k_cache: k.elems(),
-        v_cache: v.elems(),
+        k_cache: k,
+        v_cache: v,
         block_tables: c_slice(&block_tables, "block_tables")?,
         seqlens: c_slice(&seqlens, "seqlens")?,
         heads: q_shape[1],

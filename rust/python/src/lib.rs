@@ -56,6 +56,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rope, m)?)?;
     m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::write_rows_int8, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_available, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_backend, m)?)?;
     m.add_function(wrap_pyfunction!(amx::amx_packed_len, m)?)?;

@@ -66,6 +66,9 @@ pub fn linear(
         Elems::F16(_) => {
             return KernelError::invalid("x", "x must be float32 or bfloat16, not float16".into())
         }
+        Elems::I8 { .. } => {
+            return KernelError::invalid("x", "x must be float32 or bfloat16, not int8".into())
+        }
     };
     let lens = Lengths {
         x: x_len,
@@ -149,7 +152,7 @@ fn padded_rows(x: Elems<'_>, m: usize, k: usize) -> Vec<Line> {
                 }
             }
             Elems::Bf16(s) => row[..k].copy_from_slice(&s[i * k..(i + 1) * k]),
-            Elems::F16(_) => unreachable!("checked by linear"),
+            Elems::F16(_) | Elems::I8 { .. } => unreachable!("checked by linear"),
         }
     }
     lines

@@ -35,22 +35,50 @@ enum Kind {
     F32,
     Bf16,
     F16,
+    /// int8 with one scale per slot and KV head: dot products and value sums run on the
+    /// widened integers; each key's score is multiplied by its key scale, each value's
+    /// softmax weight by its value scale (the same sums as over the dequantized vectors,
+    /// in another rounding order)
+    I8,
 }
 
 /// A cache element type.
 ///
 /// # Safety
-/// `E` must be `f32` when `KIND` is `Kind::F32` and `u16` otherwise (`widen` reads the
-/// elements as such).
+/// `E` must be `f32` when `KIND` is `Kind::F32`, `i8` when it is `Kind::I8` and `u16`
+/// otherwise (`widen` reads the elements as such).
 unsafe trait Store {
     type E: Copy;
     const KIND: Kind;
     fn of<'a>(e: Elems<'a>) -> Option<&'a [Self::E]>;
+    /// An int8 cache's scales (`[slots, kv_heads]`); empty for the float types.
+    fn scales<'a>(_e: Elems<'a>) -> &'a [f32] {
+        &[]
+    }
 }
 
 struct F32s;
 struct Bf16s;
 struct F16s;
+struct I8s;
+
+// SAFETY: E = i8 with Kind::I8.
+unsafe impl Store for I8s {
+    type E = i8;
+    const KIND: Kind = Kind::I8;
+    fn of<'a>(e: Elems<'a>) -> Option<&'a [i8]> {
+        match e {
+            Elems::I8 { data, .. } => Some(data),
+            _ => None,
+        }
+    }
+    fn scales<'a>(e: Elems<'a>) -> &'a [f32] {
+        match e {
+            Elems::I8 { scales, .. } => scales,
+            _ => &[],
+        }
+    }
+}
 
 // SAFETY: E = f32 with Kind::F32.
 unsafe impl Store for F32s {
@@ -99,6 +127,8 @@ pub(super) fn rows(a: &DecodeArgs<'_>, range: Range<usize>, out: &mut ElemsMut<'
         (Elems::Bf16(_), _) => rows_of::<Bf16s, 8>(a, range, out),
         (Elems::F16(_), 64) => rows_of::<F16s, 4>(a, range, out),
         (Elems::F16(_), _) => rows_of::<F16s, 8>(a, range, out),
+        (Elems::I8 { .. }, 64) => rows_of::<I8s, 4>(a, range, out),
+        (Elems::I8 { .. }, _) => rows_of::<I8s, 8>(a, range, out),
     }
 }
 
@@ -112,6 +142,9 @@ struct Scratch {
     q: Vec<f32>,
     /// `[group, keys rounded up to 16]` scores, then softmax weights
     w: Vec<f32>,
+    /// int8: `[keys rounded up to 16]` key and value scales of one KV head (else empty)
+    ks: Vec<f32>,
+    vs: Vec<f32>,
 }
 
 /// One KV head's cache (the slots' rows shifted to that head) and the row's key offsets;
@@ -122,6 +155,9 @@ struct Kv<'s, E> {
     offs: &'s [usize],
     keys: usize,
     then: Stream<'s, E>,
+    /// int8: each key's and value's scale, in `offs` order (else empty)
+    ks: &'s [f32],
+    vs: &'s [f32],
 }
 
 /// Head vectors to prefetch: `offs` into `x`.
@@ -181,11 +217,14 @@ fn rows_of<S: Store, const NV: usize>(
     let row_len = a.kv_heads * d;
     let most = LANES / NV; // heads of a group: NV * most = 16 registers of sums
     let parts = g.div_ceil(most);
+    let (k_scales, v_scales) = (S::scales(a.k_cache), S::scales(a.v_cache));
     let mut s = Scratch {
         offs: Vec::new(),
         next: Vec::new(),
         q: vec![0.0; a.heads * d],
         w: Vec::new(),
+        ks: Vec::new(),
+        vs: Vec::new(),
     };
     let first_row = range.start;
     let end = range.end;
@@ -207,6 +246,13 @@ fn rows_of<S: Store, const NV: usize>(
         prep_q::<S, NV>(a.q, r * a.heads * d, a.scale, &mut s.q);
         s.w.resize(most * s.offs.len(), 0.0);
         for kvh in 0..a.kv_heads {
+            if S::KIND == Kind::I8 {
+                // (slot, kvh)'s scale: offset slot * kv_heads * d, so index offset / d + kvh
+                s.ks.clear();
+                s.ks.extend(s.offs.iter().map(|&o| k_scales[o / d + kvh]));
+                s.vs.clear();
+                s.vs.extend(s.offs.iter().map(|&o| v_scales[o / d + kvh]));
+            }
             let mut h = kvh * g;
             for p in 0..parts {
                 let then = if p + 1 < parts {
@@ -231,6 +277,8 @@ fn rows_of<S: Store, const NV: usize>(
                     offs: &s.offs,
                     keys: n_keys,
                     then,
+                    ks: &s.ks,
+                    vs: &s.vs,
                 };
                 let hg = g / parts + usize::from(p < g % parts);
                 let q = &s.q[h * d..(h + hg) * d];
@@ -324,7 +372,13 @@ fn group<S: Store, const NV: usize, const HG: usize>(
     };
     for (b, block) in kv.offs.chunks_exact(LANES).enumerate() {
         let block: &[usize; LANES] = block.try_into().expect("chunks of 16");
-        let s = scores16::<S, NV, HG>(&qv, kv.k, block, &ahead, b * LANES);
+        let mut s = scores16::<S, NV, HG>(&qv, kv.k, block, &ahead, b * LANES);
+        if S::KIND == Kind::I8 {
+            let scale = load_f32(&kv.ks[b * LANES..]);
+            for si in s.iter_mut() {
+                *si = _mm512_mul_ps(*si, scale);
+            }
+        }
         for (i, si) in s.iter().enumerate() {
             store_f32(&mut w[i * kp + b * LANES..], *si);
         }
@@ -339,6 +393,12 @@ fn group<S: Store, const NV: usize, const HG: usize>(
         }
         wi[kv.keys..].fill(f32::NEG_INFINITY);
         *z = softmax(wi);
+        if S::KIND == Kind::I8 {
+            // weight * (scale * value): the scale folded into the weight
+            for (x, &sc) in wi.iter_mut().zip(kv.vs) {
+                *x *= sc;
+            }
+        }
     }
     let acc = values::<S, NV, HG>(kv, w);
     for (i, (acc, &z)) in acc.iter().zip(&inv).enumerate() {
@@ -572,7 +632,7 @@ pub(super) fn exp16(x: __m512) -> __m512 {
 }
 
 /// One head vector (`NV * 16` elements at the start of `x`) widened to f32, in `S`'s
-/// register order: natural for f32 / f16; for bf16, register `2p` holds elements
+/// register order: natural for f32 / f16 / int8 (unscaled); for bf16, register `2p` holds elements
 /// `32p, 32p + 2, ..` and register `2p + 1` elements `32p + 1, 32p + 3, ..`.
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -592,6 +652,13 @@ fn widen<S: Store, const NV: usize>(x: &[S::E]) -> [__m512; NV] {
                 // SAFETY: `E` is u16 and `16 * c + 16 <= x.len()`: 32 bytes in bounds.
                 let h = unsafe { _mm256_loadu_si256(p.cast::<u16>().add(c * LANES).cast()) };
                 *o = _mm512_cvtph_ps(h);
+            }
+        }
+        Kind::I8 => {
+            for (c, o) in v.iter_mut().enumerate() {
+                // SAFETY: `E` is i8 and `16 * c + 16 <= x.len()`: 16 bytes in bounds.
+                let b = unsafe { _mm_loadu_si128(p.cast::<i8>().add(c * LANES).cast()) };
+                *o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
             }
         }
         Kind::Bf16 => {
@@ -667,6 +734,7 @@ fn load16(e: Elems<'_>, at: usize) -> __m512 {
             let h = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
             _mm512_cvtph_ps(h)
         }
+        Elems::I8 { .. } => unreachable!("queries and caches here are never int8"),
     }
 }
 

@@ -24,7 +24,7 @@ mod write_rows;
 pub use rms_norm::{rms_norm, NormInput, RmsNorm};
 pub use rope::{rope, Rope};
 pub use silu_mul::silu_mul;
-pub use write_rows::{write_rows, WriteRows};
+pub use write_rows::{write_rows, write_rows_int8, WriteRows};
 
 use crate::error::{Expected, KernelError};
 pub(crate) use crate::parallel::{plan_threads, row_ranges, run_pieces};
@@ -46,6 +46,7 @@ pub(crate) fn len(e: &Elems<'_>) -> usize {
     match e {
         Elems::F32(s) => s.len(),
         Elems::Bf16(s) | Elems::F16(s) => s.len(),
+        Elems::I8 { data, .. } => data.len(),
     }
 }
 
@@ -114,6 +115,10 @@ pub(crate) fn widen<'c>(src: &Elems<'c>, start: usize, buf: &'c mut [f32]) -> &'
             s[start..start + n]
                 .reinterpret_cast::<f16>()
                 .convert_to_f32_slice(buf);
+            buf
+        }
+        Elems::I8 { .. } => {
+            src.load(start, buf);
             buf
         }
     }

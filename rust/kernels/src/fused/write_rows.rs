@@ -85,11 +85,124 @@ fn copy_rows_impl(a: &WriteRows<'_>, dst: &mut ElemsMut<'_>) {
     }
 }
 
+/// Rows into an int8 KV cache: row `t` of `src` (`[slots.len(), width]`, `width` a multiple
+/// of `group`) goes to slot `slots[t]` of `dst` (`[S, width]` int8), each `group` of it
+/// (one KV head) quantized symmetrically with its own scale, stored in `scales`
+/// (`[S, width / group]`): `scale = max|x| / 127`, `q = round_half_even(x * (1 / scale))`
+/// clamped to +-127 (an all-zero group: scale 0, elements 0), all f32 (the same operations
+/// as `ferrobatch.attention.kv_cache.quantize_int8`). Every slot is checked first.
+pub fn write_rows_int8(
+    src: Elems<'_>,
+    width: usize,
+    slots: &[i64],
+    group: usize,
+    dst: &mut [i8],
+    scales: &mut [f32],
+) -> Result<(), KernelError> {
+    if group == 0 || width == 0 || !width.is_multiple_of(group) {
+        return KernelError::invalid(
+            "group",
+            format!("group ({group}) must be >= 1 and divide width ({width} >= 1)"),
+        );
+    }
+    if !dst.len().is_multiple_of(width) {
+        return KernelError::invalid(
+            "dst",
+            format!("dst has {} elements, not whole rows of {width}", dst.len()),
+        );
+    }
+    let n = dst.len() / width;
+    check_len("scales", scales.len(), product("scales", n, width / group)?)?;
+    if src.is_quantized() {
+        return KernelError::invalid("src", "src must be float32, bfloat16 or float16".into());
+    }
+    check_len("src", len(&src), product("src", slots.len(), width)?)?;
+    for (t, &s) in slots.iter().enumerate() {
+        if s < 0 || s as u64 >= n as u64 {
+            return KernelError::invalid(
+                "slots",
+                format!("slots[{t}] = {s} is outside dst's {n} rows"),
+            );
+        }
+    }
+    quantize_rows(&src, slots, group, width, dst, scales);
+    Ok(())
+}
+
+/// 1.5 * 2^23: `(x + ROUND) - ROUND` is `x` rounded to an integer, ties to even, for
+/// |x| < 2^22 (f32's round-to-nearest-even).
+const ROUND: f32 = 12_582_912.0;
+
+/// `max |x|` (0 for an empty slice), 16 running maxima at a time.
+#[inline(always)]
+fn abs_max(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let tail = chunks.remainder().iter().fold(0f32, |m, &v| m.max(v.abs()));
+    lanes.iter().fold(tail, |m, &v| m.max(v))
+}
+
+dispatch!(quantize_rows => quantize_rows_impl(src: &Elems<'_>, slots: &[i64], group: usize,
+                                               width: usize, dst: &mut [i8],
+                                               scales: &mut [f32]));
+
+#[inline(always)]
+fn quantize_rows_impl(
+    src: &Elems<'_>,
+    slots: &[i64],
+    group: usize,
+    width: usize,
+    dst: &mut [i8],
+    scales: &mut [f32],
+) {
+    let mut buf = vec![0f32; width];
+    let per_slot = width / group;
+    for (t, &s) in slots.iter().enumerate() {
+        let row = widen(src, t * width, &mut buf);
+        let s = s as usize;
+        for (h, x) in row.chunks_exact(group).enumerate() {
+            let scale = abs_max(x) / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            let out = &mut dst[s * width + h * group..][..group];
+            for (o, &v) in out.iter_mut().zip(x) {
+                // |v * inv| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds
+                // it to the nearest integer, ties to even (`round_ties_even`), vectorized
+                let r = (v * inv + ROUND) - ROUND;
+                *o = r.clamp(-127.0, 127.0) as i32 as i8; // (in range: exact)
+            }
+            scales[s * per_slot + h] = scale;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testing::{round_bits, values, Buf, Ty, TYPES};
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn int8_rows_are_quantized_per_group() {
+        let src = [0.5f32, -1.0, 0.25, 0.0, 0.0, 0.0, 2.54, -0.01];
+        let (mut dst, mut scales) = (vec![9i8; 3 * 4], vec![9f32; 3 * 2]);
+        write_rows_int8(Elems::F32(&src), 4, &[2, 0], 2, &mut dst, &mut scales).unwrap();
+        assert_eq!(&dst[8..], &[64, -127, 127, 0]);
+        assert_eq!(&scales[4..], &[1.0 / 127.0, 0.25 / 127.0]);
+        assert_eq!(&dst[..4], &[0, 0, 127, 0]); // -0.01 is half a step: to even
+        assert_eq!(&scales[..2], &[0.0, 2.54 / 127.0]);
+        assert_eq!(&dst[4..8], &[9; 4]); // slot 1 untouched
+        let bad_slot = write_rows_int8(Elems::F32(&src), 4, &[0, 3], 2, &mut dst, &mut scales);
+        assert!(bad_slot.is_err());
+        let short = write_rows_int8(Elems::F32(&src), 4, &[0, 1], 2, &mut dst, &mut scales[..5]);
+        assert!(short.is_err());
+        let group = write_rows_int8(Elems::F32(&src), 4, &[0, 1], 3, &mut dst, &mut scales);
+        assert!(group.is_err());
+    }
 
     /// Row by row, element by element, into a copy of `dst`'s values.
     fn reference(a: &WriteRows<'_>, src: &[f32], dst: &Buf, dt: Ty) -> Vec<u32> {
