@@ -57,6 +57,11 @@ class ContinuousBatchingConfig:
             busy, run torch on fewer threads (never more than it had when the engine was
             built; `ferrobatch.cpu.threads.ThreadGovernor`): waiting threads spin, and
             spinning beside another process makes every step many times slower.
+        batch_invariant: a request's tokens and logprobs are bit-identical whatever else
+            shares its steps (batch mates, prompt chunking, prefix hits, preemption,
+            threads): every product on one kernel per weight format and ISA, every row
+            attended in key order by the CPU kernel, no greedy screen. CPU, full-attention
+            models; `FieldError` where that cannot hold. Default False.
     """
 
     page_size: int = 32
@@ -75,6 +80,7 @@ class ContinuousBatchingConfig:
     use_async_batching: bool | None = None
     max_queue_size: int = 0
     adaptive_threads: bool = True
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +122,9 @@ class ContinuousBatchingConfig:
         if not isinstance(self.adaptive_threads, bool):
             raise FieldError(f"adaptive_threads must be a bool, got {self.adaptive_threads!r}",
                              "adaptive_threads")
+        if not isinstance(self.batch_invariant, bool):
+            raise FieldError(f"batch_invariant must be a bool, got {self.batch_invariant!r}",
+                             "batch_invariant")
         for name in ("use_cuda_graph", "use_async_batching"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -102,6 +102,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("adaptive_threads", dict(action=argparse.BooleanOptionalAction,
      help="CPU: run torch on fewer threads (never more than --threads) while other "
           "processes keep this process's cores busy, and go back up when they free up.")),
+    ("batch_invariant", dict(action=argparse.BooleanOptionalAction,
+     help="A request's tokens and logprobs are bit-identical whatever else shares its "
+          "steps (batch mates, prompt chunking, prefix hits, preemption, threads). CPU, "
+          "full-attention models. Default: off.")),
 ]  # fmt: skip
 
 

@@ -94,6 +94,11 @@ class Engine(ModelProbes):
     that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
     on CUDA); `FieldError` (field ``tensor_parallel_size``) where it cannot be sharded.
+
+    `batch_invariant` (overrides the config's field of that name; None keeps it): each
+    request's tokens and logprobs are bit-identical whatever else shares its steps (see
+    `ContinuousBatchingConfig.batch_invariant`); `FieldError` (field ``batch_invariant``)
+    where that cannot hold (off the CPU, sliding-window layers, tensor parallelism).
     """
 
     def __init__(
@@ -108,8 +113,15 @@ class Engine(ModelProbes):
         tensor_parallel_size: int = 1,
         speculative_config: Any = None,
         quantization: str | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         self.config = ContinuousBatchingConfig.coerce(config)
+        if batch_invariant is not None:  # overrides the config's field
+            self.config = self.config.replace(batch_invariant=batch_invariant)
+        if self.config.batch_invariant and tensor_parallel_size != 1:
+            raise FieldError("batch_invariant is not supported with tensor_parallel_size > 1 "
+                             "(the ranks' products run on their own shards)",
+                             field="batch_invariant")
         # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
         self._quantization = quantization
         if quantization is not None and tensor_parallel_size != 1:
@@ -278,6 +290,7 @@ class Engine(ModelProbes):
             use_cuda_graph=use_cuda_graph,
             config=self.config,
             rope=self.rope,
+            batch_invariant=self.config.batch_invariant,
         )
 
     def _build_scheduler(self, max_batch_tokens: int | None = None) -> Scheduler:

@@ -36,7 +36,10 @@ class OutputHead:
     `split_error`), which product the head runs on (`backend`, the policy's "head" rules
     over a timed probe), and the greedy head."""
 
-    def __init__(self, model: PreTrainedModel, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, device: torch.device, vocab_size: int,
+                 batch_invariant: bool = False) -> None:
+        """`batch_invariant`: no head product of its own and no greedy screen (the module's
+        own forward: inside a step the packed linears' batch-invariant product)."""
         cfg = text_config(model.config)
         self._model = model
         self._device = device
@@ -57,10 +60,11 @@ class OutputHead:
         self.backend: Backend | None = None
         self.split_error: str | None = None
         self.split = self._check_split()
-        if self.split:
+        if self.split and not batch_invariant:
             self.backend = self._choose_backend()
-        #: the greedy screen (`greedy_head`), None where it does not apply or win
-        self.greedy = self._make_greedy()
+        #: the greedy screen (`greedy_head`), None where it does not apply or win (or in
+        #: batch-invariant mode: whether a row is screened depends on its batch mates)
+        self.greedy = None if batch_invariant else self._make_greedy()
 
     def _cpu_fp32_linear_head(self) -> bool:
         head = self.module
