@@ -600,6 +600,7 @@ class Engine(ModelProbes):
             finished_requests=self._stats["finished_requests"],
             busy_time_s=busy,
             async_batching=self.async_batching,
+            batch_invariant=self.config.batch_invariant,
             tensor_parallel_size=self.tensor_parallel_size,
             ahead_steps=self._stats["ahead_steps"],
             pipeline_drains=self._stats["pipeline_drains"],

@@ -245,6 +245,12 @@ class PackedLinears:
         self.model = model
         #: batch-invariant mode: every call takes `linear_policy.choose_invariant`'s product
         self.invariant = invariant
+        #: a layer whose outputs stay in `activation_dtype` though it is not a residual
+        #: writer: in batch-invariant mode the output head (greedy tokens are the argmax of
+        #: these logits there: rounded to bf16 they would tie and part from fp32's)
+        head = model.get_output_embeddings() if invariant and hasattr(
+            model, "get_output_embeddings") else None
+        self._wide_out = id(head) if head is not None else None
         self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
         self.activation_dtype = activation_dtype
@@ -559,7 +565,8 @@ class PackedLinears:
         in_thread = self._in_thread
         packed = group.packed
         alone = len(packed.layers) == 1
-        writes_residual = alone and self.hidden_size in (None, module.out_features)
+        writes_residual = alone and (self.hidden_size in (None, module.out_features)
+                                     or id(module) == self._wide_out)
         adt = self.activation_dtype if writes_residual else wdt
 
         def widen(y: torch.Tensor) -> torch.Tensor:

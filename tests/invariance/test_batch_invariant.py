@@ -1,0 +1,169 @@
+"""Batch-invariant mode (`ContinuousBatchingConfig.batch_invariant`): a target request's token
+ids and logprob bits are the same alone and inside random mixes of other requests (random
+prompts, arrival steps, cancellations), under random `max_batch_tokens` (prompt chunking),
+prefix caching, preemption (recompute or CPU offload), async stepping, speculative decoding
+(greedy) and 1 or 2 threads; in fp32 and bf16, on a tiny random-init Llama."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import tiny_models
+import torch
+from ferrobatch import Engine, FieldError, SamplingParams, SpeculativeConfig
+from ferrobatch.cpu import f32_ops
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from invariance_helpers import Other, run_target
+from isa_helpers import needs_isa
+
+pytestmark = needs_isa(f32_ops.available(), "avx512f", what="batch-invariant products")
+
+PAGE = 8
+BIG_CACHE = 256  # blocks: nothing is ever preempted
+SMALL_CACHE = 40  # blocks of 8 tokens: the mixes below preempt
+
+
+@functools.cache
+def _model(dtype: str) -> torch.nn.Module:
+    return tiny_models.llama(3).to(getattr(torch, dtype))
+
+
+def _engine(dtype: str, **config) -> Engine:
+    cfg = dict(page_size=PAGE, num_blocks=BIG_CACHE, batch_invariant=True, **config)
+    return Engine(_model(dtype), config=cfg, seed=0)
+
+
+def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, tiny_models.VOCAB) for _ in range(n))
+
+
+def _target_sampling(kind: str, seed: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(max_new_tokens=10, logprobs=3, ignore_eos=True)
+    return SamplingParams(max_new_tokens=10, logprobs=3, ignore_eos=True, temperature=0.9,
+                          top_p=0.9, top_k=50, seed=seed)
+
+
+@functools.cache
+def _alone(dtype: str, target: tuple[int, ...], kind: str, seed: int):
+    """The target alone, one thread, the default budget."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _engine(dtype) as engine:
+            return run_target(engine, target, _target_sampling(kind, seed))
+    finally:
+        torch.set_num_threads(threads)
+
+
+others_st = st.lists(
+    st.tuples(
+        st.integers(1, 150),  # prompt length
+        st.integers(1, 16),  # new tokens
+        st.integers(0, 6),  # arrival step
+        st.one_of(st.none(), st.integers(0, 12)),  # cancellation step
+        st.booleans(),  # greedy (else sampled with logprobs)
+        st.integers(0, 40),  # tokens of the target's prompt it starts with (prefix hits)
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    target_len=st.integers(1, 120),
+    kind=st.sampled_from(["greedy", "seeded"]),
+    others=others_st,
+    max_batch_tokens=st.sampled_from([8, 13, 32, 64, 2048]),
+    small_cache=st.booleans(),
+    offload=st.booleans(),
+    sharing=st.booleans(),
+    async_batching=st.booleans(),
+    spec=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    target_arrives=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_target_alone_equals_target_in_any_mix(
+    dtype, target_len, kind, others, max_batch_tokens, small_cache, offload, sharing,
+    async_batching, spec, threads, target_arrives, seed,
+) -> None:
+    rng = random.Random(seed)
+    target = _prompt(rng, target_len)
+    mates = [
+        Other(prompt=target[:min(shared, target_len)] + _prompt(rng, n),
+              sampling=SamplingParams(max_new_tokens=new, ignore_eos=True) if greedy else
+              SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0,
+                             logprobs=1, seed=rng.randrange(1000)),
+              arrive=arrive, cancel=cancel)
+        for n, new, arrive, cancel, greedy, shared in others
+    ]
+    spec = spec and kind == "greedy"  # speculation keeps greedy tokens, not random draws
+    config = dict(
+        max_batch_tokens=max_batch_tokens,
+        num_blocks=SMALL_CACHE if small_cache else BIG_CACHE,
+        cpu_offload_space=0.01 if offload else 0.0,
+        allow_block_sharing=sharing,
+        use_async_batching=async_batching and not spec,
+        adaptive_threads=False,
+    )
+    want = _alone(dtype, target, kind, seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Engine(_model(dtype), config=dict(page_size=PAGE, batch_invariant=True, **config),
+                    seed=1, speculative_config=SpeculativeConfig(num_speculative_tokens=3)
+                    if spec else None) as engine:
+            got = run_target(engine, target, _target_sampling(kind, seed), mates,
+                             target_arrives)
+    finally:
+        torch.set_num_threads(before)
+    assert got[0] == want[0], "token ids differ"
+    assert got[1] == want[1], "logprob bits differ"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_mode_is_not_invariant_here(dtype) -> None:
+    """The mode is what makes the property hold: without it a bf16 / fp32 target's logprobs
+    change with its batch (the products' backend is chosen by the step's rows)."""
+    rng = random.Random(5)
+    target = _prompt(rng, 90)
+    sp = _target_sampling("greedy", 0)
+    mates = [Other(_prompt(rng, 150), SamplingParams(max_new_tokens=12, ignore_eos=True))
+             for _ in range(6)]
+    got = {}
+    for invariant in (False, True):
+        runs = []
+        for others in ((), mates):
+            with Engine(_model(dtype), config=dict(page_size=PAGE, num_blocks=BIG_CACHE,
+                                                   batch_invariant=invariant)) as engine:
+                runs.append(run_target(engine, target, sp, others))
+        got[invariant] = runs[0] == runs[1]
+    assert got[True]
+    assert not got[False]
+
+
+def test_refused_where_it_cannot_hold() -> None:
+    with pytest.raises(FieldError) as err:
+        Engine(tiny_models.mistral(), config=dict(batch_invariant=True, num_blocks=64))
+    assert err.value.field == "batch_invariant"
+    assert "sliding" in str(err.value)
+    with pytest.raises(FieldError) as err:
+        Engine(_model("float32"), batch_invariant=True, tensor_parallel_size=2)
+    assert err.value.field == "batch_invariant"
+
+
+def test_engine_argument_overrides_config_and_is_reported() -> None:
+    with Engine(_model("float32"), config=dict(num_blocks=64), batch_invariant=True) as e:
+        assert e.config.batch_invariant
+        assert e.stats()["batch_invariant"] is True
+        assert not e.runner.fast_greedy
+    with Engine(_model("float32"), config=dict(num_blocks=64, batch_invariant=True),
+                batch_invariant=False) as e:
+        assert not e.config.batch_invariant
+        assert e.stats()["batch_invariant"] is False
