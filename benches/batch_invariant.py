@@ -52,9 +52,7 @@ def _engine(model: Any, dtype: str, invariant: bool) -> Engine:
 
 
 def _chat_ids(engine: Engine, n: int) -> list[list[int]]:
-    tok = engine.tokenizer
-    return chat_prompts(lambda m: tok.apply_chat_template(m, add_generation_prompt=True,
-                                                         tokenize=True), n)
+    return chat_prompts(engine.encode_chat, n)
 
 
 def main() -> None:
