@@ -42,6 +42,10 @@ def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def _target_sampling(kind: str, seed: int) -> SamplingParams:
+    """"plain": greedy without logprobs (a step whose rows are all such takes the greedy
+    head's screened argmax, one with a sampled mate the full logits' argmax)."""
+    if kind == "plain":
+        return SamplingParams(max_new_tokens=10, ignore_eos=True)
     if kind == "greedy":
         return SamplingParams(max_new_tokens=10, logprobs=3, ignore_eos=True)
     return SamplingParams(max_new_tokens=10, logprobs=3, ignore_eos=True, temperature=0.9,
@@ -78,7 +82,7 @@ others_st = st.lists(
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     target_len=st.integers(1, 120),
-    kind=st.sampled_from(["greedy", "seeded"]),
+    kind=st.sampled_from(["greedy", "seeded", "plain"]),
     others=others_st,
     max_batch_tokens=st.sampled_from([8, 13, 32, 64, 2048]),
     small_cache=st.booleans(),
@@ -105,7 +109,7 @@ def test_target_alone_equals_target_in_any_mix(
               arrive=arrive, cancel=cancel)
         for n, new, arrive, cancel, greedy, shared in others
     ]
-    spec = spec and kind == "greedy"  # speculation keeps greedy tokens, not random draws
+    spec = spec and kind != "seeded"  # speculation keeps greedy tokens, not random draws
     config = dict(
         max_batch_tokens=max_batch_tokens,
         num_blocks=SMALL_CACHE if small_cache else BIG_CACHE,
@@ -167,7 +171,15 @@ def test_engine_argument_overrides_config_and_is_reported() -> None:
     with Engine(_model("float32"), config=dict(num_blocks=64), batch_invariant=True) as e:
         assert e.config.batch_invariant
         assert e.stats()["batch_invariant"] is True
-        assert not e.runner.fast_greedy
+    for dtype in ("float32", "bfloat16"):
+        with Engine(_model(dtype), config=dict(num_blocks=64), batch_invariant=True) as e:
+            greedy = e.runner.head.greedy
+            assert e.runner.fast_greedy == (greedy is not None)
+            # only the proven screens, rescored on the head's own product
+            assert greedy is None or (greedy.invariant and not greedy.window8
+                                      and greedy.full_rows is None)
+            if dtype == "bfloat16":  # (a half head keeps its screen: "plain" rows use it)
+                assert greedy is not None
     with Engine(_model("float32"), config=dict(num_blocks=64, batch_invariant=True),
                 batch_invariant=False) as e:
         assert not e.config.batch_invariant
