@@ -684,8 +684,8 @@ def test_engine_fp32_parity_with_the_int16_screen(monkeypatch) -> None:
 
 
 def _int16_first(init):
-    def patched(self, weight):
-        init(self, weight)
+    def patched(self, weight, invariant=False):
+        init(self, weight, invariant)
         self.int8 = False
     return patched
 
