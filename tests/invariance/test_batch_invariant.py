@@ -184,3 +184,22 @@ def test_engine_argument_overrides_config_and_is_reported() -> None:
                 batch_invariant=False) as e:
         assert not e.config.batch_invariant
         assert e.stats()["batch_invariant"] is False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logprobs_alone_equal_them_in_a_chunked_mix(dtype) -> None:
+    """Prompt logprobs (computed during prefill, chunk by chunk) are the same bits whatever
+    the chunking and the batch mates."""
+    rng = random.Random(9)
+    target = list(_prompt(rng, 70))
+    sp = SamplingParams(max_new_tokens=3, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+    others = [list(_prompt(rng, n)) for n in (40, 90, 7)]
+    outs = {}
+    for budget, prompts in ((2048, [target]), (16, [*others[:2], target, others[2]])):
+        with _engine(dtype, max_batch_tokens=budget) as engine:
+            got = engine.generate(prompts, sp, progress=False)
+        outs[budget] = next(o for o, p in zip(got, prompts, strict=True) if p is target)
+    alone, mixed = outs[2048], outs[16]
+    assert alone.prompt_logprobs is not None
+    assert alone.prompt_logprobs == mixed.prompt_logprobs
+    assert (alone.token_ids, alone.logprobs) == (mixed.token_ids, mixed.logprobs)
