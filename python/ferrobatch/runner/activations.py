@@ -171,13 +171,14 @@ class PackedActivations:
                 raise FieldError(
                     f"batch_invariant: {type(self.model).__name__} does not run with fp32 "
                     "activations over its half-precision weights", "batch_invariant")
-        plain = [m for m in self.model.modules() if type(m) is torch.nn.Linear]
         held = set() if self.linears is None else {id(m) for m in self.linears.layers}
-        if any(id(m) not in held for m in plain):
+        others = _other_products(self.model, held)
+        if others:
             raise FieldError(
-                f"batch_invariant: {type(self.model).__name__} has linear layers that do not "
-                "run on packed weights (mixed weight dtypes, or no memory for the copies)",
-                "batch_invariant")
+                f"batch_invariant: {type(self.model).__name__} multiplies by weights that do "
+                f"not run on packed batch-invariant products: {', '.join(others[:3])}"
+                f"{' ...' if len(others) > 3 else ''} (mixed weight dtypes, no memory for the "
+                "copies, Conv1D or fused-expert layers)", "batch_invariant")
 
     def _calibrated(self, linears: PackedLinears | None) -> PackedLinears | None:
         """`linears` with the layers sharing an input grouped from one calibration forward."""
@@ -222,3 +223,17 @@ class PackedActivations:
         if not bool(torch.isfinite(got).all()):
             return False
         return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())
+
+
+def _other_products(model: torch.nn.Module, held: set[int]) -> list[str]:
+    """The modules of `model` holding a matrix parameter (2-D or more) that are not packed
+    linears (`held`, by id) or embeddings (a lookup: exact): products torch would run with
+    an order chosen by the batch (Conv1D, fused MoE experts, a linear left unpacked). GGUF
+    modules keep their matrices as buffers, multiplied per row by the quantized kernels."""
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in held or isinstance(module, torch.nn.Embedding):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            found.append(f"{name or 'the model'} ({type(module).__name__})")
+    return found
