@@ -46,6 +46,8 @@ def test_defaults_are_valid_and_bounded() -> None:
         ("defer_shared_prefixes", 1),
         ("q_padding_interval_size", -4),
         ("use_cuda_graph", "auto"),
+        ("batch_invariant", 1),
+        ("batch_invariant", None),
     ],
 )
 def test_validation_names_the_field(field: str, value: object) -> None:

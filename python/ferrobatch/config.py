@@ -81,6 +81,11 @@ class ContinuousBatchingConfig:
             key or value is written: about half the bytes of a bf16 cache, a quarter of an
             fp32 one, so ~2x / ~4x the blocks for the same memory; CPU only). "fp8_e4m3" is
             refused (see `KV_CACHE_DTYPES`).
+        batch_invariant: a request's tokens and logprobs are bit-identical whatever else
+            shares its steps (batch mates, prompt chunking, prefix hits, preemption,
+            threads): every product on one kernel per weight format and ISA, every row
+            attended in key order by the CPU kernel, no greedy screen. CPU, full-attention
+            models; `FieldError` where that cannot hold. Default False.
     """
 
     page_size: int = 32
@@ -101,6 +106,7 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     adaptive_threads: bool = True
     kv_cache_dtype: str = "auto"
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +152,9 @@ class ContinuousBatchingConfig:
         if not isinstance(self.adaptive_threads, bool):
             raise FieldError(f"adaptive_threads must be a bool, got {self.adaptive_threads!r}",
                              "adaptive_threads")
+        if not isinstance(self.batch_invariant, bool):
+            raise FieldError(f"batch_invariant must be a bool, got {self.batch_invariant!r}",
+                             "batch_invariant")
         for name in ("use_cuda_graph", "use_async_batching"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -110,6 +110,10 @@ def test_config_flags_map_one_to_one() -> None:
     )
     # flags left out keep the config's defaults
     assert cli.build_config(parser.parse_args(["serve"])) == ContinuousBatchingConfig()
+    # --batch-invariant on every command that builds an engine
+    for cmd in ("serve", "generate", "bench"):
+        cfg = cli.build_config(parser.parse_args([cmd, "--batch-invariant"]))
+        assert cfg == ContinuousBatchingConfig(batch_invariant=True)
 
 
 def test_bad_values_are_reported(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
-from ferrobatch.cpu import amx_ops, onednn
+from ferrobatch.cpu import amx_ops, f32_ops, onednn
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner import linear_policy
@@ -684,7 +684,30 @@ def test_engine_fp32_parity_with_the_int16_screen(monkeypatch) -> None:
 
 
 def _int16_first(init):
-    def patched(self, weight):
-        init(self, weight)
+    def patched(self, weight, invariant=False):
+        init(self, weight, invariant)
         self.int8 = False
     return patched
+
+
+@needs_isa(f32_ops.available(), "avx512f", what="batch-invariant rescoring")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("screen", ["int8", "int16", "bf16"])
+def test_invariant_head_is_the_argmax_of_the_f32_ops_logits(screen: str, dtype) -> None:
+    """Batch-invariant mode: every screen's token is the argmax (first maximum) of the very
+    logits `f32_ops` gives the full head, also among near ties (pairs of weight rows a few
+    ulps apart), whatever rows share the call."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, dim = 3000, 96
+    w = torch.randn(vocab, dim, generator=gen) * dim**-0.5
+    w[1::2] = w[0::2] * (1 + 2.0**-20 * torch.randn(vocab // 2, dim, generator=gen))
+    w = w.to(dtype)
+    head = _only(GreedyHead(w, invariant=True), screen)
+    assert head.full_rows is None and not head.window8
+    full = f32_ops.pack(w)
+    x = torch.randn(64, dim, generator=gen)
+    x[32:] = w[torch.randint(0, vocab, (32,), generator=gen)].float() * 3  # near ties
+    want = torch.from_numpy(f32_ops.linear(x, full).numpy().argmax(-1))
+    for lo, hi in ((0, 64), (0, 1), (5, 11), (40, 64)):
+        got = head.argmax(x[lo:hi])
+        assert got is not None and torch.equal(got, want[lo:hi]), (lo, hi)

@@ -148,3 +148,48 @@ def test_packed_linears_ask_the_policy_and_follow_its_inputs():
         assert lin.backend(1) is B.F32_OPS
         lin.f32_kernel = False  # (what `benches/fused_layer_ab.py f32` switches)
         assert lin.backend(1) is B.ONEDNN and lin.one_call(1) is None
+
+
+def test_the_invariant_table_chooses_by_format_and_isa_only():
+    f32 = Isa(frozenset({"f32_ops", "avx512_bf16", *ONEDNN_ALL}))
+    tiles = Isa(frozenset({"amx", "f32_ops", *ONEDNN_ALL}))
+    bare = Isa(frozenset(ONEDNN_ALL))
+    assert policy.choose_invariant(torch.float32, f32) is B.F32_OPS
+    assert policy.choose_invariant(torch.bfloat16, f32) is B.F32_OPS  # fp32 copies
+    assert policy.choose_invariant(torch.float16, f32) is B.F32_OPS
+    assert policy.choose_invariant(torch.bfloat16, tiles) is B.AMX_OPS
+    assert policy.choose_invariant(torch.float16, tiles) is B.F32_OPS
+    # no product whose rows ignore their batch: oneDNN's and MKL's are not such
+    for dtype in (torch.float32, torch.bfloat16, "q8_0"):
+        assert policy.choose_invariant(dtype, bare) is None
+    assert all(r.rows == (0, None) and r.threads == (1, None) and not r.fp32_copies
+               and r.max_share is None for r in policy.INVARIANT_RULES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_packed_linears_take_one_product_at_every_row_count(dtype):
+    model = tm.llama().to(dtype)
+    lin = PackedLinears.of(model, in_thread=lambda: True, activation_dtype=torch.float32,
+                           amx=True, dtypes=(dtype,), invariant=True)
+    assert lin is not None
+    want = policy.choose_invariant(dtype, Isa.detect())
+    if want is None:
+        with pytest.raises(ValueError, match="batch_invariant"):
+            lin.invariant_backend()
+        return
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            assert {lin.backend(rows, out) for rows in ROWS for out in (False, True)} == {want}
+            assert {lin.input_dtype(rows) for rows in ROWS[1:]} == {torch.float32}
+    finally:
+        torch.set_num_threads(threads)
+    # a row's product is the same bits in a call of any size
+    packed = lin.packed_of([model.model.layers[0].self_attn.o_proj])
+    x = torch.randn(300, packed.layers[0].in_features,
+                    generator=torch.Generator().manual_seed(0))
+    full = lin.wide_product(packed, x)
+    assert full.dtype == torch.float32
+    for lo, hi in ((0, 1), (0, 5), (7, 24), (100, 101), (0, 129)):
+        assert torch.equal(lin.wide_product(packed, x[lo:hi]), full[lo:hi])

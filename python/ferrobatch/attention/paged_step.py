@@ -82,6 +82,7 @@ def build_step(
     layer_types: list[str],
     sliding_window: int | None,
     decode_kernel: bool = False,
+    invariant: bool = False,
 ) -> PagedStep:
     """Precompute gather indices and masks for every attention type of `plan`.
 
@@ -90,7 +91,9 @@ def build_step(
     through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
     single-token rows, and on full attention multi-token rows of at most
     `KERNEL_PREFILL_MAX_TOKENS` tokens, are attended in place by the CPU kernel instead of
-    gathered.
+    gathered. With `invariant` (batch-invariant mode, with `decode_kernel`), every row of a
+    full-attention type goes to the kernel whatever its length: each token is then attended
+    alone, in key order, as it would be in any other step.
     """
     page = cache.page_size
     device = cache.device
@@ -144,7 +147,8 @@ def build_step(
         # full attention: short multi-token rows go to the kernel too, one kernel row per
         # token (its keys are all in place after this step's write; a sliding ring may
         # overwrite keys its own earlier tokens need, so sliding rows keep the SDPA path)
-        short = prefill_rows[qlen[prefill_rows] <= KERNEL_PREFILL_MAX_TOKENS] \
+        longest = num_tokens if invariant else KERNEL_PREFILL_MAX_TOKENS
+        short = prefill_rows[qlen[prefill_rows] <= longest] \
             if decode_kernel and not sliding else prefill_rows[:0]
         if (len(decode_rows) or len(short)) and decode_kernel:
             kernel_decode = _kernel_rows(decode_rows, short, cu, seqlens, table, w, page,

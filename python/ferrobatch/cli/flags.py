@@ -109,6 +109,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("kv_cache_dtype", dict(metavar="DTYPE",
      help="KV-cache storage: auto (the model's dtype) or int8 (one fp32 scale per token and "
           "KV head: ~2x the blocks of a bf16 cache for the same memory; CPU only).")),
+    ("batch_invariant", dict(action=argparse.BooleanOptionalAction,
+     help="A request's tokens and logprobs are bit-identical whatever else shares its "
+          "steps (batch mates, prompt chunking, prefix hits, preemption, threads). CPU, "
+          "full-attention models. Default: off.")),
 ]  # fmt: skip
 
 

@@ -96,6 +96,11 @@ class Engine(ModelProbes):
     that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
     on CUDA); `FieldError` (field ``tensor_parallel_size``) where it cannot be sharded.
+
+    `batch_invariant` (overrides the config's field of that name; None keeps it): each
+    request's tokens and logprobs are bit-identical whatever else shares its steps (see
+    `ContinuousBatchingConfig.batch_invariant`); `FieldError` (field ``batch_invariant``)
+    where that cannot hold (off the CPU, sliding-window layers, tensor parallelism).
     """
 
     def __init__(
@@ -113,12 +118,23 @@ class Engine(ModelProbes):
         lora_modules: dict[str, str] | None = None,
         enable_lora: bool = False,
         max_loras: int = 4,
+        batch_invariant: bool | None = None,
     ) -> None:
         self.config = ContinuousBatchingConfig.coerce(config)
+        if batch_invariant is not None:  # overrides the config's field
+            self.config = self.config.replace(batch_invariant=batch_invariant)
+        if self.config.batch_invariant and tensor_parallel_size != 1:
+            raise FieldError("batch_invariant is not supported with tensor_parallel_size > 1 "
+                             "(the ranks' products run on their own shards)",
+                             field="batch_invariant")
         # LoRA adapters to load (name -> PEFT directory); `enable_lora` without any: loaded
         # at run time (`load_lora`)
         self._lora_setup = _lora_setup(lora_modules, enable_lora, max_loras,
                                        tensor_parallel_size)
+        if self._lora_setup is not None and self.config.batch_invariant:
+            raise FieldError("LoRA adapters are not supported with batch_invariant (their "
+                             "low-rank products are torch's, not the mode's kernel)",
+                             "lora_modules")
         # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
         self._quantization = quantization
         if quantization is not None and tensor_parallel_size != 1:
@@ -302,6 +318,7 @@ class Engine(ModelProbes):
             rope=self.rope,
             # the adapters' hooks need each linear layer called as a module
             lean_layers=not lora,
+            batch_invariant=self.config.batch_invariant,
         )
 
     def _make_lora(self) -> LoraManager | None:
@@ -713,6 +730,7 @@ class Engine(ModelProbes):
             finished_requests=self._stats["finished_requests"],
             busy_time_s=busy,
             async_batching=self.async_batching,
+            batch_invariant=self.config.batch_invariant,
             tensor_parallel_size=self.tensor_parallel_size,
             ahead_steps=self._stats["ahead_steps"],
             pipeline_drains=self._stats["pipeline_drains"],

@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ferrobatch.attention import context, registry
+from ferrobatch.errors import FieldError
 from ferrobatch.model_config import text_config
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears
@@ -30,10 +31,13 @@ class PackedActivations:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, vocab_size: int, configs: list,
-                 activations: str = "auto", lean_layers: bool = True) -> None:
+                 activations: str = "auto", lean_layers: bool = True,
+                 batch_invariant: bool = False) -> None:
         """`dtype`: the activations' dtype without packed linears (the runner's); `kv_dtype`
         the KV cache's; `configs` the model's configs (`model_config.model_configs`, for the
-        checks' attention); `activations` and `lean_layers` as `ModelRunner` takes them.
+        checks' attention); `activations` and `lean_layers` as `ModelRunner` takes them;
+        `batch_invariant`: every product on `linear_policy.choose_invariant`'s backend
+        (a half-precision model with fp32 activations; `FieldError` where none runs).
         Off the CPU: neither part."""
         if activations not in ("auto", "float32", "model"):
             raise ValueError(f"activations must be 'auto', 'float32' or 'model', "
@@ -44,10 +48,14 @@ class PackedActivations:
         self._kv_dtype = kv_dtype
         self._vocab_size = vocab_size
         self._configs = configs
+        self._invariant = batch_invariant
         self.linears: PackedLinears | None = None
         self.lean: LeanLayers | None = None
         if device.type == "cpu":
-            self.linears = self._make_packed_linears(activations)
+            self.linears = self._make_packed_linears(
+                "float32" if batch_invariant else activations)
+            if batch_invariant:
+                self._check_invariant()
             self.lean = self._make_lean_layers(lean_layers)
 
     @property
@@ -128,7 +136,8 @@ class PackedActivations:
         in_fwd = context.in_ferrobatch_forward
         if self.model.dtype == torch.float32 and getattr(self.model, "ferrobatch_tp", None) is None:
             # (not a tensor-parallel rank's share: its layers are the ranks' slices)
-            linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,))
+            linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,),
+                                       invariant=self._invariant)
             return self._calibrated(linears)
         if self.model.dtype not in (torch.bfloat16, torch.float16):
             return None
@@ -137,7 +146,9 @@ class PackedActivations:
             linears = PackedLinears.of(
                 self.model, activation_dtype=torch.float32, in_thread=in_fwd,
                 hidden_size=getattr(text_config(self.model.config), "hidden_size", None),
-                amx=True, fp32_rows=linear_policy.probe(self.model.dtype).fp32_from_rows,
+                amx=True, invariant=self._invariant,
+                fp32_rows=None if self._invariant
+                else linear_policy.probe(self.model.dtype).fp32_from_rows,
             )
             if linears is not None and activations == "auto" and not self._widening_holds(
                 linears
@@ -149,6 +160,25 @@ class PackedActivations:
         if linears is None:
             linears = PackedLinears.of(self.model, in_thread=in_fwd)
         return self._calibrated(linears)
+
+    def _check_invariant(self) -> None:
+        """Batch-invariant mode: every plain CPU `nn.Linear` runs on packed weights whose
+        product is batch-invariant here (`PackedLinears.invariant_backend`); else
+        `FieldError` on `batch_invariant`."""
+        if self.linears is not None:
+            self.linears.invariant_backend()
+            if not self.linears.widens and self.linears.weight_dtype != torch.float32:
+                raise FieldError(
+                    f"batch_invariant: {type(self.model).__name__} does not run with fp32 "
+                    "activations over its half-precision weights", "batch_invariant")
+        held = set() if self.linears is None else {id(m) for m in self.linears.layers}
+        others = _other_products(self.model, held)
+        if others:
+            raise FieldError(
+                f"batch_invariant: {type(self.model).__name__} multiplies by weights that do "
+                f"not run on packed batch-invariant products: {', '.join(others[:3])}"
+                f"{' ...' if len(others) > 3 else ''} (mixed weight dtypes, no memory for the "
+                "copies, Conv1D or fused-expert layers)", "batch_invariant")
 
     def _calibrated(self, linears: PackedLinears | None) -> PackedLinears | None:
         """`linears` with the layers sharing an input grouped from one calibration forward."""
@@ -193,3 +223,17 @@ class PackedActivations:
         if not bool(torch.isfinite(got).all()):
             return False
         return bool((got - ref).norm() <= (own - ref).norm() * 1.5 + 1e-3 * ref.norm())
+
+
+def _other_products(model: torch.nn.Module, held: set[int]) -> list[str]:
+    """The modules of `model` holding a matrix parameter (2-D or more) that are not packed
+    linears (`held`, by id) or embeddings (a lookup: exact): products torch would run with
+    an order chosen by the batch (Conv1D, fused MoE experts, a linear left unpacked). GGUF
+    modules keep their matrices as buffers, multiplied per row by the quantized kernels."""
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in held or isinstance(module, torch.nn.Embedding):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            found.append(f"{name or 'the model'} ({type(module).__name__})")
+    return found

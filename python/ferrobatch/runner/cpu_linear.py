@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from ferrobatch.cpu import amx_ops, f32_ops, onednn
 from ferrobatch.cpu.onednn import packing_available
+from ferrobatch.errors import FieldError
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
 
@@ -59,6 +60,20 @@ __all__ = ["HALF_DTYPES", "PackedLinears", "packing_available"]
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # the packed copies may take at most this share of available memory
 _MAX_AVAILABLE_SHARE = 0.5
+# `PackedLinears._chosen`'s key of batch-invariant mode's product (no real call has 0 rows)
+_INVARIANT_KEY = (0, True, 0)
+
+
+def _invariant_copies(dtype: torch.dtype, activation_dtype: torch.dtype | None, amx: bool,
+                      fp32_rows: int | None) -> tuple[bool, int | None]:
+    """Batch-invariant mode's copies (`amx`, `fp32_rows`) of `dtype` weights: `amx_ops`'
+    where AMX tiles run bf16 weights, else fp32 copies for `f32_ops` from one row (half
+    weights with fp32 activations)."""
+    if dtype not in HALF_DTYPES or activation_dtype != torch.float32:
+        return False, fp32_rows
+    if policy.choose_invariant(dtype, policy.Isa.detect()) is Backend.AMX_OPS:
+        return amx, None
+    return False, 1
 
 
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
@@ -225,8 +240,17 @@ class PackedLinears:
         amx: bool = False,
         fp32_rows: int | None = None,
         f32_kernel: bool = False,
+        invariant: bool = False,
     ) -> None:
         self.model = model
+        #: batch-invariant mode: every call takes `linear_policy.choose_invariant`'s product
+        self.invariant = invariant
+        #: a layer whose outputs stay in `activation_dtype` though it is not a residual
+        #: writer: in batch-invariant mode the output head (greedy tokens are the argmax of
+        #: these logits there: rounded to bf16 they would tie and part from fp32's)
+        head = model.get_output_embeddings() if invariant and hasattr(
+            model, "get_output_embeddings") else None
+        self._wide_out = id(head) if head is not None else None
         self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
         self.activation_dtype = activation_dtype
@@ -277,6 +301,7 @@ class PackedLinears:
         fp32_rows: int | None = None,
         dtypes: tuple[torch.dtype, ...] = HALF_DTYPES,
         f32_kernel: bool = True,
+        invariant: bool = False,
     ) -> PackedLinears | None:
         """The packed layers of `model`, or None: no plain `nn.Linear` with a weight of one
         of `dtypes` on CPU, no oneDNN product for that dtype here (`packing_available`), or
@@ -290,7 +315,10 @@ class PackedLinears:
         many rows or more run on fp32 copies of the weights (`linear_policy.probe`; the copies
         take twice the weights' memory). `dtypes`:
         the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
-        fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant)."""
+        fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant).
+        `invariant`: batch-invariant mode (`linear_policy.choose_invariant` for every call;
+        half-precision weights with fp32 activations get their fp32 copies for `f32_ops`
+        from one row, no oneDNN fp32 copies)."""
         layers = [
             m for m in model.modules()
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__
@@ -301,9 +329,13 @@ class PackedLinears:
         if not packing_available(layers[0].weight.dtype):
             return None
         weights = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        if invariant:
+            amx, fp32_rows = _invariant_copies(layers[0].weight.dtype, activation_dtype,
+                                               amx, fp32_rows)
         need = (2 if amx else 1) * weights
         available = psutil.virtual_memory().available
-        if fp32_rows is not None and need + 2 * weights > _MAX_AVAILABLE_SHARE * available:
+        if fp32_rows is not None and not invariant \
+                and need + 2 * weights > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: no fp32 copies of the weights (%.0f MiB more, beyond %.0f%% "
                         "of the %.0f MiB available)", 2 * weights / 2**20,
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
@@ -312,7 +344,7 @@ class PackedLinears:
         wants_f32 = f32_kernel and f32_ops.available() and (
             fp32_rows is not None or layers[0].weight.dtype == torch.float32)
         if wants_f32:
-            copies = need + (2 * weights if fp32_rows is not None else 0)
+            copies = need + (2 * weights if fp32_rows is not None and not invariant else 0)
             if copies + fp32_weights > _MAX_AVAILABLE_SHARE * available:
                 logger.info("ferrobatch: no copies of the weights for f32_ops (%.0f MiB more)",
                             fp32_weights / 2**20)
@@ -323,7 +355,7 @@ class PackedLinears:
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size, amx, fp32_rows, wants_f32)
+                   hidden_size, amx, fp32_rows, wants_f32, invariant)
 
     # --- which product (`linear_policy`) ---------------------------------------------------
 
@@ -362,6 +394,8 @@ class PackedLinears:
         """The product a call of `rows` rows runs on (`linear_policy.choose`, at torch's
         current thread count: the thread governor may change it); `fp32_outputs`: the
         caller takes fp32 outputs (the lean layers)."""
+        if self.invariant:
+            return self.invariant_backend()
         threads = torch.get_num_threads()
         key = (rows, fp32_outputs, threads)
         chosen = self._chosen.get(key)
@@ -369,6 +403,22 @@ class PackedLinears:
             chosen = self._chosen[key] = policy.choose(
                 self.weight_dtype, rows, self.isa, policy.Probe(fp32_from_rows=self.fp32_rows),
                 fp32_outputs=fp32_outputs, threads=threads)
+        return chosen
+
+    def invariant_backend(self) -> Backend:
+        """Batch-invariant mode's one product for these weights here
+        (`linear_policy.choose_invariant`); `FieldError` on `batch_invariant` where none
+        runs (no AVX-512F for `f32_ops`, or its copies did not fit in memory)."""
+        chosen = self._chosen.get(_INVARIANT_KEY)
+        if chosen is None:
+            found = policy.choose_invariant(self.weight_dtype, self.isa)
+            if found is None:
+                raise FieldError(
+                    f"batch_invariant: no batch-invariant product for {self.weight_dtype} "
+                    f"weights here ({self.isa}): it needs AVX-512F (f32_ops) and memory for "
+                    "an fp32 copy of the weights, or AMX tiles for bf16 weights",
+                    "batch_invariant")
+            chosen = self._chosen[_INVARIANT_KEY] = found
         return chosen
 
     def _run(self, packed: _Packed, x: torch.Tensor, backend: Backend) -> torch.Tensor:
@@ -394,6 +444,11 @@ class PackedLinears:
     def widens(self) -> bool:
         """Whether activations are kept wider than the weights (fp32 between products)."""
         return self.activation_dtype != self.weight_dtype
+
+    @property
+    def layers(self) -> list[torch.nn.Linear]:
+        """The packed layers."""
+        return list(self._layers)
 
     @property
     def num_layers(self) -> int:
@@ -437,7 +492,8 @@ class PackedLinears:
         self._packs, self._groups = [], []
         for members in groups:
             packed = _Packed([self._layers[i] for i in members], self._amx,
-                             wide=self.fp32_rows is not None, f32=self._f32_kernel)
+                             wide=self.fp32_rows is not None and not self.invariant,
+                             f32=self._f32_kernel)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)
@@ -509,7 +565,8 @@ class PackedLinears:
         in_thread = self._in_thread
         packed = group.packed
         alone = len(packed.layers) == 1
-        writes_residual = alone and self.hidden_size in (None, module.out_features)
+        writes_residual = alone and (self.hidden_size in (None, module.out_features)
+                                     or id(module) == self._wide_out)
         adt = self.activation_dtype if writes_residual else wdt
 
         def widen(y: torch.Tensor) -> torch.Tensor:

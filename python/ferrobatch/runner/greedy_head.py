@@ -79,7 +79,7 @@ import psutil
 import torch
 
 from ferrobatch import _core
-from ferrobatch.cpu import amx_ops, onednn
+from ferrobatch.cpu import amx_ops, f32_ops, onednn
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.sampling.sampler import argmax_rows
@@ -129,8 +129,13 @@ class GreedyHead:
     screens. What they need (int8 and bf16 copies of the weight, its norms) is derived once
     and recomputed when the weight object or its version changes."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, invariant: bool = False) -> None:
+        """`invariant` (batch-invariant mode): the candidates are rescored on `f32_ops`, the
+        product the packed head runs there, so the token is the argmax of exactly the
+        logits a full-logits step computes (the screens' windows cover any fp32 summation
+        order), and the statistical `window8` screen and the full-rows path are off."""
         self._weight = weight
+        self.invariant = invariant
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None  # bf16, oneDNN layout
         self._wide: amx_ops.AmxWeight | None = None  # bf16 packed for `amx_ops`
@@ -148,8 +153,8 @@ class GreedyHead:
         #: from this many rows, the exact argmax of the fp32 product of the widened weight
         #: (packed once in `_full`) instead of a screen (the policy's "greedy" rule, where
         #: its probe finds fp32 products faster); None: never
-        self.full_rows = policy.rows_from("greedy", weight.dtype, self._isa,
-                                          policy.probe(weight.dtype))
+        self.full_rows = None if invariant else policy.rows_from(
+            "greedy", weight.dtype, self._isa, policy.probe(weight.dtype))
         self._full: torch.Tensor | None = None
         #: the statistical int8 screen of half heads (module docstring), chosen by `wins`
         self.window8 = False
@@ -343,7 +348,10 @@ class GreedyHead:
         """The fp32 argmax among each row's candidates (ties: lowest token id)."""
         rows, cols, unique, inverse = cand
         weight = self._weight.detach().index_select(0, torch.from_numpy(unique)).float()
-        logits = torch.mm(hidden, weight.t()).numpy()  # [N, len(unique)]
+        if self.invariant:  # each column's sums as the full head's on `f32_ops`, bit for bit
+            logits = f32_ops.linear(hidden, f32_ops.pack(weight)).numpy()
+        else:
+            logits = torch.mm(hidden, weight.t()).numpy()  # [N, len(unique)]
         tokens = _core.greedy_pick(logits, rows, cols, inverse)
         return None if tokens is None else torch.from_numpy(tokens)
 
@@ -364,7 +372,8 @@ class GreedyHead:
         self.window8 = False
         try:
             won = self._wins(rows, rounds)
-            if won and self._weight.dtype != torch.float32 and _HAVE_INT_MM:
+            if won and self._weight.dtype != torch.float32 and _HAVE_INT_MM \
+                    and not self.invariant:
                 self.window8 = self._window8_wins(rows, rounds)
                 if self.window8:  # its int8 copy replaces the proven int8 screen's
                     self.int8 = False

@@ -28,6 +28,12 @@ from 64 rows, 0.56-0.75x at 16, while at 1-4 rows, where the weight's bytes are 
 the bf16 one took 0.3-0.6x the fp32 one's (`benches/amx_linear.py --fp32`). With AMX tiles
 or on Zen 4 bf16 products run at 2-5x the fp32 rate and the probe says no.
 
+Batch-invariant mode (`ContinuousBatchingConfig.batch_invariant`) asks `choose_invariant`
+instead: its table, `INVARIANT_RULES`, names one backend per weight format and ISA, never by
+rows, threads or a timing, and only backends whose every output is a sum in a fixed k order
+(columns, never the k loop, split between threads), so a row's products do not depend on
+what else its step holds.
+
 A new weight format (GGUF Q8_0, Q4_K, ...) is a new row: a `Backend` member for its kernel,
 a `Rule` naming the format in `weights` and the `Isa` feature its kernel needs (detected in
 `Isa.detect`), and the callers' dispatch on the new backend.
@@ -49,8 +55,9 @@ from ferrobatch.cpu import amx_ops, f32_ops, onednn
 
 logger = logging.getLogger("ferrobatch")
 
-__all__ = ["FP32_ROWS", "F32_KERNEL_ROWS", "GREEDY_FULL_ROWS", "ONE_CALL_MAX_ROWS", "RULES",
-           "Backend", "Isa", "Probe", "Rule", "choose", "choose_rule", "describe",
+__all__ = ["FP32_ROWS", "F32_KERNEL_ROWS", "GREEDY_FULL_ROWS", "INVARIANT_RULES",
+           "ONE_CALL_MAX_ROWS", "RULES", "Backend", "Isa", "Probe", "Rule", "choose",
+           "choose_invariant", "choose_rule", "describe",
            "format_of", "fp32_from_rows", "limited", "log_table", "measure_gain", "one_call",
            "probe", "rows_from"]
 
@@ -232,6 +239,29 @@ RULES: tuple[Rule, ...] = (
          why="the weight packed once (F.linear reorders a half weight on every call)"),
     Rule(Backend.TORCH, ANY, why="the layer's own forward"),
 )
+
+
+#: batch-invariant mode's table (`choose_invariant`): by weight format and ISA only
+INVARIANT_RULES: tuple[Rule, ...] = (
+    Rule(Backend.AMX_OPS, _BF16, ("amx",), use="invariant",
+         why="AMX tiles: each fp32 sum runs over k in tile order whatever the rows "
+             "(bf16 products 2-5x the fp32 rate there)"),
+    Rule(Backend.F32_OPS, HALF, ("f32_ops",), use="invariant",
+         why="fp32 copies on f32_ops: each output a plain fp32 sum in input order"),
+    Rule(Backend.F32_OPS, _FP32, ("f32_ops",), use="invariant",
+         why="each output a plain fp32 sum in input order"),
+)
+
+
+def choose_invariant(dtype: torch.dtype | str, isa: Isa) -> Backend | None:
+    """The batch-invariant product of `dtype` weights here (`INVARIANT_RULES`, first match:
+    by weight format and ISA only, so every call of every row count and thread count takes
+    it), or None: no product here whose rows are independent of their batch."""
+    fmt = format_of(dtype)
+    for rule in INVARIANT_RULES:
+        if rule.applies(fmt, 1, isa, Probe(), 1, fp32_outputs=True):
+            return rule.backend
+    return None
 
 
 def choose_rule(dtype: torch.dtype | str, rows: int, isa: Isa, probe: Probe, *,

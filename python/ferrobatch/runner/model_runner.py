@@ -20,7 +20,8 @@ from ferrobatch.attention.paged_step import PagedStep, build_step
 from ferrobatch.cpu.threads import share_torch_openmp
 from ferrobatch.cuda import triton_attention
 from ferrobatch.cuda.staging import upload
-from ferrobatch.model_config import model_configs, text_config
+from ferrobatch.errors import FieldError
+from ferrobatch.model_config import FULL, model_configs, text_config
 from ferrobatch.models import layer_types_of, sliding_window_of
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.activations import PackedActivations
@@ -68,6 +69,7 @@ class ModelRunner:
         activations: str = "auto",
         lean_layers: bool = True,
         rope: LongRope | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """`attention_backend`: None chooses (the SDPA path on CPU; on CUDA the Triton or
         flash-attn kernels of `ferrobatch.cuda` when available, else SDPA); "sdpa",
@@ -92,7 +94,12 @@ class ModelRunner:
         forward).
 
         `rope`: a `ferrobatch.attention.rope.LongRope` giving each request its own rope
-        factors (also settable later as `runner.rope`)."""
+        factors (also settable later as `runner.rope`).
+
+        `batch_invariant`: a row's logits never depend on what else its step holds (CPU, full
+        attention: every row attended by the decode kernel, every product on
+        `linear_policy.choose_invariant`'s backend, no greedy screen); `FieldError` on
+        `batch_invariant` where that cannot hold."""
         self.model = model
         self.config = model.config
         cfg = text_config(model.config)
@@ -133,16 +140,19 @@ class ModelRunner:
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else 132
         )
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self._check_invariant()
         self._configs = model_configs(model)
         if self.device.type == "cpu":
             share_torch_openmp()
         self.activations = PackedActivations(
             model, device=self.device, dtype=self.dtype, kv_dtype=self.cache.dtype,
             vocab_size=self.vocab_size, configs=self._configs, activations=activations,
-            lean_layers=lean_layers)
+            lean_layers=lean_layers, batch_invariant=batch_invariant)
         if self.device.type == "cpu":
             linear_policy.log_table()
-        self.head = OutputHead(model, self.device, self.vocab_size)
+        self.head = OutputHead(model, self.device, self.vocab_size, batch_invariant)
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self.head.greedy is not None
         self._closed = False
@@ -223,6 +233,22 @@ class ModelRunner:
         else:
             logger.info(msg)
         return False
+
+    def _check_invariant(self) -> None:
+        """Batch-invariant mode's needs of the attention: the CPU decode kernel for every row
+        (a CPU model, a cache dtype it reads, no attention sinks) and full attention only
+        (a sliding ring may overwrite keys a longer row's earlier tokens need, so those
+        rows take SDPA); else `FieldError` on `batch_invariant`."""
+        why = None
+        if self.device.type != "cpu":
+            why = f"the model is on {self.device.type}; the mode runs on CPU only"
+        elif not self.decode_kernel:
+            why = (f"the CPU attention kernel does not run this model (cache dtype "
+                   f"{self.cache.dtype}, attention sinks: {self._has_sinks()})")
+        elif any(t != FULL for t in self.layer_types):
+            why = "sliding-window attention layers are not supported"
+        if why is not None:
+            raise FieldError(f"batch_invariant: {why}", "batch_invariant")
 
     def _has_sinks(self) -> bool:
         """Attention sinks (GPT-OSS `sinks`, passed to attention as `s_aux`)."""
@@ -428,7 +454,7 @@ class ModelRunner:
             if self.attention_backend == "sdpa":
                 step = build_step(
                     plan, self.cache, self.layer_types, self.sliding_window,
-                    decode_kernel=self.decode_kernel,
+                    decode_kernel=self.decode_kernel, invariant=self.batch_invariant,
                 )
                 if self.activations.widens:
                     step.out_dtype = self.cache.dtype  # o_proj rounds its input to it

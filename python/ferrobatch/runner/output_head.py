@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from ferrobatch.cpu import onednn
+from ferrobatch.cpu import f32_ops, onednn
 from ferrobatch.model_config import text_config
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.greedy_head import GreedyHead
@@ -36,7 +36,10 @@ class OutputHead:
     `split_error`), which product the head runs on (`backend`, the policy's "head" rules
     over a timed probe), and the greedy head."""
 
-    def __init__(self, model: PreTrainedModel, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, device: torch.device, vocab_size: int,
+                 batch_invariant: bool = False) -> None:
+        """`batch_invariant`: no head product of its own and no greedy screen (the module's
+        own forward: inside a step the packed linears' batch-invariant product)."""
         cfg = text_config(model.config)
         self._model = model
         self._device = device
@@ -57,10 +60,12 @@ class OutputHead:
         self.backend: Backend | None = None
         self.split_error: str | None = None
         self.split = self._check_split()
-        if self.split:
+        if self.split and not batch_invariant:
             self.backend = self._choose_backend()
-        #: the greedy screen (`greedy_head`), None where it does not apply or win
-        self.greedy = self._make_greedy()
+        #: the greedy screen (`greedy_head`), None where it does not apply or win; in
+        #: batch-invariant mode only its proven screens, rescored on `f32_ops` (the head's
+        #: product there), so a screened token is the full logits' argmax bit for bit
+        self.greedy = self._make_greedy(batch_invariant)
 
     def _cpu_fp32_linear_head(self) -> bool:
         head = self.module
@@ -152,7 +157,7 @@ class OutputHead:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits
 
-    def _make_greedy(self) -> GreedyHead | None:
+    def _make_greedy(self, invariant: bool = False) -> GreedyHead | None:
         """The bounded screens of `ferrobatch.runner.greedy_head` for greedy rows, when the
         head is a plain CPU `nn.Linear` (no bias, scale or softcap) the screens support and
         they agree with the fp32 argmax and are clearly faster here; else None."""
@@ -166,9 +171,10 @@ class OutputHead:
             and self._logits_scaling is None
             and not self._final_softcap
             and GreedyHead.supported(head.weight)
+            and (not invariant or f32_ops.available())
         ):
             return None
-        greedy = GreedyHead(head.weight)
+        greedy = GreedyHead(head.weight, invariant=invariant)
         return greedy if greedy.wins() else None
 
     def _check_split(self) -> bool:
