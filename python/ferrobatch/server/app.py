@@ -313,6 +313,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is not None:
             try:
                 stats = state.engine.stats()
+                state.metrics.on_steps(state.engine.take_step_records())
             except Exception as exc:  # pragma: no cover - scrape must not fail
                 logger.warning("engine.stats() failed: %s", exc)
         text = state.metrics.render(stats, ready=state.engine is not None and not state.closing)

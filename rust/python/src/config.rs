@@ -21,6 +21,7 @@ pub struct ConfigArgs<'a> {
     pub sliding_window: Option<i64>,
     pub cpu_offload_blocks: i64,
     pub max_batch_cache_tokens: Option<i64>,
+    pub max_step_ms: Option<f64>,
 }
 
 impl ConfigArgs<'_> {
@@ -57,6 +58,7 @@ impl ConfigArgs<'_> {
                 .map(|v| usize_arg(v, "sliding_window"))
                 .transpose()?,
             cpu_offload_blocks: usize_arg(self.cpu_offload_blocks, "cpu_offload_blocks")?,
+            max_step_ms: self.max_step_ms,
             hash_mask: u64::MAX,
         })
     }

@@ -74,6 +74,10 @@ pub struct SchedulerConfig {
     pub layer_types: Vec<AttentionType>,
     pub sliding_window: Option<usize>,
     pub cpu_offload_blocks: usize,
+    /// Step-time budget (ms) for prefill chunks, from the cost model of measured steps
+    /// (`report_step_time`); None = token budgets only. Binds only with `fifo` and when at
+    /// least two requests are unfinished (see `scheduler::placement`).
+    pub max_step_ms: Option<f64>,
     /// Testing only: mask applied to block hashes (shrink it to force twin hashes).
     pub hash_mask: u64,
 }
@@ -94,6 +98,7 @@ impl SchedulerConfig {
             layer_types: vec![AttentionType::Full],
             sliding_window: None,
             cpu_offload_blocks: 0,
+            max_step_ms: None,
             hash_mask: u64::MAX,
         }
     }
@@ -124,6 +129,14 @@ pub(super) fn validate(cfg: &SchedulerConfig) -> Result<Derived> {
     at_least_one("max_requests_per_batch", cfg.max_requests_per_batch)?;
     if let Some(c) = cfg.max_batch_cache_tokens {
         at_least_one("max_batch_cache_tokens", c)?;
+    }
+    if let Some(ms) = cfg.max_step_ms {
+        if !ms.is_finite() || ms <= 0.0 {
+            return Err(Error::invalid(
+                "max_step_ms",
+                format!("max_step_ms must be a finite number > 0 (got {ms})"),
+            ));
+        }
     }
     let margin = match cfg.safety_margin {
         Some(m) if !(0.0..1.0).contains(&m) || m.is_nan() => {

@@ -109,6 +109,26 @@ pub struct Sim {
     pub spec_accepted: usize,
     /// Successful `rewind()` calls.
     pub rewinds: usize,
+    /// With `max_step_ms`: every update is followed by `report_step_time` of a synthetic
+    /// machine (`synthetic_ms`, with noise and outliers).
+    pub reported: usize,
+}
+
+/// A synthetic machine's time (ms) for `plan`: 2 ms a step, 1 ms a token, 0.5 ms a row,
+/// 0.5 ms a thousand keys; `noisy` adds ±20% and a 20x outlier every 17th step.
+pub fn synthetic_ms(plan: &StepPlan, step: usize, noisy: bool) -> f64 {
+    let mut ms = 2.0;
+    for r in &plan.rows {
+        let (s, q) = (r.start as f64, r.q as f64);
+        ms += q + 0.5 + 0.5 * (q * s + q * (q + 1.0) / 2.0) / 1000.0;
+    }
+    if noisy {
+        ms *= 0.8 + 0.4 * ((mix(step as u64) % 100) as f64 / 100.0);
+        if step % 17 == 16 {
+            ms *= 20.0;
+        }
+    }
+    ms
 }
 
 /// A plan whose forward ran, awaiting its update.
@@ -153,6 +173,7 @@ impl Sim {
             spec_rows: 0,
             spec_accepted: 0,
             rewinds: 0,
+            reported: 0,
         }
     }
 
@@ -437,6 +458,12 @@ impl Sim {
     pub fn complete(&mut self) {
         let l = self.queue.pop_front().expect("a launched plan");
         let out = self.s.update(&l.sampled).expect("update").clone();
+        if self.s.config().max_step_ms.is_some() {
+            let ms = synthetic_ms(&l.plan, self.steps, true);
+            if self.s.report_step_time(ms / 1000.0).expect("valid time") {
+                self.reported += 1;
+            }
+        }
         for k in 0..out.len() {
             let id = self.s.request(out.reqs[k]).unwrap().id.clone();
             if out.token_ids[k] >= 0 {
@@ -733,7 +760,7 @@ impl Sim {
     }
 }
 
-fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
+pub(super) fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
     Spec {
         id: id.into(),
         prompt,
@@ -937,6 +964,7 @@ struct Cfg {
     window: usize,
     cache_budget: Option<usize>,
     hash_mask: u64,
+    max_step_ms: Option<f64>,
 }
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
@@ -955,6 +983,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
         (
             prop_oneof![3 => Just(None), 1 => (30usize..80).prop_map(Some)],
             prop_oneof![3 => Just(u64::MAX), 1 => Just(3u64)],
+            prop_oneof![2 => Just(None), 1 => (1u32..60).prop_map(|v| Some(v as f64))],
         ),
     )
         .prop_map(
@@ -962,7 +991,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
                 (num_blocks, page, mbt, mrpb),
                 (pf, margin, sharing),
                 (offload, layers, window),
-                (cache_budget, hash_mask),
+                (cache_budget, hash_mask, max_step_ms),
             )| Cfg {
                 num_blocks,
                 page,
@@ -976,6 +1005,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
                 window,
                 cache_budget,
                 hash_mask,
+                max_step_ms,
             },
         )
 }
@@ -999,6 +1029,7 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
     cfg.sliding_window = Some(c.window);
     cfg.max_batch_cache_tokens = c.cache_budget;
     cfg.hash_mask = c.hash_mask;
+    cfg.max_step_ms = c.max_step_ms;
     cfg
 }
 
