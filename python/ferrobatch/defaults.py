@@ -18,7 +18,7 @@ CPU_MEMORY_CAP = 4 * GiB
 # Step-time budget (ms) for prefill chunks while other requests wait, when
 # `max_step_ms` is left at its default (CPU only; see `ContinuousBatchingConfig.max_step_ms`
 # and docs/benchmarks.md, "Long prompts beside running streams", for the measurement).
-MAX_STEP_MS = 250.0
+MAX_STEP_MS = 500.0
 
 # Share of the cache held in reserve for decodes when `safety_margin` is None, by scheduler.
 SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}

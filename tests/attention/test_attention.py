@@ -41,10 +41,11 @@ def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
 def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, kernel,
                                        monkeypatch):
     """Gather + SDPA, or the CPU kernel: then decode rows, and on full attention the
-    multi-token rows of up to 7 tokens here (chunks after a cached prefix included), are
-    the kernel's; longer ones keep SDPA."""
+    multi-token rows of up to 7 tokens here with up to 16 cached keys (chunks after a cached
+    prefix included), are the kernel's; longer ones, or deeper ones, keep SDPA."""
     monkeypatch.setattr(paged_step, "_BUCKET_PENALTY_KEYS", 0)  # split decode rows in buckets
     monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_TOKENS", 7)
+    monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_CONTEXT", 16)
     rng = random.Random(7)
     torch.manual_seed(0)
     dim, num_blocks, scale = 16, 400, 0.3

@@ -11,10 +11,9 @@
 //! get what is left, but at least `PREFILL_FLOOR · max_step_ms` (prefills progress even when
 //! the decodes alone fill the step), and the first prefill row at least one token. Each
 //! chunk is the most tokens whose predicted cost (tokens, and keys attended at its context)
-//! fits the time left; `max_batch_tokens` stays the hard cap. On a machine where the
-//! step's fixed cost (the constant and the decodes) is more than `max_step_ms / 8`, the
-//! chunks get `CHUNK_RATIO` times that fixed cost instead, so the long prompt's prefill
-//! throughput stays within ~1/8 of unchunked (steps are then longer than the target).
+//! fits the time left; `max_batch_tokens` stays the hard cap. Chunking costs the long
+//! prompt about `a / max_step_ms` of its prefill throughput (`a`: the fixed cost of a step,
+//! mostly reading the weights once): pick `max_step_ms` well above a decode step.
 //!
 //! **Sharing (shortest work first, with a floor for the oldest).** The prefill allowance
 //! goes, in order, to
@@ -43,11 +42,7 @@ use crate::{Error, Result};
 
 /// Share of `max_step_ms` the prefill chunks always get, even when decodes fill the step.
 pub(super) const PREFILL_FLOOR: f64 = 0.25;
-/// The prefill chunks always get at least this many times the step's fixed cost (the
-/// constant and the decode rows), so that chunking costs a long prompt at most about
-/// `1 / (1 + CHUNK_RATIO)` of its prefill throughput (its time to first token stays within
-/// ~1.15x of unchunked) on a machine too slow for `max_step_ms`.
-pub(super) const CHUNK_RATIO: f64 = 7.0;
+
 /// Share of the prefill allowance the oldest in-flight prefill always keeps.
 pub(super) const ANCHOR_SHARE: f64 = 0.25;
 
@@ -71,9 +66,7 @@ impl Scheduler {
     /// prefills (module docs).
     pub(super) fn place_prefills_fairly(&mut self, b: &mut Budget) {
         let ms = self.cfg.max_step_ms.expect("the time budget binds");
-        // What the step costs before its prefill chunks: the constant and the decodes.
-        let fixed = ms - b.time_left();
-        b.open_prefill((PREFILL_FLOOR * ms).max(CHUNK_RATIO * fixed));
+        b.open_prefill(PREFILL_FLOOR * ms);
         let t = b.time.expect("the time budget binds");
         self.cur.time = Some((t.coef, t.left_ms + t.prefill_ms));
         let step = self.step;
