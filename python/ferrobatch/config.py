@@ -52,10 +52,11 @@ class ContinuousBatchingConfig:
             about this long, and a newly arrived short request is prefilled beside a long
             one instead of queueing behind it (ARCHITECTURE.md, "Step-time budget");
             `max_batch_tokens` stays the hard cap, and a request alone still prefills in
-            `max_batch_tokens` chunks. Default 500 (`ferrobatch.defaults.MAX_STEP_MS`): a
-            step's fixed cost (one read of the weights: a SmolLM2 decode step, ~33 ms on
-            one core) costs chunked prefill about fixed / max_step_ms of its throughput,
-            ~7% here, while the streams' gaps stay under a second (docs/benchmarks.md,
+            `max_batch_tokens` chunks. Default 500 (`ferrobatch.defaults.MAX_STEP_MS`): each
+            step pays a fixed cost (one read of the weights, the chunk's context gather), so
+            chunking costs the long prompt about fixed / max_step_ms; at 500 a 6,000-token
+            prompt beside a stream (SmolLM2, 1 thread) reached its first token as fast as
+            without the budget, stream gaps <= 0.6 s; at 250 it took 2.4x (docs/benchmarks.md,
             "Long prompts beside running streams"). None or 0 = off (token budgets only). Not
             applied on CUDA, with async batching, or with "prefill_first".
         cpu_offload_space: GiB of (pinned on CUDA) CPU swap pool; 0 = off, preempted requests
