@@ -14,7 +14,7 @@ import time
 import pytest
 import tiny_models
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, defaults
 
 torch.set_num_threads(1)
 
@@ -68,6 +68,23 @@ def test_parity_step_time_budget(arch: str) -> None:
     prompts = tiny_models.mixed_prompts(3)
     check(arch, prompts, run_engine(arch, prompts, max_step_ms=1.0))
     assert run_engine.last_stats["time_budget_steps"] > 0
+
+
+def test_step_time_budget_reaches_the_scheduler_on_cpu() -> None:
+    """CPU: the config's `max_step_ms` (default on) goes to the scheduler, which gets each
+    step's measured time; the engine keeps a (seconds, prefill budget) record per step."""
+    prompts = tiny_models.mixed_prompts(4, n=3)
+    with Engine(model("llama"), config=ContinuousBatchingConfig(page_size=PAGE)) as eng:
+        assert eng.scheduler.max_step_ms == defaults.MAX_STEP_MS
+        eng.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=4),
+                     progress=False)
+        records = eng.take_step_records()
+        assert len(records) == eng.stats()["steps"] and eng.take_step_records() == []
+        assert all(sec > 0 and budget >= 1 for sec, budget in records)
+        assert eng.stats()["cost_samples"] == len(records)
+    off = ContinuousBatchingConfig(page_size=PAGE, max_step_ms=None)
+    with Engine(model("llama"), config=off) as eng:
+        assert eng.scheduler.max_step_ms is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
