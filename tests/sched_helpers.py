@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from ferrobatch.core import SCRATCH_CHUNK, ZERO_CHUNK, Scheduler
+from ferrobatch.core import SCRATCH_CHUNK, ZERO_CHUNK, Scheduler, StepPlan
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -257,6 +257,18 @@ class Track:
         self.contents = contents_of(self.spec.prompt)
 
 
+def synthetic_step_seconds(plan: StepPlan, salt: int) -> float:
+    """A synthetic machine's time for `plan` (for the step-time budget's cost model): 2 ms a
+    step, 1 ms a query token, 0.5 ms per thousand keys attended, +-20% deterministic noise."""
+    cu = np.asarray(plan.cu_seqlens_q)
+    seqlens = np.asarray(plan.seqlens_k)
+    q = cu[1:] - cu[:-1]
+    start = seqlens - q
+    keys = float(np.sum(q * start + q * (q + 1) / 2))
+    ms = 2.0 + float(q.sum()) + 0.5 * keys / 1000.0
+    return ms * (0.8 + 0.4 * ((salt * 7919) % 101) / 100.0) / 1000.0
+
+
 @dataclasses.dataclass
 class SchedConfig:
     num_blocks: int
@@ -270,6 +282,8 @@ class SchedConfig:
     sliding_window: int | None = None
     cpu_offload_blocks: int = 0
     max_batch_cache_tokens: int | None = None
+    # step-time budget (ms); the Harness then reports `synthetic_step_seconds` after updates
+    max_step_ms: float | None = None
 
     def make(self) -> Scheduler:
         kw = dict(
@@ -283,6 +297,8 @@ class SchedConfig:
         )
         if self.max_batch_cache_tokens is not None:
             kw["max_batch_cache_tokens"] = self.max_batch_cache_tokens
+        if self.max_step_ms is not None:
+            kw["max_step_ms"] = self.max_step_ms
         return Scheduler(self.num_blocks, self.page_size, self.max_batch_tokens, **kw)
 
     @property
@@ -389,7 +405,11 @@ class Harness:
         phase = {r: before.requests[r].state for r in running_before}
         old = [r for r in rids if r in running_before]
         new = [r for r in rids if r not in running_before]
-        check(rids == old + new, "admitted rows %s come before running rows %s", new, old)
+        if self.s.prefill_budget_ms > 0:  # the step-time budget bound: the fair order
+            self.check_fair_order(rids, before, after, phase)
+            old = []  # admissions are checked below; running rows were checked here
+        else:
+            check(rids == old + new, "admitted rows %s come before running rows %s", new, old)
         first, second = (("decoding", "prefilling") if self.cfg.scheduler_type == "fifo"
                          else ("prefilling", "decoding"))
         want_old = (sorted([r for r in old if phase[r] == first], key=lambda r: after.requests[
@@ -435,6 +455,41 @@ class Harness:
                                and not before.requests[r].deferred)
                     check(sr.key > top or put_off, "%s (key %s) passed over by admitted %s "
                           "(key %s)", r, sr.key, new[keys.index(top)], top)
+
+    def check_fair_order(self, rids: list[str], before: Snap, after: Snap,
+                         phase: dict[str, str]) -> None:
+        """Row order of a step planned with the step-time budget binding (ARCHITECTURE.md,
+        "Step-time budget"): decodes in key order; the oldest in-flight prefill (the anchor),
+        which always has a row unless preempted or the row / token budgets ran out; the
+        admissions; the other in-flight prefills, shortest remaining prompt first."""
+        key = before.requests
+        decodes = [r for r in rids if phase.get(r) == "decoding"]
+        check(decodes == sorted(decodes, key=lambda r: key[r].key), "decodes out of order %s",
+              decodes)
+        check(rids[:len(decodes)] == decodes, "decodes not first: %s", rids)
+        rest = rids[len(decodes):]
+        prefilling = sorted((r for r, st in phase.items() if st == "prefilling"),
+                            key=lambda r: key[r].key)
+        if prefilling and rest and rest[0] == prefilling[0]:
+            rest = rest[1:]
+        elif prefilling:
+            anchor = prefilling[0]
+            preempted = anchor not in after.requests or after.requests[anchor].state in (
+                "waiting", "swapped")
+            full = (len(rids) >= self.cfg.max_requests_per_batch
+                    or len(self.plan.input_ids) >= self.cfg.max_batch_tokens)
+            check(preempted or full, "the oldest in-flight prefill %s has no row first among "
+                  "the prefills: %s", anchor, rids)
+        others = [r for r in rest if phase.get(r) == "prefilling"]
+        admitted = [r for r in rest if r not in phase]
+        check(rest == admitted + others, "admissions %s not before the other prefills %s",
+              admitted, others)
+
+        def remaining(r: str) -> int:
+            return key[r].num_tokens - key[r].num_computed_tokens
+
+        check(others == sorted(others, key=lambda r: (remaining(r), key[r].key)),
+              "in-flight prefills not shortest remaining first: %s", others)
 
     def stats(self) -> dict:
         return dict(self.s.stats())
@@ -788,6 +843,8 @@ class Harness:
         check(len(arr) == n, "harness gave %d tokens for %d sampled rows", len(arr), n)
         out = self.s.update(arr)
         self.plan = None
+        if self.cfg.max_step_ms is not None:
+            self.s.report_step_time(synthetic_step_seconds(plan, self.plans_seen))
         sampled = [row for row in self.plan_rows if row["sampled"]]
         got_token = {row["rid"]: int(t) for row, t in zip(sampled, arr, strict=True)}
         self.check_deltas(out, got_token)

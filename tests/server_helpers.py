@@ -184,6 +184,10 @@ class FakeEngine:
             return True
         return False
 
+    def take_step_records(self) -> list[tuple[float, int]]:
+        """One fake step per scrape (seconds, prefill budget tokens)."""
+        return [(0.02, 2048)]
+
     def stats(self) -> dict[str, Any]:
         used = sum(self.active.values())
         return {  # the names of the Rust scheduler's stats

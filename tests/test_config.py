@@ -48,11 +48,21 @@ def test_defaults_are_valid_and_bounded() -> None:
         ("use_cuda_graph", "auto"),
         ("batch_invariant", 1),
         ("batch_invariant", None),
+        ("max_step_ms", -1.0),
+        ("max_step_ms", math.inf),
+        ("max_step_ms", "fast"),
     ],
 )
 def test_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         ContinuousBatchingConfig(**{field: value})
+
+
+def test_max_step_ms_default_and_off() -> None:
+    assert ContinuousBatchingConfig().max_step_ms == defaults.MAX_STEP_MS
+    assert ContinuousBatchingConfig(max_step_ms=0).max_step_ms is None  # the CLI's "off"
+    assert ContinuousBatchingConfig(max_step_ms=None).max_step_ms is None
+    assert ContinuousBatchingConfig(max_step_ms=120).max_step_ms == 120.0
 
 
 def test_from_transformers_converts_without_mutating() -> None:

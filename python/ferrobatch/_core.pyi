@@ -53,6 +53,16 @@ class _Stats(TypedDict):
     spec_proposed: int
     spec_accepted: int
     prefix_caching: bool
+    time_budget_steps: int
+    prefill_budget_ms: float
+    prefill_budget_tokens: int
+    step_predicted_ms: float
+    cost_samples: int
+    cost_ms_per_step: float
+    cost_ms_per_token: float
+    cost_ms_per_row: float
+    cost_ms_per_kkey_full: float
+    cost_ms_per_kkey_sliding: float
 
 class _RequestSnapshot(TypedDict):
     """One unfinished request in `Scheduler.snapshot()["requests"]`."""
@@ -214,6 +224,7 @@ class Scheduler:
         max_batch_cache_tokens: int | None = None,
         defer_shared_prefixes: bool = True,
         priority_preemption: bool = False,
+        max_step_ms: float | None = None,
     ) -> Scheduler:
         """A scheduler over `num_blocks` chunks of `page_size` tokens; FieldError on bad values."""
     def add_request(
@@ -257,6 +268,17 @@ class Scheduler:
         """Counters and gauges (a fresh dict)."""
     def check_invariants(self) -> None:
         """Raise RuntimeError naming the broken invariant, if any."""
+    def report_step_time(self, seconds: float) -> bool:
+        """The measured time of the step the last `update()` applied (cost model); taken?"""
+    @property
+    def max_step_ms(self) -> float | None:
+        """The step-time budget (ms), or None."""
+    @property
+    def prefill_budget_ms(self) -> float:
+        """The last plan's prefill allowance (predicted ms; 0.0 when the budget did not bind)."""
+    @property
+    def prefill_budget_tokens(self) -> int:
+        """Prefill tokens the last plan's allowance buys (`max_batch_tokens` when unbound)."""
     def snapshot(self) -> _Snapshot:
         """The whole state as a dict, for outside checks."""
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ferrobatch.defaults import SAFETY_MARGIN
+from ferrobatch.defaults import MAX_STEP_MS, SAFETY_MARGIN
 from ferrobatch.errors import FieldError
 
 SCHEDULER_TYPES = tuple(SAFETY_MARGIN)
@@ -65,6 +65,19 @@ class ContinuousBatchingConfig:
             another request of the same step computes (a shared system prompt arriving
             together) is admitted one step later, taking that block as a hit instead of
             computing it again (in-batch prefix sharing; at most once per request).
+        max_step_ms: step-time budget (milliseconds) for chunked prefill on CPU. While other
+            requests are unfinished (streams decoding, requests waiting), each step's prefill
+            chunks are sized from the core's cost model of measured steps so the step takes
+            about this long, and a newly arrived short request is prefilled beside a long
+            one instead of queueing behind it (ARCHITECTURE.md, "Step-time budget");
+            `max_batch_tokens` stays the hard cap, and a request alone still prefills in
+            `max_batch_tokens` chunks. Default 500 (`ferrobatch.defaults.MAX_STEP_MS`): each
+            step pays a fixed cost (one read of the weights, the chunk's context gather), so
+            chunking costs the long prompt about fixed / max_step_ms; at 500 a 6,000-token
+            prompt beside a stream (SmolLM2, 1 thread) reached its first token as fast as
+            without the budget, stream gaps <= 0.6 s; at 250 it took 2.4x (docs/benchmarks.md,
+            "Long prompts beside running streams"). None or 0 = off (token budgets only). Not
+            applied on CUDA, with async batching, or with "prefill_first".
         cpu_offload_space: GiB of (pinned on CUDA) CPU swap pool; 0 = off, preempted requests
             are soft-reset (recomputed) instead.
         q_padding_interval_size / kv_padding_interval_size: CUDA-graph shape padding (tokens);
@@ -98,6 +111,7 @@ class ContinuousBatchingConfig:
     safety_margin: float | None = None
     allow_block_sharing: bool = True
     defer_shared_prefixes: bool = True
+    max_step_ms: float | None = MAX_STEP_MS
     cpu_offload_space: float = 0.0
     q_padding_interval_size: int = 0
     kv_padding_interval_size: int = 0
@@ -143,6 +157,10 @@ class ContinuousBatchingConfig:
                 f"defer_shared_prefixes must be a bool, got {self.defer_shared_prefixes!r}",
                 "defer_shared_prefixes",
             )
+        if self.max_step_ms is not None:
+            _check_float(self, "max_step_ms", low=0.0, high=math.inf, high_open=True)
+            # 0 turns it off (the CLI's spelling of None)
+            self.max_step_ms = float(self.max_step_ms) or None
         if self.cpu_offload_space is None:
             self.cpu_offload_space = 0.0
         _check_float(self, "cpu_offload_space", low=0.0, high=math.inf, high_open=True)

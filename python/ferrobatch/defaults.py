@@ -15,6 +15,12 @@ CUDA_MEMORY_PERCENT = 0.9
 CPU_MEMORY_PERCENT = 0.25
 CPU_MEMORY_CAP = 4 * GiB
 
+# Step-time budget (ms) for prefill chunks while other requests wait, when
+# `max_step_ms` is left at its default (CPU only; see `ContinuousBatchingConfig.max_step_ms`
+# and docs/benchmarks.md, "Long prompts beside running streams", for the measurement:
+# 500 kept a long prompt's time to first token beside a stream; 250 made it 2.4x).
+MAX_STEP_MS = 500.0
+
 # Share of the cache held in reserve for decodes when `safety_margin` is None, by scheduler.
 SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 

@@ -30,6 +30,12 @@ ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 )  # fmt: skip
+# Engine step times (seconds) and the prefill tokens a step's time budget allowed.
+STEP_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5,
+    5.0, 10.0,
+)  # fmt: skip
+PREFILL_BUDGET_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 # Engine.stats() keys read for each engine metric, first present wins. Several spellings are
@@ -119,6 +125,15 @@ class ServerMetrics:
         self.e2e = self._histogram(
             "request_duration_seconds", "Time from request arrival to its last token.",
             E2E_BUCKETS,
+        )  # fmt: skip
+        self.step_time = self._histogram(
+            "step_duration_seconds",
+            "Time of each engine step (forward, sampling, update).", STEP_BUCKETS,
+        )  # fmt: skip
+        self.prefill_budget = self._histogram(
+            "step_prefill_budget_tokens",
+            "Prefill tokens each step's time budget allowed (--max-step-ms; "
+            "max_batch_tokens when it did not bind).", PREFILL_BUDGET_BUCKETS,
         )  # fmt: skip
         self.engine_ready = self._gauge(
             "engine_ready", "1 when the engine is loaded and accepting requests."
@@ -230,6 +245,12 @@ class ServerMetrics:
         self.requests.labels(endpoint=endpoint, finish_reason=finish_reason).inc()
         if duration is not None:
             self.e2e.observe(duration)
+
+    def on_steps(self, records: Iterable[tuple[float, int]]) -> None:
+        """Engine steps since the last call: (seconds, prefill budget tokens) each."""
+        for seconds, budget in records:
+            self.step_time.observe(seconds)
+            self.prefill_budget.observe(budget)
 
     # -- scrape ---------------------------------------------------------------------------
 

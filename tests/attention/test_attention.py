@@ -41,10 +41,11 @@ def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
 def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, kernel,
                                        monkeypatch):
     """Gather + SDPA, or the CPU kernel: then decode rows, and on full attention the
-    multi-token rows of up to 7 tokens here (chunks after a cached prefix included), are
-    the kernel's; longer ones keep SDPA."""
+    multi-token rows of up to 7 tokens here with up to 16 cached keys (chunks after a cached
+    prefix included), are the kernel's; longer ones, or deeper ones, keep SDPA."""
     monkeypatch.setattr(paged_step, "_BUCKET_PENALTY_KEYS", 0)  # split decode rows in buckets
     monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_TOKENS", 7)
+    monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_CONTEXT", 16)
     rng = random.Random(7)
     torch.manual_seed(0)
     dim, num_blocks, scale = 16, 400, 0.3
@@ -78,11 +79,12 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, k
         v = torch.randn(1, kv_heads, t, dim)
         step_meta = paged_step.build_step(plan, cache, [typ], window, decode_kernel=kernel)
         kd = step_meta.groups[0].kernel_decode
-        if kernel and not window:  # every row of at most 7 tokens is the kernel's
-            short = int((torch.tensor(plan.cu_seqlens_q).diff() <= 7).sum())
-            assert len(step_meta.groups[0].prefill) == len(plan.request_ids) - short
+        if kernel and not window:  # rows of at most 7 tokens and 16 cached keys: the kernel's
             lens = torch.tensor(plan.cu_seqlens_q).diff()
-            assert kd is not None and len(kd.seqlens) == int(lens[lens <= 7].sum())
+            cached = torch.tensor(plan.seqlens_k) - lens
+            mine = (lens == 1) | ((lens <= 7) & (cached <= 16))
+            assert len(step_meta.groups[0].prefill) == len(plan.request_ids) - int(mine.sum())
+            assert kd is not None and len(kd.seqlens) == int(lens[mine].sum())
         out, _ = forward.paged_attention_forward(
             module, q, k, v, None, scaling=scale, softcap=softcap,
             **{context.STEP_KWARG: step_meta},

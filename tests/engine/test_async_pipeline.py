@@ -110,6 +110,10 @@ class FakeScheduler:
         self.stall_at: set[int] = set()  # plan ids after which num_stalled reports a stall
         self.free_at: dict[int, int] = {}  # free chunks after a plan (with a swapped request)
 
+    # no step-time budget (the engine gives none to the async pipeline)
+    max_step_ms = None
+    prefill_budget_tokens = 0
+
     # the scheduler's O(1) getters the pipeline reads after each ahead plan
     @property
     def num_stalled(self) -> int:

@@ -14,7 +14,7 @@ import time
 import pytest
 import tiny_models
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, defaults
 
 torch.set_num_threads(1)
 
@@ -58,6 +58,33 @@ def check(arch: str, prompts, got: list[list[int]]) -> None:
 def test_parity_default(arch: str) -> None:
     prompts = tiny_models.mixed_prompts(1)
     check(arch, prompts, run_engine(arch, prompts))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parity_step_time_budget(arch: str) -> None:
+    """A 1 ms step-time budget: prefill chunks of a few tokens, sized from measured step
+    times (so boundaries vary run to run), prefills sharing steps (fair order): outputs
+    equal `generate` all the same."""
+    prompts = tiny_models.mixed_prompts(3)
+    check(arch, prompts, run_engine(arch, prompts, max_step_ms=1.0))
+    assert run_engine.last_stats["time_budget_steps"] > 0
+
+
+def test_step_time_budget_reaches_the_scheduler_on_cpu() -> None:
+    """CPU: the config's `max_step_ms` (default on) goes to the scheduler, which gets each
+    step's measured time; the engine keeps a (seconds, prefill budget) record per step."""
+    prompts = tiny_models.mixed_prompts(4, n=3)
+    with Engine(model("llama"), config=ContinuousBatchingConfig(page_size=PAGE)) as eng:
+        assert eng.scheduler.max_step_ms == defaults.MAX_STEP_MS
+        eng.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=4),
+                     progress=False)
+        records = eng.take_step_records()
+        assert len(records) == eng.stats()["steps"] and eng.take_step_records() == []
+        assert all(sec > 0 and budget >= 1 for sec, budget in records)
+        assert eng.stats()["cost_samples"] == len(records)
+    off = ContinuousBatchingConfig(page_size=PAGE, max_step_ms=None)
+    with Engine(model("llama"), config=off) as eng:
+        assert eng.scheduler.max_step_ms is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -112,7 +139,9 @@ def test_parity_shared_prefix_arriving_together(arch: str) -> None:
     sharing), with outputs still equal to `generate`; hybrid sliding models share nothing
     and put nothing off."""
     prompts = tiny_models.mixed_prompts(11, n=8, shared_prefix=4 * PAGE + 3)
-    got = run_engine(arch, prompts, max_batch_tokens=512)
+    # the token budget alone decides the first step (a step-time budget would cut the
+    # leader's prompt into chunks, and followers compute the pages it has not yet reached)
+    got = run_engine(arch, prompts, max_batch_tokens=512, max_step_ms=None)
     check(arch, prompts, got)
     stats = run_engine.last_stats
     if arch == "gemma3":

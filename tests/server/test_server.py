@@ -101,6 +101,7 @@ def test_server_metrics_from_stats() -> None:
     m.on_first_token(0.02)
     m.on_tokens(3, 0.03)
     m.on_finished("chat", "length", True, 0.1)
+    m.on_steps([(0.2, 64), (0.3, 2048)])
     stats = {"num_used_blocks": 3, "num_free_blocks": 5, "num_cached_blocks": 2,
              "prefix_hit_tokens": 1, "prompt_tokens": 4, "num_offloads": 7,
              "num_soft_resets": 1, "waiting": 2, "flag": True}  # fmt: skip
@@ -119,6 +120,10 @@ def test_server_metrics_from_stats() -> None:
     assert "ferrobatch_requests_waiting 0" in text
     assert "ferrobatch_requests_running 0" in text
     assert 'ferrobatch_engine_stat{key="flag"} 1' in text
+    assert "ferrobatch_step_duration_seconds_count 2" in text
+    assert 'ferrobatch_step_duration_seconds_bucket{le="0.25"} 1' in text
+    assert 'ferrobatch_step_prefill_budget_tokens_bucket{le="64"} 1' in text
+    assert "ferrobatch_step_prefill_budget_tokens_sum 2112" in text
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,6 +145,8 @@ def test_models_health_metrics(any_server: tuple[Any, str]) -> None:
         "ferrobatch_requests_running",
         "ferrobatch_time_to_first_token_seconds_bucket",
         "ferrobatch_inter_token_latency_seconds_bucket",
+        "ferrobatch_step_duration_seconds_bucket",
+        "ferrobatch_step_prefill_budget_tokens_bucket",
         "ferrobatch_generation_tokens_total",
         "ferrobatch_prompt_tokens_total",
         "ferrobatch_engine_ready 1",

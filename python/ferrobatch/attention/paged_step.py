@@ -147,8 +147,11 @@ def build_step(
         # full attention: short multi-token rows go to the kernel too, one kernel row per
         # token (its keys are all in place after this step's write; a sliding ring may
         # overwrite keys its own earlier tokens need, so sliding rows keep the SDPA path)
+        # (the batch-invariant mode: every row, whatever its length and context)
         longest = num_tokens if invariant else KERNEL_PREFILL_MAX_TOKENS
-        short = prefill_rows[qlen[prefill_rows] <= longest] \
+        deepest = np.iinfo(np.int64).max if invariant else KERNEL_PREFILL_MAX_CONTEXT
+        short = prefill_rows[(qlen[prefill_rows] <= longest)
+                             & (start[prefill_rows] <= deepest)] \
             if decode_kernel and not sliding else prefill_rows[:0]
         if (len(decode_rows) or len(short)) and decode_kernel:
             kernel_decode = _kernel_rows(decode_rows, short, cu, seqlens, table, w, page,
@@ -227,6 +230,12 @@ def build_step(
 #: instead of 128 took 7% off at 1 thread and 5% at 2; on rows of 257..512 tokens the
 #: kernel was 1-3% slower than SDPA at 1 thread, 3-8% faster at 2
 KERNEL_PREFILL_MAX_TOKENS = 256
+#: ... and only while they have at most this many cached keys: the kernel reads a row's
+#: whole context once per token, SDPA gathers it once per row, so a chunk deep into a long
+#: prompt (the step-time budget's small chunks) is faster on SDPA. SmolLM2 fp32, 1 thread,
+#: a 3072-token prompt in 64-token chunks: 14.0 s on SDPA against 21-23 s on the kernel
+#: (a chunk at 2560 cached keys 0.37-0.44 s against 0.72 s; alike up to ~1024).
+KERNEL_PREFILL_MAX_CONTEXT = 1024
 
 
 def _kernel_rows(decode_rows: np.ndarray, short: np.ndarray, cu: np.ndarray,

@@ -86,6 +86,10 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
      help="With prefix caching, admit a request one step later when another request of the "
           "same step computes its next prompt block, so it reuses that block instead of "
           "computing it again (shared system prompts arriving together). Default: on.")),
+    ("max_step_ms", dict(type=float, metavar="MS",
+     help="CPU: step-time budget for chunked prefill while other requests run or wait: "
+          "long prompts are prefilled in chunks sized to take about this long, and short "
+          "requests are served beside them; 0 = off (token budget only). Default: 500.")),
     ("cpu_offload_space", dict(type=float, metavar="GIB",
      help="GiB of CPU swap pool for preempted requests; 0 = off (preempted requests are "
           "soft-reset and recomputed). Default: 0.")),

@@ -356,7 +356,16 @@ class Engine(ModelProbes):
             cpu_offload_blocks=self.cpu_offload_blocks,
             defer_shared_prefixes=cfg.defer_shared_prefixes,
             priority_preemption=cfg.scheduling_policy == "priority",
+            max_step_ms=self._max_step_ms(),
         )
+
+    def _max_step_ms(self) -> float | None:
+        """The step-time budget the scheduler gets: the config's, on CPU without async
+        batching (planned ahead, a step's time is not the forward's alone); else None."""
+        cfg = self.config
+        if self.device.type != "cpu" or cfg.use_async_batching:
+            return None
+        return cfg.max_step_ms
 
     def _tp_failed(self, exc: BaseException) -> None:
         """The tensor-parallel watchdog's report (a worker died or hung): fail every caller."""
@@ -714,6 +723,11 @@ class Engine(ModelProbes):
                 self._wakeup.set()
         except Exception:
             pass
+
+    def take_step_records(self) -> list[tuple[float, int]]:
+        """(seconds, prefill budget tokens) of each step since the last call, oldest first
+        (at most `engine.stepper.STEP_RECORDS`): the metrics' step-time histograms."""
+        return self._stepper.take_step_records()
 
     def stats(self) -> dict[str, Any]:
         """Scheduler statistics plus throughput, cache usage, prefix hits, preemptions."""

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
     from ferrobatch.runner.model_runner import ModelRunner
     from ferrobatch.spec.controller import SpecController
 
-__all__ = ["Stepper"]
+__all__ = ["STEP_RECORDS", "Stepper"]
+
+# Step records kept between two `take_step_records` calls (metrics scrapes).
+STEP_RECORDS = 4096
 
 
 class Stepper:
@@ -36,7 +39,10 @@ class Stepper:
     `inbox` (new requests) and `cancel_inbox` (request ids) are filled by any thread and
     drained at the start of each step; only the caller holding the engine's step lock
     calls `step`. `stats` counts steps, step tokens and submitted prompt tokens;
-    `busy_time` is the seconds spent in steps that ran the model. `spec` (a
+    `busy_time` is the seconds spent in steps that ran the model. With a step-time budget
+    (`scheduler.max_step_ms`), each step's measured time goes back to the scheduler's cost
+    model (`report_step_time`), and `step_records` keeps (seconds, prefill budget tokens)
+    per step for the metrics (`take_step_records`). `spec` (a
     `ferrobatch.spec.controller.SpecController`, or None) gives proposals before each
     `schedule()` and counts acceptances after each `update()`.
     """
@@ -60,6 +66,11 @@ class Stepper:
         self.inbox: collections.deque[Request] = collections.deque()
         self.cancel_inbox: collections.deque[str] = collections.deque()
         self.busy_time = 0.0
+        # the step-time budget's feedback (None: off) and the last steps' records
+        self.report_times = scheduler.max_step_ms is not None
+        self.step_records: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=STEP_RECORDS
+        )
         # requests with prompt logprobs still to compute, by id (empty: no step looks)
         self.prompt_pending: dict[str, Request] = {}
         # embedding requests whose pooled positions are not all computed yet, by id
@@ -112,7 +123,11 @@ class Stepper:
         if not greedy:
             result = self.sampler(logits, states)
         self._record(plan, rids, rows, result)
-        self.busy_time += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_time += took
+        self.step_records.append((took, self.scheduler.prefill_budget_tokens))
+        if self.report_times:
+            self.scheduler.report_step_time(max(took, 1e-6))
         return True
 
     def lora_bound(self, plan: StepPlan) -> AbstractContextManager[None]:
@@ -154,6 +169,14 @@ class Stepper:
         assert hidden is not None
         pool.record(hidden)
         return logits
+
+    def take_step_records(self) -> list[tuple[float, int]]:
+        """The (seconds, prefill budget tokens) of the steps since the last call (the most
+        recent `STEP_RECORDS`), oldest first."""
+        out = []
+        while self.step_records:
+            out.append(self.step_records.popleft())
+        return out
 
     def _record(
         self, plan: StepPlan, rids: list[str], rows: list[int], result: SampleResult

@@ -314,6 +314,9 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is not None:
             try:
                 stats = state.engine.stats()
+                take_steps = getattr(state.engine, "take_step_records", None)
+                if take_steps is not None:  # step times and prefill budgets since the last
+                    state.metrics.on_steps(take_steps())
             except Exception as exc:  # pragma: no cover - scrape must not fail
                 logger.warning("engine.stats() failed: %s", exc)
         ready = state.engine is not None and not state.closing

@@ -22,6 +22,7 @@ pub struct ConfigArgs<'a> {
     pub cpu_offload_blocks: i64,
     pub max_batch_cache_tokens: Option<i64>,
     pub priority_preemption: bool,
+    pub max_step_ms: Option<f64>,
 }
 
 impl ConfigArgs<'_> {
@@ -59,6 +60,7 @@ impl ConfigArgs<'_> {
                 .transpose()?,
             cpu_offload_blocks: usize_arg(self.cpu_offload_blocks, "cpu_offload_blocks")?,
             priority_preemption: self.priority_preemption,
+            max_step_ms: self.max_step_ms,
             hash_mask: u64::MAX,
         })
     }

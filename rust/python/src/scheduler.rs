@@ -14,15 +14,26 @@ use crate::output::StepOutput;
 use crate::plan::StepPlan;
 use crate::recycle::Recycler;
 
+/// `stats()` keys of the cost model's coefficients, in `Stats::cost_coef` order.
+const COST_KEYS: [&str; 5] = [
+    "cost_ms_per_step",
+    "cost_ms_per_token",
+    "cost_ms_per_row",
+    "cost_ms_per_kkey_full",
+    "cost_ms_per_kkey_sliding",
+];
+
 /// Continuous-batching scheduler and paged KV-cache allocator (see ARCHITECTURE.md §3).
 ///
 /// `Scheduler(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
 /// scheduler_type="fifo", safety_margin=None, allow_block_sharing=True,
 /// layer_types=("full_attention",), sliding_window=None, cpu_offload_blocks=0,
-/// max_batch_cache_tokens=None)`; bad values raise `FieldError` (a ValueError) whose `.field`
-/// names the argument.
+/// max_batch_cache_tokens=None, defer_shared_prefixes=True, max_step_ms=None)`; bad values
+/// raise `FieldError` (a ValueError) whose `.field` names the argument.
 /// `safety_margin=None` means 0.15 for "fifo", 0.0 for "prefill_first".
-/// `max_batch_cache_tokens` bounds the sum of `seqlens_k` of a step.
+/// `max_batch_cache_tokens` bounds the sum of `seqlens_k` of a step. `max_step_ms` (> 0)
+/// is a step-time budget for prefill chunks, from a cost model fed by `report_step_time`
+/// (ARCHITECTURE.md §4, "Step-time budget"); None = token budgets only.
 ///
 /// Methods: `add_request(request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(),
 /// stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)` (FieldError
@@ -37,7 +48,9 @@ use crate::recycle::Recycler;
 /// `check_fits(prompt_len, max_new_tokens)`, `lifetime_chunks(cached_tokens) -> int`,
 /// `max_request_tokens() -> int` (the core's fit rules, for callers that validate before
 /// adding); O(1) properties `num_free_blocks`, `num_cached_blocks`, `num_waiting`,
-/// `num_running`, `num_swapped`, `num_stalled` (cheaper than `stats()`).
+/// `num_running`, `num_swapped`, `num_stalled` (cheaper than `stats()`);
+/// `report_step_time(seconds) -> bool` (the last updated step's measured time, for the
+/// cost model), properties `max_step_ms`, `prefill_budget_ms`, `prefill_budget_tokens`.
 ///
 /// `snapshot()` returns a dict for outside checks:
 /// * `"num_blocks"`, `"page_size"`, `"ring_size"` (R, 0 without sliding layers),
@@ -120,11 +133,13 @@ impl Scheduler {
     #[pyo3(signature = (num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256,
         scheduler_type="fifo", safety_margin=None, allow_block_sharing=true,
         layer_types=None, sliding_window=None, cpu_offload_blocks=0,
-        max_batch_cache_tokens=None, defer_shared_prefixes=true, priority_preemption=false),
+        max_batch_cache_tokens=None, defer_shared_prefixes=true, priority_preemption=false,
+        max_step_ms=None),
         text_signature = "(num_blocks, page_size, max_batch_tokens, max_requests_per_batch=256, \
 scheduler_type='fifo', safety_margin=None, allow_block_sharing=True, \
 layer_types=('full_attention',), sliding_window=None, cpu_offload_blocks=0, \
-max_batch_cache_tokens=None, defer_shared_prefixes=True, priority_preemption=False)")]
+max_batch_cache_tokens=None, defer_shared_prefixes=True, priority_preemption=False, \
+max_step_ms=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -140,6 +155,7 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True, priority_preemption=Fal
         max_batch_cache_tokens: Option<i64>,
         defer_shared_prefixes: bool,
         priority_preemption: bool,
+        max_step_ms: Option<f64>,
     ) -> PyResult<Self> {
         let cfg = ConfigArgs {
             num_blocks,
@@ -155,6 +171,7 @@ max_batch_cache_tokens=None, defer_shared_prefixes=True, priority_preemption=Fal
             max_batch_cache_tokens,
             defer_shared_prefixes,
             priority_preemption,
+            max_step_ms,
         }
         .to_config()?;
         let inner = core::Scheduler::new(cfg).map_err(to_py)?;
@@ -377,7 +394,11 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
     /// `generated_tokens`; `stalled_requests`, `stalled_blocks` (last plan: rows that found
     /// the pool short and the chunks they missed, before preemption); `spec_rows`,
     /// `spec_proposed`, `spec_accepted` (speculative rows planned, the proposed tokens they
-    /// carried, those accepted); `prefix_caching`.
+    /// carried, those accepted); `prefix_caching`; the step-time budget: `time_budget_steps`
+    /// (steps it bound), `prefill_budget_ms` / `prefill_budget_tokens` (last step's prefill
+    /// allowance), `step_predicted_ms` (last step), `cost_samples` (times reported) and the
+    /// cost model's `cost_ms_per_step`, `cost_ms_per_token`, `cost_ms_per_row`,
+    /// `cost_ms_per_kkey_full`, `cost_ms_per_kkey_sliding` (per thousand keys attended).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -408,7 +429,43 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
         d.set_item("spec_proposed", s.spec_proposed)?;
         d.set_item("spec_accepted", s.spec_accepted)?;
         d.set_item("prefix_caching", self.inner.prefix_caching())?;
+        d.set_item("time_budget_steps", s.time_budget_steps)?;
+        d.set_item("prefill_budget_ms", s.prefill_budget_ms)?;
+        d.set_item("prefill_budget_tokens", s.prefill_budget_tokens)?;
+        d.set_item("step_predicted_ms", s.step_predicted_ms)?;
+        d.set_item("cost_samples", s.cost_samples)?;
+        for (k, v) in COST_KEYS.iter().zip(s.cost_coef) {
+            d.set_item(*k, v)?;
+        }
         Ok(d)
+    }
+
+    /// The measured time (seconds > 0) of the step whose plan the last `update()` applied,
+    /// for the step-time cost model. Returns whether it was taken: False without
+    /// `max_step_ms`, for an ahead plan, or when that step's time was reported already.
+    /// FieldError (field `seconds`) for a value that is not a finite number > 0.
+    fn report_step_time(&mut self, seconds: f64) -> PyResult<bool> {
+        self.inner.report_step_time(seconds).map_err(to_py)
+    }
+
+    /// The step-time budget (ms), or None.
+    #[getter]
+    fn max_step_ms(&self) -> Option<f64> {
+        self.inner.config().max_step_ms
+    }
+
+    /// The last `schedule()`'s prefill allowance in predicted milliseconds (0.0 when the
+    /// step-time budget did not bind). O(1).
+    #[getter]
+    fn prefill_budget_ms(&self) -> f64 {
+        self.inner.prefill_budget().0
+    }
+
+    /// The prefill tokens the last `schedule()`'s allowance buys at its first prefill row's
+    /// context (`max_batch_tokens` when the step-time budget did not bind). O(1).
+    #[getter]
+    fn prefill_budget_tokens(&self) -> usize {
+        self.inner.prefill_budget().1
     }
 
     /// Raise RuntimeError naming the broken invariant, if any.

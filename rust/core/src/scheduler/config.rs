@@ -78,6 +78,10 @@ pub struct SchedulerConfig {
     /// preempts running requests of lower priority (`preemption::MAX_PRIORITY_PREEMPTIONS`
     /// bounds how often one request is preempted this way).
     pub priority_preemption: bool,
+    /// Step-time budget (ms) for prefill chunks, from the cost model of measured steps
+    /// (`report_step_time`); None = token budgets only. Binds only with `fifo` and when at
+    /// least two requests are unfinished (see `scheduler::placement`).
+    pub max_step_ms: Option<f64>,
     /// Testing only: mask applied to block hashes (shrink it to force twin hashes).
     pub hash_mask: u64,
 }
@@ -99,6 +103,7 @@ impl SchedulerConfig {
             sliding_window: None,
             cpu_offload_blocks: 0,
             priority_preemption: false,
+            max_step_ms: None,
             hash_mask: u64::MAX,
         }
     }
@@ -129,6 +134,14 @@ pub(super) fn validate(cfg: &SchedulerConfig) -> Result<Derived> {
     at_least_one("max_requests_per_batch", cfg.max_requests_per_batch)?;
     if let Some(c) = cfg.max_batch_cache_tokens {
         at_least_one("max_batch_cache_tokens", c)?;
+    }
+    if let Some(ms) = cfg.max_step_ms {
+        if !ms.is_finite() || ms <= 0.0 {
+            return Err(Error::invalid(
+                "max_step_ms",
+                format!("max_step_ms must be a finite number > 0 (got {ms})"),
+            ));
+        }
     }
     let margin = match cfg.safety_margin {
         Some(m) if !(0.0..1.0).contains(&m) || m.is_nan() => {

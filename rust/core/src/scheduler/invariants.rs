@@ -144,7 +144,7 @@ impl Scheduler {
                 }
             }
         }
-        Ok(())
+        self.check_time_budget()
     }
 
     /// Chunk lifetime: every chunk an outstanding plan references (block tables, slot

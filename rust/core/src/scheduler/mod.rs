@@ -60,6 +60,8 @@ mod ahead;
 mod budget;
 mod build;
 mod config;
+mod cost;
+mod fair;
 mod invariants;
 mod placement;
 mod preemption;
@@ -69,6 +71,8 @@ mod steady;
 mod update;
 
 #[cfg(test)]
+mod fair_tests;
+#[cfg(test)]
 mod sim_tests;
 #[cfg(test)]
 mod tests;
@@ -76,6 +80,7 @@ mod tests;
 use std::collections::{BTreeMap, HashMap};
 
 pub use config::{AttentionType, SchedulerConfig, SchedulerType};
+pub use cost::{Coef, CostModel, Geometry, StepShape};
 pub use spec::ngram_lookup;
 
 use crate::alloc::Layout;
@@ -131,6 +136,21 @@ pub struct Stats {
     pub spec_proposed: u64,
     /// Proposed tokens accepted by their updates.
     pub spec_accepted: u64,
+    /// Steps planned with the step-time budget binding (`max_step_ms`).
+    pub time_budget_steps: u64,
+    /// Last `schedule()`: the predicted milliseconds its prefill chunks were allowed
+    /// (0.0 when the time budget did not bind).
+    pub prefill_budget_ms: f64,
+    /// Last `schedule()`: the prefill tokens that allowance buys at its first prefill row's
+    /// context (`max_batch_tokens` when the time budget did not bind).
+    pub prefill_budget_tokens: usize,
+    /// Last `schedule()`: its predicted time (ms; 0.0 without `max_step_ms`).
+    pub step_predicted_ms: f64,
+    /// Step times reported (`report_step_time`) and taken by the cost model.
+    pub cost_samples: u64,
+    /// The cost model's coefficients (ms): per step, per query token, per row, per
+    /// thousand keys attended in full / sliding layers.
+    pub cost_coef: [f64; 5],
 }
 
 /// What one outstanding plan owes, settled by its `update()`.
@@ -152,6 +172,11 @@ struct Flight {
     /// The plan has a speculative row (`spec`): its update takes the general path, and no
     /// plan is built ahead of it.
     spec: bool,
+    /// The plan's shape for the cost model (with `max_step_ms` only).
+    shape: Option<StepShape>,
+    /// With the time budget binding: the coefficients it was planned with and the
+    /// milliseconds its prefill chunks were allowed (checked by `check_invariants`).
+    time: Option<(Coef, f64)>,
 }
 
 /// Which outstanding plan: the newest (`plan`, flight `cur`: the only one when one is
@@ -216,6 +241,11 @@ pub struct Scheduler {
     proposed: Vec<u32>,
     /// `propose_ngram` scratch.
     spec_buf: Vec<crate::Token>,
+    /// The step-time cost model (`max_step_ms`), fed by `report_step_time`.
+    cost: CostModel,
+    geo: Geometry,
+    /// The shape of the plan the last `update()` applied, waiting for its measured time.
+    last_shape: Option<StepShape>,
     stats: Stats,
 }
 
@@ -223,9 +253,20 @@ impl Scheduler {
     /// Validate `cfg` (errors name the field) and build an empty scheduler.
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
         let d = config::validate(&cfg)?;
+        let cost = CostModel::default();
         let stats = Stats {
             num_blocks: cfg.num_blocks,
+            prefill_budget_tokens: cfg.max_batch_tokens,
+            cost_coef: cost.coef().0,
             ..Default::default()
+        };
+        let geo = Geometry {
+            has_full: d.layout.has_full,
+            window: if d.layout.has_sliding {
+                cfg.sliding_window
+            } else {
+                None
+            },
         };
         let plan = StepPlan {
             has_full: d.layout.has_full,
@@ -271,6 +312,9 @@ impl Scheduler {
             deferred_buf: Vec::new(),
             proposed: Vec::new(),
             spec_buf: Vec::new(),
+            cost,
+            geo,
+            last_shape: None,
             stats,
         })
     }
@@ -285,6 +329,7 @@ impl Scheduler {
             ));
         }
         let mut b = self.begin_step();
+        b = self.bind_time(b);
         self.cur.repeats = false;
         self.cur.spec = false;
         self.filling.clear();
@@ -319,8 +364,13 @@ impl Scheduler {
         if !self.proposed.is_empty() {
             self.clear_proposals();
         }
-        // Phase 2: swapped and waiting requests.
-        self.admit(&mut b);
+        // Phase 2: swapped and waiting requests (with the time budget binding: the oldest
+        // in-flight prefill, then admissions, then the other in-flight prefills, see `fair`).
+        if b.time.is_some() {
+            self.place_prefills_fairly(&mut b);
+        } else {
+            self.admit(&mut b);
+        }
         if self.plan.rows.is_empty() {
             debug_assert!(self.plan.swap_out.is_empty() && self.plan.swap_in.is_empty());
             debug_assert!(
@@ -337,6 +387,7 @@ impl Scheduler {
         self.cur.step = self.step;
         self.cur.sampled = self.plan.logits_indices.len();
         self.stats.steps += 1;
+        self.record_shape(&b);
         // Advanced in place with nothing appended: still the running rows in order.
         let repeated = steady && self.plan.rows.len() == from;
         self.steady.plan = if repeated || self.is_steady_plan() {
@@ -441,6 +492,8 @@ impl Scheduler {
         self.cur.sampled = self.plan.logits_indices.len();
         self.cur.repeats = repeated;
         self.cur.spec = false;
+        self.cur.time = None;
+        self.cur.shape = None;
         self.outstanding = 2;
         // Advanced in place with nothing appended: still every running request, in order.
         self.steady.plan = if repeated {
@@ -472,6 +525,12 @@ impl Scheduler {
             PlanSlot::Newest
         };
         // The forward (and copies) of this plan are done: release what was held for it.
+        if self.outstanding > 0 {
+            self.last_shape = match oldest {
+                PlanSlot::Oldest => self.old.shape.take(),
+                PlanSlot::Newest => self.cur.shape.take(),
+            };
+        }
         let dead_rows = self.settle(oldest);
         self.upd_step = self.flight(oldest).step;
         self.drop_reported();

@@ -28,9 +28,12 @@ impl Scheduler {
             SchedulerType::Fifo => [RequestState::Decoding, RequestState::Prefilling],
             SchedulerType::PrefillFirst => [RequestState::Prefilling, RequestState::Decoding],
         };
+        // With the time budget binding (fifo only), the in-flight prefills are placed by
+        // `fair`, after the decodes.
+        let fair = b.time.is_some();
         let mut other_seen = true;
         for (k, want) in phases.into_iter().enumerate() {
-            if k == 1 && !other_seen {
+            if k == 1 && (!other_seen || fair) {
                 break;
             }
             other_seen = false;

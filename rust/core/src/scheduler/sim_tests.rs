@@ -119,6 +119,26 @@ pub struct Sim {
     pub spec_accepted: usize,
     /// Successful `rewind()` calls.
     pub rewinds: usize,
+    /// With `max_step_ms`: every update is followed by `report_step_time` of a synthetic
+    /// machine (`synthetic_ms`, with noise and outliers).
+    pub reported: usize,
+}
+
+/// A synthetic machine's time (ms) for `plan`: 2 ms a step, 1 ms a token, 0.5 ms a row,
+/// 0.5 ms a thousand keys; `noisy` adds ±20% and a 20x outlier every 17th step.
+pub fn synthetic_ms(plan: &StepPlan, step: usize, noisy: bool) -> f64 {
+    let mut ms = 2.0;
+    for r in &plan.rows {
+        let (s, q) = (r.start as f64, r.q as f64);
+        ms += q + 0.5 + 0.5 * (q * s + q * (q + 1.0) / 2.0) / 1000.0;
+    }
+    if noisy {
+        ms *= 0.8 + 0.4 * ((mix(step as u64) % 100) as f64 / 100.0);
+        if step % 17 == 16 {
+            ms *= 20.0;
+        }
+    }
+    ms
 }
 
 /// A plan whose forward ran, awaiting its update.
@@ -164,6 +184,7 @@ impl Sim {
             spec_rows: 0,
             spec_accepted: 0,
             rewinds: 0,
+            reported: 0,
         }
     }
 
@@ -450,6 +471,12 @@ impl Sim {
     pub fn complete(&mut self) {
         let l = self.queue.pop_front().expect("a launched plan");
         let out = self.s.update(&l.sampled).expect("update").clone();
+        if self.s.config().max_step_ms.is_some() {
+            let ms = synthetic_ms(&l.plan, self.steps, true);
+            if self.s.report_step_time(ms / 1000.0).expect("valid time") {
+                self.reported += 1;
+            }
+        }
         for k in 0..out.len() {
             let id = self.s.request(out.reqs[k]).unwrap().id.clone();
             if out.token_ids[k] >= 0 {
@@ -746,7 +773,7 @@ impl Sim {
     }
 }
 
-fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
+pub(super) fn spec(id: &str, prompt: Vec<u32>, max_new: usize) -> Spec {
     Spec {
         id: id.into(),
         prompt,
@@ -951,6 +978,7 @@ struct Cfg {
     window: usize,
     cache_budget: Option<usize>,
     hash_mask: u64,
+    max_step_ms: Option<f64>,
 }
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
@@ -969,6 +997,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
         (
             prop_oneof![3 => Just(None), 1 => (30usize..80).prop_map(Some)],
             prop_oneof![3 => Just(u64::MAX), 1 => Just(3u64)],
+            prop_oneof![2 => Just(None), 1 => (1u32..60).prop_map(|v| Some(v as f64))],
         ),
     )
         .prop_map(
@@ -976,7 +1005,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
                 (num_blocks, page, mbt, mrpb),
                 (pf, margin, sharing),
                 (offload, layers, window),
-                (cache_budget, hash_mask),
+                (cache_budget, hash_mask, max_step_ms),
             )| Cfg {
                 num_blocks,
                 page,
@@ -990,6 +1019,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
                 window,
                 cache_budget,
                 hash_mask,
+                max_step_ms,
             },
         )
 }
@@ -1015,6 +1045,7 @@ fn make_cfg(c: &Cfg) -> SchedulerConfig {
     cfg.hash_mask = c.hash_mask;
     // priority preemption in half the configurations (the ops give random priorities)
     cfg.priority_preemption = c.num_blocks.is_multiple_of(2);
+    cfg.max_step_ms = c.max_step_ms;
     cfg
 }
 
