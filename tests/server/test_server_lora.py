@@ -96,7 +96,7 @@ def test_models_list_and_runtime_load_unload(lora_server, tokenizer):
     ("load", {"lora_name": "new", "lora_path": "/nowhere"}, 400, "lora_path"),
     ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name"),
     ("load", {"lora_path": "/x"}, 400, "lora_name"),
-    ("unload", {"lora_name": "never-loaded"}, 404, "lora_name"),
+    ("unload", {"lora_name": "never-loaded"}, 400, "lora_name"),
 ])
 def test_bad_adapter_requests(lora_server, route, body, status, param):
     srv, _, _ = lora_server

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ferrobatch.errors import FieldError
 from ferrobatch.server import checks
-from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse
+from ferrobatch.server.protocol import bad_request, error_responses, parse
 from ferrobatch.server.state import ServerState, read_body
 
 __all__ = ["LoadLoraRequest", "UnloadLoraRequest", "add_lora_routes"]
@@ -70,7 +70,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter",
-              responses={**_TEXT_OK, **error_responses(400, 401, 404, 408, 413, 500, 503)})
+              responses={**_TEXT_OK, **error_responses(400, 401, 408, 413, 500, 503)})
     async def unload_lora_adapter(request: Request) -> Response:
         """Unload an adapter (its running requests finish with it)."""
         engine, req = await engine_of(request, UnloadLoraRequest)
@@ -78,7 +78,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         try:
             engine.unload_lora(req.lora_name)  # type: ignore[attr-defined]
         except FieldError as exc:
-            raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
+            raise bad_request(str(exc), "lora_name") from None
         return PlainTextResponse(
             f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
