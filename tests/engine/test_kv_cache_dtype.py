@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 
 import pytest
 import tiny_models
@@ -158,3 +159,19 @@ def test_config_default_and_cli_flag() -> None:
 def test_bad_cli_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--prompt", "x", "--kv-cache-dtype", "fp8_e4m3"]) == 2
     assert "kv_cache_dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_batch_tokens", [64, 16])
+def test_int8_cache_in_batch_invariant_mode(max_batch_tokens):
+    """A request's tokens and logprobs alone equal those among others (and chunked) with an
+    int8 cache too: each row is quantized once, by itself, and read in key order."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
+    cfg = ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=max_batch_tokens,
+                                   kv_cache_dtype="int8", batch_invariant=True)
+    with Engine(tiny_models.llama(), config=cfg) as eng:
+        alone = eng.generate([prompts[0]], sp, progress=False)[0]
+        mixed = eng.generate(prompts, sp, progress=False)[0]
+    assert alone.token_ids == mixed.token_ids
+    assert alone.logprobs == mixed.logprobs
