@@ -122,7 +122,7 @@ def test_server_metrics_from_stats() -> None:
     assert 'ferrobatch_engine_stat{key="flag"} 1' in text
     assert "ferrobatch_step_duration_seconds_count 2" in text
     assert 'ferrobatch_step_duration_seconds_bucket{le="0.25"} 1' in text
-    assert 'ferrobatch_step_prefill_budget_tokens_bucket{le="64"} 1' in text
+    assert 'ferrobatch_step_prefill_budget_tokens_bucket{le="64.0"} 1' in text
     assert "ferrobatch_step_prefill_budget_tokens_sum 2112" in text
 
 
