@@ -316,8 +316,6 @@ class Engine(ModelProbes):
             use_cuda_graph=use_cuda_graph,
             config=self.config,
             rope=self.rope,
-            # the adapters' hooks need each linear layer called as a module
-            lean_layers=not lora,
             batch_invariant=self.config.batch_invariant,
         )
 

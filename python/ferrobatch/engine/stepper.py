@@ -6,7 +6,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -137,7 +138,23 @@ class Stepper:
             return nullcontext()
         requests = self.router.requests
         salts = [getattr(requests.get(rid), "lora_salt", 0) for rid in plan.request_ids]
-        return self.lora.bind(salts, plan.cu_seqlens_q)
+        if not any(salts):  # no adapter rows: the fused layers may run
+            return nullcontext()
+        return self._adapter_step(salts, plan.cu_seqlens_q)
+
+    @contextmanager
+    def _adapter_step(self, salts: list[int], cu_seqlens_q: Any) -> Iterator[None]:
+        """A forward with adapter rows: the hooks bound, the lean (fused) decoder layers off
+        (they call no linear module, so no hook would run)."""
+        activations = getattr(self.runner, "activations", None)
+        if activations is not None:
+            activations.lean_off = True
+        try:
+            with self.lora.bind(salts, cu_seqlens_q):  # type: ignore[union-attr]
+                yield
+        finally:
+            if activations is not None:
+                activations.lean_off = False
 
     def _lora_release(self, req: Request) -> None:
         """A request left: its adapter's count in the scheduler drops."""

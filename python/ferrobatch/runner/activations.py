@@ -51,6 +51,9 @@ class PackedActivations:
         self._invariant = batch_invariant
         self.linears: PackedLinears | None = None
         self.lean: LeanLayers | None = None
+        #: forwards run the model's own decoder layers even where lean ones exist (a step
+        #: with LoRA adapter rows: their hooks need each linear layer called as a module)
+        self.lean_off = False
         if device.type == "cpu":
             self.linears = self._make_packed_linears(
                 "float32" if batch_invariant else activations)
@@ -74,7 +77,8 @@ class PackedActivations:
         if self.linears is None:
             yield
             return
-        lean = self.lean.active() if self.lean is not None else nullcontext()
+        use_lean = self.lean is not None and not self.lean_off
+        lean = self.lean.active() if use_lean else nullcontext()  # type: ignore[union-attr]
         with self.linears.active(), lean:
             yield
 
