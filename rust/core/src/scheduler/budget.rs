@@ -107,11 +107,14 @@ impl Budget {
 
     /// Query tokens a row may take from `start` (its cached tokens) with `remaining` tokens
     /// to feed: capped by the tokens left and by the cache reads left (a row of `q` tokens
-    /// from `start` reads `start + q` keys). 0 when it cannot run.
+    /// from `start` reads `start + q` keys). 0 when it cannot run (no row left included).
     /// With a time budget, a row of more than one token is also capped to the time left
     /// (at least one token for the floor row, see [`Budget::open_prefill`]).
     #[inline]
     pub fn clamp(&self, start: usize, remaining: usize) -> usize {
+        if self.rows == 0 {
+            return 0;
+        }
         let q = remaining
             .min(self.tokens)
             .min(self.cache.saturating_sub(start));

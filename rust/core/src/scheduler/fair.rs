@@ -74,7 +74,7 @@ impl Scheduler {
             let r = self.req(i);
             r.state == RequestState::Prefilling && r.touched_step != step
         });
-        if let Some(a) = anchor {
+        if let Some(a) = anchor.filter(|_| !b.exhausted()) {
             let left = b.time_left();
             let others = self.demand_besides(a, b, left);
             b.withhold(others.min((1.0 - ANCHOR_SHARE) * left));
