@@ -9,22 +9,26 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from ferrobatch.errors import FieldError
 from ferrobatch.sampling.pooling import encode_vector
 from ferrobatch.server import checks, params
-from ferrobatch.server.protocol import APIError, bad_request, error_responses, parse, usage
+from ferrobatch.server.protocol import (
+    APIError,
+    _Schema,
+    bad_request,
+    error_responses,
+    parse,
+    usage,
+)
 from ferrobatch.server.state import ServerState, read_body
 
 __all__ = ["EmbeddingRequest", "add_embedding_routes"]
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(_Schema):
     """``POST /v1/embeddings`` body (OpenAI's fields, plus ``pooling`` / ``normalize``)."""
-
-    # strict: no silent coercion; unknown fields ignored (as the other endpoints)
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = Field(None, description="Served model name (default: the only one).")
     input: str | list[str] | list[int] | list[list[int]] = Field(
@@ -36,14 +40,6 @@ class EmbeddingRequest(BaseModel):
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None, description="Extension: the checkpoint's pooling when left out, else 'last'.")
     normalize: bool | None = Field(None, description="Extension: L2-normalize (default on).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """``"field": null`` means "not given"."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
 
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:

@@ -227,16 +227,7 @@ pub fn write_rows(
     let mut d = Out::new(dst, dt, "dst")?;
     let (rows, src_width) = two_d("src", s.shape(), "[tokens, width]")?;
     expect_shape("slots", sl.shape(), &[rows], "[tokens]")?;
-    let row: usize = d.shape().iter().skip(1).product();
-    if d.shape().len() < 2 || row != width {
-        return Err(invalid(
-            "dst",
-            format!(
-                "dst must be [slots, width = {width}] (or [slots, kv_heads, dim]), not shape {:?}",
-                d.shape()
-            ),
-        ));
-    }
+    check_cache_rows(d.shape(), width)?;
     let ins = [("src", s.span()), ("slots", sl.span())];
     disjoint("dst", d.span(), &ins)?;
     let a = WriteRows {
@@ -274,16 +265,7 @@ pub fn write_rows_int8(
     let mut sc = rw::<f32>(scales, "scales", "float32")?;
     let (rows, width) = two_d("src", s.shape(), "[tokens, width]")?;
     expect_shape("slots", sl.shape(), &[rows], "[tokens]")?;
-    let row: usize = d.shape().iter().skip(1).product();
-    if d.shape().len() < 2 || row != width {
-        return Err(invalid(
-            "dst",
-            format!(
-                "dst must be [slots, width = {width}] (or [slots, kv_heads, dim]), not shape {:?}",
-                d.shape()
-            ),
-        ));
-    }
+    check_cache_rows(d.shape(), width)?;
     let ins = [("src", s.span()), ("slots", sl.span())];
     disjoint("dst", d.span(), &ins)?;
     disjoint("scales", sc.span(), &ins)?;
@@ -296,4 +278,19 @@ pub fn write_rows_int8(
     let src = s.elems();
     py.detach(|| fused::write_rows_int8(src, width, slots, group, dst, scales))
         .map_err(kernel_error)
+}
+
+/// `dst` of a row write is a cache of `width`-wide slots: [slots, width] or
+/// [slots, kv_heads, dim] with `kv_heads * dim == width`.
+fn check_cache_rows(shape: &[usize], width: usize) -> PyResult<()> {
+    let row: usize = shape.iter().skip(1).product();
+    if shape.len() < 2 || row != width {
+        return Err(invalid(
+            "dst",
+            format!(
+                "dst must be [slots, width = {width}] (or [slots, kv_heads, dim]), not shape {shape:?}"
+            ),
+        ));
+    }
+    Ok(())
 }
