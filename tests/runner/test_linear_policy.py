@@ -151,12 +151,16 @@ def test_packed_linears_ask_the_policy_and_follow_its_inputs():
 
 
 def test_the_invariant_table_chooses_by_format_and_isa_only():
-    f32 = Isa(frozenset({"f32_ops", "avx512_bf16", *ONEDNN_ALL}))
+    f32 = Isa(frozenset({"f32_ops", *ONEDNN_ALL}))
+    dpbf16 = Isa(frozenset({"f32_ops", "avx512_bf16", *ONEDNN_ALL}))
     tiles = Isa(frozenset({"amx", "f32_ops", *ONEDNN_ALL}))
     bare = Isa(frozenset(ONEDNN_ALL))
     assert policy.choose_invariant(torch.float32, f32) is B.F32_OPS
     assert policy.choose_invariant(torch.bfloat16, f32) is B.F32_OPS  # fp32 copies
     assert policy.choose_invariant(torch.float16, f32) is B.F32_OPS
+    # bf16 weights read as they are (vdpbf16ps: sums over k in pair order at any rows)
+    assert policy.choose_invariant(torch.bfloat16, dpbf16) is B.AMX_OPS
+    assert policy.choose_invariant(torch.float16, dpbf16) is B.F32_OPS
     assert policy.choose_invariant(torch.bfloat16, tiles) is B.AMX_OPS
     assert policy.choose_invariant(torch.float16, tiles) is B.F32_OPS
     # no product whose rows ignore their batch: oneDNN's and MKL's are not such
@@ -182,7 +186,8 @@ def test_invariant_packed_linears_take_one_product_at_every_row_count(dtype):
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             assert {lin.backend(rows, out) for rows in ROWS for out in (False, True)} == {want}
-            assert {lin.input_dtype(rows) for rows in ROWS[1:]} == {torch.float32}
+            assert {lin.input_dtype(rows) for rows in ROWS[1:]} == {
+                torch.float32 if want.fp32_inputs else dtype}
     finally:
         torch.set_num_threads(threads)
     # a row's product is the same bits in a call of any size

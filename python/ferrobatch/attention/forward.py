@@ -134,6 +134,11 @@ def paged_attention_forward(
         out.index_copy_(0, bucket.tokens, o)
     if out is None:
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+    wr = group.window_rows
+    if wr is not None:
+        o = _window_rows(step, wr, q_all, k_new, v_new, cached_k, cached_v, scaling,
+                         softcap, out_dtype)
+        out.index_copy_(0, wr.kernel.tokens, o)
     # attention runs in the cache's dtype (the keys of a chunked prompt are rounded alike
     # whether they come from the cache or from this forward): each operand converted once
     if group.prefill:
@@ -165,7 +170,7 @@ def kernel_only_group(step: Any, layer: int) -> Any:
     group = step.groups[layer]
     kd = group.kernel_decode
     if kd is None or kd.tokens is not None or group.decode or group.prefill \
-            or group.prefill_cached_slots is not None:
+            or group.prefill_cached_slots is not None or group.window_rows is not None:
         return None
     return group
 
@@ -192,14 +197,46 @@ def _kernel_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
     """The CPU kernel's attention for the kernel rows of `layer` (queries `q` [R, H, D],
     contiguous, in a kernel dtype), in `out_dtype`."""
     cache = step.cache
-    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in KERNEL_DTYPES
-                    else torch.float32)
     scales = (cache.key_scales[layer], cache.value_scales[layer]) if cache.quantized \
         else None
-    kernels.decode_kernel(q, cache.keys[layer], cache.values[layer],
-                          step.groups[layer].kernel_decode, o, cache.page_size, scaling,
-                          softcap, scales)
+    return _kernel_call(q, cache.keys[layer], cache.values[layer],
+                        step.groups[layer].kernel_decode, cache.page_size, scaling, softcap,
+                        out_dtype, scales)
+
+
+def _kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kd: Any, page: int,
+                 scaling: float, softcap: float | None, out_dtype: torch.dtype,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The CPU kernel over the rows `kd` of the paged keys `k` and values `v`, in
+    `out_dtype`."""
+    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in KERNEL_DTYPES
+                    else torch.float32)
+    kernels.decode_kernel(q, k, v, kd, o, page, scaling, softcap, scales)
     return o.to(out_dtype)
+
+
+def _window_rows(step: PagedStep, wr: Any, q_all: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor, cached_k: torch.Tensor | None,
+                 cached_v: torch.Tensor | None, scaling: float, softcap: float | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Batch-invariant mode's sliding multi-token rows (`paged_step._WindowRows`): their
+    window keys copied to a scratch cache (cached ones gathered before this step's write,
+    new ones from `k_new` / `v_new` [T, Hkv, D]), each token attended there by the CPU
+    kernel (queries from `q_all` [H, T, D]); the output is [N, H, D] in `out_dtype`."""
+    page = step.cache.page_size
+    scratch_k = k_new.new_zeros(wr.chunks * page, *k_new.shape[1:])
+    scratch_v = torch.zeros_like(scratch_k)
+    if wr.cached_dest is not None:
+        n = wr.cached_dest.shape[0]
+        scratch_k.index_copy_(0, wr.cached_dest, cached_k[:n])
+        scratch_v.index_copy_(0, wr.cached_dest, cached_v[:n])
+    scratch_k.index_copy_(0, wr.new_dest, k_new.index_select(0, wr.new_tokens))
+    scratch_v.index_copy_(0, wr.new_dest, v_new.index_select(0, wr.new_tokens))
+    q = q_all.index_select(1, wr.kernel.tokens).transpose(0, 1)
+    if q.dtype not in KERNEL_DTYPES:
+        q = q.float()
+    return _kernel_call(q.contiguous(), scratch_k, scratch_v, wr.kernel, page, scaling,
+                        softcap, out_dtype)
 
 
 def write_layer(cache: PagedKVCache, layer: int, slots: torch.Tensor, k_new: torch.Tensor,

@@ -53,6 +53,22 @@ class _KernelDecode:
 
 
 @dataclass
+class _WindowRows:
+    """Batch-invariant mode's multi-token rows of a sliding-window type: each token attended
+    alone by the CPU kernel, as it would be in a decode step, over a scratch copy of its
+    row's keys (the ring may not hold them all after the step's write). The scratch is
+    `chunks` chunks of `page` slots; a row's window keys, cached ones from the group's
+    gather and new ones from the forward, are copied to `cached_dest` / `new_dest`, and the
+    kernel reads token `i` through `kernel.block_tables[i]` (no column wraps)."""
+
+    kernel: _KernelDecode  # tokens, scratch tables, seqlens (position + 1), window
+    chunks: int
+    cached_dest: torch.Tensor | None  # [C] scratch slots of the gathered cached keys
+    new_tokens: torch.Tensor  # [N] step tokens of these rows
+    new_dest: torch.Tensor  # [N] their scratch slots
+
+
+@dataclass
 class _Group:
     """Per-step metadata of one attention type, shared by all its layers."""
 
@@ -61,6 +77,7 @@ class _Group:
     prefill_cached_slots: torch.Tensor | None  # all prefill rows' cached keys, row after row
     prefill: list[_PrefillRow]
     kernel_decode: _KernelDecode | None = None
+    window_rows: _WindowRows | None = None
 
 
 @dataclass
@@ -91,9 +108,10 @@ def build_step(
     through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
     single-token rows, and on full attention multi-token rows of at most
     `KERNEL_PREFILL_MAX_TOKENS` tokens, are attended in place by the CPU kernel instead of
-    gathered. With `invariant` (batch-invariant mode, with `decode_kernel`), every row of a
-    full-attention type goes to the kernel whatever its length: each token is then attended
-    alone, in key order, as it would be in any other step.
+    gathered. With `invariant` (batch-invariant mode, with `decode_kernel`), every row goes
+    to the kernel whatever its length: each token is then attended alone, in key order, as
+    it would be in any other step (a sliding type's multi-token rows over a scratch copy of
+    their window, `_WindowRows`).
     """
     page = cache.page_size
     device = cache.device
@@ -191,7 +209,11 @@ def build_step(
         prefill: list[_PrefillRow] = []
         cached_parts: list[np.ndarray] = []
         offset = 0
-        for r in np.setdiff1d(prefill_rows, short, assume_unique=True):
+        long_rows = np.setdiff1d(prefill_rows, short, assume_unique=True)
+        window_rows = None
+        if sliding and invariant and decode_kernel and len(long_rows):
+            window_rows = _window_rows(long_rows, cu, start, qlen, w, page, to_long)
+        for r in long_rows:
             s, q = int(start[r]), int(qlen[r])
             c0 = max(0, s - w + 1) if sliding else 0
             c = s - c0
@@ -199,6 +221,8 @@ def build_step(
                 cached_parts.append(
                     _core.slots(table, np.full(c, r), np.arange(c0, s), page, ring_arg)
                 )
+            if window_rows is not None:
+                continue
             causal = c == 0 and (not sliding or q <= w)
             mask = None
             if not causal:
@@ -219,6 +243,7 @@ def build_step(
             prefill_cached_slots=cached,
             prefill=prefill,
             kernel_decode=kernel_decode,
+            window_rows=window_rows,
         )
     return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
 
@@ -258,6 +283,49 @@ def _kernel_rows(decode_rows: np.ndarray, short: np.ndarray, cu: np.ndarray,
         block_tables=np.ascontiguousarray(np.repeat(table[rows], q, axis=0), dtype=np.int32),
         seqlens=np.ascontiguousarray(lens, dtype=np.int32),
         window=w,
+    )
+
+
+def _window_rows(rows: np.ndarray, cu: np.ndarray, start: np.ndarray, qlen: np.ndarray,
+                 w: int, page: int, to_long: Any) -> _WindowRows:
+    """`_WindowRows` of the multi-token `rows` of a sliding type with window `w`: row `r`'s
+    scratch holds positions `b0 * page .. end` (`b0` the chunk of its first window key `c0`,
+    `end` = start + qlen) in chunks of its own, after the rows before it; the gathered cached
+    keys (`c0 .. start`, in the order `build_step` gathers them) and the new keys go to their
+    positions' slots there."""
+    tokens, tables, seqlens, cached_dest, new_dest = [], [], [], [], []
+    spans = []
+    base = 0
+    for r in rows:
+        s, q = int(start[r]), int(qlen[r])
+        end, c0 = s + q, max(0, s - w + 1)
+        b0 = c0 // page
+        spans.append((base, b0, end))
+        first = base * page - b0 * page  # scratch slot of position p: first + p
+        cached_dest.append(first + np.arange(c0, s))
+        new_dest.append(first + np.arange(s, end))
+        tokens.append(np.arange(cu[r], cu[r + 1]))
+        seqlens.append(np.arange(s + 1, end + 1))
+        base += -(-end // page) - b0
+    width = max(-(-end // page) for _, _, end in spans)
+    for (b, b0, end), q in zip(spans, qlen[rows], strict=True):
+        # column j holds the row's scratch chunk j - b0 (the columns below b0 and beyond
+        # its last chunk hold no key its tokens read: any of its chunks)
+        table = b + np.clip(np.arange(width) - b0, 0, -(-end // page) - b0 - 1)
+        tables.append(np.broadcast_to(table, (int(q), width)))
+    cached = np.concatenate(cached_dest)
+    token_ids = np.concatenate(tokens)
+    return _WindowRows(
+        kernel=_KernelDecode(
+            tokens=to_long(token_ids),
+            block_tables=np.ascontiguousarray(np.concatenate(tables), dtype=np.int32),
+            seqlens=np.ascontiguousarray(np.concatenate(seqlens), dtype=np.int32),
+            window=w,
+        ),
+        chunks=base,
+        cached_dest=to_long(cached) if len(cached) else None,
+        new_tokens=to_long(token_ids),
+        new_dest=to_long(np.concatenate(new_dest)),
     )
 
 

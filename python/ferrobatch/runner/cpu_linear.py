@@ -67,8 +67,8 @@ _INVARIANT_KEY = (0, True, 0)
 def _invariant_copies(dtype: torch.dtype, activation_dtype: torch.dtype | None, amx: bool,
                       fp32_rows: int | None) -> tuple[bool, int | None]:
     """Batch-invariant mode's copies (`amx`, `fp32_rows`) of `dtype` weights: `amx_ops`'
-    where AMX tiles run bf16 weights, else fp32 copies for `f32_ops` from one row (half
-    weights with fp32 activations)."""
+    where it runs bf16 weights (AMX tiles or AVX-512 BF16), else fp32 copies for `f32_ops`
+    from one row (half weights with fp32 activations)."""
     if dtype not in HALF_DTYPES or activation_dtype != torch.float32:
         return False, fp32_rows
     if policy.choose_invariant(dtype, policy.Isa.detect()) is Backend.AMX_OPS:
@@ -170,6 +170,15 @@ class _Packed:
         if x.dim() == 2:
             return f32_ops.linear(x, w)
         return f32_ops.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.n)
+
+    def amx_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`bf16(x) @ W.T + b` in fp32 on `amx_ops` (`x` [..., k]); the packing must be
+        wanted."""
+        w = self.amx_weight()
+        assert w is not None, "no amx_ops packing wanted"
+        if x.dim() == 2:
+            return amx_ops.linear(x, w)
+        return amx_ops.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.n)
 
     def onednn_fp32_product(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + b` in fp32 on oneDNN's fp32 copy of the weight (packed on first use
@@ -429,7 +438,7 @@ class PackedLinears:
         if backend is Backend.ONEDNN_FP32:
             return packed.onednn_fp32_product(x)
         if backend is Backend.AMX_OPS:
-            return amx_ops.linear(x, packed.amx_weight())
+            return packed.amx_product(x)
         # (`onednn`: packed layers exist only where oneDNN runs their dtype)
         wdt = self.weight_dtype
         return onednn.linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias)

@@ -130,12 +130,17 @@ class GreedyHead:
     and recomputed when the weight object or its version changes."""
 
     def __init__(self, weight: torch.Tensor, invariant: bool = False) -> None:
-        """`invariant` (batch-invariant mode): the candidates are rescored on `f32_ops`, the
-        product the packed head runs there, so the token is the argmax of exactly the
-        logits a full-logits step computes (the screens' windows cover any fp32 summation
-        order), and the statistical `window8` screen and the full-rows path are off."""
+        """`invariant` (batch-invariant mode): the candidates are rescored on the product
+        the packed head runs there (`linear_policy.choose_invariant`: `f32_ops`, or
+        `amx_ops` on bf16 weights, whose inputs are then rounded to bf16 before the screens
+        too), so the token is the argmax of exactly the logits a full-logits step computes
+        (the screens' windows cover any fp32 summation order), and the statistical
+        `window8` screen and the full-rows path are off."""
         self._weight = weight
         self.invariant = invariant
+        #: the rows are rounded to bf16 and the candidates rescored on `amx_ops`
+        self.bf16_rows = invariant and policy.choose_invariant(
+            weight.dtype, policy.Isa.detect()) is Backend.AMX_OPS
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None  # bf16, oneDNN layout
         self._wide: amx_ops.AmxWeight | None = None  # bf16 packed for `amx_ops`
@@ -230,6 +235,8 @@ class GreedyHead:
                 torch.float32, torch.bfloat16, torch.float16):
             return None
         hidden = hidden.detach().contiguous()
+        if self.bf16_rows:  # (`amx_ops` rounds its rows so: the logits are those of these)
+            hidden = hidden.bfloat16()
         wide = hidden.float()  # exact widening (itself when fp32)
         if self.window8:
             tokens = self._window8(wide)
@@ -347,11 +354,13 @@ class GreedyHead:
     def _rescore(self, hidden: torch.Tensor, cand: _Candidates) -> torch.Tensor | None:
         """The fp32 argmax among each row's candidates (ties: lowest token id)."""
         rows, cols, unique, inverse = cand
-        weight = self._weight.detach().index_select(0, torch.from_numpy(unique)).float()
-        if self.invariant:  # each column's sums as the full head's on `f32_ops`, bit for bit
-            logits = f32_ops.linear(hidden, f32_ops.pack(weight)).numpy()
+        weight = self._weight.detach().index_select(0, torch.from_numpy(unique))
+        if self.bf16_rows:  # each column's sums as the full head's on `amx_ops`, bit for bit
+            logits = amx_ops.linear(hidden, amx_ops.pack(weight.bfloat16())).numpy()
+        elif self.invariant:  # ... on `f32_ops`
+            logits = f32_ops.linear(hidden, f32_ops.pack(weight.float())).numpy()
         else:
-            logits = torch.mm(hidden, weight.t()).numpy()  # [N, len(unique)]
+            logits = torch.mm(hidden, weight.float().t()).numpy()  # [N, len(unique)]
         tokens = _core.greedy_pick(logits, rows, cols, inverse)
         return None if tokens is None else torch.from_numpy(tokens)
 
@@ -410,7 +419,9 @@ class GreedyHead:
         timed: dict[tuple[bool, bool], float] = {}  # (int8, int16) on -> time
         try:
             with torch.inference_mode():
-                ref = torch.mm(x, w.t()).argmax(dim=1)
+                # (rows rounded to bf16 where `argmax` rounds them)
+                ref = torch.mm(x.bfloat16().float() if self.bf16_rows else x,
+                               w.t()).argmax(dim=1)
                 fulls: list = [lambda: torch.mm(x, w.t()).numpy().argmax(-1)]
                 if onednn.available():  # the runner's fastest fp32 head on CPU
                     full_packed = onednn.pack(w, rows)

@@ -246,6 +246,9 @@ INVARIANT_RULES: tuple[Rule, ...] = (
     Rule(Backend.AMX_OPS, _BF16, ("amx",), use="invariant",
          why="AMX tiles: each fp32 sum runs over k in tile order whatever the rows "
              "(bf16 products 2-5x the fp32 rate there)"),
+    Rule(Backend.AMX_OPS, _BF16, ("avx512_bf16",), use="invariant",
+         why="vdpbf16ps on zmm registers: each fp32 sum runs over k in pair order whatever "
+             "the rows, on the bf16 weights themselves (half the bytes of fp32 copies)"),
     Rule(Backend.F32_OPS, HALF, ("f32_ops",), use="invariant",
          why="fp32 copies on f32_ops: each output a plain fp32 sum in input order"),
     Rule(Backend.F32_OPS, _FP32, ("f32_ops",), use="invariant",

@@ -236,17 +236,18 @@ class ModelRunner:
 
     def _check_invariant(self) -> None:
         """Batch-invariant mode's needs of the attention: the CPU decode kernel for every row
-        (a CPU model, a cache dtype it reads, no attention sinks) and full attention only
-        (a sliding ring may overwrite keys a longer row's earlier tokens need, so those
-        rows take SDPA); else `FieldError` on `batch_invariant`."""
+        (a CPU model, a cache dtype it reads, no attention sinks); sliding-window layers
+        only over an unquantized cache (their prompt rows are attended over a scratch copy of
+        their window, `paged_step._WindowRows`, whose new keys are not rounded to int8);
+        else `FieldError` on `batch_invariant`."""
         why = None
         if self.device.type != "cpu":
             why = f"the model is on {self.device.type}; the mode runs on CPU only"
         elif not self.decode_kernel:
             why = (f"the CPU attention kernel does not run this model (cache dtype "
                    f"{self.cache.dtype}, attention sinks: {self._has_sinks()})")
-        elif any(t != FULL for t in self.layer_types):
-            why = "sliding-window attention layers are not supported"
+        elif self.cache.quantized and any(t != FULL for t in self.layer_types):
+            why = "sliding-window attention layers are not supported with an int8 KV cache"
         if why is not None:
             raise FieldError(f"batch_invariant: {why}", "batch_invariant")
 
