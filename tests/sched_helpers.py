@@ -156,7 +156,7 @@ class SnapReq:
     held: dict[str, list[int]]
     swap_slots: list[int]
     key: tuple[int, int] = (0, 0)  # (priority, arrival): queue order
-    deferred: bool = False  # put off once to share a block filled in its step
+    deferrals: int = 0  # steps put off to share a block another prefill fills
 
 
 @dataclasses.dataclass
@@ -200,7 +200,7 @@ def read_snapshot(s: Scheduler) -> Snap:
             held=held,
             swap_slots=[int(x) for x in swap],
             key=(int(_get(r, "priority", 0)), int(_get(r, "arrival", 0))),
-            deferred=bool(_get(r, "admission_deferred", False)),
+            deferrals=int(_get(r, "admission_deferrals", 0)),
         )
     rc = _get(raw, "refcounts")
     if isinstance(rc, dict):
@@ -451,8 +451,8 @@ class Harness:
             top = max(keys)
             for r, sr in after.requests.items():
                 if sr.state in ("waiting", "swapped") and r not in rids:
-                    put_off = (sr.state == "waiting" and sr.deferred and r in before.requests
-                               and not before.requests[r].deferred)
+                    put_off = (sr.state == "waiting" and r in before.requests
+                               and sr.deferrals > before.requests[r].deferrals)
                     check(sr.key > top or put_off, "%s (key %s) passed over by admitted %s "
                           "(key %s)", r, sr.key, new[keys.index(top)], top)
 

@@ -125,9 +125,9 @@ pub struct Request {
     /// A step ending at `end` keeps only `end - w ..` of its new keys and overwrites slots
     /// `R * page` back, so `rewind` may only cut back to where this floor still serves.
     pub ring_floor: usize,
-    /// Admission was put off once already to share a block another request computes in
-    /// the same step (never put off twice).
-    pub admission_deferred: bool,
+    /// Steps its admission was put off to share a block another request's prefill was
+    /// computing (at most [`crate::scheduler::MAX_ADMISSION_DEFERRALS`]).
+    pub admission_deferrals: u32,
 }
 
 impl Request {
@@ -166,7 +166,7 @@ impl Request {
             priority_preemptions: 0,
             proposal: Vec::new(),
             ring_floor: 0,
-            admission_deferred: false,
+            admission_deferrals: 0,
         };
         r.init_stop_inline();
         r

@@ -73,8 +73,8 @@ const COST_KEYS: [&str; 5] = [
 ///   (it released them itself; `schedule_ahead()` pins them),
 /// * `"requests"`: {request_id: {"state": "waiting"|"prefilling"|"decoding"|"swapped",
 ///   "num_computed_tokens", "num_tokens", "num_prompt_tokens", "num_generated_tokens",
-///   "priority", "arrival", "admission_deferred" (put off once already to share a block
-///   filled in its step), "blocks": {"full_attention": [...], "sliding_attention": [...]}
+///   "priority", "arrival", "admission_deferrals" (steps its admission was put off to
+///   share a block another prefill fills), "blocks": {"full_attention": [...], "sliding_attention": [...]}
 ///   (only the types the model has), "swap_slots": [...]}} for every unfinished request.
 #[pyclass(module = "ferrobatch._core")]
 pub struct Scheduler {
@@ -506,7 +506,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
             e.set_item("num_generated_tokens", r.num_generated())?;
             e.set_item("priority", r.key.0)?;
             e.set_item("arrival", r.key.1)?;
-            e.set_item("admission_deferred", r.admission_deferred)?;
+            e.set_item("admission_deferrals", r.admission_deferrals)?;
             let blocks = PyDict::new(py);
             if self.has_full {
                 blocks.set_item("full_attention", &r.full)?;

@@ -4,17 +4,25 @@
 //! everything fits.
 //!
 //! In-batch prefix sharing: a waiting request whose first block past its prefix hits is a
-//! block that a row of this very step makes full (another request's prompt with the same
-//! prefix, admitted just before it, or a running chunked prefill) would compute that block
-//! again. It is put off instead, once (`Request::admission_deferred`), and admission goes on
-//! behind it; in the next step that block is registered and it is a hit. So many requests
-//! with a shared system prompt arriving together compute it once, not once per request,
-//! for one step of delay. `schedule_ahead()` never puts off (its blocks in flight belong to
-//! the outstanding plan too).
+//! block that a prefill placed in this very step fills, in this step or a later one of its
+//! chunks (another request's prompt with the same prefix, admitted just before it, or a
+//! running chunked prefill), would compute that block again. It is put off instead
+//! (`Request::admission_deferrals`), and admission goes on behind it; in a later step that
+//! block is registered and it is a hit. So many requests with a shared system prompt
+//! arriving together compute it once, not once per request, whether the prompt is prefilled
+//! in one step or in chunks (the step-time budget). No starvation: a request is put off only
+//! while a prefill that is placed in the same step (so progresses by at least one token)
+//! has still to fill its next block, so at most as many steps as that prefill has tokens
+//! left, and never more than [`MAX_ADMISSION_DEFERRALS`] steps in all. `schedule_ahead()`
+//! never puts off (its blocks in flight belong to the outstanding plan too).
 
 use super::budget::Budget;
 use super::placement::OnShortfall;
 use super::Scheduler;
+
+/// Most steps a request's admission is put off to share blocks (a bound beyond the one the
+/// sharing prefills' progress gives).
+pub const MAX_ADMISSION_DEFERRALS: u32 = 1024;
 
 impl Scheduler {
     /// Admit swapped and waiting requests in key order (head of line; requests put off to
@@ -123,8 +131,8 @@ impl Scheduler {
     }
 
     /// Admit a waiting request with its prefix-cache hits and place it, if one token past
-    /// them fits; with `may_put_off`, put it off instead (once) when its next block is one
-    /// this step fills (module docs).
+    /// them fits; with `may_put_off`, put it off instead when its next block is one a
+    /// prefill of this step fills, now or in a later chunk (module docs).
     pub(super) fn admit_new(&mut self, idx: u32, b: &mut Budget, may_put_off: bool) -> Admitted {
         let page = self.cfg.page_size;
         let mut hits = std::mem::take(&mut self.hits_buf);
@@ -135,7 +143,7 @@ impl Scheduler {
         let len = r.tokens.len();
         let next = hits.len();
         if may_put_off
-            && !r.admission_deferred
+            && r.admission_deferrals < MAX_ADMISSION_DEFERRALS
             && next < (len - 1) / page
             && next < r.block_hashes.len()
             && self.filling.contains(&r.block_hashes[next])
@@ -144,7 +152,7 @@ impl Scheduler {
             self.reqs[idx as usize]
                 .as_mut()
                 .expect("live")
-                .admission_deferred = true;
+                .admission_deferrals += 1;
             self.stats.deferred_admissions += 1;
             return Admitted::PutOff;
         }

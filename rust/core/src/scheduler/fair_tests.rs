@@ -193,6 +193,46 @@ fn fair_share_never_starves_a_long_prompt() {
     }
 }
 
+/// Prompts sharing a long prefix, arriving together while a stream decodes: the budget
+/// chunks the first one's prompt, and the others are put off until it has filled the shared
+/// blocks (each then takes them as hits) instead of computing them beside it.
+#[test]
+fn shared_prefixes_are_computed_once_when_the_budget_chunks_them() {
+    let mut sim = Sim::new(cfg(Some(60.0)));
+    let stream = spec("stream", prompt(20, 12), 400);
+    assert!(sim.add(&stream));
+    for _ in 0..3 {
+        step(&mut sim);
+    }
+    let shared = prompt(21, 960);
+    let mut specs = vec![stream];
+    for i in 0..4u64 {
+        let mut p = shared.clone();
+        p.extend(prompt(30 + i, 20 + i as usize));
+        let s = spec(&format!("p{i}"), p, 3);
+        assert!(sim.add(&s));
+        specs.push(s);
+    }
+    let mut computed_shared = 0usize;
+    let mut steps = 0;
+    while !(0..4).all(|i| sim.outputs.contains_key(&format!("p{i}"))) {
+        let plan = step(&mut sim).expect("a plan");
+        for i in 1..4 {
+            if let Some((start, q)) = row_of(&plan, &sim, &format!("p{i}")) {
+                let (start, end) = (start as usize, (start + q) as usize);
+                computed_shared += end.min(shared.len()).saturating_sub(start);
+            }
+        }
+        steps += 1;
+        assert!(steps < 2000, "no end in sight");
+    }
+    assert!(sim.s.stats().time_budget_steps > 0, "the budget bound");
+    assert_eq!(computed_shared, 0, "followers computed shared tokens");
+    assert_eq!(sim.s.stats().prefix_hit_tokens, 3 * 960);
+    sim.drain(10_000);
+    sim.check_outputs(&specs);
+}
+
 /// The budget only binds with `fifo`; `prefill_first` plans as without it.
 #[test]
 fn prefill_first_ignores_the_time_budget() {

@@ -79,6 +79,7 @@ mod tests;
 
 use std::collections::{BTreeMap, HashMap};
 
+pub use admission::MAX_ADMISSION_DEFERRALS;
 pub use config::{AttentionType, SchedulerConfig, SchedulerType};
 pub use cost::{Coef, CostModel, Geometry, StepShape};
 pub use spec::ngram_lookup;

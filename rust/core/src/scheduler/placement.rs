@@ -109,10 +109,11 @@ impl Scheduler {
             }
             self.emit_row(idx, start, q, need > 0 || q > 1);
             b.debit(start, q);
-            if self.collect_filling && q > 1 {
+            if self.collect_filling && (q > 1 || start + q < self.req(idx).tokens.len()) {
+                // the blocks this prefill fills in this step and its later chunks
                 let r = self.reqs[idx as usize].as_mut().expect("live");
-                self.kv
-                    .blocks_filled(r, start, start + q, &mut self.filling);
+                let len = r.tokens.len();
+                self.kv.blocks_filled(r, start, len, &mut self.filling);
             }
             return true;
         }

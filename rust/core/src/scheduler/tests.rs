@@ -1275,7 +1275,7 @@ fn a_block_filled_in_the_step_is_shared_a_step_later_not_computed_twice() {
 }
 
 #[test]
-fn a_request_is_put_off_once_at_most() {
+fn a_request_is_put_off_again_while_another_prefill_fills_its_next_block() {
     let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
     let p8: Vec<u32> = (0..8).collect();
     let q4 = [20, 21, 22, 23];
@@ -1291,7 +1291,7 @@ fn a_request_is_put_off_once_at_most() {
     assert_eq!(s.stats().deferred_admissions, 1);
     s.update(&vec![1; p.num_sampled()]).unwrap();
     // d, ahead of b by priority, fills the block after the shared 8 tokens that b needs
-    // next: b was put off once already, so it is admitted now and computes that block too
+    // next: b is put off once more, and then takes 12 tokens as hits
     let mut d = p8.clone();
     d.extend(q4);
     d.extend([300, 301]);
@@ -1299,8 +1299,14 @@ fn a_request_is_put_off_once_at_most() {
     let p = s.schedule().unwrap().unwrap().clone();
     let rows = rows_of(&s, &p);
     assert!(rows.contains(&("d".into(), 8, 6)), "{rows:?}");
-    assert!(rows.contains(&("b".into(), 8, 6)), "{rows:?}");
-    assert_eq!(s.stats().deferred_admissions, 1);
+    assert!(!rows.iter().any(|r| r.0 == "b"), "{rows:?}");
+    assert_eq!(s.stats().deferred_admissions, 2);
+    s.check_invariants().unwrap();
+    s.update(&vec![1; p.num_sampled()]).unwrap();
+    let p = s.schedule().unwrap().unwrap().clone();
+    let rows = rows_of(&s, &p);
+    assert!(rows.contains(&("b".into(), 12, 2)), "{rows:?}");
+    assert_eq!(s.stats().deferred_admissions, 2);
     s.check_invariants().unwrap();
     s.update(&vec![1; p.num_sampled()]).unwrap();
     run(&mut s, 1);
