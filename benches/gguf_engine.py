@@ -25,12 +25,12 @@ from ferrobatch.workloads import chat_prompts
 
 
 def rss_mib() -> dict[str, float]:
-    """VmRSS and its anonymous / file-backed parts, MiB."""
+    """VmRSS, its anonymous / file-backed parts and the peak (VmHWM), MiB."""
     out = {}
     with open("/proc/self/status") as status:
         for line in status:
             key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 out[key] = int(line.split()[1]) / 1024
     return out
 
@@ -74,9 +74,10 @@ def interleaved(engine: Engine, repeats: int, prompts: int) -> None:
     single = [engine.tokenizer("def fibonacci(n):").input_ids]
     batch = chat_prompts(encode, prompts)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for arm in ("lean", "own"):  # warm-up: the own layers pack their weights on first use
-        acts.lean = lean if arm == "lean" else None
+    for arm in ("lean", "own"):  # warm-up: the own layers pack their weights on first use,
+        acts.lean = lean if arm == "lean" else None  # a first large batch allocates
         timed(engine, single, 4)
+        timed(engine, batch, 4)
     for r in range(repeats):
         for arm in (("lean", "own") if r % 2 == 0 else ("own", "lean")):
             acts.lean = lean if arm == "lean" else None

@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -280,19 +280,21 @@ def _decoder_layers(model: nn.Module, count: int) -> nn.ModuleList | None:
     return None
 
 
-def few_layers(model: nn.Module, kinds: list[str] | None,
+def few_layers(model: nn.Module, kinds: Sequence[str] | Callable[[], Sequence[str]] | None,
                head_rows: int = 4096) -> contextlib.AbstractContextManager:
     """`probe_weights` for checks of how `model` computes (not of its weights): the first
     decoder layer of each attention kind in `kinds` (one entry per decoder layer: "full",
-    "sliding", ...) keeps its weights, every other decoder layer's products give their
-    biases only, the output head its first `head_rows` rows; `kinds` None: every product of
-    the model gives its bias only (its output head's too). Without `QuantLinear` layers, or
-    without a list of decoder layers of `len(kinds)`: nothing changes."""
+    "sliding", ...; or a function giving them, called only for a quantized model) keeps its
+    weights, every other decoder layer's products give their biases only, the output head
+    its first `head_rows` rows; `kinds` None: every product of the model gives its bias only
+    (its output head's too). Without `QuantLinear` layers, or without a list of decoder
+    layers of `len(kinds)`: nothing changes."""
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not quant:
         return contextlib.nullcontext()
     if kinds is None:
         return probe_weights([], quant)
+    kinds = list(kinds() if callable(kinds) else kinds)
     layers = _decoder_layers(model, len(kinds))
     if layers is None:
         return contextlib.nullcontext()

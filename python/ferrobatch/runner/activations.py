@@ -156,6 +156,36 @@ class PackedActivations:
                 return False
         return True
 
+    def _lean_holds(self, lean: LeanLayers) -> bool:
+        """On two short forwards, the lean layers' logits are within twice the own layers'
+        distance from the exact ones (both are bf16-rounded computations whose distance
+        varies from input to input by tens of percent; a lean layer that computed something
+        else would be off by the size of the logits), plus a floor: 1e-3 of the logits' norm
+        for half-precision weights, 1e-5 for fp32 ones (whose lean layers differ from the
+        model's own by fp32 rounding: 2e-7 to 1e-6 of the norm measured, tiny models to
+        SmolLM2)."""
+        assert self.linears is not None
+        floor = 1e-5 if self.linears.weight_dtype == torch.float32 else 1e-3
+        for n in (16, 33):
+            ids = self._check_ids(n)
+            try:
+                with torch.inference_mode(), eval_mode(self.model):
+                    with self.linears.active(exact=True):
+                        ref = self._logits(ids)
+                    with self.linears.active(everywhere=True), \
+                            registry.cast_attention_enabled(self._configs):
+                        own = self._logits(ids)
+                        with lean.active(everywhere=True):
+                            got = self._logits(ids)
+            except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward
+                logger.info("ferrobatch: lean decoder layers fail (%s: %s)",
+                            type(exc).__name__, exc)
+                return False
+            if not bool(torch.isfinite(got).all()) or not bool(
+                    (got - ref).norm() <= 2 * (own - ref).norm() + floor * ref.norm()):
+                return False
+        return True
+
     def _make_packed_linears(self, activations: str) -> PackedLinears | None:
         """Packed linears (`ferrobatch.runner.cpu_linear`): an fp32 model's as they are; a
         half-precision model's with fp32 activations when asked or, with "auto", when a
