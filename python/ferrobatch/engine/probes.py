@@ -54,7 +54,7 @@ class ModelProbes:
                 f"the probe forward failed with {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _probe_products(self: Engine) -> contextlib.ExitStack:
+    def _probe_products(self: Engine) -> contextlib.AbstractContextManager:
         """The products the probes run with. Quantized products (GGUF weights) run on the
         reference path: the kernels quantize activations to int8, whose roundings turn the
         paged attention's last-bit differences into errors these probes would take for a
@@ -65,10 +65,7 @@ class ModelProbes:
         sliding) keeps its weights, dequantized once, the other layers' products give their
         biases only (each layer still runs its attention, every kind on real activations),
         and the head gives its first rows' logits (`quant_modules.few_layers`)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(quant_modules.backend("reference"))
-        stack.enter_context(quant_modules.few_layers(self.model, list(self.runner.layer_types)))
-        return stack
+        return quant_modules.few_layers(self.model, list(self.runner.layer_types))
 
     def _half_precision(self: Engine) -> bool:
         """Whether the runner's products round to half precision (a bf16 / fp16 model or

@@ -287,25 +287,31 @@ def few_layers(model: nn.Module, kinds: Sequence[str] | Callable[[], Sequence[st
     "sliding", ...; or a function giving them, called only for a quantized model) keeps its
     weights, every other decoder layer's products give their biases only, the output head
     its first `head_rows` rows; `kinds` None: every product of the model gives its bias only
-    (its output head's too). Without `QuantLinear` layers, or without a list of decoder
-    layers of `len(kinds)`: nothing changes."""
+    (its output head's too). Any other product of a quantized model runs on the reference
+    path for the block (`backend("reference")`: process-wide, as the engine's probes set
+    it). Without `QuantLinear` layers nothing changes; without a list of decoder layers of
+    `len(kinds)` every product is the reference path's."""
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not quant:
         return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(backend("reference"))
     if kinds is None:
-        return probe_weights([], quant)
+        stack.enter_context(probe_weights([], quant))
+        return stack
     kinds = list(kinds() if callable(kinds) else kinds)
     layers = _decoder_layers(model, len(kinds))
     if layers is None:
-        return contextlib.nullcontext()
+        return stack
     kept = sorted({kinds.index(t) for t in kinds})
     full = [m for i in kept for m in layers[i].modules() if isinstance(m, QuantLinear)]
     real = {id(m) for m in full}
     inside = {id(m) for layer in layers for m in layer.modules()}
     zero = [m for m in quant if id(m) in inside and id(m) not in real]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return probe_weights(full, zero, head if isinstance(head, QuantLinear) else None,
-                         head_rows)
+    stack.enter_context(probe_weights(full, zero, head if isinstance(head, QuantLinear)
+                                      else None, head_rows))
+    return stack
 
 
 class QuantEmbedding(nn.Module):

@@ -138,7 +138,6 @@ class PackedActivations:
         try:
             with torch.inference_mode(), eval_mode(self.model), \
                     registry.cast_attention_enabled(self._configs), \
-                    quant_modules.backend("reference"), \
                     quant_modules.few_layers(self.model, layer_types_of(self.model)):
                 for n in (16, 33):
                     ids = self._check_ids(n)

@@ -194,7 +194,7 @@ class OutputHead:
         try:
             # (a GGUF model's products: the reference path's over a few layers' weights, as
             # the engine's probes run them; the kernels would pack every weight for it)
-            with torch.inference_mode(), eval_mode(model), quant_modules.backend("reference"), \
+            with torch.inference_mode(), eval_mode(model), \
                     quant_modules.few_layers(model, lambda: layer_types_of(model)):
                 full = model(input_ids=ids, use_cache=False).logits[0]
                 hidden = self.base(input_ids=ids, use_cache=False)[0][0]
