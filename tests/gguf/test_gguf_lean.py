@@ -82,3 +82,20 @@ def test_mixed_files_keep_the_packed_linears(gguf_file) -> None:
     take the plain layers; the lean layers need one kind of product)."""
     written, _ = gguf_file("llama", "Q4_0", types={"blk.0.attn_q.weight": "F32"})
     assert QuantLinears.of(load_gguf(written.path)[0]) is None
+
+
+def test_few_layers_keeps_one_layer_of_each_kind(gguf_file) -> None:
+    """Gemma 3 (five sliding layers, then a full one): the stand-ins keep the weights of the
+    first sliding and the first full layer, every other decoder layer's products give
+    their biases only."""
+    written, _ = gguf_file("gemma3", "Q8_0")
+    model = load_gguf(written.path)[0]
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    layers = model.model.layers
+    with modules.few_layers(model, kinds):
+        for i, layer in enumerate(layers):
+            for m in layer.modules():
+                if isinstance(m, QuantLinear):
+                    stand_in = modules._probe_weights[id(m)]
+                    assert stand_in.rows == (m.out_features if i in (0, 5) else 0), (i, m)
+    assert not modules.probing()
