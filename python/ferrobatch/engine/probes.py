@@ -228,4 +228,3 @@ class ModelProbes:
                 "from the whole forward (the batch, the step's length or the cache) that "
                 "ferrobatch does not make per request"
             )
-

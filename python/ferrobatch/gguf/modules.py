@@ -379,7 +379,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def prepare_for_serving(model: nn.Module, stacked: list[QuantLinear] | tuple = ()) -> int:
+def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -> int:
     """Pack every `QuantLinear`'s rows for the kernels now (when the kernels run them), then
     let the kernel reclaim the GGUF rows' pages (views of the file's memory map, read again
     from the file where the reference path or an embedding lookup needs them): the process
