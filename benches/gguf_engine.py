@@ -4,6 +4,9 @@ throughput (32 chat prompts x 64 tokens), greedy, EOS ignored; tokens per wall s
 per CPU-second.
 
     taskset -c 1 .venv/bin/python benches/gguf_engine.py model.gguf --threads 1
+    .venv/bin/python benches/gguf_engine.py model.gguf --ab 3    # lean layers vs own, A/B
+    .venv/bin/python benches/gguf_engine.py model.gguf --construct   # one line; run it
+                                                                     # against another tree
 
 The file's read bandwidth limit for single-stream decode is (bytes of the matrices read per
 token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandwidth.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import time
 
 import torch
@@ -21,12 +25,12 @@ from ferrobatch.workloads import chat_prompts
 
 
 def rss_mib() -> dict[str, float]:
-    """VmRSS and its anonymous / file-backed parts, MiB."""
+    """VmRSS, its anonymous / file-backed parts and the peak (VmHWM), MiB."""
     out = {}
     with open("/proc/self/status") as status:
         for line in status:
             key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 out[key] = int(line.split()[1]) / 1024
     return out
 
@@ -40,13 +44,76 @@ def timed(engine: Engine, prompts: list[list[int]], n: int) -> tuple[int, float,
     return sum(len(o.token_ids) for o in outs), wall, cpu
 
 
+def construct(path: str) -> None:
+    """Construction, the first token of a chat prompt, RSS after both (one line)."""
+    start = time.perf_counter()
+    engine = Engine(path)
+    built = time.perf_counter() - start
+    rss = rss_mib()
+    question = [{"role": "user", "content": "What is the capital of France? One sentence."}]
+    engine.chat([question], SamplingParams(max_new_tokens=1), progress=False)
+    first = time.perf_counter() - start
+    print(f"construction {built:.1f} s, first token at {first:.1f} s; RSS after construction "
+          + ", ".join(f"{k} {v:.0f} MiB" for k, v in rss.items()))
+    engine.close()
+
+
+def interleaved(engine: Engine, repeats: int, prompts: int) -> None:
+    """The decoder layers lean over the quantized products ("lean", the default) against the
+    model's own layers on the same engine ("own": `runner.activations.lean` off, each
+    `QuantLinear` on its own, transformers' layers), alternated, medians of `repeats`."""
+    acts = engine.runner.activations
+    lean = acts.lean
+    if lean is None:
+        raise SystemExit("this model's layers do not run lean; nothing to compare")
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+
+    single = [engine.tokenizer("def fibonacci(n):").input_ids]
+    batch = chat_prompts(encode, prompts)
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for arm in ("lean", "own"):  # warm-up: the own layers pack their weights on first use,
+        acts.lean = lean if arm == "lean" else None  # a first large batch allocates
+        timed(engine, single, 4)
+        timed(engine, batch, 4)
+    for r in range(repeats):
+        for arm in (("lean", "own") if r % 2 == 0 else ("own", "lean")):
+            acts.lean = lean if arm == "lean" else None
+            for what, ps, n in (("single stream x 128", single, 128),
+                                (f"{prompts} x 64", batch, 64)):
+                got, wall, cpu = timed(engine, ps, n)
+                results.setdefault((what, arm), []).append((got / wall, got / cpu))
+                print(f"  run {r} {arm:4} {what}: {got / wall:.2f} tok/s, "
+                      f"{got / cpu:.2f} tok per CPU-s", flush=True)
+    acts.lean = lean
+    for (what, arm), runs in results.items():
+        print(f"{what:22} {arm:4}: median {statistics.median(w for w, _ in runs):.2f} tok/s "
+              f"wall, {statistics.median(c for _, c in runs):.2f} tok per CPU-s "
+              f"({len(runs)} runs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a .gguf file")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--construct", action="store_true",
+                        help="only construction, first token and RSS (one line)")
+    parser.add_argument("--ab", type=int, default=0, metavar="REPEATS",
+                        help="lean layers against the model's own, interleaved, medians of "
+                             "REPEATS runs (single stream and offline)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.construct:
+        construct(args.model)
+        return
+    if args.ab:
+        engine = Engine(args.model)
+        interleaved(engine, args.ab, args.prompts)
+        engine.close()
+        return
 
     start = time.perf_counter()
     engine = Engine(args.model)

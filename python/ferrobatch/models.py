@@ -29,6 +29,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
+from ferrobatch.gguf import modules as quant_modules  # noqa: E402
 from ferrobatch.gguf import source  # noqa: E402
 from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
 from ferrobatch.model_dtype import (  # noqa: E402
@@ -204,7 +205,9 @@ def _record_layout(model: PreTrainedModel, declared: AttentionLayout) -> Attenti
         for cfg, _ in saved:
             cfg._attn_implementation_internal = _LAYOUT_NAME
         model.eval()
-        with torch.inference_mode():
+        # (quantized products give their biases only: the recording reads the attention
+        # calls, not the values, and a GGUF model's products would pack every weight)
+        with torch.inference_mode(), quant_modules.few_layers(model, None):
             model(input_ids=ids, use_cache=False)
     except Exception as exc:  # noqa: BLE001 - the probe reports what fails later
         logger.info("ferrobatch: attention layout not recorded (%s: %s); using the config's",

@@ -1,7 +1,7 @@
 """GGUF models through the engine: greedy `Engine.generate` equal to the loaded model's own
-`model.generate`, the runner's fast paths (packed oneDNN linears, lean and fused layers,
-greedy head) left to plain `nn.Linear` layers, `Engine(dir)`, `chat`, tensor parallelism
-refused, and the CLI."""
+`model.generate`, Llama-style layers run lean over the quantized products (and the packed
+oneDNN linears left to plain `nn.Linear` layers), `Engine(dir)`, `chat`, tensor
+parallelism refused, and the CLI."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
+from ferrobatch.runner import lean_layers, quant_linears
 
 CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16)
 PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
@@ -30,6 +31,10 @@ def _check_parity(engine: Engine, n: int = 10) -> None:
         assert out.token_ids == _own_greedy(engine.model, prompt, n), prompt
 
 
+#: architectures whose decoder layers the lean layers run (`lean_layers.LAYER_CLASSES`)
+LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
 @pytest.mark.parametrize(("arch", "qtype"), [
     ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q4_0"), ("mistral", "Q8_0"),
     ("gemma2", "Q5_K"), ("gemma3", "Q4_1"), ("phi3", "Q4_K"), ("gpt2", "Q6_K"),
@@ -38,11 +43,66 @@ def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     written, _ = gguf_file(arch, qtype)
     with Engine(str(written.path), config=CONFIG) as engine:
         assert isinstance(engine.model.get_output_embeddings(), QuantLinear)
-        runner = engine.runner
-        # a fully quantized model: no plain nn.Linear for any fast path to take
-        assert runner.activations.linears is None and runner.activations.lean is None
-        assert runner.head.greedy is None and not runner.fast_greedy
+        acts = engine.runner.activations
+        # a fully quantized model: no plain nn.Linear for the packed linears; Llama-style
+        # layers run lean over the quantized products, the others as the model's own
+        assert acts.linears is None
+        lean = arch in LEAN_ARCHS
+        assert (acts.lean is not None) == lean and (acts.quant is not None) == lean
+        assert engine.runner.head.greedy is None and not engine.runner.fast_greedy
         _check_parity(engine)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """Count calls of `cls.name` (wrapped, still called)."""
+    calls = [0]
+    own = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.kernel_products
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen2", "Q4_K"), ("llama", "Q6_K")])
+def test_quantized_steps_take_the_lean_path(gguf_file, monkeypatch, arch: str,
+                                            qtype: str) -> None:
+    """On the kernels, a GGUF model's steps run its decoder layers lean: every layer's
+    products are stacked `QuantProduct`s (q/k/v and gate/up one call each), the model's own
+    decoder layer forward and its `QuantLinear` layers' forwards never run inside a step
+    but for the head; with the path turned off (`FERROBATCH_QUANT_LEAN=0`) the same tokens
+    come from the model's own layers."""
+    written, _ = gguf_file(arch, qtype)
+    params = SamplingParams(max_new_tokens=6)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        quant = engine.runner.activations.quant
+        assert engine.runner.activations.lean is not None and quant is not None
+        layers = engine.runner.activations.lean.num_layers
+        assert quant.num_groups == 2 * layers  # q/k/v and gate/up of every layer
+        lean_calls = [0]
+        lean_forward = lean_layers._lean_forward
+
+        def counted_lean(*args, **kwargs):
+            lean_calls[0] += 1
+            return lean_forward(*args, **kwargs)
+
+        monkeypatch.setattr(lean_layers, "_lean_forward", counted_lean)
+        own_linear = _count_calls(monkeypatch, QuantLinear, "forward")
+        products = _count_calls(monkeypatch, quant_linears.QuantProduct, "__call__")
+        fast = engine.generate(PROMPTS, params, progress=False)
+        forwards = lean_calls[0] // layers
+        assert forwards > 0 and lean_calls[0] == forwards * layers
+        assert products[0] == 4 * lean_calls[0]  # q/k/v, o, gate/up, down
+        assert own_linear[0] == forwards  # only the head, once a forward
+    monkeypatch.setenv("FERROBATCH_QUANT_LEAN", "0")
+    with Engine(str(written.path), config=CONFIG) as engine:
+        assert engine.runner.activations.lean is None
+        assert engine.runner.activations.quant is None
+        slow = engine.generate(PROMPTS, params, progress=False)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
 
 
 def test_mixed_model_packs_only_plain_linears(gguf_file) -> None:

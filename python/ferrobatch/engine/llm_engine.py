@@ -192,7 +192,8 @@ class Engine(ModelProbes):
             self.runner.close()
             raise
         # GGUF weights: packed for the kernels once, the file's pages of them given back
-        quant_modules.prepare_for_serving(self.model)
+        quant_modules.prepare_for_serving(self.model,
+                                          self.runner.activations.stacked_quant_layers())
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
             self.runner = tp_setup.attach(self.runner, self.tp, self._tp_failed)
         self.sampler = Sampler(self.device, seed=seed)

@@ -3,6 +3,7 @@ and a packed step against each request alone (`ModelProbes._probe_model`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -42,10 +43,7 @@ class ModelProbes:
         self.probe_packed_error: float | None = None
         try:
             # another engine on the same model must not switch its attention meanwhile
-            # quantized products (GGUF weights) on the reference path: the kernels quantize
-            # activations to int8, whose roundings turn the paged attention's last-bit
-            # differences into errors these probes would take for a missing feature
-            with model_lock(self.model), quant_modules.backend("reference"):
+            with model_lock(self.model), self._probe_products():
                 self._probe_own_forward()
                 self._probe_packed()
         except NotImplementedError:
@@ -55,6 +53,19 @@ class ModelProbes:
                 f"{type(self.model).__name__} cannot run through ferrobatch's paged attention: "
                 f"the probe forward failed with {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _probe_products(self: Engine) -> contextlib.AbstractContextManager:
+        """The products the probes run with. Quantized products (GGUF weights) run on the
+        reference path: the kernels quantize activations to int8, whose roundings turn the
+        paged attention's last-bit differences into errors these probes would take for a
+        missing feature. The probes check how the model computes attention and whether a
+        row depends on its batch, which its weights do not decide, but each reference
+        product dequantizes its weight (about 1.5 s a forward of a 1.5B model, 28 forwards
+        here): so one decoder layer of each attention kind (`runner.layer_types`: full,
+        sliding) keeps its weights, dequantized once, the other layers' products give their
+        biases only (each layer still runs its attention, every kind on real activations),
+        and the head gives its first rows' logits (`quant_modules.few_layers`)."""
+        return quant_modules.few_layers(self.model, list(self.runner.layer_types))
 
     def _half_precision(self: Engine) -> bool:
         """Whether the runner's products round to half precision (a bf16 / fp16 model or

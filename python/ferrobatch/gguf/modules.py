@@ -18,6 +18,7 @@ The kernel contract (what `QuantLinear` calls, `kernel_ops()`; `QuantWeight` is
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -26,7 +27,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,8 +39,8 @@ from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
-           "kernel_ops", "prepare_for_serving", "quant_dequantize", "quant_linear",
-           "set_backend"]
+           "few_layers", "kernel_ops", "kernels_run", "packed_weight", "prepare_for_serving",
+           "probe_weights", "probing", "quant_dequantize", "quant_linear", "set_backend"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -106,6 +107,11 @@ class _Kernels:
                     weakref.finalize(weight.data, self._packed.pop, key, None)
         return found
 
+    def release(self, weight: QuantWeight) -> None:
+        """Drop `weight`'s packed copy (made again at its next product)."""
+        with self._lock:
+            self._packed.pop(id(weight.data), None)
+
     def linear(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         return quant_ops.linear(x, self.packed(weight))
 
@@ -135,6 +141,22 @@ def _kernel_for(qtype: str) -> Any:
         raise RuntimeError(f"quantized backend 'kernel' asked for, but ferrobatch.cpu.quant_ops "
                            f"{'does not run ' + qtype if ops is not None else 'is not available'}")
     return None
+
+
+def kernels_run(qtype: str) -> bool:
+    """Whether products of `qtype` run on the kernels under the current backend."""
+    return _kernel_for(qtype) is not None
+
+
+def probing() -> bool:
+    """Whether `probe_weights` stand-ins are active."""
+    return bool(_probe_weights)
+
+
+def packed_weight(weight: QuantWeight) -> quant_ops.PackedWeight:
+    """`weight` packed for `quant_ops.linear`: the copy its `QuantLinear` products use (made
+    once, at the first use)."""
+    return _KERNELS.packed(weight)
 
 
 def _dequantized(weight: QuantWeight) -> torch.Tensor:
@@ -189,15 +211,107 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
-        out = quant_linear(flat, self.weight_q)
+        out = self.product(flat)
         if self.bias is not None:
             out = out + self.bias.to(torch.float32)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 `x` [m, k] (C-contiguous) @ the weight.T, no bias: what `forward` adds the
+        bias to (`probe_weights`' stand-in while one is active)."""
+        probe = _probe_weights.get(id(self)) if _probe_weights else None
+        return quant_linear(x, self.weight_q) if probe is None else probe(x)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype}, bias={self.bias is not None}")
+
+
+#: `probe_weights`' stand-ins while it is active: id(QuantLinear) -> its product
+_probe_weights: dict[int, Any] = {}
+
+
+class _ProbeProduct:
+    """A stand-in product of `probe_weights`: fp32 `x` @ the first `rows` rows of the
+    weight, dequantized once (None: no rows), every other output 0."""
+
+    def __init__(self, weight: QuantWeight, rows: int) -> None:
+        self.n = weight.n
+        self.rows = min(rows, weight.n)
+        self.w = _dequantized(weight.slice_rows(0, self.rows)) if self.rows else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w is not None and self.rows == self.n:
+            return F.linear(x, self.w)
+        out = torch.zeros(x.shape[0], self.n, dtype=torch.float32)
+        if self.w is not None:
+            out[:, :self.rows] = F.linear(x, self.w)
+        return out
+
+
+@contextmanager
+def probe_weights(full: list[QuantLinear], zero: list[QuantLinear],
+                  head: QuantLinear | None = None, head_rows: int = 4096) -> Iterator[None]:
+    """For checks of how a model computes rather than of its weights (the engine's
+    construction probes): inside the block the `full` layers multiply by their weights
+    dequantized once (the reference path's products without dequantizing at every call),
+    the `zero` layers by zeros (their outputs are their biases), and `head` by its first
+    `head_rows` rows (its other outputs 0). Other layers are unchanged. Not reentrant."""
+    made = {id(m): _ProbeProduct(m.weight_q, m.out_features) for m in full}
+    made.update({id(m): _ProbeProduct(m.weight_q, 0) for m in zero})
+    if head is not None:
+        made[id(head)] = _ProbeProduct(head.weight_q, head_rows)
+    _probe_weights.update(made)
+    try:
+        yield
+    finally:
+        for key in made:
+            _probe_weights.pop(key, None)
+
+
+def _decoder_layers(model: nn.Module, count: int) -> nn.ModuleList | None:
+    """The model's list of `count` decoder layers (the first `ModuleList` of that length
+    whose every member holds a `QuantLinear`), or None."""
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) == count and all(
+                any(isinstance(x, QuantLinear) for x in layer.modules()) for layer in m):
+            return m
+    return None
+
+
+def few_layers(model: nn.Module, kinds: Sequence[str] | Callable[[], Sequence[str]] | None,
+               head_rows: int = 4096) -> contextlib.AbstractContextManager:
+    """`probe_weights` for checks of how `model` computes (not of its weights): the first
+    decoder layer of each attention kind in `kinds` (one entry per decoder layer: "full",
+    "sliding", ...; or a function giving them, called only for a quantized model) keeps its
+    weights, every other decoder layer's products give their biases only, the output head
+    its first `head_rows` rows; `kinds` None: every product of the model gives its bias only
+    (its output head's too). Any other product of a quantized model runs on the reference
+    path for the block (`backend("reference")`: process-wide, as the engine's probes set
+    it). Without `QuantLinear` layers nothing changes; without a list of decoder layers of
+    `len(kinds)` every product is the reference path's."""
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not quant:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(backend("reference"))
+    if kinds is None:
+        stack.enter_context(probe_weights([], quant))
+        return stack
+    kinds = list(kinds() if callable(kinds) else kinds)
+    layers = _decoder_layers(model, len(kinds))
+    if layers is None:
+        return stack
+    kept = sorted({kinds.index(t) for t in kinds})
+    full = [m for i in kept for m in layers[i].modules() if isinstance(m, QuantLinear)]
+    real = {id(m) for m in full}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    zero = [m for m in quant if id(m) in inside and id(m) not in real]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    stack.enter_context(probe_weights(full, zero, head if isinstance(head, QuantLinear)
+                                      else None, head_rows))
+    return stack
 
 
 class QuantEmbedding(nn.Module):
@@ -265,14 +379,22 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def prepare_for_serving(model: nn.Module) -> int:
+def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -> int:
     """Pack every `QuantLinear`'s rows for the kernels now (when the kernels run them), then
     let the kernel reclaim the GGUF rows' pages (views of the file's memory map, read again
     from the file where the reference path or an embedding lookup needs them): the process
-    keeps one copy of each matrix, the packed one. Returns the number of matrices packed."""
+    keeps one copy of each matrix, the packed one. The `stacked` layers (whose products the
+    runner's lean layers run stacked, from copies of their own) are not packed, and a copy
+    made for them by an earlier forward is dropped (made again if their own forward runs).
+    Returns the number of matrices packed."""
+    skip = {id(m) for m in stacked}
     packed = 0
     for module in model.modules():
-        if isinstance(module, QuantLinear) and _kernel_for(module.qtype) is not None:
+        if not isinstance(module, QuantLinear):
+            continue
+        if id(module) in skip:
+            _KERNELS.release(module.weight_q)
+        elif _kernel_for(module.qtype) is not None:
             _KERNELS.packed(module.weight_q)
             packed += 1
     if sys.platform.startswith("linux"):

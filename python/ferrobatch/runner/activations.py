@@ -13,11 +13,14 @@ import torch
 
 from ferrobatch.attention import context, registry
 from ferrobatch.errors import FieldError
+from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.model_config import text_config
+from ferrobatch.models import layer_types_of
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.patches import eval_mode
+from ferrobatch.runner.quant_linears import QuantLinears
 
 logger = logging.getLogger("ferrobatch")
 
@@ -26,8 +29,10 @@ __all__ = ["PackedActivations"]
 
 class PackedActivations:
     """The runner's packed linears (`linears`: a bf16 / fp16 / fp32 CPU model's; None
-    otherwise) and lean decoder layers (`lean`, None where they don't apply), both made and
-    checked once at construction; `active()` puts them in place for a forward."""
+    otherwise), a GGUF model's quantized products for the lean layers (`quant`:
+    `ferrobatch.runner.quant_linears`, where the model has no plain linears) and lean
+    decoder layers (`lean`, over either; None where they don't apply), made and checked
+    once at construction; `active()` puts them in place for a forward."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  kv_dtype: torch.dtype, vocab_size: int, configs: list,
@@ -50,6 +55,7 @@ class PackedActivations:
         self._configs = configs
         self._invariant = batch_invariant
         self.linears: PackedLinears | None = None
+        self.quant: QuantLinears | None = None
         self.lean: LeanLayers | None = None
         #: forwards run the model's own decoder layers even where lean ones exist (a step
         #: with LoRA adapter rows: their hooks need each linear layer called as a module)
@@ -59,7 +65,11 @@ class PackedActivations:
                 "float32" if batch_invariant else activations)
             if batch_invariant:
                 self._check_invariant()
+            if self.linears is None and lean_layers:
+                self.quant = QuantLinears.of(model)
             self.lean = self._make_lean_layers(lean_layers)
+            if self.lean is None:
+                self.quant = None
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -74,13 +84,19 @@ class PackedActivations:
     @contextmanager
     def active(self) -> Iterator[None]:
         """The packed linears, and the lean decoder layers when there are, for a forward."""
-        if self.linears is None:
+        products = self.linears if self.linears is not None else self.quant
+        if products is None:
             yield
             return
         use_lean = self.lean is not None and not self.lean_off
         lean = self.lean.active() if use_lean else nullcontext()  # type: ignore[union-attr]
-        with self.linears.active(), lean:
+        with products.active(), lean:
             yield
+
+    def stacked_quant_layers(self) -> list[torch.nn.Module]:
+        """The `QuantLinear` layers the lean layers run stacked (`QuantLinears`), whose own
+        packed copies a served model does not need."""
+        return [] if self.quant is None or self.lean is None else self.quant.stacked_layers()
 
     def close(self) -> None:
         self.lean = None
@@ -89,16 +105,55 @@ class PackedActivations:
         """The lean decoder layers (`ferrobatch.runner.lean_layers`) when asked, they apply,
         and `_lean_holds` (forwards with them are about as close to the exact computation
         as the model's own forward on the same packed weights)."""
-        layers = LeanLayers.of(self.model, self.linears, context.in_ferrobatch_forward,
+        products = self.linears if self.linears is not None else self.quant
+        layers = LeanLayers.of(self.model, products, context.in_ferrobatch_forward,
                                self._kv_dtype) if lean else None
         if layers is None:
             return None
-        if not self._lean_holds(layers):
+        holds = self._quant_lean_holds(layers) if products is self.quant \
+            else self._lean_holds(layers)
+        if not holds:
             logger.info("ferrobatch: lean decoder layers are further from the exact forward "
                         "than the model's own; not used")
             return None
         logger.info("ferrobatch: %d decoder layers run lean (fused kernels)", layers.num_layers)
+        if self.quant is not None:
+            self.quant.prepack()
+            logger.info("ferrobatch: %d quantized linear layers in %d stacked groups "
+                        "(%.0f MiB of stacked copies)", self.quant.num_layers,
+                        self.quant.num_groups, self.quant.packed_bytes / 2**20)
         return layers
+
+    def _quant_lean_holds(self, lean: LeanLayers) -> bool:
+        """A GGUF model's lean layers (`QuantLinears` products) against its own layers on
+        two short forwards of the same products: the reference path's, on the first
+        decoder layer of each attention kind with its weights (dequantized once), the other
+        layers' products giving their biases only (`quant_modules.few_layers`: a lean layer
+        computes the same whatever its weights, and the reference products are exact
+        where the kernels' int8 activations would turn fp32 rounding differences into
+        rounding steps). Each product is the layer's own `QuantLinear` one (stacked
+        products are bit for bit their members', tested), so the lean layers must agree
+        to fp32 rounding: within 1e-5 of the logits' norm, as an fp32 model's."""
+        pairs = []
+        try:
+            with torch.inference_mode(), eval_mode(self.model), \
+                    registry.cast_attention_enabled(self._configs), \
+                    quant_modules.few_layers(self.model, layer_types_of(self.model)):
+                for n in (16, 33):
+                    ids = self._check_ids(n)
+                    own = self._logits(ids)
+                    with lean.active(everywhere=True):
+                        pairs.append((own, self._logits(ids)))
+        except Exception as exc:  # noqa: BLE001 - a layer that can't: its own forward
+            logger.info("ferrobatch: lean decoder layers fail (%s: %s)", type(exc).__name__, exc)
+            return False
+        for own, got in pairs:
+            if not bool(torch.isfinite(got).all()) or not bool(
+                    (got - own).norm() <= 1e-5 * own.norm()):
+                logger.info("ferrobatch: lean decoder layers differ from the model's own by "
+                            "%.2g of the logits' norm", float((got - own).norm() / own.norm()))
+                return False
+        return True
 
     def _lean_holds(self, lean: LeanLayers) -> bool:
         """On two short forwards, the lean layers' logits are within twice the own layers'

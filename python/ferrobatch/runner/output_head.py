@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ferrobatch.cpu import f32_ops, onednn
+from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.model_config import text_config
+from ferrobatch.models import layer_types_of
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.runner.linear_policy import Backend
@@ -190,7 +192,10 @@ class OutputHead:
             return False
         ids = torch.arange(3, 9, device=self._device).unsqueeze(0) % self._vocab_size
         try:
-            with torch.inference_mode(), eval_mode(model):
+            # (a GGUF model's products: the reference path's over a few layers' weights, as
+            # the engine's probes run them; the kernels would pack every weight for it)
+            with torch.inference_mode(), eval_mode(model), \
+                    quant_modules.few_layers(model, lambda: layer_types_of(model)):
                 full = model(input_ids=ids, use_cache=False).logits[0]
                 hidden = self.base(input_ids=ids, use_cache=False)[0][0]
                 split = self.logits(hidden)
