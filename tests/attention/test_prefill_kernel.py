@@ -70,11 +70,11 @@ def test_full_attention_prompt_rows_match_sdpa_and_the_decode_kernel(page, dtype
                        "full_attention", None, page, dtype, "auto", seed=page)
     # decode kernel: the same fp32 math over the same stored keys, in another order
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # (bf16 outputs: one rounding apart)
-    for a, b in zip(outs["kernel"], outs["decode"]):
+    for a, b in zip(outs["kernel"], outs["decode"], strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
     # SDPA: attention in the cache dtype, the step's new keys from the forward
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for a, b in zip(outs["kernel"], outs["sdpa"]):
+    for a, b in zip(outs["kernel"], outs["sdpa"], strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
@@ -82,7 +82,7 @@ def test_int8_cache_prompt_rows_match_the_decode_kernel():
     """Both kernels read the int8 keys and values (this step's too) in place."""
     outs = _run_routes({"kernel": KERNEL, "decode": DECODE_ROWS}, "full_attention", None, 8,
                        torch.float32, "int8", seed=3)
-    for a, b in zip(outs["kernel"], outs["decode"]):
+    for a, b in zip(outs["kernel"], outs["decode"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -92,7 +92,7 @@ def test_sliding_prompt_rows_match_sdpa(window, page):
     SDPA's."""
     outs = _run_routes({"kernel": KERNEL, "sdpa": SDPA}, "sliding_attention", window, page,
                        torch.float32, "auto", seed=window)
-    for a, b in zip(outs["kernel"], outs["sdpa"]):
+    for a, b in zip(outs["kernel"], outs["sdpa"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

@@ -109,10 +109,10 @@ def build_step(
     and (with `prefill_kernel`) multi-token rows by the tiled CPU prefill kernel: every
     full-attention row, and each sliding row of at most `w` tokens whose span of keys
     (`min(seqlens_k, q + w - 1)`) fits the ring (`R * page`; else this step's write drops
-    or overwrites keys its first tokens need, and the row keeps SDPA). With `invariant` (batch-invariant mode, with
-    `decode_kernel`), every row of a full-attention type goes to the decode kernel whatever
-    its length: each token is then attended alone, in key order, as it would be in any
-    other step.
+    or overwrites keys its first tokens need, and the row keeps SDPA). With `invariant`
+    (batch-invariant mode, with `decode_kernel`), every row of a full-attention type goes to
+    the decode kernel whatever its length: each token is then attended alone, in key order,
+    as it would be in any other step.
     """
     page = cache.page_size
     device = cache.device
@@ -271,8 +271,8 @@ def _kernel_rows(decode_rows: np.ndarray, short: np.ndarray, cu: np.ndarray,
                  seqlens: np.ndarray, table: np.ndarray, w: int, page: int,
                  num_tokens: int, to_long: Any, typ: str) -> _KernelDecode:
     """The decode kernel's rows: each single-token row, and each token of the `short`
-    multi-token rows (token `i` of row `r` sees the row's first `seqlens[r] - qlen[r] + i + 1` keys),
-    in token order."""
+    multi-token rows (token `i` of row `r` sees the row's first `seqlens[r] - qlen[r] + i +
+    1` keys), in token order."""
     rows = np.sort(np.concatenate([decode_rows, short]))
     q = np.diff(cu)[rows]
     tokens = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows]) if len(short) \

@@ -5,22 +5,26 @@
 //! cu_seqlens_q[r]` query tokens at positions `s .. s + q_len`, `s = seqlens[r] - q_len`;
 //! all its keys (the cached ones and this step's, written by the caller first) are in the
 //! cache. The query at position `p` sees positions `0 ..= p` (full attention) or
-//! `p + 1 - w ..= p` (sliding window `w`: the ring must hold every position the chunk needs,
-//! `min(seqlens[r], q_len + w - 1) <= width * page`, checked).
+//! `p + 1 - w ..= p` (sliding window `w`). With a ring, every position the chunk needs must
+//! still be there: `min(seqlens[r], q_len + w - 1) <= width * page` is checked (the core
+//! also drops a step's new keys below its last `w`, so its callers send rows of at most `w`
+//! tokens).
 //!
 //! Work is split into tiles: a tile is up to [`TILE_ROWS`] query rows (a few consecutive
 //! query tokens times the query heads sharing one KV head) against the tile's keys in
 //! blocks of [`KEYS`]. A block of keys and values is widened to fp32 once (bf16 / fp16
-//! exactly, int8 dequantized) and reused by every row of the tile: scores are a small
-//! GEMM (queries times the transposed key block, 4 rows by `KEYS` lanes in registers), the
-//! softmax is online (running max and sum per row, fp32), the weighted values another
-//! small GEMM (4 rows by 32 output lanes in registers). The output is rounded once. Tiles
-//! (row, KV head, query tokens) are split between the threads of the kernel pool
-//! ([`crate::parallel`]), never the keys of one tile.
+//! exactly, int8 dequantized) and reused by every row of the tile: the scores are a small
+//! GEMM, the softmax is online (running max and sum per row, fp32), the weighted values
+//! another small GEMM; the output is rounded once. Blocks start at the first position the
+//! tile's first token sees, so (full attention) a query's keys are summed in the same
+//! blocks whatever chunk of its prompt it came in. Tiles (row, KV head, query tokens) are
+//! split between the threads of the kernel pool ([`crate::parallel`]), never the keys of
+//! one tile.
 //!
-//! The loops are plain Rust written for the compiler's vectorizer: compiled once with
-//! AVX-512F + FMA and once with AVX2 + FMA (fused multiply-adds), chosen at run time, and
-//! once without (separate multiply and add). The paths differ only in fp32 rounding.
+//! Paths, chosen per call by runtime CPU detection: head sizes that are a multiple of 16 on
+//! AVX-512F take the `avx512` module (register-blocked products, softmax 16 rows per
+//! register); everything else the same loops in plain Rust (compiled for AVX-512F / AVX2
+//! where the CPU has them). They differ only in the order of fp32 additions.
 
 use std::sync::Mutex;
 
