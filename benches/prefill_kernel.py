@@ -4,7 +4,7 @@ attention of one chunk (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head siz
 per query token; the gather of the cached keys + SDPA with an additive mask (the path of
 `forward.paged_attention_forward` for a prompt row). Chunks of 64 / 256 / 512 tokens at
 0 / 1k / 2k / 4k cached keys, fp32 and bf16; the routes interleaved, medians of 5 calls in
-milliseconds per call.
+milliseconds per call; the kernels' threads on torch's OpenMP team, as in an engine.
 
     python benches/prefill_kernel.py 1            # threads
 """
@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from ferrobatch import _core  # noqa: E402
 from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view  # noqa: E402
+from ferrobatch.cpu.threads import share_torch_openmp  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 
@@ -85,6 +86,7 @@ ROUTES = {"prefill kernel": prefill_kernel, "decode kernel": decode_kernel,
 def main() -> None:
     threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     torch.set_num_threads(threads)
+    share_torch_openmp()  # the kernels' threads on torch's OpenMP team, as in an engine
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                 if ln.startswith("model name")), "?")
     print(f"# {cpu}, torch.set_num_threads({threads}); ms per call, median of 5")
