@@ -12,10 +12,13 @@ the short request's TTFT, and the long prompt's TTFT. `--alone` also times the l
 with nothing else running (the budget does not bind then: a request alone prefills in
 `max_batch_tokens` chunks). Configurations are interleaved trial by trial; medians over
 `--repeats` are printed as JSON lines and a table, with the CPU and the thread count.
+`--routes kernel,sdpa` also interleaves the attention route of prompt rows: the tiled CPU
+prefill kernel (default) or gather + SDPA (`ModelRunner.prefill_kernel = False`).
 
     python benches/long_prompt_stall.py                                 # 250 ms vs off
     python benches/long_prompt_stall.py --budgets 150,250,500,off --repeats 3
     python benches/long_prompt_stall.py --model /path/to/q4_k_m.gguf --long 3000
+    python benches/long_prompt_stall.py --budgets 500,off --alone --routes kernel,sdpa
 """
 
 from __future__ import annotations
@@ -83,10 +86,12 @@ class Stream(threading.Thread):
         return self.stamps[0] - self.submitted if self.stamps else None
 
 
-def trial(args: argparse.Namespace, budget: float | None, prompts: list[list[int]]) -> dict:
-    """One trial (see the module docs) with `max_step_ms=budget`."""
+def trial(args: argparse.Namespace, budget: float | None, prompts: list[list[int]],
+          route: str = "kernel") -> dict:
+    """One trial (see the module docs) with `max_step_ms=budget`, prompt rows on `route`."""
     cfg = ContinuousBatchingConfig(max_step_ms=budget, num_blocks=args.num_blocks)
     engine = Engine(args.model, config=cfg, dtype=args.dtype)
+    engine.runner.prefill_kernel = route == "kernel"
     try:
         vocab = engine.runner.vocab_size
         gen = torch.Generator().manual_seed(7)
@@ -96,7 +101,7 @@ def trial(args: argparse.Namespace, budget: float | None, prompts: list[list[int
             for _ in range(2)
         )
         engine.generate([prompts[0]], max_new_tokens=4, progress=False)  # warm the kernels
-        out: dict[str, Any] = {"max_step_ms": budget}
+        out: dict[str, Any] = {"max_step_ms": budget, "route": route}
         if args.alone:
             t0 = time.perf_counter()
             engine.generate([alone_prompt], max_new_tokens=1, progress=False)
@@ -155,7 +160,12 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--alone", action="store_true", help="also time the long prompt alone")
+    p.add_argument("--routes", default="kernel",
+                   help="prompt rows' attention: kernel (prefill kernel), sdpa (gather + SDPA)")
     args = p.parse_args()
+    routes = args.routes.split(",")
+    if not set(routes) <= {"kernel", "sdpa"}:
+        p.error("--routes: kernel and/or sdpa")
     torch.set_num_threads(args.threads)
     budgets = [None if b == "off" else float(b) for b in args.budgets.split(",")]
     engine_tok = Engine(args.model, config=ContinuousBatchingConfig(num_blocks=64))
@@ -170,16 +180,17 @@ def main() -> None:
     print(f"# CPU: {cpu_name()}; torch threads: {args.threads}; long prompt {args.long} "
           f"tokens, {args.streams} stream(s), short request {args.short_after}s later",
           flush=True)  # fmt: skip
-    results: dict[str, list[dict]] = {str(b): [] for b in budgets}
+    results: dict[str, list[dict]] = {f"{b} {r}": [] for b in budgets for r in routes}
     for rep in range(args.repeats):
         for b in budgets:
-            r = trial(args, b, prompts)
-            r["repeat"] = rep
-            print(json.dumps(r), flush=True)
-            results[str(b)].append(r)
+            for route in routes:
+                r = trial(args, b, prompts, route)
+                r["repeat"] = rep
+                print(json.dumps(r), flush=True)
+                results[f"{b} {route}"].append(r)
     keys = ("gap_p50_s", "gap_p99_s", "gap_max_s", "step_p50_s", "step_p99_s", "step_max_s",
             "short_ttft_s", "long_ttft_s") + (("long_ttft_alone_s",) if args.alone else ())
-    print("| max_step_ms | " + " | ".join(keys) + " |")
+    print("| max_step_ms route | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for b, rs in results.items():
         med = [statistics.median(r[k] for r in rs if r[k] is not None) for k in keys]

@@ -374,6 +374,31 @@ def paged_decode_attention(
     """Decode rows' attention over the paged cache, read in place, written to `out`; an
     int8 cache (`cache_dtype="int8"`) with `k_scales` / `v_scales` float32 [slots, kv_heads]."""
 
+def paged_prefill_attention(
+    q: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16] | npt.NDArray[np.int8],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint16] | npt.NDArray[np.int8],
+    block_tables: _Int32Array,
+    cu_seqlens_q: _Int32Array,
+    seqlens: _Int32Array,
+    out: npt.NDArray[np.float32] | npt.NDArray[np.uint16],
+    *,
+    q_dtype: Literal["float32", "bfloat16", "float16"],
+    cache_dtype: Literal["float32", "bfloat16", "float16", "int8"],
+    out_dtype: Literal["float32", "bfloat16", "float16"],
+    page: int,
+    window: int,
+    scale: float,
+    softcap: float,
+    threads: int,
+    k_scales: npt.NDArray[np.float32] | None = None,
+    v_scales: npt.NDArray[np.float32] | None = None,
+) -> None:
+    """Causal attention of multi-token rows (`q` [tokens, heads, dim], row `r`'s tokens
+    `cu_seqlens_q[r] .. cu_seqlens_q[r + 1]` at the last positions of its `seqlens[r]`
+    keys, all in the cache) over the paged cache, read in place and tiled, written to
+    `out`."""
+
 def share_openmp(path: str | None) -> None:
     """Run the CPU kernels' threads on the OpenMP runtime of the library at `path`, already
     loaded in this process (torch's libtorch_cpu; OSError otherwise); None: threads started

@@ -37,15 +37,13 @@ def _naive(q, hist_k, hist_v, positions, window, scale, softcap):
     [(None, None, 4, 2, 4), (5, None, 4, 2, 4), (None, 3.0, 4, 4, 8), (6, 2.0, 6, 2, 4),
      (3, None, 2, 1, 4)],
 )
-@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("kernel", ["sdpa", "decode", "prefill"])
 def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, kernel,
                                        monkeypatch):
-    """Gather + SDPA, or the CPU kernel: then decode rows, and on full attention the
-    multi-token rows of up to 7 tokens here with up to 16 cached keys (chunks after a cached
-    prefix included), are the kernel's; longer ones, or deeper ones, keep SDPA."""
+    """Gather + SDPA, or the CPU kernels: decode rows on the decode kernel, and ("prefill")
+    multi-token rows on the prefill kernel (on sliding attention those whose keys the ring
+    still holds after the step's write; the others keep SDPA)."""
     monkeypatch.setattr(paged_step, "_BUCKET_PENALTY_KEYS", 0)  # split decode rows in buckets
-    monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_TOKENS", 7)
-    monkeypatch.setattr(paged_step, "KERNEL_PREFILL_MAX_CONTEXT", 16)
     rng = random.Random(7)
     torch.manual_seed(0)
     dim, num_blocks, scale = 16, 400, 0.3
@@ -60,6 +58,7 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, k
     for i in range(n_req):
         planner.add(f"r{i}", [5] * rng.randint(2, 30))
         hist[f"r{i}"] = (torch.empty(0, kv_heads, dim), torch.empty(0, kv_heads, dim))
+    tiled_rows = sdpa_rows = 0
     for step in range(9):
         rows = []
         for i in range(n_req):
@@ -77,14 +76,24 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, k
         q = torch.randn(1, heads, t, dim)
         k = torch.randn(1, kv_heads, t, dim)
         v = torch.randn(1, kv_heads, t, dim)
-        step_meta = paged_step.build_step(plan, cache, [typ], window, decode_kernel=kernel)
-        kd = step_meta.groups[0].kernel_decode
-        if kernel and not window:  # rows of at most 7 tokens and 16 cached keys: the kernel's
-            lens = torch.tensor(plan.cu_seqlens_q).diff()
-            cached = torch.tensor(plan.seqlens_k) - lens
-            mine = (lens == 1) | ((lens <= 7) & (cached <= 16))
-            assert len(step_meta.groups[0].prefill) == len(plan.request_ids) - int(mine.sum())
-            assert kd is not None and len(kd.seqlens) == int(lens[mine].sum())
+        step_meta = paged_step.build_step(plan, cache, [typ], window,
+                                          decode_kernel=kernel != "sdpa",
+                                          prefill_kernel=kernel == "prefill")
+        group = step_meta.groups[0]
+        lens = torch.tensor(plan.cu_seqlens_q).diff()
+        multi = int((lens > 1).sum())
+        kp = group.kernel_prefill
+        tiled = 0 if kp is None else len(kp.seqlens)
+        assert tiled + len(group.prefill) == multi
+        if kernel != "prefill":
+            assert tiled == 0
+        if kernel != "sdpa" and (lens == 1).any():
+            assert group.kernel_decode is not None
+            assert len(group.kernel_decode.seqlens) == int((lens == 1).sum())
+        if kernel == "prefill" and not window:
+            assert not group.prefill
+        tiled_rows += tiled
+        sdpa_rows += len(group.prefill)
         out, _ = forward.paged_attention_forward(
             module, q, k, v, None, scaling=scale, softcap=softcap,
             **{context.STEP_KWARG: step_meta},
@@ -99,6 +108,8 @@ def test_paged_attention_matches_naive(window, softcap, heads, kv_heads, page, k
             ref = _naive(q[0, :, s:e], hk, hv, plan.positions[s:e].tolist(), window, scale,
                          softcap)
             torch.testing.assert_close(out[0, s:e].double(), ref, atol=1e-5, rtol=1e-5)
+    if kernel == "prefill":  # both routes of a prompt row ran (sliding: long rows on SDPA)
+        assert tiled_rows and (sdpa_rows or not window)
 
 
 def test_decode_buckets_cover_every_row_once():

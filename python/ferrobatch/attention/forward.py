@@ -10,9 +10,11 @@ thread using the caller's model while a ferrobatch forward has its config switch
 delegated to the model's own implementation. Attention sinks (GPT-OSS `s_aux`) are applied
 as one extra softmax column per head whose probability mass is dropped.
 
-Per layer and attention type the work is: gather the cached keys prefill rows need (before
-any write: sliding rings may be overwritten by this step), write the step's new K/V with the
-slot mapping, then one padded gather + one SDPA for all single-token rows, and one SDPA per
+Per layer and attention type the work is: gather the cached keys SDPA prefill rows need
+(before any write: sliding rings may be overwritten by this step), write the step's new K/V
+with the slot mapping, then the rows the CPU kernels take (single-token rows on the decode
+kernel, multi-token rows on the tiled prefill kernel, both reading the cache in place), one
+padded gather + one SDPA for the other single-token rows, and one SDPA per other
 multi-token row. Never a mask across requests.
 """
 
@@ -106,6 +108,20 @@ def paged_attention_forward(
             return o.unsqueeze(0), None
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
         out.index_copy_(0, kd.tokens, o)
+    kp = group.kernel_prefill
+    if kp is not None:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks need the SDPA prefill path")
+        q_pre = q_all.transpose(0, 1) if kp.tokens is None else q_all.index_select(
+            1, kp.tokens).transpose(0, 1)
+        if q_pre.dtype not in KERNEL_DTYPES:
+            q_pre = q_pre.float()
+        o = _prefill_rows(step, layer, q_pre.contiguous(), scaling, softcap, out_dtype)
+        if kp.tokens is None:
+            return o.unsqueeze(0), None
+        if out is None:
+            out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
+        out.index_copy_(0, kp.tokens, o)
     for bucket in group.decode:
         bd = bucket.rows
         if bucket.tokens is None:
@@ -161,35 +177,49 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def kernel_only_group(step: Any, layer: int) -> Any:
+def kernel_only_group(step: Any, layer: int, prefill: bool = False) -> Any:
     """The step's metadata for `layer`'s attention type when every row of the layer goes to
-    the CPU decode kernel (decode rows and short prompt rows, in order: no SDPA rows, no
-    gathered prompt keys); None otherwise, or when `step` is not a `PagedStep`."""
+    the CPU decode kernel (no SDPA rows, no gathered prompt keys), or with `prefill` to the
+    CPU kernels (decode and prefill); None otherwise, or when `step` is not a
+    `PagedStep`."""
     if not isinstance(step, PagedStep):
         return None
     group = step.groups[layer]
-    kd = group.kernel_decode
-    if kd is None or kd.tokens is not None or group.decode or group.prefill \
-            or group.prefill_cached_slots is not None or group.window_rows is not None:
+    if group.decode or group.prefill or group.prefill_cached_slots is not None \
+            or group.window_rows is not None:
         return None
-    return group
+    kd, kp = group.kernel_decode, group.kernel_prefill
+    if kp is None:
+        return group if kd is not None and kd.tokens is None else None
+    return group if prefill else None
 
 
 def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, scaling: float) -> torch.Tensor | None:
-    """`paged_attention_forward` of a layer whose every row this step goes to the CPU kernel
-    (decode rows and short prompt rows, in order), without the attention interface's
-    reshaping: writes the keys `k` and values `v` [T, Hkv, D] at their slots, then attends;
-    the output is [T, H, D] in the step's output dtype. None (nothing written) when the
-    layer's rows need the general path, or `q` [T, H, D] is not a contiguous fp32 / bf16 /
-    fp16 tensor."""
-    group = kernel_only_group(step, layer)
+    """`paged_attention_forward` of a layer whose every row this step goes to the CPU
+    kernels (decode rows on the decode kernel, prompt rows on the prefill kernel), without
+    the attention interface's reshaping: writes the keys `k` and values `v` [T, Hkv, D] at
+    their slots, then attends; the output is [T, H, D] in the step's output dtype. None
+    (nothing written) when the layer's rows need the general path, or `q` [T, H, D] is not
+    a contiguous fp32 / bf16 / fp16 tensor."""
+    group = kernel_only_group(step, layer, prefill=True)
     if group is None or q.dtype not in KERNEL_DTYPES or not q.is_contiguous():
         return None
     step.calls += 1
     dt = step.cache.dtype
     write_layer(step.cache, layer, group.slot_mapping, k.to(dt), v.to(dt))
-    return _kernel_rows(step, layer, q, scaling, None, step.out_dtype or q.dtype)
+    out_dtype = step.out_dtype or q.dtype
+    kd, kp = group.kernel_decode, group.kernel_prefill
+    if kp is None:
+        return _kernel_rows(step, layer, q, scaling, None, out_dtype)
+    if kd is None and kp.tokens is None:
+        return _prefill_rows(step, layer, q, scaling, None, out_dtype)
+    out = q.new_empty(q.shape, dtype=out_dtype)
+    for part, rows in ((kd, _kernel_rows), (kp, _prefill_rows)):
+        if part is not None:
+            out.index_copy_(0, part.tokens, rows(step, layer, q.index_select(0, part.tokens),
+                                                 scaling, None, out_dtype))
+    return out
 
 
 def _kernel_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
@@ -237,6 +267,21 @@ def _window_rows(step: PagedStep, wr: Any, q_all: torch.Tensor, k_new: torch.Ten
         q = q.float()
     return _kernel_call(q.contiguous(), scratch_k, scratch_v, wr.kernel, page, scaling,
                         softcap, out_dtype)
+
+
+def _prefill_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,
+                  softcap: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The CPU prefill kernel's attention for the prompt rows of `layer` (their tokens'
+    queries `q` [Tp, H, D], contiguous, in a kernel dtype), in `out_dtype`."""
+    cache = step.cache
+    o = torch.empty(q.shape, dtype=out_dtype if out_dtype in KERNEL_DTYPES
+                    else torch.float32)
+    scales = (cache.key_scales[layer], cache.value_scales[layer]) if cache.quantized \
+        else None
+    kernels.prefill_kernel(q, cache.keys[layer], cache.values[layer],
+                           step.groups[layer].kernel_prefill, o, cache.page_size, scaling,
+                           softcap, scales)
+    return o.to(out_dtype)
 
 
 def write_layer(cache: PagedKVCache, layer: int, slots: torch.Tensor, k_new: torch.Tensor,

@@ -1,6 +1,7 @@
 """Attention through kernels instead of SDPA: the GPU kernels of
-`ferrobatch.cuda.triton_attention` (a `KernelStep`'s layers) and the in-place CPU decode
-kernel of `ferrobatch._core` (a `PagedStep`'s single-token rows)."""
+`ferrobatch.cuda.triton_attention` (a `KernelStep`'s layers) and the in-place CPU kernels
+of `ferrobatch._core` (a `PagedStep`'s single-token rows on the decode kernel, its
+multi-token rows on the tiled prefill kernel)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from ferrobatch import _core
 from ferrobatch.attention.kernel_step import KernelStep
 from ferrobatch.attention.kv_cache import PagedKVCache
-from ferrobatch.attention.paged_step import _KernelDecode
+from ferrobatch.attention.paged_step import _KernelDecode, _KernelPrefill
 from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
 from ferrobatch.cuda import triton_attention as ta
 from ferrobatch.model_config import SLIDING
@@ -58,9 +59,7 @@ def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The CPU kernel over the rows `kd`; `scales` (key, value) [slots, kv_heads] fp32 with
     an int8 cache (read in place, each slot dequantized as the kernel reads it)."""
-    extra = {} if scales is None else {"k_scales": scales[0].numpy(),
-                                       "v_scales": scales[1].numpy()}
-    cache_dtype = "int8" if k_cache.dtype == torch.int8 else KERNEL_DTYPES[k_cache.dtype]
+    extra, cache_dtype = _cache_args(k_cache, scales)
     _core.paged_decode_attention(
         numpy_view(q), numpy_view(k_cache), numpy_view(v_cache), kd.block_tables,
         kd.seqlens, numpy_view(out), q_dtype=KERNEL_DTYPES[q.dtype],
@@ -68,6 +67,30 @@ def decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         page=page, window=kd.window, scale=float(scale), softcap=float(softcap or 0.0),
         threads=torch.get_num_threads(), **extra,
     )
+
+
+def prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kp: _KernelPrefill, out: torch.Tensor, page: int, scale: float,
+                   softcap: float | None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The tiled CPU prefill kernel over the multi-token rows `kp` (`q` [Tp, H, D] their
+    tokens, row after row; `scales` as `decode_kernel`'s)."""
+    extra, cache_dtype = _cache_args(k_cache, scales)
+    _core.paged_prefill_attention(
+        numpy_view(q), numpy_view(k_cache), numpy_view(v_cache), kp.block_tables,
+        kp.cu_seqlens_q, kp.seqlens, numpy_view(out), q_dtype=KERNEL_DTYPES[q.dtype],
+        cache_dtype=cache_dtype, out_dtype=KERNEL_DTYPES[out.dtype],
+        page=page, window=kp.window, scale=float(scale), softcap=float(softcap or 0.0),
+        threads=torch.get_num_threads(), **extra,
+    )
+
+
+def _cache_args(k_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[dict, str]:
+    """The kernels' scale arguments and cache dtype name for cache `k_cache`."""
+    extra = {} if scales is None else {"k_scales": scales[0].numpy(),
+                                       "v_scales": scales[1].numpy()}
+    return extra, "int8" if k_cache.dtype == torch.int8 else KERNEL_DTYPES[k_cache.dtype]
 
 
 # --- registration, switching, delegation -------------------------------------------------

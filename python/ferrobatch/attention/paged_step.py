@@ -43,8 +43,9 @@ class _DecodeBucket:
 @dataclass
 class _KernelDecode:
     """The rows of one attention type for the in-place CPU kernel
-    (`ferrobatch._core.paged_decode_attention`): every single-token row, and on full
-    attention each token of the short multi-token rows as a row of its own."""
+    (`ferrobatch._core.paged_decode_attention`): every single-token row, and in the
+    batch-invariant mode each token of the full-attention multi-token rows as a row of its
+    own."""
 
     tokens: torch.Tensor | None  # [Bd] token indices; None when the rows are all T tokens
     block_tables: np.ndarray  # [Bd, W] int32
@@ -69,6 +70,19 @@ class _WindowRows:
 
 
 @dataclass
+class _KernelPrefill:
+    """The multi-token rows of one attention type for the tiled in-place CPU prefill kernel
+    (`ferrobatch._core.paged_prefill_attention`): every row of a full-attention type, and
+    the rows of a sliding type whose keys the ring still holds after this step's write."""
+
+    tokens: torch.Tensor | None  # [Tp] token indices, row after row; None: all T tokens
+    block_tables: np.ndarray  # [Bp, W] int32
+    cu_seqlens_q: np.ndarray  # [Bp + 1] int32 token offsets of the rows in the kernel's q
+    seqlens: np.ndarray  # [Bp] int32 keys of each row after this step
+    window: int  # 0 = full attention
+
+
+@dataclass
 class _Group:
     """Per-step metadata of one attention type, shared by all its layers."""
 
@@ -78,6 +92,7 @@ class _Group:
     prefill: list[_PrefillRow]
     kernel_decode: _KernelDecode | None = None
     window_rows: _WindowRows | None = None
+    kernel_prefill: _KernelPrefill | None = None
 
 
 @dataclass
@@ -100,18 +115,22 @@ def build_step(
     sliding_window: int | None,
     decode_kernel: bool = False,
     invariant: bool = False,
+    prefill_kernel: bool = True,
 ) -> PagedStep:
     """Precompute gather indices and masks for every attention type of `plan`.
 
     Follows ARCHITECTURE.md §3: full attention reads positions `0 .. seqlens_k` through
     `block_tables["full_attention"]`; sliding attention reads a row's last `w` positions
     through its ring of `R` chunks. With `decode_kernel` (see `decode_kernel_available`),
-    single-token rows, and on full attention multi-token rows of at most
-    `KERNEL_PREFILL_MAX_TOKENS` tokens, are attended in place by the CPU kernel instead of
-    gathered. With `invariant` (batch-invariant mode, with `decode_kernel`), every row goes
-    to the kernel whatever its length: each token is then attended alone, in key order, as
-    it would be in any other step (a sliding type's multi-token rows over a scratch copy of
-    their window, `_WindowRows`).
+    single-token rows are attended in place by the CPU decode kernel instead of gathered,
+    and (with `prefill_kernel`) multi-token rows by the tiled CPU prefill kernel: every
+    full-attention row, and each sliding row of at most `w` tokens whose span of keys
+    (`min(seqlens_k, q + w - 1)`) fits the ring (`R * page`; else this step's write drops
+    or overwrites keys its first tokens need, and the row keeps SDPA). With `invariant`
+    (batch-invariant mode, with `decode_kernel`), every row goes to the decode kernel
+    whatever its length: each token is then attended alone, in key order, as it would be in
+    any other step (a sliding type's multi-token rows over a scratch copy of their window,
+    `_WindowRows`).
     """
     page = cache.page_size
     device = cache.device
@@ -162,15 +181,21 @@ def build_step(
         # length so short rows do not pay for the longest.
         decode: list[_DecodeBucket] = []
         kernel_decode = None
-        # full attention: short multi-token rows go to the kernel too, one kernel row per
-        # token (its keys are all in place after this step's write; a sliding ring may
-        # overwrite keys its own earlier tokens need, so sliding rows keep the SDPA path)
-        # (the batch-invariant mode: every row, whatever its length and context)
-        longest = num_tokens if invariant else KERNEL_PREFILL_MAX_TOKENS
-        deepest = np.iinfo(np.int64).max if invariant else KERNEL_PREFILL_MAX_CONTEXT
-        short = prefill_rows[(qlen[prefill_rows] <= longest)
-                             & (start[prefill_rows] <= deepest)] \
-            if decode_kernel and not sliding else prefill_rows[:0]
+        # the batch-invariant mode: every multi-token row of full attention on the decode
+        # kernel, one kernel row per token
+        short = prefill_rows if decode_kernel and invariant and not sliding \
+            else prefill_rows[:0]
+        tiled = prefill_rows[:0]
+        if decode_kernel and prefill_kernel and not invariant:
+            # a sliding row: the core keeps only the step's last `w` new keys (earlier ones
+            # go to scratch) and each new key overwrites the one `ring * page` back, so its
+            # tokens find all their keys in the ring when `q <= w` and `q + w - 1 <= ring *
+            # page` (ARCHITECTURE.md §3); longer rows keep the gather (before the write)
+            q = qlen[prefill_rows]
+            tiled = prefill_rows if not sliding else prefill_rows[
+                (q <= w) & (np.minimum(seqlens[prefill_rows], q + w - 1) <= ring * page)]
+        kernel_prefill = _prefill_rows(tiled, cu, seqlens, table, w, page, num_tokens,
+                                       to_long, typ) if len(tiled) else None
         if (len(decode_rows) or len(short)) and decode_kernel:
             kernel_decode = _kernel_rows(decode_rows, short, cu, seqlens, table, w, page,
                                          num_tokens, to_long, typ)
@@ -209,7 +234,8 @@ def build_step(
         prefill: list[_PrefillRow] = []
         cached_parts: list[np.ndarray] = []
         offset = 0
-        long_rows = np.setdiff1d(prefill_rows, short, assume_unique=True)
+        long_rows = np.setdiff1d(prefill_rows, np.concatenate([short, tiled]),
+                                 assume_unique=True)
         window_rows = None
         if sliding and invariant and decode_kernel and len(long_rows):
             window_rows = _window_rows(long_rows, cu, start, qlen, w, page, to_long)
@@ -244,31 +270,34 @@ def build_step(
             prefill=prefill,
             kernel_decode=kernel_decode,
             window_rows=window_rows,
+            kernel_prefill=kernel_prefill,
         )
     return PagedStep(cache=cache, groups=[groups[t] for t in layer_types], num_tokens=num_tokens)
 
 
-#: multi-token rows of at most this many tokens are attended by the CPU kernel (one kernel
-#: row per token) instead of one SDPA call each; longer rows keep SDPA (the kernel's work
-#: grows with the square of the row's length, SDPA's fixed cost is paid once per row).
-#: Measured on the tiny-llama model in bf16 (64 prompts of 16..256 tokens, 64 new each): 256
-#: instead of 128 took 7% off at 1 thread and 5% at 2; on rows of 257..512 tokens the
-#: kernel was 1-3% slower than SDPA at 1 thread, 3-8% faster at 2
-KERNEL_PREFILL_MAX_TOKENS = 256
-#: ... and only while they have at most this many cached keys: the kernel reads a row's
-#: whole context once per token, SDPA gathers it once per row, so a chunk deep into a long
-#: prompt (the step-time budget's small chunks) is faster on SDPA. SmolLM2 fp32, 1 thread,
-#: a 3072-token prompt in 64-token chunks: 14.0 s on SDPA against 21-23 s on the kernel
-#: (a chunk at 2560 cached keys 0.37-0.44 s against 0.72 s; alike up to ~1024).
-KERNEL_PREFILL_MAX_CONTEXT = 1024
+def _prefill_rows(rows: np.ndarray, cu: np.ndarray, seqlens: np.ndarray, table: np.ndarray,
+                  w: int, page: int, num_tokens: int, to_long: Any,
+                  typ: str) -> _KernelPrefill:
+    """The prefill kernel's rows `rows` (in plan order) and their tokens."""
+    q = np.diff(cu)[rows]
+    tokens = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows])
+    if not w and int(-(-seqlens[rows].max() // page)) > table.shape[1]:
+        raise ValueError(f"block_tables[{typ!r}] too narrow for seqlens_k")
+    return _KernelPrefill(
+        tokens=None if len(tokens) == num_tokens else to_long(tokens),
+        block_tables=np.ascontiguousarray(table[rows], dtype=np.int32),
+        cu_seqlens_q=np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
+        seqlens=np.ascontiguousarray(seqlens[rows], dtype=np.int32),
+        window=w,
+    )
 
 
 def _kernel_rows(decode_rows: np.ndarray, short: np.ndarray, cu: np.ndarray,
                  seqlens: np.ndarray, table: np.ndarray, w: int, page: int,
                  num_tokens: int, to_long: Any, typ: str) -> _KernelDecode:
-    """The kernel's rows: each single-token row, and each token of the `short` multi-token
-    rows (token `i` of row `r` sees the row's first `seqlens[r] - qlen[r] + i + 1` keys),
-    in token order."""
+    """The decode kernel's rows: each single-token row, and each token of the `short`
+    multi-token rows (token `i` of row `r` sees the row's first `seqlens[r] - qlen[r] + i +
+    1` keys), in token order."""
     rows = np.sort(np.concatenate([decode_rows, short]))
     q = np.diff(cu)[rows]
     tokens = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows]) if len(short) \

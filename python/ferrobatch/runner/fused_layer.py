@@ -13,8 +13,9 @@ the call when:
   norms and SiLU then write fp32 inputs, as the lean forward does for them), and the step
   has at most `linear_policy.ONE_CALL_MAX_ROWS` rows (`linear_policy.one_call`);
 * the layer's attention is ferrobatch's paged attention and every row of the step goes to
-  the CPU decode kernel (`kernel_only_attention`'s case: decode rows and short prompt
-  rows, no SDPA rows, no gathered prompt keys), over a cache of a kernel dtype;
+  the CPU decode kernel (`kernel_only_group`'s case: decode rows, or every row in the
+  batch-invariant mode; no prompt rows on the prefill kernel, no SDPA rows), over a
+  cache of a kernel dtype;
 * the weights and norms make a `LeanLayer` (norms of one kernel dtype; Qwen3's per-head
   q/k norms with one epsilon run inside the call, as the lean forward's `_head_norm`).
 

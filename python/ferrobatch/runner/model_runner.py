@@ -136,6 +136,9 @@ class ModelRunner:
             and decode_kernel_available(self.cache)
             and not self._has_sinks()
         )
+        # with the decode kernel, prompt rows on the tiled CPU prefill kernel (False: on
+        # SDPA, the route before it; kept for A/B benches)
+        self.prefill_kernel = True
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else 132
@@ -456,6 +459,7 @@ class ModelRunner:
                 step = build_step(
                     plan, self.cache, self.layer_types, self.sliding_window,
                     decode_kernel=self.decode_kernel, invariant=self.batch_invariant,
+                    prefill_kernel=self.prefill_kernel,
                 )
                 if self.activations.widens:
                     step.out_dtype = self.cache.dtype  # o_proj rounds its input to it

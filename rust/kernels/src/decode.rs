@@ -27,7 +27,7 @@ use crate::error::KernelError;
 use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+pub(crate) mod avx512;
 
 /// A read-only tensor's elements in one of the storage types.
 #[derive(Clone, Copy, Debug)]
@@ -94,7 +94,7 @@ pub struct DecodeArgs<'a> {
 }
 
 /// What is wrong with a call: the arguments do not fit the layout.
-fn err<T>(msg: String) -> Result<T, KernelError> {
+pub(crate) fn err<T>(msg: String) -> Result<T, KernelError> {
     Err(KernelError::Layout(msg))
 }
 
@@ -171,7 +171,7 @@ impl<'a> ElemsMut<'a> {
     }
 
     /// `self[start + i] = vals[i] * mul`, rounded to nearest even.
-    fn store(&mut self, start: usize, vals: &[f32], mul: f32) {
+    pub(crate) fn store(&mut self, start: usize, vals: &[f32], mul: f32) {
         let n = vals.len();
         match self {
             ElemsMut::F32(s) => {
@@ -201,6 +201,21 @@ fn same_kind(a: &Elems<'_>, b: &Elems<'_>) -> bool {
 /// number of slots of the cache.
 fn validate(a: &DecodeArgs<'_>, out_len: usize) -> Result<usize, KernelError> {
     let rows = a.seqlens.len();
+    let q_len = rows * a.heads * a.dim;
+    if a.q.len() != q_len || out_len != q_len {
+        return err(format!(
+            "q and out must have rows*heads*dim = {q_len} elements (q {}, out {out_len})",
+            a.q.len()
+        ));
+    }
+    validate_cache(a)
+}
+
+/// Checks everything of `a` but the lengths of `q` and the output (shared with the prefill
+/// kernel, whose queries are laid out by token): sizes, tables, chunk ids, cache lengths
+/// and types; returns the number of slots of the cache.
+pub(crate) fn validate_cache(a: &DecodeArgs<'_>) -> Result<usize, KernelError> {
+    let rows = a.seqlens.len();
     if a.heads == 0 || a.kv_heads == 0 || a.dim == 0 || a.page == 0 || a.width == 0 {
         return err("heads, kv_heads, dim, page and width must be >= 1".into());
     }
@@ -208,13 +223,6 @@ fn validate(a: &DecodeArgs<'_>, out_len: usize) -> Result<usize, KernelError> {
         return err(format!(
             "heads ({}) must be a multiple of kv_heads ({})",
             a.heads, a.kv_heads
-        ));
-    }
-    let q_len = rows * a.heads * a.dim;
-    if a.q.len() != q_len || out_len != q_len {
-        return err(format!(
-            "q and out must have rows*heads*dim = {q_len} elements (q {}, out {out_len})",
-            a.q.len()
         ));
     }
     if a.block_tables.len() != rows * a.width {
@@ -617,7 +625,7 @@ fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
 /// `x = exp(x)` for `x <= 0` (after the max is subtracted), Cephes' single-precision
 /// polynomial: relative error below 2e-7 over the range; `exp(x) = 0` below -87.
 #[inline(always)]
-fn exp_in_place(xs: &mut [f32]) {
+pub(crate) fn exp_in_place(xs: &mut [f32]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;

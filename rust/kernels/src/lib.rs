@@ -13,6 +13,9 @@
 //!   (the greedy head's int16 screen);
 //! * [`decode`]: attention of single-token (decode) rows over the paged KV cache, read in
 //!   place through the block tables (no gather), fp32 scores, softmax and accumulation;
+//! * [`prefill`]: causal attention of multi-token (prefill) rows over the same paged cache,
+//!   in place, tiled flash-style (a block of keys reused by a tile of query rows, online
+//!   softmax in fp32);
 //! * [`fused`]: the elementwise work of a lean decoder layer in one pass each (RMSNorm with
 //!   the residual add, SiLU * up, rotary embeddings, rows written at cache slots);
 //! * [`layer`]: a whole Llama-style decoder layer of decode rows in one call (the parts
@@ -36,6 +39,7 @@ pub mod isa;
 pub mod layer;
 pub mod linear;
 pub mod parallel;
+pub mod prefill;
 pub mod quant;
 pub mod select;
 
@@ -43,4 +47,5 @@ pub use decode::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
 pub use error::{Expected, KernelError};
 pub use linear::LinearArgs;
 pub use parallel::{set_pool, Pool};
+pub use prefill::{paged_prefill_attention, PrefillArgs};
 pub use select::{pick_best, row_norms, select_candidates, Candidates, Scores, SelectArgs};

@@ -3,7 +3,7 @@
 //! `ValueError`). The GIL is released while a kernel runs.
 
 use ferrobatch_kernels as kernels;
-use kernels::{DecodeArgs, Elems, Window};
+use kernels::{DecodeArgs, Elems, PrefillArgs, Window};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use std::ops::Range;
@@ -196,5 +196,86 @@ pub fn paged_decode_attention(
     };
     let out = out.elems();
     py.detach(|| kernels::paged_decode_attention(&args, out))
+        .map_err(kernel_error)
+}
+
+/// Causal attention of multi-token (prefill) rows over the paged cache, read in place and
+/// tiled (`ferrobatch-kernels`, `prefill`): `q` [tokens, heads, dim] (the rows' tokens one
+/// after the other), `cu_seqlens_q` int32 [rows + 1] the rows' token offsets,
+/// `seqlens` int32 [rows] the keys of each row after this step (its new keys are already in
+/// the cache); the other arguments as `paged_decode_attention`'s. Writes `out` [tokens,
+/// heads, dim].
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens, out, *,
+                    q_dtype, cache_dtype, out_dtype, page, window, scale, softcap, threads,
+                    k_scales=None, v_scales=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill_attention(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    block_tables: PyReadonlyArrayDyn<'_, i32>,
+    cu_seqlens_q: PyReadonlyArrayDyn<'_, i32>,
+    seqlens: PyReadonlyArrayDyn<'_, i32>,
+    out: &Bound<'_, PyAny>,
+    q_dtype: &str,
+    cache_dtype: &str,
+    out_dtype: &str,
+    page: usize,
+    window: usize,
+    scale: f32,
+    softcap: f32,
+    threads: usize,
+    k_scales: Option<&Bound<'_, PyAny>>,
+    v_scales: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let q = In::new(q, ty(q_dtype, "q_dtype")?, "q")?;
+    let caches = Caches::new(k_cache, v_cache, cache_dtype, (k_scales, v_scales))?;
+    let mut out = Out::new(out, ty(out_dtype, "out_dtype")?, "out")?;
+    let (q_shape, k_shape, t_shape) = (q.shape(), caches.shape(), block_tables.shape().to_vec());
+    if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
+        return Err(field_error(
+            None,
+            "q must be [tokens, heads, dim], the caches [slots, kv_heads, dim], block_tables \
+             [rows, width]",
+        ));
+    }
+    if k_shape[2] != q_shape[2] {
+        return Err(field_error(
+            None,
+            format!(
+                "q's head size {} differs from the cache's {}",
+                q_shape[2], k_shape[2]
+            ),
+        ));
+    }
+    let mut inputs = caches.spans();
+    inputs.push(("q", q.span()));
+    disjoint("out", out.span(), &inputs)?;
+    let (k, v) = caches.elems(q_shape[2])?;
+    let args = PrefillArgs {
+        q: q.elems(),
+        k_cache: k,
+        v_cache: v,
+        block_tables: c_slice(&block_tables, "block_tables")?,
+        cu_seqlens_q: c_slice(&cu_seqlens_q, "cu_seqlens_q")?,
+        seqlens: c_slice(&seqlens, "seqlens")?,
+        heads: q_shape[1],
+        kv_heads: k_shape[1],
+        dim: q_shape[2],
+        page,
+        width: t_shape[1],
+        window: if window == 0 {
+            Window::Full
+        } else {
+            Window::Sliding { window }
+        },
+        scale,
+        softcap: (softcap != 0.0).then_some(softcap),
+        threads,
+    };
+    let out = out.elems();
+    py.detach(|| kernels::paged_prefill_attention(&args, out))
         .map_err(kernel_error)
 }

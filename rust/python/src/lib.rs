@@ -15,7 +15,8 @@
 //! Module map: [`scheduler`] (`Scheduler`), [`plan`] (`StepPlan`), [`output`]
 //! (`StepOutput`, `Delta`), [`config`] (the constructor's arguments), [`convert`]
 //! (arguments in, arrays out), [`errors`] (core errors as exceptions), [`table`]
-//! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`), [`fused`]
+//! (`table_columns`, `slots`), [`kernels`] (`paged_decode_attention`,
+//! `paged_prefill_attention`), [`fused`]
 //! (`rms_norm`, `silu_mul`, `rope`, `write_rows`), [`amx`] / [`f32_linear`] (packed
 //! products), [`select`] (`greedy_select`,
 //! `greedy_pick`, `row_norms`), [`openmp`] (`share_openmp`: the kernels' threads on torch's
@@ -52,6 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table::table_columns, m)?)?;
     m.add_function(wrap_pyfunction!(table::slots, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rope, m)?)?;

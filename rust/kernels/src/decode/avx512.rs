@@ -599,7 +599,7 @@ fn softmax(x: &mut [f32]) -> f32 {
 /// `super::exp_in_place` (so the same results).
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) fn exp16(x: __m512) -> __m512 {
+pub(crate) fn exp16(x: __m512) -> __m512 {
     let c = _mm512_set1_ps;
     let v = _mm512_max_ps(x, c(-87.0));
     let round = c(12_582_912.0);
