@@ -22,8 +22,10 @@ Also: the read bandwidth of the pinned cores (the best of a torch sum of a 1 GiB
 ``--threads`` threads and numpy's max on one), the bytes of matrices a decode step reads
 (every matrix but the token embedding), so each decode figure's share of the bandwidth
 limit; resident memory of both engines; the greedy agreement of the two engines' outputs.
+The driver pins itself and every llama.cpp process with ``taskset`` (``--pin``, default: the
+first ``--threads`` cores). The table (``llamacpp_table.py``, which also renders a saved
+``--json`` again) gives medians over repeats and medians of the per-repeat ratios.
 
-    taskset is applied by the driver itself (``--pin``, default: the first --threads cores)
     .venv/bin/python benches/peers/llamacpp_compare.py --gguf model.gguf --threads 1 --repeats 3
     .venv/bin/python benches/peers/llamacpp_compare.py --gguf model.gguf --threads 2 --md out.md
 """
@@ -50,6 +52,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa:
 from ferrobatch.gguf.reader import GGUFFile  # noqa: E402
 from ferrobatch.workloads import agreement, chat_prompts  # noqa: E402
 import compare_cpu  # noqa: E402  (pinning, steal time, source state)
+import llamacpp_table  # noqa: E402
 import llamacpp_tools as lt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -201,81 +204,6 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"{rec['load_after']:.2f}, steal {rec['steal_s']:.1f} s")
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def figures(recs: list[dict[str, Any]], w: dict[str, Any], wb: dict[str, float],
-            bw: float) -> dict[str, Any]:
-    """Medians over repeats of every figure of the table."""
-    pp_n = len(w["pp"])
-
-    def rate(key: str, n_key: str = "tokens", per: str = "wall_s") -> float:
-        return med([r[key][n_key] / r[key][per] for r in recs])
-
-    f = {
-        "f_single": rate("f_single"), "f_single_cpu": rate("f_single", per="cpu_s"),
-        "s_single": rate("s_single"), "s_single_cpu": rate("s_single", per="cpu_s"),
-        "s_single_decode": med([r["s_single"]["outs"][0]["timings"]["predicted_per_second"]
-                                for r in recs]),
-        "b_tg": med([r["bench"]["tg"] for r in recs]),
-        "f_offline": rate("f_offline"), "f_offline_cpu": rate("f_offline", per="cpu_s"),
-        "s_offline": rate("s_offline"), "s_offline_cpu": rate("s_offline", per="cpu_s"),
-        "b_offline": med([r["batched"]["gen_tok_s"] for r in recs]),
-        "f_pp": med([pp_n / r["f_pp"]["wall_s"] for r in recs]),
-        "s_pp": med([r["s_pp"]["outs"][0]["timings"]["prompt_per_second"] for r in recs]),
-        "b_pp": med([r["bench"]["pp"] for r in recs]),
-    }
-    for k in ("f_single", "s_single", "s_single_decode", "b_tg"):
-        f[k + "_bw"] = f[k] * wb["decode_bytes"] / (bw * 1e9)
-    for k in ("f_pp", "s_pp", "b_pp"):
-        f[k + "_gops"] = 2 * wb["prompt_weights"] * f[k] / 1e9
-    return f
-
-
-def table(f: dict[str, Any], meta: dict[str, Any]) -> str:
-    """The markdown table of the medians."""
-    n, new, pp = meta["prompts"], meta["new"], meta["pp"]
-
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}"
-
-    rows = [
-        ("| measure | ferrobatch | llama.cpp | ferrobatch / llama.cpp |"),
-        ("|---|---|---|---|"),
-        (f"| single stream, {meta['single_new']} tokens, tok/s (wall) | {f['f_single']:.2f} | "
-         f"server {f['s_single']:.2f} (decode alone {f['s_single_decode']:.2f}); llama-bench "
-         f"tg{meta['single_new']} {f['b_tg']:.2f} | {ratio(f['f_single'], f['s_single'])} / "
-         f"{ratio(f['f_single'], f['b_tg'])} |"),
-        (f"| single stream, tok per CPU-s | {f['f_single_cpu']:.2f} | server "
-         f"{f['s_single_cpu']:.2f} | {ratio(f['f_single_cpu'], f['s_single_cpu'])} |"),
-        (f"| single stream, share of the bandwidth limit ({meta['decode_gb']:.3f} GB a token / "
-         f"{meta['bw_gbs']:.1f} GB/s) | {100 * f['f_single_bw']:.0f}% | server "
-         f"{100 * f['s_single_bw']:.0f}% (decode alone {100 * f['s_single_decode_bw']:.0f}%), "
-         f"tg {100 * f['b_tg_bw']:.0f}% | |"),
-        (f"| {n} chat prompts x {new} tokens, tok/s (wall) | {f['f_offline']:.1f} | server "
-         f"-np {n} {f['s_offline']:.1f}; batched-bench npp {meta['mean_len']} npl {n} "
-         f"{f['b_offline']:.1f} | {ratio(f['f_offline'], f['s_offline'])} / "
-         f"{ratio(f['f_offline'], f['b_offline'])} |"),
-        (f"| {n} x {new}, tok per CPU-s | {f['f_offline_cpu']:.1f} | server "
-         f"{f['s_offline_cpu']:.1f} | {ratio(f['f_offline_cpu'], f['s_offline_cpu'])} |"),
-        (f"| prefill {pp} tokens, tok/s (GOP/s) | {f['f_pp']:.1f} ({f['f_pp_gops']:.0f}) | "
-         f"server {f['s_pp']:.1f} ({f['s_pp_gops']:.0f}); llama-bench pp{pp} {f['b_pp']:.1f} "
-         f"({f['b_pp_gops']:.0f}) | {ratio(f['f_pp'], f['s_pp'])} / "
-         f"{ratio(f['f_pp'], f['b_pp'])} |"),
-        (f"| RSS, MiB (anonymous + file) | {meta['f_rss']['VmRSS']:.0f} "
-         f"({meta['f_rss']['RssAnon']:.0f} + {meta['f_rss']['RssFile']:.0f}), peak "
-         f"{meta['f_rss']['VmHWM']:.0f} | server {meta['s_rss'].get('VmRSS', 0):.0f} "
-         f"({meta['s_rss'].get('RssAnon', 0):.0f} + {meta['s_rss'].get('RssFile', 0):.0f}), "
-         f"peak {meta['s_rss'].get('VmHWM', 0):.0f} | |"),
-    ]
-    agree = meta["agreement"]
-    rows.append(f"| greedy outputs identical (ferrobatch vs server, {n} x {new}) | "
-                f"{100 * agree['requests']:.0f}% of requests, "
-                f"{100 * agree['tokens']:.0f}% of tokens before the first divergence | | |")
-    return "\n".join(rows)
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", required=True)
@@ -329,23 +257,20 @@ def main() -> None:
         server.stop()
     f_rss = rss_mib()
     f_rss["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    fig = figures(recs, w, wb, bw)
     meta = {"cpu": cpu, "cpus": args.cpus, "threads": args.threads, "prompts": len(w["chat"]),
             "new": args.new, "single_new": args.single_new, "pp": args.pp,
-            "mean_len": w["mean_len"], "decode_gb": wb["decode_bytes"] / 1e9, "bw_gbs": bw,
-            "bw_probes": probes, "f_rss": f_rss, "f_rss_built": ferro.rss_built,
-            "s_rss": s_rss, "ferro_build_s": ferro.build_s,
+            "mean_len": w["mean_len"], "decode_gb": wb["decode_bytes"] / 1e9,
+            "prompt_weights": wb["prompt_weights"], "bw_gbs": bw, "bw_probes": probes,
+            "f_rss": f_rss, "f_rss_built": ferro.rss_built, "s_rss": s_rss,
+            "ferro_build_s": ferro.build_s, "gguf": args.gguf,
             "agreement": agreement(recs[0]["f_offline"]["ids"],
                                    [o["tokens"] for o in recs[0]["s_offline"]["outs"]]),
             "loads": [(r["load_before"], r["load_after"]) for r in recs],
             "steal_s": [r["steal_s"] for r in recs], "source": compare_cpu.source_state()}
-    md = table(fig, meta)
-    head = (f"{cpu}, cores {args.cpus}, {args.threads} thread(s), medians of {args.repeats}; "
-            f"load average {min(min(x) for x in meta['loads']):.2f}-"
-            f"{max(max(x) for x in meta['loads']):.2f}")
-    print("\n" + head + "\n\n" + md)
+    text = llamacpp_table.heading(meta) + "\n\n" + llamacpp_table.table(recs, meta)
+    print("\n" + text)
     if args.md:
-        args.md.write_text(head + "\n\n" + md + "\n")
+        args.md.write_text(text + "\n")
     if args.json:
         for r in recs:
             for k in ("f_single", "f_offline", "f_pp"):
@@ -353,8 +278,8 @@ def main() -> None:
             for k in ("s_single", "s_offline", "s_pp"):
                 for o in r[k]["outs"]:
                     o.pop("tokens", None)
-        args.json.write_text(json.dumps({"figures": fig, "meta": meta, "repeats": recs},
-                                        indent=1, default=str))
+        args.json.write_text(json.dumps({"meta": meta, "repeats": recs}, indent=1,
+                                        default=str))
     ferro.engine.close()
 
 
