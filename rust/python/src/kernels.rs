@@ -120,6 +120,49 @@ impl<'py> Caches<'py> {
     }
 }
 
+/// The shapes both attention kernels take (`q` [`q_rows`, heads, dim], the caches [slots,
+/// kv_heads, dim] of the same head size, a 2-D block table), and `out` apart from every
+/// input.
+fn check_attention_inputs(
+    q: &In<'_>,
+    caches: &Caches<'_>,
+    out: &Out<'_>,
+    q_rows: &str,
+    t_shape: &[usize],
+) -> PyResult<()> {
+    let (q_shape, k_shape) = (q.shape(), caches.shape());
+    if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
+        return Err(field_error(
+            None,
+            format!(
+                "q must be [{q_rows}, heads, dim], the caches [slots, kv_heads, dim], \
+                 block_tables [rows, width]"
+            ),
+        ));
+    }
+    if k_shape[2] != q_shape[2] {
+        return Err(field_error(
+            None,
+            format!(
+                "q's head size {} differs from the cache's {}",
+                q_shape[2], k_shape[2]
+            ),
+        ));
+    }
+    let mut inputs = caches.spans();
+    inputs.push(("q", q.span()));
+    disjoint("out", out.span(), &inputs)
+}
+
+/// The kernels' window of a binding's `window` (0 = full attention).
+fn window_of(window: usize) -> Window {
+    if window == 0 {
+        Window::Full
+    } else {
+        Window::Sliding { window }
+    }
+}
+
 /// Attention of decode rows over the paged cache, read in place (`ferrobatch-kernels`,
 /// `decode`): `q` [rows, heads, dim], `k_cache` / `v_cache` [slots, kv_heads, dim],
 /// `block_tables` int32 [rows, width], `seqlens` int32 [rows], writes `out` [rows, heads,
@@ -154,25 +197,7 @@ pub fn paged_decode_attention(
     let caches = Caches::new(k_cache, v_cache, cache_dtype, (k_scales, v_scales))?;
     let mut out = Out::new(out, ty(out_dtype, "out_dtype")?, "out")?;
     let (q_shape, k_shape, t_shape) = (q.shape(), caches.shape(), block_tables.shape().to_vec());
-    if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
-        return Err(field_error(
-            None,
-            "q must be [rows, heads, dim], the caches [slots, kv_heads, dim], block_tables \
-             [rows, width]",
-        ));
-    }
-    if k_shape[2] != q_shape[2] {
-        return Err(field_error(
-            None,
-            format!(
-                "q's head size {} differs from the cache's {}",
-                q_shape[2], k_shape[2]
-            ),
-        ));
-    }
-    let mut inputs = caches.spans();
-    inputs.push(("q", q.span()));
-    disjoint("out", out.span(), &inputs)?;
+    check_attention_inputs(&q, &caches, &out, "rows", &t_shape)?;
     let (k, v) = caches.elems(q_shape[2])?;
     let args = DecodeArgs {
         q: q.elems(),
@@ -185,11 +210,7 @@ pub fn paged_decode_attention(
         dim: q_shape[2],
         page,
         width: t_shape[1],
-        window: if window == 0 {
-            Window::Full
-        } else {
-            Window::Sliding { window }
-        },
+        window: window_of(window),
         scale,
         softcap: (softcap != 0.0).then_some(softcap),
         threads,
@@ -234,25 +255,7 @@ pub fn paged_prefill_attention(
     let caches = Caches::new(k_cache, v_cache, cache_dtype, (k_scales, v_scales))?;
     let mut out = Out::new(out, ty(out_dtype, "out_dtype")?, "out")?;
     let (q_shape, k_shape, t_shape) = (q.shape(), caches.shape(), block_tables.shape().to_vec());
-    if q_shape.len() != 3 || k_shape.len() != 3 || t_shape.len() != 2 {
-        return Err(field_error(
-            None,
-            "q must be [tokens, heads, dim], the caches [slots, kv_heads, dim], block_tables \
-             [rows, width]",
-        ));
-    }
-    if k_shape[2] != q_shape[2] {
-        return Err(field_error(
-            None,
-            format!(
-                "q's head size {} differs from the cache's {}",
-                q_shape[2], k_shape[2]
-            ),
-        ));
-    }
-    let mut inputs = caches.spans();
-    inputs.push(("q", q.span()));
-    disjoint("out", out.span(), &inputs)?;
+    check_attention_inputs(&q, &caches, &out, "tokens", &t_shape)?;
     let (k, v) = caches.elems(q_shape[2])?;
     let args = PrefillArgs {
         q: q.elems(),
@@ -266,11 +269,7 @@ pub fn paged_prefill_attention(
         dim: q_shape[2],
         page,
         width: t_shape[1],
-        window: if window == 0 {
-            Window::Full
-        } else {
-            Window::Sliding { window }
-        },
+        window: window_of(window),
         scale,
         softcap: (softcap != 0.0).then_some(softcap),
         threads,
