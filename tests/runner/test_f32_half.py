@@ -94,5 +94,5 @@ def test_pack_half_refuses_a_wrong_length():
 
     w = numpy_view(torch.zeros(4, 3, dtype=torch.bfloat16))
     with pytest.raises(FieldError) as e:
-        _core.f32_pack_half(w, np.zeros(5, np.uint16))
+        _core.f32_pack_half(w, np.zeros(5, np.uint16), dtype="bfloat16")
     assert e.value.field == "out"

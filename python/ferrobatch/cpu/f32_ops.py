@@ -72,7 +72,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
     b = None if bias is None else bias.detach().float().contiguous()
     if w.dtype in HALF_DTYPES:
         packed = torch.empty(_core.f32_packed_len(n, k), dtype=w.dtype)
-        _core.f32_pack_half(_np(w.contiguous()), _np(packed))
+        _core.f32_pack_half(_np(w.contiguous()), _np(packed), dtype=HALF_DTYPES[w.dtype])
         return F32Weight(packed, b, int(n), int(k))
     packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
     _core.f32_pack(w.float().contiguous().numpy(), packed.numpy())

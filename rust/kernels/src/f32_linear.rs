@@ -13,8 +13,9 @@
 //! L1 and a pass's weights (k x 256 bytes) in L2 while the rows go past in groups.
 //!
 //! Half-precision weights (bf16 or fp16 bits, `u16`) pack in the same layout at half the
-//! bytes ([`pack_half`]) and [`linear_half`] widens each loaded block to f32 in registers
-//! (bf16: zero-extended and shifted left 16 bits; fp16: `vcvtph2ps`), both exact, then runs
+//! bytes ([`pack_half`]; bf16 blocks interleaved by pairs, [`pair_blocks`]) and
+//! [`linear_half`] widens each loaded block to f32 in registers (bf16: shifted left 16 bits
+//! or masked to the high half; fp16: `vcvtph2ps`), both exact, then runs
 //! the same fused multiply-adds in the same order: its outputs are bit for bit those of
 //! [`linear`] over the weights widened to f32, at any rows or threads.
 
@@ -98,6 +99,9 @@ macro_rules! panels {
 
             fn pack_into(weight: &[Self::Elem], n: usize, k: usize, out: &mut [Self::Elem]) {
                 pack_columns(weight, n, k, 1, out);
+                if <$layout as Widened>::FORM == Form::Bf16 {
+                    pair_blocks(n, k, out);
+                }
             }
         }
 
@@ -125,10 +129,42 @@ pub fn pack(weight: &[f32], n: usize, k: usize, out: &mut [f32]) -> Result<(), K
     linear::pack::<F32Panels>(weight, n, k, out)
 }
 
-/// Packs a half-precision `weight` [n, k] (bf16 or fp16 bits; the packing is the same) into
-/// `out` ([`packed_len`] elements), the layout of [`pack`] at half the bytes.
-pub fn pack_half(weight: &[u16], n: usize, k: usize, out: &mut [u16]) -> Result<(), KernelError> {
-    linear::pack::<Bf16Panels>(weight, n, k, out)
+/// Packs a half-precision `weight` [n, k] (`half`'s bits) into `out` ([`packed_len`]
+/// elements), the layout of [`pack`] at half the bytes (bf16: see [`pair_blocks`]).
+pub fn pack_half(
+    half: Half,
+    weight: &[u16],
+    n: usize,
+    k: usize,
+    out: &mut [u16],
+) -> Result<(), KernelError> {
+    match half {
+        Half::Bf16 => linear::pack::<Bf16Panels>(weight, n, k, out),
+        Half::F16 => linear::pack::<F16Panels>(weight, n, k, out),
+    }
+}
+
+/// Interleaves the bf16 panels `packed` (of an [n, k] weight) by pairs of column blocks: per
+/// input, blocks `2p` and `2p + 1` of a panel become one zmm register of 32-bit lanes, the
+/// first block's weight in each lane's low half and the second's in its high half (a
+/// panel's last block without a partner stays as it was). One load then widens to both
+/// blocks with one instruction each (a shift left by 16, a mask of the high half) instead
+/// of two (zero-extension, shift) per block: the widening shares the FMA ports.
+fn pair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
+    let blocks = n.div_ceil(BLOCK_N);
+    for nb in (0..blocks).step_by(PASS_BLOCKS) {
+        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
+        let panel = &mut packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
+        for row in panel.chunks_exact_mut(width) {
+            for pair in row.chunks_exact_mut(2 * BLOCK_N) {
+                let mut both = [T::default(); 2 * BLOCK_N];
+                for (c, lane) in both.chunks_exact_mut(2).enumerate() {
+                    lane.copy_from_slice(&[pair[c], pair[BLOCK_N + c]]);
+                }
+                pair.copy_from_slice(&both);
+            }
+        }
+    }
 }
 
 /// `out[i, j] = sum_l x[i, l] * W[j, l] (+ bias[j])` in f32, `x` [m, k], `packed` the
@@ -225,26 +261,39 @@ mod kernel {
         unsafe { dot::<L, R, NB>(a, k, w, bias, pf, sums) }
     }
 
-    /// The 16 weights at `p` as f32, widened as `form` says.
+    /// Column block `j` of input `l`'s weights in the panel at `w` (`NB` blocks; elements
+    /// of `form`), as 16 f32.
     ///
     /// # Safety
-    /// `p` points at 16 readable elements of `form`'s size (4 bytes for
-    /// [`Form::F32`], 2 for the half forms).
+    /// `w` points at a panel of at least `(l + 1) * NB * 16` elements of `form`'s size (4
+    /// bytes for [`Form::F32`], 2 for the half forms), `j < NB`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn load(form: Form, p: *const u8) -> __m512 {
-        // SAFETY: the caller's contract; every load below is unaligned and reads 16
-        // elements of the form's size from `p` (64 bytes for f32, 32 for half).
+    unsafe fn block<const NB: usize>(form: Form, w: *const u8, l: usize, j: usize) -> __m512 {
+        let at = (l * NB + j) * BLOCK_N; // the block's first element
+                                         // SAFETY: the caller's contract: `at + 16 <= (l + 1) * NB * 16` elements; a pair's
+                                         // 32 elements start 16 before `at` for an odd `j` and end within block `j | 1 < NB`.
+                                         // Every load is unaligned.
         unsafe {
             match form {
-                Form::F32 => _mm512_loadu_ps(p.cast::<f32>()),
-                // the bits as the high half of each 32-bit lane: the same number in f32
+                Form::F32 => _mm512_loadu_ps(w.cast::<f32>().add(at)),
+                // (vcvtph2ps is exact: every fp16 value, subnormals included, is an f32)
+                Form::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(w.cast::<u16>().add(at).cast())),
+                // a pair (`pair_blocks`): the even block's bits in each lane's low half,
+                // shifted up, or the odd one's in its high half, kept: the same numbers in f32
+                Form::Bf16 if j | 1 < NB => {
+                    let pair =
+                        _mm512_loadu_si512(w.cast::<u16>().add(at - (j & 1) * BLOCK_N).cast());
+                    _mm512_castsi512_ps(if j & 1 == 0 {
+                        _mm512_slli_epi32::<16>(pair)
+                    } else {
+                        _mm512_and_si512(pair, _mm512_set1_epi32(-65536))
+                    })
+                }
                 Form::Bf16 => {
-                    let h = _mm256_loadu_si256(p.cast::<__m256i>());
+                    let h = _mm256_loadu_si256(w.cast::<u16>().add(at).cast());
                     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
                 }
-                // (vcvtph2ps is exact: every fp16 value, subnormals included, is an f32)
-                Form::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
             }
         }
     }
@@ -275,12 +324,10 @@ mod kernel {
             // (a prefetch never faults: the address is input l's line of the fetched column
             // block, inside the next panel, or `w`'s start)
             _mm_prefetch::<_MM_HINT_T1>(pf_ptr.wrapping_add(l * pf_step).cast::<i8>());
-            // SAFETY: `(l * NB + j) * 16 + 16 <= NB * k * 16 = w.len()` (l < k, j < NB):
-            // input l's weights of column block j, 16 elements of the form's size (asserted
-            // in `run`); AVX-512F is enabled here.
-            let wv: [__m512; NB] = std::array::from_fn(|j| unsafe {
-                load(L::FORM, wp.add((l * NB + j) * BLOCK_N).cast::<u8>())
-            });
+            // SAFETY: `(l + 1) * NB * 16 <= NB * k * 16 = w.len()` (l < k) elements of the
+            // form's size (asserted in `run`), j < NB; AVX-512F is enabled here.
+            let wv: [__m512; NB] =
+                std::array::from_fn(|j| unsafe { block::<NB>(L::FORM, wp.cast::<u8>(), l, j) });
             for (i, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: `i * k + l < R * k = a.len()`: input l of row i.
                 let x = _mm512_set1_ps(unsafe { *ap.add(i * k + l) });
@@ -441,7 +488,7 @@ mod tests {
         let b = bias.then(|| values(6, n, 1.0));
         let args = LinearArgs { m, n, k, threads };
         let mut packed = vec![0u16; packed_len(n, k)];
-        pack_half(&w, n, k, &mut packed).unwrap();
+        pack_half(half, &w, n, k, &mut packed).unwrap();
         let mut got = vec![f32::NAN; m * n];
         linear_half(half, &args, &x, &packed, b.as_deref(), &mut got).unwrap();
         let mut wide_packed = vec![0f32; packed_len(n, k)];
@@ -496,7 +543,8 @@ mod tests {
         let packed = vec![0u16; packed_len(2, 3)];
         let e = linear_half(Half::F16, &args, &[0.0; 6], &packed[1..], None, &mut out);
         assert_eq!(e.unwrap_err().to_string(), "packed has 47 elements, not 48");
-        let e = pack_half(&[0; 5], 2, 3, &mut vec![0u16; packed_len(2, 3)]).unwrap_err();
+        let e = pack_half(Half::Bf16, &[0; 5], 2, 3, &mut vec![0u16; packed_len(2, 3)]);
+        let e = e.unwrap_err();
         assert_eq!(e.field(), Some("weight"));
         assert_eq!(out, vec![7f32; 4]);
     }

@@ -916,7 +916,7 @@ mod tests {
         for (i, &(n, k)) in shapes.iter().enumerate() {
             let w = round(&values(i as u64 + 1, n * k, 0.3));
             half[i] = vec![0u16; f32_linear::packed_len(n, k)];
-            f32_linear::pack_half(&w, n, k, &mut half[i]).expect("pack");
+            f32_linear::pack_half(f32_linear::Half::Bf16, &w, n, k, &mut half[i]).expect("pack");
             let wide: Vec<f32> = w.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
             f32_linear::pack(&wide, n, k, &mut widened.f32[i]).expect("pack");
         }

@@ -56,20 +56,37 @@ pub fn f32_linear(
     })
 }
 
-/// Packs a half-precision `weight` [n, k] (bf16 or fp16 bits as uint16) into `out`
-/// (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes.
+/// Packs a half-precision `weight` [n, k] (`dtype` "bfloat16" or "float16", bits as uint16)
+/// into `out` (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes.
 #[pyfunction]
+#[pyo3(signature = (weight, out, *, dtype))]
 pub fn f32_pack_half(
     py: Python<'_>,
     weight: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    dtype: &str,
 ) -> PyResult<()> {
+    let half = half_of(dtype)?;
     let weight = (weight, "bfloat16 / float16 storage (uint16 bits)");
-    pack_with(py, weight, (out, "uint16"), kernel::pack_half)
+    pack_with(py, weight, (out, "uint16"), |w, n, k, o| {
+        kernel::pack_half(half, w, n, k, o)
+    })
+}
+
+/// The half format a dtype string names (a `FieldError` on `dtype` for another).
+fn half_of(dtype: &str) -> PyResult<kernel::Half> {
+    match ty(dtype, "dtype")? {
+        Ty::Bf16 => Ok(kernel::Half::Bf16),
+        Ty::F16 => Ok(kernel::Half::F16),
+        Ty::F32 => Err(crate::errors::invalid(
+            "dtype",
+            "dtype must be \"bfloat16\" or \"float16\" (float32 weights: f32_linear)",
+        )),
+    }
 }
 
 /// `f32_linear` over an `f32_pack_half`ed W [n, k] (uint16) of `dtype` (`"bfloat16"` or
-/// `"float16"`): its weights widened exactly to f32 in registers, every output bit for bit
+/// `"float16"`, as packed): its weights widened exactly to f32 in registers, every output bit for bit
 /// `f32_linear`'s over the widened weights.
 #[pyfunction]
 #[pyo3(signature = (x, packed, out, *, n, k, dtype, bias = None, threads = 1))]
@@ -85,14 +102,7 @@ pub fn f32_linear_half(
     bias: Option<&Bound<'_, PyAny>>,
     threads: i64,
 ) -> PyResult<()> {
-    let half = match ty(dtype, "dtype")? {
-        Ty::Bf16 => kernel::Half::Bf16,
-        Ty::F16 => kernel::Half::F16,
-        Ty::F32 => {
-            let why = "dtype must be \"bfloat16\" or \"float16\" (float32 weights: f32_linear)";
-            return Err(crate::errors::invalid("dtype", why));
-        }
-    };
+    let half = half_of(dtype)?;
     let threads = threads_of(threads)?;
     let p = ro::<u16>(packed, "packed", "uint16")?;
     let pe = p.as_slice()?;
