@@ -21,8 +21,9 @@ Backends (`Backend`):
 * `transposed`: `torch.mm` with a transposed contiguous copy (the output head only);
 * `torch`: `F.linear`, the layer's own forward.
 
-Half-precision weights take fp32 copies (`onednn_fp32` / `f32_ops`) from the row count the
-probe returns (`probe(dtype)`: one timing per process and dtype, `measure_gain`): on Intel
+Half-precision weights take fp32 products (`onednn_fp32` on fp32 copies, `f32_ops` on the
+half weights widened in registers) from the row count the probe returns (`probe(dtype)`:
+one timing per process and dtype, `measure_gain`): on Intel
 cores with AVX-512 BF16 and no AMX, `vdpbf16ps` runs at half the rate of the two fp32 FMA
 ports, and the fp32 product of the widened weight took 0.51-0.58x the time of the bf16 one
 from 64 rows, 0.56-0.75x at 16, while at 1-4 rows, where the weight's bytes are the cost,
@@ -222,7 +223,8 @@ RULES: tuple[Rule, ...] = (
          why="35 ms instead of the bf16 screen's 46 at 64 rows of SmolLM2's head"),
     # products
     Rule(Backend.F32_OPS, HALF, ("f32_ops",), rows=(0, F32_KERNEL_ROWS), fp32_copies=True,
-         why="fp32 copies where fp32 products are faster (AVX-512 BF16 without AMX)"),
+         why="fp32 products where they are faster (AVX-512 BF16 without AMX), on the half "
+             "weights as stored, widened in registers"),
     Rule(Backend.ONEDNN_FP32, HALF, ("onednn:float32",), fp32_copies=True,
          why="fp32 copies beyond f32_ops' rows"),
     Rule(Backend.AMX_OPS, _BF16, ("amx",), rows=(0, AMX_ROWS), fp32_outputs=True,
