@@ -568,6 +568,26 @@ def f32_linear(
     `bias` [n] or None, `out` [m, n]. Panels of 64 columns are split over at most `threads`
     threads of the kernel pool; a row's result depends on neither `m` nor `threads`."""
 
+def f32_pack_half(weight: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16], *,
+                  dtype: Literal["bfloat16", "float16"]) -> None:
+    """Packs a half-precision `weight` [n, k] (`dtype`'s bits as uint16) into `out`
+    (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes."""
+
+def f32_linear_half(
+    x: npt.NDArray[np.float32],
+    packed: npt.NDArray[np.uint16],
+    out: npt.NDArray[np.float32],
+    *,
+    n: int,
+    k: int,
+    dtype: Literal["bfloat16", "float16"],
+    bias: npt.NDArray[np.float32] | None = None,
+    threads: int = 1,
+) -> None:
+    """`f32_linear` over an `f32_pack_half`ed W [n, k] of `dtype` (as packed): its weights
+    widened exactly to f32 in registers, every output bit for bit `f32_linear`'s over the
+    widened weights."""
+
 def i16_linear_available() -> bool:
     """Whether `i16_linear` runs on this CPU (AVX-512 VNNI)."""
 
@@ -651,7 +671,8 @@ class LeanLayer:
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed
     products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden, heads * dim],
     `gate_up` [2 * inter, hidden], `down` [hidden, inter] (`amx_pack`ed uint16 with
-    `weight_dtype` "bfloat16", `f32_pack`ed float32 with "float32"), each with an optional
+    `weight_dtype` "bfloat16", `f32_pack`ed float32 with "float32", `f32_pack_half`ed
+    uint16 with "bfloat16_panels" / "float16_panels"), each with an optional
     float32 bias; `q_norm` / `k_norm` [dim] (in `norm_dtype`, both or neither): per-head
     RMSNorms of q and k before rope (Qwen3). The arrays are kept, not copied. FieldError on
     a bad shape."""
@@ -677,7 +698,8 @@ class LeanLayer:
         o_bias: npt.NDArray[np.float32] | None = None,
         gate_up_bias: npt.NDArray[np.float32] | None = None,
         down_bias: npt.NDArray[np.float32] | None = None,
-        weight_dtype: Literal["bfloat16", "float32"] = "bfloat16",
+        weight_dtype: Literal["bfloat16", "float32", "bfloat16_panels",
+                              "float16_panels"] = "bfloat16",
         q_norm: _Storage | None = None,
         k_norm: _Storage | None = None,
         qk_norm_eps: float = 1e-6,

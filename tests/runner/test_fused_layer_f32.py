@@ -1,7 +1,8 @@
 """The one-call decoder layer over fp32 products (`_core.LeanLayer(weight_dtype="float32")`
-on `f32_ops`): an fp32 model's layers and a half-precision model's fp32 copies, bit-equal to
-the lean layer it replaces and taken where it applies; the binding's checks of the fp32
-layout."""
+on `f32_ops`, or "bfloat16_panels" / "float16_panels" over half weights as stored): an fp32
+model's layers and a half-precision model's, bit-equal to the lean layer it replaces and
+taken where it applies; half panels bit-equal to the widened weights' fp32 layout; the
+binding's checks of the layouts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, FieldError, SamplingParams
 from ferrobatch.cpu import f32_ops
+from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
 from ferrobatch.runner.linear_policy import Backend
@@ -63,15 +65,16 @@ def test_an_fp32_models_one_call_layer_is_its_lean_layer_bit_for_bit(monkeypatch
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float16])
-def test_fp32_copies_of_half_weights_take_the_one_call_on_f32_products(monkeypatch,
-                                                                       cache_dtype):
-    """A bf16 model whose products of >= 2 rows run on fp32 copies (forced): those steps
-    take the one call on f32 products (the attention output widened from the cache's type),
-    bit-equal to the lean layer."""
+@pytest.mark.parametrize("weights,cache_dtype", [(torch.bfloat16, None),
+                                                  (torch.bfloat16, torch.float16),
+                                                  (torch.float16, None)])
+def test_half_weights_on_f32_products_take_the_one_call(monkeypatch, weights, cache_dtype):
+    """A half-precision model whose products of >= 2 rows run on fp32 products (forced; the
+    weights in `f32_ops`' half panels): those steps take the one call on f32 products (the
+    attention output widened from the cache's type), bit-equal to the lean layer."""
     monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: 2)
     seen = _record(monkeypatch)
-    model = tm.llama().to(torch.bfloat16)
+    model = tm.llama().to(weights)
     kw = {} if cache_dtype is None else {"dtype": cache_dtype}
     fused, lean = _fused_and_lean(model, tm.random_prompts(4, 6, 2, 30), 8, **kw)
     assert any(ran and wide for ran, wide in seen)
@@ -110,20 +113,45 @@ def test_fp32_engine_outputs_equal_generate_with_the_one_call():
 H, HEADS, KV, D, INTER = 64, 4, 2, 16, 96
 
 
-def _layer(**over):
+def _layer(dtype=torch.float32, **over):
     from ferrobatch import _core
 
     def packed(n, k):
-        return f32_ops.pack(torch.randn(n, k)).packed.numpy()
+        gen = torch.Generator().manual_seed(n * 1000 + k)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        return numpy_view(f32_ops.pack(w).packed)
 
     nq, nk = HEADS * D, KV * D
     kw = dict(input_norm=np.ones(H, np.float32), post_norm=np.ones(H, np.float32),
               norm_dtype="float32", input_eps=1e-6, post_eps=1e-6,
               qkv=packed(nq + 2 * nk, H), o=packed(H, nq), gate_up=packed(2 * INTER, H),
               down=packed(H, INTER), hidden=H, heads=HEADS, kv_heads=KV, dim=D, inter=INTER,
-              weight_dtype="float32")
+              weight_dtype={torch.float32: "float32", torch.bfloat16: "bfloat16_panels",
+                            torch.float16: "float16_panels"}[dtype])
     kw.update(over)
     return _core.LeanLayer(**kw)
+
+
+def _run_layer(layer, rows: int = 2, slots: int = 16):
+    x = np.random.default_rng(0).standard_normal((rows, H)).astype(np.float32)
+    kc, vc = np.zeros((slots, KV, D), np.float32), np.zeros((slots, KV, D), np.float32)
+    layer.forward(x, kc, vc, np.ones((rows, D), np.float32), np.zeros((rows, D), np.float32),
+                  np.arange(rows, dtype=np.int64), np.zeros((rows, 1), np.int32),
+                  np.arange(1, rows + 1, dtype=np.int32), cache_dtype="float32", page=4,
+                  window=0, scale=0.25, threads=2)
+    return x, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_panels_are_the_widened_weights_fp32_layer_bit_for_bit(monkeypatch, dtype):
+    """A layer over half weights in `f32_ops`' half panels computes the bits of the same
+    layer over those weights widened to fp32 (half the bytes)."""
+    half = _run_layer(_layer(dtype))
+    widen = f32_ops.pack
+    monkeypatch.setattr(f32_ops, "pack", lambda w, b=None: widen(w.float(), b))
+    wide = _run_layer(_layer(dtype, weight_dtype="float32"))
+    for a, b in zip(half, wide, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def test_an_fp32_layer_runs_and_updates_x_and_the_cache():
@@ -144,6 +172,7 @@ def test_an_fp32_layer_runs_and_updates_x_and_the_cache():
     ("weight_dtype", dict(weight_dtype="int8")),
     ("qkv", dict(qkv=np.zeros(10, np.float32))),
     ("o", dict(o=np.zeros(10, np.uint16))),
+    ("qkv", dict(weight_dtype="bfloat16_panels")),  # float32 arrays for half panels
 ])
 def test_a_bad_fp32_layer_names_the_field(field, over):
     with pytest.raises(FieldError) as e:

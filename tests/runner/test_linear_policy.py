@@ -156,10 +156,10 @@ def test_the_invariant_table_chooses_by_format_and_isa_only():
     tiles = Isa(frozenset({"amx", "f32_ops", *ONEDNN_ALL}))
     bare = Isa(frozenset(ONEDNN_ALL))
     assert policy.choose_invariant(torch.float32, f32) is B.F32_OPS
-    assert policy.choose_invariant(torch.bfloat16, f32) is B.F32_OPS  # fp32 copies
+    assert policy.choose_invariant(torch.bfloat16, f32) is B.F32_OPS  # half panels
     assert policy.choose_invariant(torch.float16, f32) is B.F32_OPS
-    # bf16 weights read as they are (vdpbf16ps: sums over k in pair order at any rows)
-    assert policy.choose_invariant(torch.bfloat16, dpbf16) is B.AMX_OPS
+    # AVX-512 BF16 without tiles: the half panels' fp32 FMAs, not vdpbf16ps
+    assert policy.choose_invariant(torch.bfloat16, dpbf16) is B.F32_OPS
     assert policy.choose_invariant(torch.float16, dpbf16) is B.F32_OPS
     assert policy.choose_invariant(torch.bfloat16, tiles) is B.AMX_OPS
     assert policy.choose_invariant(torch.float16, tiles) is B.F32_OPS

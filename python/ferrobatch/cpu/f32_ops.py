@@ -6,7 +6,10 @@ is level with oneDNN's packed fp32 product on one thread and splits better over 
 (`benches/f32_linear.py`).
 
 `pack` lays a weight out once; `linear` runs the product; `torch_linear` is the reference
-it is tested against.
+it is tested against. A bf16 or fp16 weight is packed as it is stored (half the bytes of an
+fp32 copy) and widened exactly to fp32 in registers inside the product, which then runs the
+same fp32 multiply-adds in the same order: its outputs are bit for bit those of the weight
+widened to fp32 and packed, at any rows or threads.
 """
 
 from __future__ import annotations
@@ -33,30 +36,46 @@ def available() -> bool:
     return bool(getattr(_core, "f32_linear_available", lambda: False)())
 
 
+#: weight dtypes packed as they are stored (`_core.f32_pack_half`), by their kernel name
+HALF_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 @dataclass(frozen=True)
 class F32Weight:
-    """An fp32 `nn.Linear` weight [n, k] packed for `linear`, with its fp32 bias."""
+    """An `nn.Linear` weight [n, k] packed for `linear` (fp32, or bf16 / fp16 as stored:
+    `packed.dtype`), with its fp32 bias."""
 
-    packed: torch.Tensor  # float32, `_core.f32_packed_len(n, k)` elements
+    packed: torch.Tensor  # `_core.f32_packed_len(n, k)` elements: float32, bfloat16 or float16
     bias: torch.Tensor | None  # float32 [n]
     n: int
     k: int
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The stored weights' dtype (the product is fp32 whatever it is)."""
+        return self.packed.dtype
+
+    @property
     def nbytes(self) -> int:
-        return self.packed.numel() * 4
+        return self.packed.numel() * self.packed.element_size()
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
-    """`weight` ([n, k], CPU; widened to fp32 exactly if half precision) packed once for
-    `linear`; `bias` kept as fp32."""
+    """`weight` ([n, k], CPU) packed once for `linear`: bf16 / fp16 as stored (widened in the
+    product; `pack(weight.float())` gives the same outputs at twice the bytes), other
+    floating dtypes as fp32; `bias` kept as fp32."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D floating-point tensor, not {weight.dtype} "
                          f"{tuple(weight.shape)}")
     n, k = weight.shape
-    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
-    _core.f32_pack(weight.detach().float().contiguous().numpy(), packed.numpy())
+    w = weight.detach()
     b = None if bias is None else bias.detach().float().contiguous()
+    if w.dtype in HALF_DTYPES:
+        packed = torch.empty(_core.f32_packed_len(n, k), dtype=w.dtype)
+        _core.f32_pack_half(_np(w.contiguous()), _np(packed), dtype=HALF_DTYPES[w.dtype])
+        return F32Weight(packed, b, int(n), int(k))
+    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
+    _core.f32_pack(w.float().contiguous().numpy(), packed.numpy())
     return F32Weight(packed, b, int(n), int(k))
 
 
@@ -68,8 +87,14 @@ def linear(x: torch.Tensor, w: F32Weight, out: torch.Tensor | None = None) -> to
     if out is None:
         out = torch.empty(rows, w.n, dtype=torch.float32)
     threads = torch.get_num_threads() if rows * w.n * w.k >= SPLIT_MACS else 1
-    _core.f32_linear(_np(x), _np(w.packed), _np(out), n=w.n, k=w.k,
-                     bias=None if w.bias is None else w.bias.numpy(), threads=threads)
+    bias = None if w.bias is None else w.bias.numpy()
+    half = HALF_DTYPES.get(w.packed.dtype)
+    if half is None:
+        _core.f32_linear(_np(x), _np(w.packed), _np(out), n=w.n, k=w.k, bias=bias,
+                         threads=threads)
+    else:
+        _core.f32_linear_half(_np(x), _np(w.packed), _np(out), n=w.n, k=w.k, dtype=half,
+                              bias=bias, threads=threads)
     return out
 
 

@@ -67,8 +67,9 @@ _INVARIANT_KEY = (0, True, 0)
 def _invariant_copies(dtype: torch.dtype, activation_dtype: torch.dtype | None, amx: bool,
                       fp32_rows: int | None) -> tuple[bool, int | None]:
     """Batch-invariant mode's copies (`amx`, `fp32_rows`) of `dtype` weights: `amx_ops`'
-    where it runs bf16 weights (AMX tiles or AVX-512 BF16), else fp32 copies for `f32_ops`
-    from one row (half weights with fp32 activations)."""
+    where the policy runs bf16 weights there (AMX tiles), else `f32_ops`' packing (half
+    weights as stored, widened in the product) from one row (half weights with fp32
+    activations)."""
     if dtype not in HALF_DTYPES or activation_dtype != torch.float32:
         return False, fp32_rows
     if policy.choose_invariant(dtype, policy.Isa.detect()) is Backend.AMX_OPS:
@@ -122,7 +123,8 @@ class _Packed:
         self.wide: torch.Tensor | None = None
         self.wide_bias: torch.Tensor | None = None
         self.wants_f32 = f32
-        #: the weight (widened to fp32) packed for `f32_ops.linear`, when asked for
+        #: the weight packed for `f32_ops.linear` (a half weight as stored: its fp32 product
+        #: is that of the widened weight), when asked for
         self.f32: f32_ops.F32Weight | None = None
 
     def refresh(self) -> None:
@@ -154,8 +156,8 @@ class _Packed:
         return self.amx
 
     def f32_weight(self) -> f32_ops.F32Weight | None:
-        """The weight widened to fp32 and packed for `f32_ops` (on first use after each
-        `refresh`), if wanted."""
+        """The weight packed for `f32_ops` (on first use after each `refresh`), if
+        wanted."""
         if self.f32 is None and self.wants_f32:
             with torch.no_grad():
                 w = torch.cat([m.weight.detach() for m in self.layers])
@@ -326,8 +328,8 @@ class PackedLinears:
         the weight dtypes packed (fp32 too for an fp32 model: oneDNN's product on a packed
         fp32 weight is 1.3-1.6x faster than `F.linear` on Zen 4, and batch-invariant).
         `invariant`: batch-invariant mode (`linear_policy.choose_invariant` for every call;
-        half-precision weights with fp32 activations get their fp32 copies for `f32_ops`
-        from one row, no oneDNN fp32 copies)."""
+        half-precision weights with fp32 activations get their `f32_ops` packing from one
+        row, no oneDNN fp32 copies)."""
         layers = [
             m for m in model.modules()
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__
@@ -349,14 +351,14 @@ class PackedLinears:
                         "of the %.0f MiB available)", 2 * weights / 2**20,
                         100 * _MAX_AVAILABLE_SHARE, available / 2**20)
             fp32_rows = None
-        fp32_weights = weights * 4 // layers[0].weight.element_size()
         wants_f32 = f32_kernel and f32_ops.available() and (
             fp32_rows is not None or layers[0].weight.dtype == torch.float32)
         if wants_f32:
             copies = need + (2 * weights if fp32_rows is not None and not invariant else 0)
-            if copies + fp32_weights > _MAX_AVAILABLE_SHARE * available:
+            # (f32_ops packs a weight in its own dtype: as many bytes again)
+            if copies + weights > _MAX_AVAILABLE_SHARE * available:
                 logger.info("ferrobatch: no copies of the weights for f32_ops (%.0f MiB more)",
-                            fp32_weights / 2**20)
+                            weights / 2**20)
                 wants_f32 = False
         if need > _MAX_AVAILABLE_SHARE * available:
             logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
@@ -425,7 +427,7 @@ class PackedLinears:
                 raise FieldError(
                     f"batch_invariant: no batch-invariant product for {self.weight_dtype} "
                     f"weights here ({self.isa}): it needs AVX-512F (f32_ops) and memory for "
-                    "an fp32 copy of the weights, or AMX tiles for bf16 weights",
+                    "a packed copy of the weights, or AMX tiles for bf16 weights",
                     "batch_invariant")
             chosen = self._chosen[_INVARIANT_KEY] = found
         return chosen

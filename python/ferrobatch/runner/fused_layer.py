@@ -9,8 +9,9 @@ results are bit-equal to `lean_layers._lean_forward`'s (tested). The lean layer 
 the call when:
 
 * the policy puts every product of the step's rows on `amx_ops` (bf16 weights) or every
-  one on `f32_ops` (an fp32 model's weights, or fp32 copies of half-precision ones; the
-  norms and SiLU then write fp32 inputs, as the lean forward does for them), and the step
+  one on `f32_ops` (an fp32 model's weights, or half-precision ones in its half panels,
+  widened in the product; the norms and SiLU then write fp32 inputs, as the lean forward
+  does for them), and the step
   has at most `linear_policy.ONE_CALL_MAX_ROWS` rows (`linear_policy.one_call`);
 * the layer's attention is ferrobatch's paged attention and every row of the step goes to
   the CPU decode kernel (`kernel_only_group`'s case: decode rows, or every row in the
@@ -76,7 +77,8 @@ class FusedLayer:
             return self._layers[wide]
         self._made[wide], self._layers[wide] = made, None
         if any(w is None for w in packed) or any(n.dtype != norms[0].dtype for n in norms) \
-                or norms[0].dtype not in KERNEL_DTYPES:
+                or norms[0].dtype not in KERNEL_DTYPES \
+                or wide and len({w.dtype for w in packed}) > 1:
             return None
         qk = {} if len(norms) == 2 else {
             "q_norm": numpy_view(norms[2]), "k_norm": numpy_view(norms[3]),
@@ -93,7 +95,8 @@ class FusedLayer:
             gate_up=numpy_view(gate_up.packed), down=numpy_view(down.packed),
             hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
             qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
-            down_bias=_bias(down), weight_dtype="float32" if wide else "bfloat16", **qk)
+            down_bias=_bias(down), weight_dtype=_PANELS[qkv.dtype] if wide else "bfloat16",
+            **qk)
         return self._layers[wide]
 
     def forward(self, x: torch.Tensor, step: Any,
@@ -131,6 +134,12 @@ class FusedLayer:
             cache_dtype=KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
             window=kd.window, scale=float(p.attn.scaling), threads=torch.get_num_threads())
         return Backend.F32_OPS if wide else Backend.AMX_OPS
+
+
+#: `_core.LeanLayer`'s `weight_dtype` of `f32_ops`' packing, by its stored dtype (half
+#: weights as stored, widened in the product)
+_PANELS = {torch.float32: "float32", torch.bfloat16: "bfloat16_panels",
+           torch.float16: "float16_panels"}
 
 
 def _bias(w: amx_ops.AmxWeight | f32_ops.F32Weight) -> Any:

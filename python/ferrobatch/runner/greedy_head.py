@@ -132,10 +132,10 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor, invariant: bool = False) -> None:
         """`invariant` (batch-invariant mode): the candidates are rescored on the product
         the packed head runs there (`linear_policy.choose_invariant`: `f32_ops`, or
-        `amx_ops` on bf16 weights, whose inputs are then rounded to bf16 before the screens
-        too), so the token is the argmax of exactly the logits a full-logits step computes
-        (the screens' windows cover any fp32 summation order), and the statistical
-        `window8` screen and the full-rows path are off."""
+        `amx_ops` on bf16 weights with AMX tiles, whose inputs are then rounded to bf16
+        before the screens too), so the token is the argmax of exactly the logits a
+        full-logits step computes (the screens' windows cover any fp32 summation order),
+        and the statistical `window8` screen and the full-rows path are off."""
         self._weight = weight
         self.invariant = invariant
         #: the rows are rounded to bf16 and the candidates rescored on `amx_ops`
@@ -357,8 +357,8 @@ class GreedyHead:
         weight = self._weight.detach().index_select(0, torch.from_numpy(unique))
         if self.bf16_rows:  # each column's sums as the full head's on `amx_ops`, bit for bit
             logits = amx_ops.linear(hidden, amx_ops.pack(weight.bfloat16())).numpy()
-        elif self.invariant:  # ... on `f32_ops`
-            logits = f32_ops.linear(hidden, f32_ops.pack(weight.float())).numpy()
+        elif self.invariant:  # ... on `f32_ops` (a half weight in its half panels)
+            logits = f32_ops.linear(hidden, f32_ops.pack(weight)).numpy()
         else:
             logits = torch.mm(hidden, weight.float().t()).numpy()  # [N, len(unique)]
         tokens = _core.greedy_pick(logits, rows, cols, inverse)

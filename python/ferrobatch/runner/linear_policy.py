@@ -13,15 +13,17 @@ Backends (`Backend`):
   or `vdpbf16ps` on AVX-512 BF16); only for callers that take fp32 outputs (the lean
   layers, the greedy head's bf16 screen);
 * `f32_ops`: fp32 products on AVX-512F (`ferrobatch.cpu.f32_ops`) of fp32 weights, or of
-  fp32 copies of half-precision ones;
+  half-precision ones packed as stored and widened exactly in registers (outputs bit for
+  bit those of fp32 copies);
 * `onednn_fp32`: oneDNN's packed product on fp32 copies of half-precision weights;
 * `onednn`: oneDNN's packed product in the weight's dtype (`ferrobatch.cpu.onednn`; its
   outputs rounded to that dtype);
 * `transposed`: `torch.mm` with a transposed contiguous copy (the output head only);
 * `torch`: `F.linear`, the layer's own forward.
 
-Half-precision weights take fp32 copies (`onednn_fp32` / `f32_ops`) from the row count the
-probe returns (`probe(dtype)`: one timing per process and dtype, `measure_gain`): on Intel
+Half-precision weights take fp32 products (`onednn_fp32` on fp32 copies, `f32_ops` on the
+half weights widened in registers) from the row count the probe returns (`probe(dtype)`:
+one timing per process and dtype, `measure_gain`): on Intel
 cores with AVX-512 BF16 and no AMX, `vdpbf16ps` runs at half the rate of the two fp32 FMA
 ports, and the fp32 product of the widened weight took 0.51-0.58x the time of the bf16 one
 from 64 rows, 0.56-0.75x at 16, while at 1-4 rows, where the weight's bytes are the cost,
@@ -221,7 +223,8 @@ RULES: tuple[Rule, ...] = (
          why="35 ms instead of the bf16 screen's 46 at 64 rows of SmolLM2's head"),
     # products
     Rule(Backend.F32_OPS, HALF, ("f32_ops",), rows=(0, F32_KERNEL_ROWS), fp32_copies=True,
-         why="fp32 copies where fp32 products are faster (AVX-512 BF16 without AMX)"),
+         why="fp32 products where they are faster (AVX-512 BF16 without AMX), on the half "
+             "weights as stored, widened in registers"),
     Rule(Backend.ONEDNN_FP32, HALF, ("onednn:float32",), fp32_copies=True,
          why="fp32 copies beyond f32_ops' rows"),
     Rule(Backend.AMX_OPS, _BF16, ("amx",), rows=(0, AMX_ROWS), fp32_outputs=True,
@@ -246,11 +249,10 @@ INVARIANT_RULES: tuple[Rule, ...] = (
     Rule(Backend.AMX_OPS, _BF16, ("amx",), use="invariant",
          why="AMX tiles: each fp32 sum runs over k in tile order whatever the rows "
              "(bf16 products 2-5x the fp32 rate there)"),
-    Rule(Backend.AMX_OPS, _BF16, ("avx512_bf16",), use="invariant",
-         why="vdpbf16ps on zmm registers: each fp32 sum runs over k in pair order whatever "
-             "the rows, on the bf16 weights themselves (half the bytes of fp32 copies)"),
     Rule(Backend.F32_OPS, HALF, ("f32_ops",), use="invariant",
-         why="fp32 copies on f32_ops: each output a plain fp32 sum in input order"),
+         why="half weights as stored, widened exactly in registers: each output a plain "
+             "fp32 sum in input order, half the bytes of fp32 copies, and fp32 FMAs "
+             "(vdpbf16ps was 0.69x the default at 64 rows without AMX)"),
     Rule(Backend.F32_OPS, _FP32, ("f32_ops",), use="invariant",
          why="each output a plain fp32 sum in input order"),
 )

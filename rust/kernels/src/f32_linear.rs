@@ -11,6 +11,13 @@
 //! accumulators in registers through the k loop (here): per input, 4 weight rows are loaded
 //! and each row's input is broadcast into 4 fused multiply-adds. The rows' inputs stay in
 //! L1 and a pass's weights (k x 256 bytes) in L2 while the rows go past in groups.
+//!
+//! Half-precision weights (bf16 or fp16 bits, `u16`) pack in the same layout at half the
+//! bytes ([`pack_half`]; bf16 blocks interleaved by pairs, [`pair_blocks`]) and
+//! [`linear_half`] widens each loaded block to f32 in registers (bf16: shifted left 16 bits
+//! or masked to the high half; fp16: `vcvtph2ps`), both exact, then runs
+//! the same fused multiply-adds in the same order: its outputs are bit for bit those of
+//! [`linear`] over the weights widened to f32, at any rows or threads.
 
 use crate::error::KernelError;
 use crate::isa::{self, Isa};
@@ -37,40 +44,127 @@ pub fn available() -> bool {
     isa::all_detected(NEEDS)
 }
 
-/// The panel layout of f32 weights, one input per step; its k loop (`kernel`).
+/// A half-precision weight format: how the stored `u16` bits widen to f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    /// bfloat16: the high 16 bits of an f32
+    Bf16,
+    /// IEEE binary16 (fp16)
+    F16,
+}
+
+/// How a panel layout's stored element becomes the f32 its k loop multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Form {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// A panel layout of weights stored as `Elem`, one input per step, widened to f32 in the k
+/// loop (`kernel`) as `FORM` says.
+pub(crate) trait Widened {
+    type Elem: Copy + Default + Sync;
+    const FORM: Form;
+}
+
+/// f32 weights.
 pub(crate) struct F32Panels;
+/// bf16 weights (bits as `u16`).
+pub(crate) struct Bf16Panels;
+/// fp16 weights (bits as `u16`).
+pub(crate) struct F16Panels;
 
-impl Layout for F32Panels {
+impl Widened for F32Panels {
     type Elem = f32;
-
-    fn packed_len(n: usize, k: usize) -> usize {
-        packed_len(n, k)
-    }
-
-    fn pack_into(weight: &[f32], n: usize, k: usize, out: &mut [f32]) {
-        pack_columns(weight, n, k, 1, out);
-    }
+    const FORM: Form = Form::F32;
+}
+impl Widened for Bf16Panels {
+    type Elem = u16;
+    const FORM: Form = Form::Bf16;
+}
+impl Widened for F16Panels {
+    type Elem = u16;
+    const FORM: Form = Form::F16;
 }
 
-impl PanelKernel for F32Panels {
-    type X = f32;
-    type Sum = f32;
+macro_rules! panels {
+    ($($layout:ty),*) => {$(
+        impl Layout for $layout {
+            type Elem = <$layout as Widened>::Elem;
 
-    fn dot<const R: usize, const NB: usize>(
-        a: &[f32],
-        k: usize,
-        w: &[f32],
-        bias: Option<&[f32]>,
-        pf: Option<Prefetch<'_, f32>>,
-        sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
-    ) {
-        kernel::run::<R, NB>(a, k, w, bias, pf, sums)
-    }
+            fn packed_len(n: usize, k: usize) -> usize {
+                packed_len(n, k)
+            }
+
+            fn pack_into(weight: &[Self::Elem], n: usize, k: usize, out: &mut [Self::Elem]) {
+                pack_columns(weight, n, k, 1, out);
+                if <$layout as Widened>::FORM == Form::Bf16 {
+                    pair_blocks(n, k, out);
+                }
+            }
+        }
+
+        impl PanelKernel for $layout {
+            type X = f32;
+            type Sum = f32;
+
+            fn dot<const R: usize, const NB: usize>(
+                a: &[f32],
+                k: usize,
+                w: &[Self::Elem],
+                bias: Option<&[f32]>,
+                pf: Option<Prefetch<'_, Self::Elem>>,
+                sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
+            ) {
+                kernel::run::<$layout, R, NB>(a, k, w, bias, pf, sums)
+            }
+        }
+    )*};
 }
+panels!(F32Panels, Bf16Panels, F16Panels);
 
 /// Packs `weight` [n, k] into `out` ([`packed_len`] elements; layout in the module docs).
 pub fn pack(weight: &[f32], n: usize, k: usize, out: &mut [f32]) -> Result<(), KernelError> {
     linear::pack::<F32Panels>(weight, n, k, out)
+}
+
+/// Packs a half-precision `weight` [n, k] (`half`'s bits) into `out` ([`packed_len`]
+/// elements), the layout of [`pack`] at half the bytes (bf16: see [`pair_blocks`]).
+pub fn pack_half(
+    half: Half,
+    weight: &[u16],
+    n: usize,
+    k: usize,
+    out: &mut [u16],
+) -> Result<(), KernelError> {
+    match half {
+        Half::Bf16 => linear::pack::<Bf16Panels>(weight, n, k, out),
+        Half::F16 => linear::pack::<F16Panels>(weight, n, k, out),
+    }
+}
+
+/// Interleaves the bf16 panels `packed` (of an [n, k] weight) by pairs of column blocks: per
+/// input, blocks `2p` and `2p + 1` of a panel become one zmm register of 32-bit lanes, the
+/// first block's weight in each lane's low half and the second's in its high half (a
+/// panel's last block without a partner stays as it was). One load then widens to both
+/// blocks with one instruction each (a shift left by 16, a mask of the high half) instead
+/// of two (zero-extension, shift) per block: the widening shares the FMA ports.
+fn pair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
+    let blocks = n.div_ceil(BLOCK_N);
+    for nb in (0..blocks).step_by(PASS_BLOCKS) {
+        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
+        let panel = &mut packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
+        for row in panel.chunks_exact_mut(width) {
+            for pair in row.chunks_exact_mut(2 * BLOCK_N) {
+                let mut both = [T::default(); 2 * BLOCK_N];
+                for (c, lane) in both.chunks_exact_mut(2).enumerate() {
+                    lane.copy_from_slice(&[pair[c], pair[BLOCK_N + c]]);
+                }
+                pair.copy_from_slice(&both);
+            }
+        }
+    }
 }
 
 /// `out[i, j] = sum_l x[i, l] * W[j, l] (+ bias[j])` in f32, `x` [m, k], `packed` the
@@ -84,6 +178,33 @@ pub fn linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    product::<F32Panels>(args, x, packed, bias, out)
+}
+
+/// [`linear`] over a [`pack_half`]ed weight of `half`'s format: bit for bit [`linear`]
+/// over the same weight widened to f32 (same checks and errors).
+pub fn linear_half(
+    half: Half,
+    args: &LinearArgs,
+    x: &[f32],
+    packed: &[u16],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    match half {
+        Half::Bf16 => product::<Bf16Panels>(args, x, packed, bias, out),
+        Half::F16 => product::<F16Panels>(args, x, packed, bias, out),
+    }
+}
+
+/// [`linear`] over weights packed in the layout `L`.
+fn product<L: Widened + PanelKernel<X = f32, Sum = f32, Elem = <L as Widened>::Elem>>(
+    args: &LinearArgs,
+    x: &[f32],
+    packed: &[<L as Widened>::Elem],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     let LinearArgs { n, k, .. } = *args;
     let lens = Lengths {
         x: x.len(),
@@ -91,7 +212,7 @@ pub fn linear(
         out: out.len(),
         bias: bias.map(<[f32]>::len),
     };
-    if !PRODUCT.begin::<F32Panels>(args, lens, available)? {
+    if !PRODUCT.begin::<L>(args, lens, available)? {
         return Ok(());
     }
     if k == 0 {
@@ -109,42 +230,82 @@ pub fn linear(
         padded.resize(blocks * BLOCK_N, 0.0);
         padded
     });
-    run_panels::<F32Panels>(args, x, packed, bias.as_deref(), out);
+    run_panels::<L>(args, x, packed, bias.as_deref(), out);
     Ok(())
 }
 
 #[cfg(target_arch = "x86_64")]
 mod kernel {
-    use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
+    use super::{Form, Prefetch, Widened, BLOCK_N, PASS_BLOCKS};
     use std::arch::x86_64::*;
 
-    /// See [`PanelKernel::dot`](crate::linear::panels::PanelKernel::dot); `R` rows, `NB`
-    /// column blocks.
-    pub(super) fn run<const R: usize, const NB: usize>(
+    /// See [`PanelKernel::dot`](crate::linear::panels::PanelKernel::dot); weights stored as
+    /// `L` says, `R` rows, `NB` column blocks.
+    pub(super) fn run<L: Widened, const R: usize, const NB: usize>(
         a: &[f32],
         k: usize,
-        w: &[f32],
+        w: &[L::Elem],
         bias: Option<&[f32]>,
-        pf: Option<Prefetch<'_, f32>>,
+        pf: Option<Prefetch<'_, L::Elem>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         assert!(NB <= PASS_BLOCKS && a.len() == R * k && w.len() == NB * k * BLOCK_N);
         assert!(sums.len() == R && bias.is_none_or(|b| b.len() == NB * BLOCK_N));
         assert!(pf.is_none_or(|p| p.block < p.blocks && p.w.len() == p.blocks * k * BLOCK_N));
+        // (the element's size is the one its form loads: 4 bytes for f32, 2 for half)
+        let size = if L::FORM == Form::F32 { 4 } else { 2 };
+        assert_eq!(std::mem::size_of::<L::Elem>(), size);
         assert!(super::available(), "AVX-512F is not available");
         // SAFETY: the CPU has AVX-512F (asserted just above), the only target feature `dot`
-        // enables; the lengths `dot` relies on are asserted above too.
-        unsafe { dot::<R, NB>(a, k, w, bias, pf, sums) }
+        // enables; the lengths and the element size `dot` relies on are asserted above too.
+        unsafe { dot::<L, R, NB>(a, k, w, bias, pf, sums) }
+    }
+
+    /// Column block `j` of input `l`'s weights in the panel at `w` (`NB` blocks; elements
+    /// of `form`), as 16 f32.
+    ///
+    /// # Safety
+    /// `w` points at a panel of at least `(l + 1) * NB * 16` elements of `form`'s size (4
+    /// bytes for [`Form::F32`], 2 for the half forms), `j < NB`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block<const NB: usize>(form: Form, w: *const u8, l: usize, j: usize) -> __m512 {
+        let at = (l * NB + j) * BLOCK_N; // the block's first element
+                                         // SAFETY: the caller's contract: `at + 16 <= (l + 1) * NB * 16` elements; a pair's
+                                         // 32 elements start 16 before `at` for an odd `j` and end within block `j | 1 < NB`.
+                                         // Every load is unaligned.
+        unsafe {
+            match form {
+                Form::F32 => _mm512_loadu_ps(w.cast::<f32>().add(at)),
+                // (vcvtph2ps is exact: every fp16 value, subnormals included, is an f32)
+                Form::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(w.cast::<u16>().add(at).cast())),
+                // a pair (`pair_blocks`): the even block's bits in each lane's low half,
+                // shifted up, or the odd one's in its high half, kept: the same numbers in f32
+                Form::Bf16 if j | 1 < NB => {
+                    let pair =
+                        _mm512_loadu_si512(w.cast::<u16>().add(at - (j & 1) * BLOCK_N).cast());
+                    _mm512_castsi512_ps(if j & 1 == 0 {
+                        _mm512_slli_epi32::<16>(pair)
+                    } else {
+                        _mm512_and_si512(pair, _mm512_set1_epi32(-65536))
+                    })
+                }
+                Form::Bf16 => {
+                    let h = _mm256_loadu_si256(w.cast::<u16>().add(at).cast());
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                }
+            }
+        }
     }
 
     /// The k loop of [`run`] (lengths checked there).
     #[target_feature(enable = "avx512f")]
-    fn dot<const R: usize, const NB: usize>(
+    fn dot<L: Widened, const R: usize, const NB: usize>(
         a: &[f32],
         k: usize,
-        w: &[f32],
+        w: &[L::Elem],
         bias: Option<&[f32]>,
-        pf: Option<Prefetch<'_, f32>>,
+        pf: Option<Prefetch<'_, L::Elem>>,
         sums: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         // (`w`'s start, never advanced, when nothing is fetched: the loop keeps one form)
@@ -163,10 +324,10 @@ mod kernel {
             // (a prefetch never faults: the address is input l's line of the fetched column
             // block, inside the next panel, or `w`'s start)
             _mm_prefetch::<_MM_HINT_T1>(pf_ptr.wrapping_add(l * pf_step).cast::<i8>());
-            // SAFETY: `(l * NB + j) * 16 + 16 <= NB * k * 16 = w.len()` (l < k, j < NB):
-            // input l's weights of column block j, 16 f32, unaligned load.
+            // SAFETY: `(l + 1) * NB * 16 <= NB * k * 16 = w.len()` (l < k) elements of the
+            // form's size (asserted in `run`), j < NB; AVX-512F is enabled here.
             let wv: [__m512; NB] =
-                std::array::from_fn(|j| unsafe { _mm512_loadu_ps(wp.add((l * NB + j) * BLOCK_N)) });
+                std::array::from_fn(|j| unsafe { block::<NB>(L::FORM, wp.cast::<u8>(), l, j) });
             for (i, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: `i * k + l < R * k = a.len()`: input l of row i.
                 let x = _mm512_set1_ps(unsafe { *ap.add(i * k + l) });
@@ -186,14 +347,14 @@ mod kernel {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod kernel {
-    use super::{Prefetch, BLOCK_N, PASS_BLOCKS};
+    use super::{Prefetch, Widened, BLOCK_N, PASS_BLOCKS};
 
-    pub(super) fn run<const R: usize, const NB: usize>(
+    pub(super) fn run<L: Widened, const R: usize, const NB: usize>(
         _: &[f32],
         _: usize,
-        _: &[f32],
+        _: &[L::Elem],
         _: Option<&[f32]>,
-        _: Option<Prefetch<'_, f32>>,
+        _: Option<Prefetch<'_, L::Elem>>,
         _: &mut [[f32; PASS_BLOCKS * BLOCK_N]],
     ) {
         unreachable!("AVX-512F is never available off x86-64")
@@ -287,6 +448,105 @@ mod tests {
         // the first row alone, as one row of a call
         let (one, _) = run(1, n, k, 1, true);
         assert_eq!(one[..], all[..n]);
+    }
+
+    /// An fp16 number's f32 value (never infinite or NaN here).
+    fn f16_value(h: u16) -> f32 {
+        let sign = if h >> 15 == 1 { -1.0 } else { 1.0 };
+        let (e, m) = (i32::from((h >> 10) & 0x1f), f32::from(h & 0x3ff));
+        match e {
+            0 => sign * m * 2f32.powi(-24),
+            _ => sign * (1.0 + m / 1024.0) * 2f32.powi(e - 15),
+        }
+    }
+
+    /// Half bits of `len` values of `half`'s format (fp16 below 2 in magnitude, subnormals
+    /// included; bf16 the values in [-1, 1] truncated) and the same numbers in f32.
+    fn half_values(half: Half, seed: u64, len: usize) -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = values(seed, len, 1.0)
+            .iter()
+            .map(|v| match half {
+                Half::Bf16 => (v.to_bits() >> 16) as u16,
+                // (exponent field at most 15: finite, magnitude below 2)
+                Half::F16 => (v.to_bits() as u16) & 0xbfff,
+            })
+            .collect();
+        let wide = bits
+            .iter()
+            .map(|&b| match half {
+                Half::Bf16 => f32::from_bits(u32::from(b) << 16),
+                Half::F16 => f16_value(b),
+            })
+            .collect();
+        (bits, wide)
+    }
+
+    /// `linear_half` over half weights and `linear` over them widened, bits of both.
+    fn half_and_wide(half: Half, m: usize, n: usize, k: usize, threads: usize, bias: bool) {
+        let x = values(4, m * k, 1.0);
+        let (w, wide) = half_values(half, 5, n * k);
+        let b = bias.then(|| values(6, n, 1.0));
+        let args = LinearArgs { m, n, k, threads };
+        let mut packed = vec![0u16; packed_len(n, k)];
+        pack_half(half, &w, n, k, &mut packed).unwrap();
+        let mut got = vec![f32::NAN; m * n];
+        linear_half(half, &args, &x, &packed, b.as_deref(), &mut got).unwrap();
+        let mut wide_packed = vec![0f32; packed_len(n, k)];
+        pack(&wide, n, k, &mut wide_packed).unwrap();
+        let mut want = vec![f32::NAN; m * n];
+        let one = LinearArgs { threads: 1, ..args };
+        linear(&one, &x, &wide_packed, b.as_deref(), &mut want).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "{half:?} {m}x{n}x{k} t{threads} b{bias}"
+        );
+    }
+
+    #[test]
+    fn half_weights_give_the_bits_of_their_f32_widening() {
+        if !require_or_skip(NEEDS) {
+            return;
+        }
+        for half in [Half::Bf16, Half::F16] {
+            for (m, n, k, threads) in [(1, 70, 33, 1), (300, 45, 17, 4), (13, 200, 1, 2)] {
+                half_and_wide(half, m, n, k, threads, true);
+                half_and_wide(half, m, n, k, threads, false);
+            }
+            half_and_wide(half, 3, 20, 0, 1, true);
+        }
+    }
+
+    #[test]
+    fn any_shape_of_half_weights_matches_its_widening() {
+        if !require_or_skip(NEEDS) {
+            return;
+        }
+        proptest!(ProptestConfig::with_cases(32), |(m in 1usize..300, n in 1usize..150,
+                                                    k in 0usize..40, threads in 1usize..5,
+                                                    bias in any::<bool>(), f16 in any::<bool>())| {
+            let half = if f16 { Half::F16 } else { Half::Bf16 };
+            half_and_wide(half, m, n, 2 * k + 1, threads, bias);
+        });
+    }
+
+    #[test]
+    fn bad_half_lengths_name_the_field() {
+        let args = LinearArgs {
+            m: 2,
+            n: 2,
+            k: 3,
+            threads: 1,
+        };
+        let mut out = vec![7f32; 4];
+        let packed = vec![0u16; packed_len(2, 3)];
+        let e = linear_half(Half::F16, &args, &[0.0; 6], &packed[1..], None, &mut out);
+        assert_eq!(e.unwrap_err().to_string(), "packed has 47 elements, not 48");
+        let e = pack_half(Half::Bf16, &[0; 5], 2, 3, &mut vec![0u16; packed_len(2, 3)]);
+        let e = e.unwrap_err();
+        assert_eq!(e.field(), Some("weight"));
+        assert_eq!(out, vec![7f32; 4]);
     }
 
     #[test]

@@ -14,8 +14,9 @@
 //! x  += a @ Wd.T + b                                   (f32 adds)
 //! ```
 //!
-//! With f32 weights ([`Packed::F32`], an fp32 model's or fp32 copies of half-precision
-//! ones) `h` and `a` stay f32 and the products run on [`f32_linear`]. `cache(.)` rounds to
+//! With f32 weights ([`Packed::F32`], an fp32 model's) or half-precision ones in
+//! [`f32_linear`]'s panels ([`Packed::Half`], widened exactly in its k loop) `h` and `a`
+//! stay f32 and the products run on [`f32_linear`]. `cache(.)` rounds to
 //! the KV cache's type. Each part splits over threads exactly when the
 //! Python layer's call of it would (the same element thresholds), which changes no result.
 //! The intermediate buffers are per-thread scratch reused from call to call (a fresh
@@ -30,18 +31,20 @@ use crate::fused::{self, NormInput, RmsNorm, Rope, WriteRows};
 use crate::linear::LinearArgs;
 use crate::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
 
-/// A packed weight: bf16 for [`amx::linear`] ([`amx::pack`]'s layout), or f32 for
-/// [`f32_linear::linear`] ([`f32_linear::pack`]'s layout).
+/// A packed weight: bf16 for [`amx::linear`] ([`amx::pack`]'s layout), f32 for
+/// [`f32_linear::linear`] ([`f32_linear::pack`]'s layout), or bf16 / fp16 for
+/// [`f32_linear::linear_half`] ([`f32_linear::pack_half`]'s layout: f32 products).
 #[derive(Clone, Copy, Debug)]
 pub enum Packed<'a> {
     Bf16(&'a [u16]),
     F32(&'a [f32]),
+    Half(f32_linear::Half, &'a [u16]),
 }
 
 impl Packed<'_> {
     fn len(&self) -> usize {
         match self {
-            Packed::Bf16(p) => p.len(),
+            Packed::Bf16(p) | Packed::Half(_, p) => p.len(),
             Packed::F32(p) => p.len(),
         }
     }
@@ -50,8 +53,13 @@ impl Packed<'_> {
     fn expected_len(&self, n: usize, k: usize) -> usize {
         match self {
             Packed::Bf16(_) => amx::packed_len(n, k),
-            Packed::F32(_) => f32_linear::packed_len(n, k),
+            Packed::F32(_) | Packed::Half(..) => f32_linear::packed_len(n, k),
         }
+    }
+
+    /// Whether the products take f32 inputs ([`f32_linear`]) rather than bf16 ones.
+    fn wide(&self) -> bool {
+        !matches!(self, Packed::Bf16(_))
     }
 }
 
@@ -181,7 +189,7 @@ pub fn decoder_layer(
         let hidden = w.hidden;
         let elems = |n: usize| if n >= SPLIT_ELEMS { s.threads } else { 1 };
         // the products' inputs: bf16 for bf16 weights, f32 for f32 ones
-        let wide = matches!(w.qkv.packed, Packed::F32(_));
+        let wide = w.qkv.packed.wide();
         let mut h = if wide {
             Act::F32(take(&mut sc.h32, rows * hidden))
         } else {
@@ -433,7 +441,7 @@ fn product(
     let macs = rows.saturating_mul(p.n).saturating_mul(k);
     let split = match p.packed {
         Packed::Bf16(_) => SPLIT_MACS,
-        Packed::F32(_) => SPLIT_MACS_F32,
+        Packed::F32(_) | Packed::Half(..) => SPLIT_MACS_F32,
     };
     let args = LinearArgs {
         m: rows,
@@ -444,7 +452,12 @@ fn product(
     match (p.packed, x) {
         (Packed::Bf16(packed), x) => amx::linear(&args, x, packed, p.bias, out),
         (Packed::F32(packed), Elems::F32(x)) => f32_linear::linear(&args, x, packed, p.bias, out),
-        (Packed::F32(_), _) => KernelError::invalid("x", "f32 weights take f32 inputs".into()),
+        (Packed::Half(half, packed), Elems::F32(x)) => {
+            f32_linear::linear_half(half, &args, x, packed, p.bias, out)
+        }
+        (Packed::F32(_) | Packed::Half(..), _) => {
+            KernelError::invalid("x", "f32_linear's weights take f32 inputs".into())
+        }
     }
 }
 
@@ -535,7 +548,9 @@ fn validate(
         if std::mem::discriminant(&p.packed) != std::mem::discriminant(&w.qkv.packed) {
             return KernelError::invalid(
                 field,
-                format!("{field}'s packed weight must be of qkv's kind (all bf16 or all f32)"),
+                format!(
+                    "{field}'s packed weight must be of qkv's kind (amx bf16, f32 or half panels)"
+                ),
             );
         }
         let want = p.packed.expected_len(p.n, k);
@@ -887,6 +902,70 @@ mod tests {
         } else {
             (ElemsMut::Bf16(kb), ElemsMut::Bf16(vb))
         }
+    }
+
+    #[test]
+    fn half_panels_give_the_bits_of_their_widened_f32_weights() {
+        if !require_or_skip(&[Isa::Avx512F]) {
+            return;
+        }
+        let (nq, nk) = (HEADS * D, KV * D);
+        let shapes = [(nq + 2 * nk, H), (H, nq), (2 * I, H), (H, I)];
+        let mut half: [Vec<u16>; 4] = Default::default();
+        let mut widened = packs(true);
+        for (i, &(n, k)) in shapes.iter().enumerate() {
+            let w = round(&values(i as u64 + 1, n * k, 0.3));
+            half[i] = vec![0u16; f32_linear::packed_len(n, k)];
+            f32_linear::pack_half(f32_linear::Half::Bf16, &w, n, k, &mut half[i]).expect("pack");
+            let wide: Vec<f32> = w.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            f32_linear::pack(&wide, n, k, &mut widened.f32[i]).expect("pack");
+        }
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let f32_weights = weights(&widened, &norms, true);
+        let mut half_weights = f32_weights;
+        for (p, h) in [
+            &mut half_weights.qkv,
+            &mut half_weights.o,
+            &mut half_weights.gate_up,
+            &mut half_weights.down,
+        ]
+        .into_iter()
+        .zip(&half)
+        {
+            p.packed = Packed::Half(f32_linear::Half::Bf16, h);
+        }
+        let step = Step {
+            cos: &[1.0; 2 * D],
+            sin: &[0.0; 2 * D],
+            slots: &[0, 9],
+            block_tables: &[0, 2],
+            seqlens: &[1, 2],
+            width: 1,
+            page: PAGE,
+            window: Window::Full,
+            scale: 0.5,
+            threads: 2,
+        };
+        let run = |w: &Weights<'_>| {
+            let mut x = values(11, 2 * H, 1.0);
+            let (mut kc, mut vc) = (
+                values(12, SLOTS * KV * D, 1.0),
+                vec![0.5f32; SLOTS * KV * D],
+            );
+            decoder_layer(
+                w,
+                &step,
+                &mut x,
+                ElemsMut::F32(&mut kc),
+                ElemsMut::F32(&mut vc),
+            )
+            .expect("layer");
+            (x, kc, vc)
+        };
+        let (got, want) = (run(&half_weights), run(&f32_weights));
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.0), bits(&want.0));
+        assert_eq!((bits(&got.1), bits(&got.2)), (bits(&want.1), bits(&want.2)));
     }
 
     #[test]

@@ -1,16 +1,17 @@
 //! PyO3 wrappers of `ferrobatch-kernels`' products over packed weights (`f32_linear`:
-//! AVX-512F over f32 weights; `i16_linear`: exact int16 products on AVX-512 VNNI): numpy
+//! AVX-512F over f32 weights, or bf16 / fp16 ones widened in registers; `i16_linear`: exact int16 products on AVX-512 VNNI): numpy
 //! views in, shapes and overlaps checked with a `FieldError` naming the argument, then the
 //! kernel with the GIL released.
 
 use ferrobatch_kernels::f32_linear as kernel;
 use ferrobatch_kernels::i16_linear as i16_kernel;
 use ferrobatch_kernels::linear::LinearArgs;
+use ferrobatch_kernels::KernelError;
 use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 
 use crate::errors::kernel_error;
-use crate::views::{pack_with, product_out, product_rows, ro, rw, threads_of, Span};
+use crate::views::{pack_with, product_out, product_rows, ro, rw, threads_of, ty, Span, Ty};
 
 /// Whether `f32_linear` runs on this CPU (AVX-512F).
 #[pyfunction]
@@ -48,16 +49,91 @@ pub fn f32_linear(
     threads: i64,
 ) -> PyResult<()> {
     let threads = threads_of(threads)?;
-    let xa = ro::<f32>(x, "x", "float32")?;
     let p = ro::<f32>(packed, "packed", "float32")?;
+    let pe = p.as_slice()?;
+    f32_product(py, (x, out, bias), (n, k, threads), |args, xe, be, oe| {
+        kernel::linear(args, xe, pe, be, oe)
+    })
+}
+
+/// Packs a half-precision `weight` [n, k] (`dtype` "bfloat16" or "float16", bits as uint16)
+/// into `out` (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes.
+#[pyfunction]
+#[pyo3(signature = (weight, out, *, dtype))]
+pub fn f32_pack_half(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+) -> PyResult<()> {
+    let half = half_of(dtype)?;
+    let weight = (weight, "bfloat16 / float16 storage (uint16 bits)");
+    pack_with(py, weight, (out, "uint16"), |w, n, k, o| {
+        kernel::pack_half(half, w, n, k, o)
+    })
+}
+
+/// The half format a dtype string names (a `FieldError` on `dtype` for another).
+fn half_of(dtype: &str) -> PyResult<kernel::Half> {
+    match ty(dtype, "dtype")? {
+        Ty::Bf16 => Ok(kernel::Half::Bf16),
+        Ty::F16 => Ok(kernel::Half::F16),
+        Ty::F32 => Err(crate::errors::invalid(
+            "dtype",
+            "dtype must be \"bfloat16\" or \"float16\" (float32 weights: f32_linear)",
+        )),
+    }
+}
+
+/// `f32_linear` over an `f32_pack_half`ed W [n, k] (uint16) of `dtype` (`"bfloat16"` or
+/// `"float16"`, as packed): its weights widened exactly to f32 in registers, every output bit for bit
+/// `f32_linear`'s over the widened weights.
+#[pyfunction]
+#[pyo3(signature = (x, packed, out, *, n, k, dtype, bias = None, threads = 1))]
+#[allow(clippy::too_many_arguments)] // the Python signature's keywords
+pub fn f32_linear_half(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    packed: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    n: usize,
+    k: usize,
+    dtype: &str,
+    bias: Option<&Bound<'_, PyAny>>,
+    threads: i64,
+) -> PyResult<()> {
+    let half = half_of(dtype)?;
+    let threads = threads_of(threads)?;
+    let p = ro::<u16>(packed, "packed", "uint16")?;
+    let pe = p.as_slice()?;
+    f32_product(py, (x, out, bias), (n, k, threads), |args, xe, be, oe| {
+        kernel::linear_half(half, args, xe, pe, be, oe)
+    })
+}
+
+type Operands<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    Option<&'a Bound<'py, PyAny>>,
+);
+
+/// A product of float32 `x` [m, k], `bias` [n] and `out` [m, n] (checked here) over a packed
+/// weight `run` holds, run with the GIL released.
+fn f32_product(
+    py: Python<'_>,
+    (x, out, bias): Operands<'_, '_>,
+    (n, k, threads): (usize, usize, usize),
+    run: impl FnOnce(&LinearArgs, &[f32], Option<&[f32]>, &mut [f32]) -> Result<(), KernelError> + Send,
+) -> PyResult<()> {
+    let xa = ro::<f32>(x, "x", "float32")?;
     let b = bias.map(|b| ro::<f32>(b, "bias", "float32")).transpose()?;
     let mut o = rw::<f32>(out, "out", "float32")?;
     let m = product_rows(xa.shape(), k)?;
     product_out((o.shape(), o.span()), m, n, xa.span())?;
-    let (xe, pe) = (xa.as_slice()?, p.as_slice()?);
+    let xe = xa.as_slice()?;
     let be = b.as_ref().map(|b| b.as_slice()).transpose()?;
     let oe = o.as_slice_mut()?;
-    py.detach(|| kernel::linear(&LinearArgs { m, n, k, threads }, xe, pe, be, oe))
+    py.detach(|| run(&LinearArgs { m, n, k, threads }, xe, be, oe))
         .map_err(kernel_error)
 }
 

@@ -12,13 +12,43 @@ use pyo3::prelude::*;
 use crate::errors::{invalid, kernel_error};
 use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Span, Ty};
 
-/// One packed product: the array (bf16 bits in `amx_pack`'s layout, or float32 in
-/// `f32_pack`'s), its optional bias and its shape.
+/// How a layer's products are packed (`weight_dtype`).
+#[derive(Clone, Copy)]
+enum Kind {
+    /// bf16 bits in `amx_pack`'s layout ("bfloat16")
+    Amx,
+    /// float32 in `f32_pack`'s layout ("float32")
+    F32,
+    /// bf16 / fp16 bits in `f32_pack_half`'s layout ("bfloat16_panels", "float16_panels")
+    Half(f32_linear::Half),
+}
+
+impl Kind {
+    fn of(weight_dtype: &str) -> PyResult<Self> {
+        Ok(match weight_dtype {
+            "bfloat16" => Kind::Amx,
+            "float32" => Kind::F32,
+            "bfloat16_panels" => Kind::Half(f32_linear::Half::Bf16),
+            "float16_panels" => Kind::Half(f32_linear::Half::F16),
+            other => {
+                return Err(invalid(
+                    "weight_dtype",
+                    format!(
+                        "weight_dtype must be \"bfloat16\", \"float32\", \"bfloat16_panels\" \
+                         or \"float16_panels\", not {other:?}"
+                    ),
+                ))
+            }
+        })
+    }
+}
+
+/// One packed product: the array (`kind`'s layout), its optional bias and its shape.
 struct Packed {
     packed: Py<PyAny>,
     bias: Option<Py<PyAny>>,
     n: usize,
-    f32: bool,
+    kind: Kind,
 }
 
 impl Packed {
@@ -27,14 +57,21 @@ impl Packed {
         packed: &Bound<'_, PyAny>,
         bias: Option<&Bound<'_, PyAny>>,
         (n, k): (usize, usize),
-        f32: bool,
+        kind: Kind,
     ) -> PyResult<Self> {
-        let (len, want, layout) = if f32 {
-            let p = ro::<f32>(packed, field, "float32 (f32_pack's layout)")?;
-            (p.len(), f32_linear::packed_len(n, k), "f32_packed_len")
-        } else {
-            let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
-            (p.len(), amx::packed_len(n, k), "amx_packed_len")
+        let (len, want, layout) = match kind {
+            Kind::F32 => {
+                let p = ro::<f32>(packed, field, "float32 (f32_pack's layout)")?;
+                (p.len(), f32_linear::packed_len(n, k), "f32_packed_len")
+            }
+            Kind::Half(_) => {
+                let p = ro::<u16>(packed, field, "uint16 (f32_pack_half's layout)")?;
+                (p.len(), f32_linear::packed_len(n, k), "f32_packed_len")
+            }
+            Kind::Amx => {
+                let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
+                (p.len(), amx::packed_len(n, k), "amx_packed_len")
+            }
         };
         if len != want {
             return Err(invalid(
@@ -55,7 +92,7 @@ impl Packed {
             packed: packed.clone().unbind(),
             bias: bias.map(|b| b.clone().unbind()),
             n,
-            f32,
+            kind,
         })
     }
 }
@@ -64,6 +101,7 @@ impl Packed {
 enum PackedView<'py> {
     Bf16(PyReadonlyArrayDyn<'py, u16>),
     F32(PyReadonlyArrayDyn<'py, f32>),
+    Half(f32_linear::Half, PyReadonlyArrayDyn<'py, u16>),
 }
 
 /// The borrowed views of one product for a call.
@@ -77,10 +115,10 @@ impl<'py> Views<'py> {
     fn of(py: Python<'py>, p: &Packed, field: &'static str) -> PyResult<Self> {
         let a = p.packed.bind(py);
         Ok(Views {
-            packed: if p.f32 {
-                PackedView::F32(ro::<f32>(a, field, "float32")?)
-            } else {
-                PackedView::Bf16(ro::<u16>(a, field, "uint16")?)
+            packed: match p.kind {
+                Kind::F32 => PackedView::F32(ro::<f32>(a, field, "float32")?),
+                Kind::Half(half) => PackedView::Half(half, ro::<u16>(a, field, "uint16")?),
+                Kind::Amx => PackedView::Bf16(ro::<u16>(a, field, "uint16")?),
             },
             bias: p
                 .bias
@@ -96,6 +134,7 @@ impl<'py> Views<'py> {
             packed: match &self.packed {
                 PackedView::Bf16(a) => PackedWeight::Bf16(a.as_slice()?),
                 PackedView::F32(a) => PackedWeight::F32(a.as_slice()?),
+                PackedView::Half(half, a) => PackedWeight::Half(*half, a.as_slice()?),
             },
             bias: self.bias.as_ref().map(|b| b.as_slice()).transpose()?,
             n: self.n,
@@ -107,7 +146,9 @@ impl<'py> Views<'py> {
 /// [hidden] in `norm_dtype`, the packed products `qkv` [heads * dim + 2 * kv_heads * dim,
 /// hidden], `o` [hidden, heads * dim], `gate_up` [2 * inter, hidden], `down` [hidden, inter],
 /// each with an optional float32 bias: `amx_pack`ed bf16 with `weight_dtype` "bfloat16"
-/// (the products' inputs rounded to bf16), `f32_pack`ed with "float32" (f32 inputs). The arrays are kept (not copied): the
+/// (the products' inputs rounded to bf16), `f32_pack`ed with "float32" (f32 inputs),
+/// `f32_pack_half`ed bf16 / fp16 with "bfloat16_panels" / "float16_panels" (f32 inputs;
+/// bit for bit "float32" over the widened weights). The arrays are kept (not copied): the
 /// caller must not change them while the layer is in use.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LeanLayer {
@@ -157,16 +198,7 @@ impl LeanLayer {
         k_norm: Option<&Bound<'_, PyAny>>,
         qk_norm_eps: f32,
     ) -> PyResult<Self> {
-        let f32 = match weight_dtype {
-            "bfloat16" => false,
-            "float32" => true,
-            other => {
-                return Err(invalid(
-                    "weight_dtype",
-                    format!("weight_dtype must be \"bfloat16\" or \"float32\", not {other:?}"),
-                ))
-            }
-        };
+        let kind = Kind::of(weight_dtype)?;
         if [hidden, heads, kv_heads, dim, inter].contains(&0) {
             return Err(invalid(
                 "hidden",
@@ -216,10 +248,10 @@ impl LeanLayer {
             post_norm: post_norm.clone().unbind(),
             norm_ty,
             eps: (input_eps, post_eps),
-            qkv: Packed::new("qkv", qkv, qkv_bias, (nq + 2 * nk, hidden), f32)?,
-            o: Packed::new("o", o, o_bias, (hidden, nq), f32)?,
-            gate_up: Packed::new("gate_up", gate_up, gate_up_bias, (2 * inter, hidden), f32)?,
-            down: Packed::new("down", down, down_bias, (hidden, inter), f32)?,
+            qkv: Packed::new("qkv", qkv, qkv_bias, (nq + 2 * nk, hidden), kind)?,
+            o: Packed::new("o", o, o_bias, (hidden, nq), kind)?,
+            gate_up: Packed::new("gate_up", gate_up, gate_up_bias, (2 * inter, hidden), kind)?,
+            down: Packed::new("down", down, down_bias, (hidden, inter), kind)?,
             qk_norm,
             dims: [hidden, heads, kv_heads, dim, inter],
         })

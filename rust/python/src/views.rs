@@ -249,16 +249,13 @@ pub(crate) fn threads_of(v: i64) -> PyResult<usize> {
     }
 }
 
-/// A kernel's `pack(weight, n, k, out)`.
-pub(crate) type PackFn<T> = fn(&[T], usize, usize, &mut [T]) -> Result<(), KernelError>;
-
-/// `weight` [n, k] of `T` (numpy `dtype` `weight_is`) packed by `pack` into `out` (numpy
-/// `dtype` `out_is`), the GIL released.
+/// `weight` [n, k] of `T` (numpy `dtype` `weight_is`) packed by `pack` (a kernel's
+/// `pack(weight, n, k, out)`) into `out` (numpy `dtype` `out_is`), the GIL released.
 pub(crate) fn pack_with<T: Element + Send + Sync>(
     py: Python<'_>,
     (weight, weight_is): (&Bound<'_, PyAny>, &str),
     (out, out_is): (&Bound<'_, PyAny>, &str),
-    pack: PackFn<T>,
+    pack: impl FnOnce(&[T], usize, usize, &mut [T]) -> Result<(), KernelError> + Send,
 ) -> PyResult<()> {
     let w = ro::<T>(weight, "weight", weight_is)?;
     let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
