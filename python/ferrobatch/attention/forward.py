@@ -99,11 +99,8 @@ def paged_attention_forward(
     if kd is not None:
         if sinks is not None:
             raise NotImplementedError("attention sinks need the SDPA decode path")
-        q_dec = q_all.transpose(0, 1) if kd.tokens is None else q_all.index_select(
-            1, kd.tokens).transpose(0, 1)
-        if q_dec.dtype not in KERNEL_DTYPES:
-            q_dec = q_dec.float()
-        o = _kernel_rows(step, layer, q_dec.contiguous(), scaling, softcap, out_dtype)
+        o = _kernel_rows(step, layer, _kernel_queries(q_all, kd.tokens), scaling, softcap,
+                         out_dtype)
         if kd.tokens is None:
             return o.unsqueeze(0), None
         out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
@@ -112,11 +109,8 @@ def paged_attention_forward(
     if kp is not None:
         if sinks is not None:
             raise NotImplementedError("attention sinks need the SDPA prefill path")
-        q_pre = q_all.transpose(0, 1) if kp.tokens is None else q_all.index_select(
-            1, kp.tokens).transpose(0, 1)
-        if q_pre.dtype not in KERNEL_DTYPES:
-            q_pre = q_pre.float()
-        o = _prefill_rows(step, layer, q_pre.contiguous(), scaling, softcap, out_dtype)
+        o = _prefill_rows(step, layer, _kernel_queries(q_all, kp.tokens), scaling, softcap,
+                          out_dtype)
         if kp.tokens is None:
             return o.unsqueeze(0), None
         if out is None:
@@ -245,6 +239,13 @@ def _kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kd: Any, pag
     return o.to(out_dtype)
 
 
+def _kernel_queries(q_all: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """The queries of the step tokens `tokens` (None: all) from `q_all` [H, T, D], as the CPU
+    kernels take them: [N, H, D], contiguous, in a kernel dtype (else fp32)."""
+    q = q_all.transpose(0, 1) if tokens is None else q_all.index_select(1, tokens).transpose(0, 1)
+    return (q if q.dtype in KERNEL_DTYPES else q.float()).contiguous()
+
+
 def _window_rows(step: PagedStep, wr: Any, q_all: torch.Tensor, k_new: torch.Tensor,
                  v_new: torch.Tensor, cached_k: torch.Tensor | None,
                  cached_v: torch.Tensor | None, scaling: float, softcap: float | None,
@@ -262,11 +263,8 @@ def _window_rows(step: PagedStep, wr: Any, q_all: torch.Tensor, k_new: torch.Ten
         scratch_v.index_copy_(0, wr.cached_dest, cached_v[:n])
     scratch_k.index_copy_(0, wr.new_dest, k_new.index_select(0, wr.new_tokens))
     scratch_v.index_copy_(0, wr.new_dest, v_new.index_select(0, wr.new_tokens))
-    q = q_all.index_select(1, wr.kernel.tokens).transpose(0, 1)
-    if q.dtype not in KERNEL_DTYPES:
-        q = q.float()
-    return _kernel_call(q.contiguous(), scratch_k, scratch_v, wr.kernel, page, scaling,
-                        softcap, out_dtype)
+    return _kernel_call(_kernel_queries(q_all, wr.kernel.tokens), scratch_k, scratch_v,
+                        wr.kernel, page, scaling, softcap, out_dtype)
 
 
 def _prefill_rows(step: PagedStep, layer: int, q: torch.Tensor, scaling: float,

@@ -28,7 +28,7 @@
 
 use std::sync::Mutex;
 
-use crate::decode::{err, exp_in_place, validate_cache, DecodeArgs, Elems, ElemsMut, Window};
+use crate::decode::{err, exp_in_place, validate_cache, DecodeArgs, ElemsMut, Window};
 use crate::error::KernelError;
 
 /// Keys per block.
@@ -39,71 +39,32 @@ pub const TILE_ROWS: usize = 48;
 /// A tile's rows are padded to a multiple of this (one register of rows).
 const ROWS: usize = 16;
 
-/// The inputs of one call; shapes in the field docs (row-major, contiguous).
+/// The inputs of one call: the decode kernel's arguments, with `q` holding the rows'
+/// tokens one after the other (`[tokens, heads, dim]`) and `seqlens` the keys of each row
+/// after this step (its cached positions plus its tokens), and the rows' token offsets.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillArgs<'a> {
-    /// `[tokens, heads, dim]`, the rows' tokens one after the other
-    pub q: Elems<'a>,
-    /// `[slots, kv_heads, dim]`, `slots` a multiple of `page`
-    pub k_cache: Elems<'a>,
-    /// same shape and type as `k_cache`
-    pub v_cache: Elems<'a>,
-    /// `[rows, width]` chunk ids
-    pub block_tables: &'a [i32],
+    /// the cache, block tables, shapes, scores and threads (the threads split tiles)
+    pub paged: DecodeArgs<'a>,
     /// `[rows + 1]` token offsets of the rows in `q` (starts at 0, increasing)
     pub cu_seqlens_q: &'a [i32],
-    /// `[rows]` keys of each row after this step (its cached positions plus its tokens)
-    pub seqlens: &'a [i32],
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub dim: usize,
-    pub page: usize,
-    pub width: usize,
-    pub window: Window,
-    /// multiplies every score
-    pub scale: f32,
-    /// scores become `tanh(s / c) * c` (Gemma 2)
-    pub softcap: Option<f32>,
-    /// threads of the kernel pool the tiles are split between; 1 runs on the caller's
-    /// thread
-    pub threads: usize,
 }
 
-impl<'a> PrefillArgs<'a> {
-    /// The decode kernel's view of the same cache and tables (for the shared checks).
-    fn paged(&self) -> DecodeArgs<'a> {
-        DecodeArgs {
-            q: self.q,
-            k_cache: self.k_cache,
-            v_cache: self.v_cache,
-            block_tables: self.block_tables,
-            seqlens: self.seqlens,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            dim: self.dim,
-            page: self.page,
-            width: self.width,
-            window: self.window,
-            scale: self.scale,
-            softcap: self.softcap,
-            threads: self.threads,
-        }
-    }
-
+impl PrefillArgs<'_> {
     /// Query tokens of row `r` and the position of its first.
     fn row(&self, r: usize) -> (usize, usize, usize) {
         let (t0, t1) = (
             self.cu_seqlens_q[r] as usize,
             self.cu_seqlens_q[r + 1] as usize,
         );
-        (t0, t1 - t0, self.seqlens[r] as usize - (t1 - t0))
+        (t0, t1 - t0, self.paged.seqlens[r] as usize - (t1 - t0))
     }
 }
 
 /// Checks every shape, length, offset and chunk id the kernel will use.
 fn validate(a: &PrefillArgs<'_>, out_len: usize) -> Result<(), KernelError> {
-    validate_cache(&a.paged())?;
-    let rows = a.seqlens.len();
+    validate_cache(&a.paged)?;
+    let rows = a.paged.seqlens.len();
     let cu = a.cu_seqlens_q;
     if cu.len() != rows + 1 || cu[0] != 0 {
         return err(format!(
@@ -113,29 +74,29 @@ fn validate(a: &PrefillArgs<'_>, out_len: usize) -> Result<(), KernelError> {
         ));
     }
     for r in 0..rows {
-        let (q, n) = (cu[r + 1] - cu[r], a.seqlens[r]);
+        let (q, n) = (cu[r + 1] - cu[r], a.paged.seqlens[r]);
         if q < 1 || q > n {
             return err(format!(
                 "row {r}: {q} query tokens (cu_seqlens_q) with seqlens {n}: every row needs \
                  1 ..= seqlens tokens"
             ));
         }
-        if let Window::Sliding { window } = a.window {
+        if let Window::Sliding { window } = a.paged.window {
             let span = (q as usize + window - 1).min(n as usize);
-            if span > a.width * a.page {
+            if span > a.paged.width * a.paged.page {
                 return err(format!(
                     "row {r}: its {q} tokens with window {window} need {span} positions, \
                      more than the ring's width*page = {}",
-                    a.width * a.page
+                    a.paged.width * a.paged.page
                 ));
             }
         }
     }
-    let want = cu[rows] as usize * a.heads * a.dim;
-    if a.q.len() != want || out_len != want {
+    let want = cu[rows] as usize * a.paged.heads * a.paged.dim;
+    if a.paged.q.len() != want || out_len != want {
         return err(format!(
             "q and out must have tokens*heads*dim = {want} elements (q {}, out {out_len})",
-            a.q.len()
+            a.paged.q.len()
         ));
     }
     Ok(())
@@ -150,7 +111,7 @@ pub fn paged_prefill_attention(
 ) -> Result<(), KernelError> {
     validate(a, out.len())?;
     let items = tiles(a);
-    let threads = a.threads.clamp(1, items.len().max(1));
+    let threads = a.paged.threads.clamp(1, items.len().max(1));
     if threads == 1 {
         let mut t = Tile::new(a);
         for it in &items {
@@ -187,11 +148,11 @@ fn tile_tokens(g: usize) -> usize {
 
 /// Every tile of the call, row by row, KV head by KV head.
 fn tiles(a: &PrefillArgs<'_>) -> Vec<Item> {
-    let tq = tile_tokens(a.heads / a.kv_heads);
+    let tq = tile_tokens(a.paged.heads / a.paged.kv_heads);
     let mut items = Vec::new();
-    for row in 0..a.seqlens.len() {
+    for row in 0..a.paged.seqlens.len() {
         let (_, q_len, _) = a.row(row);
-        for kvh in 0..a.kv_heads {
+        for kvh in 0..a.paged.kv_heads {
             for t0 in (0..q_len).step_by(tq) {
                 items.push(Item {
                     row,
@@ -225,9 +186,9 @@ struct Tile {
 
 impl Tile {
     fn new(a: &PrefillArgs<'_>) -> Tile {
-        let g = a.heads / a.kv_heads;
+        let g = a.paged.heads / a.paged.kv_heads;
         let mp = (tile_tokens(g) * g).next_multiple_of(ROWS);
-        let d = a.dim;
+        let d = a.paged.dim;
         Tile {
             q: vec![0.0; mp * d],
             qt: vec![0.0; d * mp],
@@ -247,12 +208,12 @@ impl Tile {
 
 /// Writes tile `it`'s rows (`t.o / t.sum`) to `out`, rounded once.
 fn store(a: &PrefillArgs<'_>, it: &Item, t: &Tile, out: &mut ElemsMut<'_>) {
-    let (g, d) = (a.heads / a.kv_heads, a.dim);
+    let (g, d) = (a.paged.heads / a.paged.kv_heads, a.paged.dim);
     let (tok0, _, _) = a.row(it.row);
     for ti in 0..it.t1 - it.t0 {
         for i in 0..g {
             let ri = ti * g + i;
-            let at = ((tok0 + it.t0 + ti) * a.heads + it.kvh * g + i) * d;
+            let at = ((tok0 + it.t0 + ti) * a.paged.heads + it.kvh * g + i) * d;
             out.store(at, &t.o[ri * d..(ri + 1) * d], 1.0 / t.sum[ri]);
         }
     }
@@ -265,7 +226,7 @@ fn run_tile(a: &PrefillArgs<'_>, it: &Item, t: &mut Tile) {
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("fma")
         {
-            if avx512::handles(a.dim) {
+            if avx512::handles(a.paged.dim) {
                 // SAFETY: `tile_avx512` only runs `Avx512`'s products, which need AVX-512F,
                 // just detected on this CPU (as FMA, which the compiler may use there).
                 unsafe { tile_avx512(a, it, t) };
@@ -434,13 +395,13 @@ fn tile_slots(a: &PrefillArgs<'_>, table: &[i32], start: usize, end: usize, out:
     out.clear();
     let mut p = start;
     while p < end {
-        let col = match a.window {
-            Window::Full => p / a.page,
-            Window::Sliding { .. } => (p / a.page) % a.width,
+        let col = match a.paged.window {
+            Window::Full => p / a.paged.page,
+            Window::Sliding { .. } => (p / a.paged.page) % a.paged.width,
         };
-        let off = p % a.page;
-        let take = (a.page - off).min(end - p);
-        let base = table[col] as usize * a.page + off;
+        let off = p % a.paged.page;
+        let take = (a.paged.page - off).min(end - p);
+        let base = table[col] as usize * a.paged.page + off;
         out.extend(base..base + take);
         p += take;
     }
@@ -449,7 +410,7 @@ fn tile_slots(a: &PrefillArgs<'_>, table: &[i32], start: usize, end: usize, out:
 /// The positions the query at position `p` sees.
 #[inline(always)]
 fn visible(a: &PrefillArgs<'_>, p: usize) -> (usize, usize) {
-    match a.window {
+    match a.paged.window {
         Window::Full => (0, p + 1),
         Window::Sliding { window } => ((p + 1).saturating_sub(window), p + 1),
     }
@@ -457,18 +418,18 @@ fn visible(a: &PrefillArgs<'_>, p: usize) -> (usize, usize) {
 
 #[inline(always)]
 fn tile_impl<P: Products>(a: &PrefillArgs<'_>, it: &Item, t: &mut Tile) {
-    let (g, d) = (a.heads / a.kv_heads, a.dim);
+    let (g, d) = (a.paged.heads / a.paged.kv_heads, a.paged.dim);
     let (tok0, _, s0) = a.row(it.row);
     let m = (it.t1 - it.t0) * g;
     let mp = m.next_multiple_of(ROWS);
     // queries, scaled and transposed; padding rows zero and seeing no key
     for ti in 0..it.t1 - it.t0 {
-        let at = ((tok0 + it.t0 + ti) * a.heads + it.kvh * g) * d;
-        a.q.load(at, &mut t.q[ti * g * d..(ti + 1) * g * d]);
+        let at = ((tok0 + it.t0 + ti) * a.paged.heads + it.kvh * g) * d;
+        a.paged.q.load(at, &mut t.q[ti * g * d..(ti + 1) * g * d]);
     }
     for (r, qrow) in t.q.chunks_exact(d).enumerate().take(mp) {
         for (j, &x) in qrow.iter().enumerate() {
-            t.qt[j * mp + r] = if r < m { x * a.scale } else { 0.0 };
+            t.qt[j * mp + r] = if r < m { x * a.paged.scale } else { 0.0 };
         }
         let (lo, hi) = if r < m {
             let (lo, hi) = visible(a, s0 + it.t0 + r / g);
@@ -483,17 +444,17 @@ fn tile_impl<P: Products>(a: &PrefillArgs<'_>, it: &Item, t: &mut Tile) {
     t.sum[..mp].iter_mut().for_each(|x| *x = 0.0);
     let (lo, _) = visible(a, s0 + it.t0);
     let hi = s0 + it.t1;
-    let table = &a.block_tables[it.row * a.width..(it.row + 1) * a.width];
+    let table = &a.paged.block_tables[it.row * a.paged.width..(it.row + 1) * a.paged.width];
     tile_slots(a, table, lo, hi, &mut t.slots);
-    let row_len = a.kv_heads * d;
+    let row_len = a.paged.kv_heads * d;
     for kb in (lo..hi).step_by(KEYS) {
         let nk = KEYS.min(hi - kb);
         for n in 0..KEYS {
             let (k, v) = (&mut t.k[n * d..(n + 1) * d], &mut t.v[n * d..(n + 1) * d]);
             if n < nk {
                 let at = t.slots[kb - lo + n] * row_len + it.kvh * d;
-                a.k_cache.load(at, k);
-                a.v_cache.load(at, v);
+                a.paged.k_cache.load(at, k);
+                a.paged.v_cache.load(at, v);
             } else {
                 k.iter_mut().for_each(|x| *x = 0.0);
                 v.iter_mut().for_each(|x| *x = 0.0);
@@ -501,7 +462,7 @@ fn tile_impl<P: Products>(a: &PrefillArgs<'_>, it: &Item, t: &mut Tile) {
         }
         let st = &mut t.s[..KEYS * mp];
         P::scores(&t.qt[..d * mp], &t.k, st, d, mp, nk);
-        if let Some(cap) = a.softcap {
+        if let Some(cap) = a.paged.softcap {
             for x in st[..nk * mp].iter_mut() {
                 *x = (*x / cap).tanh() * cap;
             }

@@ -258,21 +258,23 @@ pub fn paged_prefill_attention(
     check_attention_inputs(&q, &caches, &out, "tokens", &t_shape)?;
     let (k, v) = caches.elems(q_shape[2])?;
     let args = PrefillArgs {
-        q: q.elems(),
-        k_cache: k,
-        v_cache: v,
-        block_tables: c_slice(&block_tables, "block_tables")?,
+        paged: DecodeArgs {
+            q: q.elems(),
+            k_cache: k,
+            v_cache: v,
+            block_tables: c_slice(&block_tables, "block_tables")?,
+            seqlens: c_slice(&seqlens, "seqlens")?,
+            heads: q_shape[1],
+            kv_heads: k_shape[1],
+            dim: q_shape[2],
+            page,
+            width: t_shape[1],
+            window: window_of(window),
+            scale,
+            softcap: (softcap != 0.0).then_some(softcap),
+            threads,
+        },
         cu_seqlens_q: c_slice(&cu_seqlens_q, "cu_seqlens_q")?,
-        seqlens: c_slice(&seqlens, "seqlens")?,
-        heads: q_shape[1],
-        kv_heads: k_shape[1],
-        dim: q_shape[2],
-        page,
-        width: t_shape[1],
-        window: window_of(window),
-        scale,
-        softcap: (softcap != 0.0).then_some(softcap),
-        threads,
     };
     let out = out.elems();
     py.detach(|| kernels::paged_prefill_attention(&args, out))

@@ -1,5 +1,5 @@
 use super::*;
-use crate::decode::paged_decode_attention;
+use crate::decode::{paged_decode_attention, Elems};
 use half::{bf16, f16};
 use proptest::prelude::*;
 
@@ -219,21 +219,23 @@ fn args_of<'a>(
     threads: usize,
 ) -> PrefillArgs<'a> {
     PrefillArgs {
-        q,
-        k_cache: k,
-        v_cache: v,
-        block_tables: &c.table,
+        paged: DecodeArgs {
+            q,
+            k_cache: k,
+            v_cache: v,
+            block_tables: &c.table,
+            seqlens: &c.seqlens,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            dim: c.dim,
+            page: c.page,
+            width: c.width,
+            window: c.window,
+            scale: 0.125,
+            softcap,
+            threads,
+        },
         cu_seqlens_q: &c.cu,
-        seqlens: &c.seqlens,
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        dim: c.dim,
-        page: c.page,
-        width: c.width,
-        window: c.window,
-        scale: 0.125,
-        softcap,
-        threads,
     }
 }
 
@@ -416,7 +418,10 @@ fn bad_arguments_are_errors_not_reads() {
     let cases: Vec<(PrefillArgs, &str)> = vec![
         (
             PrefillArgs {
-                block_tables: &bad_table,
+                paged: DecodeArgs {
+                    block_tables: &bad_table,
+                    ..base.paged
+                },
                 ..base
             },
             "outside",
@@ -437,22 +442,31 @@ fn bad_arguments_are_errors_not_reads() {
         ),
         (
             PrefillArgs {
-                window: sliding,
-                seqlens: &deep,
+                paged: DecodeArgs {
+                    window: sliding,
+                    seqlens: &deep,
+                    ..base.paged
+                },
                 ..base
             },
             "ring",
         ),
         (
             PrefillArgs {
-                q: Elems::F32(&c.q[1..]),
+                paged: DecodeArgs {
+                    q: Elems::F32(&c.q[1..]),
+                    ..base.paged
+                },
                 ..base
             },
             "elements",
         ),
         (
             PrefillArgs {
-                kv_heads: 3,
+                paged: DecodeArgs {
+                    kv_heads: 3,
+                    ..base.paged
+                },
                 ..base
             },
             "multiple",
