@@ -1,7 +1,12 @@
 """Batch-invariant mode against the default, same model, same workload, interleaved: throughput
 (medians of generated tokens per second of wall time and per CPU-second) at each thread count,
 and each mode's greedy agreement with the fp32 reference (ferrobatch in fp32, whose greedy
-tokens are `model.generate`'s).
+tokens are `model.generate`'s): free-running (the share of whole requests, and of tokens
+before the first divergence) and teacher-forced (each mode scoring the reference's own
+continuations as prompt tokens: how often its top token is the reference's next token, and
+the mean |difference| of that token's log-probability from the reference's; tens of
+thousands of positions, so it separates the modes' accuracy where whole-request counts,
+decided by a few near-ties, cannot).
 
 The workload: 64 prompts x 64 new tokens, greedy, EOS off, prefix caching off (every repeat
 prefills every prompt in full), the thread governor off (each run on exactly the threads
@@ -17,6 +22,7 @@ questions; `--prompts` / `--new` shrink it for a large model).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -40,8 +46,7 @@ def _workload(name: str, dtype: torch.dtype, prompts: int) -> tuple[Any, list[li
     import e2e_cpu  # local: it imports torch and transformers (after ferrobatch)
 
     if name in ("smollm2", "tiny-llama"):
-        model, ids = e2e_cpu.ab_workload(name, dtype)
-        return model, ids[:prompts]
+        return e2e_cpu.ab_workload(name, dtype, prompts)
     return name, []
 
 
@@ -99,20 +104,53 @@ def main() -> None:
         b = result["runs"][f"batch_invariant@{threads}"]
         print(f"  batch_invariant / default: {b['wall'] / d['wall']:.3f} wall, "
               f"{b['cpu'] / d['cpu']:.3f} per CPU-second", flush=True)
-    for engine in engines.values():
-        engine.close()
     if not args.no_agreement:
         torch.set_num_threads(max(args.threads))
-        with _engine(model if not isinstance(model, torch.nn.Module) else model.float(),
-                     "float32", False) as ref_engine:
+        fp32 = model if not isinstance(model, torch.nn.Module) else copy.deepcopy(model).float()
+        with _engine(fp32, "float32", False) as ref_engine:
             ref = [o.token_ids for o in ref_engine.generate(prompts, sp, progress=False)]
+            ref_lp = _forced(ref_engine, prompts, ref)
         for mode in MODES:
             agree = agreement(tokens[mode], ref)
+            agree.update(_forced_agreement(_forced(engines[mode], prompts, ref), ref_lp,
+                                           prompts, ref))
             result[f"agreement_{mode}"] = agree
             print(f"{mode}: {agree['requests']:.1%} of requests equal the fp32 reference "
-                  f"({agree['tokens']:.1%} of tokens before the first divergence)")
+                  f"({agree['tokens']:.1%} of tokens before the first divergence); "
+                  f"teacher-forced: top-1 {agree['forced_top1']:.2%}, mean |d logprob| "
+                  f"{agree['forced_dlogprob']:.5f}")
+    for engine in engines.values():
+        engine.close()
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+
+
+def _forced(engine: Engine, prompts: list[list[int]],
+            ref: list[list[int]]) -> list[list[dict[int, float] | None]]:
+    """`engine`'s prompt log-probabilities (top-1 plus the token's) of each prompt followed
+    by the reference's continuation."""
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    outs = engine.generate([p + r for p, r in zip(prompts, ref, strict=True)], sp,
+                           progress=False)
+    return [o.prompt_logprobs or [] for o in outs]
+
+
+def _forced_agreement(got: list, ref_lp: list, prompts: list[list[int]],
+                      ref: list[list[int]]) -> dict[str, float]:
+    """Over the reference's continuation positions: the share where `got`'s top token is the
+    reference's token, and the mean |difference| of that token's log-probability."""
+    top1 = n = 0
+    dlp = 0.0
+    for p, r, lp, base in zip(prompts, ref, got, ref_lp, strict=True):
+        for j, token in enumerate(r, start=len(p)):
+            here, there = lp[j], base[j]
+            if here is None or there is None:
+                continue
+            top1 += max(here, key=here.__getitem__) == token
+            dlp += abs(here[token] - there[token])
+            n += 1
+    return {"forced_top1": top1 / max(1, n), "forced_dlogprob": dlp / max(1, n),
+            "forced_positions": n}
 
 
 def _cpu() -> str:

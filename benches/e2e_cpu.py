@@ -55,8 +55,9 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return chat_prompts(encode, n)
 
 
-def ab_workload(workload: str, dtype: torch.dtype) -> tuple[Any, list[list[int]]]:
-    """The model in `dtype` and 64 prompts of an in-engine A/B bench: "smollm2" (the bundled
+def ab_workload(workload: str, dtype: torch.dtype,
+                n: int = 64) -> tuple[Any, list[list[int]]]:
+    """The model in `dtype` and `n` prompts of an in-engine A/B bench: "smollm2" (the bundled
     checkpoint, EOS off, its chat prompts) or "tiny-llama" (`ferrobatch.workloads`' model and
     prompts)."""
     if workload not in ("smollm2", "tiny-llama"):
@@ -66,8 +67,8 @@ def ab_workload(workload: str, dtype: torch.dtype) -> tuple[Any, list[list[int]]
 
         model, tok = load_model(None, dtype=dtype)
         model.generation_config.eos_token_id = None
-        return model, smollm2_prompts(tok, 64)
-    return tiny_llama_model().to(dtype), tiny_llama_prompts(64)
+        return model, smollm2_prompts(tok, n)
+    return tiny_llama_model().to(dtype), tiny_llama_prompts(n)
 
 
 # ----------------------------------------------------------------------------- runners
