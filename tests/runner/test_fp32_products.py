@@ -13,6 +13,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.cpu import fused_ops
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
+from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.workloads import agreement
 from ref_planner import drive_runner
@@ -34,10 +35,13 @@ def never(monkeypatch):
     monkeypatch.setattr(linear_policy, "fp32_from_rows", lambda dtype: None)
 
 
-@pytest.mark.parametrize("gain,rows", [(2.0, linear_policy.FP32_ROWS), (1.1, None)])
-def test_the_probe_uses_fp32_only_where_it_is_clearly_faster(monkeypatch, gain, rows):
+@pytest.mark.parametrize("gain,f32,rows", [(2.0, False, linear_policy.FP32_ROWS),
+                                            (2.0, True, 1), (1.1, True, None)])
+def test_the_probe_uses_fp32_only_where_it_is_clearly_faster(monkeypatch, gain, f32, rows):
+    # (with f32_ops' half panels, which read the half weights' bytes, from one row)
     linear_policy.fp32_from_rows.cache_clear()
     monkeypatch.setattr(linear_policy, "measure_gain", lambda dtype: gain)
+    monkeypatch.setattr(linear_policy.f32_ops, "available", lambda: f32)
     try:
         assert linear_policy.fp32_from_rows(torch.bfloat16) == rows
     finally:
@@ -71,7 +75,7 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
     assert packed is not None
     w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
     gen = torch.Generator().manual_seed(0)
-    # (up to F32_KERNEL_ROWS on f32_ops where it runs, oneDNN's fp32 product beyond)
+    # (on f32_ops' half panels where they run, else on oneDNN's fp32 copies)
     for rows in (ROWS, 3 * ROWS + 1, linear_policy.F32_KERNEL_ROWS + 1):
         x = torch.randn(rows, w.shape[1], generator=gen)
         assert lin.input_dtype(rows) == torch.float32
@@ -83,8 +87,10 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
     # below it: the half product (the input rounded to bf16), as without fp32 copies
     torch.testing.assert_close(lin.wide_product(packed, x), F.linear(x.bfloat16().float(), w),
                                rtol=2e-2, atol=2e-2)
-    assert packed.wide is not None and packed.nbytes >= 6 * w.numel()  # bf16 + fp32 copies
-    assert (packed.f32 is not None) == lin.f32_kernel
+    if lin.f32_kernel:  # f32_ops' half panels at every row count: no fp32 copies
+        assert packed.f32 is not None and packed.wide is None
+    else:
+        assert packed.wide is not None and packed.nbytes >= 6 * w.numel()  # bf16 + fp32
     runner.close()
     # no fp32 copies with model-dtype activations
     assert PackedLinears.of(model, in_thread=lambda: True, fp32_rows=ROWS).fp32_rows is None
@@ -168,13 +174,16 @@ def test_no_fp32_copies_where_they_would_not_fit(monkeypatch):
 
 
 def test_every_copy_is_packed_at_construction(forced):
-    """No step pays for packing: the fp32 copies (oneDNN's and, where it runs, `f32_ops`'),
-    and the `amx_ops` one where it runs, exist once the runner is built."""
+    """No step pays for packing: the copy of every backend the table may choose here
+    (`linear_policy.reachable`) exists once the runner is built, and no other."""
     runner = ModelRunner(tm.llama().to(torch.bfloat16), num_blocks=64, page_size=4)
     lin = runner.activations.linears
     assert lin is not None
+    used = linear_policy.reachable(torch.bfloat16, lin.isa,
+                                   linear_policy.Probe(fp32_from_rows=lin.fp32_rows))
     for packed in lin._packs:
-        assert packed.wide is not None
-        assert (packed.f32 is not None) == lin.f32_kernel
-        assert (packed.amx is not None) == bool(lin.amx)
+        assert (packed.wide is not None) == (Backend.ONEDNN_FP32 in used)
+        assert (packed.f32 is not None) == (Backend.F32_OPS in used)
+        assert (packed.amx is not None) == (Backend.AMX_OPS in used)
+        assert (packed.weight is not None) == (Backend.ONEDNN in used)
     runner.close()

@@ -26,7 +26,8 @@ def _old_backend(dtype, rows, *, amx, f32_kernel, fp32_rows, threads, fp32_outpu
     packed linears hold copies for, or None)."""
     half = dtype in (torch.bfloat16, torch.float16)
     if half and fp32_rows is not None and rows >= fp32_rows:
-        return B.F32_OPS if f32_kernel and rows <= 128 else B.ONEDNN_FP32
+        # (since the half panels: f32_ops at every row count, no fp32 copies beside them)
+        return B.F32_OPS if f32_kernel else B.ONEDNN_FP32
     if fp32_outputs and amx is not None and dtype == torch.bfloat16:
         limit = {"amx": (64, 64), "avx512_bf16": (None, 64)}[amx][threads > 1]
         if limit is None or rows <= limit:
@@ -115,7 +116,11 @@ def test_greedy_full_rows_only_for_half_heads_with_fp32_copies():
 def test_the_table_as_it_applies_here_is_logged_once(caplog):
     isa = Isa(frozenset({"avx512_bf16", "f32_ops", *ONEDNN_ALL}))
     text = policy.describe("bfloat16", isa, Probe(fp32_from_rows=16), threads=1)
-    assert text == "1-15 onednn (fp32 outputs: amx_ops), 16-128 f32_ops, 129+ onednn_fp32"
+    assert text == "1-15 onednn (fp32 outputs: amx_ops), 16+ f32_ops"
+    assert policy.describe("bfloat16", isa, Probe(fp32_from_rows=1), threads=1) == "1+ f32_ops"
+    no_f32 = isa.without("f32_ops")
+    assert policy.describe("bfloat16", no_f32, Probe(fp32_from_rows=16), threads=1) \
+        == "1-15 onednn (fp32 outputs: amx_ops), 16+ onednn_fp32"
     assert policy.describe("float32", isa, Probe(), threads=2) == "1-128 f32_ops, 129+ onednn"
     assert policy.describe("bfloat16", isa, Probe(), threads=2) \
         == "1-64 onednn (fp32 outputs: amx_ops), 65+ onednn"
@@ -127,6 +132,24 @@ def test_the_table_as_it_applies_here_is_logged_once(caplog):
     for fmt in ("float32:", "bfloat16:", "float16:"):
         assert fmt in line
     assert "3 threads" in line and "1+ torch" in line
+
+
+def test_reachable_names_the_copies_worth_making():
+    isa = Isa(frozenset({"avx512_bf16", "f32_ops", *ONEDNN_ALL}))
+    # half panels from one row: nothing else is ever chosen for a product
+    assert policy.reachable("bfloat16", isa, Probe(fp32_from_rows=1)) == {B.F32_OPS}
+    assert policy.reachable("bfloat16", isa, Probe(fp32_from_rows=16)) \
+        == {B.ONEDNN, B.AMX_OPS, B.F32_OPS}
+    assert policy.reachable("bfloat16", isa.without("f32_ops"), Probe(fp32_from_rows=16)) \
+        == {B.ONEDNN, B.AMX_OPS, B.ONEDNN_FP32}
+    assert policy.reachable("float32", isa, Probe()) == {B.F32_OPS, B.ONEDNN}
+    for dtype in ("bfloat16", "float16", "float32"):
+        for probe in (Probe(), Probe(fp32_from_rows=1), Probe(fp32_from_rows=16)):
+            found = policy.reachable(dtype, isa, probe)
+            for rows, threads, wide in itertools.product((1, 7, 16, 64, 65, 128, 129, 300, 5000),
+                                                         (1, 2, 3), (False, True)):
+                assert policy.choose(dtype, rows, isa, probe, fp32_outputs=wide,
+                                     threads=threads) in found
 
 
 def test_limited_bounds_a_backends_rows():

@@ -134,7 +134,7 @@ class _Packed:
         with torch.no_grad():
             w = torch.cat([m.weight.detach() for m in self.layers]) if len(self.layers) > 1 \
                 else self.layers[0].weight.detach()
-            self.weight = onednn.pack(w)
+            self.weight = None  # oneDNN's packing: on first use (`onednn_weight`)
             dtype = w.dtype
             if all(m.bias is None for m in self.layers):
                 self.bias = None
@@ -146,6 +146,14 @@ class _Packed:
             # packed again when next asked for
             self.amx = self.wide = self.wide_bias = self.f32 = None
         self.key = key
+
+    def onednn_weight(self) -> torch.Tensor:
+        """The weight packed for oneDNN's product in its own dtype (on first use after each
+        `refresh`)."""
+        if self.weight is None:
+            with torch.no_grad():
+                self.weight = onednn.pack(torch.cat([m.weight.detach() for m in self.layers]))
+        return self.weight
 
     def amx_weight(self) -> amx_ops.AmxWeight | None:
         """The weight packed for `amx_ops` (on first use after each `refresh`), if wanted."""
@@ -191,12 +199,16 @@ class _Packed:
         return onednn.linear(x if x.dtype == torch.float32 else x.float(), self.wide,
                              self.wide_bias)
 
-    def prepack(self) -> None:
-        """Make every copy this product may run on now (else each is made on its first
-        use: inside a step, which then pays the packing)."""
-        self.amx_weight()
-        self.f32_weight()
-        if self.wants_wide and self.wide is None:
+    def prepack(self, backends: frozenset[Backend]) -> None:
+        """Make now the copy of each of `backends` (those the table may choose: others are
+        made on first use, inside a step, which then pays the packing)."""
+        if Backend.ONEDNN in backends:
+            self.onednn_weight()
+        if Backend.AMX_OPS in backends:
+            self.amx_weight()
+        if Backend.F32_OPS in backends:
+            self.f32_weight()
+        if Backend.ONEDNN_FP32 in backends and self.wants_wide and self.wide is None:
             self._make_wide()
 
     def _make_wide(self) -> None:
@@ -443,7 +455,8 @@ class PackedLinears:
             return packed.amx_product(x)
         # (`onednn`: packed layers exist only where oneDNN runs their dtype)
         wdt = self.weight_dtype
-        return onednn.linear(x if x.dtype == wdt else x.to(wdt), packed.weight, packed.bias)
+        return onednn.linear(x if x.dtype == wdt else x.to(wdt), packed.onednn_weight(),
+                             packed.bias)
 
     def one_call(self, rows: int) -> bool | None:
         """Whether a lean layer's products of `rows` rows may run in one call of
@@ -515,8 +528,12 @@ class PackedLinears:
     def prepack(self) -> None:
         """Make every packed copy the products may use (`_Packed.prepack`) now, so that no
         step pays for packing one (a server's first batch would)."""
+        backends = policy.reachable(self.weight_dtype, self.isa,
+                                    policy.Probe(fp32_from_rows=self.fp32_rows))
+        if self.invariant:
+            backends = frozenset({self.invariant_backend()})
         for packed in self._packs:
-            packed.prepack()
+            packed.prepack(backends)
 
     def calibrate(self, forward: Callable[[], Any]) -> None:
         """Run `forward()` (a short forward of the model) on the packed layers and group the

@@ -59,7 +59,7 @@ logger = logging.getLogger("ferrobatch")
 
 __all__ = ["FP32_ROWS", "F32_KERNEL_ROWS", "GREEDY_FULL_ROWS", "INVARIANT_RULES",
            "ONE_CALL_MAX_ROWS", "RULES", "Backend", "Isa", "Probe", "Rule", "choose",
-           "choose_invariant", "choose_rule", "describe",
+           "choose_invariant", "choose_rule", "describe", "reachable",
            "format_of", "fp32_from_rows", "limited", "log_table", "measure_gain", "one_call",
            "probe", "rows_from"]
 
@@ -222,9 +222,11 @@ RULES: tuple[Rule, ...] = (
          fp32_copies=True, use="greedy",
          why="35 ms instead of the bf16 screen's 46 at 64 rows of SmolLM2's head"),
     # products
-    Rule(Backend.F32_OPS, HALF, ("f32_ops",), rows=(0, F32_KERNEL_ROWS), fp32_copies=True,
+    Rule(Backend.F32_OPS, HALF, ("f32_ops",), fp32_copies=True,
          why="fp32 products where they are faster (AVX-512 BF16 without AMX), on the half "
-             "weights as stored, widened in registers"),
+             "weights as stored, widened in registers: faster than the bf16 product at every "
+             "row count, and than fp32 copies up to 64 rows; from 256 rows the copies are "
+             "5-22% faster but take twice the weights' memory, so none are made"),
     Rule(Backend.ONEDNN_FP32, HALF, ("onednn:float32",), fp32_copies=True,
          why="fp32 copies beyond f32_ops' rows"),
     Rule(Backend.AMX_OPS, _BF16, ("amx",), rows=(0, AMX_ROWS), fp32_outputs=True,
@@ -305,6 +307,26 @@ def one_call(backend: Backend, rows: int) -> bool | None:
 _ONE_CALL = {Backend.F32_OPS: True, Backend.AMX_OPS: False}
 
 
+def reachable(dtype: torch.dtype | str, isa: Isa, probe: Probe) -> frozenset[Backend]:
+    """Every backend a product of `dtype` weights may take here (`choose` over every row
+    count, thread count and output kind): the copies worth making."""
+    fmt = format_of(dtype)
+    rows, threads = {1}, {1}
+    for rule in RULES:
+        if rule.use != "product":
+            continue
+        rows.add(max(1, rule.rows[0]))
+        threads.add(rule.threads[0])
+        if rule.rows[1] is not None:
+            rows.add(rule.rows[1] + 1)
+        if rule.threads[1] is not None:
+            threads.add(rule.threads[1] + 1)
+    if probe.fp32_from_rows is not None:
+        rows.add(probe.fp32_from_rows)
+    return frozenset(choose(fmt, r, isa, probe, fp32_outputs=wide, threads=t)
+                     for r in rows for t in threads for wide in (False, True))
+
+
 def rows_from(use: str, dtype: torch.dtype | str, isa: Isa, probe: Probe,
               threads: int = 1) -> int | None:
     """The fewest rows from which a `use` rule (e.g. "greedy") applies to `dtype` weights
@@ -353,7 +375,10 @@ def fp32_from_rows(dtype: torch.dtype) -> int | None:
     logger.info("ferrobatch: fp32 products of widened %s weights take %.2fx the time of %s "
                 "ones here%s", dtype, 1 / gain, dtype,
                 f"; used from {FP32_ROWS} rows" if wins else "")
-    return FP32_ROWS if wins else None
+    if not wins:
+        return None
+    # f32_ops reads the half weights as stored (the bf16 product's bytes): fp32 from 1 row
+    return 1 if f32_ops.available() else FP32_ROWS
 
 
 def probe(dtype: torch.dtype) -> Probe:
