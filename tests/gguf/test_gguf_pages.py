@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from ferrobatch.gguf import pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
