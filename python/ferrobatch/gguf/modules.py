@@ -19,12 +19,8 @@ The kernel contract (what `QuantLinear` calls, `kernel_ops()`; `QuantWeight` is
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import logging
-import mmap
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrobatch.cpu import quant_ops
+from ferrobatch.gguf import pages
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
@@ -357,33 +354,12 @@ def quantized_modules(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
 
 
-#: `madvise(2)` advice: reclaim these pages now (clean file pages are dropped and read again
-#: on their next touch; anonymous pages go to swap, or stay where there is none): never
-#: loses data, unlike MADV_DONTNEED on a private mapping.
-_MADV_PAGEOUT = 21
-
-
-def _page_out(t: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the whole pages inside `t`'s bytes (best effort)."""
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    stop = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if stop > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_PAGEOUT)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
 def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -> int:
     """Pack every `QuantLinear`'s rows for the kernels now (when the kernels run them), then
-    let the kernel reclaim the GGUF rows' pages (views of the file's memory map, read again
-    from the file where the reference path or an embedding lookup needs them): the process
-    keeps one copy of each matrix, the packed one. The `stacked` layers (whose products the
+    take the GGUF rows' pages out of the resident set (`pages.release`: views of the file's
+    memory map, mapped again from the file where the reference path or an embedding lookup
+    needs them) and trim the C heap: the process keeps one copy of each matrix, the packed
+    one. The `stacked` layers (whose products the
     runner's lean layers run stacked, from copies of their own) are not packed, and a copy
     made for them by an earlier forward is dropped (made again if their own forward runs).
     Returns the number of matrices packed."""
@@ -397,8 +373,6 @@ def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -
         elif _kernel_for(module.qtype) is not None:
             _KERNELS.packed(module.weight_q)
             packed += 1
-    if sys.platform.startswith("linux"):
-        for module in model.modules():
-            if isinstance(module, QuantLinear | QuantEmbedding):
-                _page_out(module.qdata)
+    pages.release(m.qdata for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    pages.trim_heap()
     return packed

@@ -114,7 +114,10 @@ fn panel<const T: u8>(
 }
 
 /// The bytes a kernel fetches into the L2 cache while it runs: `len` bytes from `at` (none
-/// when `len` is 0), the `b`th of `nb` near-equal parts during block `b`.
+/// when `len` is 0), the `b`th of `nb` near-equal parts during block `b`; the K-types' kernels
+/// [`split`](Fetch::split) it a part a sub-block, so that the prefetches spread over the
+/// panel's work instead of coming in bursts (at one row, a burst a block filled the core's
+/// line fill buffers and held up the loads of the panel in hand: 10-40% slower).
 #[derive(Clone, Copy)]
 struct Fetch {
     at: *const u8,
@@ -123,6 +126,15 @@ struct Fetch {
 }
 
 impl Fetch {
+    /// The same bytes in `s` times as many parts (fetched a part a sub-block).
+    #[inline(always)]
+    fn split(self, s: usize) -> Fetch {
+        Fetch {
+            nb: self.nb * s,
+            ..self
+        }
+    }
+
     /// Fetches part `b` (one prefetch a cache line; a prefetch never faults, and the
     /// addresses are formed with `wrapping_add`, never dereferenced).
     #[inline(always)]
@@ -131,14 +143,14 @@ impl Fetch {
             return;
         }
         let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
-        // (one line in two: the L2's adjacent-line prefetcher brings the other of each
-        // 128-byte pair)
-        let mut at = from & !127;
+        // (every line: one line in two, counting on the L2's adjacent-line prefetcher for
+        // the other, streamed 10-30% slower at one row)
+        let mut at = from & !63;
         while at < to {
             // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
             // and cannot fault.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
-            at += 128;
+            at += 64;
         }
     }
 }
@@ -299,14 +311,15 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
     let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bit4 = _mm512_set1_epi8(0x10);
+    let pf = pf.split(8);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
-        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
         let mut s1 = [_mm512_setzero_ps(); R];
         for j in 0..8 {
+            pf.part(8 * b + j);
             let mut t = [_mm512_setzero_si512(); R];
             let mut t_hi = [_mm512_setzero_si512(); R];
             // fifth bits of sub-block j: bit v of a byte for quad v
@@ -390,14 +403,15 @@ unsafe fn q6k<const R: usize>(
     let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
+    let pf = pf.split(16);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
-        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
         let mut s1 = [_mm512_setzero_ps(); R];
         for j in 0..16 {
+            pf.part(16 * b + j);
             // sub-block j (16 inputs, quads 0..4): nibble rows 2 j, 2 j + 1, bit pairs row j
             let h = load(w.add(st[1] + 1024 * b + 64 * j));
             let v0 = load(nib.add(128 * j));
