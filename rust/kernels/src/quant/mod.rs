@@ -25,6 +25,8 @@ mod packing;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod vnni_rows;
 
 #[cfg(test)]
 mod tests;
@@ -525,9 +527,26 @@ pub fn linear(
         rest = tail;
         pieces.push((r, piece));
     }
+    #[cfg(target_arch = "x86_64")]
+    let many = many_rows(m, backend);
     crate::parallel::run_pieces(pieces, |range, piece| {
         for row0 in (0..m).step_by(chunk) {
             let rows = (m - row0).min(chunk);
+            #[cfg(target_arch = "x86_64")]
+            if many {
+                let a = acts.rows(0..m, nb);
+                vnni_rows::run(
+                    qt,
+                    packed,
+                    nb,
+                    range.clone(),
+                    a,
+                    row0..row0 + rows,
+                    m,
+                    piece,
+                );
+                continue;
+            }
             // groups of near-equal size, at most MAX_ROWS
             let per = rows.div_ceil(rows.div_ceil(MAX_ROWS));
             for (p, sums) in range.clone().zip(piece.chunks_exact_mut(m)) {
@@ -555,6 +574,28 @@ pub fn linear(
         }
     }
     Ok(())
+}
+
+/// The fewest rows [`linear`] runs through the many-rows kernels (each panel's weights
+/// unpacked once for all the rows) on [`Backend::Avx512Vnni`]; fewer go through the panel
+/// kernels, up to [`MAX_ROWS`] rows a pass over the weights.
+pub const MANY_ROWS: usize = 9;
+
+/// The environment variable that overrides [`MANY_ROWS`] (a number of rows, at least
+/// [`MAX_ROWS`] + 1; 0 or anything unparsable: the default) for A/B measurements.
+pub const MANY_ROWS_ENV: &str = "FERROBATCH_QUANT_MANY_ROWS";
+
+/// Whether a call of `m` rows on `backend` runs the many-rows kernels.
+fn many_rows(m: usize, backend: Backend) -> bool {
+    if backend != Backend::Avx512Vnni || m <= MAX_ROWS {
+        return false;
+    }
+    let least = std::env::var(MANY_ROWS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&v| v > 0)
+        .unwrap_or(MANY_ROWS);
+    m >= least
 }
 
 /// The panel product of `qt` on `backend` (available).
