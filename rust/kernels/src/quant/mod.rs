@@ -13,7 +13,10 @@
 //!   three agree bit for bit).
 //!   Threads split panels (output columns), never k; decode rows (up to 8) go through the
 //!   weights together, which are read once; longer calls go panel by panel, each panel's
-//!   weights staying in cache while the rows pass.
+//!   weights staying in cache while the rows pass. On AVX-512 VNNI, calls of [`MANY_ROWS`]
+//!   rows or more unpack each panel's weights once per chunk of blocks into a small scratch
+//!   that every row then reads (`vnni_rows`); the panel kernels unpack them once per group of
+//!   up to [`MAX_ROWS`] rows.
 //!
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
@@ -570,7 +573,12 @@ pub fn linear(
     for (p, sums) in sums.chunks_exact(m).enumerate() {
         let cols = (n - p * PANEL).min(PANEL);
         for (i, s) in sums.iter().enumerate() {
-            out[i * n + p * PANEL..][..cols].copy_from_slice(&s[..cols]);
+            let o = &mut out[i * n + p * PANEL..][..cols];
+            match <&mut [f32; PANEL]>::try_from(&mut *o) {
+                // (a whole panel: a copy of known size, no call of memcpy)
+                Ok(o) => *o = *s,
+                Err(_) => o.copy_from_slice(&s[..cols]),
+            }
         }
     }
     Ok(())

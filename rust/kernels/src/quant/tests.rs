@@ -455,19 +455,21 @@ fn same_bits(a: &[f32], b: &[f32], what: &str) {
 
 #[test]
 fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
-    // the many-rows kernels (m > MAX_ROWS): every type, row tiles of every size, one and
-    // two panels a pass (threads 3 splits 4 panels 1 + 1 + 2), 32-weight chunks that do
-    // not divide the blocks (k = 13 blocks of 32), several row chunks (k = 4096 at 512)
+    // the many-rows kernels (m > MAX_ROWS): every type, row tiles of every size, 1 to 4
+    // panels a pass (threads 1: passes of 4; threads 3: 4 panels as 1 + 1 + 2, 8 as
+    // 2 + 3 + 3), 32-weight chunks that do not divide the blocks (k = 13 blocks of 32),
+    // several row chunks (k = 4096 at 512)
     if !vnni() {
         return;
     }
     for qt in QType::ALL {
         for (i, m) in [9, 31, 32, 64, 100, 512].into_iter().enumerate() {
+            let n = if i % 2 == 0 { 50 } else { 115 };
             let (n, k) = match (qt.block(), m) {
                 (32, 512) => (50, 4096),
-                (32, _) => (50, 416),
+                (32, _) => (n, 416),
                 (_, 512) => (33, 4096),
-                _ => (50, 768),
+                _ => (n, 768),
             };
             let rows = random_rows(qt, n, k, 21 + i as u64);
             let x = random_x(m, k, 22 + i as u64);

@@ -1,8 +1,8 @@
 //! The products of many rows on AVX-512 VNNI: each panel's weights are unpacked once per
 //! chunk of blocks into a small scratch ([`Line`]s of 64 bytes: the codes as `vpdpbusd`
 //! operands, one line a quad; sub-block scales, factors and mins widened), and then every row
-//! of the call passes over that scratch, [`TILE`] rows and 2 panels (32 columns) at a time in
-//! registers. [`super::vnni`]'s panel kernels unpack a panel again for every group of up to 8
+//! of the call passes over that scratch, [`TILE`] rows and [`PANELS`] panels (64 columns) at
+//! a time in registers. [`super::vnni`]'s panel kernels unpack a panel again for every group of up to 8
 //! rows; here the unpacking is paid once however many rows pass.
 //!
 //! Each lane follows the portable formula ([`super::portable`]) operation for operation, in
@@ -27,12 +27,17 @@ use super::packing::{panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, QType};
 use crate::asm::dpwssd;
 
-/// Rows a register tile holds at most (with 2 panels: 12 independent `vpdpbusd` chains,
-/// enough to cover their latency at two a cycle).
-pub(crate) const TILE: usize = 6;
+/// Rows a register tile holds at most (the dispatch's cases: 1 to 3).
+pub(crate) const TILE: usize = 3;
+
+/// Panels a pass takes at most (the dispatch's cases: 1 to 4). 3 rows x 4 panels: 12
+/// independent `vpdpbusd` chains (enough to cover their latency at two a cycle), 12 sums
+/// and the 4 panels' codes in registers, 3 broadcasts and 4 loads a quad; measured on a
+/// Xeon with AVX-512 VNNI, on a par with 6 rows x 2 panels or slightly ahead.
+const PANELS: usize = 4;
 
 /// Blocks of a chunk for the 32-weight types (256 inputs: the running sums stay in
-/// registers through it; 2 panels' scratch is 10 KiB).
+/// registers through it; 4 panels' scratch is 20 KiB, as the K-types' one block).
 const CHUNK32: usize = 8;
 
 /// One 64-byte line of scratch (aligned: one cache line, one zmm load).
@@ -110,12 +115,12 @@ pub(crate) fn run(
     assert!(rows.end <= m && nb > 0, "rows of the call, whole blocks");
     let lay = layout(qt);
     let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
-    let mut scratch = vec![Line([0; 64]); 2 * cb * lay.lines];
+    let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
     let st = stream_starts(qt, nb);
     // row tiles of near-equal size, at most TILE
     let tiles = rows.len().div_ceil(TILE);
-    for pair in panels.clone().step_by(2) {
-        let np = (panels.end - pair).min(2);
+    for pair in panels.clone().step_by(PANELS) {
+        let np = (panels.end - pair).min(PANELS);
         for b0 in (0..nb).step_by(cb) {
             let c = (nb - b0).min(cb);
             for p in 0..np {
@@ -165,8 +170,17 @@ struct Tile {
 }
 
 /// Runs the kernel of `qt` for rows `r` (1 to [`TILE`]) of `acts`, blocks `b0 ..` (`tile.cb`
-/// of them), `np` panels (1 or 2).
+/// of them), `np` panels (1 to [`PANELS`]).
 fn tile_dispatch(qt: QType, acts: &ActRows<'_>, r: Range<usize>, b0: usize, np: usize, t: Tile) {
+    macro_rules! by_rows {
+        ($f:ident, $np:literal, $a:expr $(, $c:expr)?) => {
+            match r.len() {
+                1 => $f::<1, $np $(, $c)?>($a, t),
+                2 => $f::<2, $np $(, $c)?>($a, t),
+                _ => $f::<3, $np $(, $c)?>($a, t),
+            }
+        };
+    }
     macro_rules! go {
         ($f:ident, $a:expr $(, $c:expr)?) => {{
             let a = $a;
@@ -183,25 +197,17 @@ fn tile_dispatch(qt: QType, acts: &ActRows<'_>, r: Range<usize>, b0: usize, np: 
             // took them inside `sums`): the contract of each kernel, the one of `r.len()`
             // rows and `np` panels.
             unsafe {
-                match (r.len(), np) {
-                    (1, 1) => $f::<1, 1 $(, $c)?>(a, t),
-                    (2, 1) => $f::<2, 1 $(, $c)?>(a, t),
-                    (3, 1) => $f::<3, 1 $(, $c)?>(a, t),
-                    (4, 1) => $f::<4, 1 $(, $c)?>(a, t),
-                    (5, 1) => $f::<5, 1 $(, $c)?>(a, t),
-                    (6, 1) => $f::<6, 1 $(, $c)?>(a, t),
-                    (1, _) => $f::<1, 2 $(, $c)?>(a, t),
-                    (2, _) => $f::<2, 2 $(, $c)?>(a, t),
-                    (3, _) => $f::<3, 2 $(, $c)?>(a, t),
-                    (4, _) => $f::<4, 2 $(, $c)?>(a, t),
-                    (5, _) => $f::<5, 2 $(, $c)?>(a, t),
-                    _ => $f::<6, 2 $(, $c)?>(a, t),
+                match np {
+                    1 => by_rows!($f, 1, a $(, $c)?),
+                    2 => by_rows!($f, 2, a $(, $c)?),
+                    3 => by_rows!($f, 3, a $(, $c)?),
+                    _ => by_rows!($f, 4, a $(, $c)?),
                 }
             }
         }};
     }
     assert!(
-        (1..=TILE).contains(&r.len()) && (1..=2).contains(&np),
+        (1..=TILE).contains(&r.len()) && (1..=PANELS).contains(&np),
         "a tile's shape"
     );
     match (qt, acts) {
