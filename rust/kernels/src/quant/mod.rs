@@ -521,6 +521,12 @@ pub fn linear(
             Acts::A256(_) => std::mem::size_of::<A256>(),
         };
     let chunk = (CHUNK_BYTES / act_row_bytes).max(MAX_ROWS) / MAX_ROWS * MAX_ROWS;
+    #[cfg(target_arch = "x86_64")]
+    if many_rows(m, backend) {
+        let a = acts.rows(0..m, nb);
+        vnni_rows::linear(qt, packed, nb, n, a, m, chunk, out, threads);
+        return Ok(());
+    }
     // sums by panel: [panel][row][16], each thread's panels one slice
     let mut sums = vec![[0f32; PANEL]; panels * m];
     let mut pieces = Vec::new();
@@ -530,26 +536,9 @@ pub fn linear(
         rest = tail;
         pieces.push((r, piece));
     }
-    #[cfg(target_arch = "x86_64")]
-    let many = many_rows(m, backend);
     crate::parallel::run_pieces(pieces, |range, piece| {
         for row0 in (0..m).step_by(chunk) {
             let rows = (m - row0).min(chunk);
-            #[cfg(target_arch = "x86_64")]
-            if many {
-                let a = acts.rows(0..m, nb);
-                vnni_rows::run(
-                    qt,
-                    packed,
-                    nb,
-                    range.clone(),
-                    a,
-                    row0..row0 + rows,
-                    m,
-                    piece,
-                );
-                continue;
-            }
             // groups of near-equal size, at most MAX_ROWS
             let per = rows.div_ceil(rows.div_ceil(MAX_ROWS));
             for (p, sums) in range.clone().zip(piece.chunks_exact_mut(m)) {

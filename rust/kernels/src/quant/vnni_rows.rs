@@ -8,7 +8,7 @@
 //! Each lane follows the portable formula ([`super::portable`]) operation for operation, in
 //! the same order as [`super::vnni`]: integer sums (exact), then `cvtdq2ps`, `mulps` and
 //! fused multiply-adds, so every path gives the same bits. The running sums of the K-types
-//! (one update a block of 256) live in the caller's sums; those of the 32-weight types stay
+//! (one update a block of 256) live in the outputs; those of the 32-weight types stay
 //! in registers through a chunk of [`CHUNK32`] blocks.
 //!
 //! Scratch lines of a block of one panel:
@@ -86,68 +86,126 @@ fn layout(qt: QType) -> Layout {
     }
 }
 
-/// The rows `rows` of `acts` (all the call's rows, `nb` blocks each) times the panels
-/// `panels` of `packed` (each `nb` blocks of `qt`), into `sums` (`[panel - panels.start][row
-/// (of m)][column]`, zero or earlier chunks' sums). Panics on a length that does not match,
-/// or where [`super::vnni::available`] is false.
+/// `out` [m, n] = the `m` rows of `acts` (`nb` blocks each) times the [`super::pack`]ed
+/// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
+/// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
+/// panels pass). Panics on a length that does not match, or where
+/// [`super::vnni::available`] is false.
 #[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
-pub(crate) fn run(
+pub(crate) fn linear(
     qt: QType,
     packed: &[u8],
     nb: usize,
+    n: usize,
+    acts: ActRows<'_>,
+    m: usize,
+    chunk: usize,
+    out: &mut [f32],
+    threads: usize,
+) {
+    assert!(super::vnni::available(), "AVX-512 VNNI is not available");
+    let panels = n.div_ceil(PANEL);
+    let acts_len = match acts {
+        ActRows::A32(a) => a.len(),
+        ActRows::A256(a) => a.len(),
+    };
+    assert!(nb > 0 && chunk > 0, "whole blocks, rows a chunk");
+    assert_eq!(acts_len, m * nb, "{m} rows of {nb} blocks");
+    assert_eq!(
+        packed.len(),
+        panels * nb * panel_block_bytes(qt),
+        "the panels' bytes"
+    );
+    assert_eq!(out.len(), m * n, "m * n outputs");
+    let o = Out(out.as_mut_ptr());
+    let pieces = super::split(panels, threads)
+        .into_iter()
+        .map(|r| (r, o))
+        .collect();
+    crate::parallel::run_pieces(pieces, |range, o| {
+        for row0 in (0..m).step_by(chunk) {
+            let rows = row0..(row0 + chunk).min(m);
+            // SAFETY: `o` is `out` ([m, n], borrowed until every piece has run), `packed`
+            // and `acts` have the shapes asserted above, `range` is inside the `panels`
+            // panels and `rows` inside the `m` rows; the pieces' panel ranges are disjoint
+            // (`split`), so each thread writes only the columns of its own panels.
+            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o) };
+        }
+    });
+}
+
+/// `out`'s elements, written by threads that each write the columns of their own panels.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+
+// SAFETY: `Out` is only sent to the threads of one `linear` call, which returns after they
+// are done (`run_pieces`) while it holds `out` mutably borrowed; each thread writes the
+// columns of its own panels only (disjoint elements), and no thread reads another's.
+unsafe impl Send for Out {}
+
+/// The rows `rows` of `acts` times the panels `panels` into `out` (their columns of those
+/// rows, overwritten).
+///
+/// # Safety
+/// `out` points at `m * n` writable f32 ([m, n], `rows.end <= m`) that no other thread
+/// reads or writes in the columns of `panels` (`panels.end <= n.div_ceil(16)`); `packed`
+/// holds those panels of `nb` blocks of `qt`, and `acts` at least `rows.end * nb` blocks;
+/// the CPU has AVX-512 F, BW and VNNI.
+#[allow(clippy::too_many_arguments)] // one call of `linear`: its slices and shapes
+unsafe fn pass(
+    qt: QType,
+    packed: &[u8],
+    nb: usize,
+    n: usize,
     panels: Range<usize>,
     acts: ActRows<'_>,
     rows: Range<usize>,
-    m: usize,
-    sums: &mut [[f32; PANEL]],
+    out: Out,
 ) {
-    assert!(super::vnni::available(), "AVX-512 VNNI is not available");
     let panel_bytes = nb * panel_block_bytes(qt);
-    assert!(
-        packed.len() >= panels.end * panel_bytes,
-        "the panels' bytes"
-    );
-    assert_eq!(
-        sums.len(),
-        panels.len() * m,
-        "a row of sums a panel and row"
-    );
-    assert!(rows.end <= m && nb > 0, "rows of the call, whole blocks");
     let lay = layout(qt);
     let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
     let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
     let st = stream_starts(qt, nb);
     // row tiles of near-equal size, at most TILE
     let tiles = rows.len().div_ceil(TILE);
-    for pair in panels.clone().step_by(PANELS) {
-        let np = (panels.end - pair).min(PANELS);
+    for first in panels.clone().step_by(PANELS) {
+        let np = (panels.end - first).min(PANELS);
+        // the columns of the pass's last panel that are inside `n`
+        let cols = (n - (first + np - 1) * PANEL).min(PANEL);
         for b0 in (0..nb).step_by(cb) {
             let c = (nb - b0).min(cb);
             for p in 0..np {
-                let w = &packed[(pair + p) * panel_bytes..][..panel_bytes];
+                let w = &packed[(first + p) * panel_bytes..][..panel_bytes];
                 for b in 0..c {
                     let at = (p * cb + b) * lay.lines;
                     let out = &mut scratch[at..at + lay.lines];
-                    // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted above); `w` is
-                    // one panel of `nb` blocks of `qt` with stream starts `st`, `b0 + b <
-                    // nb`, and `out` holds one block's lines of `qt`'s layout.
+                    // SAFETY: the CPU has AVX-512 F, BW and VNNI (the caller's contract);
+                    // `w` is one panel of `nb` blocks of `qt` with stream starts `st`,
+                    // `b0 + b < nb`, and `out` holds one block's lines of `qt`'s layout.
                     unsafe { unpack(qt, w.as_ptr(), &st, b0 + b, out.as_mut_ptr()) };
                 }
             }
             for t in 0..tiles {
                 let r =
                     rows.start + rows.len() * t / tiles..rows.start + rows.len() * (t + 1) / tiles;
-                let acc_at = (pair - panels.start) * m + r.start;
                 let tile = Tile {
                     s: scratch.as_ptr(),
                     lay,
                     pstride: cb * lay.lines,
                     cb: c,
                     nb,
-                    acc: sums[acc_at..].as_mut_ptr(),
-                    astride: m,
+                    // (inside `out`: row r.start < m, column first * 16 < n)
+                    acc: out.0.wrapping_add(r.start * n + first * PANEL),
+                    rstride: n,
+                    last: ((1u32 << cols) - 1) as u16,
+                    fresh: b0 == 0,
                 };
-                tile_dispatch(qt, &acts, r, b0, np, tile);
+                // SAFETY: the CPU as the caller's contract; `scratch` holds the `np` panels'
+                // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `r` are
+                // the columns of panels `first + p` below `n` (`cols`), inside `out` and
+                // this thread's alone (the caller's contract).
+                unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
             }
         }
     }
@@ -164,14 +222,71 @@ struct Tile {
     cb: usize,
     /// blocks of an activation row
     nb: usize,
-    /// the sums of panel 0, the tile's first row (row `i` of panel `p` at `p * astride + i`)
-    acc: *mut [f32; PANEL],
-    astride: usize,
+    /// the outputs of the tile's first row, first panel: row `i`'s panel `p` at `i * rstride
+    /// + 16 p`
+    acc: *mut f32,
+    rstride: usize,
+    /// the lanes of the last panel that are outputs (the others lie past `n`)
+    last: u16,
+    /// whether the chunk is the first of the row (its sums start at zero, not from `acc`)
+    fresh: bool,
+}
+
+impl Tile {
+    /// The lanes of panel `p` of `np` that are outputs.
+    #[inline(always)]
+    fn mask(&self, p: usize, np: usize) -> __mmask16 {
+        if p + 1 == np {
+            self.last
+        } else {
+            0xFFFF
+        }
+    }
+}
+
+/// The running sums of row `i`, panel `p` (of `np`): zero where `fresh` (the first block),
+/// else the outputs so far.
+///
+/// # Safety
+/// As the kernels': the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride + 16 p` are
+/// readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn acc_load(t: &Tile, i: usize, p: usize, np: usize, fresh: bool) -> __m512 {
+    if fresh {
+        _mm512_setzero_ps()
+    } else {
+        // (masked: the lanes past `n` are neither read nor able to fault)
+        _mm512_maskz_loadu_ps(t.mask(p, np), t.acc.add(i * t.rstride + PANEL * p))
+    }
+}
+
+/// Stores the sums of row `i`, panel `p` (of `np`) into the outputs.
+///
+/// # Safety
+/// As the kernels': the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride + 16 p` are
+/// writable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn acc_store(t: &Tile, i: usize, p: usize, np: usize, v: __m512) {
+    _mm512_mask_storeu_ps(t.acc.add(i * t.rstride + PANEL * p), t.mask(p, np), v)
 }
 
 /// Runs the kernel of `qt` for rows `r` (1 to [`TILE`]) of `acts`, blocks `b0 ..` (`tile.cb`
 /// of them), `np` panels (1 to [`PANELS`]).
-fn tile_dispatch(qt: QType, acts: &ActRows<'_>, r: Range<usize>, b0: usize, np: usize, t: Tile) {
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `np` panels' `t.cb` blocks unpacked
+/// ([`unpack`]) from `qt`'s panels; the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride +
+/// 16 p` are readable and writable by this thread alone for `i < r.len()`, `p < np`.
+unsafe fn tile_dispatch(
+    qt: QType,
+    acts: &ActRows<'_>,
+    r: Range<usize>,
+    b0: usize,
+    np: usize,
+    t: Tile,
+) {
     macro_rules! by_rows {
         ($f:ident, $np:literal, $a:expr $(, $c:expr)?) => {
             match r.len() {
@@ -190,12 +305,10 @@ fn tile_dispatch(qt: QType, acts: &ActRows<'_>, r: Range<usize>, b0: usize, np: 
                 "the tile's activation blocks"
             );
             let a = a[first..].as_ptr();
-            // SAFETY: the CPU has AVX-512 F, BW and VNNI (asserted by `run`); `t.s` holds
-            // `np` panels' `t.cb` blocks of unpacked lines of the type (written by `run`);
+            // SAFETY: the CPU, `t.s` and `t.acc` as this function's contract requires;
             // `a` is row `r.start`'s block `b0` and rows `r` hold `t.cb` blocks from `b0`
-            // (asserted above); `t.acc` points at `np` panels' sums of the rows `r` (`run`
-            // took them inside `sums`): the contract of each kernel, the one of `r.len()`
-            // rows and `np` panels.
+            // (asserted above): the contract of each kernel, the one of `r.len()` rows and
+            // `np` panels.
             unsafe {
                 match np {
                     1 => by_rows!($f, 1, a $(, $c)?),
@@ -255,13 +368,13 @@ unsafe fn quad(p: *const i8) -> __m512i {
 /// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `P` panels' `t.cb` unpacked blocks of a
 /// 32-weight type (lines of [`layout`]); `a` points at the first row's first block of the
 /// chunk, row `i`'s block `b` at `a + i * t.nb + b` readable for `i < R`, `b < t.cb`;
-/// `t.acc + p * t.astride + i` is a readable and writable row of 16 f32 for `p < P`, `i < R`.
+/// the lanes of `t.mask(p, P)` at `t.acc + i * t.rstride + 16 p` are readable and writable
+/// (by this thread alone) for `p < P`, `i < R`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, t: Tile) {
     let lay = t.lay;
-    let mut acc: [[__m512; P]; R] = std::array::from_fn(|i| {
-        std::array::from_fn(|p| _mm512_loadu_ps(t.acc.add(p * t.astride + i).cast()))
-    });
+    let mut acc: [[__m512; P]; R] =
+        std::array::from_fn(|i| std::array::from_fn(|p| acc_load(&t, i, p, P, t.fresh)));
     for b in 0..t.cb {
         let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
         let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
@@ -292,7 +405,7 @@ unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32,
     }
     for (i, acc) in acc.iter().enumerate() {
         for (p, v) in acc.iter().enumerate() {
-            _mm512_storeu_ps(t.acc.add(p * t.astride + i).cast(), *v);
+            acc_store(&t, i, p, P, *v);
         }
     }
 }
@@ -337,9 +450,8 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
         for p in 0..P {
             let d = line_ps(blk[p], lay.d);
             for i in 0..R {
-                let o = t.acc.add(p * t.astride + i);
                 let dx = (*ab[i]).d;
-                let mut v = _mm512_loadu_ps(o.cast());
+                let mut v = acc_load(&t, i, p, P, t.fresh && b == 0);
                 v = _mm512_fmadd_ps(s1[i][p], _mm512_mul_ps(d, _mm512_set1_ps(dx)), v);
                 if !Q6 {
                     let mut s2 = _mm512_setzero_si512();
@@ -355,7 +467,7 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
                     let edx = _mm512_mul_ps(line_ps(blk[p], lay.e), _mm512_set1_ps(dx));
                     v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v);
                 }
-                _mm512_storeu_ps(o.cast(), v);
+                acc_store(&t, i, p, P, v);
             }
         }
     }
