@@ -14,6 +14,8 @@ time (the machine may be shared: wall time would count other processes' turns), 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import numpy as np
@@ -66,9 +68,17 @@ def main() -> None:
     ap.add_argument("--cold-mib", type=int, default=640,
                     help="MiB of weight copies the cold calls rotate through (> the L3)")
     ap.add_argument("--prefill-rows", type=int, default=512)
+    ap.add_argument("--rows", type=int, nargs="+", default=[32, 64, 512],
+                    help="rows of the many-rows table (AVX-512 VNNI)")
+    ap.add_argument("--int8-peak", type=float, default=740.0,
+                    help="GOP/s of vpdpbusd alone on one core")
+    ap.add_argument("--only-rows", action="store_true", help="the many-rows table alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     backend = args.backend or quant_ops.backend()
+    if args.only_rows:
+        rows_table(args, backend)
+        return
     probes = read_bandwidth(args.repeats)
     bw = max(probes.values())
     print(f"backend {backend}, 1 thread; read bandwidth of 1 GiB (GB/s): "
@@ -80,6 +90,44 @@ def main() -> None:
     for qtype in args.types:
         for n, k in SHAPES:
             shape(qtype, n, k, args, backend, bw, rng)
+    rows_table(args, backend)
+
+
+MANY_ROWS_ENV = "FERROBATCH_QUANT_MANY_ROWS"
+
+
+def rows_table(args: argparse.Namespace, backend: str) -> None:
+    """The many-rows table: panel kernels against many-rows kernels, interleaved."""
+    if backend != "avx512vnni":
+        return
+    print(f"\nmany rows, {backend}, 1 thread, medians of {args.repeats} (interleaved); "
+          f"share of {args.int8_peak:.0f} GOP/s")
+    print(f"{'type':>5} {'n x k':>10} {'m':>4} | {'panel ms':>8} {'GOP/s':>6} {'peak':>5} | "
+          f"{'many ms':>8} {'GOP/s':>6} {'peak':>5} | {'speed-up':>8}")
+    rng = np.random.default_rng(1)
+    for qtype in args.types:
+        for n, k in SHAPES:
+            w = quant_ops.pack(qtype, blocks(qtype, n, k, rng), n, k)
+            for m in args.rows:
+                x, out = torch.randn(m, k), torch.empty(m, n)
+                calls = max(1, int(2e8 / (2 * m * n * k)))
+                times: dict[str, list[float]] = {"panel": [], "many": []}
+                for _ in range(args.repeats):
+                    for arm in times:
+                        if arm == "panel":  # past any m: the many-rows kernels off
+                            os.environ[MANY_ROWS_ENV] = str(1 << 30)
+                        else:
+                            os.environ.pop(MANY_ROWS_ENV, None)
+                        times[arm].append(cpu_time(
+                            lambda i, x=x, w=w, out=out: quant_ops.linear(x, w, out, backend),
+                            calls))
+                os.environ.pop(MANY_ROWS_ENV, None)
+                ops = 2 * m * n * k
+                gops = {a: ops / statistics.median(t) / 1e9 for a, t in times.items()}
+                print(f"{qtype:>5} {f'{n}x{k}':>10} {m:>4} | "
+                      + " | ".join(f"{ops / gops[a] / 1e6:>8.2f} {gops[a]:>6.0f} "
+                                   f"{gops[a] / args.int8_peak:>5.0%}" for a in times)
+                      + f" | {gops['many'] / gops['panel']:>7.2f}x", flush=True)
 
 
 def shape(qtype: str, n: int, k: int, args: argparse.Namespace, backend: str, bw: float,

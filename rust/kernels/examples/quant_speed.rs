@@ -1,6 +1,7 @@
 //! Quick timing of the quantized products (one thread): weight GB/s at m = 1..8 and GOP/s
 //! at m = 512. `cargo run --release -p ferrobatch-kernels --example quant_speed [type] [n]
-//! [k] [m...]`; `benches/quant_linear.py` is the bench of record.
+//! [k] [m...]`; `benches/quant_linear.py` is the bench of record. Past 8 rows it times the
+//! panel kernels and the many-rows kernels interleaved (medians of 5).
 
 /// Nanoseconds this thread has run on a CPU (the machine is shared: wall time counts the
 /// other processes' turns too).
@@ -10,7 +11,9 @@ fn cpu_ns() -> u64 {
 }
 
 use ferrobatch_kernels::linear::LinearArgs;
-use ferrobatch_kernels::quant::{linear, pack, packed_len, Backend, QType};
+use ferrobatch_kernels::quant::{
+    linear, pack, packed_len, Backend, QType, MANY_ROWS_ENV, MAX_ROWS,
+};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -87,24 +90,46 @@ fn main() {
             linear(qt, &args, &x, &all[0], &mut out, backend).unwrap();
             let once = t.elapsed().as_secs_f64();
             let reps = ((0.25 / once) as usize).max(3).max(copies);
-            let mut best = f64::INFINITY;
-            for _ in 0..3 {
-                let t = cpu_ns();
-                for r in 0..reps {
-                    linear(qt, &args, &x, &all[r % copies], &mut out, backend).unwrap();
+            // m > MAX_ROWS: the panel kernels ("few", many-rows threshold set past m) and
+            // the many-rows kernels ("many"), interleaved, median of 5
+            let arms: &[(&str, Option<&str>)] = if m > MAX_ROWS {
+                &[("few", Some("1000000000")), ("many", None)]
+            } else {
+                &[("", None)]
+            };
+            let mut times = vec![Vec::new(); arms.len()];
+            for _ in 0..5 {
+                for (arm, (_, env)) in arms.iter().enumerate() {
+                    // SAFETY (of set_var / remove_var): this program runs no other thread
+                    // while it changes the environment (linear's threads: 1).
+                    unsafe {
+                        match env {
+                            Some(v) => std::env::set_var(MANY_ROWS_ENV, v),
+                            None => std::env::remove_var(MANY_ROWS_ENV),
+                        }
+                    }
+                    let t = cpu_ns();
+                    for r in 0..reps {
+                        linear(qt, &args, &x, &all[r % copies], &mut out, backend).unwrap();
+                    }
+                    times[arm].push((cpu_ns() - t) as f64 * 1e-9 / reps as f64);
                 }
-                best = best.min((cpu_ns() - t) as f64 * 1e-9 / reps as f64);
             }
-            println!(
-                "{:5} {}x{} m={:4} {:9.1} us  {:6.1} GB/s weights  {:7.1} GOP/s",
-                qt.name(),
-                n,
-                k,
-                m,
-                best * 1e6,
-                packed.len() as f64 / best / 1e9,
-                2.0 * (m * n * k) as f64 / best / 1e9
-            );
+            for ((name, _), t) in arms.iter().zip(&mut times) {
+                t.sort_by(f64::total_cmp);
+                let med = t[t.len() / 2];
+                println!(
+                    "{:5} {}x{} m={:4} {:4} {:9.1} us  {:6.1} GB/s weights  {:7.1} GOP/s",
+                    qt.name(),
+                    n,
+                    k,
+                    m,
+                    name,
+                    med * 1e6,
+                    packed.len() as f64 / med / 1e9,
+                    2.0 * (m * n * k) as f64 / med / 1e9
+                );
+            }
         }
     }
 }

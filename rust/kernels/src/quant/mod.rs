@@ -13,7 +13,10 @@
 //!   three agree bit for bit).
 //!   Threads split panels (output columns), never k; decode rows (up to 8) go through the
 //!   weights together, which are read once; longer calls go panel by panel, each panel's
-//!   weights staying in cache while the rows pass.
+//!   weights staying in cache while the rows pass. On AVX-512 VNNI, calls of [`MANY_ROWS`]
+//!   rows or more unpack each panel's weights once per chunk of blocks into a small scratch
+//!   that every row then reads (`vnni_rows`); the panel kernels unpack them once per group of
+//!   up to [`MAX_ROWS`] rows.
 //!
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
@@ -25,6 +28,8 @@ mod packing;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod vnni_rows;
 
 #[cfg(test)]
 mod tests;
@@ -516,6 +521,12 @@ pub fn linear(
             Acts::A256(_) => std::mem::size_of::<A256>(),
         };
     let chunk = (CHUNK_BYTES / act_row_bytes).max(MAX_ROWS) / MAX_ROWS * MAX_ROWS;
+    #[cfg(target_arch = "x86_64")]
+    if many_rows(m, backend) {
+        let a = acts.rows(0..m, nb);
+        vnni_rows::linear(qt, packed, nb, n, a, m, chunk, out, threads);
+        return Ok(());
+    }
     // sums by panel: [panel][row][16], each thread's panels one slice
     let mut sums = vec![[0f32; PANEL]; panels * m];
     let mut pieces = Vec::new();
@@ -551,10 +562,37 @@ pub fn linear(
     for (p, sums) in sums.chunks_exact(m).enumerate() {
         let cols = (n - p * PANEL).min(PANEL);
         for (i, s) in sums.iter().enumerate() {
-            out[i * n + p * PANEL..][..cols].copy_from_slice(&s[..cols]);
+            let o = &mut out[i * n + p * PANEL..][..cols];
+            match <&mut [f32; PANEL]>::try_from(&mut *o) {
+                // (a whole panel: a copy of known size, no call of memcpy)
+                Ok(o) => *o = *s,
+                Err(_) => o.copy_from_slice(&s[..cols]),
+            }
         }
     }
     Ok(())
+}
+
+/// The fewest rows [`linear`] runs through the many-rows kernels (each panel's weights
+/// unpacked once for all the rows) on [`Backend::Avx512Vnni`]; fewer go through the panel
+/// kernels, up to [`MAX_ROWS`] rows a pass over the weights.
+pub const MANY_ROWS: usize = 9;
+
+/// The environment variable that overrides [`MANY_ROWS`] (a number of rows, at least
+/// [`MAX_ROWS`] + 1; 0 or anything unparsable: the default) for A/B measurements.
+pub const MANY_ROWS_ENV: &str = "FERROBATCH_QUANT_MANY_ROWS";
+
+/// Whether a call of `m` rows on `backend` runs the many-rows kernels.
+fn many_rows(m: usize, backend: Backend) -> bool {
+    if backend != Backend::Avx512Vnni || m <= MAX_ROWS {
+        return false;
+    }
+    let least = std::env::var(MANY_ROWS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&v| v > 0)
+        .unwrap_or(MANY_ROWS);
+    m >= least
 }
 
 /// The panel product of `qt` on `backend` (available).

@@ -1,0 +1,596 @@
+//! The products of many rows on AVX-512 VNNI: each panel's weights are unpacked once per
+//! chunk of blocks into a small scratch ([`Line`]s of 64 bytes: the codes as `vpdpbusd`
+//! operands, one line a quad; sub-block scales, factors and mins widened), and then every row
+//! of the call passes over that scratch, [`TILE`] rows and [`PANELS`] panels (64 columns) at
+//! a time in registers. [`super::vnni`]'s panel kernels unpack a panel again for every group of up to 8
+//! rows; here the unpacking is paid once however many rows pass.
+//!
+//! Each lane follows the portable formula ([`super::portable`]) operation for operation, in
+//! the same order as [`super::vnni`]: integer sums (exact), then `cvtdq2ps`, `mulps` and
+//! fused multiply-adds, so every path gives the same bits. The running sums of the K-types
+//! (one update a block of 256) live in the outputs; those of the 32-weight types stay
+//! in registers through a chunk of [`CHUNK32`] blocks.
+//!
+//! Scratch lines of a block of one panel:
+//!
+//! | types | lines |
+//! |---|---|
+//! | Q8_0, Q4_0, Q4_1 | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1) |
+//! | Q4_K, Q5_K | codes 64, sc 8 (f32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
+//! | Q6_K | codes 64, sc 16 (f32), d 1 |
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::act::{A256, A32};
+use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::{ActRows, QType};
+use crate::asm::dpwssd;
+
+/// Rows a register tile holds at most (the dispatch's cases: 1 to 3).
+pub(crate) const TILE: usize = 3;
+
+/// Panels a pass takes at most (the dispatch's cases: 1 to 4). 3 rows x 4 panels: 12
+/// independent `vpdpbusd` chains (enough to cover their latency at two a cycle), 12 sums
+/// and the 4 panels' codes in registers, 3 broadcasts and 4 loads a quad; measured on a
+/// Xeon with AVX-512 VNNI, on a par with 6 rows x 2 panels or slightly ahead.
+const PANELS: usize = 4;
+
+/// Blocks of a chunk for the 32-weight types (256 inputs: the running sums stay in
+/// registers through it; 4 panels' scratch is 20 KiB, as the K-types' one block).
+const CHUNK32: usize = 8;
+
+/// One 64-byte line of scratch (aligned: one cache line, one zmm load).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Lines of a block of one panel, and the first line of each part after the codes.
+#[derive(Clone, Copy)]
+struct Layout {
+    /// lines a block
+    lines: usize,
+    /// the scales (K-types)
+    sc: usize,
+    /// d
+    d: usize,
+    /// Q4_1's m, the K-types' dmin
+    e: usize,
+    /// Q4_K / Q5_K's mins
+    mins: usize,
+}
+
+fn layout(qt: QType) -> Layout {
+    match qt {
+        QType::Q8_0 | QType::Q4_0 | QType::Q4_1 => Layout {
+            lines: 10,
+            sc: 8,
+            d: 8,
+            e: 9,
+            mins: 10,
+        },
+        QType::Q4_K | QType::Q5_K => Layout {
+            lines: 78,
+            sc: 64,
+            d: 72,
+            e: 73,
+            mins: 74,
+        },
+        QType::Q6_K => Layout {
+            lines: 81,
+            sc: 64,
+            d: 80,
+            e: 81,
+            mins: 81,
+        },
+    }
+}
+
+/// `out` [m, n] = the `m` rows of `acts` (`nb` blocks each) times the [`super::pack`]ed
+/// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
+/// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
+/// panels pass). Panics on a length that does not match, or where
+/// [`super::vnni::available`] is false.
+#[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
+pub(crate) fn linear(
+    qt: QType,
+    packed: &[u8],
+    nb: usize,
+    n: usize,
+    acts: ActRows<'_>,
+    m: usize,
+    chunk: usize,
+    out: &mut [f32],
+    threads: usize,
+) {
+    assert!(super::vnni::available(), "AVX-512 VNNI is not available");
+    let panels = n.div_ceil(PANEL);
+    let acts_len = match acts {
+        ActRows::A32(a) => a.len(),
+        ActRows::A256(a) => a.len(),
+    };
+    assert!(nb > 0 && chunk > 0, "whole blocks, rows a chunk");
+    assert_eq!(acts_len, m * nb, "{m} rows of {nb} blocks");
+    assert_eq!(
+        packed.len(),
+        panels * nb * panel_block_bytes(qt),
+        "the panels' bytes"
+    );
+    assert_eq!(out.len(), m * n, "m * n outputs");
+    let o = Out(out.as_mut_ptr());
+    let pieces = super::split(panels, threads)
+        .into_iter()
+        .map(|r| (r, o))
+        .collect();
+    crate::parallel::run_pieces(pieces, |range, o| {
+        for row0 in (0..m).step_by(chunk) {
+            let rows = row0..(row0 + chunk).min(m);
+            // SAFETY: `o` is `out` ([m, n], borrowed until every piece has run), `packed`
+            // and `acts` have the shapes asserted above, `range` is inside the `panels`
+            // panels and `rows` inside the `m` rows; the pieces' panel ranges are disjoint
+            // (`split`), so each thread writes only the columns of its own panels.
+            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o) };
+        }
+    });
+}
+
+/// `out`'s elements, written by threads that each write the columns of their own panels.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+
+// SAFETY: `Out` is only sent to the threads of one `linear` call, which returns after they
+// are done (`run_pieces`) while it holds `out` mutably borrowed; each thread writes the
+// columns of its own panels only (disjoint elements), and no thread reads another's.
+unsafe impl Send for Out {}
+
+/// The rows `rows` of `acts` times the panels `panels` into `out` (their columns of those
+/// rows, overwritten).
+///
+/// # Safety
+/// `out` points at `m * n` writable f32 ([m, n], `rows.end <= m`) that no other thread
+/// reads or writes in the columns of `panels` (`panels.end <= n.div_ceil(16)`); `packed`
+/// holds those panels of `nb` blocks of `qt`, and `acts` at least `rows.end * nb` blocks;
+/// the CPU has AVX-512 F, BW and VNNI.
+#[allow(clippy::too_many_arguments)] // one call of `linear`: its slices and shapes
+unsafe fn pass(
+    qt: QType,
+    packed: &[u8],
+    nb: usize,
+    n: usize,
+    panels: Range<usize>,
+    acts: ActRows<'_>,
+    rows: Range<usize>,
+    out: Out,
+) {
+    let panel_bytes = nb * panel_block_bytes(qt);
+    let lay = layout(qt);
+    let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
+    let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
+    let st = stream_starts(qt, nb);
+    // row tiles of near-equal size, at most TILE
+    let tiles = rows.len().div_ceil(TILE);
+    for first in panels.clone().step_by(PANELS) {
+        let np = (panels.end - first).min(PANELS);
+        // the columns of the pass's last panel that are inside `n`
+        let cols = (n - (first + np - 1) * PANEL).min(PANEL);
+        for b0 in (0..nb).step_by(cb) {
+            let c = (nb - b0).min(cb);
+            for p in 0..np {
+                let w = &packed[(first + p) * panel_bytes..][..panel_bytes];
+                for b in 0..c {
+                    let at = (p * cb + b) * lay.lines;
+                    let out = &mut scratch[at..at + lay.lines];
+                    // SAFETY: the CPU has AVX-512 F, BW and VNNI (the caller's contract);
+                    // `w` is one panel of `nb` blocks of `qt` with stream starts `st`,
+                    // `b0 + b < nb`, and `out` holds one block's lines of `qt`'s layout.
+                    unsafe { unpack(qt, w.as_ptr(), &st, b0 + b, out.as_mut_ptr()) };
+                }
+            }
+            for t in 0..tiles {
+                let r =
+                    rows.start + rows.len() * t / tiles..rows.start + rows.len() * (t + 1) / tiles;
+                let tile = Tile {
+                    s: scratch.as_ptr(),
+                    lay,
+                    pstride: cb * lay.lines,
+                    cb: c,
+                    nb,
+                    // (inside `out`: row r.start < m, column first * 16 < n)
+                    acc: out.0.wrapping_add(r.start * n + first * PANEL),
+                    rstride: n,
+                    last: ((1u32 << cols) - 1) as u16,
+                    fresh: b0 == 0,
+                };
+                // SAFETY: the CPU as the caller's contract; `scratch` holds the `np` panels'
+                // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `r` are
+                // the columns of panels `first + p` below `n` (`cols`), inside `out` and
+                // this thread's alone (the caller's contract).
+                unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
+            }
+        }
+    }
+}
+
+/// The pointers and strides of one register tile.
+#[derive(Clone, Copy)]
+struct Tile {
+    /// the scratch: panel `p`'s block `b` at line `p * pstride + b * lay.lines`
+    s: *const Line,
+    lay: Layout,
+    pstride: usize,
+    /// blocks of the chunk
+    cb: usize,
+    /// blocks of an activation row
+    nb: usize,
+    /// the outputs of the tile's first row, first panel: row `i`'s panel `p` at `i * rstride
+    /// + 16 p`
+    acc: *mut f32,
+    rstride: usize,
+    /// the lanes of the last panel that are outputs (the others lie past `n`)
+    last: u16,
+    /// whether the chunk is the first of the row (its sums start at zero, not from `acc`)
+    fresh: bool,
+}
+
+impl Tile {
+    /// The lanes of panel `p` of `np` that are outputs.
+    #[inline(always)]
+    fn mask(&self, p: usize, np: usize) -> __mmask16 {
+        if p + 1 == np {
+            self.last
+        } else {
+            0xFFFF
+        }
+    }
+}
+
+/// The running sums of row `i`, panel `p` (of `np`): zero where `fresh` (the first block),
+/// else the outputs so far.
+///
+/// # Safety
+/// As the kernels': the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride + 16 p` are
+/// readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn acc_load(t: &Tile, i: usize, p: usize, np: usize, fresh: bool) -> __m512 {
+    if fresh {
+        _mm512_setzero_ps()
+    } else {
+        // (masked: the lanes past `n` are neither read nor able to fault)
+        _mm512_maskz_loadu_ps(t.mask(p, np), t.acc.add(i * t.rstride + PANEL * p))
+    }
+}
+
+/// Stores the sums of row `i`, panel `p` (of `np`) into the outputs.
+///
+/// # Safety
+/// As the kernels': the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride + 16 p` are
+/// writable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn acc_store(t: &Tile, i: usize, p: usize, np: usize, v: __m512) {
+    _mm512_mask_storeu_ps(t.acc.add(i * t.rstride + PANEL * p), t.mask(p, np), v)
+}
+
+/// Runs the kernel of `qt` for rows `r` (1 to [`TILE`]) of `acts`, blocks `b0 ..` (`tile.cb`
+/// of them), `np` panels (1 to [`PANELS`]).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `np` panels' `t.cb` blocks unpacked
+/// ([`unpack`]) from `qt`'s panels; the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride +
+/// 16 p` are readable and writable by this thread alone for `i < r.len()`, `p < np`.
+unsafe fn tile_dispatch(
+    qt: QType,
+    acts: &ActRows<'_>,
+    r: Range<usize>,
+    b0: usize,
+    np: usize,
+    t: Tile,
+) {
+    macro_rules! by_rows {
+        ($f:ident, $np:literal, $a:expr $(, $c:expr)?) => {
+            match r.len() {
+                1 => $f::<1, $np $(, $c)?>($a, t),
+                2 => $f::<2, $np $(, $c)?>($a, t),
+                _ => $f::<3, $np $(, $c)?>($a, t),
+            }
+        };
+    }
+    macro_rules! go {
+        ($f:ident, $a:expr $(, $c:expr)?) => {{
+            let a = $a;
+            let first = r.start * t.nb + b0;
+            assert!(
+                r.end * t.nb <= a.len() && b0 + t.cb <= t.nb,
+                "the tile's activation blocks"
+            );
+            let a = a[first..].as_ptr();
+            // SAFETY: the CPU, `t.s` and `t.acc` as this function's contract requires;
+            // `a` is row `r.start`'s block `b0` and rows `r` hold `t.cb` blocks from `b0`
+            // (asserted above): the contract of each kernel, the one of `r.len()` rows and
+            // `np` panels.
+            unsafe {
+                match np {
+                    1 => by_rows!($f, 1, a $(, $c)?),
+                    2 => by_rows!($f, 2, a $(, $c)?),
+                    3 => by_rows!($f, 3, a $(, $c)?),
+                    _ => by_rows!($f, 4, a $(, $c)?),
+                }
+            }
+        }};
+    }
+    assert!(
+        (1..=TILE).contains(&r.len()) && (1..=PANELS).contains(&np),
+        "a tile's shape"
+    );
+    match (qt, acts) {
+        (QType::Q4_1, ActRows::A32(a)) => go!(tile32, a, true),
+        (QType::Q8_0 | QType::Q4_0, ActRows::A32(a)) => go!(tile32, a, false),
+        (QType::Q6_K, ActRows::A256(a)) => go!(tile_k, a, true),
+        (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => go!(tile_k, a, false),
+        _ => panic!("{}: wrong activation format", qt.name()),
+    }
+}
+
+/// Line `i` from `p`.
+///
+/// # Safety
+/// `p .. p + i + 1` lines are readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn line(p: *const Line, i: usize) -> __m512i {
+    _mm512_load_si512(p.add(i).cast())
+}
+
+/// Line `i` from `p` as 16 f32.
+///
+/// # Safety
+/// As [`line`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn line_ps(p: *const Line, i: usize) -> __m512 {
+    _mm512_load_ps(p.add(i).cast())
+}
+
+/// The 4 bytes at `p` (4 int8 inputs) in every i32 lane.
+///
+/// # Safety
+/// `p .. p + 4` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn quad(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// The 32-weight types (`Q41`: Q4_1's `m` term), `R` rows, `P` panels.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `P` panels' `t.cb` unpacked blocks of a
+/// 32-weight type (lines of [`layout`]); `a` points at the first row's first block of the
+/// chunk, row `i`'s block `b` at `a + i * t.nb + b` readable for `i < R`, `b < t.cb`;
+/// the lanes of `t.mask(p, P)` at `t.acc + i * t.rstride + 16 p` are readable and writable
+/// (by this thread alone) for `p < P`, `i < R`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, t: Tile) {
+    let lay = t.lay;
+    let mut acc: [[__m512; P]; R] =
+        std::array::from_fn(|i| std::array::from_fn(|p| acc_load(&t, i, p, P, t.fresh)));
+    for b in 0..t.cb {
+        let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
+        let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
+        let mut s: [[__m512i; P]; R] =
+            std::array::from_fn(|i| [_mm512_set1_epi32((*ab[i]).init); P]);
+        for q in 0..8 {
+            let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
+            for i in 0..R {
+                let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
+                for p in 0..P {
+                    s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
+                }
+            }
+        }
+        for p in 0..P {
+            let d = line_ps(blk[p], lay.d);
+            for i in 0..R {
+                let dx = _mm512_mul_ps(d, _mm512_set1_ps((*ab[i]).d));
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][p]), dx, acc[i][p]);
+            }
+            if Q41 {
+                let e = line_ps(blk[p], lay.e);
+                for i in 0..R {
+                    acc[i][p] = _mm512_fmadd_ps(e, _mm512_set1_ps((*ab[i]).sd), acc[i][p]);
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (p, v) in acc.iter().enumerate() {
+            acc_store(&t, i, p, P, *v);
+        }
+    }
+}
+
+/// The K-types (`Q6`: Q6_K, else Q4_K / Q5_K), `R` rows, `P` panels.
+///
+/// # Safety
+/// As [`tile32`], with [`A256`] activation blocks and blocks of a K-type.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256, t: Tile) {
+    let lay = t.lay;
+    let (subs, per) = if Q6 { (16, 4) } else { (8, 8) };
+    for b in 0..t.cb {
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
+        let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
+        let mut s1 = [[_mm512_setzero_ps(); P]; R];
+        for j in 0..subs {
+            let mut s: [[__m512i; P]; R] = std::array::from_fn(|i| {
+                [if Q6 {
+                    _mm512_set1_epi32((*ab[i]).neg32_sum16[j])
+                } else {
+                    _mm512_setzero_si512()
+                }; P]
+            });
+            for q in per * j..per * (j + 1) {
+                let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
+                for i in 0..R {
+                    let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
+                    for p in 0..P {
+                        s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
+                    }
+                }
+            }
+            for p in 0..P {
+                let sc = line_ps(blk[p], lay.sc + j);
+                for i in 0..R {
+                    // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                    s1[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][p]), sc, s1[i][p]);
+                }
+            }
+        }
+        for p in 0..P {
+            let d = line_ps(blk[p], lay.d);
+            for i in 0..R {
+                let dx = (*ab[i]).d;
+                let mut v = acc_load(&t, i, p, P, t.fresh && b == 0);
+                v = _mm512_fmadd_ps(s1[i][p], _mm512_mul_ps(d, _mm512_set1_ps(dx)), v);
+                if !Q6 {
+                    let mut s2 = _mm512_setzero_si512();
+                    for pp in 0..4 {
+                        let pair = (*ab[i])
+                            .sum32
+                            .as_ptr()
+                            .add(2 * pp)
+                            .cast::<i32>()
+                            .read_unaligned();
+                        s2 = dpwssd(s2, line(blk[p], lay.mins + pp), _mm512_set1_epi32(pair));
+                    }
+                    let edx = _mm512_mul_ps(line_ps(blk[p], lay.e), _mm512_set1_ps(dx));
+                    v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v);
+                }
+                acc_store(&t, i, p, P, v);
+            }
+        }
+    }
+}
+
+/// `a | (b & c)` bitwise.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
+    _mm512_ternarylogic_epi32::<0xF8>(a, b, c)
+}
+
+/// 16 fp16 at `p` widened to f32.
+///
+/// # Safety
+/// `p .. p + 32` is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn halves(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+}
+
+/// Block `b` of the panel `w` (streams at `st`) unpacked into the lines at `out`
+/// ([`layout`]).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb > b` blocks of
+/// `qt` whose streams start at `st` (`stream_starts(qt, nb)`); `out` at `layout(qt).lines`
+/// writable lines.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut Line) {
+    let ld = |p: *const u8| _mm512_loadu_si512(p.cast());
+    let put = |i: usize, v: __m512i| _mm512_store_si512(out.add(i).cast(), v);
+    let put_ps = |i: usize, v: __m512| _mm512_store_ps(out.add(i).cast(), v);
+    let lay = layout(qt);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let lo_hi = |v: __m512i| {
+        (
+            _mm512_and_si512(v, m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+        )
+    };
+    // (every offset below stays inside stream `s`'s `nb` blocks: the sizes of
+    // `packing::streams`, block b < nb)
+    match qt {
+        QType::Q8_0 => {
+            for q in 0..8 {
+                put(q, ld(w.add(st[0] + 512 * b + 64 * q)));
+            }
+            put_ps(lay.d, halves(w.add(st[1] + 32 * b)));
+        }
+        QType::Q4_0 | QType::Q4_1 => {
+            for p in 0..4 {
+                let (lo, hi) = lo_hi(ld(w.add(st[0] + 256 * b + 64 * p)));
+                put(2 * p, lo);
+                put(2 * p + 1, hi);
+            }
+            put_ps(lay.d, halves(w.add(st[1] + 32 * b)));
+            if qt == QType::Q4_1 {
+                put_ps(lay.e, halves(w.add(st[2] + 32 * b)));
+            }
+        }
+        QType::Q4_K | QType::Q5_K => {
+            let q5 = qt == QType::Q5_K;
+            // (stream numbers: nibbles, [fifth bits], sc, mins, d, dmin)
+            let (qh, sc, mins, dd, dmin) = if q5 {
+                (st[1], st[2], st[3], st[4], st[5])
+            } else {
+                (0, st[1], st[2], st[3], st[4])
+            };
+            let bit4 = _mm512_set1_epi8(0x10);
+            for j in 0..8 {
+                // fifth bits of sub-block j: bit v of a byte for quad v
+                let mut h = if q5 {
+                    ld(w.add(qh + 512 * b + 64 * j))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for l in 0..4 {
+                    let (mut lo, mut hi) = lo_hi(ld(w.add(st[0] + 2048 * b + 64 * (4 * j + l))));
+                    if q5 {
+                        lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
+                        hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
+                        h = _mm512_srli_epi16::<2>(h);
+                    }
+                    put(8 * j + 2 * l, lo);
+                    put(8 * j + 2 * l + 1, hi);
+                }
+                put_ps(
+                    lay.sc + j,
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        w.add(sc + 128 * b + 16 * j).cast(),
+                    ))),
+                );
+            }
+            for p in 0..4 {
+                put(
+                    lay.mins + p,
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(w.add(mins + 128 * b + 32 * p).cast())),
+                );
+            }
+            put_ps(lay.d, halves(w.add(dd + 32 * b)));
+            put_ps(lay.e, halves(w.add(dmin + 32 * b)));
+        }
+        QType::Q6_K => {
+            let bits45 = _mm512_set1_epi8(0x30);
+            for j in 0..16 {
+                // sub-block j (quads 4 j ..): nibble rows 2 j, 2 j + 1, bit pairs row j
+                let h = ld(w.add(st[1] + 1024 * b + 64 * j));
+                let (l0, h0) = lo_hi(ld(w.add(st[0] + 2048 * b + 128 * j)));
+                let (l1, h1) = lo_hi(ld(w.add(st[0] + 2048 * b + 128 * j + 64)));
+                put(4 * j, or_and(l0, _mm512_slli_epi16::<4>(h), bits45));
+                put(4 * j + 1, or_and(h0, _mm512_slli_epi16::<2>(h), bits45));
+                put(4 * j + 2, or_and(l1, h, bits45));
+                put(4 * j + 3, or_and(h1, _mm512_srli_epi16::<2>(h), bits45));
+                put_ps(
+                    lay.sc + j,
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        w.add(st[2] + 256 * b + 16 * j).cast(),
+                    ))),
+                );
+            }
+            put_ps(lay.d, halves(w.add(st[3] + 32 * b)));
+        }
+    }
+}
