@@ -18,7 +18,11 @@ fn normal_rows(n: usize, k: usize, sigma: f32, seed: u64) -> Vec<f32> {
             // Box-Muller
             let (u, v) = (rng.uniform(1e-7, 1.0), rng.uniform(0.0, 1.0));
             let z = (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos();
-            let big = if rng.next().is_multiple_of(64) { 5.0 } else { 1.0 };
+            let big = if rng.next().is_multiple_of(64) {
+                5.0
+            } else {
+                1.0
+            };
             sigma * big * z
         })
         .collect()
