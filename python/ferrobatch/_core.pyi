@@ -666,6 +666,21 @@ def quant_linear(
     neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
     `quant_backend()`)."""
 
+def quant_quantize_types() -> list[str]:
+    """The types `quant_quantize` takes ("q4_k", "q5_k", "q6_k"; the others are
+    `gguf.quants`')."""
+
+def quant_quantize(
+    qtype: str,
+    w: npt.NDArray[np.float32],
+    out: npt.NDArray[np.uint8],
+    *,
+    threads: int = 1,
+) -> None:
+    """`out` (uint8 [n, k / 256 * block bytes]) = the float32 weight `w` [n, k] quantized to
+    the GGUF rows of `qtype` (a K-type), rows split over at most `threads` threads; a NaN,
+    infinite or too large weight raises a `FieldError` on "w" naming its row."""
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed

@@ -337,7 +337,7 @@ def load_model(
     different `device`/`dtype` request is logged and ignored), a local checkpoint directory,
     a GGUF file or a directory holding exactly one (`ferrobatch.gguf`: matrices kept
     quantized), or None for the bundled SmolLM2-135M-Instruct, loaded in
-    `resolve_dtype(dtype, ...)`. `quantization` ("q8_0", "q4_0", "q4_1", ...; a checkpoint
+    `resolve_dtype(dtype, ...)`. `quantization` ("q8_0", "q4_0", "q4_1", "q4_k", ...; a checkpoint
     path or the bundled model only): its linear layers quantized on load
     (`ferrobatch.gguf.quantize`). The tokenizer is None when it cannot be found locally for a
     given model. Never contacts a hub.

@@ -232,3 +232,41 @@ def test_a_tensor_read_from_a_gguf_file(qtype, tmp_path):
     want = x.double().numpy() @ w.astype(np.float64).T
     got = quant_ops.linear(x, weight).double().numpy()
     assert (np.abs(got - want) <= bound(qtype, w, x.numpy())).all()
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k"])
+def test_quantize_k_types_within_their_bound_of_gguf_values(qtype: str) -> None:
+    """`quantize` makes GGUF rows that `gguf.quants.dequantize` reads back within the
+    relative RMS bound of the kernels' tests; its threads change no byte."""
+    assert qtype in quant_ops.QUANTIZERS
+    w = torch.randn(40, 768, generator=torch.Generator().manual_seed(3)) * 0.02
+    rows = quant_ops.quantize(w, qtype)
+    assert rows.dtype == torch.uint8 and rows.shape == (40, 3 * BLOCK[qtype][1])
+    back = gguf_dequantize(rows.numpy(), GGML[qtype]).reshape(40, 768)
+    np.testing.assert_array_equal(back, quant_ops.dequantize(qtype, rows, 40, 768))
+    err = np.sqrt(((back - w.numpy()) ** 2).sum() / (w.numpy() ** 2).sum())
+    assert err < {"q4_k": 0.10, "q5_k": 0.05, "q6_k": 0.028}[qtype]
+    one = torch.empty_like(rows)
+    _core.quant_quantize(qtype, w.numpy(), one.numpy(), threads=1)
+    assert torch.equal(one, rows)
+
+
+def test_quantize_refusals_name_the_field() -> None:
+    assert quant_ops.QUANTIZERS == ("q4_k", "q5_k", "q6_k")
+    w = torch.zeros(2, 512)
+    w[1, 300] = float("inf")
+    with pytest.raises(FieldError, match="row 1, column 300 is inf") as err:
+        quant_ops.quantize(w, "q4_k")
+    assert err.value.field == "w"
+    with pytest.raises(FieldError) as err:
+        quant_ops.quantize(torch.zeros(2, 300), "q6_k")
+    assert err.value.field == "k"
+    with pytest.raises(ValueError, match="to quantize"):
+        quant_ops.quantize(torch.zeros(2, 64), "q8_0")
+    out = np.zeros((2, 288), dtype=np.uint8)
+    with pytest.raises(FieldError) as err:
+        _core.quant_quantize("q4_k", np.zeros((2, 512), dtype=np.float32), out[:, :100])
+    assert err.value.field == "out"
+    with pytest.raises(FieldError) as err:
+        _core.quant_quantize("q8_0", np.zeros((1, 32), dtype=np.float32), out)
+    assert err.value.field == "qtype"

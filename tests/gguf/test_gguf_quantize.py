@@ -1,15 +1,17 @@
 """Quantize on load: `Engine(path, quantization=...)` / `load_model(..., quantization=...)`
-over a float checkpoint (Q8_0 / Q4_0 / Q4_1 with gguf-py's quantizers; K-types refused
-until the kernels bring a quantizer)."""
+over a float checkpoint (Q8_0 / Q4_0 / Q4_1 with gguf-py's quantizers, the K-types with the
+kernels' `quant_ops.quantize`)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.cpu import quant_ops
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import quantize as quant
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
@@ -47,10 +49,74 @@ def test_values_are_gguf_quantized(checkpoint, name: str) -> None:
     assert not [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
-def test_engine_greedy_equals_model_generate(checkpoint) -> None:
+#: relative RMS error bounds of the K-type quantizers on normal weights (the kernels' tests)
+K_BOUNDS = {"Q4_K": 0.10, "Q5_K": 0.05, "Q6_K": 0.028}
+
+
+def _dequantized_twin(model: torch.nn.Module, source: torch.nn.Module) -> torch.nn.Module:
+    """`source` (a copy) with every weight `model` quantized replaced by its dequantized
+    values (`gguf.quants.dequantize`, the oracle): the float model the quantized one is."""
+    twin = copy.deepcopy(source).eval()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear | QuantEmbedding):
+            qw = m.weight_q
+            values = dequantize(qw.data.numpy(), GGMLQuantizationType[qw.qtype])
+            with torch.no_grad():
+                twin.get_submodule(name).weight.copy_(
+                    torch.from_numpy(values.reshape(qw.n, qw.k)))
+    return twin
+
+
+@pytest.mark.parametrize("name", ["q4_k", "Q5_K", "q6_k"])
+def test_k_types_are_the_kernels_quantization(checkpoint, name: str) -> None:
+    path, source = checkpoint
+    model, _ = load_model(path, quantization=name)
+    qtype = name.upper()
+    layer = model.model.layers[1].mlp.down_proj  # k = 512: two blocks a row
+    assert isinstance(layer, QuantLinear) and layer.qtype == qtype
+    w = source.model.layers[1].mlp.down_proj.weight.detach()
+    assert torch.equal(layer.qdata, quant_ops.quantize(w, name))
+    got = dequantize(layer.qdata.numpy(), GGMLQuantizationType[qtype]).reshape(w.shape)
+    err = np.sqrt(((got - w.numpy()) ** 2).sum() / (w.numpy() ** 2).sum())
+    assert err < K_BOUNDS[qtype]
+    assert model.ferrobatch_quantization["float_layers"] == []
+    # the model is its dequantized twin (reference products: fp32 on dequantized weights)
+    twin = _dequantized_twin(model, source)
+    ids = torch.tensor([[5, 6, 7, 8, 100, 3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_q4_k_greedy_equals_its_dequantized_twin(checkpoint) -> None:
+    path, source = checkpoint
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
+    with Engine(str(path), config=config, quantization="q4_k") as engine:
+        twin = _dequantized_twin(engine.model, source)
+        prompts = [[5, 6, 7, 8], [100, 3, 9]]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            with torch.inference_mode():
+                ref = twin.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                    do_sample=False)[0, len(prompt):].tolist()
+            assert out.token_ids == ref
+
+
+def test_bad_weights_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    model = tiny_model("qwen2")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[3, 7] = float("nan")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(FieldError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight: "
+                                         r"w: row 3, column 7 is NaN") as err:
+        load_model(tmp_path, quantization="q4_k")
+    assert err.value.field == "quantization"
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k"])
+def test_engine_greedy_equals_model_generate(checkpoint, name: str) -> None:
     path, _ = checkpoint
     config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
-    with Engine(str(path), config=config, quantization="q4_0") as engine:
+    with Engine(str(path), config=config, quantization=name) as engine:
         assert isinstance(engine.model.lm_head, QuantLinear)
         prompts = [[5, 6, 7, 8], [100, 3, 9]]
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
@@ -61,12 +127,14 @@ def test_engine_greedy_equals_model_generate(checkpoint) -> None:
             assert out.token_ids == ref
 
 
-def test_refusals(checkpoint) -> None:
+def test_refusals(checkpoint, monkeypatch) -> None:
     path, source = checkpoint
-    for bad in ("q4_k", "q6_k", "Q5_K"):
-        with pytest.raises(FieldError, match="K-type quantizer") as err:
-            load_model(path, quantization=bad)
-        assert err.value.field == "quantization"
+    with monkeypatch.context() as m:  # kernels without the K-type quantizer
+        m.setattr(quant, "kernel_ops", lambda: None)
+        for bad in ("q4_k", "q6_k", "Q5_K"):
+            with pytest.raises(FieldError, match="K-type quantizer") as err:
+                load_model(path, quantization=bad)
+            assert err.value.field == "quantization"
     with pytest.raises(FieldError, match="one of") as err:
         load_model(path, quantization="int4")
     assert err.value.field == "quantization"
@@ -105,6 +173,7 @@ def test_kernel_quantizer_used_for_k_types(checkpoint, monkeypatch) -> None:
 def test_cli_flag() -> None:
     from ferrobatch.cli.flags import build_parser
 
-    args = build_parser().parse_args(["generate", "some/dir", "--quantization", "q8_0",
-                                      "--prompt", "x"])
-    assert args.quantization == "q8_0"
+    for name in ("q8_0", "q4_k", "q5_k", "q6_k"):
+        args = build_parser().parse_args(["generate", "some/dir", "--quantization", name,
+                                          "--prompt", "x"])
+        assert args.quantization == name

@@ -9,7 +9,8 @@ the portable path: all give the same bits), and block sums are added in k order.
 result depends on nothing but the row (not on the call's row count, the threads, nor the
 backend).
 `dequantize` is `gguf.quants.dequantize`'s f32, bit for bit (the reference, and embedding
-lookups).
+lookups). `quantize` makes K-type GGUF rows from float weights (quantize-on-load; gguf-py
+has no K-type quantizer).
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import torch
 
 from ferrobatch import _core
 
-__all__ = ["QTYPES", "PackedWeight", "backend", "dequantize", "linear", "pack", "qtype_name"]
+__all__ = ["QTYPES", "QUANTIZERS", "PackedWeight", "backend", "dequantize", "linear", "pack",
+           "qtype_name", "quantize"]
 
 #: the types the products take, by their lower-case `GGMLQuantizationType` names
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+
+#: the types `quantize` makes
+QUANTIZERS = tuple(_core.quant_quantize_types())
+
+#: bytes a 256-weight block of the K-types
+_K_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
 
 #: products of at least this many multiply-adds split their output panels over torch's
 #: threads (below it, waking a second thread costs more than it saves)
@@ -118,4 +126,21 @@ def linear(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = Non
     threads = torch.get_num_threads() if rows * weight.n * weight.k >= SPLIT_MACS else 1
     _core.quant_linear(weight.qtype, x.numpy(), weight._array, out.numpy(),
                        n=weight.n, k=weight.k, threads=threads, backend=backend)
+    return out
+
+
+def quantize(w: torch.Tensor, qtype: object) -> torch.Tensor:
+    """The float matrix `w` [n, k] (`k` a multiple of 256; widened to float32) as the GGUF
+    rows of the K-type `qtype` (uint8 [n, k / 256 * block bytes]), rows split over torch's
+    threads. `FieldError` on "w" naming the row for a NaN, infinite or too large weight."""
+
+    name = qtype_name(qtype)
+    if name not in QUANTIZERS:
+        raise ValueError(f"qtype must be one of {QUANTIZERS} to quantize, not {qtype!r}")
+    w = w.detach().to("cpu", torch.float32).contiguous()
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [n, k], not shape {tuple(w.shape)}")
+    n, k = w.shape
+    out = torch.empty(n, k // 256 * _K_BLOCK_BYTES[name], dtype=torch.uint8)
+    _core.quant_quantize(name, w.numpy(), out.numpy(), threads=torch.get_num_threads())
     return out

@@ -116,6 +116,14 @@ class _Kernels:
         rows = quant_ops.dequantize(weight.qtype, weight.data, weight.n, weight.k)
         return torch.from_numpy(rows)
 
+    def quantizes(self, qtype: str) -> bool:
+        """Whether `quantize` makes `qtype` (the K-types)."""
+        return qtype.lower() in quant_ops.QUANTIZERS
+
+    def quantize(self, w: torch.Tensor, qtype: str) -> torch.Tensor:
+        """Float `w` [n, k] as the GGUF rows of `qtype` (uint8 [n, row bytes])."""
+        return quant_ops.quantize(w, qtype)
+
 
 _KERNELS = _Kernels()
 

@@ -3,9 +3,10 @@
 Every `nn.Linear` (output head included) and the input `nn.Embedding` whose input width is
 whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantized with
 `gguf.quants.quantize` (Q8_0, Q4_0, Q4_1: llama.cpp's reference quantizers); tied weights
-share one `QuantWeight`. The K-types need a quantizer gguf-py does not have: they are taken
-only from `ferrobatch.cpu.quant_ops.quantize(w, qtype)` (fp32 [n, k] -> uint8 [n, row bytes])
-when the kernels provide it, else refused.
+share one `QuantWeight`. The K-types (Q4_K, Q5_K, Q6_K), which gguf-py cannot make, come
+from the kernels' quantizer (`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] -> uint8
+[n, row bytes]; refused when the kernels lack it). A layer whose input width is not whole
+blocks (256 weights for the K-types) keeps its float weight, and the log says which.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ logger = logging.getLogger("ferrobatch")
 GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")
 
 
-def _kernel_quantizer() -> Any:
+def _kernel_quantizer(qtype: str) -> Any:
+    """The kernels' quantizer of `qtype`, or None."""
     ops = kernel_ops()
     fn = getattr(ops, "quantize", None) if ops is not None else None
-    return fn if callable(fn) else None
+    takes = getattr(ops, "quantizes", None)
+    if not callable(fn) or (callable(takes) and not takes(qtype)):
+        return None
+    return fn
 
 
 def check_name(name: Any) -> str:
@@ -46,7 +51,7 @@ def check_name(name: Any) -> str:
         raise FieldError(f"quantization must be one of "
                          f"{', '.join(q.lower() for q in QUANT_TYPES)} or None, not {name!r}",
                          "quantization")
-    if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer() is None:
+    if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer(qtype) is None:
         raise FieldError(
             f"quantization {qtype.lower()} needs a K-type quantizer "
             "(ferrobatch.cpu.quant_ops.quantize), which this build does not have: use "
@@ -68,13 +73,22 @@ def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantWeight:
     if qtype in GGUF_PY_QUANTIZERS:
         data = quantize(w.numpy(), GGMLQuantizationType[qtype])
         return QuantWeight(qtype, n, k, torch.from_numpy(np.ascontiguousarray(data)))
-    fn = _kernel_quantizer()
+    fn = _kernel_quantizer(qtype)
     if fn is None:
         check_name(qtype)  # raises the FieldError
     data = fn(w, qtype)
     if isinstance(data, QuantWeight):
         return data
     return QuantWeight(qtype, n, k, torch.as_tensor(data, dtype=torch.uint8).contiguous())
+
+
+def _quantize_named(name: str, weight: torch.Tensor, qtype: str) -> QuantWeight:
+    """`quantize_weight`, a refusal naming the tensor (field "quantization")."""
+    try:
+        return quantize_weight(weight, qtype)
+    except FieldError as e:
+        raise FieldError(f"quantization {qtype.lower()} of {name}: {e}",
+                         "quantization") from e
 
 
 def _is_embedding(m: nn.Module) -> bool:
@@ -103,7 +117,7 @@ def quantize_model(model: nn.Module, qtype: str) -> dict[str, Any]:
             kept.append(name)
             continue
         if id(w) not in done:
-            done[id(w)] = (w, quantize_weight(w, qtype))
+            done[id(w)] = (w, _quantize_named(f"{name}.weight", w, qtype))
         qw = done[id(w)][1]
         if linear:
             bias = m.bias.detach() if m.bias is not None else None

@@ -1,6 +1,6 @@
-//! PyO3 wrappers of `ferrobatch-kernels`' GGUF quantized products (`quant`): numpy views
-//! in (GGUF blocks and packed weights as uint8), shapes checked with a `FieldError` naming
-//! the argument, then the kernel with the GIL released.
+//! PyO3 wrappers of `ferrobatch-kernels`' GGUF quantized products and K-type weight
+//! quantizers (`quant`): numpy views in (GGUF blocks and packed weights as uint8), shapes
+//! checked with a `FieldError` naming the argument, then the kernel with the GIL released.
 
 use ferrobatch_kernels::linear::LinearArgs;
 use ferrobatch_kernels::quant::{self as kernel, Backend, QType};
@@ -148,6 +148,39 @@ pub fn quant_linear(
         .map_err(to_py)
 }
 
+/// The types `quant_quantize` takes ("q4_k", "q5_k", "q6_k"; the others are
+/// `gguf.quants`').
+#[pyfunction]
+pub fn quant_quantize_types() -> Vec<&'static str> {
+    QType::ALL
+        .into_iter()
+        .filter(|&t| kernel::quantizes(t))
+        .map(|t| t.name())
+        .collect()
+}
+
+/// `out` (uint8 [n, k / 256 * block bytes]) = the float32 weight `w` [n, k] quantized to
+/// the GGUF rows of `qtype` (a K-type), rows split over at most `threads` threads; a NaN,
+/// infinite or too large weight raises a `FieldError` on "w" naming its row.
+#[pyfunction]
+#[pyo3(signature = (qtype, w, out, *, threads = 1))]
+pub fn quant_quantize(
+    py: Python<'_>,
+    qtype: &str,
+    w: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    threads: i64,
+) -> PyResult<()> {
+    let qt = qtype_of(qtype)?;
+    let threads = threads_of(threads)?;
+    let wa = ro::<f32>(w, "w", "float32")?;
+    let mut o = rw::<u8>(out, "out", "uint8")?;
+    let (n, k) = two_d("w", wa.shape(), "[n, k]")?;
+    let (we, oe) = (wa.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| kernel::quantize(qt, we, n, k, oe, threads))
+        .map_err(to_py)
+}
+
 /// Adds this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_types, m)?)?;
@@ -157,5 +190,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_quantize_types, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_quantize, m)?)?;
     Ok(())
 }

@@ -178,3 +178,84 @@ pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
         }
     }
 }
+
+fn put_half(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+/// Writes `blk` as one GGUF block of `qt` into `b` (`qt.block_bytes()` bytes): the inverse
+/// of [`decode`] for a block whose codes, scales and mins fit their bits and whose factors
+/// are fp16 values.
+pub(crate) fn encode(qt: QType, blk: &Block, b: &mut [u8]) {
+    assert_eq!(b.len(), qt.block_bytes(), "one {} block", qt.name());
+    let c = &blk.codes;
+    match qt {
+        QType::Q8_0 => {
+            put_half(b, 0, blk.d);
+            for (w, &u) in b[2..34].iter_mut().zip(c) {
+                *w = u ^ 0x80;
+            }
+        }
+        QType::Q4_0 | QType::Q4_1 => {
+            put_half(b, 0, blk.d);
+            let qs = if qt == QType::Q4_1 {
+                put_half(b, 2, blk.e);
+                &mut b[4..20]
+            } else {
+                &mut b[2..18]
+            };
+            for (l, q) in qs.iter_mut().enumerate() {
+                *q = (c[l] & 0xF) | (c[l + 16] << 4);
+            }
+        }
+        QType::Q4_K | QType::Q5_K => {
+            put_half(b, 0, blk.d);
+            put_half(b, 2, blk.e);
+            // six-bit scale / min j < 4 in the low bits of bytes j / j + 4, j >= 4 split
+            // into a nibble of byte j + 4 and the top two bits of byte j - 4 / j
+            let (sc, mn) = (&blk.sc, &blk.mn);
+            let s = &mut b[4..16];
+            for j in 0..4 {
+                let (hs, hm) = (sc[j + 4] as u8, mn[j + 4] as u8);
+                s[j] = sc[j] as u8 | ((hs >> 4) << 6);
+                s[j + 4] = mn[j] as u8 | ((hm >> 4) << 6);
+                s[j + 8] = (hs & 0xF) | ((hm & 0xF) << 4);
+            }
+            let qs_at = if qt == QType::Q5_K {
+                let qh = &mut b[16..48];
+                qh.fill(0);
+                for s in 0..8 {
+                    for (h, &u) in qh.iter_mut().zip(&c[32 * s..32 * s + 32]) {
+                        *h |= ((u >> 4) & 1) << s;
+                    }
+                }
+                48
+            } else {
+                16
+            };
+            let qs = &mut b[qs_at..qs_at + 128];
+            for g in 0..4 {
+                for l in 0..32 {
+                    qs[32 * g + l] = (c[64 * g + l] & 0xF) | ((c[64 * g + 32 + l] & 0xF) << 4);
+                }
+            }
+        }
+        QType::Q6_K => {
+            let (ql, rest) = b.split_at_mut(128);
+            let (qh, rest) = rest.split_at_mut(64);
+            ql.fill(0);
+            qh.fill(0);
+            for h in 0..2 {
+                for w in 0..128 {
+                    let u = c[128 * h + w];
+                    ql[64 * h + w % 64] |= (u & 0xF) << (4 * (w / 64));
+                    qh[32 * h + w % 32] |= ((u >> 4) & 3) << (2 * (w / 32));
+                }
+            }
+            for (o, &s) in rest[..16].iter_mut().zip(&blk.sc) {
+                *o = s as i8 as u8;
+            }
+            put_half(b, 208, blk.d);
+        }
+    }
+}

@@ -18,6 +18,9 @@
 //!   that every row then reads (`vnni_rows`); the panel kernels unpack them once per group of
 //!   up to [`MAX_ROWS`] rows.
 //!
+//! * [`quantize`]: float weight rows to K-type GGUF rows (quantize-on-load; [`quantize`]'s
+//!   module docs).
+//!
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
 pub mod act;
@@ -26,11 +29,14 @@ mod avx2;
 mod blocks;
 mod packing;
 mod portable;
+mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
 #[cfg(target_arch = "x86_64")]
 mod vnni_rows;
 
+#[cfg(test)]
+mod quantize_tests;
 #[cfg(test)]
 mod tests;
 
@@ -38,6 +44,7 @@ use std::ops::Range;
 
 pub use act::{Acts, A256, A32};
 pub use packing::PANEL;
+pub use quantize::{quantize, quantizes, RowError};
 
 use crate::error::KernelError;
 use crate::linear::LinearArgs;
@@ -90,11 +97,17 @@ pub struct TypeTraits {
     pub dequantize_row: fn(&[u8], &mut [f32]),
     /// `(x, out)`: one row of `x` quantized into its activation blocks
     pub quantize_row: fn(&[f32], ActRowMut<'_>),
+    /// `(x, blocks)`: one row of float weights to GGUF blocks ([`quantize`]); None for the
+    /// types left to `gguf.quants`' quantizers
+    pub quantize_weight_row: Option<WeightRowFn>,
     /// `(blocks, acts)`: one GGUF row times one activation row (as [`linear`] computes it)
     pub vec_dot: fn(&[u8], ActRows<'_>) -> f32,
     /// the portable panel product (see [`Backend`])
     pub(crate) panel_portable: PanelFn,
 }
+
+/// `(x, blocks)`: one row of float weights to GGUF blocks.
+pub type WeightRowFn = fn(&[f32], &mut [u8]) -> Result<(), RowError>;
 
 /// One activation row to write.
 pub enum ActRowMut<'a> {
@@ -157,9 +170,11 @@ fn panel_portable<const T: u8>(
     portable::panel(qtype(T), p, nb, acts, out)
 }
 
+use quantize::quantize_row as k_row;
+
 macro_rules! traits {
     ($t:ident, $name:literal, $ggml:literal, $block:literal, $bytes:literal, $panel:literal,
-     $act:expr) => {
+     $act:expr, $quantize:expr) => {
         TypeTraits {
             qtype: QType::$t,
             name: $name,
@@ -170,6 +185,7 @@ macro_rules! traits {
             act: $act,
             dequantize_row: dequantize_row::<{ QType::$t as u8 }>,
             quantize_row: quantize_row::<{ QType::$t as u8 }>,
+            quantize_weight_row: $quantize,
             vec_dot: vec_dot::<{ QType::$t as u8 }>,
             panel_portable: panel_portable::<{ QType::$t as u8 }>,
         }
@@ -179,12 +195,66 @@ macro_rules! traits {
 /// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
 /// layout summed, checked against it in the tests).
 pub static TYPES: [TypeTraits; 6] = [
-    traits!(Q8_0, "q8_0", 8, 32, 34, 544, ActFormat::A32 { offset: 128 }),
-    traits!(Q4_0, "q4_0", 2, 32, 18, 288, ActFormat::A32 { offset: 8 }),
-    traits!(Q4_1, "q4_1", 3, 32, 20, 320, ActFormat::A32 { offset: 0 }),
-    traits!(Q4_K, "q4_k", 12, 256, 144, 2368, ActFormat::A256),
-    traits!(Q5_K, "q5_k", 13, 256, 176, 2880, ActFormat::A256),
-    traits!(Q6_K, "q6_k", 14, 256, 210, 3360, ActFormat::A256),
+    traits!(
+        Q8_0,
+        "q8_0",
+        8,
+        32,
+        34,
+        544,
+        ActFormat::A32 { offset: 128 },
+        None
+    ),
+    traits!(
+        Q4_0,
+        "q4_0",
+        2,
+        32,
+        18,
+        288,
+        ActFormat::A32 { offset: 8 },
+        None
+    ),
+    traits!(
+        Q4_1,
+        "q4_1",
+        3,
+        32,
+        20,
+        320,
+        ActFormat::A32 { offset: 0 },
+        None
+    ),
+    traits!(
+        Q4_K,
+        "q4_k",
+        12,
+        256,
+        144,
+        2368,
+        ActFormat::A256,
+        Some(k_row::<{ QType::Q4_K as u8 }>)
+    ),
+    traits!(
+        Q5_K,
+        "q5_k",
+        13,
+        256,
+        176,
+        2880,
+        ActFormat::A256,
+        Some(k_row::<{ QType::Q5_K as u8 }>)
+    ),
+    traits!(
+        Q6_K,
+        "q6_k",
+        14,
+        256,
+        210,
+        3360,
+        ActFormat::A256,
+        Some(k_row::<{ QType::Q6_K as u8 }>)
+    ),
 ];
 
 impl QType {

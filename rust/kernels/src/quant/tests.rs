@@ -20,10 +20,10 @@ fn avx2() -> bool {
 }
 
 /// SplitMix64.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -31,10 +31,10 @@ impl Rng {
         z ^ (z >> 31)
     }
     /// uniform in [lo, hi)
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+    pub(super) fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
         lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
     }
-    fn sign(&mut self) -> f32 {
+    pub(super) fn sign(&mut self) -> f32 {
         if self.next() & 1 == 0 {
             1.0
         } else {
@@ -49,7 +49,7 @@ fn put_half(b: &mut [u8], at: usize, v: f32) {
 
 /// GGUF rows of `n` random blocks-rows: random bytes, then sane fp16 factors (`d` of
 /// either sign in [1e-3, 5e-2), `dmin` / `m` in [0, 5e-2)).
-fn random_rows(qt: QType, n: usize, k: usize, seed: u64) -> Vec<u8> {
+pub(super) fn random_rows(qt: QType, n: usize, k: usize, seed: u64) -> Vec<u8> {
     let mut rng = Rng(seed);
     let bb = qt.block_bytes();
     let mut out: Vec<u8> = (0..n * k / qt.block() * bb)

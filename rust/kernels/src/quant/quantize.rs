@@ -1,0 +1,347 @@
+//! Float weight rows to GGUF K-type blocks (Q4_K, Q5_K, Q6_K): quantize-on-load for the
+//! types `gguf.quants` has no quantizer for. The search follows llama.cpp's reference
+//! quantizers (the files users compare against are made that way):
+//!
+//! * Q4_K, Q5_K: every sub-block of 32 weights gets an affine fit `x ~ s * u - m` (codes
+//!   `u` in `0..=nmax`, `m >= 0`); a grid of code spacings around `(max - min) / nmax` is
+//!   tried, each spacing's codes refitted by weighted least squares (weights
+//!   `rms(sub-block) + |x|`: large weights matter most), the fit of least weighted
+//!   squared error kept. The 8 scales and 8 mins are then coded in 6 bits relative to the
+//!   block's largest (`d = max s / 63`, `dmin = max m / 63`, both fp16, each scale and min
+//!   then the nearest multiple of its factor), and the codes recomputed against the coded
+//!   values.
+//! * Q6_K: every sub-block of 16 gets a symmetric fit `x ~ s * l` (`l` in `-32..=31`, the
+//!   weight of largest magnitude coded -32), weighted by `x^2`, over 19 spacings around
+//!   `max|x| / 32`; the 16 scales are coded in int8 relative to the largest (`d = -top /
+//!   128` in fp16, each scale the nearest multiple of `d`), and the codes recomputed.
+//!
+//! (Unlike llama.cpp, the integer scales are fitted to the fp16-rounded factors: for real
+//! weights Q6_K's `d` is often an fp16 subnormal, a few percent off before that refit.)
+//!
+//! Weights must be finite; a block whose fp16 factors would overflow (weights beyond
+//! about 6e7) is refused. The factors' fp16 range also bounds precision from below: rows
+//! of standard deviation under about 1e-5 come back coarser than the types' usual error
+//! (as from any K-type GGUF file), under about 1e-7 as noise of their own size.
+
+use half::f16;
+
+use super::blocks::{encode, Block};
+use super::{err, split, QType};
+use crate::error::KernelError;
+
+/// Why a row was not quantized.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowError {
+    /// weight `col` of the row is NaN or infinite
+    NotFinite { col: usize, value: f32 },
+    /// block `block`'s fp16 factors would overflow
+    Overflow { block: usize },
+}
+
+/// `v` rounded to the nearest integer, ties to even, for `|v| < 2^22` (adding 1.5 * 2^23
+/// leaves no fraction bits; plain SSE2, no libm call).
+#[inline(always)]
+fn round(v: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    (v + SHIFT) - SHIFT
+}
+
+/// `v` rounded into `lo..=hi` (integers).
+#[inline(always)]
+fn code(v: f32, lo: f32, hi: f32) -> f32 {
+    round(v.clamp(lo, hi))
+}
+
+/// The fp16 factor of a block whose largest integer scale is `n` and largest scale `top`:
+/// the fp16 value nearest `top / n`, one step further from zero when `top` would need an
+/// integer scale beyond `n + 1/2` against it (so the largest scale stays within half a
+/// step); None when it overflows fp16.
+fn factor(top: f32, n: f32) -> Option<f32> {
+    let mut h = f16::from_f32(top / n);
+    if h.to_f32().abs() * (n + 0.5) < top.abs() {
+        // (sign and magnitude: the next bit pattern is one step further from zero)
+        h = f16::from_bits(h.to_bits() + 1);
+    }
+    let h = h.to_f32();
+    h.is_finite().then_some(h)
+}
+
+/// The affine search's grid: spacings `(nmax + first + step * i) / (max - min)`,
+/// `i = 0..=steps`.
+#[derive(Clone, Copy)]
+struct Grid {
+    nmax: f32,
+    first: f32,
+    step: f32,
+    steps: usize,
+}
+
+const Q4_GRID: Grid = Grid {
+    nmax: 15.0,
+    first: -1.0,
+    step: 0.1,
+    steps: 20,
+};
+
+const Q5_GRID: Grid = Grid {
+    nmax: 31.0,
+    first: -0.5,
+    step: 0.1,
+    steps: 15,
+};
+
+/// `sum_i f(i)` over a sub-block of 32, in 8 interleaved partial sums (so that the loop
+/// runs on vector registers; a fixed order, so the same bits on every CPU).
+#[inline(always)]
+fn sum32(f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    for i in (0..32).step_by(8) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(i + l);
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// Weighted squared error of `s * u + o` against `x`.
+fn affine_error(x: &[f32; 32], w: &[f32; 32], u: &[f32; 32], s: f32, o: f32) -> f32 {
+    sum32(|i| w[i] * (s * u[i] + o - x[i]).powi(2))
+}
+
+/// The affine fit `(s, m)` of one sub-block (`x ~ s * u - m`, `m >= 0`), see the module
+/// docs (`s = 0` when no spread is left once 0 joins the weights' range).
+fn fit_affine(x: &[f32; 32], w: &[f32; 32], g: Grid) -> (f32, f32) {
+    let lo = x.iter().fold(0f32, |a, &v| a.min(v));
+    let hi = x.iter().fold(x[0], |a, &v| a.max(v));
+    if hi <= lo {
+        return (0.0, -lo);
+    }
+    let range = hi - lo;
+    let (sw, swx) = (sum32(|i| w[i]), sum32(|i| w[i] * x[i]));
+    let codes =
+        |inv: f32| -> [f32; 32] { std::array::from_fn(|i| code(inv * (x[i] - lo), 0.0, g.nmax)) };
+    // the plain min / max grid first
+    let (mut s, mut o) = (range / g.nmax, lo);
+    let mut best = affine_error(x, w, &codes(g.nmax / range), s, o);
+    for i in 0..=g.steps {
+        let u = codes((g.nmax + g.first + g.step * i as f32) / range);
+        let wu: [f32; 32] = std::array::from_fn(|t| w[t] * u[t]);
+        let (sl, sll, sxl) = (
+            sum32(|t| wu[t]),
+            sum32(|t| wu[t] * u[t]),
+            sum32(|t| wu[t] * x[t]),
+        );
+        let det = sw * sll - sl * sl;
+        if det <= 0.0 {
+            continue;
+        }
+        let mut ts = (sw * sxl - swx * sl) / det;
+        let mut to = (sll * swx - sl * sxl) / det;
+        if to > 0.0 {
+            // the offset is a min subtracted (>= 0): refit through zero
+            to = 0.0;
+            ts = sxl / sll;
+        }
+        let e = affine_error(x, w, &u, ts, to);
+        if e < best {
+            (best, s, o) = (e, ts, to);
+        }
+    }
+    (s, -o)
+}
+
+/// One Q4_K / Q5_K block of `x` (256 weights).
+fn block_k4(qt: QType, x: &[f32]) -> Option<Block> {
+    let g = if qt == QType::Q5_K { Q5_GRID } else { Q4_GRID };
+    let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let sub: &[f32; 32] = sub.try_into().expect("32 weights");
+        let rms = (sum32(|i| sub[i] * sub[i]) / 32.0).sqrt();
+        let w: [f32; 32] = std::array::from_fn(|i| rms + sub[i].abs());
+        (scales[j], mins[j]) = fit_affine(sub, &w, g);
+    }
+    let max_s = scales.iter().fold(0f32, |a, &v| a.max(v));
+    let max_m = mins.iter().fold(0f32, |a, &v| a.max(v));
+    let mut blk = Block::ZERO;
+    blk.d = factor(max_s, 63.0)?;
+    blk.e = factor(max_m, 63.0)?;
+    // each scale and min: the nearest multiple of its coded factor
+    let six = |v: f32, f: f32| if f > 0.0 { code(v / f, 0.0, 63.0) } else { 0.0 };
+    for j in 0..8 {
+        blk.sc[j] = six(scales[j], blk.d) as i32;
+        blk.mn[j] = six(mins[j], blk.e) as i32;
+        let (a, m) = (blk.d * blk.sc[j] as f32, blk.e * blk.mn[j] as f32);
+        if a == 0.0 {
+            continue;
+        }
+        let codes = &mut blk.codes[32 * j..32 * j + 32];
+        for (c, &v) in codes.iter_mut().zip(&x[32 * j..]) {
+            *c = code((v + m) / a, 0.0, g.nmax) as u8;
+        }
+    }
+    Some(blk)
+}
+
+/// The symmetric fit `s` of one Q6_K sub-block (`x ~ s * l`, see the module docs).
+fn fit_symmetric(x: &[f32; 16]) -> f32 {
+    // the weight of largest magnitude (the first of equals), signed
+    let top = x
+        .iter()
+        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    if top.abs() < 1e-15 {
+        return 0.0;
+    }
+    // (sum w x l, sum w l^2) of the codes of spacing `inv`, w = x^2
+    let sums = |inv: f32| {
+        (0..16).fold((0f32, 0f32), |(sxl, sll), i| {
+            let l = code(inv * x[i], -32.0, 31.0);
+            let w = x[i] * x[i];
+            (sxl + w * x[i] * l, sll + w * l * l)
+        })
+    };
+    let (sxl, sll) = sums(-32.0 / top);
+    let mut s = if sll > 0.0 { sxl / sll } else { 0.0 };
+    // the error falls as sxl^2 / sll rises
+    let mut gain = s * sxl;
+    for i in (-9..=9).filter(|&i| i != 0) {
+        let (sxl, sll) = sums(-(32.0 + 0.1 * i as f32) / top);
+        if sll > 0.0 && sxl * sxl > gain * sll {
+            s = sxl / sll;
+            gain = s * sxl;
+        }
+    }
+    s
+}
+
+/// One Q6_K block of `x` (256 weights).
+fn block_q6k(x: &[f32]) -> Option<Block> {
+    let mut scales = [0f32; 16];
+    for (s, sub) in scales.iter_mut().zip(x.chunks_exact(16)) {
+        *s = fit_symmetric(sub.try_into().expect("16 weights"));
+    }
+    let top = scales
+        .iter()
+        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let mut blk = Block::ZERO;
+    blk.codes = [32; 256];
+    if top.abs() < 1e-15 {
+        return Some(blk);
+    }
+    blk.d = factor(-top, 128.0)?;
+    for (j, &s) in scales.iter().enumerate() {
+        blk.sc[j] = code(s / blk.d, -128.0, 127.0) as i32;
+        let a = blk.d * blk.sc[j] as f32;
+        if a == 0.0 {
+            continue;
+        }
+        let codes = &mut blk.codes[16 * j..16 * j + 16];
+        for (c, &v) in codes.iter_mut().zip(&x[16 * j..]) {
+            *c = (code(v / a, -32.0, 31.0) + 32.0) as u8;
+        }
+    }
+    Some(blk)
+}
+
+/// `(x, blocks)`: one row of weights (`x.len() / 256` blocks) to GGUF K-type blocks.
+pub(crate) fn quantize_row<const T: u8>(x: &[f32], out: &mut [u8]) -> Result<(), RowError> {
+    let qt = QType::ALL[T as usize];
+    if let Some((col, &value)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(RowError::NotFinite { col, value });
+    }
+    let bytes = qt.block_bytes();
+    for (block, (x, b)) in x
+        .chunks_exact(256)
+        .zip(out.chunks_exact_mut(bytes))
+        .enumerate()
+    {
+        let blk = match qt {
+            QType::Q6_K => block_q6k(x),
+            _ => block_k4(qt, x),
+        };
+        encode(qt, &blk.ok_or(RowError::Overflow { block })?, b);
+    }
+    Ok(())
+}
+
+/// Whether [`quantize`] takes `qt`.
+pub fn quantizes(qt: QType) -> bool {
+    qt.traits().quantize_weight_row.is_some()
+}
+
+/// `out` = the GGUF rows of the float weight `w` [n, k] quantized to `qt` (a K-type, see
+/// [`quantizes`]; `k` whole blocks; `out` `n * k / 256 * block_bytes` bytes), rows split
+/// over at most `threads` threads of the kernel pool. Fails naming the field at fault: a
+/// type with no quantizer (`qtype`), a length (`w`, `out`), a NaN or infinite weight or
+/// one too large for the type's fp16 factors (`w`, with its row and column).
+pub fn quantize(
+    qt: QType,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [u8],
+    threads: usize,
+) -> Result<(), KernelError> {
+    let Some(row_fn) = qt.traits().quantize_weight_row else {
+        return Err(err(
+            "qtype",
+            format!("no quantizer here for {} (only the K-types)", qt.name()),
+        ));
+    };
+    let nb = super::blocks_of(qt, k)?;
+    if w.len() != n * k {
+        return Err(err(
+            "w",
+            format!("has {} elements, not n * k = {}", w.len(), n * k),
+        ));
+    }
+    let row_bytes = nb * qt.block_bytes();
+    if out.len() != n * row_bytes {
+        return Err(err(
+            "out",
+            format!(
+                "has {} bytes, not n * k / {} * {} = {}",
+                out.len(),
+                qt.block(),
+                qt.block_bytes(),
+                n * row_bytes
+            ),
+        ));
+    }
+    if n == 0 || k == 0 {
+        return Ok(());
+    }
+    // each piece: its rows' output and the first failure among them
+    let ranges = split(n, threads);
+    let mut fails: Vec<Option<(usize, RowError)>> = vec![None; ranges.len()];
+    let mut pieces = Vec::new();
+    let mut rest = &mut out[..];
+    for (r, fail) in ranges.into_iter().zip(fails.iter_mut()) {
+        let (piece, tail) = rest.split_at_mut(r.len() * row_bytes);
+        rest = tail;
+        pieces.push((r, (piece, fail)));
+    }
+    crate::parallel::run_pieces(pieces, |rows, (piece, fail)| {
+        for (r, o) in rows.zip(piece.chunks_exact_mut(row_bytes)) {
+            if let Err(e) = row_fn(&w[r * k..(r + 1) * k], o) {
+                *fail = Some((r, e));
+                return;
+            }
+        }
+    });
+    match fails.into_iter().flatten().next() {
+        None => Ok(()),
+        Some((r, RowError::NotFinite { col, value })) => Err(err(
+            "w",
+            format!("row {r}, column {col} is {value}: only finite weights quantize"),
+        )),
+        Some((r, RowError::Overflow { block })) => Err(err(
+            "w",
+            format!(
+                "row {r}, columns {}..{}: weights too large for {}'s fp16 scales",
+                block * 256,
+                block * 256 + 256,
+                qt.name()
+            ),
+        )),
+    }
+}
