@@ -42,6 +42,9 @@ def start(size: Any, model: Any, *, device: Any, make_engine: Callable[..., Any]
         return None
     path = checkpoint_path(model)
     if gguf_path_of(path) is not None:
+        if worker_kwargs.get("quantization") is not None:
+            raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
+                             "stored in (quantization must be None)", "quantization")
         quant_shard.check_gguf(path, size)
     else:
         shard.check(AutoConfig.from_pretrained(str(path), local_files_only=True), size)
