@@ -91,9 +91,14 @@ def _roles(model: nn.Module, config: Any) -> dict[str, str]:
     return roles
 
 
-def _block(module: nn.Module) -> int:
-    """Weights per block of the module's input dimension (1 for a float layer)."""
-    return block_shape(module.qtype)[0] if isinstance(module, QuantLinear) else 1
+def _qtype(module: nn.Module) -> str | None:
+    """The quantized type of a module's weight (None: float)."""
+    return module.qtype if isinstance(module, QuantLinear) else None
+
+
+def _block(qtype: str | None) -> int:
+    """Weights per block along the input dimension (1 for float weights)."""
+    return block_shape(qtype)[0] if qtype is not None else 1
 
 
 def _kind(name: str) -> str:
@@ -105,12 +110,13 @@ def _kind(name: str) -> str:
     return "?"
 
 
-def plan_split(model: nn.Module, rank: int, size: int, *, block_of: Callable[[nn.Module], int]
-               = _block, what: str = "") -> Split:
+def plan_split(model: nn.Module, rank: int, size: int, *,
+               qtype_of: Callable[[nn.Module], str | None] = _qtype, what: str = "") -> Split:
     """This rank's `Split` of `model` (a transformers model whose projections are
     `QuantLinear` or `nn.Linear`), or `FieldError` (field ``tensor_parallel_size``) where
-    its heads or widths cannot be cut on block boundaries. `block_of(module)`: the block
-    size a row-parallel module's input columns are cut on."""
+    its heads or widths cannot be cut on block boundaries. `qtype_of(module)`: the type a
+    row-parallel module's weight is (or will be) quantized to, whose blocks its input
+    columns are cut on (None: float, cut anywhere)."""
     config = model.config
     info = check(config, size)
     heads, kv, hd = _heads(_text(config))
@@ -129,7 +135,7 @@ def plan_split(model: nn.Module, rank: int, size: int, *, block_of: Callable[[nn
     else:
         kv_rows = (rank * (kv // size) * hd, (rank + 1) * (kv // size) * hd)
     downs = [n for n in roles if _kind(n) == "mlp" and roles[n] == "rowwise"]
-    unit = max([block_of(modules[n]) for n in downs] or [1])
+    unit = max([_block(qtype_of(modules[n])) for n in downs] or [1])
     inter = int(getattr(_text(config), "intermediate_size", 0) or 0)
     if downs:
         inter = modules[downs[0]].in_features
@@ -144,11 +150,11 @@ def plan_split(model: nn.Module, rank: int, size: int, *, block_of: Callable[[nn
         kind = _kind(name)
         rows = {"q": q_rows, "k": kv_rows, "v": kv_rows, "o": q_rows, "mlp": mlp_rows}[kind]
         if style == "rowwise":
-            block = block_of(modules[name])
-            if per * hd % block:
+            qtype = qtype_of(modules[name])
+            if kind == "o" and per * hd % _block(qtype):
                 raise FieldError(
-                    f"{what or type(model).__name__}: {name} ({getattr(modules[name], 'qtype', '')})"
-                    f" would be cut at input column {per * hd}, not a whole block of {block}: "
+                    f"{what or type(model).__name__}: {name} ({qtype}) would be cut at input "
+                    f"column {per * hd}, not a whole block of {_block(qtype)}: "
                     f"tensor_parallel_size={size} cannot split it", field=FIELD)
             ranges[name] = ("row", rows)
         else:
@@ -256,9 +262,9 @@ def attach_reductions(model: nn.Module, s: Split) -> None:
 # ---------------------------------------------------------------------------- loading
 
 
-def _quant_blocks(p: LoadPlan) -> dict[str, int]:
-    """Module name -> block size of the quantized tensor it will hold (a GGUF plan)."""
-    return {name.rpartition(".")[0]: block_shape(item.entry.qtype)[0]
+def _quant_types(p: LoadPlan) -> dict[int, str]:
+    """id(skeleton module) -> the quantized type it will hold (a GGUF plan)."""
+    return {id(p.model.get_submodule(name.rpartition(".")[0])): item.entry.qtype
             for item in p.items if item.quantized for name in item.targets}
 
 
@@ -267,14 +273,9 @@ def check_gguf(path: Path, size: int) -> None:
     split `size` ways; its config and tokenizer are cached for the ranks on the way."""
     p = loader.plan(path)
     loader.tokenizer_of(p)
-    blocks = _quant_blocks(p)
+    types = _quant_types(p)
     for rank in range(size):
-        plan_split(p.model, rank, size, block_of=lambda m, b=blocks, sk=p.model:
-                   b.get(_name_in(sk, m), 1), what=path.name)
-
-
-def _name_in(model: nn.Module, module: nn.Module) -> str:
-    return next(n for n, m in model.named_modules() if m is module)
+        plan_split(p.model, rank, size, qtype_of=lambda m: types.get(id(m)), what=path.name)
 
 
 def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any) -> tuple[Any, Any]:
@@ -294,9 +295,8 @@ def load_quantized_shard(model: Any, rank: int, size: int, quantization: str,
     quantizes it (`gguf.quantize`; a row-parallel share whose width is not whole blocks
     keeps float weights)."""
     qtype = quantize.check_name(quantization)
-    block = block_shape(qtype)[0]
     loaded, tokenizer = load_plain()
-    s = plan_split(loaded, rank, size, block_of=lambda m: block)
+    s = plan_split(loaded, rank, size, qtype_of=lambda m: qtype)
     split(loaded, s)
     quantize.quantize_model(loaded, qtype)
     attach_reductions(loaded, s)
