@@ -88,6 +88,14 @@ def test_k_type_uneven_mlp_equals_one_rank(tmp_path: Path) -> None:
     assert [s.ranges["model.layers.1.mlp.up_proj"][1] for s in splits] == [(0, 512),
                                                                             (512, 768)]
     assert [s.inter for s in splits] == [512, 256]
+    share, _ = quant_shard.load_gguf_shard(path, 1, 2, None)  # (no group needed to load)
+    mlp, attn = share.model.layers[1].mlp, share.model.layers[1].self_attn
+    assert mlp.up_proj.out_features == 256 and mlp.down_proj.in_features == 256
+    assert attn.q_proj.out_features == 256 and attn.o_proj.in_features == 256
+    assert mlp.down_proj.reduce is not None and mlp.up_proj.reduce is None
+    whole, held = model.ferrobatch_gguf, share.ferrobatch_gguf
+    assert held.quantized_bytes < 0.75 * whole.quantized_bytes  # (embeddings replicated)
+    assert held.mapped_bytes > 0  # column-parallel rows: views of the file
     assert _tokens(path, 2) == _tokens(path, 1)
 
 

@@ -43,7 +43,7 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf import loader, quantize
 from ferrobatch.gguf.formats import QuantWeight, block_shape, row_bytes
 from ferrobatch.gguf.loader import LoadPlan
-from ferrobatch.gguf.modules import QuantLinear, page_out
+from ferrobatch.gguf.modules import QuantLinear, page_out, quantized_modules
 from ferrobatch.gguf.reader import GGUFFile
 
 __all__ = ["Split", "attach_reductions", "check_gguf", "load_gguf_shard", "load_quantized_shard",
@@ -281,9 +281,16 @@ def check_gguf(path: Path, size: int) -> None:
 def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any) -> tuple[Any, Any]:
     """(this rank's share of the GGUF file at `path`, its tokenizer)."""
     def adjust(model: nn.Module, file: GGUFFile) -> None:
+        def mapped(t: torch.Tensor) -> bool:
+            return file.maps(t.data_ptr(), t.numel())
+
         s = plan_split(model, rank, size, what=path.name)
-        split(model, s, keep_view=lambda t: file.maps(t.data_ptr(), t.numel()))
+        split(model, s, keep_view=mapped)
         attach_reductions(model, s)
+        held = {m.qdata.data_ptr(): m.qdata for m in quantized_modules(model)}
+        info = model.ferrobatch_gguf  # this rank's share, not the file's
+        info.quantized_bytes = sum(t.numel() for t in held.values())
+        info.mapped_bytes = sum(t.numel() for t in held.values() if mapped(t))
 
     return loader.load_gguf(path, dtype=dtype, adjust=adjust)
 
