@@ -2,8 +2,10 @@
 load, split over the ranks by the model's transformers tensor-parallel plan.
 
 Each rank loads the whole model lazily (a GGUF file's matrices are views of its memory
-map: nothing is read until touched; a checkpoint to quantize is loaded as floats) and
-keeps only its share (`split`), as `shard.load` does for float checkpoints:
+map: nothing is read until touched, except llama's q/k, whose reordered rows are copies
+until cut) and keeps only its share (`split`), as `shard.load` does for float checkpoints.
+A checkpoint to quantize is loaded whole as floats on every rank (the peak), cut, and only
+the share quantized.
 
 * column-parallel projections (the plan's ``colwise``: q/k/v, gate/up) keep whole rows
   (output features): GGUF blocks run along the input features, so any row range is whole
@@ -295,7 +297,7 @@ def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any) -> tuple[Any, 
     return loader.load_gguf(path, dtype=dtype, adjust=adjust)
 
 
-def load_quantized_shard(model: Any, rank: int, size: int, quantization: str,
+def load_quantized_shard(rank: int, size: int, quantization: str,
                          load_plain: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
     """(this rank's share of a float checkpoint quantized to `quantization`, its tokenizer):
     `load_plain()` loads the whole checkpoint as floats; each rank cuts its share, then

@@ -87,7 +87,7 @@ def load(group: TPGroup, model: Any, dtype: Any,
     if quantization is not None:
         quantize.check_device(group.device)
         return quant_shard.load_quantized_shard(
-            path, group.rank, group.world_size, quantization,
+            group.rank, group.world_size, quantization,
             lambda: models.load_model(path, device=group.device, dtype=dtype))
     dt = resolve_dtype(dtype, group.device, path)
     loaded = shard.load(path, group.rank, group.world_size, dt)
