@@ -92,8 +92,9 @@ class Engine(ModelProbes):
     quantized (`ferrobatch.gguf`); `quantization` ("q8_0", "q4_0", "q4_1"; a checkpoint path
     or the bundled model, CPU) quantizes a float checkpoint's linears on load.
 
-    `tensor_parallel_size` (a checkpoint path or the bundled model): shard the model over
-    that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
+    `tensor_parallel_size` (a checkpoint path, a GGUF file or the bundled model): shard the
+    model over that many ranks with its transformers tensor-parallel plan (quantized
+    weights: `distributed.quant_shard`; `ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
     on CUDA); `FieldError` (field ``tensor_parallel_size``) where it cannot be sharded.
 
