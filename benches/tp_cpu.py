@@ -14,6 +14,12 @@ processes), with ms per step. Outputs of the two are compared (greedy, fp32: ide
     python benches/tp_cpu.py                 # tiny-llama workload
     python benches/tp_cpu.py --smollm2       # SmolLM2-135M
     python benches/tp_cpu.py --hidden 1024 --prompts 16 --new 32   # a wider model
+    python benches/tp_cpu.py --gguf FILE --prompts 8 --new 32      # a GGUF file (quantized)
+    python benches/tp_cpu.py --gguf FILE --rss 2   # TP=2 alone: every rank's RSS
+
+With ``--gguf`` the prompts are the tiny-llama workload's token ids (every id is below
+32000); ``--rss N`` builds the TP=N setup alone, generates once and prints each rank's resident
+memory (VmRSS) and peak (VmHWM) instead of timing.
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _status(pid: int, key: str) -> str:
+    """A /proc/PID/status field in MiB ("VmRSS", "VmHWM")."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return f"{int(line.split()[1]) / 1024:.0f} MiB"
+    return "?"
+
+
 def _cpu(engine: Engine) -> float:
     tp = getattr(engine, "tp", None)
     workers = [p.pid for p in tp.procs] if tp is not None else []
@@ -53,6 +67,9 @@ def _cpu(engine: Engine) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smollm2", action="store_true")
+    ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (quantized model)")
+    ap.add_argument("--rss", type=int, default=0, metavar="TP",
+                    help="only the setup of this TP size, alone: every rank's memory")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -64,7 +81,9 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
-    if args.smollm2:
+    if args.gguf is not None:
+        path, prompts, name = args.gguf, tiny_llama_prompts(args.prompts), args.gguf.name
+    elif args.smollm2:
         from ferrobatch.models import bundled_model_dir
 
         path = bundled_model_dir()
@@ -90,6 +109,18 @@ def main() -> None:
                                    num_blocks=2048, allow_block_sharing=False)
     sp = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
     setups = {"TP=1 x 2 threads": (1, 2), "TP=2 x 1 thread": (2, 1)}
+    if args.rss:
+        for label, (tp, threads) in setups.items():
+            if tp != args.rss:
+                continue
+            torch.set_num_threads(threads)
+            with Engine(str(path), config=cfg, dtype="float32", tensor_parallel_size=tp) as eng:
+                eng.generate(prompts, sp, progress=False)
+                pids = [os.getpid()] + ([p.pid for p in eng.tp.procs] if eng.tp else [])
+                print(f"{name}: {label}: " + "; ".join(
+                    f"rank {r}: RSS {_status(pid, 'VmRSS')}, peak {_status(pid, 'VmHWM')}"
+                    for r, pid in enumerate(pids)))
+        return
     engines: dict[str, Engine] = {}
     for label, (tp, threads) in setups.items():
         torch.set_num_threads(threads)

@@ -131,9 +131,11 @@ def test_directory_and_chat(gguf_file) -> None:
         assert out.token_ids == ref[:cut]
 
 
-def test_tensor_parallel_refused(gguf_file) -> None:
-    written, _ = gguf_file("llama", "Q8_0")
-    with pytest.raises(FieldError) as err:
+def test_tensor_parallel_refused_off_block_boundaries(gguf_file) -> None:
+    """Two query heads of 64 per rank would cut o_proj's Q4_K rows inside a 256-weight
+    block: refused before any rank starts (tensor parallelism: tests/distributed)."""
+    written, _ = gguf_file("llama", "Q4_K")
+    with pytest.raises(FieldError, match=r"o_proj \(Q4_K\).*input column 128") as err:
         Engine(written.path, tensor_parallel_size=2)
     assert err.value.field == "tensor_parallel_size"
 

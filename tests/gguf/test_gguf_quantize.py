@@ -143,9 +143,6 @@ def test_refusals(checkpoint, monkeypatch) -> None:
     with pytest.raises(FieldError) as err:
         load_model(path, quantization="q8_0", device="meta")
     assert err.value.field == "device"
-    with pytest.raises(FieldError) as err:
-        Engine(str(path), quantization="q8_0", tensor_parallel_size=2)
-    assert err.value.field == "quantization"
 
 
 def test_kernel_quantizer_used_for_k_types(checkpoint, monkeypatch) -> None:

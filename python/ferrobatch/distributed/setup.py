@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ferrobatch.distributed import broadcast, shard, worker
+from ferrobatch import models
+from ferrobatch.distributed import broadcast, quant_shard, shard, worker
 from ferrobatch.distributed import group as group_mod
 from ferrobatch.distributed.group import TPGroup
 from ferrobatch.distributed.runner import TPRunner
 from ferrobatch.errors import FieldError
+from ferrobatch.gguf import quantize
 from ferrobatch.gguf.source import gguf_path_of
 from ferrobatch.models import _has_tokenizer_files, bundled_model_dir, resolve_dtype
 
@@ -39,7 +41,13 @@ def start(size: Any, model: Any, *, device: Any, make_engine: Callable[..., Any]
     if size == 1:
         return None
     path = checkpoint_path(model)
-    shard.check(AutoConfig.from_pretrained(str(path), local_files_only=True), size)
+    if gguf_path_of(path) is not None:
+        if worker_kwargs.get("quantization") is not None:
+            raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
+                             "stored in (quantization must be None)", "quantization")
+        quant_shard.check_gguf(path, size)
+    else:
+        shard.check(AutoConfig.from_pretrained(str(path), local_files_only=True), size)
     existing = group_mod.current()
     if existing is not None:  # a spawned worker building its engine
         return existing
@@ -57,11 +65,8 @@ def checkpoint_path(model: Any) -> Path:
     if model is None:
         return bundled_model_dir()
     if isinstance(model, (str, os.PathLike)):
-
-        if gguf_path_of(model) is not None:  # quantized GGUF modules are not sharded
-            raise FieldError("a GGUF model cannot be sharded: tensor_parallel_size must be 1",
-                             field=shard.FIELD)
-        return Path(model).expanduser()
+        gguf_file = gguf_path_of(model)  # a GGUF file: each rank cuts its share of it
+        return gguf_file if gguf_file is not None else Path(model).expanduser()
     raise FieldError(
         f"tensor_parallel_size > 1 needs a checkpoint path (each rank loads its own shard); "
         f"a loaded {type(model).__name__} cannot be sharded: pass its directory "
@@ -69,9 +74,21 @@ def checkpoint_path(model: Any) -> Path:
         field=shard.FIELD)
 
 
-def load(group: TPGroup, model: Any, dtype: Any) -> tuple[Any, Any]:
-    """(this rank's shard, the tokenizer) of `model`'s checkpoint."""
+def load(group: TPGroup, model: Any, dtype: Any,
+         quantization: str | None = None) -> tuple[Any, Any]:
+    """(this rank's shard, the tokenizer) of `model`'s checkpoint: a GGUF file's or one
+    quantized on load (`quant_shard`), else a float checkpoint's (`shard`)."""
     path = checkpoint_path(model)
+    if gguf_path_of(path) is not None:
+        if quantization is not None:
+            raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
+                             "stored in (quantization must be None)", "quantization")
+        return quant_shard.load_gguf_shard(path, group.rank, group.world_size, dtype)
+    if quantization is not None:
+        quantize.check_device(group.device)
+        return quant_shard.load_quantized_shard(
+            group.rank, group.world_size, quantization,
+            lambda: models.load_model(path, device=group.device, dtype=dtype))
     dt = resolve_dtype(dtype, group.device, path)
     loaded = shard.load(path, group.rank, group.world_size, dt)
     tok = (AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -93,8 +93,9 @@ class Engine(ModelProbes):
     "q6_k"; a checkpoint path or the bundled model, CPU) quantizes a float checkpoint's
     linears on load.
 
-    `tensor_parallel_size` (a checkpoint path or the bundled model): shard the model over
-    that many ranks with its transformers tensor-parallel plan (`ferrobatch.distributed`:
+    `tensor_parallel_size` (a checkpoint path, a GGUF file or the bundled model): shard the
+    model over that many ranks with its transformers tensor-parallel plan (quantized
+    weights: `distributed.quant_shard`; `ferrobatch.distributed`:
     worker processes started here, or the ranks of a ``torchrun`` launch; gloo on CPU, NCCL
     on CUDA); `FieldError` (field ``tensor_parallel_size``) where it cannot be sharded.
 
@@ -136,16 +137,15 @@ class Engine(ModelProbes):
             raise FieldError("LoRA adapters are not supported with batch_invariant (their "
                              "low-rank products are torch's, not the mode's kernel)",
                              "lora_modules")
-        # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU, one rank)
+        # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU; under
+        # tensor parallelism each rank quantizes its share, `distributed.quant_shard`)
         self._quantization = quantization
-        if quantization is not None and tensor_parallel_size != 1:
-            raise FieldError("quantization is not supported with tensor_parallel_size > 1",
-                             field="quantization")
         # tensor parallelism (`ferrobatch.distributed`): None, or this process's rank; the
         # spawned ranks build an `Engine` too, from these arguments
         self.tp = tp_setup.start(
             tensor_parallel_size, model, device=device, make_engine=Engine,
             worker_kwargs=dict(config=self.config, dtype=dtype, seed=seed, device=device,
+                               quantization=quantization,
                                tokenizer=tokenizer if isinstance(tokenizer, str) else None),
         )
         self.tensor_parallel_size = 1 if self.tp is None else self.tp.world_size
@@ -226,7 +226,7 @@ class Engine(ModelProbes):
         """(model, tokenizer): this rank's shard under tensor parallelism, else
         `models.load_model`; a tokenizer given by name is loaded, None takes the model's."""
         if self.tp is not None:
-            loaded, loaded_tok = tp_setup.load(self.tp, model, dtype)
+            loaded, loaded_tok = tp_setup.load(self.tp, model, dtype, self._quantization)
         else:
             loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
                                                    quantization=self._quantization)

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +58,7 @@ from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.gguf.reader import GGUFFile, TensorEntry
 from ferrobatch.model_dtype import cache_root, cpu_has_native_bf16, resolve_dtype
 
-__all__ = ["GGUFModelInfo", "LoadPlan", "fill", "load_gguf", "plan"]
+__all__ = ["GGUFModelInfo", "LoadPlan", "fill", "load_gguf", "plan", "tokenizer_of"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -423,21 +423,35 @@ def _save_cache(cache_dir: Path, config: Any, tokenizer: Any) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def tokenizer_of(p: LoadPlan) -> Any:
+    """The plan's file's tokenizer (None when it has none); the config and tokenizer saved
+    under `cache_root()` when they did not come from there."""
+    tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None)
+    if p.cache_dir is not None and not p.config_cached:
+        _save_cache(p.cache_dir, p.base_config, tokenizer)
+        p.config_cached = True
+    return tokenizer
+
+
 # ---------------------------------------------------------------------------- entry
 
 
 def load_gguf(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
-              cache: bool = True) -> tuple[nn.Module, Any]:
+              cache: bool = True,
+              adjust: Callable[[nn.Module, GGUFFile], None] | None = None
+              ) -> tuple[nn.Module, Any]:
     """`(model, tokenizer)` of a GGUF file, matrices quantized (see the module docstring).
     `dtype` (None / "auto" / a name / a torch dtype): the float parameters' and the
     activations' dtype (None: fp32; "auto": bf16 for an F16 / BF16 file on a CPU with native
-    bf16, else fp32). `cache`: keep / read the config and tokenizer under `cache_root()`."""
+    bf16, else fp32). `cache`: keep / read the config and tokenizer under `cache_root()`.
+    `adjust(model, file)`: called on the filled model before anything else reads its
+    weights (a tensor-parallel rank cuts its share there, `distributed.quant_shard`)."""
     start = time.perf_counter()
     p = plan(path, device=device, dtype=dtype, cache=cache)
-    tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None)
-    if p.cache_dir is not None and not p.config_cached:
-        _save_cache(p.cache_dir, p.base_config, tokenizer)
+    tokenizer = tokenizer_of(p)
     model, info = fill(p)
+    if adjust is not None:
+        adjust(model, p.file)
     info.load_seconds = time.perf_counter() - start
     logger.info(
         "ferrobatch: %s (%s, %.0f MiB): %d quantized modules, %.0f MiB quantized (%.0f MiB "

@@ -196,7 +196,9 @@ def quant_dequantize(weight: QuantWeight) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """`nn.Linear` over a `QuantWeight` (the weight's blocks held as a uint8 buffer `qdata`,
     never dequantized beyond one call). Computes in fp32; returns the input's dtype. `bias`
-    is an ordinary parameter (fp32 or the model's dtype)."""
+    is an ordinary parameter (fp32 or the model's dtype). `reduce` (None, or set by
+    `ferrobatch.distributed.quant_shard` on a row-parallel layer): applied to the product
+    before the bias (the sum of the ranks' partial products, then their bias)."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -208,6 +210,7 @@ class QuantLinear(nn.Module):
         # the state dict (it is no `nn.Linear` weight)
         self.register_buffer("qdata", weight.data, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qdata is not self.weight_q.data:  # moved or replaced: the weight follows
@@ -217,6 +220,8 @@ class QuantLinear(nn.Module):
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
         out = self.product(flat)
+        if self.reduce is not None:
+            out = self.reduce(out)
         if self.bias is not None:
             out = out + self.bias.to(torch.float32)
         out = out.reshape(*x.shape[:-1], self.out_features)

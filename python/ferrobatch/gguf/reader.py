@@ -117,6 +117,12 @@ class GGUFFile:
     def file_size(self) -> int:
         return int(self._map.size)
 
+    def maps(self, address: int, nbytes: int) -> bool:
+        """Whether the `nbytes` bytes at `address` lie inside this file's memory map (a view
+        of the file, not memory of its own)."""
+        base = self._map.ctypes.data
+        return base <= address and address + nbytes <= base + self._map.size
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a uint8 view of the map, shaped [rows, bytes a row] (a
         vector: [bytes])."""

@@ -86,13 +86,15 @@ class _Part:
 
 class QuantProduct:
     """The product of `layers` (`QuantLinear`s of one input width) stacked in that order:
-    fp32 [T, sum of widths], each layer's bias added."""
+    fp32 [T, sum of widths], each layer's bias added; a single layer's `reduce` (a
+    tensor-parallel row-parallel layer's sum over the ranks) applied before its bias."""
 
     def __init__(self, layers: list[QuantLinear]) -> None:
         self.layers = layers
         self.sizes = [m.out_features for m in layers]
         self.n = sum(self.sizes)
         self.k = layers[0].in_features
+        self.reduce = layers[0].reduce if len(layers) == 1 else None
         self.parts: list[_Part] = []
         for m in layers:
             if self.parts and self.parts[-1].qtype == m.qtype:
@@ -126,6 +128,8 @@ class QuantProduct:
                 start += part.n
         else:
             y = torch.cat([part.product(x, None) for part in self.parts], dim=1)
+        if self.reduce is not None:
+            y = self.reduce(y)
         if self.bias is not None:
             y += self.bias
         return y
@@ -185,7 +189,8 @@ class QuantLinears:
         `QuantLinear` of this model or their input widths differ."""
         held = {id(m) for m in self._layers}
         if not layers or any(id(m) not in held for m in layers) \
-                or len({m.in_features for m in layers}) > 1:
+                or len({m.in_features for m in layers}) > 1 \
+                or (len(layers) > 1 and any(m.reduce is not None for m in layers)):
             return None
         key = tuple(id(m) for m in layers)
         found = self._products.get(key)
