@@ -10,7 +10,7 @@ import tiny_models as tm
 import torch
 import torch.nn.functional as F
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
-from ferrobatch.cpu import fused_ops
+from ferrobatch.cpu import f32_ops, fused_ops
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
 from ferrobatch.runner.linear_policy import Backend
@@ -163,13 +163,18 @@ def test_no_fp32_copies_where_they_would_not_fit(monkeypatch):
     weights = sum(m.weight.numel() * 2 for m in model.modules()
                   if type(m) is torch.nn.Linear)
     share = cpu_linear._MAX_AVAILABLE_SHARE
+    # every copy the table may use with fp32 products from ROWS rows (the half panels where
+    # f32_ops runs, else fp32 copies at twice the bytes), beside the bf16 products' below
+    full = cpu_linear._copy_bytes(torch.bfloat16, weights, True, ROWS, f32_ops.available(),
+                                  False)
+    assert full > cpu_linear._copy_bytes(torch.bfloat16, weights, True, None, False, False)
     monkeypatch.setattr(cpu_linear.psutil, "virtual_memory",
-                        lambda: SimpleNamespace(available=int(3 * weights / share)))
+                        lambda: SimpleNamespace(available=int((full - 1) / share)))
     kw = dict(activation_dtype=torch.float32, in_thread=lambda: True, amx=True, fp32_rows=ROWS)
     lin = PackedLinears.of(model, **kw)
     assert lin is not None and lin.fp32_rows is None
     monkeypatch.setattr(cpu_linear.psutil, "virtual_memory",
-                        lambda: SimpleNamespace(available=int(5 * weights / share)))
+                        lambda: SimpleNamespace(available=int(full / share) + 1))
     assert PackedLinears.of(model, **kw).fp32_rows == ROWS
 
 

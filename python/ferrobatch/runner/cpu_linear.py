@@ -77,6 +77,35 @@ def _invariant_copies(dtype: torch.dtype, activation_dtype: torch.dtype | None, 
     return False, 1
 
 
+def _narrowed(dtype: torch.dtype, amx: bool, f32: bool) -> policy.Isa:
+    """This CPU's products, less those without copies (`amx`: `amx_ops` ones; `f32`:
+    `f32_ops` ones)."""
+    isa = policy.Isa.detect()
+    if not (amx and dtype == torch.bfloat16 and amx_ops.available()):
+        isa = isa.without("amx", "avx512_bf16")
+    if not f32:
+        isa = isa.without("f32_ops")
+    return isa
+
+
+#: each backend's copy of the weights, in bytes per byte of the weights as stored
+_COPY_SIZE = {Backend.ONEDNN: 1, Backend.AMX_OPS: 1, Backend.F32_OPS: 1, Backend.ONEDNN_FP32: 2}
+
+
+def _copy_bytes(dtype: torch.dtype, weights: int, amx: bool, fp32_rows: int | None,
+                f32: bool, invariant: bool) -> int:
+    """The bytes of the packed copies `PackedLinears` makes of `weights` bytes of `dtype`
+    weights: one per backend the table can choose with these copies
+    (`linear_policy.reachable`; batch-invariant mode: its one backend)."""
+    isa = _narrowed(dtype, amx, f32)
+    if invariant:
+        found = policy.choose_invariant(dtype, isa)
+        backends = frozenset() if found is None else frozenset({found})
+    else:
+        backends = policy.reachable(dtype, isa, policy.Probe(fp32_from_rows=fp32_rows))
+    return weights * sum(_COPY_SIZE.get(b, 0) for b in backends)
+
+
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
     return tuple((id(m.weight), m.weight._version) for m in layers)
 
@@ -269,9 +298,9 @@ class PackedLinears:
         #: batch-invariant mode: every call takes `linear_policy.choose_invariant`'s product
         self.invariant = invariant
         #: a layer whose outputs stay in `activation_dtype` though it is not a residual
-        #: writer: in batch-invariant mode the output head (greedy tokens are the argmax of
-        #: these logits there: rounded to bf16 they would tie and part from fp32's)
-        head = model.get_output_embeddings() if invariant and hasattr(
+        #: writer: the output head (logits rounded to bf16 tie and part from fp32's: 4x
+        #: the log-probability error; in batch-invariant mode greedy tokens are their argmax)
+        head = model.get_output_embeddings() if hasattr(
             model, "get_output_embeddings") else None
         self._wide_out = id(head) if head is not None else None
         self.hidden_size = hidden_size
@@ -351,31 +380,34 @@ class PackedLinears:
             return None
         if not packing_available(layers[0].weight.dtype):
             return None
+        dtype = layers[0].weight.dtype
         weights = sum(m.weight.numel() * m.weight.element_size() for m in layers)
         if invariant:
-            amx, fp32_rows = _invariant_copies(layers[0].weight.dtype, activation_dtype,
-                                               amx, fp32_rows)
-        need = (2 if amx else 1) * weights
-        available = psutil.virtual_memory().available
-        if fp32_rows is not None and not invariant \
-                and need + 2 * weights > _MAX_AVAILABLE_SHARE * available:
-            logger.info("ferrobatch: no fp32 copies of the weights (%.0f MiB more, beyond %.0f%% "
-                        "of the %.0f MiB available)", 2 * weights / 2**20,
-                        100 * _MAX_AVAILABLE_SHARE, available / 2**20)
+            amx, fp32_rows = _invariant_copies(dtype, activation_dtype, amx, fp32_rows)
+        if activation_dtype != torch.float32 or dtype not in HALF_DTYPES:
             fp32_rows = None
+        amx = amx and activation_dtype == torch.float32
+        budget = _MAX_AVAILABLE_SHARE * psutil.virtual_memory().available
         wants_f32 = f32_kernel and f32_ops.available() and (
-            fp32_rows is not None or layers[0].weight.dtype == torch.float32)
-        if wants_f32:
-            copies = need + (2 * weights if fp32_rows is not None and not invariant else 0)
-            # (f32_ops packs a weight in its own dtype: as many bytes again)
-            if copies + weights > _MAX_AVAILABLE_SHARE * available:
-                logger.info("ferrobatch: no copies of the weights for f32_ops (%.0f MiB more)",
-                            weights / 2**20)
-                wants_f32 = False
-        if need > _MAX_AVAILABLE_SHARE * available:
+            fp32_rows is not None or dtype == torch.float32)
+
+        def copies() -> int:
+            return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant)
+
+        if fp32_rows is not None and not invariant and copies() > budget:
+            logger.info("ferrobatch: no fp32 products of the half weights (their copies: "
+                        "%.0f MiB, beyond %.0f%% of the %.0f MiB available)", copies() / 2**20,
+                        100 * _MAX_AVAILABLE_SHARE, budget / _MAX_AVAILABLE_SHARE / 2**20)
+            fp32_rows = None
+            wants_f32 = wants_f32 and dtype == torch.float32
+        if wants_f32 and copies() > budget:
+            logger.info("ferrobatch: no copies of the weights for f32_ops (%.0f MiB of copies)",
+                        copies() / 2**20)
+            wants_f32 = False
+        if copies() > budget:
             logger.info("ferrobatch: linear weights not packed (%.0f MiB of copies, more than "
-                        "%.0f%% of the %.0f MiB available)", need / 2**20,
-                        100 * _MAX_AVAILABLE_SHARE, available / 2**20)
+                        "%.0f%% of the %.0f MiB available)", copies() / 2**20,
+                        100 * _MAX_AVAILABLE_SHARE, budget / _MAX_AVAILABLE_SHARE / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
                    hidden_size, amx, fp32_rows, wants_f32, invariant)
@@ -406,12 +438,7 @@ class PackedLinears:
     def isa(self) -> policy.Isa:
         """This CPU's products (`linear_policy.Isa`) that these packed weights have copies
         for."""
-        isa = policy.Isa.detect()
-        if not self._amx:
-            isa = isa.without("amx", "avx512_bf16")
-        if not self._f32_kernel:
-            isa = isa.without("f32_ops")
-        return isa
+        return _narrowed(self.weight_dtype, self._amx, self._f32_kernel)
 
     def backend(self, rows: int, fp32_outputs: bool = False) -> Backend:
         """The product a call of `rows` rows runs on (`linear_policy.choose`, at torch's

@@ -371,14 +371,12 @@ def fp32_from_rows(dtype: torch.dtype) -> int | None:
         logger.info("ferrobatch: no fp32 product probe for %s (%s)", dtype,
                     str(exc).splitlines()[0])
         return None
-    wins = gain >= _MIN_GAIN
+    # f32_ops reads the half weights as stored (the bf16 product's bytes): fp32 from 1 row
+    rows = (1 if f32_ops.available() else FP32_ROWS) if gain >= _MIN_GAIN else None
     logger.info("ferrobatch: fp32 products of widened %s weights take %.2fx the time of %s "
                 "ones here%s", dtype, 1 / gain, dtype,
-                f"; used from {FP32_ROWS} rows" if wins else "")
-    if not wins:
-        return None
-    # f32_ops reads the half weights as stored (the bf16 product's bytes): fp32 from 1 row
-    return 1 if f32_ops.available() else FP32_ROWS
+                f"; used from {rows} row{'s' if rows != 1 else ''}" if rows else "")
+    return rows
 
 
 def probe(dtype: torch.dtype) -> Probe:
@@ -390,7 +388,8 @@ def probe(dtype: torch.dtype) -> Probe:
 
 def measure_gain(dtype: torch.dtype, rounds: int = 5) -> float:
     """The half-precision product's time over the fp32 one's at `_PROBE_SHAPE` on one thread
-    (the faster of `amx_ops` and oneDNN's packed product for the half one; best of
+    (the faster of `amx_ops` and oneDNN's packed product for the half one; for the fp32 one
+    `f32_ops`' half panels where they run, else oneDNN's product on an fp32 copy; best of
     `rounds`, interleaved)."""
     rows, n, k = _PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
@@ -398,7 +397,12 @@ def measure_gain(dtype: torch.dtype, rounds: int = 5) -> float:
     w = torch.randn(n, k, generator=gen).to(dtype)
     with torch.inference_mode():
         packed = onednn.pack(w, rows)
-        wide = onednn.pack(w.float(), rows)
+        if f32_ops.available():
+            panels = f32_ops.pack(w)
+            fp32: Callable[[], object] = lambda: f32_ops.linear(x, panels)  # noqa: E731
+        else:
+            wide = onednn.pack(w.float(), rows)
+            fp32 = lambda: onednn.linear(x, wide)  # noqa: E731
         halves: list[Callable[[], object]] = [lambda: onednn.linear(x.to(dtype), packed)]
         if dtype == torch.bfloat16 and amx_ops.available():
             tiles = amx_ops.pack(w)
@@ -409,7 +413,7 @@ def measure_gain(dtype: torch.dtype, rounds: int = 5) -> float:
             best_half, best_fp32 = float("inf"), float("inf")
             for _ in range(rounds):
                 best_half = min(best_half, *(_time(fn) for fn in halves))
-                best_fp32 = min(best_fp32, _time(lambda: onednn.linear(x, wide)))
+                best_fp32 = min(best_fp32, _time(fp32))
         finally:
             torch.set_num_threads(threads)
     return best_half / best_fp32
