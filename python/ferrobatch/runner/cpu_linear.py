@@ -397,7 +397,8 @@ class PackedLinears:
         def copies() -> int:
             return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant)
 
-        if fp32_rows == 1 and not invariant and amx and dtype == torch.bfloat16:
+        if fp32_rows == 1 and not invariant and amx and dtype == torch.bfloat16 \
+                and amx_ops.available():
             # a small model also keeps bf16 products for its fewest rows (`amx_ops`, faster
             # at one row), where their copies are cheap
             fp32_rows = policy.FP32_ROWS
