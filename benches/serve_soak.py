@@ -12,8 +12,12 @@ ends, with ``finish_reason`` ``stop`` or ``length``; the usage chunk is there; i
 ``completion_tokens`` is at least 1, equals ``max_tokens`` when the reason is ``length`` and
 is at most ``max_tokens`` otherwise; and no content arrives after the end. Anything else is an
 error, kept with its message. The server's resident memory (its process tree, from
-/proc via psutil) is sampled every 5 s: "flat" compares the median of the run's last tenth
-with that of its second tenth (after warm-up).
+/proc via psutil) is sampled every 5 s: the report gives the median of the run's second
+tenth (after warm-up) and of its last tenth, and the slope over its last half. The KV
+cache's pages are first touched when a block is first written, and the allocator hands out
+never-used blocks before it evicts cached prefixes, so resident memory climbs until the
+whole pool has been written once, then stays put: a pool small enough to be filled early
+(`--serve-args "--num-blocks 256"`) shows the plateau within minutes.
 
     .venv/bin/python benches/serve_soak.py /path/model.gguf --clients 64 --minutes 10 \\
         --threads 2 --json soak.json
@@ -157,12 +161,20 @@ def report(tally: Tally, samples: list[tuple[float, float]], wall: float) -> dic
     tenth = max(1, len(rss) // 10)
     early = statistics.median(rss[tenth:2 * tenth]) if len(rss) >= 2 * tenth else rss[0]
     late = statistics.median(rss[-tenth:])
+    half = samples[len(samples) // 2:]
+    slope = 0.0
+    if len(half) >= 2:
+        tm = statistics.mean(t for t, _ in half)
+        mm = statistics.mean(m for _, m in half)
+        var = sum((t - tm) ** 2 for t, _ in half)
+        slope = 60.0 * sum((t - tm) * (m - mm) for t, m in half) / var if var else 0.0
     lat = sorted(tally.latencies) or [0.0]
     return {"good": tally.good, "errors": len(tally.errors), "error_samples": tally.errors[:10],
             "cancelled": tally.cancelled, "tokens": tally.tokens,
             "tok_per_s": tally.tokens / wall, "latency_median_s": statistics.median(lat),
             "latency_max_s": lat[-1], "rss_mib_early": early, "rss_mib_late": late,
-            "rss_mib_max": max(rss, default=0.0), "rss_samples": samples}
+            "rss_mib_max": max(rss, default=0.0), "rss_mib_per_min_last_half": slope,
+            "rss_samples": samples}
 
 
 def main() -> None:
