@@ -95,27 +95,18 @@ def paged_attention_forward(
 
     out = None
     out_dtype = step.out_dtype or query.dtype
-    kd = group.kernel_decode
-    if kd is not None:
+    for rows, run, path in ((group.kernel_decode, _kernel_rows, "decode"),
+                            (group.kernel_prefill, _prefill_rows, "prefill")):
+        if rows is None:
+            continue
         if sinks is not None:
-            raise NotImplementedError("attention sinks need the SDPA decode path")
-        o = _kernel_rows(step, layer, _kernel_queries(q_all, kd.tokens), scaling, softcap,
-                         out_dtype)
-        if kd.tokens is None:
-            return o.unsqueeze(0), None
-        out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
-        out.index_copy_(0, kd.tokens, o)
-    kp = group.kernel_prefill
-    if kp is not None:
-        if sinks is not None:
-            raise NotImplementedError("attention sinks need the SDPA prefill path")
-        o = _prefill_rows(step, layer, _kernel_queries(q_all, kp.tokens), scaling, softcap,
-                          out_dtype)
-        if kp.tokens is None:
+            raise NotImplementedError(f"attention sinks need the SDPA {path} path")
+        o = run(step, layer, _kernel_queries(q_all, rows.tokens), scaling, softcap, out_dtype)
+        if rows.tokens is None:
             return o.unsqueeze(0), None
         if out is None:
             out = query.new_empty(num_tokens, heads, dim, dtype=out_dtype)
-        out.index_copy_(0, kp.tokens, o)
+        out.index_copy_(0, rows.tokens, o)
     for bucket in group.decode:
         bd = bucket.rows
         if bucket.tokens is None:
