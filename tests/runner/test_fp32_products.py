@@ -131,6 +131,23 @@ def test_lean_layers_on_fp32_copies_compute_what_the_own_layers_compute(forced, 
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
+def test_attention_output_is_rounded_only_before_half_input_products(forced):
+    """A step whose o product takes fp32 inputs gets the attention output in fp32 (never
+    rounded to the bf16 cache's type on the way); one on bf16-input products gets it in the
+    cache's type, which the product rounds to anyway."""
+    model = tm.llama().to(torch.bfloat16)
+    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    try:
+        acts, linears = runner.activations, runner.activations.linears
+        assert runner.cache.dtype == torch.bfloat16
+        for rows in (1, ROWS - 1, ROWS, 64):
+            f32_inputs = linears.input_dtype(rows) == torch.float32
+            assert acts.attention_dtype(rows) == (None if f32_inputs else torch.bfloat16)
+        assert acts.attention_dtype(ROWS) is None
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("setup", list(tm.SCHEDULING_SETUPS))
 def test_bf16_on_fp32_copies_is_at_least_as_close_to_fp32_as_without(forced, setup):
     """bf16 engine outputs against the fp32 greedy reference with fp32 products from `ROWS`

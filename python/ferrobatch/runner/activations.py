@@ -81,6 +81,16 @@ class PackedActivations:
         """Whether activations are kept wider than the weights (fp32 between products)."""
         return self.linears is not None and self.linears.widens
 
+    def attention_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype a step of `rows` tokens writes its attention output in: the KV cache's
+        where the o product rounds its input to half precision anyway (bf16 products), else
+        None (the queries' own, fp32 before fp32-input products: no rounding between the
+        attention and the product)."""
+        linears = self.linears
+        if linears is None or not linears.widens or linears.input_dtype(rows) == torch.float32:
+            return None
+        return self._kv_dtype
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """The packed linears, and the lean decoder layers when there are, for a forward."""

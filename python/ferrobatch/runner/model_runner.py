@@ -461,8 +461,7 @@ class ModelRunner:
                     decode_kernel=self.decode_kernel, invariant=self.batch_invariant,
                     prefill_kernel=self.prefill_kernel,
                 )
-                if self.activations.widens:
-                    step.out_dtype = self.cache.dtype  # o_proj rounds its input to it
+                step.out_dtype = self.activations.attention_dtype(step.num_tokens)
             else:
                 step = build_kernel_step(
                     plan, self.cache, self.layer_types, self.sliding_window,

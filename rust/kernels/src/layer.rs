@@ -16,8 +16,8 @@
 //!
 //! With f32 weights ([`Packed::F32`], an fp32 model's) or half-precision ones in
 //! [`f32_linear`]'s panels ([`Packed::Half`], widened exactly in its k loop) `h` and `a`
-//! stay f32 and the products run on [`f32_linear`]. `cache(.)` rounds to
-//! the KV cache's type. Each part splits over threads exactly when the
+//! stay f32, the attention output is not rounded (f32 into the o product) and the products
+//! run on [`f32_linear`]. `cache(.)` rounds to the KV cache's type. Each part splits over threads exactly when the
 //! Python layer's call of it would (the same element thresholds), which changes no result.
 //! The intermediate buffers are per-thread scratch reused from call to call (a fresh
 //! allocation of a few MiB costs its page faults at every decode step).
@@ -274,33 +274,20 @@ pub fn decoder_layer(
             softcap: None,
             threads: s.threads,
         };
-        // the attention output in the cache's type (the Python layer's `out_dtype`), then
-        // as the o product's input: bf16 (before bf16 weights) or f32 as they are, other
-        // halves widened (exact) to f32
+        // the attention output: f32 before f32-input products (no rounding in between);
+        // before bf16 products in the cache's type (the Python layer's `out_dtype`), as the
+        // o product's input: bf16 as it is, fp16 widened (exact) to f32
         let attend = |out: ElemsMut<'_>| {
             paged_decode_attention(&decode, out).map_err(|e| e.on("block_tables"))
         };
         let att: Elems<'_> = match frozen(&k_cache) {
-            Elems::F32(_) => {
-                let a = take(&mut sc.att32, rows * nq);
-                attend(ElemsMut::F32(&mut *a))?;
-                Elems::F32(&*a)
-            }
-            Elems::Bf16(_) => {
+            Elems::I8 { .. } => unreachable!("a writable cache is never int8"),
+            Elems::Bf16(_) if !wide => {
                 let a = take(&mut sc.att, rows * nq);
                 attend(ElemsMut::Bf16(&mut *a))?;
-                if wide {
-                    // f32 weights take f32 inputs: bf16 widened (exact)
-                    let w32 = take(&mut sc.att32, rows * nq);
-                    for (o, &b) in w32.iter_mut().zip(a.iter()) {
-                        *o = half::bf16::from_bits(b).to_f32();
-                    }
-                    Elems::F32(&*w32)
-                } else {
-                    Elems::Bf16(&*a)
-                }
+                Elems::Bf16(&*a)
             }
-            Elems::F16(_) => {
+            Elems::F16(_) if !wide => {
                 let a = take(&mut sc.att, rows * nq);
                 attend(ElemsMut::F16(&mut *a))?;
                 let wide = take(&mut sc.att32, rows * nq);
@@ -309,7 +296,11 @@ pub fn decoder_layer(
                 }
                 Elems::F32(&*wide)
             }
-            Elems::I8 { .. } => unreachable!("a writable cache is never int8"),
+            _ => {
+                let a = take(&mut sc.att32, rows * nq);
+                attend(ElemsMut::F32(&mut *a))?;
+                Elems::F32(&*a)
+            }
         };
         let out = take(&mut sc.out, rows * hidden);
         product(&w.o, att, rows, nq, &mut *out, s.threads)?;
