@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ferrobatch.cpu import pages
 from ferrobatch.distributed.shard import FIELD, ShardInfo, _heads, _text, check
 from ferrobatch.errors import FieldError
-from ferrobatch.gguf import loader, pages, quantize
+from ferrobatch.gguf import loader, quantize
 from ferrobatch.gguf.formats import QuantWeight, block_shape, row_bytes
 from ferrobatch.gguf.loader import LoadPlan
 from ferrobatch.gguf.modules import QuantLinear, quantized_modules

@@ -192,9 +192,11 @@ class Engine(ModelProbes):
         except BaseException:
             self.runner.close()
             raise
-        # GGUF weights: packed for the kernels once, the file's pages of them given back
+        # weights packed for the kernels once, the file's pages of them given back (GGUF
+        # rows; a checkpoint's half-precision or fp32 linears)
         quant_modules.prepare_for_serving(self.model,
                                           self.runner.activations.stacked_quant_layers())
+        self.runner.activations.release_sources()
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
             self.runner = tp_setup.attach(self.runner, self.tp, self._tp_failed)
         self.sampler = Sampler(self.device, seed=seed)

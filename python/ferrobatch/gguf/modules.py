@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrobatch.cpu import quant_ops
-from ferrobatch.gguf import pages
+from ferrobatch.cpu import pages, quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
 __all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",

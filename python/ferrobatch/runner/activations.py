@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ferrobatch.attention import context, registry
+from ferrobatch.cpu import pages
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.model_config import text_config
@@ -80,6 +81,16 @@ class PackedActivations:
     def widens(self) -> bool:
         """Whether activations are kept wider than the weights (fp32 between products)."""
         return self.linears is not None and self.linears.widens
+
+    def release_sources(self) -> int:
+        """After construction: the checkpoint's pages of the packed linears' own weights out
+        of the resident set (`PackedLinears.release_sources`) and the C heap trimmed.
+        Returns the bytes given back."""
+        if self.linears is None:
+            return 0
+        given = self.linears.release_sources()
+        pages.trim_heap()
+        return given
 
     def attention_dtype(self, rows: int) -> torch.dtype | None:
         """The dtype a step of `rows` tokens writes its attention output in: the KV cache's

@@ -47,7 +47,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from ferrobatch.cpu import amx_ops, f32_ops, onednn
+from ferrobatch.cpu import amx_ops, f32_ops, onednn, pages
 from ferrobatch.cpu.onednn import packing_available
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import linear_policy as policy
@@ -572,6 +572,14 @@ class PackedLinears:
             backends = frozenset({self.invariant_backend()})
         for packed in self._packs:
             packed.prepack(backends)
+
+    def release_sources(self) -> int:
+        """Take the checkpoint's pages of the packed layers' own weights out of the resident
+        set (`cpu.pages.release`, views of a file's memory map only): every product reads
+        its packed copies. A later read of a weight (another thread's forward, a group
+        member run unpacked, packing again after a change) maps its pages back from the
+        file. Returns the bytes given back."""
+        return pages.release((m.weight for m in self._layers), anonymous=False)
 
     def calibrate(self, forward: Callable[[], Any]) -> None:
         """Run `forward()` (a short forward of the model) on the packed layers and group the
