@@ -202,9 +202,6 @@ def test_refused_where_it_cannot_hold() -> None:
                                                   kv_cache_dtype="int8"))
     assert err.value.field == "batch_invariant"
     assert "sliding" in str(err.value)
-    with pytest.raises(FieldError) as err:
-        Engine(_model("float32"), batch_invariant=True, tensor_parallel_size=2)
-    assert err.value.field == "batch_invariant"
     # GPT-2's Conv1D products are torch's (an order chosen by the batch)
     with pytest.raises(FieldError, match="Conv1D") as err:
         Engine(tiny_models.gpt2(), config=dict(batch_invariant=True, num_blocks=64))

@@ -226,18 +226,30 @@ def split(model: nn.Module, s: Split,
     return model
 
 
-def _all_reduce(bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def _all_reduce(bias: torch.Tensor | None,
+                ordered: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The reduction of a row-parallel layer's partial outputs, then its bias. `ordered`
+    (batch-invariant mode): every rank's part gathered and added in rank order, so each
+    element's sum is the same whatever the tensor's size (gloo's all-reduce splits a tensor
+    by its size, so with three or more ranks its order follows the step's rows)."""
     def reduce(y: torch.Tensor) -> torch.Tensor:
         if not y.is_contiguous():
             y = y.contiguous()
-        dist.all_reduce(y)
+        if ordered:
+            parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, y)
+            y = parts[0]
+            for part in parts[1:]:
+                y.add_(part)
+        else:
+            dist.all_reduce(y)
         return y if bias is None else y.add_(bias)
 
     return reduce
 
 
-def _hook(bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-    reduce = _all_reduce(bias)
+def _hook(bias: torch.Tensor | None, ordered: bool = False) -> Callable[..., torch.Tensor]:
+    reduce = _all_reduce(bias, ordered)
 
     def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return reduce(out)
@@ -245,9 +257,10 @@ def _hook(bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
     return hook
 
 
-def attach_reductions(model: nn.Module, s: Split) -> None:
-    """Every row-parallel layer of `s` sums its partial outputs over the ranks, then adds
-    its bias (see the module docstring)."""
+def attach_reductions(model: nn.Module, s: Split, ordered: bool = False) -> None:
+    """Every row-parallel layer of `s` sums its partial outputs over the ranks (in rank
+    order with `ordered`: batch-invariant mode), then adds its bias (see the module
+    docstring)."""
     for name, (side, _) in s.ranges.items():
         if side != "row":
             continue
@@ -255,11 +268,11 @@ def attach_reductions(model: nn.Module, s: Split) -> None:
         if isinstance(m, QuantLinear):
             bias = m.bias.detach().float() if m.bias is not None else None
             m.bias = None
-            m.reduce = _all_reduce(bias)
+            m.reduce = _all_reduce(bias, ordered)
         else:
             bias = m.bias.detach() if m.bias is not None else None
             m.bias = None
-            m.register_forward_hook(_hook(bias))
+            m.register_forward_hook(_hook(bias, ordered))
 
 
 # ---------------------------------------------------------------------------- loading
@@ -281,15 +294,17 @@ def check_gguf(path: Path, size: int) -> None:
         plan_split(p.model, rank, size, qtype_of=lambda m: types.get(id(m)), what=path.name)
 
 
-def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any) -> tuple[Any, Any]:
-    """(this rank's share of the GGUF file at `path`, its tokenizer)."""
+def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any,
+                    ordered: bool = False) -> tuple[Any, Any]:
+    """(this rank's share of the GGUF file at `path`, its tokenizer); `ordered`: the
+    reductions in rank order (batch-invariant mode)."""
     def adjust(model: nn.Module, file: GGUFFile) -> None:
         def mapped(t: torch.Tensor) -> bool:
             return file.maps(t.data_ptr(), t.numel())
 
         s = plan_split(model, rank, size, what=path.name)
         split(model, s, keep_view=mapped)
-        attach_reductions(model, s)
+        attach_reductions(model, s, ordered)
         held = {m.qdata.data_ptr(): m.qdata for m in quantized_modules(model)}
         info = model.ferrobatch_gguf  # this rank's share, not the file's
         info.quantized_bytes = sum(t.numel() for t in held.values())
@@ -299,7 +314,8 @@ def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any) -> tuple[Any, 
 
 
 def load_quantized_shard(rank: int, size: int, quantization: str,
-                         load_plain: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+                         load_plain: Callable[[], tuple[Any, Any]],
+                         ordered: bool = False) -> tuple[Any, Any]:
     """(this rank's share of a float checkpoint quantized to `quantization`, its tokenizer):
     `load_plain()` loads the whole checkpoint as floats; each rank cuts its share, then
     quantizes it (`gguf.quantize`; a row-parallel share whose width is not whole blocks
@@ -309,5 +325,19 @@ def load_quantized_shard(rank: int, size: int, quantization: str,
     s = plan_split(loaded, rank, size, qtype_of=lambda m: qtype)
     split(loaded, s)
     quantize.quantize_model(loaded, qtype)
-    attach_reductions(loaded, s)
+    attach_reductions(loaded, s, ordered)
+    return loaded, tokenizer
+
+
+def load_float_shard(rank: int, size: int,
+                     load_plain: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """(this rank's share of a float checkpoint as plain `nn.Linear` slices, its tokenizer),
+    for the batch-invariant mode: `load_plain()` loads the whole checkpoint; each rank cuts
+    its share (anywhere: float weights have no blocks), and the row-parallel layers sum
+    their parts in rank order. (The default loads float checkpoints through transformers'
+    own plan, `distributed.shard`, whose products and all-reduce are torch's.)"""
+    loaded, tokenizer = load_plain()
+    s = plan_split(loaded, rank, size)
+    split(loaded, s)
+    attach_reductions(loaded, s, ordered=True)
     return loaded, tokenizer

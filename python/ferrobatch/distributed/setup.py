@@ -75,20 +75,25 @@ def checkpoint_path(model: Any) -> Path:
 
 
 def load(group: TPGroup, model: Any, dtype: Any,
-         quantization: str | None = None) -> tuple[Any, Any]:
+         quantization: str | None = None, ordered: bool = False) -> tuple[Any, Any]:
     """(this rank's shard, the tokenizer) of `model`'s checkpoint: a GGUF file's or one
-    quantized on load (`quant_shard`), else a float checkpoint's (`shard`)."""
+    quantized on load (`quant_shard`), else a float checkpoint's (`shard`; with `ordered`,
+    the batch-invariant mode, plain slices from `quant_shard` whose row-parallel layers sum
+    their parts in rank order)."""
     path = checkpoint_path(model)
     if gguf_path_of(path) is not None:
         if quantization is not None:
             raise FieldError(f"{path.name} is a GGUF file: its tensors keep the types they are "
                              "stored in (quantization must be None)", "quantization")
-        return quant_shard.load_gguf_shard(path, group.rank, group.world_size, dtype)
+        return quant_shard.load_gguf_shard(path, group.rank, group.world_size, dtype,
+                                           ordered)
+    plain = lambda: models.load_model(path, device=group.device, dtype=dtype)  # noqa: E731
     if quantization is not None:
         quantize.check_device(group.device)
         return quant_shard.load_quantized_shard(
-            group.rank, group.world_size, quantization,
-            lambda: models.load_model(path, device=group.device, dtype=dtype))
+            group.rank, group.world_size, quantization, plain, ordered)
+    if ordered:
+        return quant_shard.load_float_shard(group.rank, group.world_size, plain)
     dt = resolve_dtype(dtype, group.device, path)
     loaded = shard.load(path, group.rank, group.world_size, dt)
     tok = (AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -125,10 +125,6 @@ class Engine(ModelProbes):
         self.config = ContinuousBatchingConfig.coerce(config)
         if batch_invariant is not None:  # overrides the config's field
             self.config = self.config.replace(batch_invariant=batch_invariant)
-        if self.config.batch_invariant and tensor_parallel_size != 1:
-            raise FieldError("batch_invariant is not supported with tensor_parallel_size > 1 "
-                             "(the ranks' products run on their own shards)",
-                             field="batch_invariant")
         # LoRA adapters to load (name -> PEFT directory); `enable_lora` without any: loaded
         # at run time (`load_lora`)
         self._lora_setup = _lora_setup(lora_modules, enable_lora, max_loras,
@@ -228,7 +224,8 @@ class Engine(ModelProbes):
         """(model, tokenizer): this rank's shard under tensor parallelism, else
         `models.load_model`; a tokenizer given by name is loaded, None takes the model's."""
         if self.tp is not None:
-            loaded, loaded_tok = tp_setup.load(self.tp, model, dtype, self._quantization)
+            loaded, loaded_tok = tp_setup.load(self.tp, model, dtype, self._quantization,
+                                               ordered=self.config.batch_invariant)
         else:
             loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
                                                    quantization=self._quantization)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ferrobatch.attention import context, registry
 from ferrobatch.cpu import pages
@@ -127,6 +128,11 @@ class PackedActivations:
         and `_lean_holds` (forwards with them are about as close to the exact computation
         as the model's own forward on the same packed weights)."""
         products = self.linears if self.linears is not None else self.quant
+        if self.linears is not None and getattr(self.model, "ferrobatch_tp", None) is not None \
+                and not _dtensor_shards(self.model):
+            # a float share cut by `quant_shard`: its row-parallel linears sum their parts
+            # over the ranks in a forward hook, which the lean layers' products bypass
+            return None
         layers = LeanLayers.of(self.model, products, context.in_ferrobatch_forward,
                                self._kv_dtype) if lean else None
         if layers is None:
@@ -214,8 +220,8 @@ class PackedActivations:
         `nn.Linear` fails that check and keeps its dtype); layers sharing an input grouped
         from one calibration forward."""
         in_fwd = context.in_ferrobatch_forward
-        if self.model.dtype == torch.float32 and getattr(self.model, "ferrobatch_tp", None) is None:
-            # (not a tensor-parallel rank's share: its layers are the ranks' slices)
+        if self.model.dtype == torch.float32 and not _dtensor_shards(self.model):
+            # (not a share of transformers' tensor-parallel plan: its weights are DTensors)
             linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,),
                                        invariant=self._invariant)
             return self._calibrated(linears)
@@ -317,3 +323,9 @@ def _other_products(model: torch.nn.Module, held: set[int]) -> list[str]:
         if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
             found.append(f"{name or 'the model'} ({type(module).__name__})")
     return found
+
+
+def _dtensor_shards(model: torch.nn.Module) -> bool:
+    """Whether `model` is a share of transformers' tensor-parallel plan (DTensor weights)."""
+    return getattr(model, "ferrobatch_tp", None) is not None and any(
+        isinstance(p, DTensor) for p in model.parameters())
