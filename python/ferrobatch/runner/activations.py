@@ -220,8 +220,12 @@ class PackedActivations:
         `nn.Linear` fails that check and keeps its dtype); layers sharing an input grouped
         from one calibration forward."""
         in_fwd = context.in_ferrobatch_forward
-        if self.model.dtype == torch.float32 and not _dtensor_shards(self.model):
-            # (not a share of transformers' tensor-parallel plan: its weights are DTensors)
+        tp = getattr(self.model, "ferrobatch_tp", None) is not None
+        if self.model.dtype == torch.float32 and (
+                not tp or self._invariant and not _dtensor_shards(self.model)):
+            # (a tensor-parallel share only as the batch-invariant mode cuts it, into plain
+            # slices: transformers' plan holds DTensors, and a quantized share's float
+            # leftovers keep torch's products beside the lean layers' quantized ones)
             linears = PackedLinears.of(self.model, in_thread=in_fwd, dtypes=(torch.float32,),
                                        invariant=self._invariant)
             return self._calibrated(linears)
