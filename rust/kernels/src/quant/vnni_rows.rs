@@ -234,10 +234,21 @@ unsafe fn pass(
 /// ranges), fetched into the L2 cache a part a register tile while the rows pass over the
 /// chunk in hand: its unpacking then reads the L2, not memory (read from memory, at 32 rows
 /// the unpacking was a fifth of a step's time, the loads waiting on memory).
-#[derive(Default)]
 struct Ahead {
-    ranges: Vec<(*const u8, usize)>,
+    /// (start, bytes) of each panel's streams; the first `n` are used
+    ranges: [(*const u8, usize); PANELS * 6],
+    n: usize,
     total: usize,
+}
+
+impl Default for Ahead {
+    fn default() -> Ahead {
+        Ahead {
+            ranges: [(std::ptr::null(), 0); PANELS * 6],
+            n: 0,
+            total: 0,
+        }
+    }
 }
 
 impl Ahead {
@@ -252,17 +263,18 @@ impl Ahead {
         b: usize,
         c: usize,
     ) -> Ahead {
-        let mut ranges = Vec::with_capacity(PANELS * 6);
-        for p in panels {
+        let mut ahead = Ahead::default();
+        for p in panels.take(PANELS) {
             for (s, &size) in streams(qt).iter().enumerate() {
                 let at = p * panel_bytes + st[s] + size * b;
                 if let Some(bytes) = packed.get(at..at + size * c) {
-                    ranges.push((bytes.as_ptr(), bytes.len()));
+                    ahead.ranges[ahead.n] = (bytes.as_ptr(), bytes.len());
+                    ahead.n += 1;
+                    ahead.total += bytes.len();
                 }
             }
         }
-        let total = ranges.iter().map(|&(_, len)| len).sum();
-        Ahead { ranges, total }
+        ahead
     }
 
     /// Fetches part `t` of `parts` (near-equal shares of the bytes, one prefetch a line).
@@ -270,7 +282,7 @@ impl Ahead {
     fn part(&self, t: usize, parts: usize) {
         let (from, to) = (self.total * t / parts, self.total * (t + 1) / parts);
         let mut base = 0;
-        for &(at, len) in &self.ranges {
+        for &(at, len) in &self.ranges[..self.n] {
             let (lo, hi) = (from.max(base), to.min(base + len));
             if lo < hi {
                 // the lines holding bytes lo .. hi of the range (formed with `wrapping_*`,
