@@ -98,9 +98,9 @@ def release(tensors: Iterable[torch.Tensor], anonymous: bool = True) -> int:
             start, stop = _pages(t)
             if stop <= start:
                 continue
-            clean = _in_file_map(files, start, stop) and pagemap >= 0 \
-                and _only_file_pages(pagemap, start, stop)
-            if not clean and not (anonymous or _in_file_map(files, start, stop)):
+            mapped = _in_file_map(files, start, stop)
+            clean = mapped and pagemap >= 0 and _only_file_pages(pagemap, start, stop)
+            if not (mapped or anonymous):
                 continue
             advice = _MADV_DONTNEED if clean else _MADV_PAGEOUT
             _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), advice)

@@ -6,6 +6,7 @@ worker loop, then exit)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -87,7 +88,7 @@ def load(group: TPGroup, model: Any, dtype: Any,
                              "stored in (quantization must be None)", "quantization")
         return quant_shard.load_gguf_shard(path, group.rank, group.world_size, dtype,
                                            ordered)
-    plain = lambda: models.load_model(path, device=group.device, dtype=dtype)  # noqa: E731
+    plain = functools.partial(models.load_model, path, device=group.device, dtype=dtype)
     if quantization is not None:
         quantize.check_device(group.device)
         return quant_shard.load_quantized_shard(

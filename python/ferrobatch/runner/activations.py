@@ -13,7 +13,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ferrobatch.attention import context, registry
-from ferrobatch.cpu import pages
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.model_config import text_config
@@ -85,13 +84,9 @@ class PackedActivations:
 
     def release_sources(self) -> int:
         """After construction: the checkpoint's pages of the packed linears' own weights out
-        of the resident set (`PackedLinears.release_sources`) and the C heap trimmed.
-        Returns the bytes given back."""
-        if self.linears is None:
-            return 0
-        given = self.linears.release_sources()
-        pages.trim_heap()
-        return given
+        of the resident set (`PackedLinears.release_sources`). Returns the bytes given
+        back."""
+        return 0 if self.linears is None else self.linears.release_sources()
 
     def attention_dtype(self, rows: int) -> torch.dtype | None:
         """The dtype a step of `rows` tokens writes its attention output in: the KV cache's
