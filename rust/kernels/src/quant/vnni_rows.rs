@@ -456,6 +456,31 @@ unsafe fn quad(p: *const i8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
+/// `s[i][p]` gains the products of quads `quads` of panel `p`'s unpacked codes (`blk[p]`,
+/// a line a quad) with row `i`'s inputs (`qs[i]`), one `vpdpbusd` a quad, in quad order.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; each `blk[p]` holds at least `quads.end` lines and
+/// each `qs[i]` at least `4 * quads.end` readable bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn dot_quads<const R: usize, const P: usize>(
+    s: &mut [[__m512i; P]; R],
+    blk: &[*const Line; P],
+    qs: &[*const i8; R],
+    quads: Range<usize>,
+) {
+    for q in quads {
+        let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
+        for i in 0..R {
+            let x = quad(qs[i].add(4 * q));
+            for p in 0..P {
+                s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
+            }
+        }
+    }
+}
+
 /// The 32-weight types (`Q41`: Q4_1's `m` term), `R` rows, `P` panels.
 ///
 /// # Safety
@@ -474,15 +499,12 @@ unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32,
         let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
         let mut s: [[__m512i; P]; R] =
             std::array::from_fn(|i| [_mm512_set1_epi32((*ab[i]).init); P]);
-        for q in 0..8 {
-            let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
-            for i in 0..R {
-                let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
-                for p in 0..P {
-                    s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
-                }
-            }
-        }
+        dot_quads(
+            &mut s,
+            &blk,
+            &std::array::from_fn(|i| (*ab[i]).qs.as_ptr()),
+            0..8,
+        );
         for p in 0..P {
             let d = line_ps(blk[p], lay.d);
             for i in 0..R {
@@ -515,6 +537,7 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
     for b in 0..t.cb {
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
         let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
+        let qs: [*const i8; R] = std::array::from_fn(|i| (*ab[i]).qs.as_ptr());
         let mut s1 = [[_mm512_setzero_ps(); P]; R];
         for j in 0..subs {
             let mut s: [[__m512i; P]; R] = std::array::from_fn(|i| {
@@ -524,15 +547,7 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
                     _mm512_setzero_si512()
                 }; P]
             });
-            for q in per * j..per * (j + 1) {
-                let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
-                for i in 0..R {
-                    let x = quad((*ab[i]).qs.as_ptr().add(4 * q));
-                    for p in 0..P {
-                        s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
-                    }
-                }
-            }
+            dot_quads(&mut s, &blk, &qs, per * j..per * (j + 1));
             for p in 0..P {
                 let sc = line_ps(blk[p], lay.sc + j);
                 for i in 0..R {
