@@ -57,8 +57,8 @@ fn main() {
             .collect();
         // sane fp16 factors (0.01) in every block
         let at: &[usize] = match qt {
-            QType::Q8_0 | QType::Q4_0 => &[0],
-            QType::Q4_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => &[0],
+            QType::Q4_1 | QType::Q4_K | QType::Q5_K | QType::Q5_1 => &[0, 2],
             QType::Q6_K => &[208],
         };
         for b in rows.chunks_exact_mut(qt.block_bytes()) {

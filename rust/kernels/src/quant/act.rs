@@ -1,6 +1,6 @@
 //! Activations quantized per row to int8 blocks, so that a block's product with a weight
 //! block is an exact integer sum: [`A32`] (one f32 scale per 32 inputs, for Q8_0 / Q4_0 /
-//! Q4_1) and [`A256`] (one f32 scale per 256 inputs and the block's partial sums, for the
+//! Q4_1 / Q5_0 / Q5_1 / IQ4_NL) and [`A256`] (one f32 scale per 256 inputs and the block's partial sums, for the
 //! K-types). A row's blocks depend on that row's values only.
 //!
 //! Each block of `x` maps to `d = max|x| / 127` and `q = rne(x * (127 / max|x|))` in
@@ -17,9 +17,9 @@ pub struct A32 {
     /// the scale
     pub d: f32,
     /// `-offset * sum(qs)`, the start of the block's integer sum (weights coded `u = w +
-    /// offset`: 128 for Q8_0, 8 for Q4_0, 0 for Q4_1)
+    /// offset`: 128 for Q8_0 and IQ4_NL, 8 for Q4_0, 16 for Q5_0, 0 for Q4_1 and Q5_1)
     pub init: i32,
-    /// `d * sum(qs)` (Q4_1's `m` term)
+    /// `d * sum(qs)` (Q4_1's and Q5_1's `m` term)
     pub sd: f32,
 }
 

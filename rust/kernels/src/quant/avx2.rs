@@ -5,16 +5,19 @@
 //! There is no `vpdpbusd`: `vpmaddubsw` multiplies the unsigned codes by the int8 inputs and
 //! adds pairs into i16 with signed saturation, so partial sums are widened (`vpmaddwd` by
 //! ones) before they could saturate: a pair is at most 2 * 15 * 127 = 3810 for 4-bit codes
-//! (8 quads summed in i16: 30480), 7874 for Q5_K (4 quads), 16002 for Q6_K (2 quads). Q8_0's
-//! codes `w + 128` would saturate, so its quads take `|w|` times `sign(w) * x` (`vpsignb`;
-//! a pair is at most 2 * 128 * 127 = 32512) and sum `w * x` directly, the integer VNNI's
-//! `-128 * sum(x) + sum((w + 128) * x)` comes to. Every integer sum is the same exact value
-//! as on the other paths and every f32 operation the same, so the results are the same bits.
+//! (8 quads summed in i16: 30480), 7874 for Q5_K, Q5_0 and Q5_1 (4 quads), 16002 for Q6_K
+//! (2 quads). Q8_0's codes `w + 128` would saturate, so its quads take `|w|` times `sign(w) *
+//! x` (`vpsignb`; a pair is at most 2 * 128 * 127 = 32512) and sum `w * x` directly, the
+//! integer VNNI's `-128 * sum(x) + sum((w + 128) * x)` comes to; IQ4_NL's quads do the same
+//! with its table values (looked up by index with `vpshufb`, `|w| <= 127`). Every integer
+//! sum is the same exact value as on the other paths and every f32 operation the same, so the
+//! results are the same bits.
 
 use std::arch::x86_64::*;
 
 use super::act::{A256, A32};
-use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::blocks::IQ4NL;
+use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
 
 /// Rows a kernel call takes (16 ymm registers: three or four a row).
@@ -36,6 +39,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q4_K => panel::<3>,
         QType::Q5_K => panel::<4>,
         QType::Q6_K => panel::<5>,
+        QType::Q5_0 => panel::<6>,
+        QType::Q5_1 => panel::<7>,
+        QType::IQ4_NL => panel::<8>,
     }
 }
 
@@ -91,7 +97,10 @@ fn panel<const T: u8>(
         "one panel of {nb} blocks"
     );
     match (qt, acts) {
-        (QType::Q8_0 | QType::Q4_0 | QType::Q4_1, ActRows::A32(a)) => {
+        (
+            QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL,
+            ActRows::A32(a),
+        ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
         }
         (QType::Q4_K | QType::Q5_K | QType::Q6_K, ActRows::A256(a)) => {
@@ -136,7 +145,10 @@ fn panel<const T: u8>(
                     match qt {
                         QType::Q8_0 => rows!(blocks32, a, 0),
                         QType::Q4_0 => rows!(blocks32, a, 1),
-                        _ => rows!(blocks32, a, 2),
+                        QType::Q4_1 => rows!(blocks32, a, 2),
+                        QType::Q5_0 => rows!(blocks32, a, 3),
+                        QType::Q5_1 => rows!(blocks32, a, 4),
+                        _ => rows!(blocks32, a, 5),
                     }
                 }
                 ActRows::A256(a) => {
@@ -208,7 +220,8 @@ unsafe fn store<const R: usize>(out: *mut [f32; PANEL], h: usize, acc: &[__m256;
     }
 }
 
-/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1), `R` rows, columns `8 h ..`.
+/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 IQ4_NL), `R` rows,
+/// columns `8 h ..`.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `w` points at one packed panel of `nb` blocks of the
@@ -223,11 +236,23 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     h: usize,
     pf: Fetch,
 ) {
-    let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
+    let qt = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::IQ4_NL,
+    ][K as usize];
     let st = stream_starts(qt, nb);
+    let (ds, ms) = factor_streams(qt);
     let code_bytes = if K == 0 { 512 } else { 256 };
+    let five = K == 3 || K == 4;
     let m4 = _mm256_set1_epi8(0x0F);
+    let bit4 = _mm256_set1_epi8(0x10);
     let flip = _mm256_set1_epi8(-128);
+    // IQ4_NL's values (int8) by index, in both 128-bit lanes for `vpshufb`
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4NL.as_ptr().cast()));
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         pf.part(b);
@@ -246,12 +271,44 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     s[i] = _mm256_add_epi32(s[i], widen(_mm256_maddubs_epi16(aw, x)));
                 }
             }
+        } else if K == 5 {
+            // the table's int8 values w: |w| times sign(w) * x as Q8_0 (|w| <= 127: a pair
+            // is at most 32258, widened a quad), exactly sum(w * x) = init + sum(u * x)
+            for p in 0..4 {
+                let v = load(codes.add(64 * p));
+                let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+                let hi =
+                    _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4));
+                let (alo, ahi) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(8 * p);
+                    let t = _mm256_add_epi32(
+                        widen(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(quad(qs), lo))),
+                        widen(_mm256_maddubs_epi16(
+                            ahi,
+                            _mm256_sign_epi8(quad(qs.add(4)), hi),
+                        )),
+                    );
+                    s[i] = _mm256_add_epi32(s[i], t);
+                }
+            }
         } else {
+            // fifth bits (Q5_0, Q5_1): bit v of a byte for quad v
+            let mut hb = if five {
+                load(w.add(st[1] + 64 * b + 32 * h))
+            } else {
+                _mm256_setzero_si256()
+            };
             let mut s16 = [_mm256_setzero_si256(); R];
             for p in 0..4 {
                 let v = load(codes.add(64 * p));
-                let lo = _mm256_and_si256(v, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                let mut lo = _mm256_and_si256(v, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                if five {
+                    lo = or_and(lo, _mm256_slli_epi16::<4>(hb), bit4);
+                    hi = or_and(hi, _mm256_slli_epi16::<3>(hb), bit4);
+                    hb = _mm256_srli_epi16::<2>(hb);
+                }
                 for i in 0..R {
                     let qs = (*ab[i]).qs.as_ptr().add(8 * p);
                     let t = _mm256_add_epi16(
@@ -260,18 +317,28 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     );
                     s16[i] = _mm256_add_epi16(s16[i], t);
                 }
+                // 5-bit codes: 4 quads a widening (7874 a pair)
+                if five && p % 2 == 1 {
+                    for i in 0..R {
+                        s[i] = _mm256_add_epi32(s[i], widen(s16[i]));
+                        s16[i] = _mm256_setzero_si256();
+                    }
+                }
             }
             for i in 0..R {
-                s[i] = _mm256_add_epi32(widen(s16[i]), _mm256_set1_epi32((*ab[i]).init));
+                s[i] = _mm256_add_epi32(
+                    _mm256_add_epi32(s[i], widen(s16[i])),
+                    _mm256_set1_epi32((*ab[i]).init),
+                );
             }
         }
-        let d = halves(w.add(st[1] + 32 * b + 16 * h));
+        let d = halves(w.add(st[ds] + 32 * b + 16 * h));
         for i in 0..R {
             let dx = _mm256_set1_ps((*ab[i]).d);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, dx), acc[i]);
         }
-        if K == 2 {
-            let m = halves(w.add(st[2] + 32 * b + 16 * h));
+        if let Some(ms) = ms {
+            let m = halves(w.add(st[ms] + 32 * b + 16 * h));
             for i in 0..R {
                 acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps((*ab[i]).sd), acc[i]);
             }

@@ -9,6 +9,9 @@
 //! | Q4_1 | `d * u + e` (`e` = the fp16 `m`) |
 //! | Q4_K, Q5_K | `(d * sc[j]) * u - e * mn[j]`, `j = t / 32` (`e` = `dmin`) |
 //! | Q6_K | `(d * sc[j]) * (u - 32)`, `j = t / 16`, `sc` signed |
+//! | Q5_0 | `d * (u - 16)` (`u`: 5 bits) |
+//! | Q5_1 | `d * u + e` (`u`: 5 bits, `e` = the fp16 `m`) |
+//! | IQ4_NL | `d * IQ4NL[u]` (`u`: the 4-bit index into [`IQ4NL`]) |
 //!
 //! computed in f32 in exactly that order by [`dequantize_block`], the order of
 //! `gguf.quants.dequantize` (so the two agree bit for bit).
@@ -20,7 +23,8 @@ use super::QType;
 /// One block in integer form (the first `block` codes used; `sc` / `mn` only for K-types).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Block {
-    /// unsigned weight codes in k order: 8, 4, 4, 4, 5 and 6 bits
+    /// unsigned weight codes in k order: 8, 4, 4, 4, 5 and 6 bits (Q5_0, Q5_1: 5; IQ4_NL: the
+    /// 4-bit table index)
     pub(crate) codes: [u8; 256],
     /// integer sub-block scales (Q4_K / Q5_K: 8 six-bit; Q6_K: 16 int8)
     pub(crate) sc: [i32; 16],
@@ -28,7 +32,7 @@ pub(crate) struct Block {
     pub(crate) mn: [i32; 8],
     /// the block scale `d`
     pub(crate) d: f32,
-    /// the second factor: `m` (Q4_1) or `dmin` (Q4_K, Q5_K), else 0
+    /// the second factor: `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K), else 0
     pub(crate) e: f32,
 }
 
@@ -41,6 +45,22 @@ impl Block {
         e: 0.0,
     };
 }
+
+/// IQ4_NL's 16 weight values (ggml's `kvalues_iq4nl`), by 4-bit index.
+pub(crate) const IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// IQ4_NL's values as the unsigned codes of the products (`value + 128`, as Q8_0's codes).
+pub(crate) const IQ4NL_U: [u8; 16] = {
+    let mut u = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        u[i] = (IQ4NL[i] as u8) ^ 0x80;
+        i += 1;
+    }
+    u
+};
 
 fn half(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
@@ -110,6 +130,7 @@ pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
                 }
             }
         }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => decode_32(qt, b, &mut out),
         QType::Q6_K => {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             out.d = half(b, 208);
@@ -128,6 +149,24 @@ pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
         }
     }
     out
+}
+
+/// Q5_0, Q5_1 and IQ4_NL: `d`, [`m`], [32 fifth bits, little-endian: bit `t` for weight
+/// `t`], 16 bytes of nibbles (byte `l`: weight `l` low, weight `l + 16` high).
+fn decode_32(qt: QType, b: &[u8], out: &mut Block) {
+    out.d = half(b, 0);
+    let (qh, qs) = match qt {
+        QType::Q5_0 => (u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]),
+        QType::Q5_1 => {
+            out.e = half(b, 2);
+            (u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24])
+        }
+        _ => (0, &b[2..18]),
+    };
+    for (l, &q) in qs.iter().enumerate() {
+        out.codes[l] = (q & 0xF) | (((qh >> l) & 1) as u8) << 4;
+        out.codes[l + 16] = (q >> 4) | (((qh >> (l + 16)) & 1) as u8) << 4;
+    }
 }
 
 /// The block's weights in f32 (`out`: `qt.block()` values), in `gguf.quants`' order of
@@ -150,6 +189,21 @@ pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
         QType::Q4_1 => {
             for (o, &u) in out.iter_mut().zip(codes) {
                 *o = d * f32::from(u) + e;
+            }
+        }
+        QType::Q5_0 => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                *o = d * f32::from(u as i8 - 16);
+            }
+        }
+        QType::Q5_1 => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                *o = d * f32::from(u) + e;
+            }
+        }
+        QType::IQ4_NL => {
+            for (o, &u) in out.iter_mut().zip(codes) {
+                *o = d * f32::from(IQ4NL[usize::from(u & 0xF)]);
             }
         }
         QType::Q4_K | QType::Q5_K => {
@@ -238,6 +292,24 @@ pub(crate) fn encode(qt: QType, blk: &Block, b: &mut [u8]) {
                 for l in 0..32 {
                     qs[32 * g + l] = (c[64 * g + l] & 0xF) | ((c[64 * g + 32 + l] & 0xF) << 4);
                 }
+            }
+        }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            put_half(b, 0, blk.d);
+            let qs_at = match qt {
+                QType::Q5_0 => 6,
+                QType::Q5_1 => 8,
+                _ => 2,
+            };
+            if qt != QType::IQ4_NL {
+                let qh = (0..32).fold(0u32, |h, t| h | (u32::from(c[t] >> 4) & 1) << t);
+                b[qs_at - 4..qs_at].copy_from_slice(&qh.to_le_bytes());
+            }
+            if qt == QType::Q5_1 {
+                put_half(b, 2, blk.e);
+            }
+            for (l, q) in b[qs_at..qs_at + 16].iter_mut().enumerate() {
+                *q = (c[l] & 0xF) | (c[l + 16] << 4);
             }
         }
         QType::Q6_K => {

@@ -1,4 +1,5 @@
-//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K):
+//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1,
+//! IQ4_NL):
 //! `y[m, n] = x[m, k] . W[n, k]^T`, `x` and `y` f32, `W` the GGUF rows (one row a weight
 //! row, `k / block` blocks each) packed once ([`pack`]) into panels of 16 rows.
 //!
@@ -59,6 +60,9 @@ pub enum QType {
     Q4_K,
     Q5_K,
     Q6_K,
+    Q5_0,
+    Q5_1,
+    IQ4_NL,
 }
 
 /// The activation blocks a type's products take.
@@ -194,7 +198,7 @@ macro_rules! traits {
 
 /// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
 /// layout summed, checked against it in the tests).
-pub static TYPES: [TypeTraits; 6] = [
+pub static TYPES: [TypeTraits; 9] = [
     traits!(
         Q8_0,
         "q8_0",
@@ -255,16 +259,49 @@ pub static TYPES: [TypeTraits; 6] = [
         ActFormat::A256,
         Some(k_row::<{ QType::Q6_K as u8 }>)
     ),
+    traits!(
+        Q5_0,
+        "q5_0",
+        6,
+        32,
+        22,
+        352,
+        ActFormat::A32 { offset: 16 },
+        None
+    ),
+    traits!(
+        Q5_1,
+        "q5_1",
+        7,
+        32,
+        24,
+        384,
+        ActFormat::A32 { offset: 0 },
+        None
+    ),
+    traits!(
+        IQ4_NL,
+        "iq4_nl",
+        20,
+        32,
+        18,
+        288,
+        ActFormat::A32 { offset: 128 },
+        None
+    ),
 ];
 
 impl QType {
-    pub const ALL: [QType; 6] = [
+    pub const ALL: [QType; 9] = [
         QType::Q8_0,
         QType::Q4_0,
         QType::Q4_1,
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::IQ4_NL,
     ];
 
     pub fn traits(self) -> &'static TypeTraits {
@@ -280,6 +317,7 @@ impl QType {
     pub const fn block(self) -> usize {
         match self {
             QType::Q8_0 | QType::Q4_0 | QType::Q4_1 => 32,
+            QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
             _ => 256,
         }
     }

@@ -15,19 +15,22 @@
 //! | Q4_K | nibbles 2048, sc 128, mins 128, d 32, dmin 32 |
 //! | Q5_K | nibbles 2048, fifth bits 512, sc 128, mins 128, d 32, dmin 32 |
 //! | Q6_K | nibbles 2048, high bit pairs 1024, sc 256, d 32 |
+//! | Q5_0 | nibbles 256, fifth bits 64, d 32 |
+//! | Q5_1 | nibbles 256, fifth bits 64, d 32, m 32 |
+//! | IQ4_NL | nibbles 256 (the table indices), d 32 |
 //!
 //! * nibbles: 64-byte row `p` holds quad `2 p` in its low nibbles and quad `2 p + 1` in its
 //!   high nibbles (inputs `8 p .. 8 p + 8`);
-//! * fifth bits (Q5_K): row `j` (sub-block `j`, inputs `32 j ..`), byte `4 c + i`, bit `v`:
-//!   bit 4 of the code of input `32 j + 4 v + i`;
+//! * fifth bits (Q5_K; Q5_0 and Q5_1: the one row of a block): row `j` (sub-block `j`,
+//!   inputs `32 j ..`), byte `4 c + i`, bit `v`: bit 4 of the code of input `32 j + 4 v + i`;
 //! * high bit pairs (Q6_K): row `j` (sub-block `j` of 16), byte `4 c + i`, bits `2 v, 2 v +
 //!   1`: bits 4-5 of the code of input `16 j + 4 v + i`;
 //! * sc: `[sub-block][column]` bytes (Q6_K: int8); mins: `[pair p][column][2]` bytes (the
 //!   mins of sub-blocks `2 p`, `2 p + 1`);
 //! * d, m, dmin: 16 fp16, one a column.
 //!
-//! Columns past `n` in the last panel are zero blocks. The packed form of Q8_0, Q4_0, Q4_1
-//! and Q6_K is exactly as large as the GGUF rows (for `n` a multiple of 16); Q4_K and Q5_K
+//! Columns past `n` in the last panel are zero blocks. The packed form of Q8_0, Q4_0, Q4_1,
+//! Q6_K, Q5_0, Q5_1 and IQ4_NL is exactly as large as the GGUF rows (for `n` a multiple of 16); Q4_K and Q5_K
 //! gain 4 bytes a block (their scales unpacked: +2.8% and +2.3%).
 
 use half::f16;
@@ -47,6 +50,19 @@ pub(crate) fn streams(qt: QType) -> &'static [usize] {
         QType::Q4_K => &[2048, 128, 128, 32, 32],
         QType::Q5_K => &[2048, 512, 128, 128, 32, 32],
         QType::Q6_K => &[2048, 1024, 256, 32],
+        QType::Q5_0 => &[256, 64, 32],
+        QType::Q5_1 => &[256, 64, 32, 32],
+        QType::IQ4_NL => &[256, 32],
+    }
+}
+
+/// The streams of a 32-weight type's `d` and `m` (Q4_1, Q5_1; else None) in a panel.
+pub(crate) fn factor_streams(qt: QType) -> (usize, Option<usize>) {
+    match qt {
+        QType::Q4_1 => (1, Some(2)),
+        QType::Q5_0 => (2, None),
+        QType::Q5_1 => (2, Some(3)),
+        _ => (1, None),
     }
 }
 
@@ -204,6 +220,18 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
                 blks.iter().map(|k| k.e),
             );
         }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
+            let mut next = 1;
+            if qt != QType::IQ4_NL {
+                put_high(stream_mut(qt, panel, nb, 1, b), blks, 1, 8);
+                next = 2;
+            }
+            put_halves(stream_mut(qt, panel, nb, next, b), blks.iter().map(|k| k.d));
+            if qt == QType::Q5_1 {
+                put_halves(stream_mut(qt, panel, nb, 3, b), blks.iter().map(|k| k.e));
+            }
+        }
         QType::Q6_K => {
             put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
             put_high(stream_mut(qt, panel, nb, 1, b), blks, 2, 4);
@@ -263,6 +291,18 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
             }
             set(&mut blks, st(next + 2), |k, v| k.d = v);
             set(&mut blks, st(next + 3), |k, v| k.e = v);
+        }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            get_nibbles(st(0), &mut blks, bl);
+            let mut next = 1;
+            if qt != QType::IQ4_NL {
+                get_high(st(1), &mut blks, 1, 8);
+                next = 2;
+            }
+            set(&mut blks, st(next), |k, v| k.d = v);
+            if qt == QType::Q5_1 {
+                set(&mut blks, st(3), |k, v| k.e = v);
+            }
         }
         QType::Q6_K => {
             get_nibbles(st(0), &mut blks, bl);

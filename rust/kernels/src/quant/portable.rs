@@ -7,8 +7,9 @@
 //! For a block with integer form [`Block`] (codes `u`, scales `sc`, mins `mn`, factors `d`,
 //! `e`) and activation block `(qs, dx)` (`fma(a, b, c)`: `a * b + c` rounded once):
 //!
-//! * Q8_0, Q4_0, Q4_1: `s = init + sum(u * qs)` (i32), `acc = fma(f32(s), d * dx, acc)`,
-//!   then for Q4_1 `acc = fma(e, sd, acc)` (`init`, `sd`: [`A32`]);
+//! * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: `s = init + sum(u * qs)` (i32), `acc = fma(f32(s),
+//!   d * dx, acc)`, then for Q4_1 and Q5_1 `acc = fma(e, sd, acc)` (`init`, `sd`: [`A32`];
+//!   IQ4_NL's `u` is its table value + 128, [`IQ4NL_U`]);
 //! * Q4_K, Q5_K: `t[j] = sum_{32 j..}(u * qs)` (i32), `s1 = fma(f32(t[j]), f32(sc[j]), s1)`
 //!   for j = 0..8 (f32), `s2 = sum_j mn[j] * sum32[j]` (i32), `acc = fma(s1, d * dx, acc)`,
 //!   `acc = fma(-f32(s2), e * dx, acc)`;
@@ -19,8 +20,8 @@
 //! `f32(t[j]) * sc[j]` (< 2^24), so `s1`'s fused multiply-adds round as plain adds would.
 
 use super::act::{A256, A32};
-use super::blocks::Block;
-use super::packing::PANEL;
+use super::blocks::{Block, IQ4NL_U};
+use super::packing::{factor_streams, PANEL};
 use super::{ActRows, QType};
 
 #[inline]
@@ -34,9 +35,14 @@ fn idot(u: &[u8], q: &[i8]) -> i32 {
 /// `acc` plus block `blk` (of a 32-weight type) times `a`.
 #[inline(always)]
 pub(crate) fn dot_a32(qt: QType, blk: &Block, a: &A32, acc: f32) -> f32 {
-    let s = a.init + idot(&blk.codes[..32], &a.qs);
+    let s = if qt == QType::IQ4_NL {
+        let u: [u8; 32] = std::array::from_fn(|t| IQ4NL_U[usize::from(blk.codes[t] & 0xF)]);
+        a.init + idot(&u, &a.qs)
+    } else {
+        a.init + idot(&blk.codes[..32], &a.qs)
+    };
     let mut acc = (s as f32).mul_add(blk.d * a.d, acc);
-    if qt == QType::Q4_1 {
+    if factor_streams(qt).1.is_some() {
         acc = blk.e.mul_add(a.sd, acc);
     }
     acc
@@ -113,6 +119,18 @@ fn quad_codes(qt: QType, panel: &[u8], st: &[usize; 6], b: usize, q: usize) -> [
                 *c |= ((h >> (q % 8)) & 1) << 4;
             }
         }
+        QType::Q5_0 | QType::Q5_1 => {
+            // bit q of the block's fifth-bit row
+            let h = row(st[1] + 64 * b);
+            for (c, h) in c.iter_mut().zip(h) {
+                *c |= ((h >> q) & 1) << 4;
+            }
+        }
+        QType::IQ4_NL => {
+            for c in c.iter_mut() {
+                *c = IQ4NL_U[usize::from(*c)];
+            }
+        }
         QType::Q6_K => {
             // sub-block j = q / 4, bits 2 (q % 4) of its bit-pair row
             let h = row(st[1] + 1024 * b + 64 * (q / 4));
@@ -157,8 +175,9 @@ fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [
         }
         match acts {
             ActRows::A32(a) => {
-                let d = halves(&panel[st[1] + 32 * b..][..32]);
-                let m = (qt == QType::Q4_1).then(|| halves(&panel[st[2] + 32 * b..][..32]));
+                let (ds, ms) = factor_streams(qt);
+                let d = halves(&panel[st[ds] + 32 * b..][..32]);
+                let m = ms.map(|ms| halves(&panel[st[ms] + 32 * b..][..32]));
                 for (i, o) in out.iter_mut().enumerate().take(rows) {
                     let a = &a[i * nb + b];
                     let mut s = [a.init; PANEL];

@@ -3,7 +3,7 @@
 //! GGUF-row `vec_dot`, portable and VNNI panels) equal bit for bit and within a stated bound
 //! of the f64 product of the dequantized weights.
 
-use super::blocks::{decode, Block};
+use super::blocks::{decode, Block, IQ4NL};
 use super::packing::{decode_panel, panel_block_bytes, streams};
 use super::*;
 use crate::isa::Isa;
@@ -59,8 +59,8 @@ pub(super) fn random_rows(qt: QType, n: usize, k: usize, seed: u64) -> Vec<u8> {
         let d = rng.sign() * rng.uniform(1e-3, 5e-2);
         let e = rng.uniform(0.0, 5e-2);
         match qt {
-            QType::Q8_0 | QType::Q4_0 => put_half(b, 0, d),
-            QType::Q4_1 => {
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => put_half(b, 0, d),
+            QType::Q4_1 | QType::Q5_1 => {
                 put_half(b, 0, d);
                 put_half(b, 2, -e);
             }
@@ -130,6 +130,33 @@ fn direct(qt: QType, b: &[u8]) -> Vec<f64> {
                         q |= ((b[16 + t % 32] >> (t / 32)) & 1) << 4;
                     }
                     h(0) * sc * f64::from(q) - h(2) * m
+                })
+                .collect()
+        }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            // d, [m], [qh: u32, bit t the fifth bit of weight t], qs (weight t: nibble
+            // t % 16 of byte t % 16, low for t < 16)
+            let (qh, qs, m) = match qt {
+                QType::Q5_0 => (Some(&b[2..6]), &b[6..22], 0.0),
+                QType::Q5_1 => (Some(&b[4..8]), &b[8..24], h(2)),
+                _ => (None, &b[2..18], 0.0),
+            };
+            (0..32)
+                .map(|t| {
+                    let lo = if t < 16 { qs[t] & 0xF } else { qs[t - 16] >> 4 };
+                    let hi = qh.map_or(0, |qh| (qh[t / 8] >> (t % 8)) & 1);
+                    let q = f64::from(lo | (hi << 4));
+                    match qt {
+                        QType::Q5_0 => h(0) * (q - 16.0),
+                        QType::Q5_1 => h(0) * q + m,
+                        _ => {
+                            const KV: [f64; 16] = [
+                                -127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0,
+                                13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0,
+                            ];
+                            h(0) * KV[usize::from(lo)]
+                        }
+                    }
                 })
                 .collect()
         }
@@ -245,7 +272,9 @@ fn reference(
                 match qt {
                     QType::Q8_0 => d * (u - 128.0).abs(),
                     QType::Q4_0 => d * (u - 8.0).abs(),
-                    QType::Q4_1 => d * u + e,
+                    QType::Q4_1 | QType::Q5_1 => d * u + e,
+                    QType::Q5_0 => d * (u - 16.0).abs(),
+                    QType::IQ4_NL => d * f64::from(IQ4NL[usize::from(blk.codes[t])]).abs(),
                     QType::Q4_K | QType::Q5_K => {
                         d * f64::from(blk.sc[t / 32]) * u + e * f64::from(blk.mn[t / 32])
                     }
@@ -371,8 +400,8 @@ fn constant_rows(qt: QType, n: usize, k: usize, byte: u8) -> Vec<u8> {
     let mut rows = random_rows(qt, n, k, u64::from(byte));
     let bb = qt.block_bytes();
     let factors: &[usize] = match qt {
-        QType::Q8_0 | QType::Q4_0 => &[0],
-        QType::Q4_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => &[0],
+        QType::Q4_1 | QType::Q4_K | QType::Q5_K | QType::Q5_1 => &[0, 2],
         QType::Q6_K => &[208],
     };
     for b in rows.chunks_exact_mut(bb) {
@@ -643,7 +672,7 @@ fn zero_sizes() {
 }
 
 fn qtype_strategy() -> impl Strategy<Value = QType> {
-    (0usize..6).prop_map(|i| QType::ALL[i])
+    (0usize..QType::ALL.len()).prop_map(|i| QType::ALL[i])
 }
 
 proptest! {

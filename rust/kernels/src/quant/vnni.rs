@@ -6,17 +6,19 @@
 //! multiply-adds in the same order, so both paths give the same bits.
 //!
 //! Code vectors from the packed streams ([`super::packing`]): 8-bit codes are loaded as
-//! they are; a row of nibbles gives two quads (`v & 0xF`, `(v >> 4) & 0xF`); Q5_K's fifth
-//! bits and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits that cross a
-//! byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`). Sub-block scales
-//! are widened to f32 lanes once a panel block, for one exact fused multiply-add a
+//! they are; a row of nibbles gives two quads (`v & 0xF`, `(v >> 4) & 0xF`); the fifth bits
+//! (Q5_K, Q5_0, Q5_1) and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits
+//! that cross a byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`);
+//! IQ4_NL's indices become codes (value + 128) with one `vpshufb` from its table. Sub-block
+//! scales are widened to f32 lanes once a panel block, for one exact fused multiply-add a
 //! sub-block and row (`vpmulld` + `vpaddd` cost one more instruction, on one port); the
 //! K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
 
 use std::arch::x86_64::*;
 
 use super::act::{A256, A32};
-use super::packing::{panel_block_bytes, stream_starts, PANEL};
+use super::blocks::IQ4NL_U;
+use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
 use crate::asm::dpwssd;
 
@@ -36,6 +38,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q4_K => panel::<3>,
         QType::Q5_K => panel::<4>,
         QType::Q6_K => panel::<5>,
+        QType::Q5_0 => panel::<6>,
+        QType::Q5_1 => panel::<7>,
+        QType::IQ4_NL => panel::<8>,
     }
 }
 
@@ -86,13 +91,19 @@ fn panel<const T: u8>(
         };
     }
     match (qt, acts) {
-        (QType::Q8_0 | QType::Q4_0 | QType::Q4_1, ActRows::A32(a)) => {
+        (
+            QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL,
+            ActRows::A32(a),
+        ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
             let a = a.as_ptr();
             match qt {
                 QType::Q8_0 => rows!(blocks32, a, 0),
                 QType::Q4_0 => rows!(blocks32, a, 1),
-                _ => rows!(blocks32, a, 2),
+                QType::Q4_1 => rows!(blocks32, a, 2),
+                QType::Q5_0 => rows!(blocks32, a, 3),
+                QType::Q5_1 => rows!(blocks32, a, 4),
+                _ => rows!(blocks32, a, 5),
             }
         }
         (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => {
@@ -205,7 +216,7 @@ unsafe fn store<const R: usize>(out: *mut [f32; PANEL], acc: &[__m512; R]) {
     }
 }
 
-/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1), `R` rows.
+/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 IQ4_NL), `R` rows.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb` blocks of the
@@ -219,13 +230,25 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     out: *mut [f32; PANEL],
     pf: Fetch,
 ) {
-    let qt = [QType::Q8_0, QType::Q4_0, QType::Q4_1][K as usize];
+    let qt = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::IQ4_NL,
+    ][K as usize];
     let st = stream_starts(qt, nb);
+    let (ds, ms) = factor_streams(qt);
     let code_bytes = if K == 0 { 512 } else { 256 };
+    let five = K == 3 || K == 4;
     // one or two rows: two chains of `vpdpbusd` a row (their latency, not their rate,
     // bounds a single chain)
     let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
+    // IQ4_NL's codes (value + 128) by index, in each 128-bit lane for `vpshufb`
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_U.as_ptr().cast()));
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         pf.part(b);
@@ -248,10 +271,25 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                 }
             }
         } else {
+            // fifth bits (Q5_0, Q5_1): bit v of a byte for quad v
+            let mut h = if five {
+                load(w.add(st[1] + 64 * b))
+            } else {
+                _mm512_setzero_si512()
+            };
             for p in 0..4 {
                 let v = load(codes.add(64 * p));
-                let lo = _mm512_and_si512(v, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                let mut lo = _mm512_and_si512(v, m4);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                if five {
+                    // quads 2 p and 2 p + 1: bits 0 and 1 of h (shifted down 2 p so far)
+                    lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
+                    hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
+                    h = _mm512_srli_epi16::<2>(h);
+                } else if K == 5 {
+                    lo = _mm512_shuffle_epi8(table, lo);
+                    hi = _mm512_shuffle_epi8(table, hi);
+                }
                 for i in 0..R {
                     let qs = (*ab[i]).qs.as_ptr().add(8 * p);
                     s[i] = _mm512_dpbusd_epi32(s[i], lo, quad(qs));
@@ -263,7 +301,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                 }
             }
         }
-        let d = halves(w.add(st[1] + 32 * b));
+        let d = halves(w.add(st[ds] + 32 * b));
         for i in 0..R {
             let si = if split {
                 _mm512_add_epi32(s[i], s_odd[i])
@@ -272,8 +310,8 @@ unsafe fn blocks32<const R: usize, const K: u8>(
             };
             acc[i] = scaled(acc[i], _mm512_cvtepi32_ps(si), d, (*ab[i]).d);
         }
-        if K == 2 {
-            let m = halves(w.add(st[2] + 32 * b));
+        if let Some(ms) = ms {
+            let m = halves(w.add(st[ms] + 32 * b));
             for i in 0..R {
                 acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps((*ab[i]).sd), acc[i]);
             }

@@ -15,7 +15,7 @@
 //!
 //! | types | lines |
 //! |---|---|
-//! | Q8_0, Q4_0, Q4_1 | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1) |
+//! | Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1, Q5_1) |
 //! | Q4_K, Q5_K | codes 64, sc 8 (f32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
 //! | Q6_K | codes 64, sc 16 (f32), d 1 |
 
@@ -23,7 +23,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::act::{A256, A32};
-use super::packing::{panel_block_bytes, stream_starts, streams, PANEL};
+use super::blocks::IQ4NL_U;
+use super::packing::{factor_streams, panel_block_bytes, stream_starts, streams, PANEL};
 use super::{ActRows, QType};
 use crate::asm::dpwssd;
 
@@ -54,7 +55,7 @@ struct Layout {
     sc: usize,
     /// d
     d: usize,
-    /// Q4_1's m, the K-types' dmin
+    /// Q4_1's and Q5_1's m, the K-types' dmin
     e: usize,
     /// Q4_K / Q5_K's mins
     mins: usize,
@@ -62,13 +63,15 @@ struct Layout {
 
 fn layout(qt: QType) -> Layout {
     match qt {
-        QType::Q8_0 | QType::Q4_0 | QType::Q4_1 => Layout {
-            lines: 10,
-            sc: 8,
-            d: 8,
-            e: 9,
-            mins: 10,
-        },
+        QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            Layout {
+                lines: 10,
+                sc: 8,
+                d: 8,
+                e: 9,
+                mins: 10,
+            }
+        }
         QType::Q4_K | QType::Q5_K => Layout {
             lines: 78,
             sc: 64,
@@ -418,8 +421,10 @@ unsafe fn tile_dispatch(
         "a tile's shape"
     );
     match (qt, acts) {
-        (QType::Q4_1, ActRows::A32(a)) => go!(tile32, a, true),
-        (QType::Q8_0 | QType::Q4_0, ActRows::A32(a)) => go!(tile32, a, false),
+        (QType::Q4_1 | QType::Q5_1, ActRows::A32(a)) => go!(tile32, a, true),
+        (QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL, ActRows::A32(a)) => {
+            go!(tile32, a, false)
+        }
         (QType::Q6_K, ActRows::A256(a)) => go!(tile_k, a, true),
         (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => go!(tile_k, a, false),
         _ => panic!("{}: wrong activation format", qt.name()),
@@ -481,7 +486,7 @@ unsafe fn dot_quads<const R: usize, const P: usize>(
     }
 }
 
-/// The 32-weight types (`Q41`: Q4_1's `m` term), `R` rows, `P` panels.
+/// The 32-weight types (`Q41`: Q4_1's or Q5_1's `m` term), `R` rows, `P` panels.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `P` panels' `t.cb` unpacked blocks of a
@@ -637,6 +642,34 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
             put_ps(lay.d, halves(w.add(st[1] + 32 * b)));
             if qt == QType::Q4_1 {
                 put_ps(lay.e, halves(w.add(st[2] + 32 * b)));
+            }
+        }
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+            let (ds, ms) = factor_streams(qt);
+            let bit4 = _mm512_set1_epi8(0x10);
+            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_U.as_ptr().cast()));
+            // fifth bits (Q5_0, Q5_1): bit v of a byte for quad v
+            let mut h = if qt == QType::IQ4_NL {
+                _mm512_setzero_si512()
+            } else {
+                ld(w.add(st[1] + 64 * b))
+            };
+            for p in 0..4 {
+                let (mut lo, mut hi) = lo_hi(ld(w.add(st[0] + 256 * b + 64 * p)));
+                if qt == QType::IQ4_NL {
+                    lo = _mm512_shuffle_epi8(table, lo);
+                    hi = _mm512_shuffle_epi8(table, hi);
+                } else {
+                    lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
+                    hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
+                    h = _mm512_srli_epi16::<2>(h);
+                }
+                put(2 * p, lo);
+                put(2 * p + 1, hi);
+            }
+            put_ps(lay.d, halves(w.add(st[ds] + 32 * b)));
+            if let Some(ms) = ms {
+                put_ps(lay.e, halves(w.add(st[ms] + 32 * b)));
             }
         }
         QType::Q4_K | QType::Q5_K => {
