@@ -20,9 +20,10 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
-         "q5_k": (256, 176), "q6_k": (256, 210)}
+         "q5_k": (256, 176), "q6_k": (256, 210), "q5_0": (32, 22), "q5_1": (32, 24),
+         "iq4_nl": (32, 18)}
 GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
-        "q6_k": G.Q6_K}
+        "q6_k": G.Q6_K, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL}
 BACKENDS = [b for b in ("portable", "avx2", "avx512vnni") if _core.quant_backend_available(b)]
 
 
@@ -34,9 +35,9 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     d = (rng.choice([-1.0, 1.0], size=(n, k // block)) *
          rng.uniform(1e-3, 5e-2, size=(n, k // block))).astype(np.float16)
     e = rng.uniform(0, 5e-2, size=(n, k // block)).astype(np.float16)
-    if qtype in ("q8_0", "q4_0"):
+    if qtype in ("q8_0", "q4_0", "q5_0", "iq4_nl"):
         b[..., 0:2] = d[..., None].view(np.uint8)
-    elif qtype == "q4_1":
+    elif qtype in ("q4_1", "q5_1"):
         b[..., 0:2] = d[..., None].view(np.uint8)
         b[..., 2:4] = (-e)[..., None].view(np.uint8)
     elif qtype in ("q4_k", "q5_k"):
@@ -77,7 +78,7 @@ def test_dequantize_is_gguf_bit_for_bit(qtype, n, blocks):
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_dequantize_of_gguf_quantized_rows(qtype):
     w = np.random.default_rng(1).standard_normal((40, 128)).astype(np.float32)
     b = gguf_quantize(w, GGML[qtype])
@@ -119,7 +120,7 @@ def test_each_simd_backend_is_the_portable_bits(isa):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), qtype
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_gguf_quantized_float_weights(qtype):
     """Quantize-on-load: a float weight through gguf's quantizer, then `linear`, is close to
     the float product (the weights' own quantization dominates)."""
@@ -130,7 +131,7 @@ def test_gguf_quantized_float_weights(qtype):
     got = quant_ops.linear(x, weight).numpy()
     want = x.numpy() @ w.T
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < {"q8_0": 0.02, "q4_0": 0.15, "q4_1": 0.15}[qtype], rel
+    assert rel < {"q8_0": 0.02, "q4_0": 0.15, "q4_1": 0.15, "q5_0": 0.08, "q5_1": 0.08}[qtype], rel
 
 
 def test_a_row_does_not_depend_on_its_batch_nor_the_threads():
@@ -210,7 +211,7 @@ def test_out_is_untouched_on_error():
     assert (out == 7).all()
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl"])
 def test_a_tensor_read_from_a_gguf_file(qtype, tmp_path):
     """What `gguf.GGUFReader` gives (uint8 rows [n, bytes], shape [k, n], the type) packs
     as it is, and `linear` is the product of the dequantized tensor."""

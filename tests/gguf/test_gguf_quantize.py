@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
     return d, model
 
 
-@pytest.mark.parametrize("name", ["q8_0", "Q4_0", "q4_1"])
+@pytest.mark.parametrize("name", ["q8_0", "Q4_0", "q4_1", "q5_0", "Q5_1"])
 def test_values_are_gguf_quantized(checkpoint, name: str) -> None:
     path, source = checkpoint
     model, _ = load_model(path, quantization=name)
@@ -135,6 +135,9 @@ def test_refusals(checkpoint, monkeypatch) -> None:
             with pytest.raises(FieldError, match="K-type quantizer") as err:
                 load_model(path, quantization=bad)
             assert err.value.field == "quantization"
+    with pytest.raises(FieldError, match="iq4_nl has no quantizer") as err:
+        load_model(path, quantization="iq4_nl")
+    assert err.value.field == "quantization"
     with pytest.raises(FieldError, match="one of") as err:
         load_model(path, quantization="int4")
     assert err.value.field == "quantization"
@@ -170,7 +173,7 @@ def test_kernel_quantizer_used_for_k_types(checkpoint, monkeypatch) -> None:
 def test_cli_flag() -> None:
     from ferrobatch.cli.flags import build_parser
 
-    for name in ("q8_0", "q4_k", "q5_k", "q6_k"):
+    for name in ("q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
         args = build_parser().parse_args(["generate", "some/dir", "--quantization", name,
                                           "--prompt", "x"])
         assert args.quantization == name

@@ -180,9 +180,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantization",
         default=None,
-        choices=("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"),
+        choices=("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"),
         help="Quantize a float checkpoint's linear layers on load (CPU; weights kept "
-        "quantized, products on ferrobatch.gguf's QuantLinear). q8_0/q4_0/q4_1 use gguf's "
+        "quantized, products on ferrobatch.gguf's QuantLinear). q8_0/q4_0/q4_1/q5_0/q5_1 use "
+        "gguf's "
         "quantizers, q4_k/q5_k/q6_k the kernels' (layers whose input width is not a "
         "multiple of 256 stay float). Not for GGUF files (already quantized). Default: none.",
     )

@@ -89,9 +89,9 @@ class Engine(ModelProbes):
     for the matrix units, with fp32 activations between them (`ferrobatch.runner.cpu_linear`).
 
     A GGUF file (or a directory holding exactly one) loads with its matrices kept
-    quantized (`ferrobatch.gguf`); `quantization` ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
-    "q6_k"; a checkpoint path or the bundled model, CPU) quantizes a float checkpoint's
-    linears on load.
+    quantized (`ferrobatch.gguf`); `quantization` ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+    "q4_k", "q5_k", "q6_k"; a checkpoint path or the bundled model, CPU) quantizes a float
+    checkpoint's linears on load.
 
     `tensor_parallel_size` (a checkpoint path, a GGUF file or the bundled model): shard the
     model over that many ranks with its transformers tensor-parallel plan (quantized

@@ -2,11 +2,12 @@
 
 Every `nn.Linear` (output head included) and the input `nn.Embedding` whose input width is
 whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantized with
-`gguf.quants.quantize` (Q8_0, Q4_0, Q4_1: llama.cpp's reference quantizers); tied weights
-share one `QuantWeight`. The K-types (Q4_K, Q5_K, Q6_K), which gguf-py cannot make, come
-from the kernels' quantizer (`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] -> uint8
-[n, row bytes]; refused when the kernels lack it). A layer whose input width is not whole
-blocks (256 weights for the K-types) keeps its float weight, and the log says which.
+`gguf.quants.quantize` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: llama.cpp's reference quantizers);
+tied weights share one `QuantWeight`. IQ4_NL, which neither makes, is refused. The K-types
+(Q4_K, Q5_K, Q6_K), which gguf-py cannot make, come from the kernels' quantizer
+(`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] -> uint8 [n, row bytes]; refused when the
+kernels lack it). A layer whose input width is not whole blocks (256 weights for the
+K-types) keeps its float weight, and the log says which.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["GGUF_PY_QUANTIZERS", "check_device", "check_name", "quantize_model",
 logger = logging.getLogger("ferrobatch")
 
 #: the types gguf-py quantizes
-GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def _kernel_quantizer(qtype: str) -> Any:
@@ -50,6 +51,11 @@ def check_name(name: Any) -> str:
     if qtype not in QUANT_TYPES:
         raise FieldError(f"quantization must be one of "
                          f"{', '.join(q.lower() for q in QUANT_TYPES)} or None, not {name!r}",
+                         "quantization")
+    if qtype not in GGUF_PY_QUANTIZERS and block_shape(qtype)[0] < 256:
+        raise FieldError(f"quantization {qtype.lower()} has no quantizer here (a type GGUF "
+                         "files hold, loaded as they are): use "
+                         f"{', '.join(q.lower() for q in GGUF_PY_QUANTIZERS)} or a K-type",
                          "quantization")
     if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer(qtype) is None:
         raise FieldError(
