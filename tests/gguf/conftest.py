@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from ferrobatch.gguf import modules
-from gguf_files import Written, tiny_model, write_gguf
+from gguf_files import LLAMA_CPP_FALLBACK, Written, k_m_types, tiny_model, write_gguf
 
 torch.set_num_threads(1)
 
@@ -47,5 +47,26 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[W
             made[key] = (write_gguf(d / f"tiny-{arch}-{qtype.lower()}.gguf", model, arch, qtype,
                                     **kw), model)
         return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def k_m_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Written, object]]:
+    """`k_m_file(arch, base)` -> (file, source model): a llama.cpp `Q4_K_M` (`base` Q4_K) or
+    `Q5_K_M` (Q5_K) mix of a model whose hidden width (224) is not whole 256-weight blocks,
+    so that every matrix reading the hidden state falls back as llama.cpp's quantizer does
+    (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) and the down projections (input 512) keep
+    theirs. Written once per session per arguments."""
+    made: dict[tuple[str, str], tuple[Written, object]] = {}
+
+    def make(arch: str, base: str = "Q4_K") -> tuple[Written, object]:
+        if (arch, base) not in made:
+            d = Path(tmp_path_factory.mktemp(f"{arch}-{base}-m"))
+            model = tiny_model(arch, hidden_size=224)
+            written = write_gguf(d / f"tiny-{arch}-{base.lower()}-m.gguf", model, arch, base,
+                                 types=k_m_types(model.config), fallback=LLAMA_CPP_FALLBACK)
+            made[arch, base] = (written, model)
+        return made[arch, base]
 
     return make

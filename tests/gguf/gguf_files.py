@@ -4,8 +4,11 @@ random transformers models, with every matrix of a chosen type.
 `write_gguf` returns the file and the *reference* weights: for every parameter of the
 source model, exactly the values the file holds (dequantized with `gguf.quants`, back in the
 transformers layout), so `reference_model` (the source model with those weights, fp32) is
-the oracle "gguf.quants.dequantize + fp32 forward". gguf-py quantizes Q8_0 / Q4_0 / Q4_1;
-K-type matrices are random blocks with small fp16 scales.
+the oracle "gguf.quants.dequantize + fp32 forward". gguf-py quantizes Q8_0 / Q4_0 / Q4_1 /
+Q5_0 / Q5_1; IQ4_NL matrices are quantized here (nearest table value, `quantize_iq4_nl`);
+K-type matrices are random blocks with small fp16 scales. `k_m_types` names the tensors a
+llama.cpp `Q4_K_M` / `Q5_K_M` file gives more bits, and `LLAMA_CPP_FALLBACK` the types its
+quantizer falls back to for rows that are not whole 256-weight blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL")
+#: llama.cpp's type for a matrix whose rows are not whole blocks of the type it asked for
+#: (`llama_tensor_get_type`'s fallback; any other type: Q8_0 here)
+LLAMA_CPP_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "IQ4_NL",
+                      "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
 
 # config of the tiny models: widths that are whole K-type blocks (256)
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -93,6 +100,31 @@ def _random_k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np
     return blocks.reshape(n, k // block * size)
 
 
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """Float rows [n, k] as IQ4_NL blocks: per 32 weights `d` = the value of largest
+    magnitude / -127 (fp16), each weight the table index nearest `w / d`."""
+    n, k = x.shape
+    values = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    b = x.reshape(n, k // 32, 32).astype(np.float32)
+    big = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
+    d = (big / -127).astype(np.float16)
+    inv = np.where(d == 0, 0, 1 / np.where(d == 0, 1, d.astype(np.float32)))
+    idx = np.abs((b * inv)[..., None] - values).argmin(-1).astype(np.uint8)
+    qs = idx[..., :16] | (idx[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], -1).reshape(n, -1)
+
+
+def k_m_types(config: Any, base: str = "Q4_K") -> dict[str, str]:
+    """The types llama.cpp's `Q4_K_M` (`base` Q4_K) or `Q5_K_M` (Q5_K) gives the GGUF
+    tensors that get more bits: the output head, and attn_v / ffn_down of every other layer
+    Q6_K (its `use_more_bits` in a small model); the rest are `base`."""
+    types = {"output.weight": "Q6_K"}
+    for i in range(0, config.num_hidden_layers, 2):
+        types[f"blk.{i}.attn_v.weight"] = "Q6_K"
+        types[f"blk.{i}.ffn_down.weight"] = "Q6_K"
+    return types
+
+
 @dataclass
 class Written:
     path: Path
@@ -106,13 +138,16 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
                types: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None,
                extra_metadata: dict[str, Any] | None = None,
                metadata: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
-               extra_tensors: dict[str, np.ndarray] | None = None) -> Written:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               fallback: dict[str, str] | None = None) -> Written:
     """Write `model` as llama.cpp would (GGUF architecture `arch`: "mistral" is written as
     "llama" named "mistral", as transformers recognises it). Matrices of `qtype` (the token
     embedding `embed_qtype`, the output head `output_qtype`, any GGUF tensor named in `types`
     its own), vectors F32. `metadata` replaces the config's values of the standard keys
     (`feed_forward_length`, ...: a file whose metadata and tensors disagree); `drop` leaves
-    GGUF tensors out, `extra_tensors` adds F32 ones."""
+    GGUF tensors out, `extra_tensors` adds F32 ones. A matrix whose rows are not whole blocks
+    of its type is written as `fallback[type]` (`LLAMA_CPP_FALLBACK`: as llama.cpp), else
+    Q8_0."""
     lie = metadata or {}
     rng = np.random.default_rng(seed)
     cfg = model.config
@@ -195,7 +230,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         t = t or "F32"
         if t not in ("F32", "F16", "BF16") and \
                 x.shape[1] % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]:
-            t = "Q8_0"  # llama.cpp's fallback too, for rows that are not whole K-blocks
+            t = (fallback or {}).get(t, "Q8_0")  # rows that are not whole blocks
         gtype = GGMLQuantizationType[t]
         if t == "F32":
             data, values = x.astype(np.float32), x.astype(np.float32)
@@ -211,7 +246,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             w.add_tensor(gname, data, raw_dtype=gtype)
         else:
             n, k = x.shape
-            data = _random_k_blocks(t, n, k, rng) if t in K_TYPES else quantize(x, gtype)
+            data = _random_k_blocks(t, n, k, rng) if t in K_TYPES else \
+                quantize_iq4_nl(x) if t == "IQ4_NL" else quantize(x, gtype)
             values = dequantize(data, gtype).reshape(n, k)
             w.add_tensor(gname, data, raw_dtype=gtype)
         if perm is not None:

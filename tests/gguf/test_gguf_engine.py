@@ -14,6 +14,7 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
 from ferrobatch.runner import lean_layers, quant_linears
+from gguf_files import reference_model
 
 CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16)
 PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
@@ -38,6 +39,7 @@ LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 @pytest.mark.parametrize(("arch", "qtype"), [
     ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q4_0"), ("mistral", "Q8_0"),
     ("gemma2", "Q5_K"), ("gemma3", "Q4_1"), ("phi3", "Q4_K"), ("gpt2", "Q6_K"),
+    ("qwen3", "Q5_0"), ("llama", "IQ4_NL"), ("gemma3", "Q5_1"),
 ])
 def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     written, _ = gguf_file(arch, qtype)
@@ -51,6 +53,37 @@ def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
         assert (acts.lean is not None) == lean and (acts.quant is not None) == lean
         assert engine.runner.head.greedy is None and not engine.runner.fast_greedy
         _check_parity(engine)
+
+
+@pytest.mark.parametrize(("arch", "base"), [("qwen2", "Q4_K"), ("llama", "Q5_K")])
+def test_k_m_mix_greedy_equals_the_dequantized_reference(k_m_file, arch: str,
+                                                         base: str) -> None:
+    """A Q4_K_M / Q5_K_M file whose hidden width is not whole 256-weight blocks (K-types,
+    Q5_0 / Q5_1 and Q8_0 fallbacks): the engine runs it lean over the quantized products and
+    its greedy tokens are those of the fp32 model of the file's dequantized values."""
+    written, source = k_m_file(arch, base)
+    reference = reference_model(source, written)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        acts = engine.runner.activations
+        assert acts.linears is None and acts.lean is not None and acts.quant is not None
+        outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), progress=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == _own_greedy(reference, prompt, 10), prompt
+
+
+@pytest.mark.kernel_products
+def test_k_m_mix_on_the_kernels_is_batch_independent(k_m_file) -> None:
+    """The same mix on the quantized kernels: each request's tokens alone and batched are
+    the same, its first token the model's own greedy token on those kernels."""
+    written, _ = k_m_file("qwen2", "Q4_K")
+    params = SamplingParams(max_new_tokens=8)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        assert modules.kernel_ops() is not None
+        together = engine.generate(PROMPTS, params, progress=False)
+        for prompt, out in zip(PROMPTS, together, strict=True):
+            alone = engine.generate([prompt], params, progress=False)[0]
+            assert out.token_ids == alone.token_ids, prompt
+            assert out.token_ids[0] == _own_greedy(engine.model, prompt, 1)[0], prompt
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
@@ -156,7 +189,8 @@ def test_cli_generate(gguf_file, capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.kernel_products
 @pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_K"), ("qwen2", "Q6_K"),
-                                             ("qwen3", "Q8_0")])
+                                             ("qwen3", "Q8_0"), ("qwen2", "IQ4_NL"),
+                                             ("llama", "Q5_1")])
 def test_kernel_products_are_batch_independent(gguf_file, arch: str, qtype: str) -> None:
     """On the quantized kernels every request's tokens are the same alone and batched
     (each row's products depend on that row only), and its first token is the model's own

@@ -11,7 +11,7 @@ import torch
 from ferrobatch.gguf import loader
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
-from gguf_files import CHAT_TEMPLATE, QTYPES, reference_model
+from gguf_files import CHAT_TEMPLATE, LLAMA_CPP_FALLBACK, QTYPES, reference_model
 
 IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
 
@@ -63,6 +63,25 @@ def test_logits_equal_transformers_gguf_loader(gguf_file, arch: str, qtype: str)
                                                   dtype=torch.float32).eval()
     model, _ = load_gguf(written.path)
     torch.testing.assert_close(_logits(model), _logits(theirs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "base"), [("qwen2", "Q4_K"), ("llama", "Q5_K"),
+                                            ("gemma3", "Q4_K")])
+def test_k_m_mix_of_a_width_not_whole_k_blocks(k_m_file, arch: str, base: str) -> None:
+    """A Q4_K_M / Q5_K_M file of a model whose hidden width is not whole 256-weight blocks
+    (as Qwen2.5-0.5B's 896): its Q5_0 / Q5_1 / Q8_0 fallbacks stay quantized next to the
+    K-types, and the logits equal the oracle."""
+    written, source = k_m_file(arch, base)
+    fallback = LLAMA_CPP_FALLBACK[base]
+    assert set(written.types.values()) == {base, "Q6_K", fallback, "Q8_0", "F32"}
+    assert written.types["blk.0.attn_q.weight"] == fallback
+    model, _ = load_gguf(written.path)
+    torch.testing.assert_close(_logits(model), _logits(reference_model(source, written)),
+                               rtol=1e-5, atol=1e-5)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+    assert {m.qtype for m in quant} == {base, "Q6_K", fallback, "Q8_0"}
+    assert model.get_input_embeddings().qtype == fallback
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
 
 
 def test_tied_head_shares_the_embedding(gguf_file) -> None:
