@@ -7,6 +7,9 @@ tiny GGUF files and a float checkpoint quantized on load, each rank holding its 
   the model's own layers (the all-reduce sits in both);
 * Q4_K Llama whose MLP width (768 = 3 blocks of 256) splits unevenly (2 and 1 blocks), on
   the kernels: equal to one rank's output on the same file;
+* a Q4_K_M-like Llama of hidden width 224 and MLP width 608 (neither whole 256-weight
+  blocks: llama.cpp's Q5_0 / Q8_0 fallbacks), its down projections split in 32-weight
+  blocks (10 and 9), on the kernels: equal to one rank's output;
 * a float Qwen2 checkpoint quantized to Q8_0 on load (each rank quantizes its share):
   equal to one rank's output with the same quantization.
 
@@ -29,7 +32,13 @@ from ferrobatch.gguf import modules
 from ferrobatch.gguf.loader import load_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gguf"))
-from gguf_files import reference_model, tiny_model, write_gguf  # noqa: E402
+from gguf_files import (  # noqa: E402
+    LLAMA_CPP_FALLBACK,
+    k_m_types,
+    reference_model,
+    tiny_model,
+    write_gguf,
+)
 
 torch.set_num_threads(1)
 
@@ -97,6 +106,20 @@ def test_k_type_uneven_mlp_equals_one_rank(tmp_path: Path) -> None:
     assert held.quantized_bytes < 0.75 * whole.quantized_bytes  # (embeddings replicated)
     assert held.mapped_bytes > 0  # column-parallel rows: views of the file
     assert _tokens(path, 2) == _tokens(path, 1)
+
+
+def test_fallback_types_split_in_32_weight_blocks(tmp_path: Path) -> None:
+    source = tiny_model("llama", hidden_size=224, head_dim=128, intermediate_size=608)
+    written = write_gguf(tmp_path / "llama-q4_k_m.gguf", source, "llama", "Q4_K",
+                         types=k_m_types(source.config), fallback=LLAMA_CPP_FALLBACK)
+    assert written.types["blk.1.ffn_down.weight"] == "Q5_0"
+    assert written.types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert written.types["blk.1.attn_output.weight"] == "Q4_K"
+    model, _ = load_gguf(written.path)
+    splits = [quant_shard.plan_split(model, r, 2) for r in (0, 1)]
+    down = "model.layers.1.mlp.down_proj"
+    assert [s.ranges[down] for s in splits] == [("row", (0, 320)), ("row", (320, 608))]
+    assert _tokens(written.path, 2) == _tokens(written.path, 1)
 
 
 def test_quantize_on_load_equals_one_rank(tmp_path: Path) -> None:
