@@ -272,7 +272,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
             }
         } else {
             // fifth bits (Q5_0, Q5_1): bit v of a byte for quad v
-            let mut h = if five {
+            let h = if five {
                 load(w.add(st[1] + 64 * b))
             } else {
                 _mm512_setzero_si512()
@@ -282,10 +282,13 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                 let mut lo = _mm512_and_si512(v, m4);
                 let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
                 if five {
-                    // quads 2 p and 2 p + 1: bits 0 and 1 of h (shifted down 2 p so far)
-                    lo = or_and(lo, _mm512_slli_epi16::<4>(h), bit4);
-                    hi = or_and(hi, _mm512_slli_epi16::<3>(h), bit4);
-                    h = _mm512_srli_epi16::<2>(h);
+                    // quads 2 p and 2 p + 1: 16 added where bit 2 p / 2 p + 1 of h is set
+                    // (a byte test into a mask and a masked add: no shift competes with
+                    // `vpdpbusd` for its port)
+                    let k_lo = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << (2 * p)));
+                    let k_hi = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << (2 * p + 1)));
+                    lo = _mm512_mask_add_epi8(lo, k_lo, lo, bit4);
+                    hi = _mm512_mask_add_epi8(hi, k_hi, hi, bit4);
                 } else if K == 5 {
                     lo = _mm512_shuffle_epi8(table, lo);
                     hi = _mm512_shuffle_epi8(table, hi);
