@@ -14,13 +14,15 @@ from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, dequantize_referen
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, backend, quant_linear
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from gguf_files import _random_k_blocks
+from gguf_files import _random_k_blocks, quantize_iq4_nl
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantWeight:
     rng = np.random.default_rng(seed)
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         data = _random_k_blocks(qtype, n, k, rng)
+    elif qtype == "IQ4_NL":  # (gguf-py cannot quantize it)
+        data = quantize_iq4_nl(rng.standard_normal((n, k)).astype(np.float32) * 0.1)
     else:
         data = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1,
                         GGMLQuantizationType[qtype])
@@ -78,7 +80,7 @@ def test_quant_embedding_rows(qtype: str) -> None:
 
 def test_quant_weight_checks() -> None:
     with pytest.raises(ValueError, match="qtype"):
-        QuantWeight("Q5_0", 1, 32, torch.zeros(1, 22, dtype=torch.uint8))
+        QuantWeight("TQ2_0", 1, 256, torch.zeros(1, 66, dtype=torch.uint8))
     with pytest.raises(ValueError, match="shape"):
         QuantWeight("Q8_0", 2, 32, torch.zeros(2, 33, dtype=torch.uint8))
     with pytest.raises(ValueError, match="whole blocks"):

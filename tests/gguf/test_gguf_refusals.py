@@ -32,13 +32,13 @@ def _refused(path, match: str, field: str = "model", **kw) -> FieldError:
 
 
 def test_unsupported_tensor_type_named(tmp_path) -> None:
-    """A Q5_0 matrix (a type the kernels do not run) is refused by name and type, though it is
-    the last tensor of the file."""
-    written = write_gguf(tmp_path / "q5.gguf", tiny_model("llama"), "llama", "Q4_K",
-                         types={"blk.1.ffn_down.weight": "Q5_0"})
+    """A TQ2_0 matrix (a type the kernels do not run) is refused by name and type, though it
+    is the last tensor of the file."""
+    written = write_gguf(tmp_path / "tq2.gguf", tiny_model("llama"), "llama", "Q4_K",
+                         types={"blk.1.ffn_down.weight": "TQ2_0"})
     names = list(written.types)
     assert names.index("blk.1.ffn_down.weight") > len(names) // 2
-    _refused(written.path, r"tensor blk\.1\.ffn_down\.weight has type Q5_0")
+    _refused(written.path, r"tensor blk\.1\.ffn_down\.weight has type TQ2_0")
 
 
 def test_unsupported_architecture(tmp_path) -> None:
