@@ -246,7 +246,14 @@ fn non_finite_weights_and_bad_arguments_are_refused_naming_the_field() {
         assert_eq!(e.field(), Some("k"));
         assert!(quantizes(qt));
     }
-    for qt in [QType::Q8_0, QType::Q4_0, QType::Q4_1] {
+    for qt in [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::IQ4_NL,
+    ] {
         assert!(!quantizes(qt));
         let e = quantize(qt, &[0.0; 32], 1, 32, &mut [0u8; 34], 1).unwrap_err();
         assert_eq!(e.field(), Some("qtype"));
