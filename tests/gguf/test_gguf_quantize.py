@@ -135,7 +135,7 @@ def test_refusals(checkpoint, monkeypatch) -> None:
             with pytest.raises(FieldError, match="K-type quantizer") as err:
                 load_model(path, quantization=bad)
             assert err.value.field == "quantization"
-    with pytest.raises(FieldError, match="iq4_nl has no quantizer") as err:
+    with pytest.raises(FieldError, match="iq4_nl") as err:
         load_model(path, quantization="iq4_nl")
     assert err.value.field == "quantization"
     with pytest.raises(FieldError, match="one of") as err:

@@ -16,7 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::act::{A256, A32};
-use super::blocks::IQ4NL;
+use super::blocks::IQ4_VALUES;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
 
@@ -39,9 +39,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q4_K => panel::<3>,
         QType::Q5_K => panel::<4>,
         QType::Q6_K => panel::<5>,
-        QType::Q5_0 => panel::<6>,
-        QType::Q5_1 => panel::<7>,
-        QType::IQ4_NL => panel::<8>,
+        QType::Q5_0 => panel::<{ QType::Q5_0 as u8 }>,
+        QType::Q5_1 => panel::<{ QType::Q5_1 as u8 }>,
+        QType::IQ4_NL => panel::<{ QType::IQ4_NL as u8 }>,
     }
 }
 
@@ -252,7 +252,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     let bit4 = _mm256_set1_epi8(0x10);
     let flip = _mm256_set1_epi8(-128);
     // IQ4_NL's values (int8) by index, in both 128-bit lanes for `vpshufb`
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4NL.as_ptr().cast()));
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr().cast()));
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         pf.part(b);

@@ -11,7 +11,7 @@
 //! | Q6_K | `(d * sc[j]) * (u - 32)`, `j = t / 16`, `sc` signed |
 //! | Q5_0 | `d * (u - 16)` (`u`: 5 bits) |
 //! | Q5_1 | `d * u + e` (`u`: 5 bits, `e` = the fp16 `m`) |
-//! | IQ4_NL | `d * IQ4NL[u]` (`u`: the 4-bit index into [`IQ4NL`]) |
+//! | IQ4_NL | `d * IQ4_VALUES[u]` (`u`: a 4-bit index) |
 //!
 //! computed in f32 in exactly that order by [`dequantize_block`], the order of
 //! `gguf.quants.dequantize` (so the two agree bit for bit).
@@ -46,8 +46,8 @@ impl Block {
     };
 }
 
-/// IQ4_NL's 16 weight values (ggml's `kvalues_iq4nl`), by 4-bit index.
-pub(crate) const IQ4NL: [i8; 16] = [
+/// The values of IQ4_NL's (and IQ4_XS's) 4-bit indices (ggml's `kvalues_iq4nl`).
+pub(crate) const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
@@ -56,7 +56,7 @@ pub(crate) const IQ4NL_U: [u8; 16] = {
     let mut u = [0u8; 16];
     let mut i = 0;
     while i < 16 {
-        u[i] = (IQ4NL[i] as u8) ^ 0x80;
+        u[i] = (IQ4_VALUES[i] as u8) ^ 0x80;
         i += 1;
     }
     u
@@ -203,7 +203,7 @@ pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
         }
         QType::IQ4_NL => {
             for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(IQ4NL[usize::from(u & 0xF)]);
+                *o = d * f32::from(IQ4_VALUES[usize::from(u & 0xF)]);
             }
         }
         QType::Q4_K | QType::Q5_K => {

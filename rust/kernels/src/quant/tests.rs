@@ -3,7 +3,7 @@
 //! GGUF-row `vec_dot`, portable and VNNI panels) equal bit for bit and within a stated bound
 //! of the f64 product of the dequantized weights.
 
-use super::blocks::{decode, Block, IQ4NL};
+use super::blocks::{decode, Block, IQ4_VALUES};
 use super::packing::{decode_panel, panel_block_bytes, streams};
 use super::*;
 use crate::isa::Isa;
@@ -274,7 +274,7 @@ fn reference(
                     QType::Q4_0 => d * (u - 8.0).abs(),
                     QType::Q4_1 | QType::Q5_1 => d * u + e,
                     QType::Q5_0 => d * (u - 16.0).abs(),
-                    QType::IQ4_NL => d * f64::from(IQ4NL[usize::from(blk.codes[t])]).abs(),
+                    QType::IQ4_NL => d * f64::from(IQ4_VALUES[usize::from(blk.codes[t])]).abs(),
                     QType::Q4_K | QType::Q5_K => {
                         d * f64::from(blk.sc[t / 32]) * u + e * f64::from(blk.mn[t / 32])
                     }

@@ -38,9 +38,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q4_K => panel::<3>,
         QType::Q5_K => panel::<4>,
         QType::Q6_K => panel::<5>,
-        QType::Q5_0 => panel::<6>,
-        QType::Q5_1 => panel::<7>,
-        QType::IQ4_NL => panel::<8>,
+        QType::Q5_0 => panel::<{ QType::Q5_0 as u8 }>,
+        QType::Q5_1 => panel::<{ QType::Q5_1 as u8 }>,
+        QType::IQ4_NL => panel::<{ QType::IQ4_NL as u8 }>,
     }
 }
 
