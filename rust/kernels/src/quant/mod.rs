@@ -1,4 +1,5 @@
-//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K):
+//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K,
+//! IQ4_XS):
 //! `y[m, n] = x[m, k] . W[n, k]^T`, `x` and `y` f32, `W` the GGUF rows (one row a weight
 //! row, `k / block` blocks each) packed once ([`pack`]) into panels of 16 rows.
 //!
@@ -59,6 +60,9 @@ pub enum QType {
     Q4_K,
     Q5_K,
     Q6_K,
+    Q3_K,
+    Q2_K,
+    IQ4_XS,
 }
 
 /// The activation blocks a type's products take.
@@ -194,7 +198,7 @@ macro_rules! traits {
 
 /// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
 /// layout summed, checked against it in the tests).
-pub static TYPES: [TypeTraits; 6] = [
+pub static TYPES: [TypeTraits; 9] = [
     traits!(
         Q8_0,
         "q8_0",
@@ -255,16 +259,22 @@ pub static TYPES: [TypeTraits; 6] = [
         ActFormat::A256,
         Some(k_row::<{ QType::Q6_K as u8 }>)
     ),
+    traits!(Q3_K, "q3_k", 11, 256, 110, 1824, ActFormat::A256, None),
+    traits!(Q2_K, "q2_k", 10, 256, 84, 1344, ActFormat::A256, None),
+    traits!(IQ4_XS, "iq4_xs", 23, 256, 136, 2208, ActFormat::A256, None),
 ];
 
 impl QType {
-    pub const ALL: [QType; 6] = [
+    pub const ALL: [QType; 9] = [
         QType::Q8_0,
         QType::Q4_0,
         QType::Q4_1,
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::Q3_K,
+        QType::Q2_K,
+        QType::IQ4_XS,
     ];
 
     pub fn traits(self) -> &'static TypeTraits {
