@@ -1,5 +1,6 @@
 """Products with GGUF quantized weights (`ferrobatch-kernels`' `quant`): Q8_0, Q4_0, Q4_1,
-Q4_K, Q5_K and Q6_K, the types of a `Q4_K_M` file and of quantize-on-load Q8_0.
+Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and IQ4_XS, the types of the `Q4_K_M`, `Q3_K_M`, `Q2_K` and
+`IQ4_XS` files and of quantize-on-load Q8_0.
 
 `pack` lays the GGUF rows of a weight [n, k] (as `gguf.GGUFReader` gives them: uint8,
 `k / block` blocks a row) out once into panels of 16 rows; `linear` computes `x @ W.T` in
@@ -27,7 +28,7 @@ __all__ = ["QTYPES", "QUANTIZERS", "PackedWeight", "backend", "dequantize", "lin
            "qtype_name", "quantize"]
 
 #: the types the products take, by their lower-case `GGMLQuantizationType` names
-QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")
 
 #: the types `quantize` makes
 QUANTIZERS = tuple(_core.quant_quantize_types())

@@ -21,7 +21,8 @@ __all__ = ["FLOAT_TYPES", "QUANT_TYPES", "QuantWeight", "block_shape", "dequanti
 
 #: the block-quantized types ferrobatch keeps quantized (the kernels of
 #: `ferrobatch.cpu.quant_ops` implement these; the reference path dequantizes any of them)
-QUANT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K",
+                                 "IQ4_XS")
 #: plain float types, read as float tensors
 FLOAT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
 

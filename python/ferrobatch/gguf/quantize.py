@@ -24,13 +24,16 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, block_shape
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, kernel_ops
 
-__all__ = ["GGUF_PY_QUANTIZERS", "check_device", "check_name", "quantize_model",
+__all__ = ["GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "check_device", "check_name", "quantize_model",
            "quantize_weight"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: the types gguf-py quantizes
 GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")
+#: the types quantize-on-load offers (the others of `QUANT_TYPES` are served from GGUF files
+#: only: no quantizer here makes them)
+ON_LOAD_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _kernel_quantizer(qtype: str) -> Any:
@@ -47,10 +50,12 @@ def check_name(name: Any) -> str:
     """The type `name` asks for ("q8_0" -> "Q8_0"); `FieldError` (field "quantization") for a
     name that is not a quantized type or one with no quantizer here."""
     qtype = str(name).upper() if isinstance(name, str) else None
-    if qtype not in QUANT_TYPES:
+    if qtype not in ON_LOAD_TYPES:
+        served = " (served from GGUF files only: no quantizer makes it on load)" \
+            if qtype in QUANT_TYPES else ""
         raise FieldError(f"quantization must be one of "
-                         f"{', '.join(q.lower() for q in QUANT_TYPES)} or None, not {name!r}",
-                         "quantization")
+                         f"{', '.join(q.lower() for q in ON_LOAD_TYPES)} or None, not "
+                         f"{name!r}{served}", "quantization")
     if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer(qtype) is None:
         raise FieldError(
             f"quantization {qtype.lower()} needs a K-type quantizer "
