@@ -533,15 +533,18 @@ unsafe fn small_k<const R: usize, const K: u8>(
                 }
             } else {
                 let v = load(w.add(st[0] + 1024 * b + 64 * j + 32 * h));
-                let hb = if qt == QType::Q3_K {
-                    load(w.add(st[1] + 512 * b + 64 * (j / 2) + 32 * h))
-                } else {
+                // (the odd sub-block's third bits moved down first: constant shifts below)
+                let hb = if qt != QType::Q3_K {
                     _mm256_setzero_si256()
+                } else if j % 2 == 1 {
+                    _mm256_srli_epi16::<4>(load(w.add(st[1] + 512 * b + 64 * (j / 2) + 32 * h)))
+                } else {
+                    load(w.add(st[1] + 512 * b + 64 * (j / 2) + 32 * h))
                 };
                 let c: [__m256i; 4] = std::array::from_fn(|q| {
                     let lo = _mm256_and_si256(srl16(v, 2 * q), m3);
                     if qt == QType::Q3_K {
-                        or_and(lo, bit_at2(hb, 4 * (j % 2) + q), bit2)
+                        or_and(lo, bit_at2(hb, q), bit2)
                     } else {
                         lo
                     }

@@ -73,7 +73,7 @@ fn dot_a256_small(qt: QType, blk: &Block, a: &A256, acc: f32) -> f32 {
     for j in 0..256 / per {
         let r = per * j..per * j + per;
         let dot = if qt == QType::IQ4_XS {
-            let v: Vec<u8> = blk.codes[r.clone()].iter().map(|&u| iq4_code(u)).collect();
+            let v: [u8; 32] = std::array::from_fn(|i| iq4_code(blk.codes[r.start + i]));
             idot(&v, &a.qs[r])
         } else {
             idot(&blk.codes[r.clone()], &a.qs[r])

@@ -565,11 +565,15 @@ pub(crate) unsafe fn small_codes(
         *c = _mm512_and_si512(srl16(v, 2 * q), m3);
     }
     if qt == QType::Q3_K {
-        // third bits: bit 4 (j % 2) + q of row j / 2
-        let h = load(w.add(st[1] + 512 * b + 64 * (j / 2)));
+        // third bits: bit 4 (j % 2) + q of row j / 2 (the odd sub-block's moved down
+        // first: the shifts below are then constants)
+        let mut h = load(w.add(st[1] + 512 * b + 64 * (j / 2)));
+        if j % 2 == 1 {
+            h = _mm512_srli_epi16::<4>(h);
+        }
         let bit2 = _mm512_set1_epi8(4);
         for (q, c) in c.iter_mut().take(4).enumerate() {
-            *c = or_and(*c, bit_at2(h, 4 * (j % 2) + q), bit2);
+            *c = or_and(*c, bit_at2(h, q), bit2);
         }
     }
     c
