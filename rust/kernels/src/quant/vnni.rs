@@ -645,14 +645,16 @@ unsafe fn small_k<const R: usize, const K: u8>(
     let (_, dd) = small_streams(qt);
     let split = R <= 2;
     let table = iq4_table();
-    let pf = pf.split(subs);
+    let pf = pf.split(8);
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let mut s1 = [_mm512_setzero_ps(); R];
         for j in 0..subs {
-            pf.part(subs * b + j);
+            if j % (subs / 8) == 0 {
+                pf.part(8 * b + j / (subs / 8));
+            }
             let c = small_codes(qt, w, &st, b, j, table);
             let scale = small_scale(qt, w, &st, b, j);
             for i in 0..R {
