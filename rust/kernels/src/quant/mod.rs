@@ -102,7 +102,8 @@ pub struct TypeTraits {
     /// `(x, out)`: one row of `x` quantized into its activation blocks
     pub quantize_row: fn(&[f32], ActRowMut<'_>),
     /// `(x, blocks)`: one row of float weights to GGUF blocks ([`quantize`]); None for the
-    /// types left to `gguf.quants`' quantizers
+    /// types left to `gguf.quants`' quantizers (Q8_0, Q4_0, Q4_1) and those only read from
+    /// GGUF files (Q3_K, Q2_K, IQ4_XS)
     pub quantize_weight_row: Option<WeightRowFn>,
     /// `(blocks, acts)`: one GGUF row times one activation row (as [`linear`] computes it)
     pub vec_dot: fn(&[u8], ActRows<'_>) -> f32,
