@@ -5,8 +5,9 @@ whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantize
 `gguf.quants.quantize` (Q8_0, Q4_0, Q4_1: llama.cpp's reference quantizers); tied weights
 share one `QuantWeight`. The K-types (Q4_K, Q5_K, Q6_K), which gguf-py cannot make, come
 from the kernels' quantizer (`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] -> uint8
-[n, row bytes]; refused when the kernels lack it). A layer whose input width is not whole
-blocks (256 weights for the K-types) keeps its float weight, and the log says which.
+[n, row bytes]; refused when the kernels lack it). Q3_K, Q2_K and IQ4_XS are served from
+GGUF files only: asking for them is refused naming them so. A layer whose input width is not
+whole blocks (256 weights for the K-types) keeps its float weight, and the log says which.
 """
 
 from __future__ import annotations
