@@ -13,7 +13,7 @@ the share quantized.
   the one KV head its query heads read (``rank * num_kv_heads // N``, as `shard` does);
   gate/up a range of MLP features;
 * row-parallel ones (``rowwise``: o_proj, down_proj) keep the matching input columns, cut
-  on block boundaries (32 weights for Q8_0 / Q4_0 / Q4_1, 256 for the K-types). The MLP
+  on block boundaries (32 weights for Q8_0 / Q4_0 / Q4_1, 256 for the K-types and IQ4_XS). The MLP
   width is split in whole blocks of the widest block among the down projections' types,
   unevenly where it does not divide (Qwen2.5-1.5B's 8960 = 35 blocks of 256: 18 and 17
   blocks on two ranks); a query-head share that is not whole blocks of o_proj's type is
