@@ -25,7 +25,7 @@ from ferrobatch.cpu import quant_ops
 SHAPES = [(1536, 1536), (8960, 1536)]
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
          "q5_k": (256, 176), "q6_k": (256, 210), "q5_0": (32, 22), "q5_1": (32, 24),
-         "iq4_nl": (32, 18)}
+         "iq4_nl": (32, 18), "q3_k": (256, 110), "q2_k": (256, 84), "iq4_xs": (256, 136)}
 
 
 def cpu_time(fn, calls: int) -> float:
@@ -55,7 +55,8 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     b = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
     one = np.full((n, k // block, 1), 0.01, np.float16).view(np.uint8)
     at = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
-          "q6_k": [208], "q5_0": [0], "q5_1": [0, 2], "iq4_nl": [0]}[qtype]
+          "q6_k": [208], "q5_0": [0], "q5_1": [0, 2], "iq4_nl": [0], "q3_k": [108],
+          "q2_k": [80, 82], "iq4_xs": [0]}[qtype]
     for a in at:
         b[..., a:a + 2] = one
     return b.reshape(n, -1)

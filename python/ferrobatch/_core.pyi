@@ -612,7 +612,7 @@ def i16_linear(
 
 def quant_types() -> list[str]:
     """The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
-    "q6_k")."""
+    "q6_k", "q3_k", "q2_k", "iq4_xs")."""
 
 def quant_backend() -> str:
     """The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it,

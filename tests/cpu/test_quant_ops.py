@@ -21,9 +21,10 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
          "q5_k": (256, 176), "q6_k": (256, 210), "q5_0": (32, 22), "q5_1": (32, 24),
-         "iq4_nl": (32, 18)}
+         "iq4_nl": (32, 18), "q3_k": (256, 110), "q2_k": (256, 84), "iq4_xs": (256, 136)}
 GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
-        "q6_k": G.Q6_K, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL}
+        "q6_k": G.Q6_K, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "q3_k": G.Q3_K,
+        "q2_k": G.Q2_K, "iq4_xs": G.IQ4_XS}
 BACKENDS = [b for b in ("portable", "avx2", "avx512vnni") if _core.quant_backend_available(b)]
 
 
@@ -43,8 +44,15 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     elif qtype in ("q4_k", "q5_k"):
         b[..., 0:2] = np.abs(d)[..., None].view(np.uint8)
         b[..., 2:4] = e[..., None].view(np.uint8)
-    else:
+    elif qtype == "q6_k":
         b[..., 208:210] = d[..., None].view(np.uint8)
+    elif qtype == "q3_k":
+        b[..., 108:110] = d[..., None].view(np.uint8)
+    elif qtype == "q2_k":
+        b[..., 80:82] = np.abs(d)[..., None].view(np.uint8)
+        b[..., 82:84] = e[..., None].view(np.uint8)
+    else:  # iq4_xs
+        b[..., 0:2] = d[..., None].view(np.uint8)
     return b.reshape(n, -1)
 
 
@@ -134,8 +142,9 @@ def test_gguf_quantized_float_weights(qtype):
     assert rel < {"q8_0": 0.02, "q4_0": 0.15, "q4_1": 0.15, "q5_0": 0.08, "q5_1": 0.08}[qtype], rel
 
 
-def test_a_row_does_not_depend_on_its_batch_nor_the_threads():
-    qtype, n, k = "q4_k", 300, 512
+@pytest.mark.parametrize("qtype", ["q4_k", "q3_k", "q2_k", "iq4_xs"])
+def test_a_row_does_not_depend_on_its_batch_nor_the_threads(qtype):
+    n, k = 300, 512
     weight = quant_ops.pack(qtype, random_blocks(qtype, n, k, 3), n, k)
     x = random_x(40, k, 4)
     threads = torch.get_num_threads()
@@ -162,7 +171,7 @@ def test_out_is_written_and_inputs_widened():
 
 def test_packed_bytes_are_the_gguf_bytes():
     for qtype, (block, nbytes) in BLOCK.items():
-        extra = {"q4_k": 4, "q5_k": 4}.get(qtype, 0)
+        extra = {"q4_k": 4, "q5_k": 4, "q3_k": 4, "iq4_xs": 2}.get(qtype, 0)
         assert _core.quant_packed_len(qtype, 64, 4 * 256) == 64 * 4 * 256 // block * (
             nbytes + extra)
 
@@ -172,7 +181,7 @@ def _core_call(fn, *args, **kw):
 
 
 @pytest.mark.parametrize("field,call", [
-    ("qtype", lambda: quant_ops.pack("q2_k", np.zeros(84, np.uint8), 1, 256)),
+    ("qtype", lambda: quant_ops.pack("iq2_xs", np.zeros(74, np.uint8), 1, 256)),
     ("blocks", lambda: quant_ops.pack("q8_0", np.zeros(33, np.uint8), 1, 32)),
     ("k", lambda: quant_ops.pack("q4_k", np.zeros(144, np.uint8), 1, 255)),
     ("blocks", lambda: quant_ops.dequantize("q6_k", np.zeros(211, np.uint8), 1, 256)),
@@ -211,7 +220,8 @@ def test_out_is_untouched_on_error():
     assert (out == 7).all()
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k",
+                                   "q2_k", "iq4_xs"])
 def test_a_tensor_read_from_a_gguf_file(qtype, tmp_path):
     """What `gguf.GGUFReader` gives (uint8 rows [n, bytes], shape [k, n], the type) packs
     as it is, and `linear` is the product of the dequantized tensor."""
@@ -262,8 +272,9 @@ def test_quantize_refusals_name_the_field() -> None:
     with pytest.raises(FieldError) as err:
         quant_ops.quantize(torch.zeros(2, 300), "q6_k")
     assert err.value.field == "k"
-    with pytest.raises(ValueError, match="to quantize"):
-        quant_ops.quantize(torch.zeros(2, 64), "q8_0")
+    for served_only in ("q8_0", "q3_k", "q2_k", "iq4_xs"):
+        with pytest.raises(ValueError, match="to quantize"):
+            quant_ops.quantize(torch.zeros(2, 256), served_only)
     out = np.zeros((2, 288), dtype=np.uint8)
     with pytest.raises(FieldError) as err:
         _core.quant_quantize("q4_k", np.zeros((2, 512), dtype=np.float32), out[:, :100])

@@ -6,7 +6,8 @@ tiny GGUF files and a float checkpoint quantized on load, each rank holding its 
   `model.generate` of the file's dequantized weights, through the lean layers and through
   the model's own layers (the all-reduce sits in both);
 * Q4_K Llama whose MLP width (768 = 3 blocks of 256) splits unevenly (2 and 1 blocks), on
-  the kernels: equal to one rank's output on the same file;
+  the kernels: equal to one rank's output on the same file; the same with Q3_K matrices and
+  Q2_K / IQ4_XS down projections;
 * a Q4_K_M-like Llama of hidden width 224 and MLP width 608 (neither whole 256-weight
   blocks: llama.cpp's Q5_0 / Q8_0 fallbacks), its down projections split in 32-weight
   blocks (10 and 9), on the kernels: equal to one rank's output;
@@ -87,9 +88,15 @@ def test_q8_0_replicated_kv_equals_reference(tmp_path: Path,
         assert got == want
 
 
-def test_k_type_uneven_mlp_equals_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("qtype", "types"), [
+    ("Q4_K", None),
+    ("Q3_K", {"blk.0.ffn_down.weight": "Q2_K", "blk.1.ffn_down.weight": "IQ4_XS"}),
+])
+def test_k_type_uneven_mlp_equals_one_rank(tmp_path: Path, qtype: str,
+                                           types: dict[str, str] | None) -> None:
     source = tiny_model("llama", head_dim=128, intermediate_size=768)
-    path = write_gguf(tmp_path / "llama-q4_k.gguf", source, "llama", "Q4_K").path
+    path = write_gguf(tmp_path / f"llama-{qtype.lower()}.gguf", source, "llama", qtype,
+                      types=types).path
     model, _ = load_gguf(path)
     splits = [quant_shard.plan_split(model, r, 2) for r in (0, 1)]
     down = "model.layers.1.mlp.down_proj"

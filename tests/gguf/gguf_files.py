@@ -6,9 +6,9 @@ source model, exactly the values the file holds (dequantized with `gguf.quants`,
 transformers layout), so `reference_model` (the source model with those weights, fp32) is
 the oracle "gguf.quants.dequantize + fp32 forward". gguf-py quantizes Q8_0 / Q4_0 / Q4_1 /
 Q5_0 / Q5_1; IQ4_NL matrices are quantized here (nearest table value, `quantize_iq4_nl`);
-K-type matrices are random blocks with small fp16 scales. `k_m_types` names the tensors a
-llama.cpp `Q4_K_M` / `Q5_K_M` file gives more bits, and `LLAMA_CPP_FALLBACK` the types its
-quantizer falls back to for rows that are not whole 256-weight blocks.
+K-type (and IQ4_XS) matrices are random blocks with small fp16 scales. `k_m_types` names the
+tensors a llama.cpp `Q4_K_M` / `Q5_K_M` file gives more bits, and `LLAMA_CPP_FALLBACK` the
+types its quantizer falls back to for rows that are not whole 256-weight blocks.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K",
+          "Q2_K", "IQ4_XS")
 #: llama.cpp's type for a matrix whose rows are not whole blocks of the type it asked for
 #: (`llama_tensor_get_type`'s fallback; any other type: Q8_0 here)
 LLAMA_CPP_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "IQ4_NL",
@@ -95,8 +96,15 @@ def _random_k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np
         # centres the weights on 0
         blocks[..., 0:2] = f16(d)
         blocks[..., 2:4] = f16(d * (7.5 if qtype == "Q4_K" else 15.5))
-    else:  # Q6_K: ql[128] qh[64] scales int8[16] d fp16; value d*sc*(q-32)
+    elif qtype == "Q6_K":  # ql[128] qh[64] scales int8[16] d fp16; value d*sc*(q-32)
         blocks[..., 208:210] = f16(d / 10)
+    elif qtype == "Q3_K":  # hmask[32] qs[64] scales[12] d; value d*(sc-32)*(q-4..3)
+        blocks[..., 108:110] = f16(3 * d)
+    elif qtype == "Q2_K":  # scales[16] qs[64] d dmin; value d*sc*q - dmin*m, q ~ U(0..3)
+        blocks[..., 80:82] = f16(20 * d)
+        blocks[..., 82:84] = f16(30 * d)
+    else:  # IQ4_XS: d scales_h scales_l[4] qs[128]; value d*(ls-32)*kvalues[q]
+        blocks[..., 0:2] = f16(d / 10)
     return blocks.reshape(n, k // block * size)
 
 

@@ -40,6 +40,7 @@ LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
     ("llama", "Q4_K"), ("qwen2", "Q6_K"), ("qwen3", "Q4_0"), ("mistral", "Q8_0"),
     ("gemma2", "Q5_K"), ("gemma3", "Q4_1"), ("phi3", "Q4_K"), ("gpt2", "Q6_K"),
     ("qwen3", "Q5_0"), ("llama", "IQ4_NL"), ("gemma3", "Q5_1"),
+    ("llama", "Q3_K"), ("qwen2", "Q2_K"), ("qwen3", "IQ4_XS"), ("gemma2", "Q3_K"),
 ])
 def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     written, _ = gguf_file(arch, qtype)
@@ -151,6 +152,25 @@ def test_mixed_model_packs_only_plain_linears(gguf_file) -> None:
         _check_parity(engine)
 
 
+def test_q3_k_m_like_mix_equals_the_dequantized_reference(gguf_file) -> None:
+    """A `Q3_K_M`-like file (Q3_K matrices, Q5_K / Q4_K value and down projections, a Q6_K
+    output head): lean over the quantized products (q/k/v stacks of mixed types), greedy
+    tokens equal to the dequantized fp32 reference's."""
+    types = {"blk.0.attn_v.weight": "Q5_K", "blk.1.attn_v.weight": "Q4_K",
+             "blk.0.ffn_down.weight": "Q5_K", "blk.1.ffn_down.weight": "Q4_K"}
+    written, source = gguf_file("llama", "Q3_K", output_qtype="Q6_K", types=types)
+    assert {written.types[g] for g in types} == {"Q5_K", "Q4_K"}
+    assert written.types["output.weight"] == "Q6_K"
+    assert written.types["blk.0.attn_q.weight"] == "Q3_K"
+    n = 8
+    reference = reference_model(source, written)
+    with Engine(str(written.path), config=CONFIG) as engine:
+        assert engine.runner.activations.lean is not None
+        outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=n), progress=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == _own_greedy(reference, prompt, n), prompt
+
+
 def test_directory_and_chat(gguf_file) -> None:
     written, _ = gguf_file("llama", "Q4_K", tokenizer=True)
     with Engine(written.path.parent, config=CONFIG) as engine:
@@ -190,7 +210,8 @@ def test_cli_generate(gguf_file, capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.kernel_products
 @pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_K"), ("qwen2", "Q6_K"),
                                              ("qwen3", "Q8_0"), ("qwen2", "IQ4_NL"),
-                                             ("llama", "Q5_1")])
+                                             ("llama", "Q5_1"), ("llama", "Q3_K"),
+                                             ("qwen2", "Q2_K"), ("qwen3", "IQ4_XS")])
 def test_kernel_products_are_batch_independent(gguf_file, arch: str, qtype: str) -> None:
     """On the quantized kernels every request's tokens are the same alone and batched
     (each row's products depend on that row only), and its first token is the model's own

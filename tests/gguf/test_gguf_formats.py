@@ -14,12 +14,12 @@ from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, dequantize_referen
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, backend, quant_linear
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from gguf_files import _random_k_blocks, quantize_iq4_nl
+from gguf_files import K_TYPES, _random_k_blocks, quantize_iq4_nl
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantWeight:
     rng = np.random.default_rng(seed)
-    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+    if qtype in K_TYPES:  # (no gguf-py quantizer)
         data = _random_k_blocks(qtype, n, k, rng)
     elif qtype == "IQ4_NL":  # (gguf-py cannot quantize it)
         data = quantize_iq4_nl(rng.standard_normal((n, k)).astype(np.float32) * 0.1)

@@ -141,6 +141,10 @@ def test_refusals(checkpoint, monkeypatch) -> None:
     with pytest.raises(FieldError, match="one of") as err:
         load_model(path, quantization="int4")
     assert err.value.field == "quantization"
+    for served in ("q3_k", "Q2_K", "iq4_xs"):  # GGUF files' types with no quantizer here
+        with pytest.raises(FieldError, match="served from GGUF files only") as err:
+            load_model(path, quantization=served)
+        assert err.value.field == "quantization"
     with pytest.raises(FieldError, match="never converted"):
         load_model(source, quantization="q8_0")
     with pytest.raises(FieldError) as err:

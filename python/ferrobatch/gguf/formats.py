@@ -24,7 +24,7 @@ __all__ = ["FLOAT_TYPES", "QUANT_TYPES", "QuantWeight", "block_shape", "dequanti
 #: Q5_0, Q5_1 and IQ4_NL are llama.cpp's fallbacks for matrices whose input width is not whole
 #: 256-weight blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, the low-bit types -> IQ4_NL)
 QUANT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1",
-                                "IQ4_NL")
+                                "IQ4_NL", "Q3_K", "Q2_K", "IQ4_XS")
 #: plain float types, read as float tensors
 FLOAT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
 

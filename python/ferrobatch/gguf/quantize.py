@@ -3,11 +3,12 @@
 Every `nn.Linear` (output head included) and the input `nn.Embedding` whose input width is
 whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantized with
 `gguf.quants.quantize` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: llama.cpp's reference quantizers);
-tied weights share one `QuantWeight`. IQ4_NL, which neither makes, is refused. The K-types
-(Q4_K, Q5_K, Q6_K), which gguf-py cannot make, come from the kernels' quantizer
-(`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] -> uint8 [n, row bytes]; refused when the
-kernels lack it). A layer whose input width is not whole blocks (256 weights for the
-K-types) keeps its float weight, and the log says which.
+tied weights share one `QuantWeight`. The K-types (Q4_K, Q5_K, Q6_K), which gguf-py cannot
+make, come from the kernels' quantizer (`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] ->
+uint8 [n, row bytes]; refused when the kernels lack it). IQ4_NL, Q3_K, Q2_K and IQ4_XS are
+served from GGUF files only: asking for them is refused naming them so. A layer whose input
+width is not whole blocks (256 weights for the K-types) keeps its float weight, and the log
+says which.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, block_shape
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, kernel_ops
 
-__all__ = ["GGUF_PY_QUANTIZERS", "check_device", "check_name", "quantize_model",
+__all__ = ["GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "check_device", "check_name", "quantize_model",
            "quantize_weight"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: the types gguf-py quantizes
 GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+#: the types quantize-on-load offers (the others of `QUANT_TYPES` are served from GGUF files
+#: only: no quantizer here makes them)
+ON_LOAD_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _kernel_quantizer(qtype: str) -> Any:
@@ -48,15 +52,12 @@ def check_name(name: Any) -> str:
     """The type `name` asks for ("q8_0" -> "Q8_0"); `FieldError` (field "quantization") for a
     name that is not a quantized type or one with no quantizer here."""
     qtype = str(name).upper() if isinstance(name, str) else None
-    if qtype not in QUANT_TYPES:
+    if qtype not in ON_LOAD_TYPES:
+        served = " (served from GGUF files only: no quantizer makes it on load)" \
+            if qtype in QUANT_TYPES else ""
         raise FieldError(f"quantization must be one of "
-                         f"{', '.join(q.lower() for q in QUANT_TYPES)} or None, not {name!r}",
-                         "quantization")
-    if qtype not in GGUF_PY_QUANTIZERS and block_shape(qtype)[0] < 256:
-        raise FieldError(f"quantization {qtype.lower()} has no quantizer here (a type GGUF "
-                         "files hold, loaded as they are): use "
-                         f"{', '.join(q.lower() for q in GGUF_PY_QUANTIZERS)} or a K-type",
-                         "quantization")
+                         f"{', '.join(q.lower() for q in ON_LOAD_TYPES)} or None, not "
+                         f"{name!r}{served}", "quantization")
     if qtype not in GGUF_PY_QUANTIZERS and _kernel_quantizer(qtype) is None:
         raise FieldError(
             f"quantization {qtype.lower()} needs a K-type quantizer "

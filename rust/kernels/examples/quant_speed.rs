@@ -60,6 +60,9 @@ fn main() {
             QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => &[0],
             QType::Q4_1 | QType::Q4_K | QType::Q5_K | QType::Q5_1 => &[0, 2],
             QType::Q6_K => &[208],
+            QType::Q3_K => &[108],
+            QType::Q2_K => &[80, 82],
+            QType::IQ4_XS => &[0],
         };
         for b in rows.chunks_exact_mut(qt.block_bytes()) {
             for &a in at {

@@ -40,7 +40,7 @@ fn to_py(e: ferrobatch_kernels::error::KernelError) -> PyErr {
 }
 
 /// The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
-/// "q6_k", "q5_0", "q5_1", "iq4_nl").
+/// "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k", "q2_k", "iq4_xs").
 #[pyfunction]
 pub fn quant_types() -> Vec<&'static str> {
     QType::ALL.iter().map(|t| t.name()).collect()

@@ -31,8 +31,11 @@ pub struct A256 {
     pub qs: [i8; 256],
     /// `-32 * sum(qs[16 j..16 j + 16])` (Q6_K's codes are `w + 32`)
     pub neg32_sum16: [i32; 16],
-    /// `sum(qs[32 j..32 j + 32])` (Q4_K / Q5_K's mins; pairs read as one i32)
+    /// `sum(qs[32 j..32 j + 32])` (Q4_K / Q5_K's mins, IQ4_XS's code offset; pairs read as
+    /// one i32)
     pub sum32: [i16; 8],
+    /// `sum(qs[16 j..16 j + 16])` (Q2_K's mins, Q3_K's code offset; pairs read as one i32)
+    pub sum16: [i16; 16],
     /// the scale
     pub d: f32,
 }
@@ -51,6 +54,7 @@ impl A256 {
         qs: [0; 256],
         neg32_sum16: [0; 16],
         sum32: [0; 8],
+        sum16: [0; 16],
         d: 0.0,
     };
 }
@@ -156,6 +160,8 @@ fn a256_body(x: &[f32], out: &mut [A256]) {
                 .map(|&q| i32::from(q))
                 .sum();
             a.neg32_sum16[j] = -32 * s;
+            // |s| <= 16 * 127 fits an i16
+            a.sum16[j] = s as i16;
         }
         for j in 0..8 {
             let s: i32 = a.qs[32 * j..32 * j + 32]
@@ -234,6 +240,10 @@ mod tests {
         assert_eq!(
             a[0].sum32[0] as i32,
             a[0].qs[..32].iter().map(|&q| i32::from(q)).sum()
+        );
+        assert_eq!(
+            a[0].sum16[3] as i32,
+            a[0].qs[48..64].iter().map(|&q| i32::from(q)).sum()
         );
     }
 

@@ -9,9 +9,10 @@
 //! (2 quads). Q8_0's codes `w + 128` would saturate, so its quads take `|w|` times `sign(w) *
 //! x` (`vpsignb`; a pair is at most 2 * 128 * 127 = 32512) and sum `w * x` directly, the
 //! integer VNNI's `-128 * sum(x) + sum((w + 128) * x)` comes to; IQ4_NL's quads do the same
-//! with its table values (looked up by index with `vpshufb`, `|w| <= 127`). Every integer
-//! sum is the same exact value as on the other paths and every f32 operation the same, so the
-//! results are the same bits.
+//! with its table values (looked up by index with `vpshufb`, `|w| <= 127`), and so do
+//! IQ4_XS's, widened quad by quad. Q3_K's and Q2_K's codes (at most 7: 1778 a pair) are
+//! summed a sub-block of 4 quads. Every integer sum is the same exact value as on the other
+//! paths and every f32 operation the same, so the results are the same bits.
 
 use std::arch::x86_64::*;
 
@@ -42,6 +43,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q5_0 => panel::<{ QType::Q5_0 as u8 }>,
         QType::Q5_1 => panel::<{ QType::Q5_1 as u8 }>,
         QType::IQ4_NL => panel::<{ QType::IQ4_NL as u8 }>,
+        QType::Q3_K => panel::<{ QType::Q3_K as u8 }>,
+        QType::Q2_K => panel::<{ QType::Q2_K as u8 }>,
+        QType::IQ4_XS => panel::<{ QType::IQ4_XS as u8 }>,
     }
 }
 
@@ -103,7 +107,10 @@ fn panel<const T: u8>(
         ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
         }
-        (QType::Q4_K | QType::Q5_K | QType::Q6_K, ActRows::A256(a)) => {
+        (
+            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q3_K | QType::Q2_K | QType::IQ4_XS,
+            ActRows::A256(a),
+        ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
         }
         _ => panic!("{}: wrong activation format", qt.name()),
@@ -156,6 +163,9 @@ fn panel<const T: u8>(
                     match qt {
                         QType::Q4_K => rows!(q45k, a, false),
                         QType::Q5_K => rows!(q45k, a, true),
+                        QType::Q3_K => rows!(small_k, a, { QType::Q3_K as u8 }),
+                        QType::Q2_K => rows!(small_k, a, { QType::Q2_K as u8 }),
+                        QType::IQ4_XS => rows!(small_k, a, { QType::IQ4_XS as u8 }),
                         _ => rows!(q6k, a),
                     }
                 }
@@ -510,6 +520,155 @@ unsafe fn q6k<const R: usize>(
         for i in 0..R {
             let dx = _mm256_set1_ps((*ab[i]).d);
             acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+        }
+    }
+    store::<R>(out, h, &acc);
+}
+
+/// `v` shifted right by `n` bits in each 16-bit lane (`n` known once unrolled).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn srl16(v: __m256i, n: usize) -> __m256i {
+    _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+/// Bit `k` (< 8) of each byte of `h` at bit 2 (as `vnni::bit_at2`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bit_at2(h: __m256i, k: usize) -> __m256i {
+    if k >= 2 {
+        srl16(h, k - 2)
+    } else {
+        _mm256_sll_epi16(h, _mm_cvtsi32_si128((2 - k) as i32))
+    }
+}
+
+/// Q3_K, Q2_K or IQ4_XS (`K`: the type's number), `R` rows, columns `8 h ..`.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn small_k<const R: usize, const K: u8>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    h: usize,
+    pf: Fetch,
+) {
+    let qt = QType::ALL[K as usize];
+    let st = stream_starts(qt, nb);
+    let iq4 = qt == QType::IQ4_XS;
+    let subs = if iq4 { 8 } else { 16 };
+    let (sc_s, dd) = if qt == QType::Q3_K { (2, 3) } else { (1, 2) };
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let bit2 = _mm256_set1_epi8(4);
+    let values =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(super::blocks::IQ4_VALUES.as_ptr().cast()));
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        pf.part(b);
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let mut s1 = [_mm256_setzero_ps(); R];
+        for j in 0..subs {
+            let scb = _mm_loadl_epi64(w.add(st[sc_s] + 16 * subs * b + 16 * j + 8 * h).cast());
+            let scale = _mm256_cvtepi32_ps(if qt == QType::Q2_K {
+                _mm256_and_si256(_mm256_cvtepu8_epi32(scb), _mm256_set1_epi32(0xF))
+            } else {
+                _mm256_cvtepi8_epi32(scb)
+            });
+            let mut t = [_mm256_setzero_si256(); R];
+            if iq4 {
+                // the int8 values: |v| times sign(v) * x (a pair at most 2 * 127 * 127)
+                for l in 0..4 {
+                    let v = load(w.add(st[0] + 2048 * b + 64 * (4 * j + l) + 32 * h));
+                    let lo = _mm256_shuffle_epi8(values, _mm256_and_si256(v, m4));
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                    let hi = _mm256_shuffle_epi8(values, hi);
+                    for (q, c) in [(2 * l, lo), (2 * l + 1, hi)] {
+                        let ac = _mm256_abs_epi8(c);
+                        for i in 0..R {
+                            let qs = (*ab[i]).qs.as_ptr().add(32 * j + 4 * q);
+                            let x = _mm256_sign_epi8(quad(qs), c);
+                            t[i] = _mm256_add_epi32(t[i], widen(_mm256_maddubs_epi16(ac, x)));
+                        }
+                    }
+                }
+            } else {
+                let v = load(w.add(st[0] + 1024 * b + 64 * j + 32 * h));
+                // (the odd sub-block's third bits moved down first: constant shifts below)
+                let hb = if qt != QType::Q3_K {
+                    _mm256_setzero_si256()
+                } else if j % 2 == 1 {
+                    _mm256_srli_epi16::<4>(load(w.add(st[1] + 512 * b + 64 * (j / 2) + 32 * h)))
+                } else {
+                    load(w.add(st[1] + 512 * b + 64 * (j / 2) + 32 * h))
+                };
+                let c: [__m256i; 4] = std::array::from_fn(|q| {
+                    let lo = _mm256_and_si256(srl16(v, 2 * q), m3);
+                    if qt == QType::Q3_K {
+                        or_and(lo, bit_at2(hb, q), bit2)
+                    } else {
+                        lo
+                    }
+                });
+                for i in 0..R {
+                    let qs = (*ab[i]).qs.as_ptr().add(16 * j);
+                    // 4 quads a widening (1778 a pair)
+                    let p01 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(c[0], quad(qs)),
+                        _mm256_maddubs_epi16(c[1], quad(qs.add(4))),
+                    );
+                    let p23 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(c[2], quad(qs.add(8))),
+                        _mm256_maddubs_epi16(c[3], quad(qs.add(12))),
+                    );
+                    let init = if qt == QType::Q3_K {
+                        -4 * i32::from((*ab[i]).sum16[j])
+                    } else {
+                        0
+                    };
+                    t[i] = _mm256_add_epi32(
+                        widen(_mm256_add_epi16(p01, p23)),
+                        _mm256_set1_epi32(init),
+                    );
+                }
+            }
+            for i in 0..R {
+                s1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[i]), scale, s1[i]);
+            }
+        }
+        let d = halves(w.add(st[dd] + 32 * b + 16 * h));
+        for i in 0..R {
+            let dx = _mm256_set1_ps((*ab[i]).d);
+            acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+        }
+        if qt == QType::Q2_K {
+            let mut s2 = [_mm256_setzero_si256(); R];
+            for p in 0..8 {
+                let at = w.add(st[1] + 256 * b + 32 * p + 8 * h);
+                let lo = _mm256_srli_epi32::<4>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(at.cast())));
+                let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.add(16).cast()));
+                let mp = _mm256_or_si256(lo, _mm256_slli_epi32::<16>(_mm256_srli_epi32::<4>(hi)));
+                for i in 0..R {
+                    let pair = (*ab[i])
+                        .sum16
+                        .as_ptr()
+                        .add(2 * p)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    let m = _mm256_madd_epi16(mp, _mm256_set1_epi32(pair));
+                    s2[i] = _mm256_add_epi32(s2[i], m);
+                }
+            }
+            let e = halves(w.add(st[3] + 32 * b + 16 * h));
+            for i in 0..R {
+                let dx = _mm256_set1_ps((*ab[i]).d);
+                let s2f = _mm256_cvtepi32_ps(s2[i]);
+                acc[i] = _mm256_fnmadd_ps(s2f, _mm256_mul_ps(e, dx), acc[i]);
+            }
         }
     }
     store::<R>(out, h, &acc);

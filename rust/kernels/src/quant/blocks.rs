@@ -12,6 +12,9 @@
 //! | Q5_0 | `d * (u - 16)` (`u`: 5 bits) |
 //! | Q5_1 | `d * u + e` (`u`: 5 bits, `e` = the fp16 `m`) |
 //! | IQ4_NL | `d * IQ4_VALUES[u]` (`u`: a 4-bit index) |
+//! | Q3_K | `(d * sc[j]) * (u - 4)`, `j = t / 16`, `sc` signed |
+//! | Q2_K | `(d * sc[j]) * u - e * mn[j]`, `j = t / 16` (`e` = `dmin`) |
+//! | IQ4_XS | `(d * sc[j]) * IQ4_VALUES[u]`, `j = t / 32`, `sc` signed, `u` a 4-bit index |
 //!
 //! computed in f32 in exactly that order by [`dequantize_block`], the order of
 //! `gguf.quants.dequantize` (so the two agree bit for bit).
@@ -23,13 +26,14 @@ use super::QType;
 /// One block in integer form (the first `block` codes used; `sc` / `mn` only for K-types).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Block {
-    /// unsigned weight codes in k order: 8, 4, 4, 4, 5 and 6 bits (Q5_0, Q5_1: 5; IQ4_NL: the
-    /// 4-bit table index)
+    /// unsigned weight codes in k order: 8, 4, 4, 4, 5, 6, 3 and 2 bits (Q5_0, Q5_1: 5;
+    /// IQ4_NL and IQ4_XS: 4-bit indices into [`IQ4_VALUES`])
     pub(crate) codes: [u8; 256],
-    /// integer sub-block scales (Q4_K / Q5_K: 8 six-bit; Q6_K: 16 int8)
+    /// integer sub-block scales (Q4_K / Q5_K: 8 six-bit; Q6_K: 16 int8; Q3_K: 16 in
+    /// `-32..32`; Q2_K: 16 four-bit; IQ4_XS: 8 in `-32..32`)
     pub(crate) sc: [i32; 16],
-    /// integer sub-block mins (Q4_K / Q5_K: 8 six-bit)
-    pub(crate) mn: [i32; 8],
+    /// integer sub-block mins (Q4_K / Q5_K: 8 six-bit; Q2_K: 16 four-bit)
+    pub(crate) mn: [i32; 16],
     /// the block scale `d`
     pub(crate) d: f32,
     /// the second factor: `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K), else 0
@@ -40,7 +44,7 @@ impl Block {
     pub(crate) const ZERO: Block = Block {
         codes: [0; 256],
         sc: [0; 16],
-        mn: [0; 8],
+        mn: [0; 16],
         d: 0.0,
         e: 0.0,
     };
@@ -147,6 +151,52 @@ pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
                 }
             }
         }
+        QType::Q3_K => {
+            let (hm, qs, s) = (&b[0..32], &b[32..96], &b[96..108]);
+            out.d = half(b, 108);
+            // scale j: a nibble of byte j % 8 (the high one for j >= 8) and bits 2 (j / 4)
+            // of byte 8 + j % 4, stored + 32
+            for (j, o) in out.sc.iter_mut().enumerate() {
+                let lo = (s[j % 8] >> (4 * (j / 8))) & 0xF;
+                let hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+                *o = i32::from(lo | (hi << 4)) - 32;
+            }
+            // weight t: bits 2 s of qs[32 g + l] (t = 128 g + 32 s + l) and bit t / 32 of
+            // hmask[t % 32] as bit 2
+            for (t, c) in out.codes.iter_mut().enumerate() {
+                *c = two_bits(qs, t) | (((hm[t % 32] >> (t / 32)) & 1) << 2);
+            }
+        }
+        QType::Q2_K => {
+            let (s, qs) = (&b[0..16], &b[16..80]);
+            out.d = half(b, 80);
+            out.e = half(b, 82);
+            for (j, &v) in s.iter().enumerate() {
+                out.sc[j] = i32::from(v & 0xF);
+                out.mn[j] = i32::from(v >> 4);
+            }
+            for (t, c) in out.codes.iter_mut().enumerate() {
+                *c = two_bits(qs, t);
+            }
+        }
+        QType::IQ4_XS => {
+            out.d = half(b, 0);
+            let sh = u16::from_le_bytes([b[2], b[3]]);
+            let (sl, qs) = (&b[4..8], &b[8..136]);
+            for j in 0..8 {
+                let lo = (sl[j / 2] >> (4 * (j % 2))) & 0xF;
+                let hi = ((sh >> (2 * j)) & 3) as u8;
+                out.sc[j] = i32::from(lo | (hi << 4)) - 32;
+            }
+            // sub-block j: the low nibbles of qs[16 j ..], then their high nibbles
+            for j in 0..8 {
+                for l in 0..16 {
+                    let q = qs[16 * j + l];
+                    out.codes[32 * j + l] = q & 0xF;
+                    out.codes[32 * j + 16 + l] = q >> 4;
+                }
+            }
+        }
     }
     out
 }
@@ -167,6 +217,12 @@ fn decode_32(qt: QType, b: &[u8], out: &mut Block) {
         out.codes[l] = (q & 0xF) | (((qh >> l) & 1) as u8) << 4;
         out.codes[l + 16] = (q >> 4) | (((qh >> (l + 16)) & 1) as u8) << 4;
     }
+}
+
+/// Q3_K / Q2_K's two low bits of weight `t` (`t = 128 g + 32 s + l`: bits 2 s of
+/// `qs[32 g + l]`).
+fn two_bits(qs: &[u8], t: usize) -> u8 {
+    (qs[32 * (t / 128) + t % 32] >> (2 * ((t % 128) / 32))) & 3
 }
 
 /// The block's weights in f32 (`out`: `qt.block()` values), in `gguf.quants`' order of
@@ -227,6 +283,42 @@ pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
                 let a = d * blk.sc[j] as f32;
                 for (o, &u) in o.iter_mut().zip(u) {
                     *o = a * f32::from(u as i8 - 32);
+                }
+            }
+        }
+        QType::Q3_K => {
+            for (j, (o, u)) in out
+                .chunks_exact_mut(16)
+                .zip(codes.chunks_exact(16))
+                .enumerate()
+            {
+                let a = d * blk.sc[j] as f32;
+                for (o, &u) in o.iter_mut().zip(u) {
+                    *o = a * f32::from(u as i8 - 4);
+                }
+            }
+        }
+        QType::Q2_K => {
+            for (j, (o, u)) in out
+                .chunks_exact_mut(16)
+                .zip(codes.chunks_exact(16))
+                .enumerate()
+            {
+                let (a, m) = (d * blk.sc[j] as f32, e * blk.mn[j] as f32);
+                for (o, &u) in o.iter_mut().zip(u) {
+                    *o = a * f32::from(u) - m;
+                }
+            }
+        }
+        QType::IQ4_XS => {
+            for (j, (o, u)) in out
+                .chunks_exact_mut(32)
+                .zip(codes.chunks_exact(32))
+                .enumerate()
+            {
+                let a = d * blk.sc[j] as f32;
+                for (o, &u) in o.iter_mut().zip(u) {
+                    *o = a * f32::from(IQ4_VALUES[usize::from(u & 0xF)]);
                 }
             }
         }
@@ -329,5 +421,54 @@ pub(crate) fn encode(qt: QType, blk: &Block, b: &mut [u8]) {
             }
             put_half(b, 208, blk.d);
         }
+        QType::Q3_K => {
+            let (hm, rest) = b.split_at_mut(32);
+            let (qs, rest) = rest.split_at_mut(64);
+            hm.fill(0);
+            put_two_bits(qs, c);
+            for (t, &u) in c.iter().enumerate() {
+                hm[t % 32] |= ((u >> 2) & 1) << (t / 32);
+            }
+            let s = &mut rest[..12];
+            s.fill(0);
+            for (j, &v) in blk.sc.iter().enumerate() {
+                let v = (v + 32) as u8;
+                s[j % 8] |= (v & 0xF) << (4 * (j / 8));
+                s[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+            }
+            put_half(b, 108, blk.d);
+        }
+        QType::Q2_K => {
+            for (j, o) in b[0..16].iter_mut().enumerate() {
+                *o = blk.sc[j] as u8 | ((blk.mn[j] as u8) << 4);
+            }
+            put_two_bits(&mut b[16..80], c);
+            put_half(b, 80, blk.d);
+            put_half(b, 82, blk.e);
+        }
+        QType::IQ4_XS => {
+            put_half(b, 0, blk.d);
+            let mut sh = 0u16;
+            b[4..8].fill(0);
+            for j in 0..8 {
+                let v = (blk.sc[j] + 32) as u8;
+                b[4 + j / 2] |= (v & 0xF) << (4 * (j % 2));
+                sh |= u16::from(v >> 4) << (2 * j);
+            }
+            b[2..4].copy_from_slice(&sh.to_le_bytes());
+            for j in 0..8 {
+                for l in 0..16 {
+                    b[8 + 16 * j + l] = (c[32 * j + l] & 0xF) | (c[32 * j + 16 + l] << 4);
+                }
+            }
+        }
+    }
+}
+
+/// Writes Q3_K / Q2_K's two low bits of the codes `c` into `qs` (64 bytes; [`two_bits`]).
+fn put_two_bits(qs: &mut [u8], c: &[u8; 256]) {
+    qs.fill(0);
+    for (t, &u) in c.iter().enumerate() {
+        qs[32 * (t / 128) + t % 32] |= (u & 3) << (2 * ((t % 128) / 32));
     }
 }

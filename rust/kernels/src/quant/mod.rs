@@ -1,5 +1,5 @@
-//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1,
-//! IQ4_NL):
+//! Products with GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K,
+//! Q4_K, Q5_K, Q6_K, IQ4_XS):
 //! `y[m, n] = x[m, k] . W[n, k]^T`, `x` and `y` f32, `W` the GGUF rows (one row a weight
 //! row, `k / block` blocks each) packed once ([`pack`]) into panels of 16 rows.
 //!
@@ -63,6 +63,9 @@ pub enum QType {
     Q5_0,
     Q5_1,
     IQ4_NL,
+    Q3_K,
+    Q2_K,
+    IQ4_XS,
 }
 
 /// The activation blocks a type's products take.
@@ -102,7 +105,8 @@ pub struct TypeTraits {
     /// `(x, out)`: one row of `x` quantized into its activation blocks
     pub quantize_row: fn(&[f32], ActRowMut<'_>),
     /// `(x, blocks)`: one row of float weights to GGUF blocks ([`quantize`]); None for the
-    /// types left to `gguf.quants`' quantizers
+    /// types left to `gguf.quants`' quantizers (Q8_0, Q4_0, Q4_1) and those only read from
+    /// GGUF files (Q3_K, Q2_K, IQ4_XS)
     pub quantize_weight_row: Option<WeightRowFn>,
     /// `(blocks, acts)`: one GGUF row times one activation row (as [`linear`] computes it)
     pub vec_dot: fn(&[u8], ActRows<'_>) -> f32,
@@ -198,7 +202,7 @@ macro_rules! traits {
 
 /// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
 /// layout summed, checked against it in the tests).
-pub static TYPES: [TypeTraits; 9] = [
+pub static TYPES: [TypeTraits; 12] = [
     traits!(
         Q8_0,
         "q8_0",
@@ -289,10 +293,13 @@ pub static TYPES: [TypeTraits; 9] = [
         ActFormat::A32 { offset: 128 },
         None
     ),
+    traits!(Q3_K, "q3_k", 11, 256, 110, 1824, ActFormat::A256, None),
+    traits!(Q2_K, "q2_k", 10, 256, 84, 1344, ActFormat::A256, None),
+    traits!(IQ4_XS, "iq4_xs", 23, 256, 136, 2208, ActFormat::A256, None),
 ];
 
 impl QType {
-    pub const ALL: [QType; 9] = [
+    pub const ALL: [QType; 12] = [
         QType::Q8_0,
         QType::Q4_0,
         QType::Q4_1,
@@ -302,6 +309,9 @@ impl QType {
         QType::Q5_0,
         QType::Q5_1,
         QType::IQ4_NL,
+        QType::Q3_K,
+        QType::Q2_K,
+        QType::IQ4_XS,
     ];
 
     pub fn traits(self) -> &'static TypeTraits {

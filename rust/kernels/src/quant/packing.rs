@@ -18,6 +18,9 @@
 //! | Q5_0 | nibbles 256, fifth bits 64, d 32 |
 //! | Q5_1 | nibbles 256, fifth bits 64, d 32, m 32 |
 //! | IQ4_NL | nibbles 256 (the table indices), d 32 |
+//! | Q3_K | low bit pairs 1024, third bits 512, sc 256, d 32 |
+//! | Q2_K | bit pairs 1024, sc and mins 256, d 32, dmin 32 |
+//! | IQ4_XS | nibbles 2048 (indices), sc 128, d 32 |
 //!
 //! * nibbles: 64-byte row `p` holds quad `2 p` in its low nibbles and quad `2 p + 1` in its
 //!   high nibbles (inputs `8 p .. 8 p + 8`);
@@ -25,13 +28,19 @@
 //!   inputs `32 j ..`), byte `4 c + i`, bit `v`: bit 4 of the code of input `32 j + 4 v + i`;
 //! * high bit pairs (Q6_K): row `j` (sub-block `j` of 16), byte `4 c + i`, bits `2 v, 2 v +
 //!   1`: bits 4-5 of the code of input `16 j + 4 v + i`;
-//! * sc: `[sub-block][column]` bytes (Q6_K: int8); mins: `[pair p][column][2]` bytes (the
-//!   mins of sub-blocks `2 p`, `2 p + 1`);
+//! * low bit pairs (Q3_K), bit pairs (Q2_K): row `j` (sub-block `j` of 16), byte `4 c + i`,
+//!   bits `2 v, 2 v + 1`: bits 0-1 of the code of input `16 j + 4 v + i`;
+//! * third bits (Q3_K): row `j` (inputs `32 j ..`), byte `4 c + i`, bit `v`: bit 2 of the
+//!   code of input `32 j + 4 v + i`;
+//! * sc: `[sub-block][column]` bytes (Q6_K, Q3_K, IQ4_XS: int8; Q2_K: the scale in the low
+//!   nibble, the min in the high one); mins: `[pair p][column][2]` bytes (the mins of
+//!   sub-blocks `2 p`, `2 p + 1`);
 //! * d, m, dmin: 16 fp16, one a column.
 //!
 //! Columns past `n` in the last panel are zero blocks. The packed form of Q8_0, Q4_0, Q4_1,
-//! Q6_K, Q5_0, Q5_1 and IQ4_NL is exactly as large as the GGUF rows (for `n` a multiple of 16); Q4_K and Q5_K
-//! gain 4 bytes a block (their scales unpacked: +2.8% and +2.3%).
+//! Q6_K, Q5_0, Q5_1, IQ4_NL and Q2_K is exactly as large as the GGUF rows (for `n` a multiple
+//! of 16); Q4_K and Q5_K gain 4 bytes a block (their scales unpacked: +2.8% and +2.3%), Q3_K
+//! 4 (+3.6%) and IQ4_XS 2 (+1.5%).
 
 use half::f16;
 
@@ -53,6 +62,9 @@ pub(crate) fn streams(qt: QType) -> &'static [usize] {
         QType::Q5_0 => &[256, 64, 32],
         QType::Q5_1 => &[256, 64, 32, 32],
         QType::IQ4_NL => &[256, 32],
+        QType::Q3_K => &[1024, 512, 256, 32],
+        QType::Q2_K => &[1024, 256, 32, 32],
+        QType::IQ4_XS => &[2048, 128, 32],
     }
 }
 
@@ -176,6 +188,48 @@ fn get_high(src: &[u8], blks: &mut [Block; PANEL], bits: u32, quads: usize) {
     }
 }
 
+/// Bits `shift .. shift + bits` of the codes: `bits` bits a quad, `quads` quads a 64-byte
+/// row (row `r`, byte `4 c + i`, bits `bits * q ..`: input `4 (quads r + q) + i`).
+fn put_field(out: &mut [u8], blks: &[Block; PANEL], shift: u32, bits: u32, quads: usize) {
+    let mask = (1u8 << bits) - 1;
+    for (row, out) in out.chunks_exact_mut(64).enumerate() {
+        for (c, blk) in blks.iter().enumerate() {
+            for i in 0..4 {
+                let mut v = 0u8;
+                for q in 0..quads {
+                    let code = blk.codes[4 * (quads * row + q) + i];
+                    v |= ((code >> shift) & mask) << (bits as usize * q);
+                }
+                out[4 * c + i] = v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+fn get_field(src: &[u8], blks: &mut [Block; PANEL], shift: u32, bits: u32, quads: usize) {
+    let mask = (1u8 << bits) - 1;
+    for (row, src) in src.chunks_exact(64).enumerate() {
+        for (c, blk) in blks.iter_mut().enumerate() {
+            for i in 0..4 {
+                for q in 0..quads {
+                    let h = (src[4 * c + i] >> (bits as usize * q)) & mask;
+                    blk.codes[4 * (quads * row + q) + i] |= h << shift;
+                }
+            }
+        }
+    }
+}
+
+/// Writes `[sub-block][column]` bytes `f(block, sub-block)` of `subs` sub-blocks.
+fn put_subs(out: &mut [u8], blks: &[Block; PANEL], subs: usize, f: impl Fn(&Block, usize) -> u8) {
+    for j in 0..subs {
+        for (c, blk) in blks.iter().enumerate() {
+            out[16 * j + c] = f(blk, j);
+        }
+    }
+}
+
 /// Encodes 16 columns' block `b` into the panel `panel` (`nb` blocks).
 pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usize, b: usize) {
     let bl = qt.block();
@@ -242,6 +296,29 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
                 }
             }
             put_halves(stream_mut(qt, panel, nb, 3, b), blks.iter().map(|k| k.d));
+        }
+        QType::Q3_K => {
+            put_field(stream_mut(qt, panel, nb, 0, b), blks, 0, 2, 4);
+            put_field(stream_mut(qt, panel, nb, 1, b), blks, 2, 1, 8);
+            put_subs(stream_mut(qt, panel, nb, 2, b), blks, 16, |k, j| {
+                k.sc[j] as i8 as u8
+            });
+            put_halves(stream_mut(qt, panel, nb, 3, b), blks.iter().map(|k| k.d));
+        }
+        QType::Q2_K => {
+            put_field(stream_mut(qt, panel, nb, 0, b), blks, 0, 2, 4);
+            put_subs(stream_mut(qt, panel, nb, 1, b), blks, 16, |k, j| {
+                k.sc[j] as u8 | ((k.mn[j] as u8) << 4)
+            });
+            put_halves(stream_mut(qt, panel, nb, 2, b), blks.iter().map(|k| k.d));
+            put_halves(stream_mut(qt, panel, nb, 3, b), blks.iter().map(|k| k.e));
+        }
+        QType::IQ4_XS => {
+            put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
+            put_subs(stream_mut(qt, panel, nb, 1, b), blks, 8, |k, j| {
+                k.sc[j] as i8 as u8
+            });
+            put_halves(stream_mut(qt, panel, nb, 2, b), blks.iter().map(|k| k.d));
         }
     }
 }
@@ -314,6 +391,38 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
                 }
             }
             set(&mut blks, st(3), |k, v| k.d = v);
+        }
+        QType::Q3_K | QType::Q2_K => {
+            get_field(st(0), &mut blks, 0, 2, 4);
+            let q3 = qt == QType::Q3_K;
+            if q3 {
+                get_field(st(1), &mut blks, 2, 1, 8);
+            }
+            let sc = st(if q3 { 2 } else { 1 });
+            for (c, blk) in blks.iter_mut().enumerate() {
+                for j in 0..16 {
+                    let v = sc[16 * j + c];
+                    if q3 {
+                        blk.sc[j] = i32::from(v as i8);
+                    } else {
+                        (blk.sc[j], blk.mn[j]) = (i32::from(v & 0xF), i32::from(v >> 4));
+                    }
+                }
+            }
+            set(&mut blks, st(if q3 { 3 } else { 2 }), |k, v| k.d = v);
+            if !q3 {
+                set(&mut blks, st(3), |k, v| k.e = v);
+            }
+        }
+        QType::IQ4_XS => {
+            get_nibbles(st(0), &mut blks, bl);
+            let sc = st(1);
+            for (c, blk) in blks.iter_mut().enumerate() {
+                for j in 0..8 {
+                    blk.sc[j] = i32::from(sc[16 * j + c] as i8);
+                }
+            }
+            set(&mut blks, st(2), |k, v| k.d = v);
         }
     }
     blks

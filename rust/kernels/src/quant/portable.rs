@@ -14,13 +14,18 @@
 //!   for j = 0..8 (f32), `s2 = sum_j mn[j] * sum32[j]` (i32), `acc = fma(s1, d * dx, acc)`,
 //!   `acc = fma(-f32(s2), e * dx, acc)`;
 //! * Q6_K: `t[j] = neg32_sum16[j] + sum_{16 j..}(u * qs)`, `s1 = fma(f32(t[j]), f32(sc[j]),
-//!   s1)` for j = 0..16, `acc = fma(s1, d * dx, acc)`.
+//!   s1)` for j = 0..16, `acc = fma(s1, d * dx, acc)`;
+//! * Q3_K: as Q6_K with `t[j] = -4 * sum16[j] + sum_{16 j..}(u * qs)`;
+//! * Q2_K: `t[j] = sum_{16 j..}(u * qs)`, `s1` as Q6_K's (16 sub-blocks), `s2 = sum_j mn[j] *
+//!   sum16[j]` (i32), then `acc` as Q4_K's;
+//! * IQ4_XS: `t[j] = -128 * sum32[j] + sum_{32 j..}(v * qs)`, `v = IQ4_VALUES[u] + 128` (the
+//!   value as an unsigned code), `s1` over j = 0..8, `acc = fma(s1, d * dx, acc)`.
 //!
-//! The integer sums are exact in i32 (|t[j]| < 2^17, |s2| < 2^21), and so are the products
+//! The integer sums are exact in i32 (|t[j]| < 2^20, |s2| < 2^21), and so are the products
 //! `f32(t[j]) * sc[j]` (< 2^24), so `s1`'s fused multiply-adds round as plain adds would.
 
 use super::act::{A256, A32};
-use super::blocks::{Block, IQ4NL_U};
+use super::blocks::{Block, IQ4NL_U, IQ4_VALUES};
 use super::packing::{factor_streams, PANEL};
 use super::{ActRows, QType};
 
@@ -48,9 +53,55 @@ pub(crate) fn dot_a32(qt: QType, blk: &Block, a: &A32, acc: f32) -> f32 {
     acc
 }
 
+/// IQ4_XS's 4-bit index `u` as its unsigned code (the value + 128).
+#[inline(always)]
+pub(crate) fn iq4_code(u: u8) -> u8 {
+    (IQ4_VALUES[usize::from(u & 0xF)] as u8) ^ 0x80
+}
+
+/// The start of sub-block `j`'s integer sum for the K-types with a code offset (Q6_K,
+/// Q3_K, IQ4_XS; else 0).
+#[inline(always)]
+fn k_init(qt: QType, a: &A256, j: usize) -> i32 {
+    match qt {
+        QType::Q6_K => a.neg32_sum16[j],
+        QType::Q3_K => -4 * i32::from(a.sum16[j]),
+        QType::IQ4_XS => -128 * i32::from(a.sum32[j]),
+        _ => 0,
+    }
+}
+
+/// `acc` plus block `blk` (of Q3_K, Q2_K or IQ4_XS) times `a`.
+#[inline(always)]
+fn dot_a256_small(qt: QType, blk: &Block, a: &A256, acc: f32) -> f32 {
+    let per = if qt == QType::IQ4_XS { 32 } else { 16 };
+    let mut s1 = 0f32;
+    for j in 0..256 / per {
+        let r = per * j..per * j + per;
+        let dot = if qt == QType::IQ4_XS {
+            let v: [u8; 32] = std::array::from_fn(|i| iq4_code(blk.codes[r.start + i]));
+            idot(&v, &a.qs[r])
+        } else {
+            idot(&blk.codes[r.clone()], &a.qs[r])
+        };
+        let t = k_init(qt, a, j) + dot;
+        // (exact product: one rounding, as the SIMD kernels' fused multiply-add)
+        s1 += t as f32 * blk.sc[j] as f32;
+    }
+    let acc = s1.mul_add(blk.d * a.d, acc);
+    if qt != QType::Q2_K {
+        return acc;
+    }
+    let s2: i32 = (0..16).map(|j| blk.mn[j] * i32::from(a.sum16[j])).sum();
+    (-(s2 as f32)).mul_add(blk.e * a.d, acc)
+}
+
 /// `acc` plus block `blk` (of a K-type) times `a`.
 #[inline(always)]
 pub(crate) fn dot_a256(qt: QType, blk: &Block, a: &A256, acc: f32) -> f32 {
+    if matches!(qt, QType::Q3_K | QType::Q2_K | QType::IQ4_XS) {
+        return dot_a256_small(qt, blk, a, acc);
+    }
     let mut s1 = 0f32;
     if qt == QType::Q6_K {
         for j in 0..16 {
@@ -107,6 +158,19 @@ fn quad_codes(qt: QType, panel: &[u8], st: &[usize; 6], b: usize, q: usize) -> [
     if qt == QType::Q8_0 {
         return *row(st[0] + 512 * b + 64 * q);
     }
+    if matches!(qt, QType::Q3_K | QType::Q2_K) {
+        // sub-block j = q / 4, bits 2 (q % 4) of its bit-pair row; Q3_K's third bit: bit
+        // q % 8 of row q / 8
+        let v = row(st[0] + 1024 * b + 64 * (q / 4));
+        let mut c: [u8; 64] = std::array::from_fn(|i| (v[i] >> (2 * (q % 4))) & 3);
+        if qt == QType::Q3_K {
+            let h = row(st[1] + 512 * b + 64 * (q / 8));
+            for (c, h) in c.iter_mut().zip(h) {
+                *c |= ((h >> (q % 8)) & 1) << 2;
+            }
+        }
+        return c;
+    }
     let bytes = if qt.block() == 32 { 256 } else { 2048 };
     let v = row(st[0] + bytes * b + 64 * (q / 2));
     let shift = 4 * (q % 2);
@@ -138,6 +202,7 @@ fn quad_codes(qt: QType, panel: &[u8], st: &[usize; 6], b: usize, q: usize) -> [
                 *c |= ((h >> (2 * (q % 4))) & 3) << 4;
             }
         }
+        QType::IQ4_XS => c.iter_mut().for_each(|c| *c = iq4_code(*c)),
         _ => {}
     }
     c
@@ -192,6 +257,9 @@ fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [
                     }
                 }
             }
+            ActRows::A256(a) if matches!(qt, QType::Q3_K | QType::Q2_K | QType::IQ4_XS) => {
+                small_k_block(qt, panel, &st, nb, b, &codes, a, out)
+            }
             ActRows::A256(a) => {
                 let q6 = qt == QType::Q6_K;
                 let (subs, per) = if q6 { (16, 4) } else { (8, 8) };
@@ -243,6 +311,62 @@ fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Block `b` of a Q3_K, Q2_K or IQ4_XS panel (`codes`: its quads) times each row of `a`,
+/// added to `out` (the formula of the module docs).
+#[allow(clippy::too_many_arguments)] // one block of `panel_body`: its panel and rows
+#[inline(always)]
+fn small_k_block(
+    qt: QType,
+    panel: &[u8],
+    st: &[usize; 6],
+    nb: usize,
+    b: usize,
+    codes: &[[u8; 64]; 64],
+    a: &[A256],
+    out: &mut [[f32; PANEL]],
+) {
+    // (stream numbers: Q3_K low pairs, third bits, sc, d; Q2_K pairs, sc and mins, d,
+    // dmin; IQ4_XS nibbles, sc, d)
+    let (subs, per, sc_s, d_s) = match qt {
+        QType::Q3_K => (16, 4, 2, 3),
+        QType::Q2_K => (16, 4, 1, 2),
+        _ => (8, 8, 1, 2),
+    };
+    let sc = &panel[st[sc_s] + 16 * subs * b..][..16 * subs];
+    let d = halves(&panel[st[d_s] + 32 * b..][..32]);
+    for (i, o) in out.iter_mut().enumerate() {
+        let a = &a[i * nb + b];
+        let mut s1 = [0f32; PANEL];
+        for j in 0..subs {
+            let mut t = [k_init(qt, a, j); PANEL];
+            for (q, c) in codes.iter().enumerate().skip(per * j).take(per) {
+                add_quad(&mut t, c, &a.qs[4 * q..]);
+            }
+            for c in 0..PANEL {
+                let v = sc[16 * j + c];
+                let sc = match qt {
+                    QType::Q2_K => f32::from(v & 0xF),
+                    _ => f32::from(v as i8),
+                };
+                // (exact product: one rounding, as the kernels' fused one)
+                s1[c] += t[c] as f32 * sc;
+            }
+        }
+        for c in 0..PANEL {
+            o[c] = s1[c].mul_add(d[c] * a.d, o[c]);
+        }
+        if qt == QType::Q2_K {
+            let e = halves(&panel[st[3] + 32 * b..][..32]);
+            for c in 0..PANEL {
+                let s2: i32 = (0..16)
+                    .map(|j| i32::from(sc[16 * j + c] >> 4) * i32::from(a.sum16[j]))
+                    .sum();
+                o[c] = (-(s2 as f32)).mul_add(e[c] * a.d, o[c]);
             }
         }
     }

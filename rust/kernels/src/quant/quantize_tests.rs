@@ -258,6 +258,13 @@ fn non_finite_weights_and_bad_arguments_are_refused_naming_the_field() {
         let e = quantize(qt, &[0.0; 32], 1, 32, &mut [0u8; 34], 1).unwrap_err();
         assert_eq!(e.field(), Some("qtype"));
     }
+    // the types only read from GGUF files
+    for qt in [QType::Q3_K, QType::Q2_K, QType::IQ4_XS] {
+        assert!(!quantizes(qt));
+        let mut out = vec![0u8; qt.block_bytes()];
+        let e = quantize(qt, &[0.0; 256], 1, 256, &mut out, 1).unwrap_err();
+        assert_eq!(e.field(), Some("qtype"));
+    }
     let mut none: [u8; 0] = [];
     quantize(QType::Q4_K, &[], 0, 256, &mut none, 2).unwrap();
     quantize(QType::Q6_K, &[], 3, 0, &mut none, 2).unwrap();

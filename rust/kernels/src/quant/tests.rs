@@ -3,7 +3,7 @@
 //! GGUF-row `vec_dot`, portable and VNNI panels) equal bit for bit and within a stated bound
 //! of the f64 product of the dequantized weights.
 
-use super::blocks::{decode, Block, IQ4_VALUES};
+use super::blocks::{self, decode, Block, IQ4_VALUES};
 use super::packing::{decode_panel, panel_block_bytes, streams};
 use super::*;
 use crate::isa::Isa;
@@ -69,6 +69,12 @@ pub(super) fn random_rows(qt: QType, n: usize, k: usize, seed: u64) -> Vec<u8> {
                 put_half(b, 2, e);
             }
             QType::Q6_K => put_half(b, 208, d),
+            QType::Q3_K => put_half(b, 108, d),
+            QType::Q2_K => {
+                put_half(b, 80, d.abs());
+                put_half(b, 82, e);
+            }
+            QType::IQ4_XS => put_half(b, 0, d),
         }
     }
     out
@@ -170,6 +176,42 @@ fn direct(qt: QType, b: &[u8]) -> Vec<f64> {
                 h(208) * f64::from(b[192 + t / 16] as i8) * q
             })
             .collect(),
+        QType::Q3_K => (0..256)
+            .map(|t| {
+                // scales: the 12 bytes as 16 six-bit values, low nibbles in bytes 0-7
+                // (two a byte), top two bits in bytes 8-11 (four a byte)
+                let j = t / 16;
+                let s = &b[96..108];
+                let sc =
+                    (s[j % 8] >> (4 * (j / 8))) & 15 | ((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4;
+                let lo = (b[32 + 32 * (t / 128) + t % 32] >> (2 * ((t / 32) % 4))) & 3;
+                let high = (b[t % 32] >> (t / 32)) & 1;
+                // the hmask bit set: no offset; clear: -4
+                let q = f64::from(lo) - if high == 1 { 0.0 } else { 4.0 };
+                h(108) * (f64::from(sc) - 32.0) * q
+            })
+            .collect(),
+        QType::Q2_K => (0..256)
+            .map(|t| {
+                let s = b[t / 16];
+                let q = (b[16 + 32 * (t / 128) + t % 32] >> (2 * ((t / 32) % 4))) & 3;
+                h(80) * f64::from(s & 15) * f64::from(q) - h(82) * f64::from(s >> 4)
+            })
+            .collect(),
+        QType::IQ4_XS => (0..256)
+            .map(|t| {
+                const V: [f64; 16] = [
+                    -127., -104., -83., -65., -49., -35., -22., -10., 1., 13., 25., 38., 53., 69.,
+                    89., 113.,
+                ];
+                let j = t / 32;
+                let sh = u16::from_le_bytes([b[2], b[3]]);
+                let sc = (b[4 + j / 2] >> (4 * (j % 2))) & 15 | (((sh >> (2 * j)) & 3) as u8) << 4;
+                let byte = b[8 + 16 * j + t % 16];
+                let idx = if t % 32 < 16 { byte & 15 } else { byte >> 4 };
+                h(0) * (f64::from(sc) - 32.0) * V[usize::from(idx)]
+            })
+            .collect(),
     }
 }
 
@@ -183,7 +225,13 @@ fn the_table_matches_the_layout() {
         assert_eq!(t.panel_block_bytes, panel_block_bytes(qt));
         assert_eq!(
             streams(qt)[0] * 8,
-            PANEL * qt.block() * if qt == QType::Q8_0 { 8 } else { 4 }
+            PANEL
+                * qt.block()
+                * match qt {
+                    QType::Q8_0 => 8,
+                    QType::Q3_K | QType::Q2_K => 2,
+                    _ => 4,
+                }
         );
         assert_eq!(QType::from_name(t.name), Some(qt));
         assert_eq!(QType::from_name(&t.name.to_uppercase()), Some(qt));
@@ -192,7 +240,7 @@ fn the_table_matches_the_layout() {
         let overhead = t.panel_block_bytes - PANEL * t.block_bytes;
         assert!(overhead <= 4 * PANEL, "{}", t.name);
     }
-    assert_eq!(QType::from_name("q2_k"), None);
+    assert_eq!(QType::from_name("q1_k"), None);
 }
 
 #[test]
@@ -279,6 +327,14 @@ fn reference(
                         d * f64::from(blk.sc[t / 32]) * u + e * f64::from(blk.mn[t / 32])
                     }
                     QType::Q6_K => d * f64::from(blk.sc[t / 16]).abs() * (u - 32.0).abs(),
+                    QType::Q3_K => d * f64::from(blk.sc[t / 16]).abs() * (u - 4.0).abs(),
+                    QType::Q2_K => {
+                        d * f64::from(blk.sc[t / 16]) * u + e * f64::from(blk.mn[t / 16])
+                    }
+                    QType::IQ4_XS => {
+                        let v = blocks::IQ4_VALUES[usize::from(blk.codes[t])];
+                        d * f64::from(blk.sc[t / 32]).abs() * f64::from(v).abs()
+                    }
                 }
             })
         })
@@ -403,6 +459,9 @@ fn constant_rows(qt: QType, n: usize, k: usize, byte: u8) -> Vec<u8> {
         QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => &[0],
         QType::Q4_1 | QType::Q4_K | QType::Q5_K | QType::Q5_1 => &[0, 2],
         QType::Q6_K => &[208],
+        QType::Q3_K => &[108],
+        QType::Q2_K => &[80, 82],
+        QType::IQ4_XS => &[0],
     };
     for b in rows.chunks_exact_mut(bb) {
         for (i, v) in b.iter_mut().enumerate() {

@@ -13,6 +13,8 @@
 //! scales are widened to f32 lanes once a panel block, for one exact fused multiply-add a
 //! sub-block and row (`vpmulld` + `vpaddd` cost one more instruction, on one port); the
 //! K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
+//! Q3_K and Q2_K's bit pairs are shifted down and masked, Q3_K's third bits merged at bit 2;
+//! IQ4_XS's indices become their codes (value + 128) in one `vpshufb` from a 16-byte table.
 
 use std::arch::x86_64::*;
 
@@ -41,6 +43,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q5_0 => panel::<{ QType::Q5_0 as u8 }>,
         QType::Q5_1 => panel::<{ QType::Q5_1 as u8 }>,
         QType::IQ4_NL => panel::<{ QType::IQ4_NL as u8 }>,
+        QType::Q3_K => panel::<{ QType::Q3_K as u8 }>,
+        QType::Q2_K => panel::<{ QType::Q2_K as u8 }>,
+        QType::IQ4_XS => panel::<{ QType::IQ4_XS as u8 }>,
     }
 }
 
@@ -119,6 +124,21 @@ fn panel<const T: u8>(
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
             let a = a.as_ptr();
             rows!(q6k, a)
+        }
+        (QType::Q3_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            rows!(small_k, a, { QType::Q3_K as u8 })
+        }
+        (QType::Q2_K, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            rows!(small_k, a, { QType::Q2_K as u8 })
+        }
+        (QType::IQ4_XS, ActRows::A256(a)) => {
+            assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
+            let a = a.as_ptr();
+            rows!(small_k, a, { QType::IQ4_XS as u8 })
         }
         _ => panic!("{}: wrong activation format", qt.name()),
     }
@@ -495,6 +515,232 @@ unsafe fn q6k<const R: usize>(
         let d = halves(w.add(st[3] + 32 * b));
         for i in 0..R {
             acc[i] = scaled(acc[i], s1[i], d, (*ab[i]).d);
+        }
+    }
+    store::<R>(out, &acc);
+}
+
+/// `v` shifted right by `n` bits in each 16-bit lane (`n` known once unrolled).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn srl16(v: __m512i, n: usize) -> __m512i {
+    _mm512_srl_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+/// `v` shifted left by `n` bits in each 16-bit lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn sll16(v: __m512i, n: usize) -> __m512i {
+    _mm512_sll_epi16(v, _mm_cvtsi32_si128(n as i32))
+}
+
+/// Bit `k` (< 8) of each byte of `h` at bit 2 (the other bits anything): a 16-bit shift
+/// moves the bits of both bytes of a lane alike, and bit 2 of either byte comes from its own
+/// byte.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+fn bit_at2(h: __m512i, k: usize) -> __m512i {
+    if k >= 2 {
+        srl16(h, k - 2)
+    } else {
+        sll16(h, 2 - k)
+    }
+}
+
+/// IQ4_XS's codes (value + 128) by index, in each 128-bit lane (a `vpshufb` table).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+pub(crate) fn iq4_table() -> __m512i {
+    let t: [u8; 16] = std::array::from_fn(|i| super::portable::iq4_code(i as u8));
+    // SAFETY: `t` is 16 readable bytes.
+    _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(t.as_ptr().cast()) })
+}
+
+/// Sub-blocks and quads a sub-block of Q3_K, Q2_K and IQ4_XS.
+pub(crate) const fn small_shape(qt: QType) -> (usize, usize) {
+    match qt {
+        QType::IQ4_XS => (8, 8),
+        _ => (16, 4),
+    }
+}
+
+/// The stream numbers of the sub-block scales and of `d` (Q3_K, Q2_K, IQ4_XS).
+pub(crate) const fn small_streams(qt: QType) -> (usize, usize) {
+    match qt {
+        QType::Q3_K => (2, 3),
+        _ => (1, 2),
+    }
+}
+
+/// The code vectors of sub-block `j` of block `b` (Q3_K, Q2_K: 4 quads; IQ4_XS: 8) of the
+/// panel `w` (streams at `st`); `table`: [`iq4_table`].
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb > b` blocks of
+/// `qt` whose streams start at `st`; `j` is below the type's sub-blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+pub(crate) unsafe fn small_codes(
+    qt: QType,
+    w: *const u8,
+    st: &[usize; 6],
+    b: usize,
+    j: usize,
+    table: __m512i,
+) -> [__m512i; 8] {
+    let mut c = [_mm512_setzero_si512(); 8];
+    // (offsets inside each stream's `nb` blocks: the sizes of `packing::streams`)
+    if qt == QType::IQ4_XS {
+        let m4 = _mm512_set1_epi8(0x0F);
+        for l in 0..4 {
+            let v = load(w.add(st[0] + 2048 * b + 64 * (4 * j + l)));
+            c[2 * l] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4));
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            c[2 * l + 1] = _mm512_shuffle_epi8(table, hi);
+        }
+        return c;
+    }
+    let m3 = _mm512_set1_epi8(3);
+    let v = load(w.add(st[0] + 1024 * b + 64 * j));
+    for (q, c) in c.iter_mut().take(4).enumerate() {
+        *c = _mm512_and_si512(srl16(v, 2 * q), m3);
+    }
+    if qt == QType::Q3_K {
+        // third bits: bit 4 (j % 2) + q of row j / 2 (the odd sub-block's moved down
+        // first: the shifts below are then constants)
+        let mut h = load(w.add(st[1] + 512 * b + 64 * (j / 2)));
+        if j % 2 == 1 {
+            h = _mm512_srli_epi16::<4>(h);
+        }
+        let bit2 = _mm512_set1_epi8(4);
+        for (q, c) in c.iter_mut().take(4).enumerate() {
+            *c = or_and(*c, bit_at2(h, q), bit2);
+        }
+    }
+    c
+}
+
+/// Sub-block `j`'s scales of block `b` as 16 f32 (Q2_K: the low nibbles).
+///
+/// # Safety
+/// As [`small_codes`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+pub(crate) unsafe fn small_scale(
+    qt: QType,
+    w: *const u8,
+    st: &[usize; 6],
+    b: usize,
+    j: usize,
+) -> __m512 {
+    let (subs, _) = small_shape(qt);
+    let (sc, _) = small_streams(qt);
+    let v = _mm_loadu_si128(w.add(st[sc] + 16 * subs * b + 16 * j).cast());
+    if qt == QType::Q2_K {
+        let u = _mm512_and_si512(_mm512_cvtepu8_epi32(v), _mm512_set1_epi32(0xF));
+        _mm512_cvtepi32_ps(u)
+    } else {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
+    }
+}
+
+/// Q2_K's mins of sub-blocks `2 p`, `2 p + 1` of block `b` as i16 pairs (a lane a column).
+///
+/// # Safety
+/// As [`small_codes`], `qt` Q2_K and `p < 8`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+pub(crate) unsafe fn q2_min_pair(w: *const u8, st: &[usize; 6], b: usize, p: usize) -> __m512i {
+    let at = w.add(st[1] + 256 * b + 32 * p);
+    let lo = _mm512_srli_epi32::<4>(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.cast())));
+    let hi = _mm512_srli_epi32::<4>(_mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(16).cast())));
+    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+}
+
+/// The start of sub-block `j`'s integer sum (Q3_K: `-4 sum16`, IQ4_XS: `-128 sum32`, Q2_K:
+/// 0).
+#[inline(always)]
+fn small_init(qt: QType, a: &A256, j: usize) -> i32 {
+    match qt {
+        QType::Q3_K => -4 * i32::from(a.sum16[j]),
+        QType::IQ4_XS => -128 * i32::from(a.sum32[j]),
+        _ => 0,
+    }
+}
+
+/// Q3_K, Q2_K or IQ4_XS (`K`: the type's number), `R` rows.
+///
+/// # Safety
+/// As [`blocks32`], with [`A256`] activation blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn small_k<const R: usize, const K: u8>(
+    w: *const u8,
+    nb: usize,
+    a: *const A256,
+    out: *mut [f32; PANEL],
+    pf: Fetch,
+) {
+    let qt = QType::ALL[K as usize];
+    let st = stream_starts(qt, nb);
+    let (subs, per) = small_shape(qt);
+    let (_, dd) = small_streams(qt);
+    let split = R <= 2;
+    let table = iq4_table();
+    let pf = pf.split(8);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
+        let mut s1 = [_mm512_setzero_ps(); R];
+        for j in 0..subs {
+            // 8 parts a block, as Q4_K's (a part every sub-block of 16: ~8% slower at
+            // one row, hot)
+            if j % (subs / 8) == 0 {
+                pf.part(8 * b + j / (subs / 8));
+            }
+            let c = small_codes(qt, w, &st, b, j, table);
+            let scale = small_scale(qt, w, &st, b, j);
+            for i in 0..R {
+                let qs = (*ab[i]).qs.as_ptr().add(4 * per * j);
+                let mut t = _mm512_set1_epi32(small_init(qt, &*ab[i], j));
+                let mut t_odd = _mm512_setzero_si512();
+                for (v, c) in c.iter().enumerate().take(per) {
+                    if split && v % 2 == 1 {
+                        t_odd = _mm512_dpbusd_epi32(t_odd, *c, quad(qs.add(4 * v)));
+                    } else {
+                        t = _mm512_dpbusd_epi32(t, *c, quad(qs.add(4 * v)));
+                    }
+                }
+                if split {
+                    t = _mm512_add_epi32(t, t_odd);
+                }
+                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, s1[i]);
+            }
+        }
+        let d = halves(w.add(st[dd] + 32 * b));
+        for i in 0..R {
+            acc[i] = scaled(acc[i], s1[i], d, (*ab[i]).d);
+        }
+        if qt == QType::Q2_K {
+            let mut s2 = [_mm512_setzero_si512(); R];
+            for p in 0..8 {
+                let mp = q2_min_pair(w, &st, b, p);
+                for i in 0..R {
+                    let pair = (*ab[i])
+                        .sum16
+                        .as_ptr()
+                        .add(2 * p)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    s2[i] = dpwssd(s2[i], mp, _mm512_set1_epi32(pair));
+                }
+            }
+            let e = halves(w.add(st[3] + 32 * b));
+            for i in 0..R {
+                let edx = _mm512_mul_ps(e, _mm512_set1_ps((*ab[i]).d));
+                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[i]), edx, acc[i]);
+            }
         }
     }
     store::<R>(out, &acc);

@@ -17,7 +17,9 @@
 //! |---|---|
 //! | Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1, Q5_1) |
 //! | Q4_K, Q5_K | codes 64, sc 8 (f32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
-//! | Q6_K | codes 64, sc 16 (f32), d 1 |
+//! | Q6_K, Q3_K | codes 64, sc 16 (f32), d 1 |
+//! | Q2_K | codes 64, sc 16 (f32), d 1, dmin 1, mins 8 (i16: `[pair][column][2]`) |
+//! | IQ4_XS | codes 64, sc 8 (f32), d 1 |
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -25,6 +27,7 @@ use std::ops::Range;
 use super::act::{A256, A32};
 use super::blocks::IQ4NL_U;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, streams, PANEL};
+use super::vnni;
 use super::{ActRows, QType};
 use crate::asm::dpwssd;
 
@@ -79,12 +82,26 @@ fn layout(qt: QType) -> Layout {
             e: 73,
             mins: 74,
         },
-        QType::Q6_K => Layout {
+        QType::Q6_K | QType::Q3_K => Layout {
             lines: 81,
             sc: 64,
             d: 80,
             e: 81,
             mins: 81,
+        },
+        QType::Q2_K => Layout {
+            lines: 90,
+            sc: 64,
+            d: 80,
+            e: 81,
+            mins: 82,
+        },
+        QType::IQ4_XS => Layout {
+            lines: 73,
+            sc: 64,
+            d: 72,
+            e: 73,
+            mins: 73,
         },
     }
 }
@@ -427,6 +444,9 @@ unsafe fn tile_dispatch(
         }
         (QType::Q6_K, ActRows::A256(a)) => go!(tile_k, a, true),
         (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => go!(tile_k, a, false),
+        (QType::Q3_K, ActRows::A256(a)) => go!(tile_small, a, { QType::Q3_K as u8 }),
+        (QType::Q2_K, ActRows::A256(a)) => go!(tile_small, a, { QType::Q2_K as u8 }),
+        (QType::IQ4_XS, ActRows::A256(a)) => go!(tile_small, a, { QType::IQ4_XS as u8 }),
         _ => panic!("{}: wrong activation format", qt.name()),
     }
 }
@@ -572,6 +592,65 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
                     for pp in 0..4 {
                         let pair = (*ab[i])
                             .sum32
+                            .as_ptr()
+                            .add(2 * pp)
+                            .cast::<i32>()
+                            .read_unaligned();
+                        s2 = dpwssd(s2, line(blk[p], lay.mins + pp), _mm512_set1_epi32(pair));
+                    }
+                    let edx = _mm512_mul_ps(line_ps(blk[p], lay.e), _mm512_set1_ps(dx));
+                    v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v);
+                }
+                acc_store(&t, i, p, P, v);
+            }
+        }
+    }
+}
+
+/// Q3_K, Q2_K or IQ4_XS (`K`: the type's number), `R` rows, `P` panels: [`tile_k`]'s
+/// order with the starts of the sub-block sums and Q2_K's mins of `vnni::small_k`.
+///
+/// # Safety
+/// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_small<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
+    let qt = QType::ALL[K as usize];
+    let lay = t.lay;
+    let (subs, per) = vnni::small_shape(qt);
+    for b in 0..t.cb {
+        let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
+        let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
+        let qs: [*const i8; R] = std::array::from_fn(|i| (*ab[i]).qs.as_ptr());
+        let mut s1 = [[_mm512_setzero_ps(); P]; R];
+        for j in 0..subs {
+            let mut s: [[__m512i; P]; R] = std::array::from_fn(|i| {
+                let init = match qt {
+                    QType::Q3_K => -4 * i32::from((*ab[i]).sum16[j]),
+                    QType::IQ4_XS => -128 * i32::from((*ab[i]).sum32[j]),
+                    _ => 0,
+                };
+                [_mm512_set1_epi32(init); P]
+            });
+            dot_quads(&mut s, &blk, &qs, per * j..per * (j + 1));
+            for p in 0..P {
+                let sc = line_ps(blk[p], lay.sc + j);
+                for i in 0..R {
+                    // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
+                    s1[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][p]), sc, s1[i][p]);
+                }
+            }
+        }
+        for p in 0..P {
+            let d = line_ps(blk[p], lay.d);
+            for i in 0..R {
+                let dx = (*ab[i]).d;
+                let mut v = acc_load(&t, i, p, P, t.fresh && b == 0);
+                v = _mm512_fmadd_ps(s1[i][p], _mm512_mul_ps(d, _mm512_set1_ps(dx)), v);
+                if qt == QType::Q2_K {
+                    let mut s2 = _mm512_setzero_si512();
+                    for pp in 0..8 {
+                        let pair = (*ab[i])
+                            .sum16
                             .as_ptr()
                             .add(2 * pp)
                             .cast::<i32>()
@@ -733,6 +812,24 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
                 );
             }
             put_ps(lay.d, halves(w.add(st[3] + 32 * b)));
+        }
+        QType::Q3_K | QType::Q2_K | QType::IQ4_XS => {
+            let (subs, per) = vnni::small_shape(qt);
+            let table = vnni::iq4_table();
+            for j in 0..subs {
+                let c = vnni::small_codes(qt, w, st, b, j, table);
+                for (v, c) in c.iter().enumerate().take(per) {
+                    put(per * j + v, *c);
+                }
+                put_ps(lay.sc + j, vnni::small_scale(qt, w, st, b, j));
+            }
+            put_ps(lay.d, halves(w.add(st[vnni::small_streams(qt).1] + 32 * b)));
+            if qt == QType::Q2_K {
+                put_ps(lay.e, halves(w.add(st[3] + 32 * b)));
+                for p in 0..8 {
+                    put(lay.mins + p, vnni::q2_min_pair(w, st, b, p));
+                }
+            }
         }
     }
 }
