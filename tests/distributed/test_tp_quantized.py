@@ -135,6 +135,16 @@ def test_quantize_on_load_equals_one_rank(tmp_path: Path) -> None:
         _tokens(tmp_path / "ckpt", 1, quantization="q8_0")
 
 
+def test_quantize_on_load_fallback_types_equal_one_rank(tmp_path: Path) -> None:
+    """q4_k on load of a 224-wide model with a 608-wide MLP: the 224- and 608-wide matrices
+    take Q5_0 (llama.cpp's fallback) on every rank, the down projections cut in 32-weight
+    blocks; the same tokens as one rank."""
+    tiny_model("llama", hidden_size=224, head_dim=128,
+               intermediate_size=608).save_pretrained(tmp_path / "ckpt")
+    assert _tokens(tmp_path / "ckpt", 2, quantization="q4_k") == \
+        _tokens(tmp_path / "ckpt", 1, quantization="q4_k")
+
+
 def test_gguf_with_quantization_refused(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "t.gguf", tiny_model("llama"), "llama", "Q8_0").path
     with pytest.raises(Exception) as err:

@@ -181,3 +181,42 @@ def test_cli_flag() -> None:
         args = build_parser().parse_args(["generate", "some/dir", "--quantization", name,
                                           "--prompt", "x"])
         assert args.quantization == name
+
+
+@pytest.mark.parametrize(("name", "fallback"), [("q4_k", "Q5_0"), ("q5_k", "Q5_1"),
+                                                ("q6_k", "Q8_0")])
+def test_k_type_widths_not_whole_blocks_take_llama_cpp_fallback(tmp_path: Path, name: str,
+                                                                  fallback: str) -> None:
+    """A 224-wide model (not whole 256-weight blocks): the matrices that take 224 inputs get
+    llama.cpp's fallback type (gguf-py's quantizer), the 512-wide down projections the K-type;
+    the engine's greedy tokens are the dequantized twin's."""
+    source = tiny_model("qwen2", hidden_size=224)
+    source.save_pretrained(tmp_path)
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
+    with Engine(str(tmp_path), config=config, quantization=name) as engine:
+        model = engine.model
+        summary = model.ferrobatch_quantization
+        assert summary["float_layers"] == []
+        assert "model.layers.0.self_attn.q_proj" in summary["fallback_layers"]
+        q, down = model.model.layers[1].self_attn.q_proj, model.model.layers[1].mlp.down_proj
+        assert (q.qtype, down.qtype) == (fallback, name.upper())
+        w = source.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+        assert np.array_equal(q.qdata.numpy(), quantize(w, GGMLQuantizationType[fallback]))
+        assert model.get_input_embeddings().weight_q.qtype == fallback
+        twin = _dequantized_twin(model, source)
+        prompts = [[5, 6, 7, 8], [100, 3, 9]]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            with torch.inference_mode():
+                ref = twin.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                    do_sample=False)[0, len(prompt):].tolist()
+            assert out.token_ids == ref
+
+
+def test_type_for_width() -> None:
+    assert quant.type_for_width("Q4_K", 512) == "Q4_K"
+    assert quant.type_for_width("Q4_K", 576) == "Q5_0"
+    assert quant.type_for_width("Q6_K", 896) == "Q8_0"
+    assert quant.type_for_width("Q4_K", 100) is None  # not whole 32-weight blocks either
+    assert quant.type_for_width("Q8_0", 576) == "Q8_0"
+    assert quant.type_for_width("Q4_0", 48) is None

@@ -323,9 +323,12 @@ def load_quantized_shard(rank: int, size: int, quantization: str,
     keeps float weights)."""
     qtype = quantize.check_name(quantization)
     loaded, tokenizer = load_plain()
-    s = plan_split(loaded, rank, size, qtype_of=lambda m: qtype)
+    widths = {name: m.weight.shape[1] for name, m in loaded.named_modules()
+              if isinstance(m, nn.Linear | nn.Embedding)}
+    s = plan_split(loaded, rank, size,
+                   qtype_of=lambda m: quantize.type_for_width(qtype, m.weight.shape[1]))
     split(loaded, s)
-    quantize.quantize_model(loaded, qtype)
+    quantize.quantize_model(loaded, qtype, widths=widths)
     attach_reductions(loaded, s, ordered)
     return loaded, tokenizer
 

@@ -6,9 +6,11 @@ whole blocks becomes a `QuantLinear` / `QuantEmbedding` over its weight quantize
 tied weights share one `QuantWeight`. The K-types (Q4_K, Q5_K, Q6_K), which gguf-py cannot
 make, come from the kernels' quantizer (`ferrobatch.cpu.quant_ops.quantize`: fp32 [n, k] ->
 uint8 [n, row bytes]; refused when the kernels lack it). IQ4_NL, Q3_K, Q2_K and IQ4_XS are
-served from GGUF files only: asking for them is refused naming them so. A layer whose input
-width is not whole blocks (256 weights for the K-types) keeps its float weight, and the log
-says which.
+served from GGUF files only: asking for them is refused naming them so. A K-type layer whose
+input width is not whole 256-weight blocks takes llama.cpp's fallback type (Q4_K -> Q5_0,
+Q5_K -> Q5_1, Q6_K -> Q8_0: 32-weight blocks, so SmolLM2's 576-wide or Qwen2.5-0.5B's
+896-wide matrices stay quantized, as in the `Q4_K_M` files llama.cpp writes); a layer whose
+input width is not whole blocks of either keeps its float weight, and the log says which.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, block_shape
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, kernel_ops
 
-__all__ = ["GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "check_device", "check_name", "quantize_model",
-           "quantize_weight"]
+__all__ = ["FALLBACK", "GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "check_device", "check_name",
+           "quantize_model", "quantize_weight", "type_for_width"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -36,6 +38,9 @@ GGUF_PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 #: the types quantize-on-load offers (the others of `QUANT_TYPES` are served from GGUF files
 #: only: no quantizer here makes them)
 ON_LOAD_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+#: llama.cpp's type for a K-type matrix whose input width is not whole 256-weight blocks
+#: (its quantizer's fallback for such rows)
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _kernel_quantizer(qtype: str) -> Any:
@@ -98,33 +103,51 @@ def _quantize_named(name: str, weight: torch.Tensor, qtype: str) -> QuantWeight:
                          "quantization") from e
 
 
+def type_for_width(qtype: str, k: int) -> str | None:
+    """The type a matrix of input width `k` is quantized to when `qtype` is asked for:
+    `qtype` when `k` is whole blocks of it, else its `FALLBACK` when `k` is whole blocks of
+    that, else None (the matrix stays float)."""
+    for t in (qtype, FALLBACK.get(qtype)):
+        if t is not None and k % block_shape(t)[0] == 0:
+            return t
+    return None
+
+
 def _is_embedding(m: nn.Module) -> bool:
     return type(m) is nn.Embedding or (isinstance(m, nn.Embedding)
                                        and type(m).__name__.endswith("ScaledWordEmbedding"))
 
 
-def quantize_model(model: nn.Module, qtype: str) -> dict[str, Any]:
+def quantize_model(model: nn.Module, qtype: str,
+                   widths: dict[str, int] | None = None) -> dict[str, Any]:
     """Replace `model`'s linears and input embedding by quantized ones, in place (see the
-    module docstring); returns a summary (also `model.ferrobatch_quantization`)."""
+    module docstring); returns a summary (also `model.ferrobatch_quantization`). `widths`:
+    the whole matrix's input width of a module that holds a share of it (tensor
+    parallelism), which decides its type (`type_for_width`), as on one rank."""
     qtype = check_name(qtype)
-    block = block_shape(qtype)[0]
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     # id(weight) -> (the weight, kept so its id is not reused, and its quantized form: ties
     # share it)
     done: dict[int, tuple[torch.Tensor, QuantWeight]] = {}
     kept: list[str] = []
+    fallback: list[str] = []
     replaced = 0
     for name, m in list(model.named_modules()):
         linear = type(m) is nn.Linear
         if not (linear or _is_embedding(m)):
             continue
         w = m.weight
-        k = w.shape[1]
-        if k % block or w.device.type != "cpu":
+        layer_type = type_for_width(qtype, w.shape[1])
+        if widths is not None and name in widths and layer_type is not None:
+            layer_type = type_for_width(qtype, widths[name])
+        if layer_type is None or w.device.type != "cpu" \
+                or w.shape[1] % block_shape(layer_type)[0]:
             kept.append(name)
             continue
+        if layer_type != qtype:
+            fallback.append(name)
         if id(w) not in done:
-            done[id(w)] = (w, _quantize_named(f"{name}.weight", w, qtype))
+            done[id(w)] = (w, _quantize_named(f"{name}.weight", w, layer_type))
         qw = done[id(w)][1]
         if linear:
             bias = m.bias.detach() if m.bias is not None else None
@@ -134,11 +157,15 @@ def quantize_model(model: nn.Module, qtype: str) -> dict[str, Any]:
                                  padding_idx=m.padding_idx)
         model.set_submodule(name, new)
         replaced += 1
+    if fallback:
+        logger.info("ferrobatch: %d layers quantized to %s (input width not whole 256-weight "
+                    "blocks): %s", len(fallback), FALLBACK[qtype], ", ".join(fallback[:4]))
     if kept:
         logger.info("ferrobatch: %d layers keep float weights (input width not whole %s "
                     "blocks): %s", len(kept), qtype, ", ".join(kept[:4]))
     summary = {"qtype": qtype, "quantized_modules": replaced,
-               "quantized_bytes": sum(q.nbytes for _, q in done.values()), "float_layers": kept}
+               "quantized_bytes": sum(q.nbytes for _, q in done.values()), "float_layers": kept,
+               "fallback_layers": fallback}
     model.ferrobatch_quantization = summary
     logger.info("ferrobatch: %d layers quantized to %s (%.0f MiB)", replaced, qtype,
                 summary["quantized_bytes"] / 2**20)
