@@ -87,18 +87,22 @@ def test_k_types_are_the_kernels_quantization(checkpoint, name: str) -> None:
         torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def _assert_greedy_equals(engine: Engine, reference: torch.nn.Module) -> None:
+    """The engine's greedy tokens for two prompts are `reference.generate`'s, each alone."""
+    prompts = [[5, 6, 7, 8], [100, 3, 9]]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                     do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+
+
 def test_engine_q4_k_greedy_equals_its_dequantized_twin(checkpoint) -> None:
     path, source = checkpoint
     config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
     with Engine(str(path), config=config, quantization="q4_k") as engine:
-        twin = _dequantized_twin(engine.model, source)
-        prompts = [[5, 6, 7, 8], [100, 3, 9]]
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
-        for prompt, out in zip(prompts, outs, strict=True):
-            with torch.inference_mode():
-                ref = twin.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                    do_sample=False)[0, len(prompt):].tolist()
-            assert out.token_ids == ref
+        _assert_greedy_equals(engine, _dequantized_twin(engine.model, source))
 
 
 def test_bad_weights_are_refused_naming_the_tensor(tmp_path: Path) -> None:
@@ -118,13 +122,7 @@ def test_engine_greedy_equals_model_generate(checkpoint, name: str) -> None:
     config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
     with Engine(str(path), config=config, quantization=name) as engine:
         assert isinstance(engine.model.lm_head, QuantLinear)
-        prompts = [[5, 6, 7, 8], [100, 3, 9]]
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
-        for prompt, out in zip(prompts, outs, strict=True):
-            with torch.inference_mode():
-                ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                            do_sample=False)[0, len(prompt):].tolist()
-            assert out.token_ids == ref
+        _assert_greedy_equals(engine, engine.model)
 
 
 def test_refusals(checkpoint, monkeypatch) -> None:
@@ -203,14 +201,7 @@ def test_k_type_widths_not_whole_blocks_take_llama_cpp_fallback(tmp_path: Path, 
         w = source.model.layers[1].self_attn.q_proj.weight.detach().numpy()
         assert np.array_equal(q.qdata.numpy(), quantize(w, GGMLQuantizationType[fallback]))
         assert model.get_input_embeddings().weight_q.qtype == fallback
-        twin = _dequantized_twin(model, source)
-        prompts = [[5, 6, 7, 8], [100, 3, 9]]
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), progress=False)
-        for prompt, out in zip(prompts, outs, strict=True):
-            with torch.inference_mode():
-                ref = twin.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                    do_sample=False)[0, len(prompt):].tolist()
-            assert out.token_ids == ref
+        _assert_greedy_equals(engine, _dequantized_twin(model, source))
 
 
 def test_type_for_width() -> None:

@@ -225,103 +225,48 @@ fn two_bits(qs: &[u8], t: usize) -> u8 {
     (qs[32 * (t / 128) + t % 32] >> (2 * ((t % 128) / 32))) & 3
 }
 
+/// `out[t] = value(j, codes[t])` for `j = t / per` (the sub-block of weight `t`).
+fn per_sub_block(out: &mut [f32], codes: &[u8], per: usize, value: impl Fn(usize, u8) -> f32) {
+    for (j, (o, u)) in out
+        .chunks_exact_mut(per)
+        .zip(codes.chunks_exact(per))
+        .enumerate()
+    {
+        for (o, &u) in o.iter_mut().zip(u) {
+            *o = value(j, u);
+        }
+    }
+}
+
 /// The block's weights in f32 (`out`: `qt.block()` values), in `gguf.quants`' order of
 /// operations (module docs).
 pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
     let (d, e) = (blk.d, blk.e);
     let codes = &blk.codes[..out.len()];
     match qt {
-        QType::Q8_0 => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                // (u ^ 0x80: back to the int8 weight)
-                *o = d * f32::from((u ^ 0x80) as i8);
-            }
-        }
-        QType::Q4_0 => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(u as i8 - 8);
-            }
-        }
-        QType::Q4_1 => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(u) + e;
-            }
-        }
-        QType::Q5_0 => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(u as i8 - 16);
-            }
-        }
-        QType::Q5_1 => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(u) + e;
-            }
-        }
-        QType::IQ4_NL => {
-            for (o, &u) in out.iter_mut().zip(codes) {
-                *o = d * f32::from(IQ4_VALUES[usize::from(u & 0xF)]);
-            }
-        }
-        QType::Q4_K | QType::Q5_K => {
-            for (j, (o, u)) in out
-                .chunks_exact_mut(32)
-                .zip(codes.chunks_exact(32))
-                .enumerate()
-            {
-                let (a, m) = (d * blk.sc[j] as f32, e * blk.mn[j] as f32);
-                for (o, &u) in o.iter_mut().zip(u) {
-                    *o = a * f32::from(u) - m;
-                }
-            }
-        }
-        QType::Q6_K => {
-            for (j, (o, u)) in out
-                .chunks_exact_mut(16)
-                .zip(codes.chunks_exact(16))
-                .enumerate()
-            {
-                let a = d * blk.sc[j] as f32;
-                for (o, &u) in o.iter_mut().zip(u) {
-                    *o = a * f32::from(u as i8 - 32);
-                }
-            }
-        }
-        QType::Q3_K => {
-            for (j, (o, u)) in out
-                .chunks_exact_mut(16)
-                .zip(codes.chunks_exact(16))
-                .enumerate()
-            {
-                let a = d * blk.sc[j] as f32;
-                for (o, &u) in o.iter_mut().zip(u) {
-                    *o = a * f32::from(u as i8 - 4);
-                }
-            }
-        }
-        QType::Q2_K => {
-            for (j, (o, u)) in out
-                .chunks_exact_mut(16)
-                .zip(codes.chunks_exact(16))
-                .enumerate()
-            {
-                let (a, m) = (d * blk.sc[j] as f32, e * blk.mn[j] as f32);
-                for (o, &u) in o.iter_mut().zip(u) {
-                    *o = a * f32::from(u) - m;
-                }
-            }
-        }
-        QType::IQ4_XS => {
-            for (j, (o, u)) in out
-                .chunks_exact_mut(32)
-                .zip(codes.chunks_exact(32))
-                .enumerate()
-            {
-                let a = d * blk.sc[j] as f32;
-                for (o, &u) in o.iter_mut().zip(u) {
-                    *o = a * f32::from(IQ4_VALUES[usize::from(u & 0xF)]);
-                }
-            }
-        }
+        // (Q8_0: u ^ 0x80 is the int8 weight)
+        QType::Q8_0 => per_sub_block(out, codes, 32, |_, u| d * f32::from((u ^ 0x80) as i8)),
+        QType::Q4_0 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u as i8 - 8)),
+        QType::Q4_1 | QType::Q5_1 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u) + e),
+        QType::Q5_0 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u as i8 - 16)),
+        QType::IQ4_NL => per_sub_block(out, codes, 32, |_, u| {
+            d * f32::from(IQ4_VALUES[usize::from(u & 0xF)])
+        }),
+        QType::Q4_K | QType::Q5_K => per_sub_block(out, codes, 32, |j, u| {
+            d * blk.sc[j] as f32 * f32::from(u) - e * blk.mn[j] as f32
+        }),
+        QType::Q6_K => per_sub_block(out, codes, 16, |j, u| {
+            d * blk.sc[j] as f32 * f32::from(u as i8 - 32)
+        }),
+        QType::Q3_K => per_sub_block(out, codes, 16, |j, u| {
+            d * blk.sc[j] as f32 * f32::from(u as i8 - 4)
+        }),
+        QType::Q2_K => per_sub_block(out, codes, 16, |j, u| {
+            d * blk.sc[j] as f32 * f32::from(u) - e * blk.mn[j] as f32
+        }),
+        QType::IQ4_XS => per_sub_block(out, codes, 32, |j, u| {
+            d * blk.sc[j] as f32 * f32::from(IQ4_VALUES[usize::from(u & 0xF)])
+        }),
     }
 }
 
