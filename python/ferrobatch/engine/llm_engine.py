@@ -180,14 +180,16 @@ class Engine(ModelProbes):
         self.guides = GuideFactory(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.rope = self._make_rope()
         self._size_cache(self.model, tcfg)
-        self.runner = self._make_runner()
-        self.lora = self._make_lora()
-        self.scheduler = self._build_scheduler()
-        try:
-            self._probe_model()
-        except BaseException:
-            self.runner.close()
-            raise
+        # (the checks of the runner's parts and the probes share their dequantized weights)
+        with quant_modules.probe_cache():
+            self.runner = self._make_runner()
+            self.lora = self._make_lora()
+            self.scheduler = self._build_scheduler()
+            try:
+                self._probe_model()
+            except BaseException:
+                self.runner.close()
+                raise
         # weights packed for the kernels once, the file's pages of them given back (GGUF
         # rows; a checkpoint's half-precision or fp32 linears)
         quant_modules.prepare_for_serving(self.model,

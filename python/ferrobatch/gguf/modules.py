@@ -34,8 +34,8 @@ from torch import nn
 from ferrobatch.cpu import pages, quant_ops
 from ferrobatch.gguf.formats import QuantWeight, dequantize_reference
 
-__all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "get_backend",
-           "few_layers", "kernel_ops", "kernels_run", "packed_weight", "prepare_for_serving",
+__all__ = ["BACKENDS", "QuantEmbedding", "QuantLinear", "backend", "few_layers", "get_backend",
+           "kernel_ops", "kernels_run", "packed_weight", "prepare_for_serving", "probe_cache",
            "probe_weights", "probing", "quant_dequantize", "quant_linear", "set_backend"]
 
 logger = logging.getLogger("ferrobatch")
@@ -241,6 +241,50 @@ class QuantLinear(nn.Module):
 _probe_weights: dict[int, Any] = {}
 
 
+class _ProbeCache:
+    """The dequantized stand-in weights of `probe_weights` while any `probe_cache` block is
+    open: (data pointer, type, rows, columns) -> fp32 [rows, k]; emptied when the last
+    block closes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.weights: dict[tuple[int, str, int, int], torch.Tensor] = {}
+
+    def dequantized(self, weight: QuantWeight) -> torch.Tensor:
+        if self.depth == 0:
+            return _dequantized(weight)
+        key = (weight.data.data_ptr(), weight.qtype, weight.n, weight.k)
+        with self.lock:
+            hit = self.weights.get(key)
+        if hit is None:
+            hit = _dequantized(weight)
+            with self.lock:
+                if self.depth:
+                    self.weights[key] = hit
+        return hit
+
+
+_probe_cache = _ProbeCache()
+
+
+@contextmanager
+def probe_cache() -> Iterator[None]:
+    """Inside the block each weight `probe_weights` stands in for is dequantized once,
+    however many times `probe_weights` is entered (an engine's construction enters it three
+    times: its probes, its output head's check, its lean layers' check); the copies are
+    dropped when the last open block closes. The weights must not change inside it."""
+    with _probe_cache.lock:
+        _probe_cache.depth += 1
+    try:
+        yield
+    finally:
+        with _probe_cache.lock:
+            _probe_cache.depth -= 1
+            if _probe_cache.depth == 0:
+                _probe_cache.weights.clear()
+
+
 class _ProbeProduct:
     """A stand-in product of `probe_weights`: fp32 `x` @ the first `rows` rows of the
     weight, dequantized once (None: no rows), every other output 0."""
@@ -248,7 +292,8 @@ class _ProbeProduct:
     def __init__(self, weight: QuantWeight, rows: int) -> None:
         self.n = weight.n
         self.rows = min(rows, weight.n)
-        self.w = _dequantized(weight.slice_rows(0, self.rows)) if self.rows else None
+        self.w = _probe_cache.dequantized(weight.slice_rows(0, self.rows)) \
+            if self.rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.w is not None and self.rows == self.n:
