@@ -28,6 +28,7 @@ before the first divergence, mean first-divergence position.
     .venv/bin/python benches/compare_cpu.py --workload tiny-llama --dtype float32 --repeats 3
     .venv/bin/python benches/compare_cpu.py --workload smollm2 --dtype bfloat16 --threads 2 --pin
     .venv/bin/python benches/compare_cpu.py --workload tiny-llama --no-vllm      # ferrobatch alone
+    .venv/bin/python benches/compare_cpu.py --model qwen1.5b-bf16 --dtype bfloat16 --prompts 32
 """
 
 from __future__ import annotations
@@ -125,8 +126,16 @@ def tiny_llama_dir() -> Path:
     return target
 
 
-def load_workload(name: str, n: int) -> tuple[Path, list[list[int]], str]:
-    """(checkpoint dir, prompts, description) of workload ``name``."""
+def load_workload(name: str, n: int,
+                  model: Path | None = None) -> tuple[Path, list[list[int]], str]:
+    """(checkpoint dir, prompts, description) of workload ``name``, or of the checkpoint
+    directory ``model`` (chat prompts through its own chat template) when given."""
+    if model is not None:
+        from e2e_cpu import smollm2_prompts
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model))
+        return model, smollm2_prompts(tok, n), f"{model.name}, {n} chat prompts"
     if name == "tiny-llama":
         from ferrobatch.workloads import tiny_llama_prompts
 
@@ -379,6 +388,9 @@ def main() -> None:
     """Parse the options, run both engines interleaved, print and optionally save figures."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workload", choices=("tiny-llama", "smollm2"), default="tiny-llama")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a checkpoint directory instead of --workload (its chat template "
+                    "makes the prompts), e.g. a 1.5B model in bf16")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both engines load the checkpoint in this dtype")
     ap.add_argument("--threads", type=int, default=1,
@@ -423,7 +435,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     new = args.max_new_tokens
 
-    model_dir, prompts, desc = load_workload(args.workload, args.prompts)
+    model_dir, prompts, desc = load_workload(args.workload, args.prompts, args.model)
+    if args.model is not None:
+        args.workload = f"model-{args.model.name}"
     rng = random.Random(99)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     warm = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(8)]
