@@ -7,12 +7,14 @@ dequantization against ``gguf.quants.dequantize`` (bit for bit) and its kernel p
 the fp32 product of those values; then greedy parity: ``Engine(FILE)`` on the reference
 products and on the kernels, each prompt's tokens against an fp32 transformers model of the
 file's dequantized weights (``from_pretrained(gguf_file=...)``, gguf-py's dequantization),
-each prompt run alone.
+each prompt run alone. ``speed FILE...``: single-stream decode of ferrobatch and llama-bench,
+interleaved, on the cores the process is pinned to.
 
     export LLAMACPP_BIN=/path/to/llama.cpp/build/bin LLAMACPP_SRC=/path/to/llama.cpp
     .venv/bin/python benches/gguf_types.py make --hf CHECKPOINT --name qwen --out DIR \\
         --types Q8_0 Q6_K Q4_0
     .venv/bin/python benches/gguf_types.py check DIR/qwen-q4_0.gguf
+    taskset -c 1 .venv/bin/python benches/gguf_types.py speed DIR/qwen-*.gguf
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -107,21 +110,26 @@ def check_tensors(path: Path) -> dict[str, tuple[int, float, float]]:
     return {q: tuple(v) for q, v in seen.items()}
 
 
-def oracle_tokens(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy tokens of each prompt, alone, on transformers' fp32 model of the file."""
+def oracle_tokens(path: Path, prompts: list[list[int]], n: int
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of each prompt, alone, on transformers' fp32 model of the file, and at
+    each step the margin of the chosen token's logit over the runner-up's."""
     import transformers  # local: only the oracle needs transformers
 
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    outs = []
+    outs, margins = [], []
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(out[0, len(ids):].tolist())
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 return_dict_in_generate=True, output_logits=True)
+            outs.append(out.sequences[0, len(ids):].tolist())
+            top2 = [step[0].float().topk(2).values for step in out.logits]
+            margins.append([float(t[0] - t[1]) for t in top2])
     del model
-    return outs
+    return outs, margins
 
 
 def engine_tokens(path: Path, backend: str, prompts: list[list[int]], n: int
@@ -159,16 +167,55 @@ def check(args: argparse.Namespace) -> None:
               f"kernel product rel. error <= {rel:.2e}")
     print(f"  (tensors checked in {time.perf_counter() - t0:.0f} s)")
     prompts = chat_prompts(path)
-    want = oracle_tokens(path, prompts, args.new)
+    want, margins = oracle_tokens(path, prompts, args.new)
     for backend in ("reference", "kernel"):
         got = engine_tokens(path, backend, prompts, args.new)
         diffs = [first_difference(g, w) for g, w in zip(got, want, strict=True)]
-        verdict = "equal" if all(d is None for d in diffs) else f"first differences at {diffs}"
+        at = [round(m[d], 4) if d is not None and d < len(m) else None
+              for d, m in zip(diffs, margins, strict=True)]
+        verdict = "equal" if all(d is None for d in diffs) else (
+            f"first differences at {diffs} (fp32 top-2 logit margin there: {at})")
         print(f"  greedy, Engine on {backend} products vs fp32 dequantized model, "
               f"{len(prompts)} chats x {args.new} tokens: {verdict}")
         if backend == "reference" and verdict != "equal":
             for g, w in zip(got, want, strict=True):
                 print(f"    engine {g}\n    oracle {w}")
+
+
+def speed(args: argparse.Namespace) -> None:
+    """Single-stream decode, interleaved: ferrobatch (one request of ``--new`` tokens after a
+    short code prompt, EOS ignored) and ``llama-bench -p 0 -n NEW -t 1`` on this process's
+    cores (run it under ``taskset -c CORE``); medians of ``--repeats``."""
+    sys.path.insert(0, str(ROOT / "benches" / "peers"))
+    import llamacpp_compare as lc  # local: the peers' helpers, only for `speed`
+    import llamacpp_tools as lt  # local: as above
+
+    bins = _llamacpp("llama-bench").parent
+    cpus = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(cpus))
+    print(f"CPU {lc.cpu_name()}; cores {cpus}; {len(cpus)} thread(s); load "
+          f"{os.getloadavg()[0]:.2f}")
+    print("| file | decode GB/token | ferrobatch tok/s (tok/CPU-s) | llama-bench tg tok/s |"
+          "\n|---|---|---|---|")
+    for gguf in args.files:
+        ferro = lc.Ferro(gguf)
+        code = [int(t) for t in ferro.engine.tokenizer(lc.CODE_PROMPT).input_ids]
+        ferro.run([code], 4)
+        wall, cpu, tg = [], [], []
+        for r in range(args.repeats):
+            for side in ("ferro", "llama") if r % 2 == 0 else ("llama", "ferro"):
+                if side == "ferro":
+                    got = ferro.run([code], args.new)
+                    wall.append(got["tokens"] / got["wall_s"])
+                    cpu.append(got["tokens"] / got["cpu_s"])
+                else:
+                    tg.append(lt.llama_bench(bins, gguf, cpus, len(cpus), 0, args.new)["tg"])
+        ferro.engine.close()
+        gb = lc.weight_bytes(gguf)["decode_bytes"] / 1e9
+        med = statistics.median
+        print(f"| {Path(gguf).name} | {gb:.3f} | {med(wall):.2f} ({med(cpu):.2f}) | "
+              f"{med(tg):.2f} | (ferrobatch {[round(w, 2) for w in wall]}, llama-bench "
+              f"{[round(t, 2) for t in tg]}, load {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def main() -> None:
@@ -184,8 +231,12 @@ def main() -> None:
     ck.add_argument("gguf")
     ck.add_argument("--new", type=int, default=16)
     ck.add_argument("--threads", type=int, default=2)
+    sp = sub.add_parser("speed", help="single-stream decode against llama-bench")
+    sp.add_argument("files", nargs="+")
+    sp.add_argument("--new", type=int, default=128)
+    sp.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    make(args) if args.cmd == "make" else check(args)
+    {"make": make, "check": check, "speed": speed}[args.cmd](args)
 
 
 if __name__ == "__main__":
