@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -185,7 +186,8 @@ def check(args: argparse.Namespace) -> None:
 def speed(args: argparse.Namespace) -> None:
     """Single-stream decode, interleaved: ferrobatch (one request of ``--new`` tokens after a
     short code prompt, EOS ignored) and ``llama-bench -p 0 -n NEW -t 1`` on this process's
-    cores (run it under ``taskset -c CORE``); medians of ``--repeats``."""
+    cores (run it under ``taskset -c CORE``); medians of ``--repeats``. llama-bench's tokens
+    per CPU-second count its whole process (loading, its one-token warm-up): a lower bound."""
     sys.path.insert(0, str(ROOT / "benches" / "peers"))
     import llamacpp_compare as lc  # local: the peers' helpers, only for `speed`
     import llamacpp_tools as lt  # local: as above
@@ -195,13 +197,13 @@ def speed(args: argparse.Namespace) -> None:
     torch.set_num_threads(len(cpus))
     print(f"CPU {lc.cpu_name()}; cores {cpus}; {len(cpus)} thread(s); load "
           f"{os.getloadavg()[0]:.2f}")
-    print("| file | decode GB/token | ferrobatch tok/s (tok/CPU-s) | llama-bench tg tok/s |"
-          "\n|---|---|---|---|")
+    print("| file | decode GB/token | ferrobatch tok/s (tok/CPU-s) | llama-bench tg tok/s "
+          "(tok/CPU-s) | runs |\n|---|---|---|---|---|")
     for gguf in args.files:
         ferro = lc.Ferro(gguf)
         code = [int(t) for t in ferro.engine.tokenizer(lc.CODE_PROMPT).input_ids]
         ferro.run([code], 4)
-        wall, cpu, tg = [], [], []
+        wall, cpu, tg, tg_cpu = [], [], [], []
         for r in range(args.repeats):
             for side in ("ferro", "llama") if r % 2 == 0 else ("llama", "ferro"):
                 if side == "ferro":
@@ -209,13 +211,18 @@ def speed(args: argparse.Namespace) -> None:
                     wall.append(got["tokens"] / got["wall_s"])
                     cpu.append(got["tokens"] / got["cpu_s"])
                 else:
+                    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     tg.append(lt.llama_bench(bins, gguf, cpus, len(cpus), 0, args.new)["tg"])
+                    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    busy = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+                    tg_cpu.append(args.new / busy)
         ferro.engine.close()
         gb = lc.weight_bytes(gguf)["decode_bytes"] / 1e9
         med = statistics.median
         print(f"| {Path(gguf).name} | {gb:.3f} | {med(wall):.2f} ({med(cpu):.2f}) | "
-              f"{med(tg):.2f} | (ferrobatch {[round(w, 2) for w in wall]}, llama-bench "
-              f"{[round(t, 2) for t in tg]}, load {os.getloadavg()[0]:.2f})", flush=True)
+              f"{med(tg):.2f} ({med(tg_cpu):.2f}) | ferrobatch {[round(w, 2) for w in wall]}, "
+              f"llama-bench {[round(t, 2) for t in tg]}, load {os.getloadavg()[0]:.2f} |",
+              flush=True)
 
 
 def main() -> None:
