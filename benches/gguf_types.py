@@ -191,6 +191,7 @@ def speed(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benches" / "peers"))
     import llamacpp_compare as lc  # local: the peers' helpers, only for `speed`
     import llamacpp_tools as lt  # local: as above
+    from ferrobatch import ContinuousBatchingConfig, Engine  # local: as `engine_tokens`
 
     bins = _llamacpp("llama-bench").parent
     cpus = sorted(os.sched_getaffinity(0))
@@ -200,7 +201,9 @@ def speed(args: argparse.Namespace) -> None:
     print("| file | decode GB/token | ferrobatch tok/s (tok/CPU-s) | llama-bench tg tok/s "
           "(tok/CPU-s) | runs |\n|---|---|---|---|---|")
     for gguf in args.files:
-        ferro = lc.Ferro(gguf)
+        ferro = lc.Ferro.__new__(lc.Ferro)  # its `run`, on an engine with a fixed KV cache
+        ferro.engine = Engine(gguf, config=ContinuousBatchingConfig(
+            num_blocks=64, allow_block_sharing=False))
         code = [int(t) for t in ferro.engine.tokenizer(lc.CODE_PROMPT).input_ids]
         ferro.run([code], 4)
         wall, cpu, tg, tg_cpu = [], [], [], []
