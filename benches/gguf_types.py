@@ -70,6 +70,7 @@ def make(args: argparse.Namespace) -> None:
     for qtype in args.types:
         out = args.out / f"{args.name}-{qtype.lower()}.gguf"
         if out.is_file():
+            print(f"{qtype}: {out} (already there)")
             continue
         res = subprocess.run([str(quantize), str(f16), str(out), qtype, str(args.threads)],
                              capture_output=True, text=True)
