@@ -9,12 +9,17 @@ probabilities of each position (16 bits over the top 16 nats). llama.cpp's side 
 ``llama-perplexity --kl-divergence`` on the quantized file. ferrobatch's side reads the same
 token ids back from that file and runs ``gguf_quality.py``'s two forwards over the same
 windows: its kernels (int8 activations) and its fp32 reference over the dequantized weights.
-Reported: ferrobatch's kernels against llama.cpp's F32 logits, at the very positions and with
+With ``--ref-gguf REF`` (say the F16 file every quantized file was made from), both
+engines are scored against REF's F32 logits instead (made once, kept in ``--work``), the
+file's own dequantization left out: only llama.cpp's and ferrobatch's quantized products are
+run. Reported: ferrobatch's kernels against llama.cpp's F32 logits, at the very positions and with
 the very formula llama-perplexity uses (so the two engines are scored on one yardstick),
 ferrobatch's kernels against its own fp32 forward (as ``gguf_quality.py``, on these positions
 and on all), and the two fp32 references against each other.
 
     .venv/bin/python benches/peers/llamacpp_quality.py --gguf model.gguf --threads 2
+    .venv/bin/python benches/peers/llamacpp_quality.py --gguf model-q4_0.gguf \\
+        --ref-gguf model-f16.gguf --chunks 4 --work DIR
 """
 
 from __future__ import annotations
@@ -82,15 +87,17 @@ def kl_pair(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
 
 def llama_side(bins: Path, args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
     """The F32 GGUF, the base logits and llama.cpp's KL statistics (from its log)."""
-    f32 = work / (Path(args.gguf).stem + "-dequant-f32.gguf")
+    source = args.ref_gguf or args.gguf
+    f32 = work / (Path(source).stem + "-dequant-f32.gguf")
     if not f32.is_file():
-        lt.run_tool([str(bins / "llama-quantize"), "--allow-requantize", args.gguf, str(f32),
+        lt.run_tool([str(bins / "llama-quantize"), "--allow-requantize", source, str(f32),
                      "F32"], timeout=1800)
-    base = work / f"base-{args.ctx}x{args.chunks}.kld"
+    base = work / f"base-{Path(source).stem}-{args.ctx}x{args.chunks}.kld"
     common = ["-f", args.text, "-c", str(args.ctx), "--chunks", str(args.chunks),
               "-b", str(args.ctx), "-t", str(args.threads)]
-    lt.run_tool([str(bins / "llama-perplexity"), "-m", str(f32), *common,
-                 "--kl-divergence-base", str(base)], timeout=3600)
+    if args.ref_gguf is None or not base.is_file():  # one shared reference is made once
+        lt.run_tool([str(bins / "llama-perplexity"), "-m", str(f32), *common,
+                     "--kl-divergence-base", str(base)], timeout=3600)
     res = subprocess.run([str(bins / "llama-perplexity"), "-m", args.gguf, *common,
                           "--kl-divergence-base", str(base), "--kl-divergence"],
                          capture_output=True, text=True, timeout=3600)
@@ -118,6 +125,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None,
                     help="where the F32 GGUF and base logits go (default: next to the binaries)")
     ap.add_argument("--llamacpp-bin", default=None)
+    ap.add_argument("--ref-gguf", default=None,
+                    help="score both engines against this file's F32 logits (e.g. the F16 "
+                         "file the quantized one was made from), not the file's own")
     args = ap.parse_args()
     bins = lt.bin_dir(args.llamacpp_bin)
     work = args.work or bins.parents[1] / "quality"
@@ -130,20 +140,26 @@ def main() -> None:
     ids = torch.from_numpy(base["tokens"]).unsqueeze(0)
     own = tokenizer(Path(args.text).read_text()).input_ids[: ids.shape[1]]
     same_ids = sum(int(a == b) for a, b in zip(own, base["tokens"].tolist(), strict=False))
-    with modules.backend("reference"):
-        ref = gguf_quality.logits(model, ids, n_ctx)
     with modules.backend("kernel"):
         got = gguf_quality.logits(model, ids, n_ctx)
-    ref_s, got_s = scored(ref, n_ctx, n_chunk), scored(got, n_ctx, n_chunk)
+    got_s = scored(got, n_ctx, n_chunk)
+    f32_name = "llama.cpp F32" + (f" of {Path(args.ref_gguf).name}" if args.ref_gguf else "")
     rows = [
-        ("llama.cpp Q4 vs llama.cpp F32 (llama-perplexity)", llama["mean_kl"], llama["same_top"]),
-        ("ferrobatch kernels vs llama.cpp F32", *kl_vs_base(base, got_s)),
-        ("ferrobatch fp32 reference vs llama.cpp F32", *kl_vs_base(base, ref_s)),
-        ("ferrobatch kernels vs ferrobatch fp32 reference", *kl_pair(ref_s, got_s)),
-        (f"  same, all {ids.shape[1]} positions (gguf_quality.py)", *kl_pair(ref, got)),
+        (f"llama.cpp quantized vs {f32_name} (llama-perplexity)", llama["mean_kl"],
+         llama["same_top"]),
+        (f"ferrobatch kernels vs {f32_name}", *kl_vs_base(base, got_s)),
     ]
+    if args.ref_gguf is None:
+        with modules.backend("reference"):
+            ref = gguf_quality.logits(model, ids, n_ctx)
+        ref_s = scored(ref, n_ctx, n_chunk)
+        rows += [
+            ("ferrobatch fp32 reference vs llama.cpp F32", *kl_vs_base(base, ref_s)),
+            ("ferrobatch kernels vs ferrobatch fp32 reference", *kl_pair(ref_s, got_s)),
+            (f"  same, all {ids.shape[1]} positions (gguf_quality.py)", *kl_pair(ref, got)),
+        ]
     print(f"{args.text}: {ids.shape[1]} tokens ({same_ids} equal to ferrobatch's own "
-          f"tokenization), {ref_s.shape[0]} scored positions (the second half of each "
+          f"tokenization), {got_s.shape[0]} scored positions (the second half of each "
           f"{n_ctx}-token window); llama-perplexity also: max KL {llama['max_kl']}, p99 "
           f"{llama['p99_kl']}\n")
     print("| logits | against | mean KL | top-1 agreement |\n|---|---|---|---|")
