@@ -150,12 +150,12 @@ fn panel<const T: u8>(
                 ActRows::A32(a) => {
                     let a = a[i0 * nb..].as_ptr();
                     match qt {
-                        QType::Q8_0 => rows!(blocks32, a, 0),
-                        QType::Q4_0 => rows!(blocks32, a, 1),
-                        QType::Q4_1 => rows!(blocks32, a, 2),
-                        QType::Q5_0 => rows!(blocks32, a, 3),
-                        QType::Q5_1 => rows!(blocks32, a, 4),
-                        _ => rows!(blocks32, a, 5),
+                        QType::Q8_0 => rows!(blocks32, a, { QType::Q8_0 as u8 }),
+                        QType::Q4_0 => rows!(blocks32, a, { QType::Q4_0 as u8 }),
+                        QType::Q4_1 => rows!(blocks32, a, { QType::Q4_1 as u8 }),
+                        QType::Q5_0 => rows!(blocks32, a, { QType::Q5_0 as u8 }),
+                        QType::Q5_1 => rows!(blocks32, a, { QType::Q5_1 as u8 }),
+                        _ => rows!(blocks32, a, { QType::IQ4_NL as u8 }),
                     }
                 }
                 ActRows::A256(a) => {
@@ -230,7 +230,7 @@ unsafe fn store<const R: usize>(out: *mut [f32; PANEL], h: usize, acc: &[__m256;
     }
 }
 
-/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 IQ4_NL), `R` rows,
+/// The 32-weight types (`K`: the type's number, as `QType::Q8_0 as u8`), `R` rows,
 /// columns `8 h ..`.
 ///
 /// # Safety
@@ -246,18 +246,11 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     h: usize,
     pf: Fetch,
 ) {
-    let qt = [
-        QType::Q8_0,
-        QType::Q4_0,
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-        QType::IQ4_NL,
-    ][K as usize];
+    let qt = QType::ALL[K as usize];
     let st = stream_starts(qt, nb);
     let (ds, ms) = factor_streams(qt);
-    let code_bytes = if K == 0 { 512 } else { 256 };
-    let five = K == 3 || K == 4;
+    let code_bytes = if K == QType::Q8_0 as u8 { 512 } else { 256 };
+    let five = K == QType::Q5_0 as u8 || K == QType::Q5_1 as u8;
     let m4 = _mm256_set1_epi8(0x0F);
     let bit4 = _mm256_set1_epi8(0x10);
     let flip = _mm256_set1_epi8(-128);
@@ -271,7 +264,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
         let ab: [*const A32; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let codes = w.add(st[0] + b * code_bytes + 32 * h);
         let mut s = [_mm256_setzero_si256(); R];
-        if K == 0 {
+        if K == QType::Q8_0 as u8 {
             for q in 0..8 {
                 // w = u ^ 0x80: |w| times sign(w) * x, exactly sum(w * x)
                 let wv = _mm256_xor_si256(load(codes.add(64 * q)), flip);
@@ -281,7 +274,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     s[i] = _mm256_add_epi32(s[i], widen(_mm256_maddubs_epi16(aw, x)));
                 }
             }
-        } else if K == 5 {
+        } else if K == QType::IQ4_NL as u8 {
             // the table's int8 values w: |w| times sign(w) * x as Q8_0 (|w| <= 127: a pair
             // is at most 32258, widened a quad), exactly sum(w * x) = init + sum(u * x)
             for p in 0..4 {

@@ -155,39 +155,6 @@ fn get_nibbles(src: &[u8], blks: &mut [Block; PANEL], len: usize) {
     }
 }
 
-/// High bits of the codes: `bits` bits a quad (from bit 4 of the code), `quads` quads a
-/// 64-byte row.
-fn put_high(out: &mut [u8], blks: &[Block; PANEL], bits: u32, quads: usize) {
-    let mask = (1u8 << bits) - 1;
-    for (row, out) in out.chunks_exact_mut(64).enumerate() {
-        for (c, blk) in blks.iter().enumerate() {
-            for i in 0..4 {
-                let mut v = 0u8;
-                for q in 0..quads {
-                    let code = blk.codes[4 * (quads * row + q) + i];
-                    v |= ((code >> 4) & mask) << (bits as usize * q);
-                }
-                out[4 * c + i] = v;
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-fn get_high(src: &[u8], blks: &mut [Block; PANEL], bits: u32, quads: usize) {
-    let mask = (1u8 << bits) - 1;
-    for (row, src) in src.chunks_exact(64).enumerate() {
-        for (c, blk) in blks.iter_mut().enumerate() {
-            for i in 0..4 {
-                for q in 0..quads {
-                    let h = (src[4 * c + i] >> (bits as usize * q)) & mask;
-                    blk.codes[4 * (quads * row + q) + i] |= h << 4;
-                }
-            }
-        }
-    }
-}
-
 /// Bits `shift .. shift + bits` of the codes: `bits` bits a quad, `quads` quads a 64-byte
 /// row (row `r`, byte `4 c + i`, bits `bits * q ..`: input `4 (quads r + q) + i`).
 fn put_field(out: &mut [u8], blks: &[Block; PANEL], shift: u32, bits: u32, quads: usize) {
@@ -249,7 +216,7 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
             put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
             let mut next = 1;
             if qt == QType::Q5_K {
-                put_high(stream_mut(qt, panel, nb, 1, b), blks, 1, 8);
+                put_field(stream_mut(qt, panel, nb, 1, b), blks, 4, 1, 8);
                 next = 2;
             }
             let sc = stream_mut(qt, panel, nb, next, b);
@@ -278,7 +245,7 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
             put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
             let mut next = 1;
             if qt != QType::IQ4_NL {
-                put_high(stream_mut(qt, panel, nb, 1, b), blks, 1, 8);
+                put_field(stream_mut(qt, panel, nb, 1, b), blks, 4, 1, 8);
                 next = 2;
             }
             put_halves(stream_mut(qt, panel, nb, next, b), blks.iter().map(|k| k.d));
@@ -288,7 +255,7 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
         }
         QType::Q6_K => {
             put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
-            put_high(stream_mut(qt, panel, nb, 1, b), blks, 2, 4);
+            put_field(stream_mut(qt, panel, nb, 1, b), blks, 4, 2, 4);
             let sc = stream_mut(qt, panel, nb, 2, b);
             for j in 0..16 {
                 for (c, blk) in blks.iter().enumerate() {
@@ -356,7 +323,7 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
             get_nibbles(st(0), &mut blks, bl);
             let mut next = 1;
             if qt == QType::Q5_K {
-                get_high(st(1), &mut blks, 1, 8);
+                get_field(st(1), &mut blks, 4, 1, 8);
                 next = 2;
             }
             let (sc, mins) = (st(next), st(next + 1));
@@ -373,7 +340,7 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
             get_nibbles(st(0), &mut blks, bl);
             let mut next = 1;
             if qt != QType::IQ4_NL {
-                get_high(st(1), &mut blks, 1, 8);
+                get_field(st(1), &mut blks, 4, 1, 8);
                 next = 2;
             }
             set(&mut blks, st(next), |k, v| k.d = v);
@@ -383,7 +350,7 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
         }
         QType::Q6_K => {
             get_nibbles(st(0), &mut blks, bl);
-            get_high(st(1), &mut blks, 2, 4);
+            get_field(st(1), &mut blks, 4, 2, 4);
             let sc = st(2);
             for (c, blk) in blks.iter_mut().enumerate() {
                 for j in 0..16 {

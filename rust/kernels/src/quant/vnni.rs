@@ -103,12 +103,12 @@ fn panel<const T: u8>(
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
             let a = a.as_ptr();
             match qt {
-                QType::Q8_0 => rows!(blocks32, a, 0),
-                QType::Q4_0 => rows!(blocks32, a, 1),
-                QType::Q4_1 => rows!(blocks32, a, 2),
-                QType::Q5_0 => rows!(blocks32, a, 3),
-                QType::Q5_1 => rows!(blocks32, a, 4),
-                _ => rows!(blocks32, a, 5),
+                QType::Q8_0 => rows!(blocks32, a, { QType::Q8_0 as u8 }),
+                QType::Q4_0 => rows!(blocks32, a, { QType::Q4_0 as u8 }),
+                QType::Q4_1 => rows!(blocks32, a, { QType::Q4_1 as u8 }),
+                QType::Q5_0 => rows!(blocks32, a, { QType::Q5_0 as u8 }),
+                QType::Q5_1 => rows!(blocks32, a, { QType::Q5_1 as u8 }),
+                _ => rows!(blocks32, a, { QType::IQ4_NL as u8 }),
             }
         }
         (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => {
@@ -236,7 +236,7 @@ unsafe fn store<const R: usize>(out: *mut [f32; PANEL], acc: &[__m512; R]) {
     }
 }
 
-/// The 32-weight types (`K`: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 IQ4_NL), `R` rows.
+/// The 32-weight types (`K`: the type's number, as `QType::Q8_0 as u8`), `R` rows.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb` blocks of the
@@ -250,18 +250,11 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     out: *mut [f32; PANEL],
     pf: Fetch,
 ) {
-    let qt = [
-        QType::Q8_0,
-        QType::Q4_0,
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-        QType::IQ4_NL,
-    ][K as usize];
+    let qt = QType::ALL[K as usize];
     let st = stream_starts(qt, nb);
     let (ds, ms) = factor_streams(qt);
-    let code_bytes = if K == 0 { 512 } else { 256 };
-    let five = K == 3 || K == 4;
+    let code_bytes = if K == QType::Q8_0 as u8 { 512 } else { 256 };
+    let five = K == QType::Q5_0 as u8 || K == QType::Q5_1 as u8;
     // one or two rows: two chains of `vpdpbusd` a row (their latency, not their rate,
     // bounds a single chain)
     let split = R <= 2;
@@ -278,7 +271,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
         let mut s: [__m512i; R] = std::array::from_fn(|i| _mm512_set1_epi32((*ab[i]).init));
         let mut s_odd = [_mm512_setzero_si512(); R];
         let codes = w.add(st[0] + b * code_bytes);
-        if K == 0 {
+        if K == QType::Q8_0 as u8 {
             for q in 0..8 {
                 let c = load(codes.add(64 * q));
                 for i in 0..R {
@@ -309,7 +302,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     let k_hi = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << (2 * p + 1)));
                     lo = _mm512_mask_add_epi8(lo, k_lo, lo, bit4);
                     hi = _mm512_mask_add_epi8(hi, k_hi, hi, bit4);
-                } else if K == 5 {
+                } else if K == QType::IQ4_NL as u8 {
                     lo = _mm512_shuffle_epi8(table, lo);
                     hi = _mm512_shuffle_epi8(table, hi);
                 }
