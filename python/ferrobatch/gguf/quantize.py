@@ -137,11 +137,9 @@ def quantize_model(model: nn.Module, qtype: str,
         if not (linear or _is_embedding(m)):
             continue
         w = m.weight
-        layer_type = type_for_width(qtype, w.shape[1])
-        if widths is not None and name in widths and layer_type is not None:
-            layer_type = type_for_width(qtype, widths[name])
-        if layer_type is None or w.device.type != "cpu" \
-                or w.shape[1] % block_shape(layer_type)[0]:
+        k = w.shape[1]
+        layer_type = type_for_width(qtype, (widths or {}).get(name, k))
+        if layer_type is None or k % block_shape(layer_type)[0] or w.device.type != "cpu":
             kept.append(name)
             continue
         if layer_type != qtype:
