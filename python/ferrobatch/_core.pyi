@@ -238,9 +238,12 @@ class Scheduler:
         stop_sequences: Iterable[_TokenIds] | None = None,
         skip_prefix_lookup: bool = False,
         cache_salt: int = 0,
+        offline: bool = False,
     ) -> None:
         """Queue a request; FieldError naming the field on bad input or if it could never fit.
-        `cache_salt` (non-zero): its prefix-cache namespace (blocks shared only within it)."""
+        `cache_salt` (non-zero): its prefix-cache namespace (blocks shared only within it).
+        `offline`: part of an offline batch (the step-time budget binds only while an
+        unfinished request is not offline)."""
     def schedule(self) -> StepPlan | None:
         """Plan the next step (None when nothing can run); RuntimeError while a plan is out."""
     def schedule_ahead(self) -> StepPlan | None:

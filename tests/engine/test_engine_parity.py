@@ -38,11 +38,18 @@ def reference(arch: str, prompt: tuple[int, ...], new: int = NEW) -> tuple[int, 
     return tuple(out[0, len(prompt) :].tolist())
 
 
-def run_engine(arch: str, prompts, **cfg) -> list[list[int]]:
+def run_engine(arch: str, prompts, *, online: bool = False, **cfg) -> list[list[int]]:
+    """Greedy tokens of `prompts` on an engine of `cfg`: one `generate` call (an offline
+    batch), or with `online` the same requests arriving together as a server's clients
+    send them (requests someone may stream: the step-time budget serves them)."""
     config = ContinuousBatchingConfig(page_size=PAGE, **{"num_blocks": 512, **cfg})
+    sp = SamplingParams(max_new_tokens=NEW)
     with Engine(model(arch), config=config) as eng:
-        outs = eng.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=NEW),
-                            progress=False)
+        if online:
+            reqs = [eng._make_request(list(p), sp, None) for p in prompts]
+            outs = eng._run_batch(reqs, progress=False, desc="online", offline=False)
+        else:
+            outs = eng.generate([list(p) for p in prompts], sp, progress=False)
         stats = eng.stats()
     assert all(o.finished and o.finish_reason in ("stop", "length") for o in outs)
     run_engine.last_stats = stats  # type: ignore[attr-defined]
@@ -66,8 +73,16 @@ def test_parity_step_time_budget(arch: str) -> None:
     times (so boundaries vary run to run), prefills sharing steps (fair order): outputs
     equal `generate` all the same."""
     prompts = tiny_models.mixed_prompts(3)
-    check(arch, prompts, run_engine(arch, prompts, max_step_ms=1.0))
+    check(arch, prompts, run_engine(arch, prompts, online=True, max_step_ms=1.0))
     assert run_engine.last_stats["time_budget_steps"] > 0
+
+
+def test_an_offline_batch_is_not_chunked_by_time() -> None:
+    """`generate` is an offline batch (its caller waits for all of it): the step-time budget
+    does not bind, its prompts prefill in `max_batch_tokens` chunks."""
+    prompts = tiny_models.mixed_prompts(3)
+    check("llama", prompts, run_engine("llama", prompts, max_step_ms=1.0))
+    assert run_engine.last_stats["time_budget_steps"] == 0
 
 
 def test_step_time_budget_reaches_the_scheduler_on_cpu() -> None:
@@ -141,7 +156,8 @@ def test_parity_shared_prefix_arriving_together(arch: str, max_step_ms: float | 
     nothing off. With a step-time budget that chunks the prompts once decodes run, the
     followers wait for the blocks the leader has yet to fill, not compute them too."""
     prompts = tiny_models.mixed_prompts(11, n=8, shared_prefix=4 * PAGE + 3)
-    got = run_engine(arch, prompts, max_batch_tokens=512, max_step_ms=max_step_ms)
+    got = run_engine(arch, prompts, online=max_step_ms is not None, max_batch_tokens=512,
+                     max_step_ms=max_step_ms)
     check(arch, prompts, got)
     stats = run_engine.last_stats
     if arch == "gemma3":

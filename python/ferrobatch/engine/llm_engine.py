@@ -801,8 +801,11 @@ class Engine(ModelProbes):
         self._stepper.inbox.append(req)
         self._wakeup.set()
 
-    def _run_batch(self, reqs: list[Request], *, progress: bool, desc: str) -> list[RequestOutput]:
+    def _run_batch(self, reqs: list[Request], *, progress: bool, desc: str,
+                   offline: bool = True) -> list[RequestOutput]:
         for r in reqs:
+            # (offline: the caller waits for the whole batch, not on any step)
+            r.offline = offline
             self._submit(r, bounded=False)
         bar = None
         if progress and reqs:

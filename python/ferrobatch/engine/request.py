@@ -58,6 +58,7 @@ class Request:
     pool: Pooled | None = None  # an embedding request's pooling (`sampling.pooling`)
     lora_salt: int = 0  # its LoRA adapter's prefix-cache salt (0: the base model)
     lora_admitted: bool = False  # counted among its adapter's requests in the scheduler
+    offline: bool = False  # part of a blocking batch (`generate`, `embed`): no step budget
 
     @property
     def plain(self) -> bool:

@@ -266,6 +266,8 @@ class Stepper:
                 extra["cache_salt"] = req.lora_salt
             if req.params.priority:
                 extra["priority"] = req.params.priority
+            if req.offline:
+                extra["offline"] = True
             try:
                 self.scheduler.add_request(
                     req.request_id,

@@ -117,6 +117,9 @@ pub struct Request {
     /// Prefix-cache namespace (0: none): blocks are shared only between requests of the same
     /// salt (a LoRA adapter's requests compute other keys and values for the same tokens).
     pub cache_salt: u64,
+    /// Part of an offline batch (`Engine.generate`): its caller waits for the whole batch,
+    /// not on any step, so the step-time budget does not bind for offline requests alone.
+    pub offline: bool,
     /// Speculative tokens proposed for the next `schedule()` (`Scheduler::propose`; it
     /// consumes them whether or not it uses them).
     pub proposal: Vec<Token>,
@@ -163,6 +166,7 @@ impl Request {
             has_stop_sequences: false,
             skip_prefix_lookup,
             cache_salt: 0,
+            offline: false,
             priority_preemptions: 0,
             proposal: Vec::new(),
             ring_floor: 0,

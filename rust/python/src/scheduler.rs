@@ -36,7 +36,8 @@ const COST_KEYS: [&str; 5] = [
 /// (ARCHITECTURE.md §4, "Step-time budget"); None = token budgets only.
 ///
 /// Methods: `add_request(request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(),
-/// stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False)` (FieldError
+/// stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cache_salt=0,
+/// offline=False)` (FieldError
 /// naming the field for a duplicate id, an empty prompt, `max_new_tokens < 1`, an empty stop sequence, or a request
 /// that could never fit the pool / the cache-read budget); `schedule() -> StepPlan | None`;
 /// `schedule_ahead() -> StepPlan | None` (one step ahead of the outstanding plan, for async
@@ -192,12 +193,15 @@ max_step_ms=None)")]
     /// `skip_prefix_lookup=True`: the request takes no prefix-cache hits (every prompt
     /// position is computed; its blocks are still offered to the cache). `cache_salt`
     /// (non-zero): the request's prefix-cache namespace (a LoRA adapter's): it shares blocks
-    /// only with requests of the same salt.
+    /// only with requests of the same salt. `offline=True`: part of an offline batch, whose
+    /// caller waits for all of it: the step-time budget binds only while an unfinished
+    /// request is not offline.
     #[pyo3(signature = (request_id, prompt_token_ids, max_new_tokens, eos_token_ids=None,
         stop_token_ids=None, priority=0, stop_sequences=None, skip_prefix_lookup=false,
-        cache_salt=0),
+        cache_salt=0, offline=false),
         text_signature = "($self, request_id, prompt_token_ids, max_new_tokens, eos_token_ids=(), \
-stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cache_salt=0)")]
+stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cache_salt=0, \
+offline=False)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -210,6 +214,7 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
         stop_sequences: Option<&Bound<'_, PyAny>>,
         skip_prefix_lookup: bool,
         cache_salt: u64,
+        offline: bool,
     ) -> PyResult<()> {
         let prompt = tokens_from(prompt_token_ids, "prompt_token_ids", "prompt")?;
         let max_new_tokens = usize_arg(max_new_tokens, "max_new_tokens")?;
@@ -239,6 +244,9 @@ stop_token_ids=(), priority=0, stop_sequences=(), skip_prefix_lookup=False, cach
         if cache_salt != 0 {
             // a request just added is waiting with nothing computed: this can't fail
             self.inner.set_cache_salt(id, cache_salt).map_err(to_py)?;
+        }
+        if offline {
+            self.inner.set_offline(id, true).map_err(to_py)?;
         }
         if self.names.len() <= idx {
             self.names.resize_with(idx + 1, || None);

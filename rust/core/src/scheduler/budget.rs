@@ -23,6 +23,8 @@ pub(super) struct TimeBudget {
     pub floor: bool,
     /// Milliseconds charged to rows of more than one token (prefill chunks).
     pub prefill_ms: f64,
+    /// Milliseconds charged to the step's fixed cost and its one-token rows (decodes).
+    pub decode_ms: f64,
 }
 
 /// What is left of a step's budgets.
@@ -58,15 +60,17 @@ impl Budget {
             geo,
             floor: false,
             prefill_ms: 0.0,
+            decode_ms: coef.step_ms(),
         });
         self
     }
 
-    /// The prefill rows start: they get at least `floor_ms` in all (even when the decodes
-    /// used the step's time), and the first of them at least one token.
+    /// The prefill rows start: they get at least `floor_ms` in all, and at least what the
+    /// step's fixed cost and decodes were charged (even when the decodes used the step's
+    /// time), and the first of them at least one token.
     pub fn open_prefill(&mut self, floor_ms: f64) {
         if let Some(t) = &mut self.time {
-            t.left_ms = t.left_ms.max(floor_ms);
+            t.left_ms = t.left_ms.max(floor_ms).max(t.decode_ms);
             t.floor = true;
         }
     }
@@ -142,6 +146,8 @@ impl Budget {
             let ms = t.coef.predict(&t.geo.row(start, q));
             if q > 1 {
                 t.prefill_ms += ms;
+            } else {
+                t.decode_ms += ms;
             }
             t.floor = false;
             t.left_ms -= ms;
@@ -165,7 +171,9 @@ impl Budget {
                 self.cache -= reads;
             }
             if let Some(t) = &mut self.time {
-                t.left_ms -= t.coef.predict(&t.geo.decodes(n, reads));
+                let ms = t.coef.predict(&t.geo.decodes(n, reads));
+                t.decode_ms += ms;
+                t.left_ms -= ms;
             }
         }
         self.rows -= n;

@@ -104,6 +104,85 @@ fn a_request_alone_uses_the_whole_token_budget() {
     }
 }
 
+/// An offline batch (`set_offline`: its caller waits for all of it) is not bound either:
+/// its prompts prefill in `max_batch_tokens` chunks; once a request that is not offline
+/// arrives, the budget binds again.
+#[test]
+fn an_offline_batch_uses_the_whole_token_budget() {
+    let mut sim = Sim::new(cfg(Some(10.0)));
+    let mut specs: Vec<Spec> = (0..6u64)
+        .map(|i| spec(&format!("b{i}"), prompt(40 + i, 900), 40))
+        .collect();
+    for s in &specs {
+        assert!(sim.add(s));
+        sim.s.set_offline(&s.id, true).unwrap();
+    }
+    let plan = step(&mut sim).unwrap();
+    assert_eq!(plan.input_ids.len(), 2048, "whole token budget");
+    assert_eq!(sim.s.stats().time_budget_steps, 0);
+    let online = spec("online", prompt(50, 900), 4);
+    assert!(sim.add(&online));
+    specs.push(online);
+    for _ in 0..4 {
+        step(&mut sim);
+    }
+    assert!(
+        sim.s.stats().time_budget_steps > 0,
+        "binds beside a request that is not offline"
+    );
+    let e = sim.s.set_offline("nobody", true).unwrap_err();
+    assert_eq!(e.field, Some("request_id"));
+    sim.drain(10_000);
+    sim.check_outputs(&specs);
+}
+
+/// Decodes that alone outlast the budget (many streams of a slow model): a prompt arriving
+/// then gets as much predicted time per step as the rest of the step, not just the floor's
+/// share of `max_step_ms`, while the streams' steps at most about double.
+#[test]
+fn prompts_get_as_much_time_as_the_decodes() {
+    let target = 4.0;
+    let mut sim = Sim::new(cfg(Some(target)));
+    let mut specs: Vec<Spec> = (0..12u64)
+        .map(|i| spec(&format!("s{i}"), prompt(60 + i, 8), 300))
+        .collect();
+    for s in &specs {
+        assert!(sim.add(s));
+    }
+    for _ in 0..40 {
+        step(&mut sim);
+    }
+    let long = spec("long", prompt(70, 1500), 2);
+    assert!(sim.add(&long));
+    specs.push(long);
+    let (mut allowances, mut lengths) = (Vec::new(), Vec::new());
+    while !sim.outputs.contains_key("long") {
+        let plan = step(&mut sim).expect("a plan");
+        if row_of(&plan, &sim, "long").is_some_and(|(_, q)| q > 1) {
+            // the synthetic machine's decode-only step: 2 ms, and 1.5 ms a decode
+            let decodes = plan.rows.iter().filter(|r| r.q == 1).count() as f64;
+            let alone = 2.0 + 1.5 * decodes;
+            allowances.push(sim.s.stats().prefill_budget_ms / alone);
+            lengths.push(synthetic_ms(&plan, 0, false) / alone);
+        }
+        assert!(allowances.len() < 1000, "the long prompt crawls");
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let allowance = median(&mut allowances);
+    assert!(
+        allowance >= 0.6,
+        "prefill allowance / decode step {allowance} (the floor alone: {})",
+        0.25 * target / 20.0
+    );
+    let length = median(&mut lengths);
+    assert!(length <= 2.2, "the streams' steps grew {length}x");
+    sim.drain(20_000);
+    sim.check_outputs(&specs);
+}
+
 /// A short request arriving while a long prompt prefills (streams running) is admitted in
 /// the next step, beside the long prompt, and samples its first token there.
 #[test]

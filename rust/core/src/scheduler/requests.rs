@@ -161,6 +161,19 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Mark a request (any state) as part of an offline batch, or not: the step-time budget
+    /// binds only while an unfinished request is not offline (`scheduler::fair`).
+    pub fn set_offline(&mut self, id: &str, offline: bool) -> Result<()> {
+        let Some(&idx) = self.ids.get(id) else {
+            return Err(Error::invalid(
+                "request_id",
+                format!("unknown request_id {id:?}"),
+            ));
+        };
+        self.req_mut(idx).offline = offline;
+        Ok(())
+    }
+
     /// Cancel a request in any state, freeing everything it holds. It is reported once by
     /// the next `update()` with reason `cancelled`. Returns false if unknown or finished.
     ///
