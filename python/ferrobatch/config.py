@@ -77,7 +77,10 @@ class ContinuousBatchingConfig:
             prompt beside a stream (SmolLM2, 1 thread) reached its first token as fast as
             without the budget, stream gaps <= 0.6 s; at 250 it took 2.4x (docs/benchmarks.md,
             "Long prompts beside running streams"). None or 0 = off (token budgets only). Not
-            applied on CUDA, with async batching, or with "prefill_first".
+            applied on CUDA, with async batching, with "prefill_first", or to offline
+            batches alone (`generate()`, `embed()`: their caller waits for the whole batch,
+            so the budget would only cost throughput); where the decodes alone outlast it,
+            prefill chunks get as much predicted time as the rest of the step.
         cpu_offload_space: GiB of (pinned on CUDA) CPU swap pool; 0 = off, preempted requests
             are soft-reset (recomputed) instead.
         q_padding_interval_size / kv_padding_interval_size: CUDA-graph shape padding (tokens);
