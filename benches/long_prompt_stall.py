@@ -175,7 +175,7 @@ def main() -> None:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return ids["input_ids"] if hasattr(ids, "keys") else ids
 
-    prompts = chat_prompts(encode, 8)
+    prompts = chat_prompts(encode, max(8, args.streams + 2))
     engine_tok.close()
     print(f"# CPU: {cpu_name()}; torch threads: {args.threads}; long prompt {args.long} "
           f"tokens, {args.streams} stream(s), short request {args.short_after}s later",
