@@ -149,14 +149,7 @@ fn panel<const T: u8>(
             match acts {
                 ActRows::A32(a) => {
                     let a = a[i0 * nb..].as_ptr();
-                    match qt {
-                        QType::Q8_0 => rows!(blocks32, a, { QType::Q8_0 as u8 }),
-                        QType::Q4_0 => rows!(blocks32, a, { QType::Q4_0 as u8 }),
-                        QType::Q4_1 => rows!(blocks32, a, { QType::Q4_1 as u8 }),
-                        QType::Q5_0 => rows!(blocks32, a, { QType::Q5_0 as u8 }),
-                        QType::Q5_1 => rows!(blocks32, a, { QType::Q5_1 as u8 }),
-                        _ => rows!(blocks32, a, { QType::IQ4_NL as u8 }),
-                    }
+                    by_type32!(qt, rows!(blocks32, a))
                 }
                 ActRows::A256(a) => {
                     let a = a[i0 * nb..].as_ptr();

@@ -24,6 +24,23 @@
 //!
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
+/// `$go!($($args)*, K)` with `K` the type number (a const block) of `$qt`, one of the
+/// 32-weight types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; any other as IQ4_NL): how a
+/// backend's dispatch picks the `blocks32::<.., K>` kernel of a type.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_type32 {
+    ($qt:expr, $go:ident!($($args:tt)*)) => {
+        match $qt {
+            QType::Q8_0 => $go!($($args)*, { QType::Q8_0 as u8 }),
+            QType::Q4_0 => $go!($($args)*, { QType::Q4_0 as u8 }),
+            QType::Q4_1 => $go!($($args)*, { QType::Q4_1 as u8 }),
+            QType::Q5_0 => $go!($($args)*, { QType::Q5_0 as u8 }),
+            QType::Q5_1 => $go!($($args)*, { QType::Q5_1 as u8 }),
+            _ => $go!($($args)*, { QType::IQ4_NL as u8 }),
+        }
+    };
+}
+
 pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;

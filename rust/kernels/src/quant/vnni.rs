@@ -102,14 +102,7 @@ fn panel<const T: u8>(
         ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
             let a = a.as_ptr();
-            match qt {
-                QType::Q8_0 => rows!(blocks32, a, { QType::Q8_0 as u8 }),
-                QType::Q4_0 => rows!(blocks32, a, { QType::Q4_0 as u8 }),
-                QType::Q4_1 => rows!(blocks32, a, { QType::Q4_1 as u8 }),
-                QType::Q5_0 => rows!(blocks32, a, { QType::Q5_0 as u8 }),
-                QType::Q5_1 => rows!(blocks32, a, { QType::Q5_1 as u8 }),
-                _ => rows!(blocks32, a, { QType::IQ4_NL as u8 }),
-            }
+            by_type32!(qt, rows!(blocks32, a))
         }
         (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
