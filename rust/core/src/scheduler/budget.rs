@@ -23,8 +23,9 @@ pub(super) struct TimeBudget {
     pub floor: bool,
     /// Milliseconds charged to rows of more than one token (prefill chunks).
     pub prefill_ms: f64,
-    /// Milliseconds charged to the step's fixed cost and its one-token rows (decodes).
-    pub decode_ms: f64,
+    /// Milliseconds charged to the rest of the step: its fixed cost and its one-token rows
+    /// (decodes).
+    pub rest_ms: f64,
 }
 
 /// What is left of a step's budgets.
@@ -60,7 +61,7 @@ impl Budget {
             geo,
             floor: false,
             prefill_ms: 0.0,
-            decode_ms: coef.step_ms(),
+            rest_ms: coef.step_ms(),
         });
         self
     }
@@ -70,7 +71,7 @@ impl Budget {
     /// time), and the first of them at least one token.
     pub fn open_prefill(&mut self, floor_ms: f64) {
         if let Some(t) = &mut self.time {
-            t.left_ms = t.left_ms.max(floor_ms).max(t.decode_ms);
+            t.left_ms = t.left_ms.max(floor_ms).max(t.rest_ms);
             t.floor = true;
         }
     }
@@ -147,7 +148,7 @@ impl Budget {
             if q > 1 {
                 t.prefill_ms += ms;
             } else {
-                t.decode_ms += ms;
+                t.rest_ms += ms;
             }
             t.floor = false;
             t.left_ms -= ms;
@@ -172,7 +173,7 @@ impl Budget {
             }
             if let Some(t) = &mut self.time {
                 let ms = t.coef.predict(&t.geo.decodes(n, reads));
-                t.decode_ms += ms;
+                t.rest_ms += ms;
                 t.left_ms -= ms;
             }
         }

@@ -15,11 +15,11 @@
 //! cost of the rest of the step (fixed cost and decodes): prefills progress even when the
 //! decodes alone fill the step, and where a decode step of a large model outlasts
 //! `max_step_ms` prompts get half the step instead of a sliver while the streams' steps at
-//! most double. The first prefill row gets at least one token. Each chunk is the most tokens whose predicted cost (tokens, and keys attended
-//! at its context) fits the time left; `max_batch_tokens` stays the hard cap. Chunking costs
-//! the long prompt about `a / max_step_ms` of its prefill throughput (`a`: the fixed cost
-//! of a step, mostly reading the weights once): pick `max_step_ms` well above a decode
-//! step.
+//! most double. The first prefill row gets at least one token. Each chunk is the most
+//! tokens whose predicted cost (tokens, and keys attended at its context) fits the time
+//! left; `max_batch_tokens` stays the hard cap. Chunking costs the long prompt about
+//! `a / max_step_ms` of its prefill throughput (`a`: the fixed cost of a step, mostly
+//! reading the weights once): pick `max_step_ms` well above a decode step.
 //!
 //! **Sharing (shortest work first, with a floor for the oldest).** The prefill allowance
 //! goes, in order, to

@@ -144,12 +144,7 @@ impl Scheduler {
     /// `salt` (0: the shared one): it takes hits only from, and offers its blocks only to,
     /// requests of the same salt. Call it right after `add_request`.
     pub fn set_cache_salt(&mut self, id: &str, salt: u64) -> Result<()> {
-        let Some(&idx) = self.ids.get(id) else {
-            return Err(Error::invalid(
-                "request_id",
-                format!("unknown request_id {id:?}"),
-            ));
-        };
+        let idx = self.known(id)?;
         let r = self.req_mut(idx);
         if r.state != RequestState::Waiting || r.num_computed != 0 || !r.block_hashes.is_empty() {
             return Err(Error::invalid(
@@ -164,14 +159,16 @@ impl Scheduler {
     /// Mark a request (any state) as part of an offline batch, or not: the step-time budget
     /// binds only while an unfinished request is not offline (`scheduler::fair`).
     pub fn set_offline(&mut self, id: &str, offline: bool) -> Result<()> {
-        let Some(&idx) = self.ids.get(id) else {
-            return Err(Error::invalid(
-                "request_id",
-                format!("unknown request_id {id:?}"),
-            ));
-        };
+        let idx = self.known(id)?;
         self.req_mut(idx).offline = offline;
         Ok(())
+    }
+
+    /// Slab index of the request `id` (unfinished, or finished and not yet reported), or a
+    /// `request_id` error.
+    fn known(&self, id: &str) -> Result<u32> {
+        self.request_index(id)
+            .ok_or_else(|| Error::invalid("request_id", format!("unknown request_id {id:?}")))
     }
 
     /// Cancel a request in any state, freeing everything it holds. It is reported once by
