@@ -65,13 +65,15 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", nargs="+", default=list(quant_ops.QTYPES))
-    ap.add_argument("--backend", default=None, help="portable or avx512vnni (default: best)")
+    ap.add_argument("--backend", default=None,
+                    help="portable, avx2, avx512vnni or amx_int8 (default: best)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold-mib", type=int, default=640,
                     help="MiB of weight copies the cold calls rotate through (> the L3)")
     ap.add_argument("--prefill-rows", type=int, default=512)
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 64, 512],
-                    help="rows of the many-rows table (AVX-512 VNNI)")
+                    help="rows of the many-rows table (AVX-512 VNNI, and AMX-INT8 where the "
+                         "CPU has it)")
     ap.add_argument("--int8-peak", type=float, default=740.0,
                     help="GOP/s of vpdpbusd alone on one core")
     ap.add_argument("--only-rows", action="store_true", help="the many-rows table alone")
@@ -99,13 +101,16 @@ MANY_ROWS_ENV = "FERROBATCH_QUANT_MANY_ROWS"
 
 
 def rows_table(args: argparse.Namespace, backend: str) -> None:
-    """The many-rows table: panel kernels against many-rows kernels, interleaved."""
-    if backend != "avx512vnni":
+    """The many-rows table: panel kernels against many-rows kernels (AVX-512 VNNI's register
+    tiles and, where the CPU has them, the AMX int8 tiles), interleaved."""
+    if backend not in ("avx512vnni", "amx_int8"):
         return
-    print(f"\nmany rows, {backend}, 1 thread, medians of {args.repeats} (interleaved); "
+    amx = quant_ops.backend_available("amx_int8")
+    print(f"\nmany rows, 1 thread, medians of {args.repeats} (interleaved); "
           f"share of {args.int8_peak:.0f} GOP/s")
     print(f"{'type':>5} {'n x k':>10} {'m':>4} | {'panel ms':>8} {'GOP/s':>6} {'peak':>5} | "
-          f"{'many ms':>8} {'GOP/s':>6} {'peak':>5} | {'speed-up':>8}")
+          f"{'many ms':>8} {'GOP/s':>6} {'peak':>5} | {'speed-up':>8}"
+          + (f" | {'amx ms':>8} {'GOP/s':>6} {'peak':>5} | {'vs many':>7}" if amx else ""))
     rng = np.random.default_rng(1)
     for qtype in args.types:
         for n, k in SHAPES:
@@ -114,22 +119,27 @@ def rows_table(args: argparse.Namespace, backend: str) -> None:
                 x, out = torch.randn(m, k), torch.empty(m, n)
                 calls = max(1, int(2e8 / (2 * m * n * k)))
                 times: dict[str, list[float]] = {"panel": [], "many": []}
+                if amx:
+                    times["amx"] = []
                 for _ in range(args.repeats):
                     for arm in times:
                         if arm == "panel":  # past any m: the many-rows kernels off
                             os.environ[MANY_ROWS_ENV] = str(1 << 30)
                         else:
                             os.environ.pop(MANY_ROWS_ENV, None)
+                        be = "amx_int8" if arm == "amx" else "avx512vnni"
                         times[arm].append(cpu_time(
-                            lambda i, x=x, w=w, out=out: quant_ops.linear(x, w, out, backend),
+                            lambda i, x=x, w=w, out=out, be=be: quant_ops.linear(x, w, out, be),
                             calls))
                 os.environ.pop(MANY_ROWS_ENV, None)
                 ops = 2 * m * n * k
                 gops = {a: ops / statistics.median(t) / 1e9 for a, t in times.items()}
-                print(f"{qtype:>5} {f'{n}x{k}':>10} {m:>4} | "
-                      + " | ".join(f"{ops / gops[a] / 1e6:>8.2f} {gops[a]:>6.0f} "
-                                   f"{gops[a] / args.int8_peak:>5.0%}" for a in times)
-                      + f" | {gops['many'] / gops['panel']:>7.2f}x", flush=True)
+                cell = {a: f"{ops / gops[a] / 1e6:>8.2f} {gops[a]:>6.0f} "
+                           f"{gops[a] / args.int8_peak:>5.0%}" for a in times}
+                print(f"{qtype:>5} {f'{n}x{k}':>10} {m:>4} | {cell['panel']} | {cell['many']} | "
+                      f"{gops['many'] / gops['panel']:>7.2f}x"
+                      + (f" | {cell['amx']} | {gops['amx'] / gops['many']:>6.2f}x" if amx else ""),
+                      flush=True)
 
 
 def shape(qtype: str, n: int, k: int, args: argparse.Namespace, backend: str, bw: float,

@@ -18,7 +18,10 @@
 # AMX: on some virtual machines the CPU reports AMX but the kernel has not enabled its
 # state, and ggml-cpu's AMX Q4 path dies with SIGILL; when /proc/cpuinfo lists no amx_tile
 # (the kernel's view) the build adds -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-# (LLAMACPP_NO_AMX=1 forces that, =0 never).
+# (LLAMACPP_NO_AMX=1 forces that, =0 never). On a KVM Xeon that lists amx_tile and amx_int8
+# (CPUID model 167, 2026-12), the AMX build's llama-bench and llama-server died with SIGSEGV
+# in libggml-cpu on the Q4_K_M file as soon as they ran a batch (they ran with --repack 0,
+# which turns off every repacked layout); LLAMACPP_NO_AMX=1 built a working peer there.
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"

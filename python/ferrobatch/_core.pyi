@@ -618,9 +618,9 @@ def quant_types() -> list[str]:
     "q6_k", "q3_k", "q2_k", "iq4_xs")."""
 
 def quant_backend() -> str:
-    """The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it,
-    else "avx2" where it has that, else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of
-    those that run here)."""
+    """The backend `quant_linear` runs when given none: "amx_int8" where the CPU has AMX-INT8
+    and AVX-512 VNNI, else "avx512vnni" where it has that, else "avx2" where it has that,
+    else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those that run here)."""
 
 def quant_backend_available(backend: str) -> bool:
     """Whether this CPU runs `backend` ("portable" always does)."""
@@ -666,8 +666,8 @@ def quant_linear(
     """`out = x @ W.T` in f32 through int8 activations: `x` float32 [m, k], `weight` the
     `quant_pack`ed W [n, k] of `qtype` (uint8), `out` float32 [m, n]. Output panels of 16
     are split over at most `threads` threads of the kernel pool; a row's result depends on
-    neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
-    `quant_backend()`)."""
+    neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", "amx_int8", or
+    None for `quant_backend()`)."""
 
 def quant_quantize_types() -> list[str]:
     """The types `quant_quantize` takes ("q4_k", "q5_k", "q6_k"; the others are

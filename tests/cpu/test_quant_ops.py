@@ -25,7 +25,8 @@ BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144
 GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
         "q6_k": G.Q6_K, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "q3_k": G.Q3_K,
         "q2_k": G.Q2_K, "iq4_xs": G.IQ4_XS}
-BACKENDS = [b for b in ("portable", "avx2", "avx512vnni") if _core.quant_backend_available(b)]
+BACKENDS = [b for b in ("portable", "avx2", "avx512vnni", "amx_int8")
+            if _core.quant_backend_available(b)]
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -111,15 +112,18 @@ def test_linear_is_within_the_quantization_bound(qtype, m, n, blocks):
         assert torch.equal(o.view(torch.int32), outs[0].view(torch.int32))
 
 
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx2"])
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "amx_int8"])
 def test_each_simd_backend_is_the_portable_bits(isa):
     """Skipped where the CPU lacks the backend's ISA, failed instead where
-    `FERROBATCH_REQUIRE_ISA` names it (`isa_helpers`)."""
-    isas = {"avx512vnni": ("avx512_vnni",), "avx2": ("avx2",)}[isa]
+    `FERROBATCH_REQUIRE_ISA` names it (`isa_helpers`). AMX-INT8 gets 17 to 35 rows: a
+    group of 16 on the tiles, the rest in registers."""
+    isas = {"avx512vnni": ("avx512_vnni",), "avx2": ("avx2",),
+            "amx_int8": ("avx512_vnni", "amx_int8")}[isa]
     require_or_skip(_core.quant_backend_available(isa), *isas, what=f"the {isa} quant backend")
     rng = np.random.default_rng(21)
     for qtype in quant_ops.QTYPES:
         m, n, blocks = int(rng.integers(1, 20)), int(rng.integers(1, 50)), 3
+        m += 16 if isa == "amx_int8" else 0
         k = blocks * BLOCK[qtype][0]
         weight = quant_ops.pack(qtype, random_blocks(qtype, n, k, m), n, k)
         x = random_x(m, k, n) if k >= 128 else torch.randn(m, k)

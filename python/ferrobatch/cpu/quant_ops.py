@@ -54,11 +54,17 @@ def qtype_name(qtype: object) -> str:
 
 @functools.cache
 def backend() -> str:
-    """The backend `linear` runs by default: "avx512vnni" where the CPU has it, else "avx2"
-    where it has that, else "portable" (the environment variable `FERROBATCH_QUANT_BACKEND`
-    picks one that runs)."""
+    """The backend `linear` runs by default: "amx_int8" where the CPU has AMX-INT8 and
+    AVX-512 VNNI, else "avx512vnni" where it has that, else "avx2" where it has that, else
+    "portable" (the environment variable `FERROBATCH_QUANT_BACKEND` picks one that runs)."""
 
     return str(_core.quant_backend())
+
+
+def backend_available(name: str) -> bool:
+    """Whether this CPU runs the backend `name` ("portable" always does)."""
+
+    return bool(_core.quant_backend_available(name))
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = Non
            backend: str | None = None) -> torch.Tensor:
     """`x @ W.T` in f32, `x` [m, k] (widened to f32 first if it is not), `weight` a
     `pack`ed W [n, k], into `out` ([m, n] f32, contiguous) when given; `backend`
-    "portable", "avx2" or "avx512vnni" (None: `backend()`)."""
+    "portable", "avx2", "avx512vnni" or "amx_int8" (None: `backend()`)."""
 
     if not isinstance(weight, PackedWeight):
         raise ValueError(f"weight must be a PackedWeight (quant_ops.pack), not {type(weight)}")

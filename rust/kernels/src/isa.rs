@@ -11,6 +11,7 @@
 //! | `avx512_bf16` | AVX-512 BF16 (`vdpbf16ps`: the bf16 products without AMX) |
 //! | `avx512_vnni` | AVX-512 VNNI (`vpdpwssd`: the exact int16 products) |
 //! | `amx_tile`, `amx_bf16` | AMX bf16 tiles this process may use ([`amx_usable`]) |
+//! | `amx_int8` | AMX int8 tiles this process may use ([`amx_int8_usable`]: the quantized products of many rows) |
 //!
 //! A test that needs an ISA the machine lacks calls `require_or_skip`, which prints
 //! `SKIPPED: needs <isa> (<test>)` to stderr and lets the test return (it passes, as skipped); where
@@ -29,6 +30,7 @@ pub enum Isa {
     Avx512Vnni,
     AmxTile,
     AmxBf16,
+    AmxInt8,
 }
 
 /// The environment variable that turns a skip for want of an ISA into a failure.
@@ -36,7 +38,7 @@ pub const REQUIRE_ENV: &str = "FERROBATCH_REQUIRE_ISA";
 
 impl Isa {
     /// Every recognised ISA.
-    pub const ALL: [Isa; 8] = [
+    pub const ALL: [Isa; 9] = [
         Isa::Avx2,
         Isa::Fma,
         Isa::Avx512F,
@@ -45,6 +47,7 @@ impl Isa {
         Isa::Avx512Vnni,
         Isa::AmxTile,
         Isa::AmxBf16,
+        Isa::AmxInt8,
     ];
 
     /// The name (`/proc/cpuinfo`'s flag).
@@ -58,6 +61,7 @@ impl Isa {
             Isa::Avx512Vnni => "avx512_vnni",
             Isa::AmxTile => "amx_tile",
             Isa::AmxBf16 => "amx_bf16",
+            Isa::AmxInt8 => "amx_int8",
         }
     }
 
@@ -80,6 +84,7 @@ impl Isa {
                 Isa::Avx512Bf16 => has!("avx512bf16"),
                 Isa::Avx512Vnni => has!("avx512vnni"),
                 Isa::AmxTile | Isa::AmxBf16 => amx_usable(),
+                Isa::AmxInt8 => amx_int8_usable(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -98,7 +103,24 @@ pub fn all_detected(isas: &[Isa]) -> bool {
 /// the OS saves the tile state (XCR0 bits 17 and 18), and the kernel granted this process
 /// the tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once).
 pub fn amx_usable() -> bool {
-    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    amx_tiles().bf16
+}
+
+/// Whether this process may run AMX int8 tile products (`tdpbsud`): as [`amx_usable`], with
+/// AMX-INT8 in place of AMX-BF16.
+pub fn amx_int8_usable() -> bool {
+    amx_tiles().int8
+}
+
+/// Which AMX products this process may run (both false where the tiles are unusable).
+#[derive(Clone, Copy, Debug, Default)]
+struct AmxTiles {
+    bf16: bool,
+    int8: bool,
+}
+
+fn amx_tiles() -> AmxTiles {
+    static USABLE: std::sync::OnceLock<AmxTiles> = std::sync::OnceLock::new();
     *USABLE.get_or_init(amx::detect)
 }
 
@@ -113,30 +135,37 @@ mod amx {
     const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
     const XFEATURE_XTILEDATA: i64 = 18;
 
-    pub(super) fn detect() -> bool {
+    pub(super) fn detect() -> super::AmxTiles {
         // cpuid leaf 7 reports zeros where a feature is missing
         let leaf7 = __cpuid_count(7, 0);
-        let (tile, bf16) = (leaf7.edx & (1 << 24) != 0, leaf7.edx & (1 << 22) != 0);
+        let tile = leaf7.edx & (1 << 24) != 0;
+        let (bf16, int8) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 25) != 0);
         let osxsave = __cpuid_count(1, 0).ecx & (1 << 27) != 0;
-        if !(tile && bf16 && osxsave) {
-            return false;
+        let none = super::AmxTiles::default();
+        if !(tile && (bf16 || int8) && osxsave) {
+            return none;
         }
         // SAFETY: xgetbv is available because OSXSAVE is set (checked just above).
         let xcr0 = unsafe { _xgetbv(0) };
         if xcr0 & (0b11 << 17) != 0b11 << 17 {
-            return false;
+            return none;
         }
         // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) only changes which XSAVE
         // features this process may use; it reads no memory of ours. 0 means granted (also
         // when torch's oneDNN asked first).
-        unsafe { syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        let granted =
+            unsafe { syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 };
+        super::AmxTiles {
+            bf16: granted && bf16,
+            int8: granted && int8,
+        }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 mod amx {
-    pub(super) fn detect() -> bool {
-        false
+    pub(super) fn detect() -> super::AmxTiles {
+        super::AmxTiles::default()
     }
 }
 

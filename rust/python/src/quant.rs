@@ -27,8 +27,8 @@ fn backend_of(name: Option<&str>) -> PyResult<Backend> {
             invalid(
                 "backend",
                 format!(
-                    "backend must be \"portable\", \"avx2\", \"avx512vnni\" or None, \
-                     not {n:?}"
+                    "backend must be \"portable\", \"avx2\", \"avx512vnni\", \"amx_int8\" \
+                     or None, not {n:?}"
                 ),
             )
         }),
@@ -46,9 +46,9 @@ pub fn quant_types() -> Vec<&'static str> {
     QType::ALL.iter().map(|t| t.name()).collect()
 }
 
-/// The backend `quant_linear` runs when given none: "avx512vnni" where the CPU has it, else
-/// "avx2" where it has that, else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those
-/// that run here).
+/// The backend `quant_linear` runs when given none: "amx_int8" where the CPU has AMX-INT8
+/// and AVX-512 VNNI, else "avx512vnni" where it has that, else "avx2" where it has that,
+/// else "portable" (`FERROBATCH_QUANT_BACKEND` picks one of those that run here).
 #[pyfunction]
 pub fn quant_backend() -> &'static str {
     Backend::auto().name()
@@ -114,7 +114,7 @@ pub fn quant_pack(
 /// `out = x @ W.T` in f32 through int8 activations: `x` float32 [m, k], `weight` the
 /// `quant_pack`ed W [n, k] of `qtype` (uint8), `out` float32 [m, n]. Output panels of 16
 /// are split over at most `threads` threads of the kernel pool; a row's result depends on
-/// neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", or None for
+/// neither `m`, `threads` nor `backend` ("portable", "avx2", "avx512vnni", "amx_int8", or None for
 /// `quant_backend()`).
 #[pyfunction]
 #[pyo3(signature = (qtype, x, weight, out, *, n, k, threads = 1, backend = None))]

@@ -43,6 +43,8 @@ macro_rules! by_type32 {
 
 pub mod act;
 #[cfg(target_arch = "x86_64")]
+mod amx_rows;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 mod blocks;
 mod packing;
@@ -376,20 +378,30 @@ pub enum Backend {
     Avx512Vnni,
     /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
     Avx2,
+    /// [`Backend::Avx512Vnni`], with the products of [`MANY_ROWS`] rows or more of the types
+    /// whose (sub-)blocks are 32 inputs on the AMX int8 tiles (`tdpbsud`, 16 rows at a time;
+    /// the same integer sums and f32 steps, so the same bits)
+    AmxInt8,
 }
 
 /// The environment variable that picks the backend of [`Backend::auto`]: `portable`,
-/// `avx2` or `avx512vnni`.
+/// `avx2`, `avx512vnni` or `amx_int8`.
 pub const BACKEND_ENV: &str = "FERROBATCH_QUANT_BACKEND";
 
 impl Backend {
-    pub const ALL: [Backend; 3] = [Backend::Portable, Backend::Avx512Vnni, Backend::Avx2];
+    pub const ALL: [Backend; 4] = [
+        Backend::Portable,
+        Backend::Avx512Vnni,
+        Backend::Avx2,
+        Backend::AmxInt8,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Backend::Portable => "portable",
             Backend::Avx512Vnni => "avx512vnni",
             Backend::Avx2 => "avx2",
+            Backend::AmxInt8 => "amx_int8",
         }
     }
 
@@ -407,8 +419,10 @@ impl Backend {
             Backend::Avx512Vnni => vnni::available(),
             #[cfg(target_arch = "x86_64")]
             Backend::Avx2 => avx2::available(),
+            #[cfg(target_arch = "x86_64")]
+            Backend::AmxInt8 => vnni::available() && crate::isa::amx_int8_usable(),
             #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx512Vnni | Backend::Avx2 => false,
+            Backend::Avx512Vnni | Backend::Avx2 | Backend::AmxInt8 => false,
         }
     }
 
@@ -422,7 +436,7 @@ impl Backend {
                 return b;
             }
         }
-        [Backend::Avx512Vnni, Backend::Avx2]
+        [Backend::AmxInt8, Backend::Avx512Vnni, Backend::Avx2]
             .into_iter()
             .find(|b| b.available())
             .unwrap_or(Backend::Portable)
@@ -659,7 +673,8 @@ pub fn linear(
     #[cfg(target_arch = "x86_64")]
     if many_rows(m, backend) {
         let a = acts.rows(0..m, nb);
-        vnni_rows::linear(qt, packed, nb, n, a, m, chunk, out, threads);
+        let amx = backend == Backend::AmxInt8;
+        vnni_rows::linear(qt, packed, nb, n, a, m, chunk, out, threads, amx);
         return Ok(());
     }
     // sums by panel: [panel][row][16], each thread's panels one slice
@@ -709,7 +724,8 @@ pub fn linear(
 }
 
 /// The fewest rows [`linear`] runs through the many-rows kernels (each panel's weights
-/// unpacked once for all the rows) on [`Backend::Avx512Vnni`]; fewer go through the panel
+/// unpacked once for all the rows) on [`Backend::Avx512Vnni`] and [`Backend::AmxInt8`]; fewer
+/// go through the panel
 /// kernels, up to [`MAX_ROWS`] rows a pass over the weights.
 pub const MANY_ROWS: usize = 9;
 
@@ -719,7 +735,7 @@ pub const MANY_ROWS_ENV: &str = "FERROBATCH_QUANT_MANY_ROWS";
 
 /// Whether a call of `m` rows on `backend` runs the many-rows kernels.
 fn many_rows(m: usize, backend: Backend) -> bool {
-    if backend != Backend::Avx512Vnni || m <= MAX_ROWS {
+    if !matches!(backend, Backend::Avx512Vnni | Backend::AmxInt8) || m <= MAX_ROWS {
         return false;
     }
     let least = std::env::var(MANY_ROWS_ENV)
@@ -735,10 +751,12 @@ fn kernel(qt: QType, backend: Backend) -> PanelFn {
     match backend {
         Backend::Portable => qt.traits().panel_portable,
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx512Vnni => vnni::panel_fn(qt),
+        Backend::Avx512Vnni | Backend::AmxInt8 => vnni::panel_fn(qt),
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::panel_fn(qt),
         #[cfg(not(target_arch = "x86_64"))]
-        Backend::Avx512Vnni | Backend::Avx2 => unreachable!("never available off x86-64"),
+        Backend::Avx512Vnni | Backend::Avx2 | Backend::AmxInt8 => {
+            unreachable!("never available off x86-64")
+        }
     }
 }

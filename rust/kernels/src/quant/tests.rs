@@ -15,6 +15,24 @@ fn vnni() -> bool {
         && Backend::Avx512Vnni.available()
 }
 
+fn amx() -> bool {
+    crate::isa::require_or_skip(&[Isa::Avx512F, Isa::Avx512Bw, Isa::Avx512Vnni, Isa::AmxInt8])
+        && Backend::AmxInt8.available()
+}
+
+/// The many-rows backends this machine runs (AVX-512 VNNI's register tiles, the AMX int8
+/// tiles), each skipped (or required) as [`crate::isa::require_or_skip`] says.
+fn many_rows_backends() -> Vec<Backend> {
+    let mut backends = Vec::new();
+    if vnni() {
+        backends.push(Backend::Avx512Vnni);
+    }
+    if amx() {
+        backends.push(Backend::AmxInt8);
+    }
+    backends
+}
+
 fn avx2() -> bool {
     crate::isa::require_or_skip(&[Isa::Avx2, Isa::Fma]) && Backend::Avx2.available()
 }
@@ -429,14 +447,11 @@ fn check_all(qt: QType, m: usize, n: usize, k: usize, threads: usize, seed: u64)
             .all(|(a, b)| a.to_bits() == b.to_bits()),
         "{name}: portable != vec_dot"
     );
-    if Backend::Avx512Vnni.available() {
-        let v = run(qt, &rows, &x, (m, n, k, threads), Backend::Avx512Vnni);
-        for (idx, (a, b)) in v.iter().zip(&portable).enumerate() {
-            assert_eq!(
-                a.to_bits(),
-                b.to_bits(),
-                "{name} {m}x{n}x{k} [{idx}]: vnni {a} portable {b}"
-            );
+    for backend in [Backend::Avx512Vnni, Backend::AmxInt8] {
+        if backend.available() {
+            let v = run(qt, &rows, &x, (m, n, k, threads), backend);
+            let what = format!("{name} {m}x{n}x{k} {}", backend.name());
+            same_bits(&v, &portable, &what);
         }
     }
 }
@@ -444,7 +459,13 @@ fn check_all(qt: QType, m: usize, n: usize, k: usize, threads: usize, seed: u64)
 #[test]
 fn every_type_matches_the_reference_and_paths_agree() {
     for qt in QType::ALL {
-        for (m, n, k) in [(1, 16, 256), (3, 33, 512), (9, 20, 768), (17, 5, 256)] {
+        for (m, n, k) in [
+            (1, 16, 256),
+            (3, 33, 512),
+            (9, 20, 768),
+            (17, 5, 256),
+            (35, 21, 512),
+        ] {
             check_all(qt, m, n, k, 2, 11 * m as u64 + n as u64);
         }
     }
@@ -546,40 +567,34 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
     // the many-rows kernels (m > MAX_ROWS): every type, row tiles of every size, 1 to 4
     // panels a pass (threads 1: passes of 4; threads 3: 4 panels as 1 + 1 + 2, 8 as
     // 2 + 3 + 3), 32-weight chunks that do not divide the blocks (k = 13 blocks of 32),
-    // several row chunks (k = 4096 at 512)
-    if !vnni() {
-        return;
-    }
-    for qt in QType::ALL {
-        for (i, m) in [9, 31, 32, 64, 100, 512].into_iter().enumerate() {
-            let n = if i % 2 == 0 { 50 } else { 115 };
-            let (n, k) = match (qt.block(), m) {
-                (32, 512) => (50, 4096),
-                (32, _) => (n, 416),
-                (_, 512) => (33, 4096),
-                _ => (n, 768),
-            };
-            let rows = random_rows(qt, n, k, 21 + i as u64);
-            let x = random_x(m, k, 22 + i as u64);
-            let what = format!("{} m {m}", qt.name());
-            let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
-            for threads in [1, 3] {
-                let v = run(qt, &rows, &x, (m, n, k, threads), Backend::Avx512Vnni);
-                same_bits(&v, &p, &format!("{what} threads {threads}"));
-            }
-            for r in [0, m / 2, m - 1] {
-                let one = run(
-                    qt,
-                    &rows,
-                    &x[r * k..(r + 1) * k],
-                    (1, n, k, 1),
-                    Backend::Avx512Vnni,
-                );
-                same_bits(
-                    &one,
-                    &p[r * n..(r + 1) * n],
-                    &format!("{what} row {r} alone"),
-                );
+    // several row chunks (k = 4096 at 512); on the AMX tiles, groups of 16 rows and the
+    // register tiles for the rest
+    for backend in many_rows_backends() {
+        for qt in QType::ALL {
+            for (i, m) in [9, 31, 32, 64, 100, 512].into_iter().enumerate() {
+                let n = if i % 2 == 0 { 50 } else { 115 };
+                let (n, k) = match (qt.block(), m) {
+                    (32, 512) => (50, 4096),
+                    (32, _) => (n, 416),
+                    (_, 512) => (33, 4096),
+                    _ => (n, 768),
+                };
+                let rows = random_rows(qt, n, k, 21 + i as u64);
+                let x = random_x(m, k, 22 + i as u64);
+                let what = format!("{} {} m {m}", qt.name(), backend.name());
+                let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+                for threads in [1, 3] {
+                    let v = run(qt, &rows, &x, (m, n, k, threads), backend);
+                    same_bits(&v, &p, &format!("{what} threads {threads}"));
+                }
+                for r in [0, m / 2, m - 1] {
+                    let one = run(qt, &rows, &x[r * k..(r + 1) * k], (1, n, k, 1), backend);
+                    same_bits(
+                        &one,
+                        &p[r * n..(r + 1) * n],
+                        &format!("{what} row {r} alone"),
+                    );
+                }
             }
         }
     }
@@ -587,21 +602,64 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
 
 #[test]
 fn many_rows_at_the_extremes_equal_portable() {
-    if !vnni() {
-        return;
-    }
-    for qt in QType::ALL {
-        let (m, n, k) = (12, 40, 512);
-        for byte in [0x00, 0xFF, 0x80, 0x7F] {
-            let rows = constant_rows(qt, n, k, byte);
-            let x: Vec<f32> = (0..m * k)
-                .map(|i| if (i / k + i) % 3 == 0 { -1.0 } else { 1.0 })
-                .collect();
-            let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
-            let v = run(qt, &rows, &x, (m, n, k, 2), Backend::Avx512Vnni);
-            same_bits(&v, &p, &format!("{} {byte:#x}", qt.name()));
+    for backend in many_rows_backends() {
+        for qt in QType::ALL {
+            // (37 rows: two groups of the AMX tiles' 16, then register tiles)
+            for (m, byte) in [(12, 0x00), (12, 0xFF), (37, 0x80), (37, 0x7F), (37, 0xFF)] {
+                let (n, k) = (40, 512);
+                let rows = constant_rows(qt, n, k, byte);
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| if (i / k + i) % 3 == 0 { -1.0 } else { 1.0 })
+                    .collect();
+                let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+                let v = run(qt, &rows, &x, (m, n, k, 2), backend);
+                same_bits(
+                    &v,
+                    &p,
+                    &format!("{} {} {byte:#x}", qt.name(), backend.name()),
+                );
+            }
         }
     }
+}
+
+#[test]
+fn q4_k_on_the_amx_tiles_is_exact_on_both_sides_of_the_bound() {
+    // Q4_K blocks of 16 rows run as one integer product where no partial sum of the
+    // sub-blocks can pass 2^24, else on the register tiles: small inputs, inputs at +-1
+    // (every q at +-127: past the bound with large scales), and groups that mix both rows
+    if !amx() {
+        return;
+    }
+    use std::sync::atomic::Ordering::Relaxed;
+    let runs = || super::amx_rows::RUNS.each_ref().map(|r| r.load(Relaxed));
+    let before = runs();
+    let qt = QType::Q4_K;
+    let (m, n, k) = (53, 70, 1024);
+    let rows = random_rows(qt, n, k, 31);
+    let small = random_x(m, k, 32);
+    let extreme: Vec<f32> = (0..m * k)
+        .map(|i| if i % 5 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    let mixed: Vec<f32> = (0..m * k)
+        .map(|i| {
+            if (i / k) % 7 == 3 {
+                extreme[i]
+            } else {
+                small[i]
+            }
+        })
+        .collect();
+    for (name, x) in [("small", small), ("extreme", extreme), ("mixed", mixed)] {
+        let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+        for threads in [1, 2] {
+            let v = run(qt, &rows, &x, (m, n, k, threads), Backend::AmxInt8);
+            same_bits(&v, &p, &format!("q4_k {name} threads {threads}"));
+        }
+    }
+    let after = runs();
+    assert!(after[0] > before[0], "no block ran as one product");
+    assert!(after[1] > before[1], "no block ran on the register tiles");
 }
 
 #[test]
@@ -632,6 +690,7 @@ fn a_row_does_not_depend_on_its_batch_nor_the_threads() {
             Backend::Portable => false,
             Backend::Avx512Vnni => !vnni(),
             Backend::Avx2 => !avx2(),
+            Backend::AmxInt8 => !amx(),
         };
         if skip {
             continue;

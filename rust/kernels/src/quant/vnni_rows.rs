@@ -27,7 +27,7 @@ use std::ops::Range;
 use super::act::{A256, A32};
 use super::blocks::IQ4NL_U;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, streams, PANEL};
-use super::vnni;
+use super::{amx_rows, vnni};
 use super::{ActRows, QType};
 use crate::asm::dpwssd;
 
@@ -47,24 +47,36 @@ const CHUNK32: usize = 8;
 /// One 64-byte line of scratch (aligned: one cache line, one zmm load).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u8; 64]);
+pub(super) struct Line(pub(super) [u8; 64]);
 
 /// Lines of a block of one panel, and the first line of each part after the codes.
 #[derive(Clone, Copy)]
-struct Layout {
+pub(super) struct Layout {
     /// lines a block
-    lines: usize,
+    pub(super) lines: usize,
     /// the scales (K-types)
-    sc: usize,
+    pub(super) sc: usize,
     /// d
-    d: usize,
+    pub(super) d: usize,
     /// Q4_1's and Q5_1's m, the K-types' dmin
-    e: usize,
+    pub(super) e: usize,
     /// Q4_K / Q5_K's mins
-    mins: usize,
+    pub(super) mins: usize,
+    /// Q4_K on the AMX tiles ([`super::amx_rows`]): the codes times their sub-block's scale
+    /// (`w = u * sc < 2^10`), low bytes from line `wlo` and high bytes from `wlo + 64`, a
+    /// line a quad as the codes; then at `wlo + 128` the largest of a column's 8 scales
+    /// (f32). 0 elsewhere.
+    pub(super) wlo: usize,
 }
 
-fn layout(qt: QType) -> Layout {
+pub(super) fn layout(qt: QType, amx: bool) -> Layout {
+    if amx && qt == QType::Q4_K {
+        return Layout {
+            lines: 78 + 129,
+            wlo: 78,
+            ..layout(qt, false)
+        };
+    }
     match qt {
         QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
             Layout {
@@ -73,6 +85,7 @@ fn layout(qt: QType) -> Layout {
                 d: 8,
                 e: 9,
                 mins: 10,
+                wlo: 0,
             }
         }
         QType::Q4_K | QType::Q5_K => Layout {
@@ -81,6 +94,7 @@ fn layout(qt: QType) -> Layout {
             d: 72,
             e: 73,
             mins: 74,
+            wlo: 0,
         },
         QType::Q6_K | QType::Q3_K => Layout {
             lines: 81,
@@ -88,6 +102,7 @@ fn layout(qt: QType) -> Layout {
             d: 80,
             e: 81,
             mins: 81,
+            wlo: 0,
         },
         QType::Q2_K => Layout {
             lines: 90,
@@ -95,6 +110,7 @@ fn layout(qt: QType) -> Layout {
             d: 80,
             e: 81,
             mins: 82,
+            wlo: 0,
         },
         QType::IQ4_XS => Layout {
             lines: 73,
@@ -102,6 +118,7 @@ fn layout(qt: QType) -> Layout {
             d: 72,
             e: 73,
             mins: 73,
+            wlo: 0,
         },
     }
 }
@@ -109,8 +126,9 @@ fn layout(qt: QType) -> Layout {
 /// `out` [m, n] = the `m` rows of `acts` (`nb` blocks each) times the [`super::pack`]ed
 /// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
 /// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
-/// panels pass). Panics on a length that does not match, or where
-/// [`super::vnni::available`] is false.
+/// panels pass), whole groups of 16 rows on the AMX int8 tiles where `amx`
+/// ([`super::amx_rows`]). Panics on a length that does not match, or where
+/// [`super::vnni::available`] (or, with `amx`, [`crate::isa::amx_int8_usable`]) is false.
 #[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
 pub(crate) fn linear(
     qt: QType,
@@ -122,8 +140,16 @@ pub(crate) fn linear(
     chunk: usize,
     out: &mut [f32],
     threads: usize,
+    amx: bool,
 ) {
     assert!(super::vnni::available(), "AVX-512 VNNI is not available");
+    assert!(
+        !amx || crate::isa::amx_int8_usable(),
+        "AMX-INT8 is not usable"
+    );
+    // each activation block's sum |q|, for the AMX tiles' bound
+    let abs = (amx && amx_rows::takes(qt)).then(|| amx_rows::abs_sums(&acts));
+    let abs = abs.as_deref();
     let panels = n.div_ceil(PANEL);
     let acts_len = match acts {
         ActRows::A32(a) => a.len(),
@@ -148,8 +174,9 @@ pub(crate) fn linear(
             // SAFETY: `o` is `out` ([m, n], borrowed until every piece has run), `packed`
             // and `acts` have the shapes asserted above, `range` is inside the `panels`
             // panels and `rows` inside the `m` rows; the pieces' panel ranges are disjoint
-            // (`split`), so each thread writes only the columns of its own panels.
-            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o) };
+            // (`split`), so each thread writes only the columns of its own panels; AMX-INT8
+            // is usable where `amx` (asserted).
+            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o, abs) };
         }
     });
 }
@@ -170,7 +197,8 @@ unsafe impl Send for Out {}
 /// `out` points at `m * n` writable f32 ([m, n], `rows.end <= m`) that no other thread
 /// reads or writes in the columns of `panels` (`panels.end <= n.div_ceil(16)`); `packed`
 /// holds those panels of `nb` blocks of `qt`, and `acts` at least `rows.end * nb` blocks;
-/// the CPU has AVX-512 F, BW and VNNI.
+/// the CPU has AVX-512 F, BW and VNNI; where `abs` (each activation block's sum |q|,
+/// [`amx_rows::abs_sums`]), this process may use AMX-INT8 and [`amx_rows::takes`] `qt`.
 #[allow(clippy::too_many_arguments)] // one call of `linear`: its slices and shapes
 unsafe fn pass(
     qt: QType,
@@ -181,14 +209,25 @@ unsafe fn pass(
     acts: ActRows<'_>,
     rows: Range<usize>,
     out: Out,
+    abs: Option<&[u32]>,
 ) {
     let panel_bytes = nb * panel_block_bytes(qt);
-    let lay = layout(qt);
+    let on_tiles = abs.is_some();
+    let lay = layout(qt, on_tiles);
     let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
     let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
     let st = stream_starts(qt, nb);
-    // row tiles of near-equal size, at most TILE
-    let tiles = rows.len().div_ceil(TILE);
+    // groups of 16 rows on the AMX tiles (the types they take), then the rest in register
+    // tiles of near-equal size, at most TILE
+    let groups = if on_tiles {
+        rows.len() / amx_rows::ROWS
+    } else {
+        0
+    };
+    // SAFETY: AMX-INT8 is usable where `amx` (the caller's contract).
+    let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
+    let rest = rows.start + groups * amx_rows::ROWS..rows.end;
+    let tiles = rest.len().div_ceil(TILE);
     for first in panels.clone().step_by(PANELS) {
         let np = (panels.end - first).min(PANELS);
         // the columns of the pass's last panel that are inside `n`
@@ -221,13 +260,18 @@ unsafe fn pass(
                     // SAFETY: the CPU has AVX-512 F, BW and VNNI (the caller's contract);
                     // `w` is one panel of `nb` blocks of `qt` with stream starts `st`,
                     // `b0 + b < nb`, and `out` holds one block's lines of `qt`'s layout.
-                    unsafe { unpack(qt, w.as_ptr(), &st, b0 + b, out.as_mut_ptr()) };
+                    unsafe { unpack(qt, w.as_ptr(), &st, b0 + b, out.as_mut_ptr(), lay) };
                 }
             }
-            for t in 0..tiles {
-                ahead.part(t, tiles);
-                let r =
-                    rows.start + rows.len() * t / tiles..rows.start + rows.len() * (t + 1) / tiles;
+            for t in 0..groups + tiles {
+                ahead.part(t, groups + tiles);
+                let r = if t < groups {
+                    let start = rows.start + amx_rows::ROWS * t;
+                    start..start + amx_rows::ROWS
+                } else {
+                    let t = t - groups;
+                    rest.start + rest.len() * t / tiles..rest.start + rest.len() * (t + 1) / tiles
+                };
                 let tile = Tile {
                     s: scratch.as_ptr(),
                     lay,
@@ -243,8 +287,14 @@ unsafe fn pass(
                 // SAFETY: the CPU as the caller's contract; `scratch` holds the `np` panels'
                 // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `r` are
                 // the columns of panels `first + p` below `n` (`cols`), inside `out` and
-                // this thread's alone (the caller's contract).
-                unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
+                // this thread's alone (the caller's contract); the tiles are configured, and
+                // take `qt`, where `t < groups`.
+                if t < groups {
+                    let abs = abs.unwrap_or_default();
+                    unsafe { amx_rows::group(qt, &acts, abs, r, b0, np, tile) };
+                } else {
+                    unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
+                }
             }
         }
     }
@@ -327,23 +377,23 @@ impl Ahead {
 
 /// The pointers and strides of one register tile.
 #[derive(Clone, Copy)]
-struct Tile {
+pub(super) struct Tile {
     /// the scratch: panel `p`'s block `b` at line `p * pstride + b * lay.lines`
-    s: *const Line,
-    lay: Layout,
-    pstride: usize,
+    pub(super) s: *const Line,
+    pub(super) lay: Layout,
+    pub(super) pstride: usize,
     /// blocks of the chunk
-    cb: usize,
+    pub(super) cb: usize,
     /// blocks of an activation row
-    nb: usize,
+    pub(super) nb: usize,
     /// the outputs of the tile's first row, first panel: row `i`'s panel `p` at `i * rstride
     /// + 16 p`
-    acc: *mut f32,
-    rstride: usize,
+    pub(super) acc: *mut f32,
+    pub(super) rstride: usize,
     /// the lanes of the last panel that are outputs (the others lie past `n`)
-    last: u16,
+    pub(super) last: u16,
     /// whether the chunk is the first of the row (its sums start at zero, not from `acc`)
-    fresh: bool,
+    pub(super) fresh: bool,
 }
 
 impl Tile {
@@ -366,7 +416,7 @@ impl Tile {
 /// readable.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn acc_load(t: &Tile, i: usize, p: usize, np: usize, fresh: bool) -> __m512 {
+pub(super) unsafe fn acc_load(t: &Tile, i: usize, p: usize, np: usize, fresh: bool) -> __m512 {
     if fresh {
         _mm512_setzero_ps()
     } else {
@@ -382,7 +432,7 @@ unsafe fn acc_load(t: &Tile, i: usize, p: usize, np: usize, fresh: bool) -> __m5
 /// writable.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn acc_store(t: &Tile, i: usize, p: usize, np: usize, v: __m512) {
+pub(super) unsafe fn acc_store(t: &Tile, i: usize, p: usize, np: usize, v: __m512) {
     _mm512_mask_storeu_ps(t.acc.add(i * t.rstride + PANEL * p), t.mask(p, np), v)
 }
 
@@ -451,13 +501,46 @@ unsafe fn tile_dispatch(
     }
 }
 
+/// Rows `r` of panel `p` (of `np`) of the chunk of `t` (the tile of `r`'s first row and the
+/// chunk's first panel) on the register tiles: how [`super::amx_rows`] runs a block whose
+/// sums could round.
+///
+/// # Safety
+/// As [`tile_dispatch`] for the rows `r` and the `np` panels of `t`.
+pub(super) unsafe fn panel_on_registers(
+    qt: QType,
+    acts: &ActRows<'_>,
+    r: Range<usize>,
+    b0: usize,
+    p: usize,
+    np: usize,
+    t: Tile,
+) {
+    let last = if p + 1 == np { t.last } else { 0xFFFF };
+    let tiles = r.len().div_ceil(TILE);
+    for k in 0..tiles {
+        let rows = r.start + r.len() * k / tiles..r.start + r.len() * (k + 1) / tiles;
+        let tile = Tile {
+            s: t.s.wrapping_add(p * t.pstride),
+            acc: t
+                .acc
+                .wrapping_add((rows.start - r.start) * t.rstride + p * PANEL),
+            last,
+            ..t
+        };
+        // SAFETY: the caller's contract; `tile` is panel `p` of `t` for the rows `rows`
+        // (inside `r`), one panel wide.
+        unsafe { tile_dispatch(qt, acts, rows, b0, 1, tile) };
+    }
+}
+
 /// Line `i` from `p`.
 ///
 /// # Safety
 /// `p .. p + i + 1` lines are readable.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn line(p: *const Line, i: usize) -> __m512i {
+pub(super) unsafe fn line(p: *const Line, i: usize) -> __m512i {
     _mm512_load_si512(p.add(i).cast())
 }
 
@@ -467,7 +550,7 @@ unsafe fn line(p: *const Line, i: usize) -> __m512i {
 /// As [`line`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn line_ps(p: *const Line, i: usize) -> __m512 {
+pub(super) unsafe fn line_ps(p: *const Line, i: usize) -> __m512 {
     _mm512_load_ps(p.add(i).cast())
 }
 
@@ -683,19 +766,67 @@ unsafe fn halves(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
+/// The AMX lines of an unpacked Q4_K block ([`Layout::wlo`]): each code times its
+/// sub-block's scale (`w < 2^10`) split into low and high bytes, and each column's largest
+/// scale.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `out` holds `lay.lines` lines, its codes and sub-block
+/// scales written.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn scaled_codes(out: *mut Line, lay: Layout) {
+    // a u16 lane of a half line (32 bytes: 8 columns x 4 codes) takes its column's scale
+    let lane: [u16; 32] = std::array::from_fn(|l| (l / 4) as u16);
+    let low_cols = _mm512_loadu_si512(lane.as_ptr().cast());
+    let high_cols = _mm512_add_epi16(low_cols, _mm512_set1_epi16(8));
+    let mut most = _mm512_setzero_ps();
+    for j in 0..8 {
+        let sc_ps = _mm512_load_ps(out.add(lay.sc + j).cast());
+        most = _mm512_max_ps(most, sc_ps);
+        // the 16 scales as u16 in the low 256 bits
+        let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(sc_ps)));
+        let (sc_low, sc_high) = (
+            _mm512_permutexvar_epi16(low_cols, sc16),
+            _mm512_permutexvar_epi16(high_cols, sc16),
+        );
+        for q in 8 * j..8 * j + 8 {
+            let codes = _mm512_load_si512(out.add(q).cast());
+            let w_low =
+                _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(codes)), sc_low);
+            let w_high = _mm512_mullo_epi16(
+                _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(codes)),
+                sc_high,
+            );
+            let bytes = |v: __m512i, u: __m512i| {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(v)),
+                    _mm512_cvtepi16_epi8(u),
+                )
+            };
+            let lo = bytes(w_low, w_high);
+            let hi = bytes(
+                _mm512_srli_epi16::<8>(w_low),
+                _mm512_srli_epi16::<8>(w_high),
+            );
+            _mm512_store_si512(out.add(lay.wlo + q).cast(), lo);
+            _mm512_store_si512(out.add(lay.wlo + 64 + q).cast(), hi);
+        }
+    }
+    _mm512_store_ps(out.add(lay.wlo + 128).cast(), most);
+}
+
 /// Block `b` of the panel `w` (streams at `st`) unpacked into the lines at `out`
 /// ([`layout`]).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `w` points at one packed panel of `nb > b` blocks of
-/// `qt` whose streams start at `st` (`stream_starts(qt, nb)`); `out` at `layout(qt).lines`
+/// `qt` whose streams start at `st` (`stream_starts(qt, nb)`); `out` at `lay.lines`
 /// writable lines.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut Line) {
+unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut Line, lay: Layout) {
     let ld = |p: *const u8| _mm512_loadu_si512(p.cast());
     let put = |i: usize, v: __m512i| _mm512_store_si512(out.add(i).cast(), v);
     let put_ps = |i: usize, v: __m512| _mm512_store_ps(out.add(i).cast(), v);
-    let lay = layout(qt);
     let m4 = _mm512_set1_epi8(0x0F);
     let lo_hi = |v: __m512i| {
         (
@@ -792,6 +923,11 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
             }
             put_ps(lay.d, halves(w.add(dd + 32 * b)));
             put_ps(lay.e, halves(w.add(dmin + 32 * b)));
+            if lay.wlo != 0 {
+                // SAFETY: the codes and scales of the block are written just above, and
+                // the layout holds the AMX lines (`wlo != 0`).
+                unsafe { scaled_codes(out, lay) };
+            }
         }
         QType::Q6_K => {
             let bits45 = _mm512_set1_epi8(0x30);

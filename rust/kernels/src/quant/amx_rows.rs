@@ -1,0 +1,295 @@
+//! Q4_K products of many rows on the AMX int8 tiles, 16 rows at a time.
+//!
+//! The formula every path follows ([`super::portable`]) sums a block's 8 sub-block products
+//! in f32, `s1 = fma(f32(t[j]), sc[j], s1)`, and then scales `s1`. Where none of those
+//! partial sums can pass 2^24 they are all exact integers, and `s1` is the integer
+//! `S = sum_j sc[j] * t[j] = sum_l (sc * u)[l] * q[l]`: one product over the whole block of
+//! the codes times their sub-block's scale (`w = sc * u < 2^10`, unpacked once per panel as
+//! a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`), two tile sums a 64 inputs
+//! and no f32 step until the block's end. A block of 16 rows and one panel runs so when
+//! `15 * max(sc) * max_row(sum |q|) <= 2^24` (the bound of every partial sum), which holds
+//! for all but extreme inputs; else it runs on the register tiles, which follow the formula
+//! step by step. Either way the outputs are the same bits as every other backend's.
+//!
+//! The other types stay on the register tiles: with one f32 step a 32 inputs (their block
+//! factors and sub-block scales are f32), a tile product's sums must be stored and read back
+//! every 32 inputs, and on a Xeon with AMX that was no faster than `vpdpbusd`.
+//!
+//! Tiles (palette 1, all 16 rows x 64 bytes): 0 to 3 the 16 rows' inputs (64 each, loaded
+//! once for every panel), 4 and 7 the low and high bytes of `w` (16 quads of 16 columns), 5
+//! and 6 the two sums.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::act::A256;
+use super::vnni_rows::{
+    acc_load, acc_store, line, line_ps, panel_on_registers, Layout, Line, Tile,
+};
+use super::{ActRows, QType};
+use crate::asm::dpwssd;
+
+/// Blocks of 16 rows and one panel run on the tiles, and on the register tiles for want of
+/// the bound (tests check that both sides ran).
+#[cfg(test)]
+pub(super) static RUNS: [std::sync::atomic::AtomicUsize; 2] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+
+/// Rows one tile product takes.
+pub(super) const ROWS: usize = 16;
+
+/// Whether products of `qt` run on the tiles (Q4_K).
+pub(super) fn takes(qt: QType) -> bool {
+    qt == QType::Q4_K
+}
+
+/// The low and high sums of one block of 16 rows and one panel (16 i32 a row).
+#[repr(C, align(64))]
+struct Sums([[[i32; 16]; ROWS]; 2]);
+
+/// The tile configuration (64 bytes: palette, then 16 tiles' bytes a row as u16 at 16..,
+/// and rows at 48..).
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+/// The tile state of one thread's pass: configured by [`Tiles::new`], released when
+/// dropped.
+pub(super) struct Tiles(std::marker::PhantomData<*const ()>);
+
+impl Tiles {
+    /// Configures this thread's tiles: all eight 16 rows x 64 bytes.
+    ///
+    /// # Safety
+    /// The CPU has AMX-TILE and AMX-INT8 and this process may use them
+    /// ([`crate::isa::amx_int8_usable`]).
+    pub(super) unsafe fn new() -> Tiles {
+        let mut c = Config([0; 64]);
+        c.0[0] = 1;
+        for t in 0..8 {
+            c.0[16 + 2 * t] = 64;
+            c.0[48 + t] = 16;
+        }
+        // SAFETY: the caller's contract (AMX usable); `c` is 64 aligned bytes describing
+        // eight valid tiles.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
+        Tiles(std::marker::PhantomData)
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: a `Tiles` exists only after `ldtilecfg` ran on this thread (it is neither
+        // Send nor Clone: a raw pointer's marker inside, built by `new` alone); this releases
+        // the tile state, which nothing reads afterwards.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// Rows `r` (16 of them) of `acts`, block `b0` (the chunk's one block), `np` panels: the
+/// chunk [`super::vnni_rows`]' register tiles would run. `abs`: [`abs_sums`] of `acts`.
+///
+/// # Safety
+/// [`Tiles::new`] configured this thread's tiles; [`takes`] `qt`; the CPU has AVX-512 F, BW
+/// and VNNI; `t` and the scratch (unpacked with the AMX lines) as [`super::vnni_rows`]'
+/// `tile_dispatch` requires.
+pub(super) unsafe fn group(
+    qt: QType,
+    acts: &ActRows<'_>,
+    abs: &[u32],
+    r: Range<usize>,
+    b0: usize,
+    np: usize,
+    t: Tile,
+) {
+    assert!(r.len() == ROWS && t.cb == 1, "a tile's rows, one block");
+    assert!(takes(qt) && t.lay.wlo != 0, "Q4_K with its AMX lines");
+    let ActRows::A256(a) = acts else {
+        panic!("Q4_K takes A256 blocks")
+    };
+    assert!(r.end * t.nb <= a.len() && b0 < t.nb, "the tile's blocks");
+    assert_eq!(abs.len(), a.len(), "a sum |q| a block");
+    let first = a[r.start * t.nb + b0..].as_ptr();
+    // the largest sum |q| of the rows' block (the bound's row side)
+    let most = r.clone().map(|i| abs[i * t.nb + b0]).max().unwrap_or(0);
+    let mut sums = [Sums([[[0; 16]; ROWS]; 2]), Sums([[[0; 16]; ROWS]; 2])];
+    let exact = |p: usize| {
+        // SAFETY: panel p's block is unpacked with its AMX lines (the caller's contract).
+        let sc = unsafe { line_max(t.s.add(p * t.pstride + t.lay.wlo + 128)) };
+        15.0 * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24)
+    };
+    let stride = t.nb * size_of::<A256>();
+    let panels: Vec<usize> = (0..np).filter(|&p| exact(p)).collect();
+    if !panels.is_empty() {
+        // SAFETY: `first` is row r.start's block b0, the rows `stride` bytes apart (inside
+        // `a`, asserted); the tiles are configured (the caller's contract).
+        unsafe { load_inputs((*first).qs.as_ptr(), stride) };
+    }
+    let lines = |p: usize| t.s.wrapping_add(p * t.pstride + t.lay.wlo);
+    for (k, &p) in panels.iter().enumerate() {
+        if k == 0 {
+            // SAFETY: the panel's AMX lines are unpacked (the caller's contract).
+            unsafe { products(lines(p), &mut sums[0]) };
+        }
+        if let Some(&next) = panels.get(k + 1) {
+            // SAFETY: as above, for the next panel; its sums go to the other buffer.
+            unsafe { products(lines(next), &mut sums[(k + 1) % 2]) };
+        }
+        // SAFETY: the sums of panel p are stored (its products ran above); the outputs as
+        // the caller's contract.
+        unsafe { block_out(first, &sums[k % 2], p, np, t) };
+    }
+    #[cfg(test)]
+    {
+        use std::sync::atomic::Ordering::Relaxed;
+        RUNS[0].fetch_add(panels.len(), Relaxed);
+        RUNS[1].fetch_add(np - panels.len(), Relaxed);
+    }
+    for p in (0..np).filter(|&p| !exact(p)) {
+        // SAFETY: the caller's contract.
+        unsafe { panel_on_registers(qt, acts, r.clone(), b0, p, np, t) };
+    }
+}
+
+/// `sum |q|` of each block of `acts` (0 for [`ActRows::A32`]: no type of those takes the
+/// tiles). Panics where the CPU lacks AVX-512 F and BW.
+pub(super) fn abs_sums(acts: &ActRows<'_>) -> Vec<u32> {
+    assert!(super::vnni::available(), "AVX-512 is not available");
+    match acts {
+        // SAFETY: the CPU has AVX-512 F and BW (asserted).
+        ActRows::A256(a) => a.iter().map(|a| unsafe { abs_sum(a) }).collect(),
+        ActRows::A32(a) => vec![0; a.len()],
+    }
+}
+
+/// `sum |q|` of an activation block.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn abs_sum(a: &A256) -> u32 {
+    let mut s = _mm512_setzero_si512();
+    for c in 0..4 {
+        let q = _mm512_loadu_si512(a.qs.as_ptr().add(64 * c).cast());
+        s = _mm512_add_epi64(
+            s,
+            _mm512_sad_epu8(_mm512_abs_epi8(q), _mm512_setzero_si512()),
+        );
+    }
+    _mm512_reduce_add_epi64(s) as u32
+}
+
+/// The largest of the 16 f32 of a line.
+///
+/// # Safety
+/// The CPU has AVX-512 F; the line is readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn line_max(p: *const Line) -> f32 {
+    _mm512_reduce_max_ps(_mm512_load_ps(p.cast()))
+}
+
+/// Loads 16 rows of a block's inputs at `a` (`stride` bytes apart) into tiles 0 to 3 (64
+/// inputs each).
+///
+/// # Safety
+/// [`Tiles::new`] configured this thread's tiles; 16 rows of 256 bytes at `a`, `stride`
+/// apart, are readable.
+#[inline(always)]
+unsafe fn load_inputs(a: *const i8, stride: usize) {
+    // SAFETY: the caller's contract: each load reads 16 rows of 64 bytes at `a + 64 c`.
+    unsafe {
+        asm!(
+            "tileloadd tmm0, [{a} + {sa}*1]",
+            "tileloadd tmm1, [{a} + {sa}*1 + 64]",
+            "tileloadd tmm2, [{a} + {sa}*1 + 128]",
+            "tileloadd tmm3, [{a} + {sa}*1 + 192]",
+            a = in(reg) a,
+            sa = in(reg) stride,
+            options(nostack, readonly),
+        )
+    }
+}
+
+/// The block's two sums (low and high bytes of `w`) for the inputs in tiles 0 to 3
+/// ([`load_inputs`]) and one panel's AMX lines at `w` (64 low, then 64 high), into `sums`
+/// (codes in tiles 4 and 7, sums in 5 and 6).
+///
+/// # Safety
+/// [`Tiles::new`] configured this thread's tiles and [`load_inputs`] filled 0 to 3; 128
+/// lines at `w` are readable and `sums` writable.
+#[inline(always)]
+unsafe fn products(w: *const Line, sums: *mut Sums) {
+    // SAFETY: the caller's contract: every tile is 16 rows x 64 bytes; the loads read 16
+    // lines at `w + 16 c` and `w + 64 + 16 c` (64 bytes apart), the stores write the 2 KiB
+    // of `sums`.
+    unsafe {
+        asm!(
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tileloadd tmm4, [{w} + {s64}*1]",
+            "tdpbsud tmm5, tmm0, tmm4",
+            "tileloadd tmm7, [{w} + {s64}*1 + 4096]",
+            "tdpbsud tmm6, tmm0, tmm7",
+            "tileloadd tmm4, [{w} + {s64}*1 + 1024]",
+            "tdpbsud tmm5, tmm1, tmm4",
+            "tileloadd tmm7, [{w} + {s64}*1 + 5120]",
+            "tdpbsud tmm6, tmm1, tmm7",
+            "tileloadd tmm4, [{w} + {s64}*1 + 2048]",
+            "tdpbsud tmm5, tmm2, tmm4",
+            "tileloadd tmm7, [{w} + {s64}*1 + 6144]",
+            "tdpbsud tmm6, tmm2, tmm7",
+            "tileloadd tmm4, [{w} + {s64}*1 + 3072]",
+            "tdpbsud tmm5, tmm3, tmm4",
+            "tileloadd tmm7, [{w} + {s64}*1 + 7168]",
+            "tdpbsud tmm6, tmm3, tmm7",
+            "tilestored [{c} + {s64}*1], tmm5",
+            "tilestored [{c} + {s64}*1 + 1024], tmm6",
+            w = in(reg) w,
+            s64 = in(reg) 64usize,
+            c = in(reg) sums,
+            options(nostack),
+        )
+    }
+}
+
+/// The outputs of panel `p` (of `np`) for the block: `S = low + 256 high` is `s1`, then the
+/// block's end as the register tiles'.
+///
+/// # Safety
+/// As [`group`]; `a` is the first row's block, `sums` holds the panel's stored sums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_out(a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
+    let blk = t.s.add(p * t.pstride);
+    for i in 0..ROWS {
+        let lo = _mm512_load_si512(sums.0[0][i].as_ptr().cast());
+        let hi = _mm512_load_si512(sums.0[1][i].as_ptr().cast());
+        let s1 = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32::<8>(hi)));
+        let v = acc_load(&t, i, p, np, t.fresh);
+        let v = block_end(&*a.add(i * t.nb), blk, t.lay, s1, v);
+        acc_store(&t, i, p, np, v);
+    }
+}
+
+/// The running sums `v` after a Q4_K block: `s1` times `d * dx`, less the mins' term, as
+/// the register tiles do.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `blk` holds one unpacked Q4_K block (lines of
+/// `lay`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn block_end(ab: &A256, blk: *const Line, lay: Layout, s1: __m512, v: __m512) -> __m512 {
+    let dx = ab.d;
+    let v = _mm512_fmadd_ps(
+        s1,
+        _mm512_mul_ps(line_ps(blk, lay.d), _mm512_set1_ps(dx)),
+        v,
+    );
+    let mut s2 = _mm512_setzero_si512();
+    for pp in 0..4 {
+        let pair = ab.sum32.as_ptr().add(2 * pp).cast::<i32>().read_unaligned();
+        s2 = dpwssd(s2, line(blk, lay.mins + pp), _mm512_set1_epi32(pair));
+    }
+    let edx = _mm512_mul_ps(line_ps(blk, lay.e), _mm512_set1_ps(dx));
+    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v)
+}
