@@ -7,6 +7,8 @@ per CPU-second.
     .venv/bin/python benches/gguf_engine.py model.gguf --ab 3    # lean layers vs own, A/B
     .venv/bin/python benches/gguf_engine.py model.gguf --construct   # one line; run it
                                                                      # against another tree
+    .venv/bin/python benches/gguf_engine.py model.gguf --backends amx_int8,avx512vnni --ab 3
+                                      # the quantized products' backends, A/B, one engine
 
 The file's read bandwidth limit for single-stream decode is (bytes of the matrices read per
 token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandwidth.
@@ -15,12 +17,14 @@ token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandw
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
-from ferrobatch import Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.workloads import chat_prompts
 
 
@@ -94,6 +98,41 @@ def interleaved(engine: Engine, repeats: int, prompts: int) -> None:
               f"({len(runs)} runs)")
 
 
+BACKEND_ENV = "FERROBATCH_QUANT_BACKEND"
+
+
+def backends_ab(path: str, backends: list[str], repeats: int, prompts: int, pp: int) -> None:
+    """The quantized products' backends (`FERROBATCH_QUANT_BACKEND`, read at each product)
+    on one engine, alternated: prefill of the first `pp` tokens of README.md (one token
+    generated) and `prompts` chat prompts x 64; prefix caching off; medians of `repeats`."""
+    engine = Engine(path, config=ContinuousBatchingConfig(allow_block_sharing=False))
+    tok = engine.tokenizer
+    readme = tok((Path(__file__).resolve().parents[1] / "README.md").read_text()).input_ids[:pp]
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+
+    batch = chat_prompts(encode, prompts)
+    work = ((f"prefill {len(readme)}", [readme], 1), (f"{prompts} x 64", batch, 64))
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(repeats + 1):  # run 0 warms up
+        for backend in (backends if r % 2 == 0 else backends[::-1]):
+            os.environ[BACKEND_ENV] = backend
+            for what, ps, n in work:
+                got, wall, _ = timed(engine, ps, n)
+                rate = (len(readme) if what.startswith("prefill") else got) / wall
+                if r:
+                    results.setdefault((what, backend), []).append(rate)
+                    print(f"  run {r} {backend:10} {what}: {rate:.1f} tok/s", flush=True)
+    os.environ.pop(BACKEND_ENV, None)
+    for what, _, _ in work:
+        med = {b: statistics.median(results[(what, b)]) for b in backends}
+        print(f"{what:14} " + ", ".join(f"{b} {v:.1f} tok/s" for b, v in med.items())
+              + f"; {backends[0]} / {backends[1]} = {med[backends[0]] / med[backends[1]]:.2f}x")
+    engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a .gguf file")
@@ -104,10 +143,18 @@ def main() -> None:
     parser.add_argument("--ab", type=int, default=0, metavar="REPEATS",
                         help="lean layers against the model's own, interleaved, medians of "
                              "REPEATS runs (single stream and offline)")
+    parser.add_argument("--backends", default=None, metavar="A,B",
+                        help="with --ab: two quantized-product backends instead (prefill "
+                             "and offline)")
+    parser.add_argument("--pp", type=int, default=512, help="prompt tokens of --backends' "
+                        "prefill")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.construct:
         construct(args.model)
+        return
+    if args.ab and args.backends:
+        backends_ab(args.model, args.backends.split(","), args.ab, args.prompts, args.pp)
         return
     if args.ab:
         engine = Engine(args.model)
