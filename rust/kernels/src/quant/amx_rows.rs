@@ -1,16 +1,21 @@
-//! Q4_K and Q5_K products of many rows on the AMX int8 tiles, 16 rows at a time.
+//! Q4_K products of many rows on the AMX int8 tiles, 16 rows at a time.
 //!
 //! The formula every path follows ([`super::portable`]) sums a block's 8 sub-block products
 //! in f32, `s1 = fma(f32(t[j]), sc[j], s1)`, and then scales `s1`. Where none of those
 //! partial sums can pass 2^24 they are all exact integers, and `s1` is the integer
 //! `S = sum_j sc[j] * t[j] = sum_l (sc * u)[l] * q[l]`: one product over the whole block of
-//! the codes times their sub-block's scale (`w = sc * u < 2^11`, unpacked once per panel as
+//! the codes times their sub-block's scale (`w = sc * u < 2^10`, unpacked once per panel as
 //! a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`), two tile sums a 64 inputs
 //! and no f32 step until the block's end. A block of 16 rows and one panel runs so when
-//! `max(u) * max(sc) * max_row(sum |q|) <= 2^24` (the bound of every partial sum; `max(u)`
-//! 15 for Q4_K, 31 for Q5_K), which holds for all but extreme inputs; else it runs on the
+//! `15 * max(sc) * max_row(sum |q|) <= 2^24` (the bound of every partial sum), which holds
+//! for all but extreme inputs (Gaussian inputs reach about half of it); else it runs on the
 //! register tiles, which follow the formula step by step. Either way the outputs are the
-//! same bits as every other backend's.
+//! same bits as every other backend's. Calls of fewer than [`MIN_ROWS`] rows stay on the
+//! register tiles: unpacking the scaled codes costs more than the tiles save there.
+//!
+//! Q5_K would fit the same kernel (codes up to 31: the bound's 15 becomes 31), but Gaussian
+//! inputs pass that bound about as often as not, and the blocks that fall back ran slower
+//! than the register tiles alone (0.55-0.69x on one core); it stays on them.
 //!
 //! The other types stay on the register tiles: with one f32 step a 32 inputs (their block
 //! factors and sub-block scales are f32), a tile product's sums must be stored and read back
@@ -40,9 +45,13 @@ pub(super) static RUNS: [std::sync::atomic::AtomicUsize; 2] =
 /// Rows one tile product takes.
 pub(super) const ROWS: usize = 16;
 
-/// Whether products of `qt` run on the tiles (Q4_K, Q5_K).
-pub(super) fn takes(qt: QType) -> bool {
-    matches!(qt, QType::Q4_K | QType::Q5_K)
+/// The fewest rows of a call that run on the tiles (`benches/quant_linear.py`, one core:
+/// 0.7-0.9x the register tiles at 16 and 32 rows, 1.2-1.3x at 64, 1.5x at 512).
+pub(super) const MIN_ROWS: usize = 64;
+
+/// Whether a product of `m` rows of `qt` runs on the tiles (Q4_K, [`MIN_ROWS`] or more).
+pub(super) fn takes(qt: QType, m: usize) -> bool {
+    qt == QType::Q4_K && m >= MIN_ROWS
 }
 
 /// The low and high sums of one block of 16 rows and one panel (16 i32 a row).
@@ -91,7 +100,7 @@ impl Drop for Tiles {
 /// chunk [`super::vnni_rows`]' register tiles would run. `abs`: [`abs_sums`] of `acts`.
 ///
 /// # Safety
-/// [`Tiles::new`] configured this thread's tiles; [`takes`] `qt`; the CPU has AVX-512 F, BW
+/// [`Tiles::new`] configured this thread's tiles; `qt` is Q4_K; the CPU has AVX-512 F, BW
 /// and VNNI; `t` and the scratch (unpacked with the AMX lines) as [`super::vnni_rows`]'
 /// `tile_dispatch` requires.
 pub(super) unsafe fn group(
@@ -105,8 +114,8 @@ pub(super) unsafe fn group(
 ) {
     assert!(r.len() == ROWS && t.cb == 1, "a tile's rows, one block");
     assert!(
-        takes(qt) && t.lay.wlo != 0,
-        "Q4_K or Q5_K with its AMX lines"
+        qt == QType::Q4_K && t.lay.wlo != 0,
+        "Q4_K with its AMX lines"
     );
     let ActRows::A256(a) = acts else {
         panic!("the K-types take A256 blocks")
@@ -120,8 +129,7 @@ pub(super) unsafe fn group(
     let exact = |p: usize| {
         // SAFETY: panel p's block is unpacked with its AMX lines (the caller's contract).
         let sc = unsafe { line_max(t.s.add(p * t.pstride + t.lay.wlo + 128)) };
-        let code_max = if qt == QType::Q5_K { 31.0 } else { 15.0 };
-        code_max * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24)
+        15.0 * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24)
     };
     let stride = t.nb * size_of::<A256>();
     let panels: Vec<usize> = (0..np).filter(|&p| exact(p)).collect();
@@ -275,11 +283,11 @@ unsafe fn block_out(a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
     }
 }
 
-/// The running sums `v` after a Q4_K or Q5_K block: `s1` times `d * dx`, less the mins' term, as
+/// The running sums `v` after a Q4_K block: `s1` times `d * dx`, less the mins' term, as
 /// the register tiles do.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `blk` holds one unpacked Q4_K or Q5_K block (lines of
+/// The CPU has AVX-512 F, BW and VNNI; `blk` holds one unpacked Q4_K block (lines of
 /// `lay`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]

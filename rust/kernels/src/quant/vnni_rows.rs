@@ -62,15 +62,15 @@ pub(super) struct Layout {
     pub(super) e: usize,
     /// Q4_K / Q5_K's mins
     pub(super) mins: usize,
-    /// Q4_K and Q5_K on the AMX tiles ([`super::amx_rows`]): the codes times their
-    /// sub-block's scale (`w = u * sc < 2^11`), low bytes from line `wlo` and high bytes from `wlo + 64`, a
+    /// Q4_K on the AMX tiles ([`super::amx_rows`]): the codes times their sub-block's
+    /// scale (`w = u * sc < 2^10`), low bytes from line `wlo` and high bytes from `wlo + 64`, a
     /// line a quad as the codes; then at `wlo + 128` the largest of a column's 8 scales
     /// (f32). 0 elsewhere.
     pub(super) wlo: usize,
 }
 
 pub(super) fn layout(qt: QType, amx: bool) -> Layout {
-    if amx && matches!(qt, QType::Q4_K | QType::Q5_K) {
+    if amx && qt == QType::Q4_K {
         return Layout {
             lines: 78 + 129,
             wlo: 78,
@@ -148,7 +148,7 @@ pub(crate) fn linear(
         "AMX-INT8 is not usable"
     );
     // each activation block's sum |q|, for the AMX tiles' bound
-    let abs = (amx && amx_rows::takes(qt)).then(|| amx_rows::abs_sums(&acts));
+    let abs = (amx && amx_rows::takes(qt, m)).then(|| amx_rows::abs_sums(&acts));
     let abs = abs.as_deref();
     let panels = n.div_ceil(PANEL);
     let acts_len = match acts {
@@ -198,7 +198,7 @@ unsafe impl Send for Out {}
 /// reads or writes in the columns of `panels` (`panels.end <= n.div_ceil(16)`); `packed`
 /// holds those panels of `nb` blocks of `qt`, and `acts` at least `rows.end * nb` blocks;
 /// the CPU has AVX-512 F, BW and VNNI; where `abs` (each activation block's sum |q|,
-/// [`amx_rows::abs_sums`]), this process may use AMX-INT8 and [`amx_rows::takes`] `qt`.
+/// [`amx_rows::abs_sums`]), this process may use AMX-INT8 and `qt` is Q4_K.
 #[allow(clippy::too_many_arguments)] // one call of `linear`: its slices and shapes
 unsafe fn pass(
     qt: QType,
@@ -766,8 +766,8 @@ unsafe fn halves(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
-/// The AMX lines of an unpacked Q4_K or Q5_K block ([`Layout::wlo`]): each code times its
-/// sub-block's scale (`w < 2^11`) split into low and high bytes, and each column's largest
+/// The AMX lines of an unpacked Q4_K block ([`Layout::wlo`]): each code times its
+/// sub-block's scale (`w < 2^10`) split into low and high bytes, and each column's largest
 /// scale.
 ///
 /// # Safety
