@@ -27,14 +27,12 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::act::A256;
-use super::vnni_rows::{
-    acc_load, acc_store, line, line_ps, panel_on_registers, Layout, Line, Tile,
-};
+use super::vnni_rows::{acc_load, acc_store, k_block_end, panel_on_registers, Line, Tile};
 use super::{ActRows, QType};
-use crate::asm::dpwssd;
 
 /// Blocks of 16 rows and one panel run on the tiles, and on the register tiles for want of
 /// the bound (tests check that both sides ran).
@@ -46,7 +44,7 @@ pub(super) static RUNS: [std::sync::atomic::AtomicUsize; 2] =
 pub(super) const ROWS: usize = 16;
 
 /// The fewest rows of a call that run on the tiles (`benches/quant_linear.py`, one core:
-/// 0.7-0.9x the register tiles at 16 and 32 rows, 1.2-1.3x at 64, 1.5x at 512).
+/// 0.7-0.9x the register tiles at 16 and 32 rows, 1.2-1.3x at 64, 1.6x at 512).
 pub(super) const MIN_ROWS: usize = 64;
 
 /// Whether a product of `m` rows of `qt` runs on the tiles (Q4_K, [`MIN_ROWS`] or more).
@@ -125,14 +123,22 @@ pub(super) unsafe fn group(
     let first = a[r.start * t.nb + b0..].as_ptr();
     // the largest sum |q| of the rows' block (the bound's row side)
     let most = r.clone().map(|i| abs[i * t.nb + b0]).max().unwrap_or(0);
-    let mut sums = [Sums([[[0; 16]; ROWS]; 2]), Sums([[[0; 16]; ROWS]; 2])];
-    let exact = |p: usize| {
+    // the panels whose partial sums cannot round (run on the tiles) and the others
+    let (mut exact, mut inexact) = ([0; 4], [0; 4]);
+    let (mut ne, mut ni) = (0, 0);
+    for p in 0..np {
         // SAFETY: panel p's block is unpacked with its AMX lines (the caller's contract).
         let sc = unsafe { line_max(t.s.add(p * t.pstride + t.lay.wlo + 128)) };
-        15.0 * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24)
-    };
+        if 15.0 * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24) {
+            (exact[ne], ne) = (p, ne + 1);
+        } else {
+            (inexact[ni], ni) = (p, ni + 1);
+        }
+    }
+    let (panels, others) = (&exact[..ne], &inexact[..ni]);
+    // (each written whole by its product before it is read)
+    let mut sums = [const { MaybeUninit::<Sums>::uninit() }; 2];
     let stride = t.nb * size_of::<A256>();
-    let panels: Vec<usize> = (0..np).filter(|&p| exact(p)).collect();
     if !panels.is_empty() {
         // SAFETY: `first` is row r.start's block b0, the rows `stride` bytes apart (inside
         // `a`, asserted); the tiles are configured (the caller's contract).
@@ -142,37 +148,33 @@ pub(super) unsafe fn group(
     for (k, &p) in panels.iter().enumerate() {
         if k == 0 {
             // SAFETY: the panel's AMX lines are unpacked (the caller's contract).
-            unsafe { products(lines(p), &mut sums[0]) };
+            unsafe { products(lines(p), sums[0].as_mut_ptr()) };
         }
         if let Some(&next) = panels.get(k + 1) {
             // SAFETY: as above, for the next panel; its sums go to the other buffer.
-            unsafe { products(lines(next), &mut sums[(k + 1) % 2]) };
+            unsafe { products(lines(next), sums[(k + 1) % 2].as_mut_ptr()) };
         }
-        // SAFETY: the sums of panel p are stored (its products ran above); the outputs as
-        // the caller's contract.
-        unsafe { block_out(first, &sums[k % 2], p, np, t) };
+        // SAFETY: the sums of panel p are stored, all 2 KiB (its products ran above); the
+        // outputs as the caller's contract.
+        unsafe { block_out(first, sums[k % 2].assume_init_ref(), p, np, t) };
     }
     #[cfg(test)]
     {
         use std::sync::atomic::Ordering::Relaxed;
         RUNS[0].fetch_add(panels.len(), Relaxed);
-        RUNS[1].fetch_add(np - panels.len(), Relaxed);
+        RUNS[1].fetch_add(others.len(), Relaxed);
     }
-    for p in (0..np).filter(|&p| !exact(p)) {
+    for &p in others {
         // SAFETY: the caller's contract.
         unsafe { panel_on_registers(qt, acts, r.clone(), b0, p, np, t) };
     }
 }
 
-/// `sum |q|` of each block of `acts` (0 for [`ActRows::A32`]: no type of those takes the
-/// tiles). Panics where the CPU lacks AVX-512 F and BW.
-pub(super) fn abs_sums(acts: &ActRows<'_>) -> Vec<u32> {
+/// `sum |q|` of each activation block of `a`. Panics where the CPU lacks AVX-512 F and BW.
+pub(super) fn abs_sums(a: &[A256]) -> Vec<u32> {
     assert!(super::vnni::available(), "AVX-512 is not available");
-    match acts {
-        // SAFETY: the CPU has AVX-512 F and BW (asserted).
-        ActRows::A256(a) => a.iter().map(|a| unsafe { abs_sum(a) }).collect(),
-        ActRows::A32(a) => vec![0; a.len()],
-    }
+    // SAFETY: the CPU has AVX-512 F and BW (asserted).
+    a.iter().map(|a| unsafe { abs_sum(a) }).collect()
 }
 
 /// `sum |q|` of an activation block.
@@ -278,31 +280,7 @@ unsafe fn block_out(a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
         let hi = _mm512_load_si512(sums.0[1][i].as_ptr().cast());
         let s1 = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32::<8>(hi)));
         let v = acc_load(&t, i, p, np, t.fresh);
-        let v = block_end(&*a.add(i * t.nb), blk, t.lay, s1, v);
+        let v = k_block_end(QType::Q4_K, &*a.add(i * t.nb), blk, t.lay, s1, v);
         acc_store(&t, i, p, np, v);
     }
-}
-
-/// The running sums `v` after a Q4_K block: `s1` times `d * dx`, less the mins' term, as
-/// the register tiles do.
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `blk` holds one unpacked Q4_K block (lines of
-/// `lay`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-unsafe fn block_end(ab: &A256, blk: *const Line, lay: Layout, s1: __m512, v: __m512) -> __m512 {
-    let dx = ab.d;
-    let v = _mm512_fmadd_ps(
-        s1,
-        _mm512_mul_ps(line_ps(blk, lay.d), _mm512_set1_ps(dx)),
-        v,
-    );
-    let mut s2 = _mm512_setzero_si512();
-    for pp in 0..4 {
-        let pair = ab.sum32.as_ptr().add(2 * pp).cast::<i32>().read_unaligned();
-        s2 = dpwssd(s2, line(blk, lay.mins + pp), _mm512_set1_epi32(pair));
-    }
-    let edx = _mm512_mul_ps(line_ps(blk, lay.e), _mm512_set1_ps(dx));
-    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v)
 }

@@ -378,9 +378,9 @@ pub enum Backend {
     Avx512Vnni,
     /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
     Avx2,
-    /// [`Backend::Avx512Vnni`], with the products of [`MANY_ROWS`] rows or more of the types
-    /// whose (sub-)blocks are 32 inputs on the AMX int8 tiles (`tdpbsud`, 16 rows at a time;
-    /// the same integer sums and f32 steps, so the same bits)
+    /// [`Backend::Avx512Vnni`], with the Q4_K products of 64 rows or more on the AMX int8
+    /// tiles (`tdpbsud`, 16 rows at a time; the same sums as the f32 steps wherever those
+    /// cannot round, the register tiles elsewhere: the same bits)
     AmxInt8,
 }
 
@@ -724,9 +724,8 @@ pub fn linear(
 }
 
 /// The fewest rows [`linear`] runs through the many-rows kernels (each panel's weights
-/// unpacked once for all the rows) on [`Backend::Avx512Vnni`] and [`Backend::AmxInt8`]; fewer
-/// go through the panel
-/// kernels, up to [`MAX_ROWS`] rows a pass over the weights.
+/// unpacked once for all the rows) on [`Backend::Avx512Vnni`] and [`Backend::AmxInt8`];
+/// fewer go through the panel kernels, up to [`MAX_ROWS`] rows a pass over the weights.
 pub const MANY_ROWS: usize = 9;
 
 /// The environment variable that overrides [`MANY_ROWS`] (a number of rows, at least

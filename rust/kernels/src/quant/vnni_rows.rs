@@ -47,7 +47,7 @@ const CHUNK32: usize = 8;
 /// One 64-byte line of scratch (aligned: one cache line, one zmm load).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub(super) struct Line(pub(super) [u8; 64]);
+pub(super) struct Line([u8; 64]);
 
 /// Lines of a block of one panel, and the first line of each part after the codes.
 #[derive(Clone, Copy)]
@@ -126,8 +126,8 @@ pub(super) fn layout(qt: QType, amx: bool) -> Layout {
 /// `out` [m, n] = the `m` rows of `acts` (`nb` blocks each) times the [`super::pack`]ed
 /// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
 /// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
-/// panels pass), whole groups of 16 rows on the AMX int8 tiles where `amx`
-/// ([`super::amx_rows`]). Panics on a length that does not match, or where
+/// panels pass); where `amx`, a Q4_K call of [`amx_rows::MIN_ROWS`] rows or more runs its
+/// whole groups of 16 rows on the AMX int8 tiles ([`super::amx_rows`]). Panics on a length that does not match, or where
 /// [`super::vnni::available`] (or, with `amx`, [`crate::isa::amx_int8_usable`]) is false.
 #[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
 pub(crate) fn linear(
@@ -147,8 +147,11 @@ pub(crate) fn linear(
         !amx || crate::isa::amx_int8_usable(),
         "AMX-INT8 is not usable"
     );
-    // each activation block's sum |q|, for the AMX tiles' bound
-    let abs = (amx && amx_rows::takes(qt, m)).then(|| amx_rows::abs_sums(&acts));
+    // each activation block's sum |q|, for the AMX tiles' bound (Q4_K of MIN_ROWS or more)
+    let abs = match acts {
+        ActRows::A256(a) if amx && amx_rows::takes(qt, m) => Some(amx_rows::abs_sums(a)),
+        _ => None,
+    };
     let abs = abs.as_deref();
     let panels = n.div_ceil(PANEL);
     let acts_len = match acts {
@@ -224,7 +227,7 @@ unsafe fn pass(
     } else {
         0
     };
-    // SAFETY: AMX-INT8 is usable where `amx` (the caller's contract).
+    // SAFETY: AMX-INT8 is usable where `abs` is given (the caller's contract).
     let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
     let rest = rows.start + groups * amx_rows::ROWS..rows.end;
     let tiles = rest.len().div_ceil(TILE);
@@ -665,25 +668,10 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
             }
         }
         for p in 0..P {
-            let d = line_ps(blk[p], lay.d);
             for i in 0..R {
-                let dx = (*ab[i]).d;
-                let mut v = acc_load(&t, i, p, P, t.fresh && b == 0);
-                v = _mm512_fmadd_ps(s1[i][p], _mm512_mul_ps(d, _mm512_set1_ps(dx)), v);
-                if !Q6 {
-                    let mut s2 = _mm512_setzero_si512();
-                    for pp in 0..4 {
-                        let pair = (*ab[i])
-                            .sum32
-                            .as_ptr()
-                            .add(2 * pp)
-                            .cast::<i32>()
-                            .read_unaligned();
-                        s2 = dpwssd(s2, line(blk[p], lay.mins + pp), _mm512_set1_epi32(pair));
-                    }
-                    let edx = _mm512_mul_ps(line_ps(blk[p], lay.e), _mm512_set1_ps(dx));
-                    v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v);
-                }
+                let v = acc_load(&t, i, p, P, t.fresh && b == 0);
+                let qt = if Q6 { QType::Q6_K } else { QType::Q4_K };
+                let v = k_block_end(qt, &*ab[i], blk[p], lay, s1[i][p], v);
                 acc_store(&t, i, p, P, v);
             }
         }
@@ -724,29 +712,50 @@ unsafe fn tile_small<const R: usize, const P: usize, const K: u8>(a: *const A256
             }
         }
         for p in 0..P {
-            let d = line_ps(blk[p], lay.d);
             for i in 0..R {
-                let dx = (*ab[i]).d;
-                let mut v = acc_load(&t, i, p, P, t.fresh && b == 0);
-                v = _mm512_fmadd_ps(s1[i][p], _mm512_mul_ps(d, _mm512_set1_ps(dx)), v);
-                if qt == QType::Q2_K {
-                    let mut s2 = _mm512_setzero_si512();
-                    for pp in 0..8 {
-                        let pair = (*ab[i])
-                            .sum16
-                            .as_ptr()
-                            .add(2 * pp)
-                            .cast::<i32>()
-                            .read_unaligned();
-                        s2 = dpwssd(s2, line(blk[p], lay.mins + pp), _mm512_set1_epi32(pair));
-                    }
-                    let edx = _mm512_mul_ps(line_ps(blk[p], lay.e), _mm512_set1_ps(dx));
-                    v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v);
-                }
+                let v = acc_load(&t, i, p, P, t.fresh && b == 0);
+                let v = k_block_end(qt, &*ab[i], blk[p], lay, s1[i][p], v);
                 acc_store(&t, i, p, P, v);
             }
         }
     }
+}
+
+/// The running sums `v` after a block of the K-type `qt` whose sub-block sums came to `s1`:
+/// `s1` times `d * dx`, less the mins' term of Q4_K, Q5_K and Q2_K ([`super::portable`]'s
+/// formula, the end of every many-rows kernel's block).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `blk` holds one unpacked block of `qt` (lines of
+/// `lay`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+pub(super) unsafe fn k_block_end(
+    qt: QType,
+    ab: &A256,
+    blk: *const Line,
+    lay: Layout,
+    s1: __m512,
+    v: __m512,
+) -> __m512 {
+    let dx = ab.d;
+    let v = _mm512_fmadd_ps(
+        s1,
+        _mm512_mul_ps(line_ps(blk, lay.d), _mm512_set1_ps(dx)),
+        v,
+    );
+    let (pairs, sums) = match qt {
+        QType::Q4_K | QType::Q5_K => (4, ab.sum32.as_ptr()),
+        QType::Q2_K => (8, ab.sum16.as_ptr()),
+        _ => return v,
+    };
+    let mut s2 = _mm512_setzero_si512();
+    for pp in 0..pairs {
+        let pair = sums.add(2 * pp).cast::<i32>().read_unaligned();
+        s2 = dpwssd(s2, line(blk, lay.mins + pp), _mm512_set1_epi32(pair));
+    }
+    let edx = _mm512_mul_ps(line_ps(blk, lay.e), _mm512_set1_ps(dx));
+    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v)
 }
 
 /// `a | (b & c)` bitwise.
