@@ -684,13 +684,19 @@ def quant_quantize(
     the GGUF rows of `qtype` (a K-type), rows split over at most `threads` threads; a NaN,
     infinite or too large weight raises a `FieldError` on "w" naming its row."""
 
+#: a quantized product's parts for `LeanLayer`: (qtype, packed rows, rows) each
+_QuantParts = Sequence[tuple[str, npt.NDArray[np.uint8], int]]
+
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed
     products `qkv` [heads * dim + 2 * kv_heads * dim, hidden], `o` [hidden, heads * dim],
     `gate_up` [2 * inter, hidden], `down` [hidden, inter] (`amx_pack`ed uint16 with
     `weight_dtype` "bfloat16", `f32_pack`ed float32 with "float32", `f32_pack_half`ed
-    uint16 with "bfloat16_panels" / "float16_panels"), each with an optional
+    uint16 with "bfloat16_panels" / "float16_panels", or with "quantized" a sequence of
+    GGUF parts `(qtype, quant_pack`ed uint8, rows)` stacked in order, run on
+    `quant_backend()`'s products), each with an optional
     float32 bias; `q_norm` / `k_norm` [dim] (in `norm_dtype`, both or neither): per-head
     RMSNorms of q and k before rope (Qwen3). The arrays are kept, not copied. FieldError on
     a bad shape."""
@@ -703,10 +709,10 @@ class LeanLayer:
         norm_dtype: Literal["float32", "bfloat16", "float16"],
         input_eps: float,
         post_eps: float,
-        qkv: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
-        o: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
-        gate_up: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
-        down: npt.NDArray[np.uint16] | npt.NDArray[np.float32],
+        qkv: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | _QuantParts,
+        o: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | _QuantParts,
+        gate_up: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | _QuantParts,
+        down: npt.NDArray[np.uint16] | npt.NDArray[np.float32] | _QuantParts,
         hidden: int,
         heads: int,
         kv_heads: int,
@@ -717,7 +723,7 @@ class LeanLayer:
         gate_up_bias: npt.NDArray[np.float32] | None = None,
         down_bias: npt.NDArray[np.float32] | None = None,
         weight_dtype: Literal["bfloat16", "float32", "bfloat16_panels",
-                              "float16_panels"] = "bfloat16",
+                              "float16_panels", "quantized"] = "bfloat16",
         q_norm: _Storage | None = None,
         k_norm: _Storage | None = None,
         qk_norm_eps: float = 1e-6,

@@ -13,7 +13,8 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
-from ferrobatch.runner import lean_layers, quant_linears
+from ferrobatch.runner import fused_layer, lean_layers, quant_linears
+from ferrobatch.runner.linear_policy import Backend
 from gguf_files import reference_model
 
 CONFIG = ContinuousBatchingConfig(num_blocks=64, page_size=16)
@@ -105,10 +106,11 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[
 def test_quantized_steps_take_the_lean_path(gguf_file, monkeypatch, arch: str,
                                             qtype: str) -> None:
     """On the kernels, a GGUF model's steps run its decoder layers lean: every layer's
-    products are stacked `QuantProduct`s (q/k/v and gate/up one call each), the model's own
-    decoder layer forward and its `QuantLinear` layers' forwards never run inside a step
-    but for the head; with the path turned off (`FERROBATCH_QUANT_LEAN=0`) the same tokens
-    come from the model's own layers."""
+    products are stacked `QuantProduct`s (q/k/v and gate/up one call each), a decode step's
+    layers one call of `_core.LeanLayer` each, the model's own decoder layer forward and its
+    `QuantLinear` layers' forwards never run inside a step but for the head; with the path
+    turned off (`FERROBATCH_QUANT_LEAN=0`) the same tokens come from the model's own
+    layers."""
     written, _ = gguf_file(arch, qtype)
     params = SamplingParams(max_new_tokens=6)
     with Engine(str(written.path), config=CONFIG) as engine:
@@ -116,19 +118,27 @@ def test_quantized_steps_take_the_lean_path(gguf_file, monkeypatch, arch: str,
         assert engine.runner.activations.lean is not None and quant is not None
         layers = engine.runner.activations.lean.num_layers
         assert quant.num_groups == 2 * layers  # q/k/v and gate/up of every layer
-        lean_calls = [0]
+        lean_calls, one_calls = [0], [0]
         lean_forward = lean_layers._lean_forward
+        one_call = fused_layer.FusedLayer.forward
 
         def counted_lean(*args, **kwargs):
             lean_calls[0] += 1
             return lean_forward(*args, **kwargs)
 
+        def counted_one_call(*args, **kwargs):
+            ran = one_call(*args, **kwargs)
+            one_calls[0] += ran is Backend.QUANT_OPS
+            return ran
+
         monkeypatch.setattr(lean_layers, "_lean_forward", counted_lean)
+        monkeypatch.setattr(fused_layer.FusedLayer, "forward", counted_one_call)
         own_linear = _count_calls(monkeypatch, QuantLinear, "forward")
         products = _count_calls(monkeypatch, quant_linears.QuantProduct, "__call__")
         fast = engine.generate(PROMPTS, params, progress=False)
-        forwards = lean_calls[0] // layers
-        assert forwards > 0 and lean_calls[0] == forwards * layers
+        forwards = (lean_calls[0] + one_calls[0]) // layers
+        assert lean_calls[0] > 0 and one_calls[0] > 0  # the prefill lean, decode steps one call
+        assert lean_calls[0] + one_calls[0] == forwards * layers
         assert products[0] == 4 * lean_calls[0]  # q/k/v, o, gate/up, down
         assert own_linear[0] == forwards  # only the head, once a forward
     monkeypatch.setenv("FERROBATCH_QUANT_LEAN", "0")

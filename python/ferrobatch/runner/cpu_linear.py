@@ -496,11 +496,12 @@ class PackedLinears:
         return onednn.linear(x if x.dtype == wdt else x.to(wdt), packed.onednn_weight(),
                              packed.bias)
 
-    def one_call(self, rows: int) -> bool | None:
-        """Whether a lean layer's products of `rows` rows may run in one call of
-        `_core.LeanLayer` (`linear_policy.one_call`): True on `f32_ops`, False on `amx_ops`,
-        None not at all."""
-        return policy.one_call(self.backend(rows, fp32_outputs=True), rows)
+    def one_call(self, rows: int) -> Backend | None:
+        """The products a lean layer's step of `rows` rows runs on in one call of
+        `_core.LeanLayer` (`linear_policy.one_call`): `f32_ops` or `amx_ops`; None where it
+        may not."""
+        backend = self.backend(rows, fp32_outputs=True)
+        return None if policy.one_call(backend, rows) is None else backend
 
     @property
     def widens(self) -> bool:

@@ -11,7 +11,8 @@ the call when:
 * the policy puts every product of the step's rows on `amx_ops` (bf16 weights) or every
   one on `f32_ops` (an fp32 model's weights, or half-precision ones in its half panels,
   widened in the product; the norms and SiLU then write fp32 inputs, as the lean forward
-  does for them), and the step
+  does for them), or the model's GGUF quantized products all run on `quant_ops`' kernels
+  (fp32 inputs, as on `f32_ops`; `quant_linears.QuantLinears.one_call`), and the step
   has at most `linear_policy.ONE_CALL_MAX_ROWS` rows (`linear_policy.one_call`);
 * the layer's attention is ferrobatch's paged attention and every row of the step goes to
   the CPU decode kernel (`kernel_only_group`'s case: decode rows, or every row in the
@@ -36,7 +37,6 @@ import torch
 from ferrobatch import _core
 from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_group
-from ferrobatch.cpu import amx_ops, f32_ops
 from ferrobatch.cpu.arrays import KERNEL_DTYPES, numpy_view
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.linear_policy import Backend
@@ -45,9 +45,9 @@ __all__ = ["FusedLayer", "available"]
 
 
 def available() -> bool:
-    """Whether this build of `ferrobatch._core` has `LeanLayer` and its products (bf16 or
-    f32) run here."""
-    return hasattr(_core, "LeanLayer") and (amx_ops.available() or f32_ops.available())
+    """Whether this build of `ferrobatch._core` has `LeanLayer` (which products it may run
+    on, the linears' `one_call` says: only those that run here)."""
+    return hasattr(_core, "LeanLayer")
 
 
 class FusedLayer:
@@ -57,57 +57,56 @@ class FusedLayer:
     def __init__(self, part: Any, linears: PackedLinears) -> None:
         self._part = part
         self._linears = linears
-        #: per weight kind (False: bf16 for `amx_ops`, True: fp32 for `f32_ops`), the
-        #: weights and norms a `_core.LeanLayer` was made of, and that layer
-        self._made: dict[bool, tuple[Any, ...]] = {}
-        self._layers: dict[bool, Any] = {}
+        #: per products' backend (`amx_ops`: bf16, `f32_ops`: fp32, `quant_ops`: GGUF
+        #: parts), the weights and norms a `_core.LeanLayer` was made of, and that layer
+        self._made: dict[Backend, tuple[Any, ...]] = {}
+        self._layers: dict[Backend, Any] = {}
 
-    def _lean_layer(self, wide: bool) -> Any:
-        """The `_core.LeanLayer` of the current weights (packed for `f32_ops` if `wide`, else
-        for `amx_ops`), or None (a product not packed so, or norm weights in a dtype the
-        kernels lack)."""
+    def _lean_layer(self, kind: Backend) -> Any:
+        """The `_core.LeanLayer` of the current weights packed for `kind`'s products, or None
+        (a product not packed so, or norm weights in a dtype the kernels lack)."""
         p = self._part
         parts = (p.qkv, p.o, p.gate_up, p.down)
-        packed = tuple(x.f32_weight() if wide else x.amx_weight() for x in parts)
+        packed = tuple(_packed(x, kind) for x in parts)
         norms = tuple(p.norm_weight(i) for i in ((0, 1, 2, 3) if p.q_norm is not None
                                                  else (0, 1)))
-        made = (*packed, *norms)
-        last = self._made.get(wide, ())
+        made = (*_flat(packed), *norms)
+        last = self._made.get(kind, ())
         if len(made) == len(last) and all(a is b for a, b in zip(made, last, strict=True)):
-            return self._layers[wide]
-        self._made[wide], self._layers[wide] = made, None
+            return self._layers[kind]
+        self._made[kind], self._layers[kind] = made, None
         if any(w is None for w in packed) or any(n.dtype != norms[0].dtype for n in norms) \
                 or norms[0].dtype not in KERNEL_DTYPES \
-                or wide and len({w.dtype for w in packed}) > 1:
+                or kind is Backend.F32_OPS and len({w.dtype for w in packed}) > 1:
             return None
         qk = {} if len(norms) == 2 else {
             "q_norm": numpy_view(norms[2]), "k_norm": numpy_view(norms[3]),
             "qk_norm_eps": float(p.q_norm.variance_epsilon)}
         if qk and p.q_norm.variance_epsilon != p.k_norm.variance_epsilon:
             return None
-        qkv, o, gate_up, down = packed
-        self._layers[wide] = _core.LeanLayer(
+        qkv, o, gate_up, down = (_arrays(w, kind) for w in packed)
+        self._layers[kind] = _core.LeanLayer(
             input_norm=numpy_view(norms[0]), post_norm=numpy_view(norms[1]),
             norm_dtype=KERNEL_DTYPES[norms[0].dtype],
             input_eps=float(p.norms[0].variance_epsilon),
             post_eps=float(p.norms[1].variance_epsilon),
-            qkv=numpy_view(qkv.packed), o=numpy_view(o.packed),
-            gate_up=numpy_view(gate_up.packed), down=numpy_view(down.packed),
-            hidden=qkv.k, heads=p.heads, kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
-            qkv_bias=_bias(qkv), o_bias=_bias(o), gate_up_bias=_bias(gate_up),
-            down_bias=_bias(down), weight_dtype=_PANELS[qkv.dtype] if wide else "bfloat16",
-            **qk)
-        return self._layers[wide]
+            qkv=qkv, o=o, gate_up=gate_up, down=down,
+            hidden=p.qkv.k if kind is Backend.QUANT_OPS else packed[0].k, heads=p.heads,
+            kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
+            qkv_bias=_bias(p.qkv, packed[0]), o_bias=_bias(p.o, packed[1]),
+            gate_up_bias=_bias(p.gate_up, packed[2]), down_bias=_bias(p.down, packed[3]),
+            weight_dtype=_weight_dtype(packed[0], kind), **qk)
+        return self._layers[kind]
 
     def forward(self, x: torch.Tensor, step: Any,
                 rope: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Backend | None:
         """The layer on the fp32 residual rows `x` [T, H] (updated in place) in one call
         where the policy, the step and the weights allow it (see the module docstring):
-        returns the backend its products ran on (`f32_ops` or `amx_ops`); None, with
-        nothing done, where not (the caller runs the lean forward). `rope()` gives the
+        returns the backend its products ran on (`f32_ops`, `amx_ops` or `quant_ops`); None,
+        with nothing done, where not (the caller runs the lean forward). `rope()` gives the
         position embeddings' fp32 rows (cos, sin)."""
-        wide = self._linears.one_call(x.shape[0])
-        if wide is None:
+        kind = self._linears.one_call(x.shape[0])
+        if kind is None:
             return None
         p = self._part
         if step is None or p.attn.config._attn_implementation != context.ATTENTION_NAME:
@@ -123,7 +122,7 @@ class FusedLayer:
         if step.cache.quantized or k_cache.dtype not in KERNEL_DTYPES \
                 or k_cache.device.type != "cpu":
             return None
-        layer = self._lean_layer(wide)
+        layer = self._lean_layer(kind)
         if layer is None:
             return None
         cos, sin = rope()
@@ -133,7 +132,7 @@ class FusedLayer:
             sin.numpy(), group.slot_mapping.numpy(), kd.block_tables, kd.seqlens,
             cache_dtype=KERNEL_DTYPES[k_cache.dtype], page=step.cache.page_size,
             window=kd.window, scale=float(p.attn.scaling), threads=torch.get_num_threads())
-        return Backend.F32_OPS if wide else Backend.AMX_OPS
+        return kind
 
 
 #: `_core.LeanLayer`'s `weight_dtype` of `f32_ops`' packing, by its stored dtype (half
@@ -141,6 +140,40 @@ class FusedLayer:
 _PANELS = {torch.float32: "float32", torch.bfloat16: "bfloat16_panels",
            torch.float16: "float16_panels"}
 
+#: a product's weights packed for one kind of products: `amx_ops` / `f32_ops`' weight, or
+#: a quantized product's parts
+_Packed = Any
 
-def _bias(w: amx_ops.AmxWeight | f32_ops.F32Weight) -> Any:
-    return None if w.bias is None else w.bias.numpy()
+
+def _packed(product: Any, kind: Backend) -> _Packed | None:
+    """`product`'s weights packed for `kind`'s products, or None where they are not."""
+    if kind is Backend.QUANT_OPS:
+        return product.packed_parts() if hasattr(product, "packed_parts") else None
+    if kind is Backend.F32_OPS:
+        return product.f32_weight()
+    return product.amx_weight()
+
+
+def _flat(packed: tuple[_Packed | None, ...]) -> list[Any]:
+    """The objects `packed` holds, quantized parts one by one (what identity compares)."""
+    return [w for x in packed for w in (x if isinstance(x, tuple) else (x,))]
+
+
+def _arrays(packed: _Packed, kind: Backend) -> Any:
+    """What `_core.LeanLayer` takes of a packed product: its array, or the quantized parts
+    as (qtype, packed rows, rows) each."""
+    if kind is Backend.QUANT_OPS:
+        return [(w.qtype, w.packed.numpy(), w.n) for w in packed]
+    return numpy_view(packed.packed)
+
+
+def _weight_dtype(packed: _Packed, kind: Backend) -> str:
+    if kind is Backend.QUANT_OPS:
+        return "quantized"
+    return _PANELS[packed.dtype] if kind is Backend.F32_OPS else "bfloat16"
+
+
+def _bias(product: Any, packed: _Packed) -> Any:
+    """The product's float32 bias as numpy (None without one)."""
+    bias = product.bias if isinstance(packed, tuple) else packed.bias
+    return None if bias is None else bias.numpy()

@@ -73,12 +73,15 @@ class Backend(StrEnum):
     ONEDNN = "onednn"
     TRANSPOSED = "transposed"
     TORCH = "torch"
+    #: GGUF quantized weights' products (`ferrobatch.cpu.quant_ops`), chosen by the weights'
+    #: format rather than by the rules below; named here for the one-call layer
+    QUANT_OPS = "quant_ops"
 
     @property
     def fp32_inputs(self) -> bool:
         """Whether it computes on fp32 inputs whatever the weight dtype (a half-precision
         weight's input is then kept in fp32, not rounded to it)."""
-        return self in (Backend.F32_OPS, Backend.ONEDNN_FP32)
+        return self in (Backend.F32_OPS, Backend.ONEDNN_FP32, Backend.QUANT_OPS)
 
 
 #: weight formats by torch dtype (quantized formats will be named by string only)

@@ -18,6 +18,11 @@ on the quantized kernels (`ferrobatch.cpu.quant_ops`):
   construction probes' stand-ins (`modules.probe_weights`) every member runs its own
   `QuantLinear.product`, as its own forward does.
 
+A decode step's layer runs in one call of `_core.LeanLayer` (`fused_layer`, weight_dtype
+"quantized") where every product of the model runs on the kernels and none is reduced over
+tensor-parallel ranks (`one_call`, `QuantProduct.packed_parts`): the same kernels on the same
+packed parts, bit for bit the lean forward.
+
 Activations stay fp32 (the model's), so nothing is widened and the lean layers' products
 take and give fp32 rows. `FERROBATCH_QUANT_LEAN=0` turns the path off (the model's own
 layers, each `QuantLinear` on its own).
@@ -36,6 +41,7 @@ import torch
 from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
+from ferrobatch.runner.linear_policy import ONE_CALL_MAX_ROWS, Backend
 
 logger = logging.getLogger("ferrobatch")
 
@@ -115,6 +121,14 @@ class QuantProduct:
         module's)."""
         return sum(p.nbytes for p in self.parts)
 
+    def packed_parts(self) -> tuple[quant_ops.PackedWeight, ...] | None:
+        """The parts' packed weights in order, for the one-call layer (whose caller checked
+        that the kernels run them now: `QuantLinears.one_call`); None for a product reduced
+        over tensor-parallel ranks (the one call has no reduction)."""
+        if self.reduce is not None:
+            return None
+        return tuple(part.packed() for part in self.parts)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
@@ -148,6 +162,7 @@ class QuantLinears:
         self.model = model
         self._layers = layers
         self._products: dict[tuple[int, ...], QuantProduct] = {}
+        self._qtypes = frozenset(m.qtype for m in layers)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> QuantLinears | None:
@@ -214,9 +229,14 @@ class QuantLinears:
         """`x @ W.T + b` of a stacked product (`x` [T, k]), fp32."""
         return product(x)
 
-    def one_call(self, rows: int) -> bool | None:
-        """None: `_core.LeanLayer` has no quantized products (the lean forward runs)."""
-        return None
+    def one_call(self, rows: int) -> Backend | None:
+        """`quant_ops` where a lean layer's step of `rows` rows may run in one call of
+        `_core.LeanLayer`: at most `ONE_CALL_MAX_ROWS` rows, every type of the model on the
+        kernels now (not the reference backend, no probe stand-ins); else None."""
+        if rows > ONE_CALL_MAX_ROWS or modules.probing() \
+                or not all(modules.kernels_run(t) for t in self._qtypes):
+            return None
+        return Backend.QUANT_OPS
 
     @contextmanager
     def active(self, everywhere: bool = False, exact: bool = False) -> Iterator[None]:

@@ -17,7 +17,9 @@
 //! With f32 weights ([`Packed::F32`], an fp32 model's) or half-precision ones in
 //! [`f32_linear`]'s panels ([`Packed::Half`], widened exactly in its k loop) `h` and `a`
 //! stay f32, the attention output is not rounded (f32 into the o product) and the products
-//! run on [`f32_linear`]. `cache(.)` rounds to the KV cache's type. Each part splits over threads exactly when the
+//! run on [`f32_linear`]. With GGUF quantized weights ([`Packed::Quant`]: each product one or
+//! more stacked parts of one type, a GGUF model's q/k in Q4_K beside v in Q6_K) the same f32
+//! layer runs its products on [`quant::linear`] (each f32 input row quantized to int8 inside). `cache(.)` rounds to the KV cache's type. Each part splits over threads exactly when the
 //! Python layer's call of it would (the same element thresholds), which changes no result.
 //! The intermediate buffers are per-thread scratch reused from call to call (a fresh
 //! allocation of a few MiB costs its page faults at every decode step).
@@ -29,38 +31,74 @@ use crate::error::KernelError;
 use crate::f32_linear;
 use crate::fused::{self, NormInput, RmsNorm, Rope, WriteRows};
 use crate::linear::LinearArgs;
+use crate::quant::{self, QType};
 use crate::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
 
 /// A packed weight: bf16 for [`amx::linear`] ([`amx::pack`]'s layout), f32 for
-/// [`f32_linear::linear`] ([`f32_linear::pack`]'s layout), or bf16 / fp16 for
-/// [`f32_linear::linear_half`] ([`f32_linear::pack_half`]'s layout: f32 products).
+/// [`f32_linear::linear`] ([`f32_linear::pack`]'s layout), bf16 / fp16 for
+/// [`f32_linear::linear_half`] ([`f32_linear::pack_half`]'s layout: f32 products), or GGUF
+/// quantized parts for [`quant::linear`] on `backend` (f32 inputs).
 #[derive(Clone, Copy, Debug)]
 pub enum Packed<'a> {
     Bf16(&'a [u16]),
     F32(&'a [f32]),
     Half(f32_linear::Half, &'a [u16]),
+    Quant {
+        parts: &'a [QuantPart<'a>],
+        backend: quant::Backend,
+    },
+}
+
+/// Consecutive output rows of a quantized product, of one type: `n` rows [`quant::pack`]ed.
+#[derive(Clone, Copy, Debug)]
+pub struct QuantPart<'a> {
+    pub qtype: QType,
+    pub packed: &'a [u8],
+    pub n: usize,
 }
 
 impl Packed<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Packed::Bf16(p) | Packed::Half(_, p) => p.len(),
-            Packed::F32(p) => p.len(),
+    /// `Ok` when the packing holds a weight `[n, k]`; else what is wrong with it.
+    fn check(&self, n: usize, k: usize) -> Result<(), String> {
+        let (got, want) = match self {
+            Packed::Bf16(p) => (p.len(), amx::packed_len(n, k)),
+            Packed::Half(_, p) => (p.len(), f32_linear::packed_len(n, k)),
+            Packed::F32(p) => (p.len(), f32_linear::packed_len(n, k)),
+            Packed::Quant { parts, .. } => return check_parts(parts, n, k),
+        };
+        if got != want {
+            return Err(format!("has {got} elements, not {want} for [{n}, {k}]"));
         }
+        Ok(())
     }
 
-    /// The packed length of an `[n, k]` weight in this layout.
-    fn expected_len(&self, n: usize, k: usize) -> usize {
-        match self {
-            Packed::Bf16(_) => amx::packed_len(n, k),
-            Packed::F32(_) | Packed::Half(..) => f32_linear::packed_len(n, k),
-        }
-    }
-
-    /// Whether the products take f32 inputs ([`f32_linear`]) rather than bf16 ones.
+    /// Whether the products take f32 inputs ([`f32_linear`], [`quant`]) rather than bf16 ones.
     fn wide(&self) -> bool {
         !matches!(self, Packed::Bf16(_))
     }
+}
+
+/// `Ok` when `parts` stack to a weight `[n, k]`, each packed whole.
+fn check_parts(parts: &[QuantPart<'_>], n: usize, k: usize) -> Result<(), String> {
+    if parts.is_empty() {
+        return Err("has no quantized parts".into());
+    }
+    let rows: usize = parts.iter().map(|p| p.n).sum();
+    if rows != n {
+        return Err(format!("has parts of {rows} rows in all, not {n}"));
+    }
+    for (i, p) in parts.iter().enumerate() {
+        let want = quant::packed_len(p.qtype, p.n, k).map_err(|e| format!("part {i}: {e}"))?;
+        if p.packed.len() != want {
+            return Err(format!(
+                "part {i} ({} [{}, {k}]) has {} bytes, not {want}",
+                p.qtype.name(),
+                p.n,
+                p.packed.len()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One packed product of the layer: the packed `W` [n, k] and its f32 bias [n].
@@ -132,6 +170,8 @@ const SPLIT_MACS: usize = 1 << 20;
 /// f32 products from this many (`f32_ops.SPLIT_MACS`): at a few rows they are bound by the
 /// weights' bytes, which two cores read faster than one.
 const SPLIT_MACS_F32: usize = 1 << 18;
+/// quantized products (per part) from this many (`quant_ops.SPLIT_MACS`).
+const SPLIT_MACS_QUANT: usize = 1 << 18;
 
 /// The intermediate buffers of one call.
 #[derive(Default)]
@@ -151,6 +191,8 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<u16>,
     act32: Vec<f32>,
+    /// one quantized part's output rows, before they go to their columns
+    part: Vec<f32>,
 }
 
 thread_local! {
@@ -209,7 +251,15 @@ pub fn decoder_layer(
             h.out(),
         )?;
         let qkv = take(&mut sc.qkv, rows * width);
-        product(&w.qkv, h.input(), rows, hidden, qkv, s.threads)?;
+        product(
+            &w.qkv,
+            h.input(),
+            rows,
+            hidden,
+            qkv,
+            s.threads,
+            &mut sc.part,
+        )?;
         // (src, its row width, q's column, k's column) of rope: q/k normalized per head first
         // where the layer does (Qwen3), each into a buffer of its own
         let (q_src, k_src): (RopeSrc<'_>, RopeSrc<'_>) = match &w.qk_norm {
@@ -303,7 +353,7 @@ pub fn decoder_layer(
             }
         };
         let out = take(&mut sc.out, rows * hidden);
-        product(&w.o, att, rows, nq, &mut *out, s.threads)?;
+        product(&w.o, att, rows, nq, &mut *out, s.threads, &mut sc.part)?;
         fused::rms_norm(
             &norm(w.post_norm, w.post_eps),
             NormInput::AddResidual {
@@ -320,6 +370,7 @@ pub fn decoder_layer(
             hidden,
             &mut *gate_up,
             s.threads,
+            &mut sc.part,
         )?;
         let mut act = if wide {
             Act::F32(take(&mut sc.act32, rows * w.inter))
@@ -333,7 +384,15 @@ pub fn decoder_layer(
             w.inter,
             elems(rows * w.inter),
         )?;
-        product(&w.down, act.input(), rows, w.inter, &mut *out, s.threads)?;
+        product(
+            &w.down,
+            act.input(),
+            rows,
+            w.inter,
+            &mut *out,
+            s.threads,
+            &mut sc.part,
+        )?;
         for (x, d) in x.iter_mut().zip(out.iter()) {
             *x += *d;
         }
@@ -420,7 +479,8 @@ impl Act<'_> {
     }
 }
 
-/// `out = x @ W.T + b` [rows, p.n] of one packed product with `k` inputs.
+/// `out = x @ W.T + b` [rows, p.n] of one packed product with `k` inputs (`part`: scratch
+/// for a quantized product's parts).
 fn product(
     p: &Product<'_>,
     x: Elems<'_>,
@@ -428,11 +488,13 @@ fn product(
     k: usize,
     out: &mut [f32],
     threads: usize,
+    part: &mut Vec<f32>,
 ) -> Result<(), KernelError> {
     let macs = rows.saturating_mul(p.n).saturating_mul(k);
     let split = match p.packed {
         Packed::Bf16(_) => SPLIT_MACS,
         Packed::F32(_) | Packed::Half(..) => SPLIT_MACS_F32,
+        Packed::Quant { .. } => SPLIT_MACS_QUANT,
     };
     let args = LinearArgs {
         m: rows,
@@ -446,10 +508,60 @@ fn product(
         (Packed::Half(half, packed), Elems::F32(x)) => {
             f32_linear::linear_half(half, &args, x, packed, p.bias, out)
         }
-        (Packed::F32(_) | Packed::Half(..), _) => {
-            KernelError::invalid("x", "f32_linear's weights take f32 inputs".into())
+        (Packed::Quant { parts, backend }, Elems::F32(x)) => {
+            quant_product(parts, backend, &args, x, out, threads, part)?;
+            if let Some(bias) = p.bias {
+                for row in out.chunks_exact_mut(p.n) {
+                    for (o, b) in row.iter_mut().zip(bias) {
+                        *o += *b;
+                    }
+                }
+            }
+            Ok(())
+        }
+        (Packed::F32(_) | Packed::Half(..) | Packed::Quant { .. }, _) => {
+            KernelError::invalid("x", "f32 and quantized weights take f32 inputs".into())
         }
     }
+}
+
+/// `out` [rows, n] = `x` @ the stacked parts' weights.T, each part's rows into its columns
+/// (through `part` when there are several rows). Each part splits over `threads` from
+/// [`SPLIT_MACS_QUANT`] multiply-adds on, as `quant_ops.linear` does.
+fn quant_product(
+    parts: &[QuantPart<'_>],
+    backend: quant::Backend,
+    args: &LinearArgs,
+    x: &[f32],
+    out: &mut [f32],
+    threads: usize,
+    part: &mut Vec<f32>,
+) -> Result<(), KernelError> {
+    let (rows, n, k) = (args.m, args.n, args.k);
+    let mut col = 0;
+    for p in parts {
+        let macs = rows.saturating_mul(p.n).saturating_mul(k);
+        let a = LinearArgs {
+            m: rows,
+            n: p.n,
+            k,
+            threads: if macs >= SPLIT_MACS_QUANT { threads } else { 1 },
+        };
+        if parts.len() == 1 {
+            return quant::linear(p.qtype, &a, x, p.packed, out, backend);
+        }
+        if rows == 1 {
+            quant::linear(p.qtype, &a, x, p.packed, &mut out[col..col + p.n], backend)?;
+        } else {
+            let y = take(part, rows * p.n);
+            quant::linear(p.qtype, &a, x, p.packed, y, backend)?;
+            for (o, y) in out.chunks_exact_mut(n).zip(y.chunks_exact(p.n)) {
+                o[col..col + p.n].copy_from_slice(y);
+            }
+        }
+        col += p.n;
+    }
+    Ok(())
 }
 
 fn reborrow<'b>(e: &'b mut ElemsMut<'_>) -> ElemsMut<'b> {
@@ -540,20 +652,13 @@ fn validate(
             return KernelError::invalid(
                 field,
                 format!(
-                    "{field}'s packed weight must be of qkv's kind (amx bf16, f32 or half panels)"
+                    "{field}'s packed weight must be of qkv's kind (amx bf16, f32, half panels \
+                     or quantized)"
                 ),
             );
         }
-        let want = p.packed.expected_len(p.n, k);
-        if p.packed.len() != want {
-            return KernelError::invalid(
-                field,
-                format!(
-                    "{field}'s packed weight has {} elements, not {want} for [{}, {k}]",
-                    p.packed.len(),
-                    p.n
-                ),
-            );
+        if let Err(why) = p.packed.check(p.n, k) {
+            return KernelError::invalid(field, format!("{field}'s packed weight {why}"));
         }
         if p.bias.is_some_and(|b| b.len() != p.n) {
             return KernelError::invalid(
@@ -586,7 +691,7 @@ mod tests {
     const HEADS: usize = 4;
     const KV: usize = 2;
     const D: usize = 8;
-    const I: usize = 48;
+    const I: usize = 64; // (whole Q8_0 blocks of 32, for the quantized layers)
     const PAGE: usize = 4;
     const SLOTS: usize = 32;
     const EPS: f32 = 1e-5;
@@ -991,5 +1096,275 @@ mod tests {
         )
         .expect_err("mixed kinds");
         assert_eq!(err.field(), Some("down"));
+    }
+
+    /// GGUF Q8_0 rows of `values(seed, n * k, 0.3)`: a block's fp16 scale, its 32 codes.
+    fn q8_0_rows(seed: u64, n: usize, k: usize) -> Vec<u8> {
+        let w = values(seed, n * k, 0.3);
+        let mut out = Vec::with_capacity(n * k / 32 * 34);
+        for block in w.chunks_exact(32) {
+            let top = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = half::f16::from_f32(top / 127.0);
+            out.extend_from_slice(&d.to_le_bytes());
+            let d = d.to_f32();
+            out.extend(block.iter().map(|v| {
+                (if d > 0.0 { (v / d).round() } else { 0.0 }).clamp(-127.0, 127.0) as i8 as u8
+            }));
+        }
+        out
+    }
+
+    /// The four products as Q8_0: per product its GGUF rows, the rows packed, and the rows
+    /// dequantized and packed for `f32_linear`.
+    struct QuantPacks {
+        rows: [Vec<u8>; 4],
+        packed: [Vec<u8>; 4],
+        f32: [Vec<f32>; 4],
+    }
+
+    const SHAPES: [(usize, usize); 4] = [
+        (HEADS * D + 2 * KV * D, H),
+        (H, HEADS * D),
+        (2 * I, H),
+        (H, I),
+    ];
+
+    fn quant_packs() -> QuantPacks {
+        let mut out = QuantPacks {
+            rows: Default::default(),
+            packed: Default::default(),
+            f32: Default::default(),
+        };
+        for (i, &(n, k)) in SHAPES.iter().enumerate() {
+            let rows = q8_0_rows(i as u64 + 21, n, k);
+            let mut packed = vec![0u8; quant::packed_len(QType::Q8_0, n, k).expect("len")];
+            quant::pack(QType::Q8_0, &rows, n, k, &mut packed, 1).expect("pack");
+            let mut w = vec![0f32; n * k];
+            quant::dequantize(QType::Q8_0, &rows, n, k, &mut w).expect("dequantize");
+            let mut f = vec![0f32; f32_linear::packed_len(n, k)];
+            f32_linear::pack(&w, n, k, &mut f).expect("pack");
+            (out.rows[i], out.packed[i], out.f32[i]) = (rows, packed, f);
+        }
+        out
+    }
+
+    /// A step of `rows` decode rows (2 chunks each), keys 1.. cached before.
+    fn quant_step<'a>(rows: usize, cos: &'a [f32], sin: &'a [f32], meta: &'a StepRows) -> Step<'a> {
+        Step {
+            cos: &cos[..rows * D],
+            sin: &sin[..rows * D],
+            slots: &meta.slots[..rows],
+            block_tables: &meta.tables[..rows * 2],
+            seqlens: &meta.seqlens[..rows],
+            width: 2,
+            page: PAGE,
+            window: Window::Full,
+            scale: 0.4,
+            threads: 2,
+        }
+    }
+
+    struct StepRows {
+        slots: Vec<i64>,
+        tables: Vec<i32>,
+        seqlens: Vec<i32>,
+    }
+
+    fn step_rows() -> StepRows {
+        // row r: chunks 2r, 2r + 1, r + 2 keys, the new one last
+        let seqlens: Vec<i32> = (0..3).map(|r| r + 2).collect();
+        let tables: Vec<i32> = (0..6).collect();
+        let slots = (0..3)
+            .map(|r| {
+                let p = seqlens[r] as usize - 1;
+                (tables[r * 2 + p / PAGE] as usize * PAGE + p % PAGE) as i64
+            })
+            .collect();
+        StepRows {
+            slots,
+            tables,
+            seqlens,
+        }
+    }
+
+    /// `w` on `rows` rows from fixed x and f32 caches: (x, k cache, v cache) after.
+    fn run_f32_cache(w: &Weights<'_>, s: &Step<'_>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let rows = s.slots.len();
+        let mut x = values(31, rows * H, 1.0);
+        let (mut kc, mut vc) = (
+            values(32, SLOTS * KV * D, 1.0),
+            values(33, SLOTS * KV * D, 1.0),
+        );
+        decoder_layer(w, s, &mut x, ElemsMut::F32(&mut kc), ElemsMut::F32(&mut vc)).expect("layer");
+        (x, kc, vc)
+    }
+
+    fn quant_weights<'a>(
+        norms: &'a (Vec<u16>, Vec<u16>),
+        parts: [&'a [QuantPart<'a>]; 4],
+        bias: Option<&'a [f32]>,
+    ) -> Weights<'a> {
+        let product = |i: usize| Product {
+            packed: Packed::Quant {
+                parts: parts[i],
+                backend: quant::Backend::auto(),
+            },
+            bias: if i == 0 { bias } else { None },
+            n: SHAPES[i].0,
+        };
+        Weights {
+            input_norm: Elems::Bf16(&norms.0),
+            post_norm: Elems::Bf16(&norms.1),
+            input_eps: EPS,
+            post_eps: EPS,
+            qkv: product(0),
+            o: product(1),
+            gate_up: product(2),
+            down: product(3),
+            qk_norm: None,
+            hidden: H,
+            heads: HEADS,
+            kv_heads: KV,
+            dim: D,
+            inter: I,
+        }
+    }
+
+    fn whole<'a>(q: &'a QuantPacks) -> [[QuantPart<'a>; 1]; 4] {
+        std::array::from_fn(|i| {
+            [QuantPart {
+                qtype: QType::Q8_0,
+                packed: &q.packed[i],
+                n: SHAPES[i].0,
+            }]
+        })
+    }
+
+    #[test]
+    fn a_quantized_layer_is_its_dequantized_f32_layer_to_the_activations_rounding() {
+        if !require_or_skip(&[Isa::Avx512F]) {
+            return; // (the f32 layer it is compared with runs on f32_linear)
+        }
+        let q = quant_packs();
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let parts = whole(&q);
+        let quant = quant_weights(&norms, [&parts[0], &parts[1], &parts[2], &parts[3]], None);
+        let mut f32_weights = quant;
+        for (p, f) in [
+            &mut f32_weights.qkv,
+            &mut f32_weights.o,
+            &mut f32_weights.gate_up,
+            &mut f32_weights.down,
+        ]
+        .into_iter()
+        .zip(&q.f32)
+        {
+            p.packed = Packed::F32(f);
+        }
+        let angle = values(7, 3 * D, 3.0);
+        let cos: Vec<f32> = angle.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angle.iter().map(|a| a.sin()).collect();
+        let meta = step_rows();
+        for rows in [1, 3] {
+            let s = quant_step(rows, &cos, &sin, &meta);
+            let (got, want) = (run_f32_cache(&quant, &s), run_f32_cache(&f32_weights, &s));
+            for (g, w) in [(&got.0, &want.0), (&got.1, &want.1), (&got.2, &want.2)] {
+                let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let off = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(off <= 0.02 * scale, "rows {rows}: off by {off} of {scale}");
+            }
+            assert_ne!(
+                got.0, want.0,
+                "the activations are quantized: not the f32 bits"
+            );
+        }
+    }
+
+    #[test]
+    fn stacked_quantized_parts_give_the_bits_of_one_part() {
+        let q = quant_packs();
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let parts = whole(&q);
+        // q and k (rows 0 .. nq + nk of the stacked qkv) as one part, v as another
+        let (n0, k) = (HEADS * D + KV * D, H);
+        let (head, tail) = q.rows[0].split_at(n0 * k / 32 * 34);
+        let mut split = Vec::new();
+        for (rows, n) in [(head, n0), (tail, KV * D)] {
+            let mut packed = vec![0u8; quant::packed_len(QType::Q8_0, n, k).expect("len")];
+            quant::pack(QType::Q8_0, rows, n, k, &mut packed, 1).expect("pack");
+            split.push((packed, n));
+        }
+        let two = [
+            QuantPart {
+                qtype: QType::Q8_0,
+                packed: &split[0].0,
+                n: split[0].1,
+            },
+            QuantPart {
+                qtype: QType::Q8_0,
+                packed: &split[1].0,
+                n: split[1].1,
+            },
+        ];
+        let bias = values(41, SHAPES[0].0, 0.5);
+        let one = quant_weights(
+            &norms,
+            [&parts[0], &parts[1], &parts[2], &parts[3]],
+            Some(&bias),
+        );
+        let stacked = quant_weights(&norms, [&two, &parts[1], &parts[2], &parts[3]], Some(&bias));
+        let angle = values(7, 3 * D, 3.0);
+        let cos: Vec<f32> = angle.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angle.iter().map(|a| a.sin()).collect();
+        let meta = step_rows();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for rows in [1, 3] {
+            let s = quant_step(rows, &cos, &sin, &meta);
+            let (got, want) = (run_f32_cache(&stacked, &s), run_f32_cache(&one, &s));
+            assert_eq!(bits(&got.0), bits(&want.0), "rows {rows}");
+            assert_eq!((bits(&got.1), bits(&got.2)), (bits(&want.1), bits(&want.2)));
+        }
+    }
+
+    #[test]
+    fn quantized_parts_that_do_not_make_the_product_are_refused_naming_it() {
+        let q = quant_packs();
+        let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
+        let parts = whole(&q);
+        let short = [QuantPart {
+            n: SHAPES[2].0 - 16,
+            ..parts[2][0]
+        }];
+        let cut = [QuantPart {
+            packed: &q.packed[3][1..],
+            ..parts[3][0]
+        }];
+        let other = [QuantPart {
+            qtype: QType::Q4_0,
+            ..parts[1][0]
+        }];
+        let meta = step_rows();
+        let (cos, sin) = ([1f32; 3 * D], [0f32; 3 * D]);
+        let s = quant_step(1, &cos, &sin, &meta);
+        for (field, w) in [
+            ("gate_up", [&parts[0][..], &parts[1], &short, &parts[3]]),
+            ("down", [&parts[0][..], &parts[1], &parts[2], &cut]),
+            ("o", [&parts[0][..], &other, &parts[2], &parts[3]]),
+            ("qkv", [&[][..], &parts[1], &parts[2], &parts[3]]),
+        ] {
+            let w = quant_weights(&norms, w, None);
+            let mut x = vec![0.5f32; H];
+            let (mut kc, mut vc) = (vec![0f32; SLOTS * KV * D], vec![0f32; SLOTS * KV * D]);
+            let err = decoder_layer(
+                &w,
+                &s,
+                &mut x,
+                ElemsMut::F32(&mut kc),
+                ElemsMut::F32(&mut vc),
+            )
+            .expect_err(field);
+            assert_eq!(err.field(), Some(field), "{err}");
+            assert!(x.iter().all(|&v| v == 0.5) && kc.iter().all(|&v| v == 0.0));
+        }
     }
 }

@@ -4,7 +4,10 @@
 //! shape the kernel needs is checked here or by the kernel, with a `FieldError` naming the
 //! argument.
 
-use ferrobatch_kernels::layer::{self, Packed as PackedWeight, Product, QkNorm, Step, Weights};
+use ferrobatch_kernels::layer::{
+    self, Packed as PackedWeight, Product, QkNorm, QuantPart, Step, Weights,
+};
+use ferrobatch_kernels::quant::{self, Backend, QType};
 use ferrobatch_kernels::{amx, f32_linear, Window};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -21,6 +24,8 @@ enum Kind {
     F32,
     /// bf16 / fp16 bits in `f32_pack_half`'s layout ("bfloat16_panels", "float16_panels")
     Half(f32_linear::Half),
+    /// GGUF quantized parts in `quant_pack`'s layout ("quantized")
+    Quant,
 }
 
 impl Kind {
@@ -30,12 +35,13 @@ impl Kind {
             "float32" => Kind::F32,
             "bfloat16_panels" => Kind::Half(f32_linear::Half::Bf16),
             "float16_panels" => Kind::Half(f32_linear::Half::F16),
+            "quantized" => Kind::Quant,
             other => {
                 return Err(invalid(
                     "weight_dtype",
                     format!(
-                        "weight_dtype must be \"bfloat16\", \"float32\", \"bfloat16_panels\" \
-                         or \"float16_panels\", not {other:?}"
+                        "weight_dtype must be \"bfloat16\", \"float32\", \"bfloat16_panels\", \
+                         \"float16_panels\" or \"quantized\", not {other:?}"
                     ),
                 ))
             }
@@ -43,9 +49,11 @@ impl Kind {
     }
 }
 
-/// One packed product: the array (`kind`'s layout), its optional bias and its shape.
+/// One packed product: the array (`kind`'s layout) or, quantized, its parts (type, packed
+/// rows, output rows), its optional bias and its shape.
 struct Packed {
     packed: Py<PyAny>,
+    parts: Vec<(QType, Py<PyAny>, usize)>,
     bias: Option<Py<PyAny>>,
     n: usize,
     kind: Kind,
@@ -59,6 +67,7 @@ impl Packed {
         (n, k): (usize, usize),
         kind: Kind,
     ) -> PyResult<Self> {
+        let mut parts = Vec::new();
         let (len, want, layout) = match kind {
             Kind::F32 => {
                 let p = ro::<f32>(packed, field, "float32 (f32_pack's layout)")?;
@@ -71,6 +80,10 @@ impl Packed {
             Kind::Amx => {
                 let p = ro::<u16>(packed, field, "uint16 (amx_pack's layout)")?;
                 (p.len(), amx::packed_len(n, k), "amx_packed_len")
+            }
+            Kind::Quant => {
+                parts = quant_parts(field, packed, (n, k))?;
+                (0, 0, "")
             }
         };
         if len != want {
@@ -90,6 +103,7 @@ impl Packed {
         }
         Ok(Packed {
             packed: packed.clone().unbind(),
+            parts,
             bias: bias.map(|b| b.clone().unbind()),
             n,
             kind,
@@ -97,11 +111,53 @@ impl Packed {
     }
 }
 
+/// A quantized product's parts: `parts` a sequence of (qtype, uint8 array in
+/// `quant_pack`'s layout, rows) whose rows add up to `n`, each packed whole for `k` inputs.
+fn quant_parts(
+    field: &'static str,
+    parts: &Bound<'_, PyAny>,
+    (n, k): (usize, usize),
+) -> PyResult<Vec<(QType, Py<PyAny>, usize)>> {
+    let shape = || {
+        invalid(
+            field,
+            format!("{field} must be a sequence of (qtype, packed uint8 array, rows) parts"),
+        )
+    };
+    let mut out = Vec::new();
+    for item in parts.try_iter().map_err(|_| shape())? {
+        let (qtype, packed, rows): (String, Bound<'_, PyAny>, usize) =
+            item?.extract().map_err(|_| shape())?;
+        let qt = crate::quant::qtype_of(&qtype)?;
+        let got = ro::<u8>(&packed, field, "uint8 (quant_pack's layout)")?.len();
+        let want = quant::packed_len(qt, rows, k).map_err(kernel_error)?;
+        if got != want {
+            return Err(invalid(
+                field,
+                format!(
+                    "{field}'s {qtype} part of {rows} rows has {got} bytes, not \
+                     quant_packed_len({qtype:?}, {rows}, {k}) = {want}"
+                ),
+            ));
+        }
+        out.push((qt, packed.unbind(), rows));
+    }
+    let rows: usize = out.iter().map(|p| p.2).sum();
+    if out.is_empty() || rows != n {
+        return Err(invalid(
+            field,
+            format!("{field}'s parts have {rows} rows in all, not {n}"),
+        ));
+    }
+    Ok(out)
+}
+
 /// A borrowed packed weight.
 enum PackedView<'py> {
     Bf16(PyReadonlyArrayDyn<'py, u16>),
     F32(PyReadonlyArrayDyn<'py, f32>),
     Half(f32_linear::Half, PyReadonlyArrayDyn<'py, u16>),
+    Quant(Vec<(QType, PyReadonlyArrayDyn<'py, u8>, usize)>),
 }
 
 /// The borrowed views of one product for a call.
@@ -119,6 +175,12 @@ impl<'py> Views<'py> {
                 Kind::F32 => PackedView::F32(ro::<f32>(a, field, "float32")?),
                 Kind::Half(half) => PackedView::Half(half, ro::<u16>(a, field, "uint16")?),
                 Kind::Amx => PackedView::Bf16(ro::<u16>(a, field, "uint16")?),
+                Kind::Quant => PackedView::Quant(
+                    p.parts
+                        .iter()
+                        .map(|(qt, a, n)| Ok((*qt, ro::<u8>(a.bind(py), field, "uint8")?, *n)))
+                        .collect::<PyResult<_>>()?,
+                ),
             },
             bias: p
                 .bias
@@ -129,12 +191,35 @@ impl<'py> Views<'py> {
         })
     }
 
-    fn product(&self) -> PyResult<Product<'_>> {
+    /// A quantized product's parts as the kernel takes them (none for the other kinds).
+    fn quant_parts(&self) -> PyResult<Vec<QuantPart<'_>>> {
+        match &self.packed {
+            PackedView::Quant(parts) => parts
+                .iter()
+                .map(|(qtype, a, n)| {
+                    Ok(QuantPart {
+                        qtype: *qtype,
+                        packed: a.as_slice()?,
+                        n: *n,
+                    })
+                })
+                .collect(),
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// The product, its quantized parts (if any) being `parts` on `backend`.
+    fn product<'s>(
+        &'s self,
+        parts: &'s [QuantPart<'s>],
+        backend: Backend,
+    ) -> PyResult<Product<'s>> {
         Ok(Product {
             packed: match &self.packed {
                 PackedView::Bf16(a) => PackedWeight::Bf16(a.as_slice()?),
                 PackedView::F32(a) => PackedWeight::F32(a.as_slice()?),
                 PackedView::Half(half, a) => PackedWeight::Half(*half, a.as_slice()?),
+                PackedView::Quant(_) => PackedWeight::Quant { parts, backend },
             },
             bias: self.bias.as_ref().map(|b| b.as_slice()).transpose()?,
             n: self.n,
@@ -148,8 +233,11 @@ impl<'py> Views<'py> {
 /// each with an optional float32 bias: `amx_pack`ed bf16 with `weight_dtype` "bfloat16"
 /// (the products' inputs rounded to bf16), `f32_pack`ed with "float32" (f32 inputs),
 /// `f32_pack_half`ed bf16 / fp16 with "bfloat16_panels" / "float16_panels" (f32 inputs;
-/// bit for bit "float32" over the widened weights). The arrays are kept (not copied): the
-/// caller must not change them while the layer is in use.
+/// bit for bit "float32" over the widened weights), or with "quantized" each product a
+/// sequence of GGUF parts (qtype, `quant_pack`ed uint8 rows, rows) stacked in order (f32
+/// inputs, each row quantized to int8 in the product, as `quant_linear`; the backend is
+/// `quant_backend()`'s at each call). The arrays are kept (not copied): the caller must not
+/// change them while the layer is in use.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LeanLayer {
     input_norm: Py<PyAny>,
@@ -346,15 +434,22 @@ impl LeanLayer {
             Views::of(py, &self.gate_up, "gate_up")?,
             Views::of(py, &self.down, "down")?,
         ];
+        let parts = [
+            views[0].quant_parts()?,
+            views[1].quant_parts()?,
+            views[2].quant_parts()?,
+            views[3].quant_parts()?,
+        ];
+        let backend = Backend::auto();
         let w = Weights {
             input_norm: norms.0.elems(),
             post_norm: norms.1.elems(),
             input_eps: self.eps.0,
             post_eps: self.eps.1,
-            qkv: views[0].product()?,
-            o: views[1].product()?,
-            gate_up: views[2].product()?,
-            down: views[3].product()?,
+            qkv: views[0].product(&parts[0], backend)?,
+            o: views[1].product(&parts[1], backend)?,
+            gate_up: views[2].product(&parts[2], backend)?,
+            down: views[3].product(&parts[3], backend)?,
             qk_norm: qk.as_ref().map(|(q, k, eps)| QkNorm {
                 q: q.elems(),
                 k: k.elems(),

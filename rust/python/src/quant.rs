@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use crate::errors::invalid;
 use crate::views::{bytes, disjoint, expect_shape, ro, rw, threads_of, two_d};
 
-fn qtype_of(name: &str) -> PyResult<QType> {
+pub(crate) fn qtype_of(name: &str) -> PyResult<QType> {
     QType::from_name(name).ok_or_else(|| {
         let names: Vec<&str> = QType::ALL.iter().map(|t| t.name()).collect();
         invalid(
