@@ -5,6 +5,8 @@ per CPU-second.
 
     taskset -c 1 .venv/bin/python benches/gguf_engine.py model.gguf --threads 1
     .venv/bin/python benches/gguf_engine.py model.gguf --ab 3    # lean layers vs own, A/B
+    .venv/bin/python benches/gguf_engine.py model.gguf --ab 3 --arms lean,per_kernel
+                                      # decode layers in one call against one call a kernel
     .venv/bin/python benches/gguf_engine.py model.gguf --construct   # one line; run it
                                                                      # against another tree
     .venv/bin/python benches/gguf_engine.py model.gguf --backends amx_int8,avx512vnni --ab 3
@@ -62,12 +64,23 @@ def construct(path: str) -> None:
     engine.close()
 
 
-def interleaved(engine: Engine, repeats: int, prompts: int) -> None:
-    """The decoder layers lean over the quantized products ("lean", the default) against the
-    model's own layers on the same engine ("own": `runner.activations.lean` off, each
-    `QuantLinear` on its own, transformers' layers), alternated, medians of `repeats`."""
+#: the arms `interleaved` compares: the engine as it runs (decoder layers lean over the
+#: quantized products, a decode step's layer in one `_core.LeanLayer` call), the lean
+#: layers without the one call, the model's own layers (transformers' code, each
+#: `QuantLinear` on its own)
+ARMS = ("lean", "per_kernel", "own")
+
+
+def _set_arm(engine: Engine, lean: object, arm: str) -> None:
     acts = engine.runner.activations
-    lean = acts.lean
+    acts.lean = None if arm == "own" else lean
+    lean.fused_enabled = arm == "lean"
+
+
+def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> None:
+    """Two of `ARMS` on the same engine, alternated, medians of `repeats`: single stream
+    (128 tokens) and `prompts` chat prompts x 64."""
+    lean = engine.runner.activations.lean
     if lean is None:
         raise SystemExit("this model's layers do not run lean; nothing to compare")
 
@@ -78,22 +91,22 @@ def interleaved(engine: Engine, repeats: int, prompts: int) -> None:
     single = [engine.tokenizer("def fibonacci(n):").input_ids]
     batch = chat_prompts(encode, prompts)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for arm in ("lean", "own"):  # warm-up: the own layers pack their weights on first use,
-        acts.lean = lean if arm == "lean" else None  # a first large batch allocates
+    for arm in arms:  # warm-up: the own layers pack their weights on first use, a first
+        _set_arm(engine, lean, arm)  # large batch allocates
         timed(engine, single, 4)
         timed(engine, batch, 4)
     for r in range(repeats):
-        for arm in (("lean", "own") if r % 2 == 0 else ("own", "lean")):
-            acts.lean = lean if arm == "lean" else None
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            _set_arm(engine, lean, arm)
             for what, ps, n in (("single stream x 128", single, 128),
                                 (f"{prompts} x 64", batch, 64)):
                 got, wall, cpu = timed(engine, ps, n)
                 results.setdefault((what, arm), []).append((got / wall, got / cpu))
-                print(f"  run {r} {arm:4} {what}: {got / wall:.2f} tok/s, "
+                print(f"  run {r} {arm:10} {what}: {got / wall:.2f} tok/s, "
                       f"{got / cpu:.2f} tok per CPU-s", flush=True)
-    acts.lean = lean
+    _set_arm(engine, lean, "lean")
     for (what, arm), runs in results.items():
-        print(f"{what:22} {arm:4}: median {statistics.median(w for w, _ in runs):.2f} tok/s "
+        print(f"{what:22} {arm:10}: median {statistics.median(w for w, _ in runs):.2f} tok/s "
               f"wall, {statistics.median(c for _, c in runs):.2f} tok per CPU-s "
               f"({len(runs)} runs)")
 
@@ -141,8 +154,12 @@ def main() -> None:
     parser.add_argument("--construct", action="store_true",
                         help="only construction, first token and RSS (one line)")
     parser.add_argument("--ab", type=int, default=0, metavar="REPEATS",
-                        help="lean layers against the model's own, interleaved, medians of "
-                             "REPEATS runs (single stream and offline)")
+                        help="two arms (--arms) interleaved, medians of REPEATS runs "
+                             "(single stream and offline)")
+    parser.add_argument("--arms", default="lean,own", metavar="A,B",
+                        help=f"with --ab: two of {', '.join(ARMS)} (lean: as the engine "
+                             "runs; per_kernel: lean layers without the one-call layer; "
+                             "own: the model's own layers)")
     parser.add_argument("--backends", default=None, metavar="A,B",
                         help="with --ab: two quantized-product backends instead (prefill "
                              "and offline)")
@@ -158,7 +175,10 @@ def main() -> None:
         return
     if args.ab:
         engine = Engine(args.model)
-        interleaved(engine, args.ab, args.prompts)
+        arms = args.arms.split(",")
+        if len(arms) != 2 or not set(arms) <= set(ARMS):
+            raise SystemExit(f"--arms takes two of {ARMS}, not {args.arms!r}")
+        interleaved(engine, args.ab, args.prompts, arms)
         engine.close()
         return
 
