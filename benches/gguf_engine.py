@@ -79,7 +79,7 @@ def _set_arm(engine: Engine, lean: object, arm: str) -> None:
 
 def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> None:
     """Two of `ARMS` on the same engine, alternated, medians of `repeats`: single stream
-    (128 tokens) and `prompts` chat prompts x 64."""
+    (128 tokens) and `prompts` chat prompts x 64 (their prefill included)."""
     lean = engine.runner.activations.lean
     if lean is None:
         raise SystemExit("this model's layers do not run lean; nothing to compare")
@@ -173,8 +173,9 @@ def main() -> None:
     if args.ab and args.backends:
         backends_ab(args.model, args.backends.split(","), args.ab, args.prompts, args.pp)
         return
-    if args.ab:
-        engine = Engine(args.model)
+    if args.ab:  # (prefix caching off: repeats of the batch must prefill it each time)
+        engine = Engine(args.model,
+                        config=ContinuousBatchingConfig(allow_block_sharing=False))
         arms = args.arms.split(",")
         if len(arms) != 2 or not set(arms) <= set(ARMS):
             raise SystemExit(f"--arms takes two of {ARMS}, not {args.arms!r}")
