@@ -204,24 +204,34 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"{rec['load_after']:.2f}, steal {rec['steal_s']:.1f} s")
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def engine_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments every llama.cpp comparison takes: the file, threads, cores, binaries."""
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pin", default=None, metavar="CPUS",
                     help="cores for both engines (default: the first --threads cores)")
+    ap.add_argument("--llamacpp-bin", default=None, help="default: $LLAMACPP_BIN or the "
+                    "set-up script's build/bin")
+
+
+def cpus_of(args: argparse.Namespace) -> list[int]:
+    """The cores `--pin` names, or the first `--threads` this process may run on."""
+    return (compare_cpu.parse_cpus(args.pin) if args.pin
+            else sorted(os.sched_getaffinity(0))[: args.threads])
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    engine_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--single-new", type=int, default=128)
     ap.add_argument("--pp", type=int, default=512)
-    ap.add_argument("--llamacpp-bin", default=None, help="default: $LLAMACPP_BIN or the "
-                    "set-up script's build/bin")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
-    args.cpus = (compare_cpu.parse_cpus(args.pin) if args.pin
-                 else sorted(os.sched_getaffinity(0))[: args.threads])
+    args.cpus = cpus_of(args)
     return args
 
 

@@ -31,21 +31,16 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams  # noqa:
 import compare_cpu  # noqa: E402
 import llamacpp_tools as lt  # noqa: E402
 import torch  # noqa: E402
-from llamacpp_compare import CODE_PROMPT, cpu_name  # noqa: E402
+from llamacpp_compare import CODE_PROMPT, cpu_name, cpus_of, engine_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--pin", default=None, metavar="CPUS",
-                    help="cores for both engines (default: the first --threads cores)")
+    engine_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--llamacpp-bin", default=None)
     args = ap.parse_args()
-    cpus = (compare_cpu.parse_cpus(args.pin) if args.pin
-            else sorted(os.sched_getaffinity(0))[: args.threads])
+    cpus = cpus_of(args)
     bins = lt.bin_dir(args.llamacpp_bin)
     compare_cpu.pin_self(cpus)
     torch.set_num_threads(args.threads)

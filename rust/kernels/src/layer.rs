@@ -861,15 +861,29 @@ mod tests {
             bias: None,
             n,
         };
+        test_weights(
+            norms,
+            [
+                product(0, nq + 2 * nk),
+                product(1, H),
+                product(2, 2 * I),
+                product(3, H),
+            ],
+        )
+    }
+
+    /// The test layer's weights: bf16 norms, the four products (qkv, o, gate/up, down).
+    fn test_weights<'a>(norms: &'a (Vec<u16>, Vec<u16>), p: [Product<'a>; 4]) -> Weights<'a> {
+        let [qkv, o, gate_up, down] = p;
         Weights {
             input_norm: Elems::Bf16(&norms.0),
             post_norm: Elems::Bf16(&norms.1),
             input_eps: EPS,
             post_eps: EPS,
-            qkv: product(0, nq + 2 * nk),
-            o: product(1, H),
-            gate_up: product(2, 2 * I),
-            down: product(3, H),
+            qkv,
+            o,
+            gate_up,
+            down,
             qk_norm: None,
             hidden: H,
             heads: HEADS,
@@ -1212,22 +1226,7 @@ mod tests {
             bias: if i == 0 { bias } else { None },
             n: SHAPES[i].0,
         };
-        Weights {
-            input_norm: Elems::Bf16(&norms.0),
-            post_norm: Elems::Bf16(&norms.1),
-            input_eps: EPS,
-            post_eps: EPS,
-            qkv: product(0),
-            o: product(1),
-            gate_up: product(2),
-            down: product(3),
-            qk_norm: None,
-            hidden: H,
-            heads: HEADS,
-            kv_heads: KV,
-            dim: D,
-            inter: I,
-        }
+        test_weights(norms, std::array::from_fn(product))
     }
 
     fn whole<'a>(q: &'a QuantPacks) -> [[QuantPart<'a>; 1]; 4] {
