@@ -73,6 +73,16 @@ def test_the_one_call_layer_is_the_lean_forward_bit_for_bit(gguf_file, monkeypat
         assert torch.equal(a, b)
 
 
+def test_an_int8_cache_keeps_the_lean_forward(gguf_file, monkeypatch):
+    """An int8 cache (quantized on write) is the lean forward's: no one call."""
+    written, _ = gguf_file("llama", "Q8_0")
+    seen = _record(monkeypatch)
+    cfg = ContinuousBatchingConfig(num_blocks=64, page_size=4, kv_cache_dtype="int8")
+    with Engine(str(written.path), config=cfg) as engine:
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), progress=False)
+    assert seen and Backend.QUANT_OPS not in seen
+
+
 def test_engine_tokens_are_the_same_with_and_without_the_one_call(gguf_file, monkeypatch):
     """Greedy tokens through the engine, batched, with chunked prefill and a shared prefix."""
     written, _ = gguf_file("qwen2", "Q4_K", types=MIXED)
