@@ -91,8 +91,8 @@ class FusedLayer:
             input_eps=float(p.norms[0].variance_epsilon),
             post_eps=float(p.norms[1].variance_epsilon),
             qkv=qkv, o=o, gate_up=gate_up, down=down,
-            hidden=p.qkv.k if kind is Backend.QUANT_OPS else packed[0].k, heads=p.heads,
-            kv_heads=p.kv_heads, dim=p.dim, inter=p.inter,
+            hidden=norms[0].numel(), heads=p.heads, kv_heads=p.kv_heads, dim=p.dim,
+            inter=p.inter,
             qkv_bias=_bias(p.qkv, packed[0]), o_bias=_bias(p.o, packed[1]),
             gate_up_bias=_bias(p.gate_up, packed[2]), down_bias=_bias(p.down, packed[3]),
             weight_dtype=_weight_dtype(packed[0], kind), **qk)
