@@ -8,6 +8,7 @@ Every server listens on 127.0.0.1 (a free port); every loop is bounded in count 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from ferrobatch.cli.serve import freeze_startup_heap
 from ferrobatch.server import BackgroundServer, create_app
 from server_helpers import (
     MODEL,
@@ -483,6 +485,18 @@ def _health_while(url: str, work: Any) -> tuple[Any, float, int]:
     return result["r"], worst, count
 
 
+@contextlib.contextmanager
+def _startup_heap_frozen() -> Iterator[None]:
+    """The heap as ``ferrobatch serve`` has it (frozen after loading): here the test
+    suite's whole heap, which a full collection would otherwise walk for seconds."""
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@_startup_heap_frozen()
 def test_huge_body_of_tiny_prompts_keeps_the_loop_responsive(tokenizer: Any) -> None:
     engine = FakeEngine(tokenizer)
     prompts = ["a"] * 380_000

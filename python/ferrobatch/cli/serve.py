@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import ipaddress
 import logging
 import sys
@@ -23,6 +24,14 @@ def _is_loopback(host: str) -> bool:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(host).is_loopback
     return False
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the model, torch, transformers) out of the collector's
+    reach, so a full collection while serving walks only what requests created: a request
+    that allocates many objects no longer stalls every stream for a walk of the whole heap."""
+    gc.collect()
+    gc.freeze()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -45,12 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> Any:
         try:
-            return build_engine(args)
+            engine = build_engine(args)
         except BaseException as exc:  # reported below; the server stops instead of idling
             failures.append(exc)
             if server is not None:
                 server.should_exit = True
             raise
+        freeze_startup_heap()
+        return engine
 
     app = create_app(
         None,
