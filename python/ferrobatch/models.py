@@ -344,8 +344,9 @@ def load_model(
     """
     # GGUF files and quantize-on-load (`ferrobatch.gguf`)
     if quantization is not None or isinstance(model, str | os.PathLike):
-        loaded = source.load(model, device=device, dtype=dtype, quantization=quantization,
-                           load_plain=load_model)
+        named = bundled_model_dir() if model is None else model  # (quantize the bundled)
+        loaded = source.load(named, device=device, dtype=dtype, quantization=quantization,
+                             load_plain=load_model)
         if loaded is not None:
             return loaded
     if isinstance(model, PreTrainedModel):

@@ -16,6 +16,7 @@ input width is not whole blocks of either keeps its float weight, and the log sa
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -118,21 +119,27 @@ def _is_embedding(m: nn.Module) -> bool:
                                        and type(m).__name__.endswith("ScaledWordEmbedding"))
 
 
-def quantize_model(model: nn.Module, qtype: str,
-                   widths: dict[str, int] | None = None) -> dict[str, Any]:
+def quantize_model(model: nn.Module, qtype: str, widths: dict[str, int] | None = None,
+                   dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Replace `model`'s linears and input embedding by quantized ones, in place (see the
     module docstring); returns a summary (also `model.ferrobatch_quantization`). `widths`:
     the whole matrix's input width of a module that holds a share of it (tensor
-    parallelism), which decides its type (`type_for_width`), as on one rank."""
+    parallelism), which decides its type (`type_for_width`), as on one rank. `dtype`: the
+    embedding's output dtype (default: the model's). Each float weight is freed as soon as
+    nothing else holds it, so the model never holds a matrix twice over."""
     qtype = check_name(qtype)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    # id(weight) -> (the weight, kept so its id is not reused, and its quantized form: ties
-    # share it)
-    done: dict[int, tuple[torch.Tensor, QuantWeight]] = {}
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                     torch.float32)
+    # id(weight) -> (a weak reference to the weight, which tells a reused id, and its
+    # quantized form: ties share it)
+    done: dict[int, tuple[weakref.ref[torch.Tensor], QuantWeight]] = {}
+    quantized_bytes = 0
     kept: list[str] = []
     fallback: list[str] = []
     replaced = 0
-    for name, m in list(model.named_modules()):
+    for name in [name for name, _ in model.named_modules()]:
+        m = model.get_submodule(name)
         linear = type(m) is nn.Linear
         if not (linear or _is_embedding(m)):
             continue
@@ -144,9 +151,12 @@ def quantize_model(model: nn.Module, qtype: str,
             continue
         if layer_type != qtype:
             fallback.append(name)
-        if id(w) not in done:
-            done[id(w)] = (w, _quantize_named(f"{name}.weight", w, layer_type))
-        qw = done[id(w)][1]
+        seen = done.get(id(w))
+        if seen is None or seen[0]() is not w:
+            seen = (weakref.ref(w), _quantize_named(f"{name}.weight", w, layer_type))
+            done[id(w)] = seen
+            quantized_bytes += seen[1].nbytes
+        qw = seen[1]
         if linear:
             bias = m.bias.detach() if m.bias is not None else None
             new: nn.Module = QuantLinear(qw, bias)
@@ -154,6 +164,7 @@ def quantize_model(model: nn.Module, qtype: str,
             new = QuantEmbedding(qw, dtype, embed_scale=getattr(m, "embed_scale", None),
                                  padding_idx=m.padding_idx)
         model.set_submodule(name, new)
+        del m, w  # the float weight goes with its module (unless tied elsewhere)
         replaced += 1
     if fallback:
         logger.info("ferrobatch: %d layers quantized to %s (input width not whole 256-weight "
@@ -162,7 +173,7 @@ def quantize_model(model: nn.Module, qtype: str,
         logger.info("ferrobatch: %d layers keep float weights (input width not whole %s "
                     "blocks): %s", len(kept), qtype, ", ".join(kept[:4]))
     summary = {"qtype": qtype, "quantized_modules": replaced,
-               "quantized_bytes": sum(q.nbytes for _, q in done.values()), "float_layers": kept,
+               "quantized_bytes": quantized_bytes, "float_layers": kept,
                "fallback_layers": fallback}
     model.ferrobatch_quantization = summary
     logger.info("ferrobatch: %d layers quantized to %s (%.0f MiB)", replaced, qtype,

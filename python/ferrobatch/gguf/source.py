@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ferrobatch.errors import FieldError
-from ferrobatch.gguf import quantize
+from ferrobatch.gguf import narrow_read, quantize
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.reader import is_gguf_file
+from ferrobatch.model_dtype import resolve_dtype
 
 __all__ = ["gguf_path_of", "load"]
 
@@ -40,7 +43,8 @@ def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
          load_plain: Callable[..., tuple[Any, Any]]) -> tuple[Any, Any] | None:
     """`(model, tokenizer)` when `model` is a GGUF file or `quantization` is asked for, else
     None. `load_plain(model, device=, dtype=)` loads a checkpoint the plain way (to be
-    quantized here)."""
+    quantized here: read in its own half precision where that gives the same model,
+    `narrow_read`)."""
     path = gguf_path_of(model)
     if path is not None:
         if quantization is not None:
@@ -52,10 +56,15 @@ def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
         return None
 
     qtype = quantize.check_name(quantization)
-    if not isinstance(model, str | os.PathLike) and model is not None:
+    if not isinstance(model, str | os.PathLike):
         raise FieldError("a loaded model is never converted: pass its checkpoint directory "
                          "to quantize it on load", "quantization")
     quantize.check_device(device)
-    loaded, tokenizer = load_plain(model, device=device, dtype=dtype)
-    quantize.quantize_model(loaded, qtype)
+    path = Path(model).expanduser()
+    wanted = resolve_dtype(dtype, torch.device("cpu"), path)
+    read_in, wide = narrow_read.read_dtype(path, wanted)
+    loaded, tokenizer = load_plain(model, device=device, dtype=read_in)
+    quantize.quantize_model(loaded, qtype, dtype=wanted)
+    if read_in != wanted:
+        narrow_read.widen(loaded, read_in, wide, wanted)
     return loaded, tokenizer

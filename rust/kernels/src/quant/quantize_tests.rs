@@ -269,3 +269,41 @@ fn non_finite_weights_and_bad_arguments_are_refused_naming_the_field() {
     quantize(QType::Q4_K, &[], 0, 256, &mut none, 2).unwrap();
     quantize(QType::Q6_K, &[], 3, 0, &mut none, 2).unwrap();
 }
+
+/// The body [`quantize::quantize_row`] picks for this CPU (AVX2 where it has it) writes the
+/// bytes of the baseline one, on rows of several scales, with outliers,
+/// zero sub-blocks and constant runs.
+#[test]
+fn every_vector_width_writes_the_baseline_bytes() {
+    fn rows_of<const T: u8>(x: &[f32], k: usize) -> (Vec<u8>, Vec<u8>) {
+        let qt = QType::ALL[T as usize];
+        let bytes = k / 256 * qt.block_bytes();
+        let (mut picked, mut base) = (
+            vec![0u8; x.len() / k * bytes],
+            vec![1u8; x.len() / k * bytes],
+        );
+        for ((r, p), b) in x
+            .chunks_exact(k)
+            .zip(picked.chunks_exact_mut(bytes))
+            .zip(base.chunks_exact_mut(bytes))
+        {
+            quantize::quantize_row::<T>(r, p).unwrap();
+            quantize::row::<T>(r, b).unwrap();
+        }
+        (picked, base)
+    }
+    let k = 512;
+    for (seed, sigma) in [(1, 1e-3f32), (2, 0.02), (3, 1.0), (4, 300.0)] {
+        let mut x = normal_rows(24, k, sigma, seed);
+        x[..32].fill(0.0); // a zero sub-block
+        x[k..k + 48].fill(sigma); // a constant run
+        for qt in K_TYPES {
+            let (picked, base) = match qt {
+                QType::Q4_K => rows_of::<{ QType::Q4_K as u8 }>(&x, k),
+                QType::Q5_K => rows_of::<{ QType::Q5_K as u8 }>(&x, k),
+                _ => rows_of::<{ QType::Q6_K as u8 }>(&x, k),
+            };
+            assert!(picked == base, "{} sigma {sigma}", qt.name());
+        }
+    }
+}

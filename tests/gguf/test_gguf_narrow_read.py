@@ -1,0 +1,93 @@
+"""Quantize on load reads a bf16 / fp16 checkpoint in its own dtype (`gguf.narrow_read`):
+the model is the one an fp32 read gives, tensor for tensor and bit for bit, and models whose
+buffers a half-precision read would round are read in fp32."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from ferrobatch.gguf import narrow_read
+from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
+from ferrobatch.gguf.quantize import quantize_model
+from ferrobatch.models import load_model
+from gguf_files import tiny_model
+
+
+def _saved(tmp_path: Path, arch: str, dtype: torch.dtype) -> Path:
+    model = tiny_model(arch).to(dtype)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    return {name: t for name, t in named}
+
+
+def _fp32_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(narrow_read, "read_dtype", lambda path, wanted: (wanted, {}))
+
+
+@pytest.mark.parametrize(("arch", "stored", "qtype"), [
+    ("llama", torch.bfloat16, "q4_k"),
+    ("qwen2", torch.bfloat16, "q8_0"),   # tied embeddings, q/k/v biases
+    ("mistral", torch.float16, "q4_0"),
+    ("qwen3", torch.bfloat16, "q6_k"),   # q/k norms
+    ("phi3", torch.bfloat16, "q5_k"),    # fused qkv and gate/up
+])
+def test_half_checkpoint_read_narrow_is_the_fp32_read(tmp_path: Path, arch: str,
+                                                      stored: torch.dtype, qtype: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _saved(tmp_path, arch, stored)
+    read_in, wide = narrow_read.read_dtype(path, torch.float32)
+    assert read_in == stored and wide
+    narrow, _ = load_model(path, quantization=qtype)
+    with monkeypatch.context() as m:
+        _fp32_read(m)
+        reference, _ = load_model(path, quantization=qtype)
+    got, want = _state(narrow), _state(reference)
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(got[name], t), name
+    assert narrow.dtype == torch.float32 and narrow.config.dtype == torch.float32
+    quantized = [m for m in narrow.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+    assert quantized and all(q.qdata.dtype == torch.uint8 for q in quantized)
+    embed = narrow.get_input_embeddings()
+    assert isinstance(embed, QuantEmbedding) and embed.dtype == torch.float32
+    ids = torch.tensor([[1, 5, 9, 33, 2]])
+    with torch.no_grad():
+        assert torch.equal(narrow(ids).logits, reference(ids).logits)
+
+
+def test_buffers_that_follow_the_default_dtype_keep_the_fp32_read(tmp_path: Path) -> None:
+    # Gemma3 builds `embed_scale` in the default dtype: a bf16 read would round sqrt(256)'s
+    # neighbours (here exact, but the rule is the buffer's dtype, not its value)
+    path = _saved(tmp_path, "gemma3", torch.bfloat16)
+    assert narrow_read.read_dtype(path, torch.float32) == (torch.float32, {})
+    model, _ = load_model(path, quantization="q8_0")
+    embed = model.get_input_embeddings()
+    assert embed.embed_scale.dtype == torch.float32
+
+
+def test_other_reads_are_as_asked(tmp_path: Path) -> None:
+    half = _saved(tmp_path / "half", "llama", torch.bfloat16)
+    assert narrow_read.read_dtype(half, torch.bfloat16) == (torch.bfloat16, {})
+    full = _saved(tmp_path / "full", "llama", torch.float32)
+    assert narrow_read.read_dtype(full, torch.float32) == (torch.float32, {})
+
+
+def test_float_weights_are_freed_while_quantizing(tmp_path: Path) -> None:
+    # each replaced nn.Linear's weight is gone once its module is: nothing in the loop
+    # holds it (the ids of freed weights may be reused by new tensors: no wrong sharing)
+    path = _saved(tmp_path, "llama", torch.bfloat16)
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    refs = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    quantize_model(model, "q8_0", dtype=torch.float32)
+    assert refs and all(r() is None for r in refs)
+    embed = model.get_input_embeddings()
+    assert isinstance(embed, QuantEmbedding) and embed.dtype == torch.float32
