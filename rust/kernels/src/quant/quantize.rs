@@ -121,6 +121,18 @@ fn affine_error(x: &[f32; 32], w: &[f32; 32], u: &[f32; 32], s: f32, o: f32) -> 
     sum32(|i| w[i] * (s * u[i] + o - x[i]).powi(2))
 }
 
+/// One sub-block's trial codes and their sums, as the affine search reads them, in
+/// [`sum32`]'s order whatever the lanes.
+struct Fit32<C, U, S, E> {
+    /// `code(inv * (x - lo), 0, nmax)` of each weight
+    codes: U,
+    /// `(sum w u, sum w u u, sum w u x)`
+    sums: S,
+    /// `sum w (s u + o - x)^2`
+    error: E,
+    _codes: std::marker::PhantomData<C>,
+}
+
 /// The affine fit `(s, m)` of one sub-block (`x ~ s * u - m`, `m >= 0`), see the module
 /// docs (`s = 0` when no spread is left once 0 joins the weights' range).
 #[inline(always)]
@@ -130,20 +142,56 @@ fn fit_affine(x: &[f32; 32], w: &[f32; 32], g: Grid) -> (f32, f32) {
     if hi <= lo {
         return (0.0, -lo);
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (just detected).
+        return unsafe { avx2::fit(x, w, g, lo, hi) };
+    }
+    fit_plain(x, w, g, lo, hi)
+}
+
+/// [`fit_affine`] past its range check, one lane at a time (any CPU).
+#[inline(always)]
+fn fit_plain(x: &[f32; 32], w: &[f32; 32], g: Grid, lo: f32, hi: f32) -> (f32, f32) {
+    let f = Fit32 {
+        codes: |inv: f32| map32(|i| code(inv * (x[i] - lo), 0.0, g.nmax)),
+        sums: |u: &[f32; 32]| {
+            let wu = map32(|t| w[t] * u[t]);
+            (
+                sum32(|t| wu[t]),
+                sum32(|t| wu[t] * u[t]),
+                sum32(|t| wu[t] * x[t]),
+            )
+        },
+        error: |u: &[f32; 32], s: f32, o: f32| affine_error(x, w, u, s, o),
+        _codes: std::marker::PhantomData,
+    };
+    search(&f, x, w, g, lo, hi)
+}
+
+/// [`fit_affine`]'s search over the spacings of `g` (`lo < hi`: the weights' range with 0).
+#[inline(always)]
+fn search<C, U, S, E>(
+    f: &Fit32<C, U, S, E>,
+    x: &[f32; 32],
+    w: &[f32; 32],
+    g: Grid,
+    lo: f32,
+    hi: f32,
+) -> (f32, f32)
+where
+    U: Fn(f32) -> C,
+    S: Fn(&C) -> (f32, f32, f32),
+    E: Fn(&C, f32, f32) -> f32,
+{
     let range = hi - lo;
     let (sw, swx) = (sum32(|i| w[i]), sum32(|i| w[i] * x[i]));
-    let codes = |inv: f32| -> [f32; 32] { map32(|i| code(inv * (x[i] - lo), 0.0, g.nmax)) };
     // the plain min / max grid first
     let (mut s, mut o) = (range / g.nmax, lo);
-    let mut best = affine_error(x, w, &codes(g.nmax / range), s, o);
+    let mut best = (f.error)(&(f.codes)(g.nmax / range), s, o);
     for i in 0..=g.steps {
-        let u = codes((g.nmax + g.first + g.step * i as f32) / range);
-        let wu = map32(|t| w[t] * u[t]);
-        let (sl, sll, sxl) = (
-            sum32(|t| wu[t]),
-            sum32(|t| wu[t] * u[t]),
-            sum32(|t| wu[t] * x[t]),
-        );
+        let u = (f.codes)((g.nmax + g.first + g.step * i as f32) / range);
+        let (sl, sll, sxl) = (f.sums)(&u);
         let det = sw * sll - sl * sl;
         if det <= 0.0 {
             continue;
@@ -155,12 +203,96 @@ fn fit_affine(x: &[f32; 32], w: &[f32; 32], g: Grid) -> (f32, f32) {
             to = 0.0;
             ts = sxl / sll;
         }
-        let e = affine_error(x, w, &u, ts, to);
+        let e = (f.error)(&u, ts, to);
         if e < best {
             (best, s, o) = (e, ts, to);
         }
     }
     (s, -o)
+}
+
+/// The affine search on AVX2: a sub-block in 4 registers of 8 lanes, which are
+/// [`sum32`]'s 8 partial sums; every lane does the scalar operations in the scalar order
+/// (`max` / `min` with the operands ordered as `clamp`'s comparisons, no fused
+/// multiply-adds), so the fit is the same bits as [`fit_plain`]'s. (The closures inherit
+/// `fit`'s target features, so the intrinsics inline; `array::from_fn` would not.)
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{search, Fit32, Grid};
+
+    type Lanes = [__m256; 4];
+
+    /// `[f(0), f(1), f(2), f(3)]`.
+    #[inline(always)]
+    fn four(f: impl Fn(usize) -> __m256) -> Lanes {
+        [f(0), f(1), f(2), f(3)]
+    }
+
+    /// `sum32`'s order: each lane's sum from 0, then `((a0 + a4) + (a1 + a5)) + ((a2 +
+    /// a6) + (a3 + a7))`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn total(v: Lanes) -> f32 {
+        let a = _mm256_add_ps(_mm256_setzero_ps(), v[0]);
+        let a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a, v[1]), v[2]), v[3]);
+        let t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let u = _mm_add_ps(t, _mm_shuffle_ps::<0b10_11_00_01>(t, t));
+        _mm_cvtss_f32(_mm_add_ss(u, _mm_movehl_ps(u, u)))
+    }
+
+    /// [`super::fit_affine`] past its range check.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn fit(
+        x: &[f32; 32],
+        w: &[f32; 32],
+        g: Grid,
+        lo: f32,
+        hi: f32,
+    ) -> (f32, f32) {
+        // SAFETY: each load reads 8 of the 32 floats (k < 4).
+        let xs = four(|k| unsafe { _mm256_loadu_ps(x[8 * k..].as_ptr()) });
+        // SAFETY: as above.
+        let ws = four(|k| unsafe { _mm256_loadu_ps(w[8 * k..].as_ptr()) });
+        let (lo_v, nmax, zero) = (
+            _mm256_set1_ps(lo),
+            _mm256_set1_ps(g.nmax),
+            _mm256_setzero_ps(),
+        );
+        let shift = _mm256_set1_ps(12_582_912.0);
+        let f = Fit32 {
+            codes: |inv: f32| {
+                let inv = _mm256_set1_ps(inv);
+                four(|k| {
+                    let v = _mm256_mul_ps(inv, _mm256_sub_ps(xs[k], lo_v));
+                    // clamp: `v < 0 -> 0`, then `v > nmax -> nmax`; then `round`
+                    let v = _mm256_min_ps(nmax, _mm256_max_ps(zero, v));
+                    _mm256_sub_ps(_mm256_add_ps(v, shift), shift)
+                })
+            },
+            sums: |u: &Lanes| {
+                let wu = four(|k| _mm256_mul_ps(ws[k], u[k]));
+                (
+                    total(wu),
+                    total(four(|k| _mm256_mul_ps(wu[k], u[k]))),
+                    total(four(|k| _mm256_mul_ps(wu[k], xs[k]))),
+                )
+            },
+            error: |u: &Lanes, s: f32, o: f32| {
+                let (s, o) = (_mm256_set1_ps(s), _mm256_set1_ps(o));
+                total(four(|k| {
+                    let t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(s, u[k]), o), xs[k]);
+                    _mm256_mul_ps(ws[k], _mm256_mul_ps(t, t))
+                }))
+            },
+            _codes: std::marker::PhantomData,
+        };
+        search(&f, x, w, g, lo, hi)
+    }
 }
 
 /// One Q4_K / Q5_K block of `x` (256 weights).
@@ -387,5 +519,50 @@ pub fn quantize(
                 qt.name()
             ),
         )),
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::quant::tests::Rng;
+
+    /// The AVX2 lanes fit every sub-block to the bits of the plain ones: uniform weights of
+    /// several scales, all-positive and all-negative sub-blocks, repeated values, outliers.
+    #[test]
+    fn avx2_fits_are_the_plain_fits() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        let mut rng = Rng(7);
+        for case in 0..4000 {
+            let scale = [1e-4f32, 0.02, 1.0, 500.0][case % 4];
+            let mut x: [f32; 32] = std::array::from_fn(|_| scale * rng.uniform(-1.0, 1.0));
+            match case % 5 {
+                1 => x.iter_mut().for_each(|v| *v = v.abs()),
+                2 => x.iter_mut().for_each(|v| *v = -v.abs()),
+                3 => x[..20].fill(scale * 0.5),
+                4 => x[case % 32] *= 9.0,
+                _ => {}
+            }
+            let rms = (sum32(|i| x[i] * x[i]) / 32.0).sqrt();
+            let w = map32(|i| rms + x[i].abs());
+            for g in [Q4_GRID, Q5_GRID] {
+                let lo = x.iter().fold(0f32, |a, &v| a.min(v));
+                let hi = x.iter().fold(x[0], |a, &v| a.max(v));
+                if hi <= lo {
+                    continue;
+                }
+                let plain = fit_plain(&x, &w, g, lo, hi);
+                // SAFETY: the CPU has AVX2 (checked above).
+                let lanes = unsafe { avx2::fit(&x, &w, g, lo, hi) };
+                assert_eq!(
+                    (plain.0.to_bits(), plain.1.to_bits()),
+                    (lanes.0.to_bits(), lanes.1.to_bits()),
+                    "case {case}"
+                );
+            }
+        }
     }
 }

@@ -38,7 +38,7 @@ fn avx2() -> bool {
 }
 
 /// SplitMix64.
-pub(super) struct Rng(pub(super) u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     pub(super) fn next(&mut self) -> u64 {
@@ -49,7 +49,7 @@ impl Rng {
         z ^ (z >> 31)
     }
     /// uniform in [lo, hi)
-    pub(super) fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+    pub(crate) fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
         lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
     }
     pub(super) fn sign(&mut self) -> f32 {
