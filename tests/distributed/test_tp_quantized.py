@@ -11,8 +11,9 @@ tiny GGUF files and a float checkpoint quantized on load, each rank holding its 
 * a Q4_K_M-like Llama of hidden width 224 and MLP width 608 (neither whole 256-weight
   blocks: llama.cpp's Q5_0 / Q8_0 fallbacks), its down projections split in 32-weight
   blocks (10 and 9), on the kernels: equal to one rank's output;
-* a float Qwen2 checkpoint quantized to Q8_0 on load (each rank quantizes its share):
-  equal to one rank's output with the same quantization.
+* a float Qwen2 checkpoint quantized to Q8_0 on load (each rank quantizes its share), stored
+  in fp32 and in bf16 (read in bf16, `gguf.narrow_read`): equal to one rank's output with
+  the same quantization.
 
 On the kernels, tensor parallelism changes only the order in which each row-parallel
 product's block sums are added (each rank sums its blocks, then the ranks' sums are added):
@@ -129,8 +130,9 @@ def test_fallback_types_split_in_32_weight_blocks(tmp_path: Path) -> None:
     assert _tokens(written.path, 2) == _tokens(written.path, 1)
 
 
-def test_quantize_on_load_equals_one_rank(tmp_path: Path) -> None:
-    tiny_model("qwen2").save_pretrained(tmp_path / "ckpt")
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])  # bf16: read narrow
+def test_quantize_on_load_equals_one_rank(tmp_path: Path, stored: torch.dtype) -> None:
+    tiny_model("qwen2").to(stored).save_pretrained(tmp_path / "ckpt")
     assert _tokens(tmp_path / "ckpt", 2, quantization="q8_0") == \
         _tokens(tmp_path / "ckpt", 1, quantization="q8_0")
 

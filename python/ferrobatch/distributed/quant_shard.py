@@ -316,11 +316,12 @@ def load_gguf_shard(path: Path, rank: int, size: int, dtype: Any,
 
 def load_quantized_shard(rank: int, size: int, quantization: str,
                          load_plain: Callable[[], tuple[Any, Any]],
-                         ordered: bool = False) -> tuple[Any, Any]:
+                         ordered: bool = False,
+                         dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(this rank's share of a float checkpoint quantized to `quantization`, its tokenizer):
     `load_plain()` loads the whole checkpoint as floats; each rank cuts its share, then
     quantizes it (`gguf.quantize`; a row-parallel share whose width is not whole blocks
-    keeps float weights)."""
+    keeps float weights). `dtype`: the embedding's output dtype (default: the model's)."""
     qtype = quantize.check_name(quantization)
     loaded, tokenizer = load_plain()
     widths = {name: m.weight.shape[1] for name, m in loaded.named_modules()
@@ -328,7 +329,7 @@ def load_quantized_shard(rank: int, size: int, quantization: str,
     s = plan_split(loaded, rank, size,
                    qtype_of=lambda m: quantize.type_for_width(qtype, m.weight.shape[1]))
     split(loaded, s)
-    quantize.quantize_model(loaded, qtype, widths=widths)
+    quantize.quantize_model(loaded, qtype, widths=widths, dtype=dtype)
     attach_reductions(loaded, s, ordered)
     return loaded, tokenizer
 

@@ -22,7 +22,7 @@ from ferrobatch.distributed import group as group_mod
 from ferrobatch.distributed.group import TPGroup
 from ferrobatch.distributed.runner import TPRunner
 from ferrobatch.errors import FieldError
-from ferrobatch.gguf import quantize
+from ferrobatch.gguf import narrow_read, quantize
 from ferrobatch.gguf.source import gguf_path_of
 from ferrobatch.models import _has_tokenizer_files, bundled_model_dir, resolve_dtype
 
@@ -91,8 +91,14 @@ def load(group: TPGroup, model: Any, dtype: Any,
     plain = functools.partial(models.load_model, path, device=group.device, dtype=dtype)
     if quantization is not None:
         quantize.check_device(group.device)
-        return quant_shard.load_quantized_shard(
-            group.rank, group.world_size, quantization, plain, ordered)
+        wanted = resolve_dtype(dtype, torch.device("cpu"), path)
+        read_in, wide = narrow_read.read_dtype(path, wanted)  # (as on one rank)
+        plain = functools.partial(models.load_model, path, device=group.device, dtype=read_in)
+        loaded, tok = quant_shard.load_quantized_shard(
+            group.rank, group.world_size, quantization, plain, ordered, dtype=wanted)
+        if read_in != wanted:
+            narrow_read.widen(loaded, read_in, wide, wanted)
+        return loaded, tok
     if ordered:
         return quant_shard.load_float_shard(group.rank, group.world_size, plain)
     dt = resolve_dtype(dtype, group.device, path)
