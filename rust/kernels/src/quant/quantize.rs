@@ -293,6 +293,40 @@ mod avx2 {
         };
         search(&f, x, w, g, lo, hi)
     }
+
+    /// [`super::symmetric_sums`], a spacing a lane (three registers of 8), the inputs in
+    /// order: each lane's operations and their order are the scalar loop's.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn symmetric_sums(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
+        // SAFETY: each load reads 8 of the 24 floats (k < 3).
+        let inv: [__m256; 3] = [0, 1, 2].map(|k| unsafe { _mm256_loadu_ps(inv[8 * k..].as_ptr()) });
+        let (lo, hi) = (_mm256_set1_ps(-32.0), _mm256_set1_ps(31.0));
+        let shift = _mm256_set1_ps(12_582_912.0);
+        let (mut sxl, mut sll) = ([_mm256_setzero_ps(); 3], [_mm256_setzero_ps(); 3]);
+        for &xi in x {
+            let (w, xv) = (xi * xi, _mm256_set1_ps(xi));
+            let (wv, wx) = (_mm256_set1_ps(w), _mm256_set1_ps(w * xi));
+            for k in 0..3 {
+                // clamp: `v < -32 -> -32`, then `v > 31 -> 31`; then `round`
+                let v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(inv[k], xv)));
+                let l = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
+                sxl[k] = _mm256_add_ps(sxl[k], _mm256_mul_ps(wx, l));
+                sll[k] = _mm256_add_ps(sll[k], _mm256_mul_ps(_mm256_mul_ps(wv, l), l));
+            }
+        }
+        let mut out = ([0f32; 24], [0f32; 24]);
+        for k in 0..3 {
+            // SAFETY: each store writes 8 of the 24 floats (k < 3).
+            unsafe {
+                _mm256_storeu_ps(out.0[8 * k..].as_mut_ptr(), sxl[k]);
+                _mm256_storeu_ps(out.1[8 * k..].as_mut_ptr(), sll[k]);
+            }
+        }
+        out
+    }
 }
 
 /// One Q4_K / Q5_K block of `x` (256 weights).
@@ -328,6 +362,10 @@ fn block_k4(qt: QType, x: &[f32]) -> Option<Block> {
     Some(blk)
 }
 
+/// Spacings the symmetric fit tries (the first `-32 / top`, then `-(32 + 0.1 i) / top`
+/// for `i` in `-9..=9` but 0), with room for 24 (three registers of 8).
+const SPACINGS: usize = 19;
+
 /// The symmetric fit `s` of one Q6_K sub-block (`x ~ s * l`, see the module docs).
 #[inline(always)]
 fn fit_symmetric(x: &[f32; 16]) -> f32 {
@@ -338,26 +376,53 @@ fn fit_symmetric(x: &[f32; 16]) -> f32 {
     if top.abs() < 1e-15 {
         return 0.0;
     }
-    // (sum w x l, sum w l^2) of the codes of spacing `inv`, w = x^2
-    let sums = |inv: f32| {
-        (0..16).fold((0f32, 0f32), |(sxl, sll), i| {
-            let l = code(inv * x[i], -32.0, 31.0);
-            let w = x[i] * x[i];
-            (sxl + w * x[i] * l, sll + w * l * l)
-        })
-    };
-    let (sxl, sll) = sums(-32.0 / top);
-    let mut s = if sll > 0.0 { sxl / sll } else { 0.0 };
+    let mut inv = [0f32; 24];
+    inv[0] = -32.0 / top;
+    for (slot, i) in inv[1..SPACINGS]
+        .iter_mut()
+        .zip((-9..=9).filter(|&i| i != 0))
+    {
+        *slot = -(32.0 + 0.1 * i as f32) / top;
+    }
+    let (sxl, sll) = symmetric_sums(x, &inv);
+    let mut s = if sll[0] > 0.0 { sxl[0] / sll[0] } else { 0.0 };
     // the error falls as sxl^2 / sll rises
-    let mut gain = s * sxl;
-    for i in (-9..=9).filter(|&i| i != 0) {
-        let (sxl, sll) = sums(-(32.0 + 0.1 * i as f32) / top);
-        if sll > 0.0 && sxl * sxl > gain * sll {
-            s = sxl / sll;
-            gain = s * sxl;
+    let mut gain = s * sxl[0];
+    for t in 1..SPACINGS {
+        if sll[t] > 0.0 && sxl[t] * sxl[t] > gain * sll[t] {
+            s = sxl[t] / sll[t];
+            gain = s * sxl[t];
         }
     }
     s
+}
+
+/// `(sum w x l, sum w l^2)` of the codes `l = code(inv[t] * x, -32, 31)` of each spacing
+/// `t` (`w = x^2`, summed in input order), on AVX2 where the CPU has it (a spacing a lane:
+/// the same bits).
+#[inline(always)]
+fn symmetric_sums(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (just detected).
+        return unsafe { avx2::symmetric_sums(x, inv) };
+    }
+    symmetric_sums_plain(x, inv)
+}
+
+/// [`symmetric_sums`] one spacing at a time (any CPU).
+#[inline(always)]
+fn symmetric_sums_plain(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
+    let (mut sxl, mut sll) = ([0f32; 24], [0f32; 24]);
+    for t in 0..24 {
+        for &xi in x {
+            let l = code(inv[t] * xi, -32.0, 31.0);
+            let w = xi * xi;
+            sxl[t] += w * xi * l;
+            sll[t] += w * l * l;
+        }
+    }
+    (sxl, sll)
 }
 
 /// One Q6_K block of `x` (256 weights).
@@ -526,6 +591,37 @@ pub fn quantize(
 mod tests {
     use super::*;
     use crate::quant::tests::Rng;
+
+    /// The AVX2 lanes give Q6_K's symmetric sums the bits of the plain loop.
+    #[test]
+    fn avx2_symmetric_sums_are_the_plain_sums() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        let mut rng = Rng(11);
+        for case in 0..4000 {
+            let scale = [1e-4f32, 0.02, 1.0, 500.0][case % 4];
+            let mut x: [f32; 16] = std::array::from_fn(|_| scale * rng.uniform(-1.0, 1.0));
+            if case % 3 == 1 {
+                x[case % 16] *= 7.0;
+            }
+            let top = x
+                .iter()
+                .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            let inv: [f32; 24] = std::array::from_fn(|t| -(30.0 + 0.2 * t as f32) / top);
+            let plain = symmetric_sums_plain(&x, &inv);
+            // SAFETY: the CPU has AVX2 (checked above).
+            let lanes = unsafe { avx2::symmetric_sums(&x, &inv) };
+            let bits = |v: ([f32; 24], [f32; 24])| {
+                v.0.map(f32::to_bits)
+                    .into_iter()
+                    .chain(v.1.map(f32::to_bits))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(plain), bits(lanes), "case {case}");
+        }
+    }
 
     /// The AVX2 lanes fit every sub-block to the bits of the plain ones: uniform weights of
     /// several scales, all-positive and all-negative sub-blocks, repeated values, outliers.
