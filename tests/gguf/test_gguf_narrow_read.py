@@ -4,6 +4,7 @@ buffers a half-precision read would round are read in fp32."""
 
 from __future__ import annotations
 
+import json
 import weakref
 from pathlib import Path
 
@@ -79,6 +80,15 @@ def test_other_reads_are_as_asked(tmp_path: Path) -> None:
     assert narrow_read.read_dtype(half, torch.bfloat16) == (torch.bfloat16, {})
     full = _saved(tmp_path / "full", "llama", torch.float32)
     assert narrow_read.read_dtype(full, torch.float32) == (torch.float32, {})
+    # a config naming bf16 over fp32 files: the files decide
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert narrow_read.read_dtype(full, torch.float32) == (torch.float32, {})
+    # pickled weights: no header to read
+    pickled = tmp_path / "pickled"
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(pickled, safe_serialization=False)
+    if not list(pickled.glob("*.safetensors")):
+        assert narrow_read.read_dtype(pickled, torch.float32) == (torch.float32, {})
 
 
 def test_float_weights_are_freed_while_quantizing(tmp_path: Path) -> None:

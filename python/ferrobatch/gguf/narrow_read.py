@@ -7,8 +7,9 @@ matrix was quantized. Read in its stored dtype instead, every matrix widens to f
 stay float) widen afterwards. Widening bf16 or fp16 to fp32 is exact, so the model is the
 one an fp32 read gives, bit for bit, with one exception this module rules out first: a
 non-persistent buffer the model builds in the default dtype (Gemma3's `embed_scale`) would
-be rounded to half precision. Such models (and anything this check cannot build) are read
-in fp32 as before.
+be rounded to half precision. Such models, checkpoints whose files are not all half
+precision whatever their config says, and anything these checks cannot read are read in
+fp32 as before.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,12 +51,33 @@ def _non_persistent(model: nn.Module) -> set[str]:
             for name in module._non_persistent_buffers_set}
 
 
+def _files_hold_only(path: Path, dtype: torch.dtype) -> bool:
+    """Whether `path`'s safetensors files exist and every floating tensor in them is stored
+    in `dtype` (read from their headers; a config that names bf16 over fp32 files, or
+    pickled weights, say no)."""
+    files = sorted(path.glob("*.safetensors"))
+    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    try:
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                    stored = f.get_slice(key).get_dtype()
+                    if stored.startswith(("F", "BF")) and stored != name:
+                        return False
+    except Exception:  # noqa: BLE001 - an unreadable header: read as asked
+        return False
+    return bool(files)
+
+
 def read_dtype(path: Path, wanted: torch.dtype) -> tuple[torch.dtype, dict[str, torch.dtype]]:
     """(the dtype to read the checkpoint at `path` in, each tensor's dtype in a read in
-    `wanted`): the checkpoint's stored bf16 / fp16 where `wanted` is fp32 and no
-    non-persistent buffer follows the default dtype, else `wanted` (and an empty map)."""
+    `wanted`): the checkpoint's stored bf16 / fp16 where `wanted` is fp32, its safetensors
+    hold every floating tensor in that dtype and no non-persistent buffer follows the
+    default dtype; else `wanted` (and an empty map)."""
     stored = checkpoint_dtype(path)
     if wanted != torch.float32 or stored not in HALF_DTYPES:
+        return wanted, {}
+    if not _files_hold_only(path, stored):
         return wanted, {}
     try:
         wide, narrow = _skeleton(path, wanted), _skeleton(path, stored)
