@@ -65,10 +65,11 @@ def quantized_types(args: argparse.Namespace) -> None:
     qtypes = args.quantization.split(",")
     if args.load_only:
         start = time.perf_counter()
-        load_model(path, dtype=torch.float32, quantization=qtypes[0])
-        rss, peak = _rss_mib()
+        model, _ = load_model(path, dtype=torch.float32, quantization=qtypes[0])
+        rss, peak = _rss_mib()  # (with the model held)
         print(f"{qtypes[0]}: load {time.perf_counter() - start:.1f} s, RSS after load "
-              f"{rss:.0f} MiB (peak {peak:.0f} MiB), {torch.get_num_threads()} threads")
+              f"{rss:.0f} MiB (peak {peak:.0f} MiB), {torch.get_num_threads()} threads, "
+              f"{model.ferrobatch_quantization['quantized_bytes'] / 2**20:.0f} MiB quantized")
         return
     model, tokenizer = load_model(path, dtype=torch.float32)
     ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids

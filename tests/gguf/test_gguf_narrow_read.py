@@ -1,6 +1,7 @@
 """Quantize on load reads a bf16 / fp16 checkpoint in its own dtype (`gguf.narrow_read`):
 the model is the one an fp32 read gives, tensor for tensor and bit for bit, and models whose
-buffers a half-precision read would round are read in fp32."""
+buffers a half-precision read would round are read in fp32. Matrices widen to fp32 a share
+of rows at a time, and each float weight is freed once quantized."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ferrobatch.gguf import narrow_read
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf import narrow_read, quantize
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
-from ferrobatch.gguf.quantize import quantize_model
 from ferrobatch.models import load_model
 from gguf_files import tiny_model
 
@@ -97,7 +98,21 @@ def test_float_weights_are_freed_while_quantizing(tmp_path: Path) -> None:
     path = _saved(tmp_path, "llama", torch.bfloat16)
     model, _ = load_model(path, dtype=torch.bfloat16)
     refs = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
-    quantize_model(model, "q8_0", dtype=torch.float32)
+    quantize.quantize_model(model, "q8_0", dtype=torch.float32)
     assert refs and all(r() is None for r in refs)
     embed = model.get_input_embeddings()
     assert isinstance(embed, QuantEmbedding) and embed.dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_rows_quantized_a_share_at_a_time_are_the_whole_matrix(
+        qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = 0.02 * torch.randn(10, 512, generator=torch.Generator().manual_seed(1))
+    whole = quantize.quantize_weight(w.to(torch.bfloat16), qtype)
+    monkeypatch.setattr(quantize, "ROWS_AT_ONCE", 3)
+    shared = quantize.quantize_weight(w.to(torch.bfloat16), qtype)
+    assert torch.equal(shared.data, whole.data) and shared.data.shape == whole.data.shape
+    if qtype == "Q4_K":  # the kernels' quantizer names the row in the whole matrix
+        w[7, 100] = float("nan")
+        with pytest.raises(FieldError, match=r"row 7, column 100 is NaN"):
+            quantize.quantize_weight(w, qtype)
