@@ -46,11 +46,15 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> str:
             f"top-1 agreement {100 * top1.mean():.2f}%")
 
 
+def _status_mib(field: str) -> float:
+    """A `/proc/self/status` field (kB) in MiB."""
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text()
+                .splitlines() if line.startswith(f"{field}:")) / 1024
+
+
 def _rss_mib() -> tuple[float, float]:
     """(current RSS, peak RSS) of this process in MiB."""
-    rss = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
-    return rss / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _status_mib("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _trim() -> None:
@@ -69,7 +73,9 @@ def quantized_types(args: argparse.Namespace) -> None:
         rss, peak = _rss_mib()  # (with the model held)
         print(f"{qtypes[0]}: load {time.perf_counter() - start:.1f} s, RSS after load "
               f"{rss:.0f} MiB (peak {peak:.0f} MiB), {torch.get_num_threads()} threads, "
-              f"{model.ferrobatch_quantization['quantized_bytes'] / 2**20:.0f} MiB quantized")
+              f"{model.ferrobatch_quantization['quantized_bytes'] / 2**20:.0f} MiB quantized; "
+              f"anonymous {_status_mib('RssAnon'):.0f} MiB, file {_status_mib('RssFile'):.0f} "
+              "MiB (the peak counts the checkpoint's mapped pages too)")
         return
     model, tokenizer = load_model(path, dtype=torch.float32)
     ids = tokenizer(Path(args.text).read_text(), return_tensors="pt").input_ids
