@@ -56,7 +56,6 @@ fn code(v: f32, lo: f32, hi: f32) -> f32 {
 /// the fp16 value nearest `top / n`, one step further from zero when `top` would need an
 /// integer scale beyond `n + 1/2` against it (so the largest scale stays within half a
 /// step); None when it overflows fp16.
-#[inline(always)]
 fn factor(top: f32, n: f32) -> Option<f32> {
     let mut h = f16::from_f32(top / n);
     if h.to_f32().abs() * (n + 0.5) < top.abs() {
@@ -116,7 +115,6 @@ fn map32(f: impl Fn(usize) -> f32) -> [f32; 32] {
 }
 
 /// Weighted squared error of `s * u + o` against `x`.
-#[inline(always)]
 fn affine_error(x: &[f32; 32], w: &[f32; 32], u: &[f32; 32], s: f32, o: f32) -> f32 {
     sum32(|i| w[i] * (s * u[i] + o - x[i]).powi(2))
 }
@@ -133,12 +131,30 @@ struct Fit32<C, U, S, E> {
     _codes: std::marker::PhantomData<C>,
 }
 
+/// `(min(0, x), max(x))`: the range the affine fit spans (0 joins it below).
+fn range_with_zero(x: &[f32; 32]) -> (f32, f32) {
+    (
+        x.iter().fold(0f32, |a, &v| a.min(v)),
+        x.iter().fold(x[0], |a, &v| a.max(v)),
+    )
+}
+
+/// The weights of fit of a sub-block: `rms(x) + |x|` (large weights matter most).
+fn fit_weights(x: &[f32; 32]) -> [f32; 32] {
+    let rms = (sum32(|i| x[i] * x[i]) / 32.0).sqrt();
+    map32(|i| rms + x[i].abs())
+}
+
+/// The value of largest magnitude (the first of equals), signed; 0 for none.
+fn signed_top(x: &[f32]) -> f32 {
+    x.iter()
+        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a })
+}
+
 /// The affine fit `(s, m)` of one sub-block (`x ~ s * u - m`, `m >= 0`), see the module
 /// docs (`s = 0` when no spread is left once 0 joins the weights' range).
-#[inline(always)]
 fn fit_affine(x: &[f32; 32], w: &[f32; 32], g: Grid) -> (f32, f32) {
-    let lo = x.iter().fold(0f32, |a, &v| a.min(v));
-    let hi = x.iter().fold(x[0], |a, &v| a.max(v));
+    let (lo, hi) = range_with_zero(x);
     if hi <= lo {
         return (0.0, -lo);
     }
@@ -151,7 +167,6 @@ fn fit_affine(x: &[f32; 32], w: &[f32; 32], g: Grid) -> (f32, f32) {
 }
 
 /// [`fit_affine`] past its range check, one lane at a time (any CPU).
-#[inline(always)]
 fn fit_plain(x: &[f32; 32], w: &[f32; 32], g: Grid, lo: f32, hi: f32) -> (f32, f32) {
     let f = Fit32 {
         codes: |inv: f32| map32(|i| code(inv * (x[i] - lo), 0.0, g.nmax)),
@@ -330,15 +345,12 @@ mod avx2 {
 }
 
 /// One Q4_K / Q5_K block of `x` (256 weights).
-#[inline(always)]
 fn block_k4(qt: QType, x: &[f32]) -> Option<Block> {
     let g = if qt == QType::Q5_K { Q5_GRID } else { Q4_GRID };
     let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
     for (j, sub) in x.chunks_exact(32).enumerate() {
         let sub: &[f32; 32] = sub.try_into().expect("32 weights");
-        let rms = (sum32(|i| sub[i] * sub[i]) / 32.0).sqrt();
-        let w = map32(|i| rms + sub[i].abs());
-        (scales[j], mins[j]) = fit_affine(sub, &w, g);
+        (scales[j], mins[j]) = fit_affine(sub, &fit_weights(sub), g);
     }
     let max_s = scales.iter().fold(0f32, |a, &v| a.max(v));
     let max_m = mins.iter().fold(0f32, |a, &v| a.max(v));
@@ -367,12 +379,8 @@ fn block_k4(qt: QType, x: &[f32]) -> Option<Block> {
 const SPACINGS: usize = 19;
 
 /// The symmetric fit `s` of one Q6_K sub-block (`x ~ s * l`, see the module docs).
-#[inline(always)]
 fn fit_symmetric(x: &[f32; 16]) -> f32 {
-    // the weight of largest magnitude (the first of equals), signed
-    let top = x
-        .iter()
-        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let top = signed_top(x);
     if top.abs() < 1e-15 {
         return 0.0;
     }
@@ -400,7 +408,6 @@ fn fit_symmetric(x: &[f32; 16]) -> f32 {
 /// `(sum w x l, sum w l^2)` of the codes `l = code(inv[t] * x, -32, 31)` of each spacing
 /// `t` (`w = x^2`, summed in input order), on AVX2 where the CPU has it (a spacing a lane:
 /// the same bits).
-#[inline(always)]
 fn symmetric_sums(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
@@ -411,7 +418,6 @@ fn symmetric_sums(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
 }
 
 /// [`symmetric_sums`] one spacing at a time (any CPU).
-#[inline(always)]
 fn symmetric_sums_plain(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]) {
     let (mut sxl, mut sll) = ([0f32; 24], [0f32; 24]);
     for t in 0..24 {
@@ -426,15 +432,12 @@ fn symmetric_sums_plain(x: &[f32; 16], inv: &[f32; 24]) -> ([f32; 24], [f32; 24]
 }
 
 /// One Q6_K block of `x` (256 weights).
-#[inline(always)]
 fn block_q6k(x: &[f32]) -> Option<Block> {
     let mut scales = [0f32; 16];
     for (s, sub) in scales.iter_mut().zip(x.chunks_exact(16)) {
         *s = fit_symmetric(sub.try_into().expect("16 weights"));
     }
-    let top = scales
-        .iter()
-        .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let top = signed_top(&scales);
     let mut blk = Block::ZERO;
     blk.codes = [32; 256];
     if top.abs() < 1e-15 {
@@ -456,35 +459,7 @@ fn block_q6k(x: &[f32]) -> Option<Block> {
 }
 
 /// `(x, blocks)`: one row of weights (`x.len() / 256` blocks) to GGUF K-type blocks.
-///
-/// The body is compiled twice, for AVX2 and for the baseline, and picked by what the CPU
-/// has: every operation is the same IEEE operation in the same order in both (nothing is
-/// fused or reordered: no fast-math), so every CPU writes the same bytes. (AVX2: 0.8-0.95x
-/// the baseline's time; an AVX-512 F build of the same body ran at 1.4x.)
 pub(crate) fn quantize_row<const T: u8>(x: &[f32], out: &mut [u8]) -> Result<(), RowError> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (just detected).
-            return unsafe { row_avx2::<T>(x, out) };
-        }
-    }
-    row::<T>(x, out)
-}
-
-/// [`row`] on 256-bit vectors.
-///
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn row_avx2<const T: u8>(x: &[f32], out: &mut [u8]) -> Result<(), RowError> {
-    row::<T>(x, out)
-}
-
-/// [`quantize_row`]'s body, for the caller's target features (inlined into each).
-#[inline(always)]
-pub(super) fn row<const T: u8>(x: &[f32], out: &mut [u8]) -> Result<(), RowError> {
     let qt = QType::ALL[T as usize];
     if let Some((col, &value)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return Err(RowError::NotFinite { col, value });
@@ -592,64 +567,63 @@ mod tests {
     use super::*;
     use crate::quant::tests::Rng;
 
+    /// A random sub-block of `N` weights: uniform at one of 4 scales, then by `case` left
+    /// as is, made all positive or all negative, 5/8 of it one repeated value, or one
+    /// outlier 9 times larger.
+    fn sub_block<const N: usize>(rng: &mut Rng, case: usize) -> [f32; N] {
+        let scale = [1e-4f32, 0.02, 1.0, 500.0][case % 4];
+        let mut x: [f32; N] = std::array::from_fn(|_| scale * rng.uniform(-1.0, 1.0));
+        match case % 5 {
+            1 => x.iter_mut().for_each(|v| *v = v.abs()),
+            2 => x.iter_mut().for_each(|v| *v = -v.abs()),
+            3 => x[..N * 5 / 8].fill(scale * 0.5),
+            4 => x[case % N] *= 9.0,
+            _ => {}
+        }
+        x
+    }
+
+    fn skip_without_avx2() -> bool {
+        let skip = !std::arch::is_x86_feature_detected!("avx2");
+        if skip {
+            eprintln!("skipped: no AVX2");
+        }
+        skip
+    }
+
     /// The AVX2 lanes give Q6_K's symmetric sums the bits of the plain loop.
     #[test]
     fn avx2_symmetric_sums_are_the_plain_sums() {
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            eprintln!("skipped: no AVX2");
+        if skip_without_avx2() {
             return;
         }
         let mut rng = Rng(11);
         for case in 0..4000 {
-            let scale = [1e-4f32, 0.02, 1.0, 500.0][case % 4];
-            let mut x: [f32; 16] = std::array::from_fn(|_| scale * rng.uniform(-1.0, 1.0));
-            if case % 3 == 1 {
-                x[case % 16] *= 7.0;
-            }
-            let top = x
-                .iter()
-                .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            let x = sub_block::<16>(&mut rng, case);
+            let top = signed_top(&x);
             let inv: [f32; 24] = std::array::from_fn(|t| -(30.0 + 0.2 * t as f32) / top);
             let plain = symmetric_sums_plain(&x, &inv);
             // SAFETY: the CPU has AVX2 (checked above).
             let lanes = unsafe { avx2::symmetric_sums(&x, &inv) };
-            let bits = |v: ([f32; 24], [f32; 24])| {
-                v.0.map(f32::to_bits)
-                    .into_iter()
-                    .chain(v.1.map(f32::to_bits))
-                    .collect::<Vec<_>>()
-            };
+            let bits = |v: ([f32; 24], [f32; 24])| (v.0.map(f32::to_bits), v.1.map(f32::to_bits));
             assert_eq!(bits(plain), bits(lanes), "case {case}");
         }
     }
 
-    /// The AVX2 lanes fit every sub-block to the bits of the plain ones: uniform weights of
-    /// several scales, all-positive and all-negative sub-blocks, repeated values, outliers.
+    /// The AVX2 lanes fit every sub-block to the bits of the plain ones.
     #[test]
     fn avx2_fits_are_the_plain_fits() {
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            eprintln!("skipped: no AVX2");
+        if skip_without_avx2() {
             return;
         }
         let mut rng = Rng(7);
         for case in 0..4000 {
-            let scale = [1e-4f32, 0.02, 1.0, 500.0][case % 4];
-            let mut x: [f32; 32] = std::array::from_fn(|_| scale * rng.uniform(-1.0, 1.0));
-            match case % 5 {
-                1 => x.iter_mut().for_each(|v| *v = v.abs()),
-                2 => x.iter_mut().for_each(|v| *v = -v.abs()),
-                3 => x[..20].fill(scale * 0.5),
-                4 => x[case % 32] *= 9.0,
-                _ => {}
+            let x = sub_block::<32>(&mut rng, case);
+            let (w, (lo, hi)) = (fit_weights(&x), range_with_zero(&x));
+            if hi <= lo {
+                continue;
             }
-            let rms = (sum32(|i| x[i] * x[i]) / 32.0).sqrt();
-            let w = map32(|i| rms + x[i].abs());
             for g in [Q4_GRID, Q5_GRID] {
-                let lo = x.iter().fold(0f32, |a, &v| a.min(v));
-                let hi = x.iter().fold(x[0], |a, &v| a.max(v));
-                if hi <= lo {
-                    continue;
-                }
                 let plain = fit_plain(&x, &w, g, lo, hi);
                 // SAFETY: the CPU has AVX2 (checked above).
                 let lanes = unsafe { avx2::fit(&x, &w, g, lo, hi) };
