@@ -88,18 +88,18 @@ def load(group: TPGroup, model: Any, dtype: Any,
                              "stored in (quantization must be None)", "quantization")
         return quant_shard.load_gguf_shard(path, group.rank, group.world_size, dtype,
                                            ordered)
-    plain = functools.partial(models.load_model, path, device=group.device, dtype=dtype)
     if quantization is not None:
         quantize.check_device(group.device)
-        wanted = resolve_dtype(dtype, torch.device("cpu"), path)
-        read_in, wide = narrow_read.read_dtype(path, wanted)  # (as on one rank)
-        plain = functools.partial(models.load_model, path, device=group.device, dtype=read_in)
-        loaded, tok = quant_shard.load_quantized_shard(
-            group.rank, group.world_size, quantization, plain, ordered, dtype=wanted)
-        if read_in != wanted:
-            narrow_read.widen(loaded, read_in, wide, wanted)
-        return loaded, tok
+
+        def load_share(read_in: Any, wanted: Any) -> tuple[Any, Any]:  # (as on one rank)
+            plain = functools.partial(models.load_model, path, device=group.device,
+                                      dtype=read_in)
+            return quant_shard.load_quantized_shard(
+                group.rank, group.world_size, quantization, plain, ordered, dtype=wanted)
+
+        return narrow_read.quantized_load(path, dtype, load_share)
     if ordered:
+        plain = functools.partial(models.load_model, path, device=group.device, dtype=dtype)
         return quant_shard.load_float_shard(group.rank, group.world_size, plain)
     dt = resolve_dtype(dtype, group.device, path)
     loaded = shard.load(path, group.rank, group.world_size, dt)

@@ -15,16 +15,18 @@ fp32 as before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ferrobatch.model_dtype import checkpoint_dtype
+from ferrobatch.model_dtype import checkpoint_dtype, resolve_dtype
 
-__all__ = ["read_dtype", "widen"]
+__all__ = ["quantized_load", "read_dtype", "widen"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -111,3 +113,16 @@ def widen(model: nn.Module, read_in: torch.dtype, wide: dict[str, torch.dtype],
                 else:
                     kind[name] = t.to(to)
     model.config.dtype = wanted
+
+
+def quantized_load(path: Path, dtype: Any,
+                   load: Callable[[torch.dtype, torch.dtype], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """`load(read_in, wanted)` (the checkpoint at `path` read in `read_in` and quantized,
+    its embedding giving `wanted`: `dtype` resolved on the CPU), then widened to what a
+    read in `wanted` gives: the model and tokenizer quantize-on-load returns."""
+    wanted = resolve_dtype(dtype, torch.device("cpu"), path)
+    read_in, wide = read_dtype(path, wanted)
+    loaded, tokenizer = load(read_in, wanted)
+    if read_in != wanted:
+        widen(loaded, read_in, wide, wanted)
+    return loaded, tokenizer

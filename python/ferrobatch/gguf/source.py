@@ -9,13 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import narrow_read, quantize
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.reader import is_gguf_file
-from ferrobatch.model_dtype import resolve_dtype
 
 __all__ = ["gguf_path_of", "load"]
 
@@ -60,11 +57,10 @@ def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
         raise FieldError("a loaded model is never converted: pass its checkpoint directory "
                          "to quantize it on load", "quantization")
     quantize.check_device(device)
-    path = Path(model).expanduser()
-    wanted = resolve_dtype(dtype, torch.device("cpu"), path)
-    read_in, wide = narrow_read.read_dtype(path, wanted)
-    loaded, tokenizer = load_plain(model, device=device, dtype=read_in)
-    quantize.quantize_model(loaded, qtype, dtype=wanted)
-    if read_in != wanted:
-        narrow_read.widen(loaded, read_in, wide, wanted)
-    return loaded, tokenizer
+
+    def load(read_in: Any, wanted: Any) -> tuple[Any, Any]:
+        loaded, tokenizer = load_plain(model, device=device, dtype=read_in)
+        quantize.quantize_model(loaded, qtype, dtype=wanted)
+        return loaded, tokenizer
+
+    return narrow_read.quantized_load(Path(model).expanduser(), dtype, load)
