@@ -346,7 +346,7 @@ def load_model(
     if quantization is not None or isinstance(model, str | os.PathLike):
         named = bundled_model_dir() if model is None else model  # (quantize the bundled)
         loaded = source.load(named, device=device, dtype=dtype, quantization=quantization,
-                             load_plain=load_model)
+                             load_plain=load_checkpoint)
         if loaded is not None:
             return loaded
     if isinstance(model, PreTrainedModel):
@@ -367,10 +367,25 @@ def load_model(
             except Exception:  # noqa: BLE001 - a model without a tokenizer is still usable
                 tokenizer = None
         return model, tokenizer
-    path = bundled_model_dir() if model is None else Path(model).expanduser()
+    return load_checkpoint(bundled_model_dir() if model is None else model, device=device,
+                           dtype=dtype)
+
+
+def load_checkpoint(
+    model: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    **from_pretrained: Any,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """`(model, tokenizer)` of the checkpoint directory `model`, in eval mode on `device`
+    in `resolve_dtype(dtype, ...)`: `load_model`'s plain path. `from_pretrained`: more
+    keyword arguments for `AutoModelForCausalLM.from_pretrained` (quantize-on-load's
+    `quantization_config`)."""
+    path = Path(model).expanduser()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     dt = resolve_dtype(dtype, dev, path)
-    kwargs: dict[str, Any] = dict(local_files_only=True, dtype=dt)
+    kwargs: dict[str, Any] = dict(local_files_only=True, dtype=dt, **from_pretrained)
     loaded = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     loaded = loaded.to(dev).eval()
     tokenizer = None

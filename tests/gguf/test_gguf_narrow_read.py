@@ -1,7 +1,8 @@
-"""Quantize on load reads a bf16 / fp16 checkpoint in its own dtype (`gguf.narrow_read`):
-the model is the one an fp32 read gives, tensor for tensor and bit for bit, and models whose
-buffers a half-precision read would round are read in fp32. Matrices widen to fp32 a share
-of rows at a time, and each float weight is freed once quantized."""
+"""Tensor-parallel quantize on load reads a bf16 / fp16 checkpoint in its own dtype
+(`gguf.narrow_read`): the model is the one an fp32 read gives, tensor for tensor and bit for
+bit, and models whose buffers a half-precision read would round are read in fp32. Matrices
+widen to fp32 a share of rows at a time, and each float weight is freed once quantized.
+(One process quantizes each matrix as it is read instead: `test_gguf_stream_quantize`.)"""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def _fp32_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(narrow_read, "read_dtype", lambda path, wanted: (wanted, {}))
 
 
+def _quantized_load(path: Path, qtype: str) -> torch.nn.Module:
+    """`path` read (narrow where `read_dtype` says so), quantized, widened: a rank's load."""
+    def load(read_in: torch.dtype, wanted: torch.dtype) -> tuple[torch.nn.Module, None]:
+        model, _ = load_model(path, dtype=read_in)
+        quantize.quantize_model(model, qtype, dtype=wanted)
+        return model, None
+
+    return narrow_read.quantized_load(path, None, load)[0]
+
+
 @pytest.mark.parametrize(("arch", "stored", "qtype"), [
     ("llama", torch.bfloat16, "q4_k"),
     ("qwen2", torch.bfloat16, "q8_0"),   # tied embeddings, q/k/v biases
@@ -47,10 +58,10 @@ def test_half_checkpoint_read_narrow_is_the_fp32_read(tmp_path: Path, arch: str,
     path = _saved(tmp_path, arch, stored)
     read_in, wide = narrow_read.read_dtype(path, torch.float32)
     assert read_in == stored and wide
-    narrow, _ = load_model(path, quantization=qtype)
+    narrow = _quantized_load(path, qtype)
     with monkeypatch.context() as m:
         _fp32_read(m)
-        reference, _ = load_model(path, quantization=qtype)
+        reference = _quantized_load(path, qtype)
     got, want = _state(narrow), _state(reference)
     assert got.keys() == want.keys()
     for name, t in want.items():
@@ -71,7 +82,7 @@ def test_buffers_that_follow_the_default_dtype_keep_the_fp32_read(tmp_path: Path
     # neighbours (here exact, but the rule is the buffer's dtype, not its value)
     path = _saved(tmp_path, "gemma3", torch.bfloat16)
     assert narrow_read.read_dtype(path, torch.float32) == (torch.float32, {})
-    model, _ = load_model(path, quantization="q8_0")
+    model = _quantized_load(path, "q8_0")
     embed = model.get_input_embeddings()
     assert embed.embed_scale.dtype == torch.float32
 

@@ -1,5 +1,10 @@
 """Reading a half-precision checkpoint in its own dtype before quantizing it on load.
 
+transformers maps a safetensors tensor stored in the dtype it is read in straight from the
+file (file pages, no copy), so a checkpoint read in its stored dtype costs no anonymous
+memory before it is quantized; a converted read holds the whole converted model (one
+process streams those instead, `stream_quantize`; tensor-parallel ranks read their shares).
+
 A bf16 checkpoint asked for in fp32 (quantize-on-load's default) used to be read whole in
 fp32 first: twice its bytes, 6.2 GB for a 1.5B model, 32 GB for an 8B one, before a single
 matrix was quantized. Read in its stored dtype instead, every matrix widens to fp32 inside
@@ -26,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ferrobatch.model_dtype import checkpoint_dtype, resolve_dtype
 
-__all__ = ["quantized_load", "read_dtype", "widen"]
+__all__ = ["in_place_read", "quantized_load", "read_dtype", "widen"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -58,7 +63,7 @@ def _files_hold_only(path: Path, dtype: torch.dtype) -> bool:
     in `dtype` (read from their headers; a config that names bf16 over fp32 files, or
     pickled weights, say no)."""
     files = sorted(path.glob("*.safetensors"))
-    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
     try:
         for file in files:
             with safe_open(str(file), "pt") as f:
@@ -96,6 +101,18 @@ def read_dtype(path: Path, wanted: torch.dtype) -> tuple[torch.dtype, dict[str, 
     return stored, wide_dtypes
 
 
+def in_place_read(path: Path,
+                  wanted: torch.dtype) -> tuple[torch.dtype, dict[str, torch.dtype]] | None:
+    """`read_dtype(path, wanted)` where the plain load of that dtype maps every floating
+    tensor from the safetensors files as stored, copying nothing (they are all stored in
+    it: `wanted` itself, or the half precision a narrow read takes); None where some tensor
+    would be converted as it is read (Gemma3's narrow read refused, an fp32 checkpoint read
+    in bf16, pickled weights): `stream_quantize` then keeps one matrix converted at a
+    time, not the whole model."""
+    read_in, wide = read_dtype(path, wanted)
+    return (read_in, wide) if _files_hold_only(path, read_in) else None
+
+
 def widen(model: nn.Module, read_in: torch.dtype, wide: dict[str, torch.dtype],
           wanted: torch.dtype) -> None:
     """Each floating tensor of `model` still in `read_in` to the dtype a read in `wanted`
@@ -116,12 +133,15 @@ def widen(model: nn.Module, read_in: torch.dtype, wide: dict[str, torch.dtype],
 
 
 def quantized_load(path: Path, dtype: Any,
-                   load: Callable[[torch.dtype, torch.dtype], tuple[Any, Any]]) -> tuple[Any, Any]:
+                   load: Callable[[torch.dtype, torch.dtype], tuple[Any, Any]],
+                   read: tuple[torch.dtype, dict[str, torch.dtype]] | None = None,
+                   ) -> tuple[Any, Any]:
     """`load(read_in, wanted)` (the checkpoint at `path` read in `read_in` and quantized,
     its embedding giving `wanted`: `dtype` resolved on the CPU), then widened to what a
-    read in `wanted` gives: the model and tokenizer quantize-on-load returns."""
+    read in `wanted` gives: the model and tokenizer quantize-on-load returns. `read`:
+    `read_dtype(path, wanted)` where the caller has it."""
     wanted = resolve_dtype(dtype, torch.device("cpu"), path)
-    read_in, wide = read_dtype(path, wanted)
+    read_in, wide = read if read is not None else read_dtype(path, wanted)
     loaded, tokenizer = load(read_in, wanted)
     if read_in != wanted:
         widen(loaded, read_in, wide, wanted)

@@ -29,8 +29,9 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf.formats import QUANT_TYPES, QuantWeight, block_shape, row_bytes
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear, kernel_ops
 
-__all__ = ["FALLBACK", "GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "check_device", "check_name",
-           "quantize_model", "quantize_weight", "type_for_width"]
+__all__ = ["FALLBACK", "GGUF_PY_QUANTIZERS", "ON_LOAD_TYPES", "PRE_QUANTIZED", "check_device",
+           "check_name", "layer_type", "pre_quantized", "quantizable", "quantize_model",
+           "quantize_named", "quantize_weight", "type_for_width"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -83,6 +84,9 @@ def check_device(device: Any) -> None:
 #: of an 8B model, the first matrix quantized)
 ROWS_AT_ONCE = 4096
 
+#: the attribute of a stand-in parameter (`stream_quantize`) that holds its matrix quantized
+PRE_QUANTIZED = "ferrobatch_quantized"
+
 
 def quantize_weight(weight: torch.Tensor, qtype: str) -> QuantWeight:
     """A float [n, k] matrix (k whole blocks) quantized to `qtype`, `ROWS_AT_ONCE` rows at a
@@ -114,7 +118,7 @@ def _quantize_rows(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.as_tensor(data, dtype=torch.uint8).contiguous()
 
 
-def _quantize_named(name: str, weight: torch.Tensor, qtype: str) -> QuantWeight:
+def quantize_named(name: str, weight: torch.Tensor, qtype: str) -> QuantWeight:
     """`quantize_weight`, a refusal naming the tensor (field "quantization")."""
     try:
         return quantize_weight(weight, qtype)
@@ -138,6 +142,31 @@ def _is_embedding(m: nn.Module) -> bool:
                                        and type(m).__name__.endswith("ScaledWordEmbedding"))
 
 
+def quantizable(m: nn.Module) -> bool:
+    """Whether `m` is a module quantize-on-load replaces (given a type for its width): an
+    `nn.Linear` or the input embedding."""
+    return type(m) is nn.Linear or _is_embedding(m)
+
+
+def layer_type(weight: torch.Tensor, qtype: str, width: int | None = None) -> str | None:
+    """The type a quantizable module's `weight` is quantized to when `qtype` is asked for
+    (`type_for_width` of `width`, the whole matrix's input width, default the weight's own),
+    or None where it stays float (`width` not whole blocks, or `weight` on another device
+    than the CPU; the meta device of a model being built counts as the CPU)."""
+    if weight.device.type not in ("cpu", "meta"):
+        return None
+    held = pre_quantized(weight)
+    k = held.k if held is not None else weight.shape[1]
+    found = type_for_width(qtype, k if width is None else width)
+    return found if found is not None and k % block_shape(found)[0] == 0 else None
+
+
+def pre_quantized(weight: torch.Tensor) -> QuantWeight | None:
+    """The `QuantWeight` of a matrix quantized while it was read (`stream_quantize`'s
+    stand-in parameter), or None for any other tensor."""
+    return getattr(weight, PRE_QUANTIZED, None)
+
+
 def quantize_model(model: nn.Module, qtype: str, widths: dict[str, int] | None = None,
                    dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Replace `model`'s linears and input embedding by quantized ones, in place (see the
@@ -159,20 +188,21 @@ def quantize_model(model: nn.Module, qtype: str, widths: dict[str, int] | None =
     replaced = 0
     for name in [name for name, _ in model.named_modules()]:
         m = model.get_submodule(name)
-        linear = type(m) is nn.Linear
-        if not (linear or _is_embedding(m)):
+        if not quantizable(m):
             continue
+        linear = type(m) is nn.Linear
         w = m.weight
-        k = w.shape[1]
-        layer_type = type_for_width(qtype, (widths or {}).get(name, k))
-        if layer_type is None or k % block_shape(layer_type)[0] or w.device.type != "cpu":
+        wtype = layer_type(w, qtype, (widths or {}).get(name))
+        if wtype is None:
             kept.append(name)
             continue
-        if layer_type != qtype:
+        if wtype != qtype:
             fallback.append(name)
         seen = done.get(id(w))
         if seen is None or seen[0]() is not w:
-            seen = (weakref.ref(w), _quantize_named(f"{name}.weight", w, layer_type))
+            held = pre_quantized(w)
+            qw = held if held is not None else quantize_named(f"{name}.weight", w, wtype)
+            seen = (weakref.ref(w), qw)
             done[id(w)] = seen
             quantized_bytes += seen[1].nbytes
         qw = seen[1]

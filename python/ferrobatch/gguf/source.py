@@ -4,15 +4,19 @@ plain path loads it)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ferrobatch.errors import FieldError
-from ferrobatch.gguf import narrow_read, quantize
+from ferrobatch.gguf import narrow_read, quantize, stream_quantize
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.reader import is_gguf_file
+from ferrobatch.model_dtype import resolve_dtype
 
 __all__ = ["gguf_path_of", "load"]
 
@@ -39,9 +43,11 @@ def gguf_path_of(model: Any) -> Path | None:
 def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
          load_plain: Callable[..., tuple[Any, Any]]) -> tuple[Any, Any] | None:
     """`(model, tokenizer)` when `model` is a GGUF file or `quantization` is asked for, else
-    None. `load_plain(model, device=, dtype=)` loads a checkpoint the plain way (to be
-    quantized here: read in its own half precision where that gives the same model,
-    `narrow_read`)."""
+    None. `load_plain(path, device=, dtype=, **from_pretrained)` loads a checkpoint the
+    plain way (`models.load_checkpoint`), to be quantized here: read as stored where that
+    gives the same model (`narrow_read`: transformers maps the tensors from the files), else
+    quantized one matrix at a time as transformers reads and converts it
+    (`stream_quantize`)."""
     path = gguf_path_of(model)
     if path is not None:
         if quantization is not None:
@@ -58,9 +64,16 @@ def load(model: Any, *, device: Any, dtype: Any, quantization: str | None,
                          "to quantize it on load", "quantization")
     quantize.check_device(device)
 
-    def load(read_in: Any, wanted: Any) -> tuple[Any, Any]:
-        loaded, tokenizer = load_plain(model, device=device, dtype=read_in)
+    path = Path(model).expanduser()
+    wanted = resolve_dtype(dtype, torch.device("cpu"), path)
+    read = narrow_read.in_place_read(path, wanted)
+    if read is None and stream_quantize.AVAILABLE:  # converting: a matrix at a time
+        return stream_quantize.load(qtype, wanted,
+                                    functools.partial(load_plain, path, device=device))
+
+    def load(read_in: Any, wanted: Any) -> tuple[Any, Any]:  # tensors mapped from the files
+        loaded, tokenizer = load_plain(path, device=device, dtype=read_in)
         quantize.quantize_model(loaded, qtype, dtype=wanted)
         return loaded, tokenizer
 
-    return narrow_read.quantized_load(Path(model).expanduser(), dtype, load)
+    return narrow_read.quantized_load(path, dtype, load, read)
