@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
+from ferrobatch.errors import FieldError  # noqa: E402
 from ferrobatch.gguf import modules as quant_modules  # noqa: E402
 from ferrobatch.gguf import source  # noqa: E402
 from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
@@ -342,6 +344,10 @@ def load_model(
     (`ferrobatch.gguf.quantize`). The tokenizer is None when it cannot be found locally for a
     given model. Never contacts a hub.
     """
+    if device is not None:
+        device = parse_device(device)
+    if isinstance(model, str | os.PathLike):
+        check_model_path(model)
     # GGUF files and quantize-on-load (`ferrobatch.gguf`)
     if quantization is not None or isinstance(model, str | os.PathLike):
         named = bundled_model_dir() if model is None else model  # (quantize the bundled)
@@ -369,6 +375,47 @@ def load_model(
         return model, tokenizer
     return load_checkpoint(bundled_model_dir() if model is None else model, device=device,
                            dtype=dtype)
+
+
+def parse_device(device: torch.device | str) -> torch.device:
+    """`torch.device(device)`; `FieldError` (field "device") for what names no device, or
+    CUDA where it is not available."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise FieldError(f"device {device!r} names no torch device ({e})", "device") from e
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise FieldError(f"device {device!r}: CUDA is not available here (no GPU or no "
+                         "driver); use device='cpu'", "device")
+    return parsed
+
+
+#: a Hugging Face repository id ("name" or "namespace/name"), which a model argument that is
+#: no local path may be: transformers finds it in the local cache (never downloaded)
+_REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def check_model_path(model: str | os.PathLike) -> None:
+    """`FieldError` (field "model") for a model path that names nothing loadable: a path
+    that does not exist (unless it reads as a repository id of the local Hugging Face
+    cache), a directory with neither `config.json` nor a `.gguf` file, a file that is no
+    GGUF file."""
+    p = Path(model).expanduser()
+    text = os.fspath(model)
+    if not p.exists():
+        if _REPO_ID.fullmatch(text) and p.suffix.lower() != ".gguf" \
+                and not text.startswith((".", "~")):
+            return  # (transformers looks it up in the local cache, and says if it is not)
+        raise FieldError(f"model {text!r}: no such file or directory (ferrobatch loads a "
+                         "checkpoint directory or a GGUF file; it never downloads one)",
+                         "model")
+    if p.is_dir() and not (p / "config.json").is_file() \
+            and not any(x.suffix.lower() == ".gguf" for x in p.iterdir()):
+        raise FieldError(f"model {text!r}: the directory holds neither a config.json (a "
+                         "Hugging Face checkpoint) nor a .gguf file", "model")
+    if p.is_file() and source.gguf_path_of(p) is None:
+        raise FieldError(f"model {text!r} is a file but no GGUF file: pass a GGUF file or "
+                         "a checkpoint directory", "model")
 
 
 def load_checkpoint(

@@ -147,13 +147,15 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
                extra_metadata: dict[str, Any] | None = None,
                metadata: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
                extra_tensors: dict[str, np.ndarray] | None = None,
-               fallback: dict[str, str] | None = None) -> Written:
+               fallback: dict[str, str] | None = None,
+               drop_metadata: tuple[str, ...] = ()) -> Written:
     """Write `model` as llama.cpp would (GGUF architecture `arch`: "mistral" is written as
     "llama" named "mistral", as transformers recognises it). Matrices of `qtype` (the token
     embedding `embed_qtype`, the output head `output_qtype`, any GGUF tensor named in `types`
     its own), vectors F32. `metadata` replaces the config's values of the standard keys
-    (`feed_forward_length`, ...: a file whose metadata and tensors disagree); `drop` leaves
-    GGUF tensors out, `extra_tensors` adds F32 ones. A matrix whose rows are not whole blocks
+    (`feed_forward_length`, ...: a file whose metadata and tensors disagree), and
+    `drop_metadata` leaves keys out; `drop` leaves GGUF tensors out, `extra_tensors` adds
+    F32 ones. A matrix whose rows are not whole blocks
     of its type is written as `fallback[type]` (`LLAMA_CPP_FALLBACK`: as llama.cpp), else
     Q8_0."""
     lie = metadata or {}
@@ -198,6 +200,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             w.add_float32(key, value)
         else:
             w.add_uint32(key, value)
+    for kv_data in w.kv_data:
+        for key in drop_metadata:
+            kv_data.pop(key, None)
     if tokenizer:
         add_tiny_tokenizer(w, cfg.vocab_size)
     else:  # the special ids alone (as a file whose tokenizer transformers cannot convert)

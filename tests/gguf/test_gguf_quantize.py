@@ -105,14 +105,25 @@ def test_engine_q4_k_greedy_equals_its_dequantized_twin(checkpoint) -> None:
         _assert_greedy_equals(engine, _dequantized_twin(engine.model, source))
 
 
-def test_bad_weights_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k",
+                                  "q6_k"])
+def test_bad_weights_are_refused_naming_the_tensor(tmp_path: Path, name: str) -> None:
     model = tiny_model("qwen2")
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight[3, 7] = float("nan")
-    model.save_pretrained(tmp_path)
+        model.model.layers[1].mlp.up_proj.weight[5, 40] = 1e9  # past every fp16 scale
+    model.save_pretrained(tmp_path / "nan")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[3, 7] = 0.0
+    model.save_pretrained(tmp_path / "large")
     with pytest.raises(FieldError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight: "
                                          r"w: row 3, column 7 is NaN") as err:
-        load_model(tmp_path, quantization="q4_k")
+        load_model(tmp_path / "nan", quantization=name)
+    assert err.value.field == "quantization"
+    large = (r"model\.layers\.1\.mlp\.up_proj\.weight: w: row 5, columns (32\.\.64|0\.\.256): "
+             rf"weights too large for {name}'s")
+    with pytest.raises(FieldError, match=large) as err:
+        load_model(tmp_path / "large", quantization=name)
     assert err.value.field == "quantization"
 
 
@@ -175,10 +186,10 @@ def test_kernel_quantizer_used_for_k_types(checkpoint, monkeypatch) -> None:
 def test_cli_flag() -> None:
     from ferrobatch.cli.flags import build_parser
 
-    for name in ("q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
+    for name in ("q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "Q4_K"):
         args = build_parser().parse_args(["generate", "some/dir", "--quantization", name,
                                           "--prompt", "x"])
-        assert args.quantization == name
+        assert args.quantization == name.lower()
 
 
 @pytest.mark.parametrize(("name", "fallback"), [("q4_k", "Q5_0"), ("q5_k", "Q5_1"),

@@ -101,6 +101,22 @@ def test_not_gguf_and_truncated(tmp_path, gguf_file) -> None:
     _refused(cut, "runs past the end")
 
 
+def test_alignment_not_a_power_of_two(tmp_path) -> None:
+    for align in (0, 3):
+        written = write_gguf(tmp_path / f"a{align}.gguf", tiny_model("llama"), "llama", "Q8_0",
+                             extra_metadata={"general.alignment": align})
+        _refused(written.path, rf"general\.alignment is {align}, not a power of two")
+
+
+@pytest.mark.parametrize("key", ["context_length", "block_count", "embedding_length",
+                                 "attention.head_count", "attention.layer_norm_rms_epsilon"])
+def test_required_metadata_missing(tmp_path, key: str) -> None:
+    # (llama.cpp refuses these files too; transformers would fill in its defaults)
+    written = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), "llama", "Q8_0",
+                         drop_metadata=(f"llama.{key}",))
+    _refused(written.path, rf"lacks llama\.{key.replace('.', chr(92) + '.')} \(required")
+
+
 def test_directory_with_two_files(tmp_path, gguf_file) -> None:
     from ferrobatch.models import load_model
 

@@ -10,6 +10,7 @@ shared prefixes with block sharing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import random
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 import torch
 import transformers
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
 from tiny_models import COMMON, VOCAB
 
 torch.set_num_threads(1)
@@ -307,6 +309,18 @@ def test_half_precision_models_pass_the_probe(dtype: torch.dtype) -> None:
         ps = prompts(9, 3)
         outs = eng.generate(ps, SamplingParams(max_new_tokens=6), progress=False)
     assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+
+
+def test_non_finite_weights_are_named_not_blamed_on_attention() -> None:
+    """A model whose own forward gives NaN logits is refused naming the tensor that holds
+    the NaN (field "model"), not as an attention feature the paged attention lacks."""
+    m = copy.deepcopy(model("phi3"))  # (`model` caches its models)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[2, 9] = float("nan")
+    with pytest.raises(FieldError, match=r"non-finite logits .*model\.layers\.1\.mlp\."
+                                         r"down_proj\.weight holds nan at \[2, 9\]") as err:
+        Engine(m, config=ContinuousBatchingConfig(page_size=8, num_blocks=32))
+    assert err.value.field == "model"
 
 
 def test_fp32_probe_error_is_tiny() -> None:

@@ -180,6 +180,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantization",
         default=None,
+        type=str.lower,  # (Q4_K as q4_k, as the Python API takes it)
         choices=("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"),
         help="Quantize a float checkpoint's linear layers on load (CPU; weights kept "
         "quantized, products on ferrobatch.gguf's QuantLinear). q8_0/q4_0/q4_1/q5_0/q5_1 use "

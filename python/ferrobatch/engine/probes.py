@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrobatch.engine.model_checks import config_lengths
+from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.models import model_lock
 from ferrobatch.runner.patches import eval_mode
@@ -46,7 +47,7 @@ class ModelProbes:
             with model_lock(self.model), self._probe_products():
                 self._probe_own_forward()
                 self._probe_packed()
-        except NotImplementedError:
+        except (NotImplementedError, FieldError):
             raise
         except Exception as exc:
             raise NotImplementedError(
@@ -154,6 +155,10 @@ class ModelProbes:
         ref = ref.detach().float().cpu()
         if len(got) != 2 or ref.shape[0] != 2:
             return
+        if not bool(torch.isfinite(ref).all()):
+            raise FieldError(
+                f"{name}: the model's own forward gives non-finite logits (NaN or infinity) "
+                f"on a {n}-token probe prompt: {_non_finite_weight(self.model)}", "model")
         out = torch.stack(got)
         tol = self._probe_tolerance()
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-6))
@@ -228,3 +233,18 @@ class ModelProbes:
                 "from the whole forward (the batch, the step's length or the cache) that "
                 "ferrobatch does not make per request"
             )
+
+
+def _non_finite_weight(model: torch.nn.Module) -> str:
+    """Which floating tensor of `model` holds a NaN or infinity (the first found), or that
+    none of its floating tensors does (the values overflow in the forward, or sit in
+    quantized blocks)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if t.is_floating_point() and t.device.type != "meta":
+            bad = ~torch.isfinite(t.detach())
+            if bool(bad.any()):
+                at = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+                return f"{name} holds {float(t.detach()[tuple(bad.nonzero()[0])])} at [{at}]"
+    return ("no floating weight holds a NaN or infinity, so the values overflow in the "
+            "forward or a quantized block's scale is not finite")

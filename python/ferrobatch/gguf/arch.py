@@ -89,8 +89,21 @@ def _meta(metadata: dict[str, Any], arch: str, key: str) -> Any:
     return metadata.get(f"{arch}.{key}")
 
 
+#: metadata (`{arch}.` + key) llama.cpp requires of every supported architecture: a file
+#: without it is refused, not run with transformers' default for it
+_REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attention.head_count")
+#: the norm epsilon's key (required too), where it is not `attention.layer_norm_rms_epsilon`
+_NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon"}
+
+
 def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
-    """`FieldError` for metadata that would change the computation and is not handled."""
+    """`FieldError` for required metadata that is missing, and for metadata that would
+    change the computation and is not handled."""
+    required = (*_REQUIRED_KEYS, _NORM_EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"))
+    missing = [f"{arch}.{key}" for key in required if _meta(metadata, arch, key) is None]
+    if missing:
+        raise FieldError(f"{path}: GGUF metadata lacks {', '.join(missing)} (required, as "
+                         "llama.cpp requires it)", "model")
     for key in _REFUSED_KEYS:
         if _meta(metadata, arch, key) is not None:
             raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")

@@ -110,12 +110,47 @@ def _quantize_rows(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 [n, row bytes]: the rows of `weight` quantized to `qtype`."""
     w = weight.detach().to("cpu", torch.float32).contiguous()
     if qtype in GGUF_PY_QUANTIZERS:
-        data = quantize(w.numpy(), GGMLQuantizationType[qtype])
-        return torch.from_numpy(np.ascontiguousarray(data))
+        _check_finite(w)
+        with np.errstate(over="ignore"):  # (an overflowed factor is refused below)
+            data = torch.from_numpy(np.ascontiguousarray(
+                quantize(w.numpy(), GGMLQuantizationType[qtype])))
+        _check_factors(data, qtype)
+        return data
     data = _kernel_quantizer(qtype)(w, qtype)
     if isinstance(data, QuantWeight):
         data = data.data
     return torch.as_tensor(data, dtype=torch.uint8).contiguous()
+
+
+#: the fp16 factors at the start of each block of the types gguf-py quantizes (d; Q4_1's
+#: and Q5_1's m after it)
+_FACTORS = {"Q8_0": 1, "Q4_0": 1, "Q5_0": 1, "Q4_1": 2, "Q5_1": 2}
+
+
+def _check_finite(w: torch.Tensor) -> None:
+    """`FieldError` (field "w", as the kernels' quantizer words it) naming the first NaN or
+    infinite weight of `w` [n, k]."""
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        r, c = (int(i) for i in bad.nonzero()[0])
+        value = float(w[r, c])
+        shown = "NaN" if value != value else ("inf" if value > 0 else "-inf")
+        raise FieldError(f"w: row {r}, column {c} is {shown}: only finite weights quantize",
+                         "w")
+
+
+def _check_factors(data: torch.Tensor, qtype: str) -> None:
+    """`FieldError` (field "w") naming the first block of `data` [n, row bytes] whose fp16
+    factors overflowed: weights too large for the type."""
+    block, size = block_shape(qtype)
+    n = data.shape[0]
+    blocks = data.view(n, -1, size)
+    factors = blocks[:, :, :2 * _FACTORS[qtype]].contiguous().view(torch.float16)
+    bad = ~torch.isfinite(factors).view(n, blocks.shape[1], -1).all(dim=2)
+    if bool(bad.any()):
+        r, b = (int(i) for i in bad.nonzero()[0])
+        raise FieldError(f"w: row {r}, columns {b * block}..{b * block + block}: weights too "
+                         f"large for {qtype.lower()}'s fp16 scales", "w")
 
 
 def quantize_named(name: str, weight: torch.Tensor, qtype: str) -> QuantWeight:
@@ -219,8 +254,10 @@ def quantize_model(model: nn.Module, qtype: str, widths: dict[str, int] | None =
         logger.info("ferrobatch: %d layers quantized to %s (input width not whole 256-weight "
                     "blocks): %s", len(fallback), FALLBACK[qtype], ", ".join(fallback[:4]))
     if kept:
-        logger.info("ferrobatch: %d layers keep float weights (input width not whole %s "
-                    "blocks): %s", len(kept), qtype, ", ".join(kept[:4]))
+        # (a warning when nothing at all was quantized: the user asked for it and got none)
+        log = logger.info if replaced else logger.warning
+        log("ferrobatch: %d layers keep float weights (input width not whole %s blocks): %s",
+            len(kept), qtype, ", ".join(kept[:4]))
     summary = {"qtype": qtype, "quantized_modules": replaced,
                "quantized_bytes": quantized_bytes, "float_layers": kept,
                "fallback_layers": fallback}

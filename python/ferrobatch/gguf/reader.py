@@ -98,7 +98,10 @@ class GGUFFile:
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
             raise FieldError(f"{self.path}: damaged GGUF header ({exc})", "model") from exc
         self.metadata = meta
-        align = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
+        align = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise FieldError(f"{self.path}: damaged GGUF header (general.alignment is "
+                             f"{align!r}, not a power of two)", "model")
         self.data_start = (pos + align - 1) // align * align
         self.tensors: dict[str, TensorEntry] = {}
         for name, shape, gtype, offset in entries:
