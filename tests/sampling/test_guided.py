@@ -12,6 +12,7 @@ from typing import Literal
 import pytest
 import tiny_models
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
 from ferrobatch.models import bundled_model_dir
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
@@ -147,5 +148,26 @@ def test_bundled_model_greedy_skips_greedy_screen(monkeypatch) -> None:
         _check(outs[0], 60)
         _check(outs[1], 60)
         assert not plain.text.startswith("{")  # unconstrained, the model writes prose/markdown
+    finally:
+        eng.close()
+
+
+def test_a_grammar_that_fails_while_generating_fails_its_request_only(tokenizer) -> None:
+    # llguidance accepts a schema with no finite instance and gives up while generating:
+    # that request fails with a FieldError on its field (not "stop" with output that does
+    # not match); its batch mates finish as usual
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                               "required": ["c"]}}, "$ref": "#/$defs/n"}
+    eng = _tiny(tokenizer, page_size=8, num_blocks=128)
+    try:
+        with pytest.raises(FieldError, match="no output can satisfy it") as err:
+            eng.generate(["a"], SamplingParams(max_new_tokens=30, json_schema=endless),
+                         progress=False)
+        assert err.value.field == "json_schema"
+        bad = eng.add_request("a", SamplingParams(max_new_tokens=30, json_schema=endless))
+        good = eng.add_request("b", SamplingParams(max_new_tokens=60, json_schema=SCHEMA))
+        with pytest.raises(FieldError):
+            eng.get_output(bad, timeout=120)
+        _check(eng.get_output(good, timeout=120), 60)
     finally:
         eng.close()

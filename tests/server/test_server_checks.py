@@ -128,3 +128,32 @@ def test_unknown_tool_call_format_refuses_auto() -> None:
     with serve(FakeEngine(tok)) as srv:
         r = _chat(srv.url, messages=[USER], tools=TOOLS)
         _check_error(r, 400, "tools", "format the server does not know")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    ("function_call", "auto"),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("prediction", {"type": "content", "content": "x"}),
+])  # fmt: skip
+def test_fields_that_change_the_answer_are_refused_not_ignored(url: str, field: str,
+                                                                value: Any) -> None:
+    r = _chat(url, messages=[USER], **{field: value})
+    _check_error(r, 400, field, "not supported")
+    assert _chat(url, messages=[USER], modalities=["text"]).status_code == 200
+
+
+def test_tools_on_completions_are_refused(url: str) -> None:
+    for field, value in (("tools", TOOLS), ("tool_choice", "required")):
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                      "max_tokens": 2, field: value}, timeout=30)
+        _check_error(r, 400, field, "/v1/chat/completions")
+
+
+def test_health_answers_head_and_models_keep_their_creation_time(url: str) -> None:
+    assert httpx.head(url + "/health", timeout=10).status_code == 200
+    first = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["created"]
+    import time
+    time.sleep(1.1)
+    assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["created"] == first

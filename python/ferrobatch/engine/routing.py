@@ -84,7 +84,14 @@ class OutputRouter:
         self.finish(req, "cancelled", [])
 
     def finish(self, req: Request, reason: str, new: list[int], *, text_so_far: str = "") -> None:
-        """End a request with `reason`; its last delta carries `new` and the rest of the text."""
+        """End a request with `reason`; its last delta carries `new` and the rest of the text.
+        A guided request whose grammar failed fails instead (`Guide.failure`): its "stop"
+        would claim an output the grammar does not accept."""
+        guide = req.sstate.guide
+        failure = guide.failure() if guide is not None and reason == "stop" else None
+        if failure is not None:
+            self.fail(req, failure)
+            return
         text = text_so_far + req.detok.finish()
         req.output.text = req.detok.text
         req.output.finish_reason = reason

@@ -66,17 +66,31 @@ class GuideFactory:
         matcher = llg.LLMatcher(self.ll_tokenizer(), grammar_text(name, getattr(params, name)))
         if matcher.is_error():
             raise FieldError(f"{name} is invalid: {matcher.get_error()}", name)
-        return Guide(matcher, self.vocab_size, self.eos_token_ids)
+        return Guide(matcher, self.vocab_size, self.eos_token_ids, name)
 
 
 class Guide:
-    """One request's grammar matcher and how many of its generated tokens it consumed."""
+    """One request's grammar matcher (of the `SamplingParams` field `field`) and how many
+    of its generated tokens it consumed."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: list[int],
+                 field: str = "grammar") -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.field = field
         self.consumed = 0
+
+    def failure(self) -> FieldError | None:
+        """Why the matcher failed while generating (llguidance gave up: a schema with no
+        finite instance, a limit of its own), as a `FieldError` on the grammar's field; None
+        while it has not. Such a request ends with this error, not with "stop": its output
+        cannot match the grammar."""
+        m = self.matcher
+        if not m.is_error():
+            return None
+        return FieldError(f"{self.field}: no output can satisfy it (the grammar engine "
+                          f"stopped: {m.get_error()})", self.field)
 
     def sync(self, output_ids: list[int]) -> None:
         """Consume the generated tokens not consumed yet."""

@@ -280,8 +280,8 @@ def _peer(request: Request) -> str:
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     """``/health``, ``/metrics`` and ``/v1/models``."""
 
-    @app.get(
-        "/health",
+    @app.api_route(
+        "/health", methods=["GET", "HEAD"],
         responses={200: {"model": Health}, 503: {"model": Health, "description": "Not ready"}},
     )
     async def health() -> Response:
@@ -323,11 +323,13 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.exposition(stats, ready, request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
+    served_since = int(time.time())
+
     def model_entry(engine: Any, adapter: str | None = None) -> dict[str, Any]:
         entry = {
             "id": adapter or state.primary_name(),
             "object": "model",
-            "created": int(time.time()),
+            "created": served_since,  # (the same on every call: when the server started)
             "owned_by": "ferrobatch",
             "max_model_len": int(getattr(engine, "max_model_len", 0) or 0),
         }
@@ -397,6 +399,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         state.check_size(count, req.n, "prompt")  # cheap checks before any tokenizing
         state.admit(count * req.n)
         guided = params.response_format_sampling(req.response_format)
+        if req.max_tokens == 0:  # prompt scoring returns no tokens: nothing to constrain
+            guided = {}
 
         def prepare() -> tuple[list[list[int]], list[int]]:  # in the tokenizer thread
             prompts = params.completion_prompts(engine, req.prompt)
@@ -497,6 +501,10 @@ def _check_completion_options(req: CompletionRequest) -> None:
     """Reject the ``/v1/completions`` options the server does not support."""
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
+    for name in ("tools", "tool_choice"):
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} is not supported on /v1/completions: use "
+                              "/v1/chat/completions for tool calls.", name, "unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (or be left out).", "best_of", "unsupported")
     if req.max_tokens == 0 and not req.echo:
@@ -507,6 +515,18 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
     """Reject the ``/v1/chat/completions`` options the server does not support."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} (the deprecated form of function calling) is not "
+                              "supported: use tools and tool_choice.", name, "unsupported")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise bad_request("modalities other than text are not supported.", "modalities",
+                          "unsupported")
+    if req.audio is not None:
+        raise bad_request("audio output is not supported.", "audio", "unsupported")
+    if req.prediction is not None:
+        raise bad_request("prediction (predicted outputs) is not supported.", "prediction",
+                          "unsupported")
 
 
 async def _respond(

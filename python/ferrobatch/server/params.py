@@ -27,6 +27,9 @@ __all__ = [
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 _SAMPLING_TO_OPENAI = {"max_new_tokens": "max_tokens"}
+#: the request field a guided decoding field came from (the server fills `json_schema` from
+#: `response_format` and `grammar` from `tools`), for errors raised while generating
+_GUIDED_TO_OPENAI = {"json_schema": "response_format", "grammar": "tools"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,6 +102,10 @@ def response_format_sampling(fmt: Any) -> dict[str, Any]:
         if name is not None and not isinstance(name, str):
             raise bad_request("response_format.json_schema.name must be a string.",
                               "response_format")  # fmt: skip
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request("response_format.json_schema.strict must be a boolean.",
+                              "response_format")  # fmt: skip
         schema = spec.get("schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
@@ -150,6 +157,8 @@ def openai_param(field: str | None, prompt_param: str | None = None) -> str | No
     the engine's `"prompt"` is the request's `prompt_param` ("prompt" or "messages")."""
     if field == "prompt" and prompt_param is not None:
         return prompt_param
+    if field in _GUIDED_TO_OPENAI:
+        return _GUIDED_TO_OPENAI[field]
     return _SAMPLING_TO_OPENAI.get(field, field) if field is not None else None
 
 
@@ -205,9 +214,12 @@ def check_context(engine: Engine, prompt_len: int, max_tokens: int | None, param
     if prompt_len == 0:
         raise bad_request(f"'{param}' must not be empty.", param)
     if prompt_len >= limit:
+        room = (f"at most {limit - 1} prompt tokens fit (the engine computes the position "
+                "after the prompt, even to score it)") if prompt_len == limit else \
+            f"the prompt has {prompt_len} tokens"
         raise bad_request(
-            f"This model's maximum context length is {limit} tokens, but the prompt has "
-            f"{prompt_len} tokens; shorten '{param}'.",
+            f"This model's maximum context length is {limit} tokens, and {room}; shorten "
+            f"'{param}'.",
             param,
             "context_length_exceeded",
         )

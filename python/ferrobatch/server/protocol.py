@@ -148,6 +148,9 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
     response_format: dict[str, Any] | None = None  # as chat's (vLLM accepts it here too)
+    # chat's, refused here (rather than ignored: a client sending them expects calls)
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class ContentPart(_Schema):
@@ -192,6 +195,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields this server does not implement, refused rather than ignored (each
+    # changes what the client expects back: calls, audio, a predicted output)
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
 
 
 # ---------------------------------------------------------------------------------------
