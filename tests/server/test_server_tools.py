@@ -72,12 +72,21 @@ def test_named_tool_choice_forces_valid_call(url: str) -> None:
             _check_call(choice.message.tool_calls[0], "get_weather")
 
 
+def _tool_call_count(url: str) -> float:
+    label = 'ferrobatch_requests_total{endpoint="chat",finish_reason="tool_calls"} '
+    lines = [ln for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+             if ln.startswith(label)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_required_and_stream(url: str) -> None:
     c = _client(url)
+    before = _tool_call_count(url)
     r = c.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, max_tokens=60,
                                   tool_choice="required", temperature=0)  # fmt: skip
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
+    assert _tool_call_count(url) == before + 1  # the metrics count what the answer says
     _check_call(choice.message.tool_calls[0])
     # streamed: the same calls in one tool_calls delta, then finish_reason tool_calls
     deltas, finish = [], None

@@ -474,6 +474,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             assert setup.syntax is not None
             fmt = ToolChatFormat(state, top_n, req.skip_special_tokens, setup.names,
                                  setup.syntax)  # fmt: skip
+            for job in jobs:  # (the metrics count what the response says)
+                job.reason_of = fmt.finish_reason_of
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
 

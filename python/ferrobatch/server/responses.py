@@ -114,6 +114,12 @@ class ToolChatFormat(ChatFormat):
             return None  # aborted
         return parse_calls(text, self.syntax, self.names, partial=reason == "length")
 
+    def finish_reason_of(self, text: str, reason: str) -> str:
+        """The finish_reason a choice whose whole text is `text` answers (the engine ended
+        it with `reason`): "tool_calls" when it holds calls (`_reason`), else `reason`."""
+        found = self._calls(text, reason)
+        return self._reason(reason) if found is not None and found[1] else reason
+
     @staticmethod
     def _reason(reason: str | None) -> str:
         """The finish_reason of a choice with calls: ``length`` stays (a call was cut)."""

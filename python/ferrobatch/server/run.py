@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,11 @@ class Job:
     last: float | None = None
     # max_tokens=0 (prompt scoring): the one token generated is not returned
     prompt_only: bool = False
+    # the finish_reason the response will give, from the whole text and the engine's reason
+    # (a chat answer holding tool calls says "tool_calls"), for the metrics; None: the
+    # engine's reason as it is
+    reason_of: Callable[[str, str], str] | None = None
+    text: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +92,8 @@ class Run:
             async for delta in stream:
                 if job.prompt_only:
                     delta = _without_tokens(delta)
+                if job.reason_of is not None and delta.text:
+                    job.text.append(delta.text)
                 self._on_delta(job, delta)
                 if delta.finished:
                     job.finished = True
@@ -150,6 +157,9 @@ class Run:
         if not job.started:
             self.state.waiting -= 1
         duration = (job.last - job.arrival) if job.last is not None else None
+        if job.reason_of is not None and reason in ("stop", "length"):
+            with contextlib.suppress(Exception):  # (a label must not fail the request)
+                reason = job.reason_of("".join(job.text), reason)
         self.state.metrics.on_finished(self.endpoint, reason, job.started, duration)
 
     async def events(self) -> AsyncIterator[Event]:
