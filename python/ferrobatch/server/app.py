@@ -280,8 +280,8 @@ def _peer(request: Request) -> str:
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     """``/health``, ``/metrics`` and ``/v1/models``."""
 
-    @app.api_route(
-        "/health", methods=["GET", "HEAD"],
+    @app.get(
+        "/health",
         responses={200: {"model": Health}, 503: {"model": Health, "description": "Not ready"}},
     )
     async def health() -> Response:
@@ -300,6 +300,11 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
                 body["error"] = state.load_error
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "model": state.primary_name()})
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head() -> Response:
+        """`health`'s status (load balancers probe with HEAD; the body is not sent)."""
+        return await health()
 
     @app.get(
         "/metrics",
