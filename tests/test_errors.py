@@ -79,6 +79,8 @@ def engine():
         ([1, 2, 3], SamplingParams(max_new_tokens=10**6), "max_new_tokens"),  # the context
         ([1, 2, 3], SamplingParams(max_new_tokens=4, stop_token_ids=[10**6]), "stop_token_ids"),
         ([1, 2, 3], [SamplingParams(), SamplingParams()], "sampling"),
+        ([1, 2, 3], {"max_new_tokens": 2, "n": 2}, "n"),  # no such SamplingParams field
+        ([1, 2, 3], SamplingParams(max_new_tokens=2, json_schema=True), "json_schema"),
     ],
 )
 def test_engine_input_checks_name_the_field(engine, prompt, sampling, field) -> None:
@@ -153,3 +155,21 @@ def test_server_reports_the_field_of_a_failed_run() -> None:
     body = error_payload(FieldError("max_new_tokens: too many", "max_new_tokens"))["error"]
     assert body["type"] == "invalid_request_error"
     assert body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "user"}], [{"content": "x"}],
+                                      [["user", "hi"]], "hi", [{"role": "user", "content": 5}]])
+def test_chat_messages_name_the_field(messages) -> None:
+    from ferrobatch.engine.llm_engine import _check_messages
+    with pytest.raises(FieldError) as info:
+        _check_messages(messages)
+    assert info.value.field == "messages"
+    _check_messages([{"role": "user", "content": "hi"},
+                     {"role": "assistant", "tool_calls": [{"id": "a"}]}])
+
+
+def test_missing_tokenizer_path_names_the_field(tmp_path) -> None:
+    with pytest.raises(FieldError) as info:
+        Engine(tiny_models.llama(), tokenizer=str(tmp_path / "missing-tokenizer"),
+               config=ContinuousBatchingConfig(num_blocks=16, page_size=8))
+    assert info.value.field == "tokenizer"

@@ -384,6 +384,9 @@ def parse_device(device: torch.device | str) -> torch.device:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
         raise FieldError(f"device {device!r} names no torch device ({e})", "device") from e
+    if parsed.type == "meta":
+        raise FieldError("device 'meta' holds no data and runs nothing: use 'cpu' or 'cuda'",
+                         "device")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise FieldError(f"device {device!r}: CUDA is not available here (no GPU or no "
                          "driver); use device='cpu'", "device")
@@ -395,6 +398,12 @@ def parse_device(device: torch.device | str) -> torch.device:
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
+def looks_like_repo_id(name: str) -> bool:
+    """Whether `name` (no local path) reads as a Hugging Face repository id, which
+    transformers looks up in the local cache ("name" or "namespace/name")."""
+    return bool(_REPO_ID.fullmatch(name)) and not name.startswith((".", "~"))
+
+
 def check_model_path(model: str | os.PathLike) -> None:
     """`FieldError` (field "model") for a model path that names nothing loadable: a path
     that does not exist (unless it reads as a repository id of the local Hugging Face
@@ -403,8 +412,7 @@ def check_model_path(model: str | os.PathLike) -> None:
     p = Path(model).expanduser()
     text = os.fspath(model)
     if not p.exists():
-        if _REPO_ID.fullmatch(text) and p.suffix.lower() != ".gguf" \
-                and not text.startswith((".", "~")):
+        if looks_like_repo_id(text) and p.suffix.lower() != ".gguf":
             return  # (transformers looks it up in the local cache, and says if it is not)
         raise FieldError(f"model {text!r}: no such file or directory (ferrobatch loads a "
                          "checkpoint directory or a GGUF file; it never downloads one)",

@@ -320,3 +320,24 @@ def test_serve_exits_when_the_model_fails_to_load(
     assert rc == 1
     err = capsys.readouterr().err
     assert "the model failed to load" in err
+
+
+def test_file_flags_and_devices_are_checked_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # each a one-line error (exit 2), never a traceback, and before a model loads or a
+    # benchmark runs
+    cases = [
+        (["generate", "--prompt", "x", "--output", str(tmp_path / "no" / "o.jsonl")],
+         "does not exist"),
+        (["generate", "--prompt", "x", "--output", str(tmp_path)], "is a directory"),
+        (["generate", "--file", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["bench", "--prompts", "2", "--json", str(tmp_path / "no" / "x.json")],
+         "does not exist"),
+        (["generate", "--prompt", "x", "--device", "meta"], "device 'meta'"),
+        (["generate", "--prompt", "x", "--device", "gpu"], "names no torch device"),
+        (["generate", str(tmp_path / "nowhere"), "--prompt", "x"], "no such file"),
+    ]
+    for argv, fragment in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, (argv, err)

@@ -45,3 +45,29 @@ def test_no_leaked_semaphores_at_exit(tmp_path: Path) -> None:
     assert f"CLOSED {want}" in proc.stdout and f"OPEN {want}" in proc.stdout, proc.stdout
     assert "leaked semaphore" not in proc.stderr, proc.stderr[-3000:]
     assert "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
+
+
+UNGUARDED = """
+import sys
+from ferrobatch import Engine
+
+with Engine(sys.argv[1], tensor_parallel_size=2, config=dict(num_blocks=32, page_size=4)):
+    pass
+"""
+
+
+def test_a_worker_that_dies_while_starting_is_reported_at_once(tmp_path: Path) -> None:
+    # a script without the __main__ guard: the spawned worker, importing it, fails during
+    # its bootstrap; rank 0 says so within seconds (it used to wait out the 600 s start-up
+    # timeout in the group's rendezvous)
+    tiny_models.llama().save_pretrained(tmp_path / "m")
+    (tmp_path / "run.py").write_text(UNGUARDED)
+    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "m")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "TPWorkerError" in proc.stderr and '__name__ == "__main__"' in proc.stderr, \
+        proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrobatch.cli.build import build_engine
+from ferrobatch.cli.build import build_engine, check_writable
 from ferrobatch.sampling.params import SamplingParams
 
 __all__ = ["cmd_bench", "format_table"]
@@ -78,6 +78,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.min_len > args.max_len:
         raise ValueError("--min-len must be <= --max-len")
+    if args.json:
+        check_writable(args.json, "--json")  # (before the run, not after it)
     torch.set_num_threads(args.threads or 1)
     mod = _bench_module()
     if args.compare and mod is None:

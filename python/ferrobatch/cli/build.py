@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ferrobatch.cli.flags import CONFIG_FLAGS, SAMPLING_FLAGS
@@ -10,7 +11,7 @@ from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.spec.cli import spec_config_from_args
 
-__all__ = ["build_config", "build_engine", "build_sampling"]
+__all__ = ["build_config", "build_engine", "build_sampling", "check_readable", "check_writable"]
 
 
 def build_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -50,3 +51,19 @@ def build_sampling(args: argparse.Namespace) -> SamplingParams:
     fields = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS}
     fields["stop"] = tuple(fields["stop"])
     return SamplingParams(max_new_tokens=args.max_new_tokens, **fields)
+
+
+def check_readable(path: Path, flag: str) -> None:
+    """`ValueError` (a one-line CLI error) unless `path` is a readable file."""
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file" if not path.exists() else
+                         f"{flag} {path}: not a file")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """`ValueError` unless a file can be written at `path` (its folder exists, it is no
+    folder itself)."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ferrobatch.cli.build import build_engine, build_sampling
+from ferrobatch.cli.build import build_engine, build_sampling, check_readable, check_writable
 
 __all__ = ["cmd_generate"]
 
@@ -48,6 +48,10 @@ def _read_prompt_file(path: Path) -> list[tuple[Any, str | list[dict[str, Any]]]
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt and write text or JSONL."""
     items: list[tuple[str, Any]] = [("text", p) for p in args.prompt]
+    if args.file is not None and str(args.file) != "-":
+        check_readable(args.file, "--file")
+    if args.output is not None:
+        check_writable(args.output, "--output")
     if args.file is not None:
         items.extend(_read_prompt_file(args.file))
     if not items:

@@ -153,7 +153,7 @@ class TPGroup:
             p.start()
             procs.append(p)
         try:
-            group = cls.init(0, world_size, init_method, dev, procs)
+            group = cls._join_watching(world_size, init_method, dev, procs)
         except BaseException:
             for p in procs:
                 p.kill()
@@ -161,6 +161,36 @@ class TPGroup:
             raise
         atexit.register(group.shutdown)
         return group
+
+    @classmethod
+    def _join_watching(cls, world_size: int, init_method: str, dev: torch.device,
+                       procs: list[Any]) -> TPGroup:
+        """Rank 0's `init` (it blocks until every rank has joined), run while the workers are
+        watched: one that exits first is a `TPWorkerError` at once, not a wait of the whole
+        start-up timeout."""
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = cls.init(0, world_size, init_method, dev, procs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="ferrobatch-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = [p for p in procs if not p.is_alive()]
+            if dead and thread.is_alive():
+                p = dead[0]
+                raise TPWorkerError(
+                    f"tensor-parallel worker {p.name} exited with code {p.exitcode} before "
+                    "it joined the group. The workers are spawned processes that import the "
+                    "main module: a script that builds an Engine with tensor_parallel_size > "
+                    "1 needs its code under `if __name__ == \"__main__\":`")
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     @classmethod
     def join_env(cls, world_size: int, device: str | torch.device | None) -> TPGroup:

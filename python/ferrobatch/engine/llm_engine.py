@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -232,7 +233,12 @@ class Engine(ModelProbes):
             loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
                                                    quantization=self._quantization)
         if isinstance(tokenizer, str):
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            if not Path(tokenizer).expanduser().exists() \
+                    and not models.looks_like_repo_id(tokenizer):
+                raise FieldError(f"tokenizer {tokenizer!r}: no such file or directory "
+                                 "(ferrobatch never downloads one)", "tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()),
+                                                      local_files_only=True)
         return loaded, tokenizer if tokenizer is not None else loaded_tok
 
     def _read_model_config(self, loaded: Any) -> Any:
@@ -536,6 +542,7 @@ class Engine(ModelProbes):
                 "a template as chat_template_kwargs={'chat_template': ...}"
             )
         kwargs.setdefault("add_generation_prompt", True)
+        _check_messages(messages)
         out = self.tokenizer.apply_chat_template(list(messages), tokenize=True, **kwargs)
         if hasattr(out, "keys") and "input_ids" in out:
             out = out["input_ids"]
@@ -986,3 +993,25 @@ async def _get_or_none(aq: asyncio.Queue[Any], timeout: float) -> Any:
         if not getter.done():
             getter.cancel()
     return getter.result() if done else None
+
+
+def _check_messages(messages: Any) -> None:
+    """`FieldError` (field "messages") unless `messages` is a non-empty list of message
+    dicts, each with a string `role` and a `content` the chat templates read (a string, a
+    list of parts, or None; a message with tool calls may leave it out)."""
+    if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence) \
+            or not messages:
+        raise FieldError("messages must be a non-empty list of {'role', 'content'} dicts",
+                         "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise FieldError(f"messages[{i}] must be a dict with 'role' and 'content', not "
+                             f"{type(m).__name__}", "messages")
+        if not isinstance(m.get("role"), str):
+            raise FieldError(f"messages[{i}] needs a string 'role'", "messages")
+        content = m.get("content")
+        if "content" not in m and not m.get("tool_calls"):
+            raise FieldError(f"messages[{i}] needs a 'content'", "messages")
+        if content is not None and not isinstance(content, str | list):
+            raise FieldError(f"messages[{i}].content must be a string or a list of parts, "
+                             f"not {type(content).__name__}", "messages")

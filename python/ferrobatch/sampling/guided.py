@@ -43,13 +43,18 @@ class GuideFactory:
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
 
-    def ll_tokenizer(self) -> Any:
+    def ll_tokenizer(self, field: str | None = None) -> Any:
+        """llguidance's view of the tokenizer; `FieldError` on `field` (the grammar field
+        asked for) without a tokenizer or an end-of-sequence token."""
         with self._lock:
             if self._ll_tokenizer is None:
                 if self.tokenizer is None:
-                    raise ValueError("structured outputs need the model's tokenizer")
+                    raise FieldError(f"{field or 'structured outputs'}: structured outputs "
+                                     "need the model's tokenizer (pass tokenizer= to "
+                                     "Engine)", field)
                 if not self.eos_token_ids:
-                    raise ValueError("structured outputs need an end-of-sequence token")
+                    raise FieldError(f"{field or 'structured outputs'}: structured outputs "
+                                     "need an end-of-sequence token", field)
                 import llguidance.hf  # local: llguidance is optional (the structured extra)
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
@@ -63,7 +68,8 @@ class GuideFactory:
         if name is None:
             return None
         llg = llguidance_module()
-        matcher = llg.LLMatcher(self.ll_tokenizer(), grammar_text(name, getattr(params, name)))
+        matcher = llg.LLMatcher(self.ll_tokenizer(name),
+                                grammar_text(name, getattr(params, name)))
         if matcher.is_error():
             raise FieldError(f"{name} is invalid: {matcher.get_error()}", name)
         return Guide(matcher, self.vocab_size, self.eos_token_ids, name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -281,6 +282,11 @@ def coerce_sampling(
     elif isinstance(value, SamplingParams):
         sp = value
     elif isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise FieldError(f"sampling: unknown SamplingParams field(s) {', '.join(unknown)}",
+                             unknown[0])
         sp = SamplingParams(**value)
     elif type(value).__name__ == "GenerationConfig":
         sp = SamplingParams.from_generation_config(value)
