@@ -11,7 +11,14 @@ import torch
 from ferrobatch.gguf import loader
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
-from gguf_files import CHAT_TEMPLATE, LLAMA_CPP_FALLBACK, QTYPES, reference_model
+from gguf_files import (
+    CHAT_TEMPLATE,
+    LLAMA_CPP_FALLBACK,
+    QTYPES,
+    reference_model,
+    tiny_model,
+    write_gguf,
+)
 
 IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
 
@@ -137,6 +144,18 @@ def test_tokenizer_and_chat_template(gguf_file) -> None:
     model2, tok2 = load_gguf(written.path)
     assert tok2(text)["input_ids"] == ids and tok2.chat_template == CHAT_TEMPLATE
     assert model2.config.to_dict() == model.config.to_dict()
+
+
+def test_a_tokenizer_that_changes_when_saved_is_converted_on_every_load(tmp_path) -> None:
+    # transformers' save and load of this Gemma tokenizer (no unk token) gives one that
+    # cannot tokenize text; the cache marks it, and the second load converts again
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(path, tiny_model("gemma2", seed=1), "gemma2", "Q8_0", tokenizer=True)
+    _, first = load_gguf(path)
+    ids = first("hello world").input_ids
+    assert (loader.plan(path).cache_dir / "convert-tokenizer").is_file()
+    _, second = load_gguf(path)
+    assert second("hello world").input_ids == ids
 
 
 def test_cache_follows_the_file(gguf_file, tmp_path) -> None:

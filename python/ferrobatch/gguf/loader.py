@@ -23,6 +23,7 @@ file (path, size, mtime) under `cache_root()/gguf/` and read from there afterwar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -388,7 +389,8 @@ def _tokenizer(path: Path, cache_dir: Path | None) -> Any:
     if cache_dir is not None:
         if (cache_dir / "no-tokenizer").is_file():
             return None
-        if (cache_dir / "tokenizer_config.json").is_file():
+        if (cache_dir / "tokenizer_config.json").is_file() \
+                and not (cache_dir / _CONVERT_TOKENIZER).is_file():
             try:
                 return AutoTokenizer.from_pretrained(str(cache_dir), local_files_only=True)
             except Exception as exc:  # noqa: BLE001 - a damaged cache entry: convert again
@@ -423,13 +425,43 @@ def _save_cache(cache_dir: Path, config: Any, tokenizer: Any) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: a cache entry's marker: its saved tokenizer does not tokenize as the one converted from
+#: the file did (transformers' save and load changed it), so each load converts again
+_CONVERT_TOKENIZER = "convert-tokenizer"
+#: text the cached tokenizer must split as the converted one does
+_PROBE_TEXT = "Hello, world! 12 345\n\tünïcødé 你好 <s></s><unk> ok"
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether `b` tokenizes and decodes `_PROBE_TEXT` as `a` does, with the same
+    vocabulary size and special tokens."""
+    try:
+        ids = a(_PROBE_TEXT).input_ids
+        return (ids == b(_PROBE_TEXT).input_ids and len(a) == len(b)
+                and a.decode(ids) == b.decode(ids)
+                and a.all_special_tokens == b.all_special_tokens)
+    except Exception:  # noqa: BLE001 - either failing: not the same
+        return False
+
+
 def tokenizer_of(p: LoadPlan) -> Any:
     """The plan's file's tokenizer (None when it has none); the config and tokenizer saved
-    under `cache_root()` when they did not come from there."""
+    under `cache_root()` when they did not come from there. A saved tokenizer that reads
+    back different from the converted one is marked so that later loads convert again."""
     tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None)
     if p.cache_dir is not None and not p.config_cached:
         _save_cache(p.cache_dir, p.base_config, tokenizer)
         p.config_cached = True
+        if tokenizer is not None and (p.cache_dir / "tokenizer_config.json").is_file():
+            try:
+                saved = AutoTokenizer.from_pretrained(str(p.cache_dir), local_files_only=True)
+            except Exception:  # noqa: BLE001 - unreadable: as different
+                saved = None
+            if saved is None or not _same_tokenizer(tokenizer, saved):
+                logger.info("ferrobatch: %s's tokenizer does not survive a save; it is "
+                            "converted on every load", p.file.path.name)
+                with contextlib.suppress(OSError):
+                    (p.cache_dir / _CONVERT_TOKENIZER).touch()
     return tokenizer
 
 
