@@ -30,16 +30,22 @@ if __name__ == "__main__":
 """
 
 
-def test_no_leaked_semaphores_at_exit(tmp_path: Path) -> None:
-    model = tiny_models.llama()
-    model.save_pretrained(tmp_path / "m")
-    (tmp_path / "run.py").write_text(SCRIPT)
+def _run_script(tmp_path: Path, script: str, timeout: float) -> subprocess.CompletedProcess:
+    """`script` run as a fresh Python process (not under torchrun) on the saved tiny model
+    at `tmp_path / "m"`."""
+    (tmp_path / "run.py").write_text(script)
     path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "m")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "m")],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_no_leaked_semaphores_at_exit(tmp_path: Path) -> None:
+    model = tiny_models.llama()
+    model.save_pretrained(tmp_path / "m")
+    proc = _run_script(tmp_path, SCRIPT, 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     want = str(tiny_models.generate_greedy(model, [1, 5, 7, 9], 4, ignore_eos=True))
     assert f"CLOSED {want}" in proc.stdout and f"OPEN {want}" in proc.stdout, proc.stdout
@@ -61,13 +67,7 @@ def test_a_worker_that_dies_while_starting_is_reported_at_once(tmp_path: Path) -
     # its bootstrap; rank 0 says so within seconds (it used to wait out the 600 s start-up
     # timeout in the group's rendezvous)
     tiny_models.llama().save_pretrained(tmp_path / "m")
-    (tmp_path / "run.py").write_text(UNGUARDED)
-    path = os.pathsep.join(p for p in (str(ROOT / "python"), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "m")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = _run_script(tmp_path, UNGUARDED, 120)
     assert proc.returncode != 0
     assert "TPWorkerError" in proc.stderr and '__name__ == "__main__"' in proc.stderr, \
         proc.stderr[-3000:]

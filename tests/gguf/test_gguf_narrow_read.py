@@ -31,6 +31,15 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, t in named}
 
 
+def assert_same_tensors(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every parameter and buffer of `model` is `reference`'s: same names, dtypes, bits."""
+    got, want = _state(model), _state(reference)
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(got[name], t), name
+
+
 def _fp32_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(narrow_read, "read_dtype", lambda path, wanted: (wanted, {}))
 
@@ -45,13 +54,17 @@ def _quantized_load(path: Path, qtype: str) -> torch.nn.Module:
     return narrow_read.quantized_load(path, None, load)[0]
 
 
-@pytest.mark.parametrize(("arch", "stored", "qtype"), [
+#: (architecture, stored dtype, type) of the bit-equality tests of reading then quantizing
+HALF_CHECKPOINTS = [
     ("llama", torch.bfloat16, "q4_k"),
     ("qwen2", torch.bfloat16, "q8_0"),   # tied embeddings, q/k/v biases
     ("mistral", torch.float16, "q4_0"),
     ("qwen3", torch.bfloat16, "q6_k"),   # q/k norms
     ("phi3", torch.bfloat16, "q5_k"),    # fused qkv and gate/up
-])
+]
+
+
+@pytest.mark.parametrize(("arch", "stored", "qtype"), HALF_CHECKPOINTS)
 def test_half_checkpoint_read_narrow_is_the_fp32_read(tmp_path: Path, arch: str,
                                                       stored: torch.dtype, qtype: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,11 +75,7 @@ def test_half_checkpoint_read_narrow_is_the_fp32_read(tmp_path: Path, arch: str,
     with monkeypatch.context() as m:
         _fp32_read(m)
         reference = _quantized_load(path, qtype)
-    got, want = _state(narrow), _state(reference)
-    assert got.keys() == want.keys()
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype, name
-        assert torch.equal(got[name], t), name
+    assert_same_tensors(narrow, reference)
     assert narrow.dtype == torch.float32 and narrow.config.dtype == torch.float32
     quantized = [m for m in narrow.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     assert quantized and all(q.qdata.dtype == torch.uint8 for q in quantized)

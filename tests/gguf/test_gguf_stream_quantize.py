@@ -15,12 +15,7 @@ from ferrobatch.gguf import narrow_read, quantize, stream_quantize
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.models import load_model
 from gguf_files import tiny_model
-
-
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    named = [*model.named_parameters(remove_duplicate=False),
-             *model.named_buffers(remove_duplicate=False)]
-    return {name: t for name, t in named}
+from test_gguf_narrow_read import HALF_CHECKPOINTS, assert_same_tensors
 
 
 @pytest.fixture
@@ -36,11 +31,7 @@ def _read_then_quantized(path: Path, qtype: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("arch", "stored", "qtype"), [
-    ("llama", torch.bfloat16, "q4_k"),
-    ("qwen2", torch.bfloat16, "q8_0"),   # tied embeddings, q/k/v biases
-    ("mistral", torch.float16, "q4_0"),
-    ("qwen3", torch.bfloat16, "q6_k"),   # q/k norms
-    ("phi3", torch.bfloat16, "q5_k"),    # fused qkv and gate/up
+    *HALF_CHECKPOINTS,
     ("gemma3", torch.bfloat16, "q8_0"),  # scaled embedding, its buffer in the default dtype
     ("gemma2", torch.float32, "q4_1"),
 ])
@@ -50,11 +41,7 @@ def test_streamed_model_is_the_read_model_quantized(tmp_path: Path, arch: str,
     tiny_model(arch).to(stored).save_pretrained(tmp_path)
     model, _ = load_model(tmp_path, quantization=qtype)
     reference = _read_then_quantized(tmp_path, qtype)
-    got, want = _state(model), _state(reference)
-    assert got.keys() == want.keys()
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype, name
-        assert torch.equal(got[name], t), name
+    assert_same_tensors(model, reference)
     pairs = [(a, b) for a, b in zip(model.modules(), reference.modules(), strict=True)
              if isinstance(b, QuantLinear | QuantEmbedding)]
     assert pairs
@@ -104,8 +91,7 @@ def test_fallback_and_float_layers_as_after_a_read(tmp_path: Path, streamed: Non
         reference = _read_then_quantized(path, qtype)
         assert model.ferrobatch_quantization == reference.ferrobatch_quantization
         assert model.ferrobatch_quantization[key]
-        got, want = _state(model), _state(reference)
-        assert all(torch.equal(got[name], t) for name, t in want.items())
+        assert_same_tensors(model, reference)
 
 
 def test_a_refused_matrix_fails_the_load_naming_it(tmp_path: Path, streamed: None) -> None:
