@@ -398,10 +398,15 @@ def parse_device(device: torch.device | str) -> torch.device:
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
-def looks_like_repo_id(name: str) -> bool:
-    """Whether `name` (no local path) reads as a Hugging Face repository id, which
-    transformers looks up in the local cache ("name" or "namespace/name")."""
-    return bool(_REPO_ID.fullmatch(name)) and not name.startswith((".", "~"))
+def names_nothing(name: str | os.PathLike) -> bool:
+    """Whether `name` is neither a local path that exists nor a Hugging Face repository id
+    ("name" or "namespace/name", which transformers looks up in the local cache; a name
+    ending in .gguf is a file's)."""
+    text = os.fspath(name)
+    if Path(text).expanduser().exists():
+        return False
+    return not (_REPO_ID.fullmatch(text) and not text.startswith((".", "~"))
+                and not text.lower().endswith(".gguf"))
 
 
 def check_model_path(model: str | os.PathLike) -> None:
@@ -411,9 +416,7 @@ def check_model_path(model: str | os.PathLike) -> None:
     GGUF file."""
     p = Path(model).expanduser()
     text = os.fspath(model)
-    if not p.exists():
-        if looks_like_repo_id(text) and p.suffix.lower() != ".gguf":
-            return  # (transformers looks it up in the local cache, and says if it is not)
+    if names_nothing(model):
         raise FieldError(f"model {text!r}: no such file or directory (ferrobatch loads a "
                          "checkpoint directory or a GGUF file; it never downloads one)",
                          "model")

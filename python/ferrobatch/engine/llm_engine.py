@@ -233,8 +233,7 @@ class Engine(ModelProbes):
             loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
                                                    quantization=self._quantization)
         if isinstance(tokenizer, str):
-            if not Path(tokenizer).expanduser().exists() \
-                    and not models.looks_like_repo_id(tokenizer):
+            if models.names_nothing(tokenizer):
                 raise FieldError(f"tokenizer {tokenizer!r}: no such file or directory "
                                  "(ferrobatch never downloads one)", "tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()),

@@ -242,9 +242,9 @@ def _non_finite_weight(model: torch.nn.Module) -> str:
     named = [*model.named_parameters(), *model.named_buffers()]
     for name, t in named:
         if t.is_floating_point() and t.device.type != "meta":
-            bad = ~torch.isfinite(t.detach())
-            if bool(bad.any()):
-                at = ", ".join(str(int(i)) for i in bad.nonzero()[0])
-                return f"{name} holds {float(t.detach()[tuple(bad.nonzero()[0])])} at [{at}]"
+            bad = (~torch.isfinite(t.detach())).nonzero()
+            if len(bad):
+                at = tuple(int(i) for i in bad[0])
+                return f"{name} holds {float(t.detach()[at])} at [{', '.join(map(str, at))}]"
     return ("no floating weight holds a NaN or infinity, so the values overflow in the "
             "forward or a quantized block's scale is not finite")

@@ -110,6 +110,8 @@ def in_place_read(path: Path,
     in bf16, pickled weights): `stream_quantize` then keeps one matrix converted at a
     time, not the whole model."""
     read_in, wide = read_dtype(path, wanted)
+    if read_in != wanted:  # a narrow read: `read_dtype` checked the files hold only `read_in`
+        return read_in, wide
     return (read_in, wide) if _files_hold_only(path, read_in) else None
 
 
