@@ -576,6 +576,12 @@ def f32_pack_half(weight: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16], *
     """Packs a half-precision `weight` [n, k] (`dtype`'s bits as uint16) into `out`
     (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes."""
 
+def f32_pack_bf16_exact(weight: npt.NDArray[np.float32],
+                        out: npt.NDArray[np.uint16]) -> bool:
+    """Packs a float32 `weight` [n, k] whose every value is a bf16 one into `out`
+    (`f32_packed_len(n, k)` uint16) as `f32_pack_half` packs that bf16 weight; False, with
+    `out` untouched, where a value is not."""
+
 def f32_linear_half(
     x: npt.NDArray[np.float32],
     packed: npt.NDArray[np.uint16],

@@ -165,3 +165,14 @@ def test_unload_and_bad_input(setup, tmp_path):
     with pytest.raises(FieldError) as e:
         SamplingParams(lora="")
     assert e.value.field == "lora"
+
+
+@pytest.mark.parametrize("quantized", [dict(quantization="q8_0"), dict(gguf=True)])
+def test_quantized_weights_refuse_lora_before_loading(tmp_path, quantized):
+    # (refused up front, naming LoRA's field, before the model is read or quantized)
+    model = tmp_path / "model.gguf" if quantized.pop("gguf", False) else tmp_path / "ckpt"
+    if model.suffix == ".gguf":
+        model.write_bytes(b"GGUF")
+    with pytest.raises(FieldError, match="quantized weights") as err:
+        Engine(str(model), enable_lora=True, **quantized)
+    assert err.value.field == "lora_modules"

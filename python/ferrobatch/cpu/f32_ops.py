@@ -22,7 +22,7 @@ import torch
 from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
 
-__all__ = ["F32Weight", "available", "linear", "pack", "torch_linear"]
+__all__ = ["F32Weight", "available", "linear", "pack", "pack_bf16_exact", "torch_linear"]
 
 #: products of at least this many multiply-adds split their columns over torch's threads
 #: (at a few rows they are bound by the weights' bytes, which two cores read faster than
@@ -76,6 +76,21 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
         return F32Weight(packed, b, int(n), int(k))
     packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
     _core.f32_pack(w.float().contiguous().numpy(), packed.numpy())
+    return F32Weight(packed, b, int(n), int(k))
+
+
+def pack_bf16_exact(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight | None:
+    """An fp32 `weight` ([n, k], CPU) whose every value is a bf16 one (a bf16 checkpoint
+    read in fp32) packed for `linear` as bf16: the outputs of `pack(weight)` at half the
+    bytes. None where a value is not a bf16 one."""
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError(f"weight must be a 2-D float32 tensor, not {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.bfloat16)
+    if not _core.f32_pack_bf16_exact(weight.detach().contiguous().numpy(), _np(packed)):
+        return None
+    b = None if bias is None else bias.detach().float().contiguous()
     return F32Weight(packed, b, int(n), int(k))
 
 

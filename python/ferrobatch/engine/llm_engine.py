@@ -51,6 +51,7 @@ from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.gguf import modules as quant_modules
+from ferrobatch.gguf import source as gguf_source
 from ferrobatch.lora.manager import LoraManager
 from ferrobatch.model_config import text_config
 from ferrobatch.runner.model_runner import ModelRunner
@@ -133,6 +134,11 @@ class Engine(ModelProbes):
         if self._lora_setup is not None and self.config.batch_invariant:
             raise FieldError("LoRA adapters are not supported with batch_invariant (their "
                              "low-rank products are torch's, not the mode's kernel)",
+                             "lora_modules")
+        if self._lora_setup is not None and (quantization is not None
+                                             or gguf_source.gguf_path_of(model) is not None):
+            raise FieldError("LoRA adapters are not supported on quantized weights (a GGUF "
+                             "model or quantization=...): they wrap float linear layers",
                              "lora_modules")
         # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU; under
         # tensor parallelism each rank quantizes its share, `distributed.quant_shard`)

@@ -96,17 +96,28 @@ _COPY_SIZE = {Backend.ONEDNN: 1, Backend.AMX_OPS: 1, Backend.F32_OPS: 1, Backend
 
 
 def _copy_bytes(dtype: torch.dtype, weights: int, amx: bool, fp32_rows: int | None,
-                f32: bool, invariant: bool) -> int:
+                f32: bool, invariant: bool, in_bf16: bool = False) -> int:
     """The bytes of the packed copies `PackedLinears` makes of `weights` bytes of `dtype`
     weights: one per backend the table can choose with these copies
-    (`linear_policy.reachable`; batch-invariant mode: its one backend)."""
+    (`linear_policy.reachable`; batch-invariant mode: its one backend). `in_bf16`: fp32
+    weights that are all bf16 values, which `f32_ops` packs as bf16 (half their bytes)."""
     isa = _narrowed(dtype, amx, f32)
+    fmt = policy.FP32_IN_BF16 if in_bf16 else policy.format_of(dtype)
     if invariant:
-        found = policy.choose_invariant(dtype, isa)
+        found = policy.choose_invariant(fmt, isa)
         backends = frozenset() if found is None else frozenset({found})
     else:
-        backends = policy.reachable(dtype, isa, policy.Probe(fp32_from_rows=fp32_rows))
-    return weights * sum(_COPY_SIZE.get(b, 0) for b in backends)
+        backends = policy.reachable(fmt, isa, policy.Probe(fp32_from_rows=fp32_rows))
+    sizes = {**_COPY_SIZE, Backend.F32_OPS: 0.5} if in_bf16 else _COPY_SIZE
+    return int(weights * sum(sizes.get(b, 0) for b in backends))
+
+
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the fp32 tensor `w` is a bf16 value (its low 16 bits zero),
+    so that widening `w.bfloat16()` gives `w` back bit for bit."""
+    if w.dtype != torch.float32 or w.numel() == 0:
+        return False
+    return not bool((w.detach().contiguous().view(torch.int32) & 0xFFFF).any())
 
 
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
@@ -137,10 +148,10 @@ class _Packed:
     again when a weight object or its version changes."""
 
     __slots__ = ("layers", "key", "weight", "bias", "sizes", "amx", "wants_amx", "wide",
-                 "wide_bias", "wants_wide", "f32", "wants_f32")
+                 "wide_bias", "wants_wide", "f32", "wants_f32", "f32_in_bf16")
 
     def __init__(self, layers: list[torch.nn.Linear], amx: bool = False,
-                 wide: bool = False, f32: bool = False) -> None:
+                 wide: bool = False, f32: bool = False, f32_in_bf16: bool = False) -> None:
         self.layers = layers
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight: torch.Tensor | None = None
@@ -158,6 +169,9 @@ class _Packed:
         #: the weight packed for `f32_ops.linear` (a half weight as stored: its fp32 product
         #: is that of the widened weight), when asked for
         self.f32: f32_ops.F32Weight | None = None
+        #: an fp32 weight packed for `f32_ops` as bf16 when all its values are bf16 ones
+        #: (the same outputs at half the bytes; else as fp32)
+        self.f32_in_bf16 = f32_in_bf16
 
     def refresh(self) -> None:
         key = _weights_key(self.layers)
@@ -200,8 +214,12 @@ class _Packed:
         wanted."""
         if self.f32 is None and self.wants_f32:
             with torch.no_grad():
-                w = torch.cat([m.weight.detach() for m in self.layers])
-            self.f32 = f32_ops.pack(w, self.bias)
+                w = torch.cat([m.weight.detach() for m in self.layers]) \
+                    if len(self.layers) > 1 else self.layers[0].weight.detach()
+                if self.f32_in_bf16:
+                    self.f32 = f32_ops.pack_bf16_exact(w, self.bias)
+                if self.f32 is None:
+                    self.f32 = f32_ops.pack(w, self.bias)
         return self.f32
 
     def f32_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,6 +314,7 @@ class PackedLinears:
         fp32_rows: int | None = None,
         f32_kernel: bool = False,
         invariant: bool = False,
+        in_bf16: bool = False,
     ) -> None:
         self.model = model
         #: batch-invariant mode: every call takes `linear_policy.choose_invariant`'s product
@@ -308,6 +327,9 @@ class PackedLinears:
         self._wide_out = id(head) if head is not None else None
         self.hidden_size = hidden_size
         self.weight_dtype = layers[0].weight.dtype
+        #: fp32 weights that were all bf16 values when found (`of`): `f32_ops` packs them
+        #: as bf16 (`weight_format`)
+        self._in_bf16 = in_bf16 and self.weight_dtype == torch.float32
         self.activation_dtype = activation_dtype
         #: (rows, fp32 outputs, threads) -> the policy's backend (`backend`)
         self._chosen: dict[tuple[int, bool, int], Backend] = {}
@@ -393,9 +415,14 @@ class PackedLinears:
         budget = _MAX_AVAILABLE_SHARE * psutil.virtual_memory().available
         wants_f32 = f32_kernel and f32_ops.available() and (
             fp32_rows is not None or dtype == torch.float32)
+        # a bf16 checkpoint run in fp32: `f32_ops` holds its weights as bf16 where they
+        # are all bf16 values (each pack checks its own; two tell the format)
+        in_bf16 = wants_f32 and dtype == torch.float32 and all(
+            bf16_exact(m.weight) for m in (layers[0], layers[-1]))
 
         def copies() -> int:
-            return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant)
+            return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant,
+                               in_bf16 and wants_f32)
 
         if fp32_rows == 1 and not invariant and amx and dtype == torch.bfloat16 \
                 and amx_ops.available():
@@ -421,7 +448,7 @@ class PackedLinears:
                         100 * _MAX_AVAILABLE_SHARE, budget / _MAX_AVAILABLE_SHARE / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size, amx, fp32_rows, wants_f32, invariant)
+                   hidden_size, amx, fp32_rows, wants_f32, invariant, in_bf16 and wants_f32)
 
     # --- which product (`linear_policy`) ---------------------------------------------------
 
@@ -446,6 +473,14 @@ class PackedLinears:
         self._chosen.clear()
 
     @property
+    def weight_format(self) -> str:
+        """The weights' format in `linear_policy`'s table: their dtype's, or `FP32_IN_BF16`
+        (fp32 weights that are all bf16 values, on `f32_ops`)."""
+        if self._in_bf16 and self._f32_kernel:
+            return policy.FP32_IN_BF16
+        return policy.format_of(self.weight_dtype)
+
+    @property
     def isa(self) -> policy.Isa:
         """This CPU's products (`linear_policy.Isa`) that these packed weights have copies
         for."""
@@ -462,7 +497,7 @@ class PackedLinears:
         chosen = self._chosen.get(key)
         if chosen is None:
             chosen = self._chosen[key] = policy.choose(
-                self.weight_dtype, rows, self.isa, policy.Probe(fp32_from_rows=self.fp32_rows),
+                self.weight_format, rows, self.isa, policy.Probe(fp32_from_rows=self.fp32_rows),
                 fp32_outputs=fp32_outputs, threads=threads)
         return chosen
 
@@ -472,7 +507,7 @@ class PackedLinears:
         runs (no AVX-512F for `f32_ops`, or its copies did not fit in memory)."""
         chosen = self._chosen.get(_INVARIANT_KEY)
         if chosen is None:
-            found = policy.choose_invariant(self.weight_dtype, self.isa)
+            found = policy.choose_invariant(self.weight_format, self.isa)
             if found is None:
                 raise FieldError(
                     f"batch_invariant: no batch-invariant product for {self.weight_dtype} "
@@ -556,7 +591,7 @@ class PackedLinears:
         for members in groups:
             packed = _Packed([self._layers[i] for i in members], self._amx,
                              wide=self.fp32_rows is not None and not self.invariant,
-                             f32=self._f32_kernel)
+                             f32=self._f32_kernel, f32_in_bf16=self._in_bf16)
             packed.refresh()
             group = _Group(packed)
             self._packs.append(packed)
@@ -567,7 +602,7 @@ class PackedLinears:
     def prepack(self) -> None:
         """Make every packed copy the products may use (`_Packed.prepack`) now, so that no
         step pays for packing one (a server's first batch would)."""
-        backends = policy.reachable(self.weight_dtype, self.isa,
+        backends = policy.reachable(self.weight_format, self.isa,
                                     policy.Probe(fp32_from_rows=self.fp32_rows))
         if self.invariant:
             backends = frozenset({self.invariant_backend()})

@@ -144,6 +144,22 @@ pub fn pack_half(
     }
 }
 
+/// Packs an f32 `weight` [n, k] whose every value is a bf16 one (its low 16 bits zero, as
+/// in a bf16 checkpoint read in f32) as [`pack_half`] packs that bf16 weight: the same
+/// products at half the bytes. `Ok(false)`, with `out` untouched, where a value is not.
+pub fn pack_bf16_exact(
+    weight: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [u16],
+) -> Result<bool, KernelError> {
+    if weight.iter().any(|w| w.to_bits() & 0xFFFF != 0) {
+        return Ok(false);
+    }
+    let high: Vec<u16> = weight.iter().map(|w| (w.to_bits() >> 16) as u16).collect();
+    pack_half(Half::Bf16, &high, n, k, out).map(|()| true)
+}
+
 /// Interleaves the bf16 panels `packed` (of an [n, k] weight) by pairs of column blocks: per
 /// input, blocks `2p` and `2p + 1` of a panel become one zmm register of 32-bit lanes, the
 /// first block's weight in each lane's low half and the second's in its high half (a
@@ -529,6 +545,24 @@ mod tests {
             let half = if f16 { Half::F16 } else { Half::Bf16 };
             half_and_wide(half, m, n, 2 * k + 1, threads, bias);
         });
+    }
+
+    #[test]
+    fn bf16_valued_f32_weights_pack_as_their_bf16_and_others_do_not() {
+        let (n, k) = (37, 21);
+        let (bits, wide) = half_values(Half::Bf16, 7, n * k);
+        let mut want = vec![0u16; packed_len(n, k)];
+        pack_half(Half::Bf16, &bits, n, k, &mut want).unwrap();
+        let mut got = vec![1u16; packed_len(n, k)];
+        assert!(pack_bf16_exact(&wide, n, k, &mut got).unwrap());
+        assert_eq!(got, want);
+        let mut off = wide.clone();
+        off[n * k - 1] = f32::from_bits(off[n * k - 1].to_bits() | 1);
+        let mut untouched = vec![9u16; packed_len(n, k)];
+        assert!(!pack_bf16_exact(&off, n, k, &mut untouched).unwrap());
+        assert!(untouched.iter().all(|&u| u == 9));
+        let e = pack_bf16_exact(&wide[1..], n, k, &mut got).unwrap_err();
+        assert_eq!(e.field(), Some("weight"));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 
 use crate::errors::kernel_error;
-use crate::views::{pack_with, product_out, product_rows, ro, rw, threads_of, ty, Span, Ty};
+use crate::views::{pack_with, product_out, product_rows, ro, rw, threads_of, two_d, ty, Span, Ty};
 
 /// Whether `f32_linear` runs on this CPU (AVX-512F).
 #[pyfunction]
@@ -71,6 +71,23 @@ pub fn f32_pack_half(
     pack_with(py, weight, (out, "uint16"), |w, n, k, o| {
         kernel::pack_half(half, w, n, k, o)
     })
+}
+
+/// Packs an f32 `weight` [n, k] whose every value is a bf16 one into `out`
+/// (`f32_packed_len(n, k)` uint16) as `f32_pack_half` packs that bf16 weight, and returns
+/// True; False, with `out` untouched, where a value is not a bf16 one.
+#[pyfunction]
+pub fn f32_pack_bf16_exact(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let w = ro::<f32>(weight, "weight", "float32")?;
+    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
+    let mut o = rw::<u16>(out, "out", "uint16")?;
+    let (w, o) = (w.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| kernel::pack_bf16_exact(w, n, k, o))
+        .map_err(kernel_error)
 }
 
 /// The half format a dtype string names (a `FieldError` on `dtype` for another).

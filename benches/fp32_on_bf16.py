@@ -1,0 +1,59 @@
+"""A bf16 checkpoint run in fp32 (the CPU default, `dtype=None`), one arm a process: "narrow"
+(main: `f32_ops` holds the weights, all bf16 values, as bf16 panels) or "plain" (the fp32
+panels and oneDNN's fp32 copy, as before `FP32_IN_BF16`). Prints the build time, RSS after
+construction (anonymous / file-backed / peak), a single stream's decode rate, a 16 x 32
+batch and a 512-token prefill. Token-id prompts: the checkpoint needs no tokenizer.
+
+    python benches/fp32_on_bf16.py DIR narrow --threads 1
+    python benches/fp32_on_bf16.py DIR plain --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.runner import cpu_linear
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("model")
+ap.add_argument("arm", choices=("narrow", "plain"))
+ap.add_argument("--threads", type=int, default=1)
+args = ap.parse_args()
+arm = args.arm
+torch.set_num_threads(args.threads)
+if arm == "plain":
+    cpu_linear.bf16_exact = lambda w: False
+
+
+def rss() -> str:
+    with open("/proc/self/status") as f:
+        d = {line.split(":")[0]: int(line.split()[1]) for line in f
+             if line.startswith(("RssAnon", "RssFile", "VmHWM"))}
+    return (f"anon {d['RssAnon'] / 2**20:.2f} GiB file {d['RssFile'] / 2**20:.2f} GiB "
+            f"peak {d['VmHWM'] / 2**20:.2f} GiB")
+
+
+t = time.time()
+e = Engine(args.model, config=ContinuousBatchingConfig(num_blocks=256))
+print(arm, "built in", round(time.time() - t, 1), "s;", rss(), flush=True)
+sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+one = [list(range(100, 140))]
+e.generate(one, SamplingParams(max_new_tokens=4, ignore_eos=True))
+for _ in range(2):
+    t = time.time()
+    e.generate(one, sp)
+    w = time.time() - t
+    print(arm, f"single stream {32 / w:.2f} tok/s", flush=True)
+batch = [list(range(100 + i, 140 + i)) for i in range(16)]
+t = time.time()
+e.generate(batch, sp)
+w = time.time() - t
+print(arm, f"16x32 {16 * 32 / w:.1f} tok/s (prefill incl)", rss(), flush=True)
+t = time.time()
+e.generate([list(range(5, 517))], SamplingParams(max_new_tokens=1))
+w = time.time() - t
+print(arm, f"prefill 512 {512 / w:.1f} tok/s", flush=True)
+e.close()
