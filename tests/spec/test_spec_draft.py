@@ -65,3 +65,27 @@ def test_draft_must_share_the_vocabulary() -> None:
     with pytest.raises(FieldError) as e:
         Engine(model, config=CFG, speculative_config=spec(tiny_models.bench_llama()))
     assert e.value.field == "draft_model"
+
+
+def test_ended_requests_give_back_their_draft_blocks() -> None:
+    # finished and cancelled requests: their draft mirrors (and the draft cache's blocks)
+    # go at the engine's next step, not at the next proposal, which may never come
+    import time
+
+    model = tiny_models.llama()
+    with Engine(model, config=CFG, speculative_config=spec(tiny_models.llama())) as eng:
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True),
+                     progress=False)
+        rid = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while not eng.spec.proposer.mirrors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.spec.proposer.mirrors
+        eng.cancel(rid)
+        draft = eng.spec.proposer.scheduler
+        while (draft.stats()["num_used_blocks"] or eng.spec.proposer.mirrors) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert draft.stats()["running"] == 0 and draft.stats()["num_used_blocks"] == 0
+        assert not eng.spec.proposer.mirrors
+        draft.check_invariants()

@@ -85,17 +85,21 @@ class Stepper:
         # `max_loras` active ones wait here, in arrival order, outside the scheduler
         self.lora = lora
         self.lora_waiting: collections.deque[Request] = collections.deque()
-        if lora is not None:
-            router.on_done = self._lora_release
+        # ids of ended requests whose speculative state (a draft model's mirror and its
+        # cache blocks) is dropped at the next step, on the stepping thread
+        self.spec_ended: collections.deque[str] = collections.deque()
+        router.on_done = self._on_done
 
     def has_mail(self) -> bool:
         """Whether requests or cancellations wait for the next step (or requests held back
         for their LoRA adapter)."""
-        return bool(self.inbox or self.cancel_inbox or self.lora_waiting)
+        return bool(self.inbox or self.cancel_inbox or self.lora_waiting or self.spec_ended)
 
     def step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
         changed = self._drain_inboxes()
+        while self.spec_ended:
+            self.spec.forget(self.spec_ended.popleft())
         if self.spec is not None:  # proposals for the next schedule() (speculative rows)
             self.spec.before_schedule(self.scheduler, self.router.requests)
         plan = self.scheduler.schedule()
@@ -155,6 +159,12 @@ class Stepper:
         finally:
             if activations is not None:
                 activations.lean_off = False
+
+    def _on_done(self, req: Request) -> None:
+        """A request ended (finished, cancelled or failed; any thread)."""
+        self._lora_release(req)
+        if self.spec is not None:
+            self.spec_ended.append(req.request_id)
 
     def _lora_release(self, req: Request) -> None:
         """A request left: its adapter's count in the scheduler drops."""
