@@ -163,12 +163,22 @@ def _layout_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     return out.transpose(1, 2).contiguous(), None
 
 
+def _global_attr(cfg: Any, name: str) -> Any:
+    """`cfg.name`, or None where it is missing or the config holds it per layer (Gemma4's
+    `head_dim` beside `global_head_dim`: transformers refuses the global read, and the
+    recorded layout then finds the per-layer shapes, which `check_architecture` names)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return None
+
+
 def _declared_layout(model: PreTrainedModel) -> AttentionLayout:
     cfg = text_config(model.config)
     types = layer_types_of(model.config)
     heads = int(cfg.num_attention_heads)
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv = int(_global_attr(cfg, "num_key_value_heads") or heads)
+    hd = int(_global_attr(cfg, "head_dim") or cfg.hidden_size // heads)
     return AttentionLayout(tuple(types), sliding_window_of(model.config),
                            tuple((heads, kv, hd, hd) for _ in types), recorded=False)
 

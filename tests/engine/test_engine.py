@@ -366,7 +366,11 @@ def test_check_request_health_and_queue_bound(model) -> None:
 
         with pytest.raises(QueueFullError):
             eng.add_request([9], GREEDY)
+        with pytest.raises(QueueFullError, match="1 more"):
+            eng.check_room()  # what a server asks before it answers
         assert len(eng.generate(prompts(3), GREEDY, progress=False)) == 3  # not bounded
         eng.cancel(a), eng.cancel(b)
         assert eng.get_output(a, timeout=30).finish_reason == "cancelled"
+        assert eng.get_output(b, timeout=30).finish_reason == "cancelled"
+        eng.check_room(2)  # both ended: room for two again
     assert not eng.healthy

@@ -152,6 +152,15 @@ REFUSED = {
     ),
 }
 
+if hasattr(transformers, "Gemma4TextConfig"):  # (transformers 5.24; its full-attention layers'
+    # global_head_dim differs from the sliding ones' head_dim, and the config refuses a
+    # global `head_dim` read)
+    REFUSED["gemma4_global_head_dim"] = (
+        lambda: _build("Gemma4Text", cls="Gemma4ForCausalLM", head_dim=16,
+                       tie_word_embeddings=False),
+        "per-layer KV shapes",
+    )
+
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_at_construction_naming_the_feature(name: str) -> None:

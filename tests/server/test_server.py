@@ -412,6 +412,34 @@ def test_api_key(fake_engine: FakeEngine) -> None:
         assert httpx.get(srv.url + "/metrics").status_code == 200
 
 
+def test_engine_queue_full_is_a_429_before_any_stream(fake_engine: FakeEngine) -> None:
+    # the engine's own bound (max_queue_size) refuses before the stream's 200 goes out
+    from ferrobatch.errors import QueueFullError
+
+    def check_room(count: int = 1) -> None:
+        if len(fake_engine.active) + count > 1:
+            raise QueueFullError("max_queue_size=1 unfinished requests")
+
+    fake_engine.check_room = check_room  # type: ignore[attr-defined]
+    fake_engine.gate.clear()
+    with serve(fake_engine) as srv:
+        hog = threading.Thread(target=lambda: httpx.post(
+            srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30))
+        hog.start()
+        assert wait_until(lambda: len(fake_engine.active) == 1)
+        for stream in (True, False):
+            r = httpx.post(srv.url + "/v1/completions",
+                           json={"prompt": "b", "max_tokens": 2, "stream": stream})
+            _check_error(r, 429, None, "engine's queue is full")
+            assert r.headers["retry-after"] == "1"
+        assert len(fake_engine.submitted) == 1  # the refused ones never reached it
+        fake_engine.gate.set()
+        hog.join(30)
+        r = httpx.post(srv.url + "/v1/completions",
+                       json={"prompt": "b", "max_tokens": 2, "stream": True})
+        assert r.status_code == 200 and "[DONE]" in r.text
+
+
 def test_queue_full_429(fake_engine: FakeEngine) -> None:
     fake_engine.gate.clear()
     with serve(fake_engine, max_queue=2) as srv:

@@ -105,8 +105,9 @@ CONFIG_FLAGS: list[tuple[str, dict[str, Any]]] = [
           "with CUDA graphs on CUDA, else off; --use-async-batching enables it on any "
           "device, CPU included.")),
     ("max_queue_size", dict(type=int, metavar="N",
-     help="Engine-side bound on waiting requests; 0 = unlimited. (serve's --max-queue bounds "
-          "the HTTP queue.)")),
+     help="Engine-side bound on unfinished requests (running or waiting); 0 = unlimited. "
+          "A server answers 429 beyond it. (serve's --max-queue bounds the requests waiting "
+          "for their first token.)")),
     ("adaptive_threads", dict(action=argparse.BooleanOptionalAction,
      help="CPU: run torch on fewer threads (never more than --threads) while other "
           "processes keep this process's cores busy, and go back up when they free up.")),

@@ -795,6 +795,20 @@ class Engine(ModelProbes):
     def _new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
+    def check_room(self, count: int = 1) -> None:
+        """`QueueFullError` when `count` more requests would pass `max_queue_size` (which
+        counts every unfinished request, running or waiting) now; nothing without a bound.
+        For a caller that must answer before its requests are submitted (a server choosing
+        between a 429 and a stream)."""
+        limit = self.config.max_queue_size
+        if not limit:
+            return
+        with self._table_lock:
+            busy = sum(not r.done.is_set() for r in self._requests.values())
+        if busy + count > limit:
+            raise QueueFullError(f"max_queue_size={limit} unfinished requests are already "
+                                 f"queued or running ({busy}, and {count} more asked)")
+
     def _submit(self, req: Request, *, bounded: bool = True) -> None:
         if self._closed:
             raise EngineClosedError("engine is closed")

@@ -38,7 +38,7 @@ from ferrobatch.server.protocol import (
     usage,
 )
 from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMeta, ToolChatFormat
-from ferrobatch.server.run import ClientGone, Job, Run, collect
+from ferrobatch.server.run import ClientGone, Job, Run, check_engine_room, collect
 from ferrobatch.server.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -551,6 +551,7 @@ async def _respond(
     if state.shutdown_expired:
         raise state.shutdown_error()
     state.admit(len(jobs))
+    check_engine_room(engine, len(jobs), state.unsubmitted)
     run = Run(state, engine, endpoint, jobs)
     run.start()
     state.runs.add(run)

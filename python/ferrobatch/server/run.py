@@ -82,10 +82,14 @@ class Run:
         """Submit every choice (call with no await between admission and this)."""
         for job in self.jobs:
             self.state.waiting += 1
+            self.state.unsubmitted += 1
             self.state.metrics.on_admitted(len(job.prompt_ids))
             self.tasks.append(asyncio.create_task(self._pump(job)))
 
     async def _pump(self, job: Job) -> None:
+        # (the engine request is submitted in the stream's first step, with no await before
+        # it: from here on the engine counts it, not `unsubmitted`)
+        self.state.unsubmitted -= 1
         stream = self.engine.astream(job.prompt_ids, job.sampling, request_id=job.request_id)
         reason = "cancelled"
         try:
@@ -297,6 +301,21 @@ def _queue_full(exc: BaseException) -> APIError | None:
             headers={"Retry-After": "1"},
         )
     return None
+
+
+def check_engine_room(engine: Any, count: int, unsubmitted: int) -> None:
+    """429 (as `_queue_full`) when `count` more requests, beside the `unsubmitted` ones this
+    server started and has not handed to the engine yet, would pass the engine's
+    ``max_queue_size``: answered before a stream's 200 goes out."""
+    check = getattr(engine, "check_room", None)
+    if check is None:
+        return
+    try:
+        check(count + unsubmitted)
+    except QueueFullError as exc:
+        full = _queue_full(exc)
+        assert full is not None
+        raise full from exc
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class ServerState:
     closing: bool = False
     load_error: str | None = None
     waiting: int = 0  # choices accepted, no token yet
+    unsubmitted: int = 0  # choices started whose engine request is not submitted yet
     body_timeout: float | None = None  # seconds to receive a body once its head arrived
     stream_buffer: int = 1024  # events a run may hold for a client that does not read
     stream_stall_timeout: float = 60.0  # then seconds before its requests are cancelled
