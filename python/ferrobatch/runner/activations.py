@@ -18,6 +18,7 @@ from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.model_config import text_config
 from ferrobatch.models import layer_types_of
 from ferrobatch.runner import linear_policy
+from ferrobatch.runner.aligned_activations import activation_modules, aligned
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.lean_layers import LeanLayers
 from ferrobatch.runner.patches import eval_mode
@@ -71,6 +72,10 @@ class PackedActivations:
             self.lean = self._make_lean_layers(lean_layers)
             if self.lean is None:
                 self.quant = None
+        #: batch-invariant mode: the activation modules run over rows padded to a whole
+        #: vector loop (`aligned_activations`) in the model's own forwards
+        self._aligned = activation_modules(model) if batch_invariant and \
+            device.type == "cpu" else []
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -102,12 +107,10 @@ class PackedActivations:
     def active(self) -> Iterator[None]:
         """The packed linears, and the lean decoder layers when there are, for a forward."""
         products = self.linears if self.linears is not None else self.quant
-        if products is None:
-            yield
-            return
-        use_lean = self.lean is not None and not self.lean_off
+        use_lean = products is not None and self.lean is not None and not self.lean_off
         lean = self.lean.active() if use_lean else nullcontext()  # type: ignore[union-attr]
-        with products.active(), lean:
+        with products.active() if products is not None else nullcontext(), lean, \
+                aligned(self._aligned, context.in_ferrobatch_forward):
             yield
 
     def stacked_quant_layers(self) -> list[torch.nn.Module]:
