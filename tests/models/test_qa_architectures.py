@@ -120,6 +120,8 @@ UNSUPPORTED: dict[str, tuple[str, dict, tuple[str, ...], str]] = {
         "AttentionInterface",
     ),
     "bloom": ("Bloom", dict(n_layer=2, n_head=4), (), "AttentionInterface"),
+    # attends twice in each layer (two softmax maps): more calls than layers
+    "diffllama": ("DiffLlama", {}, (), "one attention call a layer"),
     "stablelm": ("StableLm", dict(partial_rotary_factor=0.25), (), "AttentionInterface"),
     "deepseek_v3_mla": (
         "DeepseekV3",

@@ -283,11 +283,15 @@ class ModelRunner:
 
     def _check_calls(self, step: PagedStep | KernelStep) -> None:
         if step.calls != len(self.layer_types):
+            why = ("the model must dispatch attention through transformers' "
+                   "AttentionInterface" if step.calls < len(self.layer_types) else
+                   "the paged cache takes one attention call a layer a forward (a model "
+                   "that attends twice in a layer, or runs its layers more than once, "
+                   "does not fit it)")
             raise RuntimeError(
-                f"{type(self.model).__name__}: {step.calls} of {len(self.layer_types)} "
-                "attention layers went through ferrobatch's paged attention; the model must "
-                "dispatch attention through transformers' AttentionInterface"
-            )
+                f"{type(self.model).__name__}: {step.calls} attention calls went through "
+                f"ferrobatch's paged attention for its {len(self.layer_types)} attention "
+                f"layers; {why}")
 
     def _base_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       step: KernelStep) -> torch.Tensor:
