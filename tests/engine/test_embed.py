@@ -149,6 +149,22 @@ def test_sentence_transformers_unsupported_module(tmp_path):
     assert got.error is not None and "max" in got.error
 
 
+@pytest.mark.parametrize("modules,pooling", [
+    ({"0": "Transformer"}, None), (["Transformer", "Pooling"], None),
+    (None, [{"pooling_mode_mean_tokens": True}]),
+])
+def test_wrongly_typed_sentence_transformers_files_are_an_error_to_report(
+        tmp_path, modules, pooling):
+    # (recorded for `embed` to name; the checkpoint still opens for generation)
+    d = _st_dir(tmp_path, {"pooling_mode_mean_tokens": True}, ["Transformer", "Pooling"])
+    if modules is not None:
+        (tmp_path / "modules.json").write_text(json.dumps(modules))
+    if pooling is not None:
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    got = pooling_defaults(d)
+    assert got.error is not None and got.pooling == "last"
+
+
 def test_checkpoint_pooling_is_the_default(tmp_path):
     model = tiny_models.llama()
     model.save_pretrained(tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 
 import pytest
 import tiny_models
@@ -176,3 +177,114 @@ def test_quantized_weights_refuse_lora_before_loading(tmp_path, quantized):
     with pytest.raises(FieldError, match="quantized weights") as err:
         Engine(str(model), enable_lora=True, **quantized)
     assert err.value.field == "lora_modules"
+
+
+def test_unloading_an_adapter_fails_only_its_waiting_requests(setup):
+    # a request held back by `max_loras` when its adapter is unloaded fails alone; the
+    # running one finishes with its adapter and the engine keeps serving
+    base, paths = setup
+    with Engine(base, config=ContinuousBatchingConfig(num_blocks=64, page_size=4),
+                lora_modules={"a": paths["a"], "b": paths["b"]}, max_loras=1) as eng:
+        running = eng.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=200,
+                                                               ignore_eos=True, lora="a"))
+        held = eng.add_request([9, 10, 11], SamplingParams(max_new_tokens=5, lora="b"))
+        eng.unload_lora("b")
+        with pytest.raises(FieldError, match="unloaded") as e:
+            eng.get_output(held, timeout=60)
+        assert e.value.field == "lora"
+        assert eng.get_output(running, timeout=60).finish_reason == "length"
+        assert len(eng.generate([[3, 4, 5]], SamplingParams(max_new_tokens=2),
+                                progress=False)[0].token_ids) == 2
+
+
+def test_adapter_hooks_act_only_in_the_steps_own_thread(setup):
+    # the caller's model stays its own while the engine binds adapter rows in its thread
+    import threading
+
+    base, paths = setup
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        want = base(prompt).logits
+    with Engine(base, config=ContinuousBatchingConfig(num_blocks=64, page_size=4),
+                lora_modules={"a": paths["a"]}) as eng:
+        salt = eng.lora.salt("a")
+        bound, release = threading.Event(), threading.Event()
+
+        def step() -> None:
+            with eng.lora.bind([salt], [0, 4]):
+                bound.set()
+                release.wait(30)
+
+        worker = threading.Thread(target=step)
+        worker.start()
+        try:
+            assert bound.wait(30)
+            with torch.inference_mode():
+                got = base(prompt).logits
+        finally:
+            release.set()
+            worker.join(30)
+    assert torch.equal(got, want)
+
+
+def test_alpha_pattern_keys_match_as_peft_matches_them(setup, tmp_path):
+    # a key with alternation is one group (PEFT: `(.*\.)?(key)$`)
+    base, _ = setup
+    torch.manual_seed(3)
+    cfg = peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "v_proj"],
+                          alpha_pattern={"q_proj|v_proj": 64})
+    model = peft.get_peft_model(copy.deepcopy(base), cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(20.0)
+    model.save_pretrained(str(tmp_path))
+    ps = prompts(2, 41)
+    with Engine(base, config=ContinuousBatchingConfig(num_blocks=64, page_size=4),
+                lora_modules={"p": str(tmp_path)}) as eng:
+        got = run(eng, [(p, "p") for p in ps])
+    for p, g in zip(ps, got, strict=True):
+        assert g == peft_greedy(base, {"p": str(tmp_path)}, "p", p, 10)
+
+
+@pytest.mark.parametrize("config", [
+    [1, 2], {"peft_type": "LORA", "lora_alpha": "16"}, {"peft_type": "LORA", "lora_alpha": None},
+    {"peft_type": "LORA", "alpha_pattern": {"q_proj(": 4}},
+    {"peft_type": "LORA", "alpha_pattern": ["q_proj"]},
+])
+def test_malformed_adapter_configs_name_the_field(setup, tmp_path, config):
+    base, paths = setup
+    adapter = tmp_path / "bad"
+    shutil.copytree(paths["a"], adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with Engine(base, config=ContinuousBatchingConfig(num_blocks=32), enable_lora=True) as eng:
+        with pytest.raises(FieldError) as e:
+            eng.load_lora("bad", str(adapter))
+        assert e.value.field == "lora_modules"
+        with pytest.raises(FieldError) as e:
+            eng.load_lora("none", None)
+        assert e.value.field == "lora_modules"
+
+
+def test_held_requests_go_in_by_priority(setup):
+    base, paths = setup
+    cfg = ContinuousBatchingConfig(num_blocks=64, page_size=4, scheduling_policy="priority")
+    with Engine(base, config=cfg, lora_modules=paths, max_loras=1) as eng:
+        def submit(prompt, adapter, priority, new):
+            sp = SamplingParams(max_new_tokens=new, ignore_eos=True, lora=adapter,
+                                priority=priority)
+            req = eng._make_request(prompt, sp, None)
+            eng._submit(req)
+            return req
+
+        first = submit([5, 6, 7], "a", 50, 10)
+        eng._drive_once()
+        late = submit([8, 9, 10], "b", 50, 30)
+        urgent = submit([11, 12, 13], "c", -100, 5)
+        order: list[str] = []
+        named = {"first": first, "late": late, "urgent": urgent}
+        while not all(r.done.is_set() for r in named.values()):
+            eng._drive_once()
+            order += [n for n, r in named.items() if r.done.is_set() and n not in order]
+    assert order == ["first", "urgent", "late"]

@@ -61,6 +61,9 @@ def pooling_defaults(model_dir: Any) -> PoolingDefaults:
         modules = json.loads(modules_file.read_text())
     except (OSError, ValueError) as exc:
         return PoolingDefaults(source=str(modules_file), error=f"unreadable: {exc}")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        return PoolingDefaults(source=str(modules_file),
+                               error="not a list of module objects")
     mode, normalize, error = "last", False, None
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -81,6 +84,8 @@ def _st_pooling(config_file: Path) -> tuple[str, str | None]:
         cfg = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         return "last", f"its pooling config is unreadable: {exc}"
+    if not isinstance(cfg, dict):
+        return "last", f"its pooling config holds a {type(cfg).__name__}, not an object"
     on = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
     if len(on) != 1 or on[0] not in _ST_MODES:
         return "last", f"its pooling {on} is not one of {sorted(_ST_MODES)}"

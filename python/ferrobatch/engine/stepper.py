@@ -14,6 +14,7 @@ import numpy as np
 
 from ferrobatch.engine.request import Request
 from ferrobatch.engine.routing import OutputRouter
+from ferrobatch.errors import FieldError
 from ferrobatch.models import model_lock
 from ferrobatch.sampling.pooling import PoolJob
 from ferrobatch.sampling.prompt_logprobs import PromptJob
@@ -244,19 +245,33 @@ class Stepper:
             if req.done.is_set():
                 continue
             if self.lora_waiting and req.lora_salt:  # behind the held ones of its kind
-                self.lora_waiting.append(req)
+                self._hold(req)
                 continue
             if not self._lora_admit(req):
-                self.lora_waiting.append(req)
+                self._hold(req)
                 continue
             return req
         return None
 
+    def _hold(self, req: Request) -> None:
+        """Hold `req` back for its LoRA adapter: in arrival order, or by priority (lower
+        first, then arrival) when requests carry priorities."""
+        self.lora_waiting.append(req)
+        if req.params.priority:
+            self.lora_waiting = collections.deque(
+                sorted(self.lora_waiting, key=lambda r: r.params.priority or 0))
+
     def _lora_admit(self, req: Request) -> bool:
-        """Whether `req` may enter the scheduler now (`LoraManager.admit`)."""
+        """Whether `req` may enter the scheduler now (`LoraManager.admit`); a request whose
+        adapter was unloaded while it waited fails alone (and is dropped as done)."""
         if self.lora is None or not req.lora_salt:
             return True
-        if self.lora.admit(req.lora_salt):
+        try:
+            admitted = self.lora.admit(req.lora_salt)
+        except FieldError as exc:
+            self.router.fail(req, exc)
+            return False
+        if admitted:
             req.lora_admitted = True
             return True
         return False

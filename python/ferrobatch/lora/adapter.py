@@ -46,6 +46,9 @@ class LoraAdapter:
         naming what doesn't fit: a missing file, options ferrobatch doesn't apply (DoRA,
         biases, extra trained modules), a module that isn't a linear layer of the model or
         shapes that don't match it."""
+        if not isinstance(path, str | Path) or not str(path):
+            raise FieldError(f"lora_modules: adapter {name!r}: its path must be a directory "
+                             f"name, not {path!r}", "lora_modules")
         root = Path(path)
         cfg = _read_config(root)
         tensors = _read_tensors(root)
@@ -72,6 +75,22 @@ def _read_config(root: Path) -> dict[str, Any]:
         cfg = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise _error(root, f"can't read adapter_config.json: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _error(root, f"adapter_config.json holds a {type(cfg).__name__}, not an object")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise _error(root, f"lora_alpha must be a number, not {alpha!r}")
+    patterns = cfg.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise _error(root, f"alpha_pattern must be an object, not {patterns!r}")
+    for key, value in patterns.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _error(root, f"alpha_pattern[{key!r}] must be a number, not {value!r}")
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise _error(root, f"alpha_pattern key {key!r} is not a regular expression: "
+                         f"{exc}") from None
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise _error(root, f"peft_type {cfg.get('peft_type')!r} is not LORA")
     unsupported = {
@@ -116,9 +135,13 @@ def _weights(root: Path, cfg: dict[str, Any], name: str, ab: dict[str, torch.Ten
 
 
 def _pattern(patterns: dict[str, Any], module: str, default: Any) -> float:
-    """A per-module value of PEFT's `alpha_pattern` (a key matching the module path's end)."""
+    """A per-module value of PEFT's `alpha_pattern`, as PEFT picks it: the key equal to the
+    module path, else the first key whose regular expression matches the path's end (the
+    whole key one group: `q_proj|v_proj` matches either)."""
+    if module in patterns:
+        return float(patterns[module])
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return float(value)
     return float(default)
 

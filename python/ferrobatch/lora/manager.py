@@ -51,8 +51,10 @@ class LoraManager:
         self._hooked: dict[str, Any] = {}  # module path -> hook handle
         self._modules = dict(model.named_modules())
         self._head = model.get_output_embeddings()
-        # the step being run: (module path -> [(rows, weights)])
-        self._step: dict[str, list[tuple[torch.Tensor, LoraWeights]]] | None = None
+        # the step being run, in the thread that runs it (module path -> [(rows, weights)]):
+        # a forward of the same model in another thread (the caller's own, a second
+        # engine's) sees none and passes the hooks untouched
+        self._bound = threading.local()
 
     # --- adapters ------------------------------------------------------------------------
 
@@ -115,10 +117,15 @@ class LoraManager:
 
     def admit(self, salt: int) -> bool:
         """Whether a request of the adapter with `salt` may enter the scheduler now (fewer
-        than `max_loras` adapters active, or its own already is); counts it in if so."""
+        than `max_loras` adapters active, or its own already is); counts it in if so.
+        `FieldError` (field "lora") where the adapter was unloaded before the request
+        started: its weights are gone once no started request uses them."""
         if salt == 0:
             return True
         with self._lock:
+            if salt not in self._by_salt:
+                raise FieldError("lora: the request's adapter was unloaded before the "
+                                 "request started", "lora")
             if salt not in self._live and len(self._live) >= self.max_loras:
                 return False
             self._live[salt] = self._live.get(salt, 0) + 1
@@ -161,15 +168,15 @@ class LoraManager:
             adapter = self._by_salt[int(salt)]
             for module, weights in adapter.modules.items():
                 step.setdefault(module, []).append((rows, weights))
-        self._step = step
+        self._bound.step = step
         try:
             yield
         finally:
-            self._step = None
+            self._bound.step = None
 
     def _hook(self, module_name: str) -> Any:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> Any:
-            step = self._step
+            step = getattr(self._bound, "step", None)
             if step is None or module_name not in step:
                 return None
             x = inputs[0]
