@@ -77,6 +77,16 @@ def test_params_validation() -> None:
         SamplingParams(regex="a", ignore_eos=True)
     sp = SamplingParams(json_schema=json.dumps(SCHEMA))
     assert sp.guided and not SamplingParams().guided
+    # key counts only where every key is declared (undeclared ones could repeat)
+    for open_object in ({"type": "object", "minProperties": 2},
+                        {"type": "object", "properties": {"a": {"type": "object",
+                         "patternProperties": {"^x": {}}, "additionalProperties": False,
+                         "maxProperties": 1}}}):  # fmt: skip
+        with pytest.raises(FieldError, match="minProperties") as err:
+            SamplingParams(json_schema=open_object)
+        assert err.value.field == "json_schema"
+    SamplingParams(json_schema={"type": "object", "properties": {"a": {}, "b": {}},
+                                "additionalProperties": False, "minProperties": 1})
 
 
 @pytest.mark.parametrize("mode", ["sync", "soft_reset", "offload", "async", "async_preempt"])

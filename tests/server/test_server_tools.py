@@ -148,6 +148,10 @@ def test_bad_tool_choice_is_400(url: str, body: dict) -> None:
     [{"type": "function", "function": {"name": "f"}}, {"type": "function",
                                                         "function": {"name": "f"}}],
     [{"type": "retrieval"}],
+    [],  # an empty list (leave it out for none)
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}}}],
 ])  # fmt: skip
 def test_bad_tools_is_400(url: str, tools: list) -> None:
     r = httpx.post(url + "/v1/chat/completions", json={
@@ -182,6 +186,11 @@ def test_parse_calls() -> None:
     cut = parse_calls(f"a<tool_call>\n{one}\n</tool_call>b<tool_call>\n{one[:9]}", hermes,
                       names, partial=True)  # fmt: skip
     assert cut is not None and cut[0] == "ab" and len(cut[1]) == 1
+    # an argument string holding the end tag stays inside its call
+    tagged = '{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}'
+    got = parse_calls(f"<tool_call>\n{tagged}\n</tool_call>", hermes, names)
+    assert got is not None and got[0] is None
+    assert json.loads(got[1][0]["function"]["arguments"]) == {"city": "a</tool_call>b"}
 
 
 def test_detect_syntax() -> None:

@@ -50,6 +50,12 @@ def grammar_text(name: str, value: Any) -> str:
         except (TypeError, ValueError) as exc:
             msg = f"json_schema is not JSON-serializable: {exc}"
             raise FieldError(msg, "json_schema") from None
+        if (where := _counted_open_object(value)) is not None:
+            raise FieldError(
+                f"json_schema: minProperties / maxProperties at {where} need "
+                "additionalProperties: false and no patternProperties (the guided decoder "
+                "cannot keep undeclared keys distinct, so a repeated key could make the "
+                "count)", "json_schema")
         # compact JSON (one space after ',' and ':', no free whitespace): small models
         # otherwise spin in whitespace; a schema's own "x-guidance" options take precedence
         return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
@@ -58,6 +64,23 @@ def grammar_text(name: str, value: Any) -> str:
     if name == "regex":
         return llg.LLMatcher.grammar_from_regex(value)
     return llg.LLMatcher.grammar_from_lark(value)
+
+
+def _counted_open_object(schema: Any) -> str | None:
+    """Where (a JSON path) `schema` bounds the key count of an object that takes keys it
+    does not declare, or None."""
+    stack: list[tuple[Any, str]] = [(schema, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            counted = "minProperties" in node or "maxProperties" in node
+            if counted and (node.get("additionalProperties", True) is not False
+                            or node.get("patternProperties")):
+                return path
+            stack.extend((v, f"{path}.{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
 
 
 def check_grammar_fields(params: Any) -> str | None:

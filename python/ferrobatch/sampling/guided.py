@@ -68,11 +68,17 @@ class GuideFactory:
         if name is None:
             return None
         llg = llguidance_module()
+        # (log_level 0: llguidance's own warnings would go to stderr, grammar and all;
+        # its errors reach the caller through `get_error`)
         matcher = llg.LLMatcher(self.ll_tokenizer(name),
-                                grammar_text(name, getattr(params, name)))
+                                grammar_text(name, getattr(params, name)), log_level=0)
         if matcher.is_error():
             raise FieldError(f"{name} is invalid: {matcher.get_error()}", name)
         return Guide(matcher, self.vocab_size, self.eos_token_ids, name)
+
+
+#: words of llguidance's errors that name one of its resource limits (`LLParserLimits`)
+_LIMIT_WORDS = ("max is", "TooComplex", "fuel", "limit", "too many", "too large")
 
 
 class Guide:
@@ -95,8 +101,13 @@ class Guide:
         m = self.matcher
         if not m.is_error():
             return None
+        error = m.get_error().split("\n<state>", 1)[0].strip()  # (then its state, grammar)
+        if any(word in error for word in _LIMIT_WORDS):
+            return FieldError(f"{self.field}: no output can satisfy it within the grammar "
+                              "engine's limits (a grammar with no finite instance, or one too "
+                              f"large or ambiguous for it: {error})", self.field)
         return FieldError(f"{self.field}: no output can satisfy it (the grammar engine "
-                          f"stopped: {m.get_error()})", self.field)
+                          f"stopped: {error})", self.field)
 
     def sync(self, output_ids: list[int]) -> None:
         """Consume the generated tokens not consumed yet."""

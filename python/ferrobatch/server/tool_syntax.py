@@ -194,21 +194,44 @@ def parse_calls(
         if not calls or any(c is None for c in calls):
             return None
         return None, calls  # type: ignore[return-value]
-    end = syntax.end.strip()
-    pattern = re.compile(re.escape(syntax.trigger) + r"\s*(.*?)\s*" + re.escape(end), re.S)
-    if partial:
-        cut = text.rfind(syntax.trigger)
-        if cut >= 0 and text.find(end, cut) < 0:
-            text = text[:cut]
-    parts = pattern.findall(text)
-    if not parts:
+    calls, rest = _tagged_calls(text, syntax, names, partial)
+    if calls is None or not calls:
         return None
-    calls = []
-    for part in parts:
-        values = _objects(part, False)
-        call = _call(values[0], syntax, names) if values and len(values) == 1 else None
-        if call is None:
-            return None
-        calls.append(call)
-    rest = pattern.sub("", text).strip()
     return (rest or None), calls
+
+
+def _tagged_calls(text: str, syntax: ToolSyntax, names: set[str], partial: bool
+                  ) -> tuple[list[dict[str, Any]] | None, str]:
+    """The calls of a tagged output (each `trigger`, one JSON value, `end`) and the text
+    around them; (None, ...) where a tag holds something else. Each value is read as JSON,
+    so an argument string holding the end tag stays inside its call. With `partial`, a
+    last call cut short is dropped."""
+    end = syntax.end.strip()
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    rest: list[str] = []
+    pos = 0
+    while (start := text.find(syntax.trigger, pos)) >= 0:
+        rest.append(text[pos:start])
+        i = start + len(syntax.trigger)
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, j = decoder.raw_decode(text, i)
+        except ValueError:
+            if partial and text.find(end, i) < 0:  # cut inside the last call
+                return calls, "".join(rest).strip()
+            return None, ""
+        while j < len(text) and text[j].isspace():
+            j += 1
+        if not text.startswith(end, j):
+            if partial and j == len(text):
+                return calls, "".join(rest).strip()
+            return None, ""
+        call = _call(value, syntax, names)
+        if call is None:
+            return None, ""
+        calls.append(call)
+        pos = j + len(end)
+    rest.append(text[pos:])
+    return calls, "".join(rest).strip()

@@ -93,6 +93,9 @@ def prepare_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None)
     if tools is not None:
         if not isinstance(tools, list):
             raise bad_request("tools must be an array of tool objects.", "tools")
+        if not tools:
+            raise bad_request("tools must hold at least one tool (leave it out for none).",
+                              "tools")
         if len(tools) > 128:
             raise bad_request("At most 128 tools are allowed.", "tools")
         for i, tool in enumerate(tools):
@@ -122,6 +125,11 @@ def prepare_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None)
                 raise bad_request(
                     f"{where}.function.parameters must be a JSON schema object.", "tools"
                 )
+            if parameters.get("type", "object") != "object":
+                raise bad_request(
+                    f"{where}.function.parameters must describe an object (type 'object'), "
+                    f"not {parameters.get('type')!r}: a call's arguments are an object.",
+                    "tools")
             _check_schema(parameters, f"{where}.function.parameters", "tools")
             clean = {"name": name, "parameters": parameters}
             if desc is not None:
