@@ -3,6 +3,7 @@ both need (a leaf over torch and transformers)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -31,8 +32,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16 dot products)."""
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16 dot products):
+    the kernel crate's own detection (`_core.amx_backend`), else torch's where it still
+    has one (torch 2.13 dropped `torch._C._cpu._is_amx_tile_supported`)."""
+    try:
+        from ferrobatch import _core  # local: this module is a leaf over torch
+    except ImportError:
+        _core = None
+    if _core is not None and hasattr(_core, "amx_backend"):
+        return str(_core.amx_backend()) != "none"
     cpu = getattr(torch._C, "_cpu", None)
     return any(bool(getattr(cpu, name, lambda: False)())
                for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))

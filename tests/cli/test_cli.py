@@ -126,6 +126,10 @@ def test_bad_values_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--scheduler-type", "lifo"])
     assert "invalid choice" in capsys.readouterr().err
+    for port in ("70000", "-1"):
+        with pytest.raises(SystemExit):
+            cli.main(["serve", "--port", port])
+        assert "a port is 0..65535" in capsys.readouterr().err
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -315,8 +319,10 @@ def test_serve_command(model_dir: Path, tmp_path: Path) -> None:
 def test_serve_exits_when_the_model_fails_to_load(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    missing = tmp_path / "no-such-model"
-    rc = cli.main(["serve", str(missing), "--port", str(free_port()), "--num-blocks", "8"])
+    broken = tmp_path / "broken-model"  # a config and no weights: the path check passes
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    rc = cli.main(["serve", str(broken), "--port", str(free_port()), "--num-blocks", "8"])
     assert rc == 1
     err = capsys.readouterr().err
     assert "the model failed to load" in err
@@ -326,6 +332,11 @@ def test_file_flags_and_devices_are_checked_before_any_work(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # each a one-line error (exit 2), never a traceback, and before a model loads or a
     # benchmark runs
+    keys = tmp_path / "keys.jsonl"  # per-line sampling keys are not read: refused
+    keys.write_text('{"prompt": "a", "max_new_tokens": 3}\n')
+    broken = tmp_path / "broken"  # a config, no weights: transformers' OSError, one line
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
     cases = [
         (["generate", "--prompt", "x", "--output", str(tmp_path / "no" / "o.jsonl")],
          "does not exist"),
@@ -336,6 +347,10 @@ def test_file_flags_and_devices_are_checked_before_any_work(
         (["generate", "--prompt", "x", "--device", "meta"], "device 'meta'"),
         (["generate", "--prompt", "x", "--device", "gpu"], "names no torch device"),
         (["generate", str(tmp_path / "nowhere"), "--prompt", "x"], "no such file"),
+        (["serve", str(tmp_path / "nowhere"), "--port", str(free_port())], "no such file"),
+        (["generate", "--prompt", "x", "--system", "be brief"], "--system needs --chat"),
+        (["generate", "--file", str(keys)], "exactly one of"),
+        (["generate", str(broken), "--prompt", "x"], "model.safetensors"),
     ]
     for argv, fragment in cases:
         assert cli.main(argv) == 2, argv

@@ -12,6 +12,7 @@ import pytest
 import tiny_models as tm
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, _core
+from ferrobatch.cpu import amx_ops
 from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.models import resolve_dtype
 from ferrobatch.runner.cpu_linear import PackedLinears, packing_available
@@ -178,8 +179,7 @@ def test_dtype_names_and_auto(tmp_path):
     with pytest.raises(ValueError, match="floating"):
         resolve_dtype(torch.int8, cpu)
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))
-    native = any(getattr(torch._C._cpu, n, lambda: False)()
-                 for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    native = amx_ops.available()  # AMX tiles or AVX512-BF16, as the kernel crate sees it
     assert resolve_dtype("auto", cpu, tmp_path) == (torch.bfloat16 if native else torch.float32)
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
     assert resolve_dtype("auto", cpu, tmp_path) == torch.float32

@@ -60,5 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # bad flag values, prompt files, sampling parameters
         print(f"ferrobatch {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (nothing more to flush at exit)
+        return 141
+    except OSError as exc:  # a checkpoint that can't be read, an output that can't be written
+        print(f"ferrobatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130

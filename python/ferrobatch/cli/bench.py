@@ -80,7 +80,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--min-len must be <= --max-len")
     if args.json:
         check_writable(args.json, "--json")  # (before the run, not after it)
-    torch.set_num_threads(args.threads or 1)
+    if args.threads:  # else torch's choice, as everywhere (told to the peer below)
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     mod = _bench_module()
     if args.compare and mod is None:
         raise ValueError("--compare needs benches/e2e_cpu.py (a source checkout)")
@@ -169,7 +171,7 @@ def _vllm_peer_row(args: argparse.Namespace, dtype: str, n_prompts: int) -> dict
         out = Path(tmp) / "peer.json"
         cmd = [sys.executable, str(script), "--workload",
                "smollm2" if args.smollm2 else "tiny-llama", "--dtype", dtype,
-               "--threads", str(args.threads or 1), "--repeats", str(args.repeats),
+               "--threads", str(args.threads), "--repeats", str(args.repeats),
                "--prompts", str(n_prompts), "--max-new-tokens", str(args.max_new_tokens),
                "--json", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)

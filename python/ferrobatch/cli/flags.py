@@ -33,6 +33,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
+def _port(text: str) -> int:
+    """A TCP port number, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
+
+
 def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
     """An argparse ``type`` for a finite number of seconds (> 0, or >= 0)."""
 
@@ -314,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Address to bind. Default: 127.0.0.1 (loopback only); use 0.0.0.0 to expose "
         "it, ideally with --api-key.",
     )
-    group.add_argument("--port", type=int, default=8000, help="TCP port. Default: 8000.")
+    group.add_argument("--port", type=_port, default=8000, help="TCP port. Default: 8000.")
     group.add_argument(
         "--api-key",
         default=os.environ.get("FERROBATCH_API_KEY"),

@@ -31,6 +31,13 @@ def _read_prompt_file(path: Path) -> list[tuple[Any, str | list[dict[str, Any]]]
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - {"prompt", "messages"})
+            if unknown or len(item) != 1:
+                raise ValueError(
+                    f"{path}:{lineno}: a line holds exactly one of \"prompt\" or "
+                    f"\"messages\"{f', not {unknown}' if unknown else ''} (sampling comes "
+                    "from the flags, for every line)")
         if isinstance(item, str):
             out.append(("text", item))
         elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
@@ -47,6 +54,8 @@ def _read_prompt_file(path: Path) -> list[tuple[Any, str | list[dict[str, Any]]]
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt and write text or JSONL."""
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (it is the chat's system message)")
     items: list[tuple[str, Any]] = [("text", p) for p in args.prompt]
     if args.file is not None and str(args.file) != "-":
         check_readable(args.file, "--file")
@@ -59,7 +68,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = build_sampling(args)
     engine = build_engine(args)
     try:
-        prompts = [_encode_item(engine, kind, value, args) for kind, value in items]
+        prompts = []
+        for i, (kind, value) in enumerate(items):
+            try:
+                prompts.append(engine.check_request(_encode_item(engine, kind, value, args),
+                                                    sampling))
+            except ValueError as exc:  # which prompt, then why
+                raise ValueError(f"prompt {i} ({_where(args, i)}): {exc}") from None
         t0 = time.perf_counter()
         outputs = engine.generate(prompts, sampling, progress=not args.no_progress)
         elapsed = time.perf_counter() - t0
@@ -84,6 +99,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _where(args: argparse.Namespace, index: int) -> str:
+    """Where prompt `index` came from: its --prompt or its --file entry."""
+    if index < len(args.prompt):
+        return f"--prompt #{index + 1}"
+    return f"--file entry {index - len(args.prompt) + 1}"
 
 
 def _encode_item(engine: Any, kind: str, value: Any, args: argparse.Namespace) -> Any:

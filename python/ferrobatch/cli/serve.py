@@ -40,8 +40,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ferrobatch.server import create_app
     from ferrobatch.server.background import make_server
 
-    build_config(args)  # fail fast on a bad flag, before binding the port
+    build_config(args)  # fail fast on a bad flag or model path, before binding the port
     spec_config_from_args(args)
+    if args.model:
+        from ferrobatch.models import check_model_path  # local: imports torch
+
+        check_model_path(args.model)
     name = args.served_model_name or (
         Path(args.model).expanduser().resolve().name if args.model else DEFAULT_SERVED_NAME
     )

@@ -58,6 +58,7 @@ from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
 from ferrobatch.sampling.sampler import Sampler
+from ferrobatch.spec.config import SpeculativeConfig
 from ferrobatch.spec.setup import build_controller
 
 if TYPE_CHECKING:
@@ -140,6 +141,11 @@ class Engine(ModelProbes):
             raise FieldError("LoRA adapters are not supported on quantized weights (a GGUF "
                              "model or quantization=...): they wrap float linear layers",
                              "lora_modules")
+        if tensor_parallel_size not in (None, 1) and \
+                SpeculativeConfig.coerce(speculative_config) is not None:
+            # (refused before any worker starts; `spec.setup` says the same later)
+            raise FieldError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "supported yet", "speculative_config")
         # quantize a checkpoint's linears on load (`ferrobatch.gguf.quantize`; CPU; under
         # tensor parallelism each rank quantizes its share, `distributed.quant_shard`)
         self._quantization = quantization
@@ -952,7 +958,9 @@ class Engine(ModelProbes):
     def _fail_all(self, exc: BaseException, *, fatal: bool = False) -> None:
         if fatal:
             self._error = exc
-        self._router.fail_all(exc)
+        router = getattr(self, "_router", None)  # (a failure while building: no callers)
+        if router is not None:
+            router.fail_all(exc)
 
 
 class _Subscription:
