@@ -27,9 +27,14 @@ TARGETS = {
 
 
 def _make_adapter(base, name: str, path, seed: int) -> None:
-    """A PEFT adapter with random (non-zero) A and B, saved to `path`."""
+    """The PEFT adapter `TARGETS[name]` with random (non-zero) A and B, saved to `path`."""
+    _save_adapter(base, path, seed, **TARGETS[name])
+
+
+def _save_adapter(base, path, seed: int, **lora: object) -> None:
+    """A PEFT adapter of `lora`'s `LoraConfig` fields, random (non-zero) A and B, saved."""
     torch.manual_seed(seed)
-    cfg = peft.LoraConfig(init_lora_weights=False, **TARGETS[name])
+    cfg = peft.LoraConfig(init_lora_weights=False, **lora)
     model = peft.get_peft_model(copy.deepcopy(base), cfg)
     with torch.no_grad():  # large enough to change greedy tokens
         for n, p in model.named_parameters():
@@ -230,16 +235,8 @@ def test_adapter_hooks_act_only_in_the_steps_own_thread(setup):
 def test_alpha_pattern_keys_match_as_peft_matches_them(setup, tmp_path):
     # a key with alternation is one group (PEFT: `(.*\.)?(key)$`)
     base, _ = setup
-    torch.manual_seed(3)
-    cfg = peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
-                          target_modules=["q_proj", "v_proj"],
-                          alpha_pattern={"q_proj|v_proj": 64})
-    model = peft.get_peft_model(copy.deepcopy(base), cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20.0)
-    model.save_pretrained(str(tmp_path))
+    _save_adapter(base, tmp_path, 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                  alpha_pattern={"q_proj|v_proj": 64})
     ps = prompts(2, 41)
     with Engine(base, config=ContinuousBatchingConfig(num_blocks=64, page_size=4),
                 lora_modules={"p": str(tmp_path)}) as eng:
