@@ -98,8 +98,9 @@ class ServerMetrics:
         )  # fmt: skip
         self.client_gone = self._counter(
             "client_disconnects_total",
-            "Clients that left before their answer: while sending the body (body) or while "
-            "waiting for a non-streaming answer (response). Not errors of the server.",
+            "Clients that left before their answer: while sending the body (body), before "
+            "their prompt's turn in the tokenizer thread (tokenize) or while waiting for a "
+            "non-streaming answer (response). Not errors of the server.",
             ("stage",),
         )
         self.prompt_tokens = self._counter(
@@ -212,7 +213,7 @@ class ServerMetrics:
         self.http_errors.labels(code=str(status)).inc()
 
     def on_client_gone(self, stage: str) -> None:
-        """A client disconnected at ``stage`` (body, response)."""
+        """A client disconnected at ``stage`` (body, tokenize, response)."""
         self.client_gone.labels(stage=stage).inc()
 
     def on_admitted(self, prompt_tokens: int) -> None:

@@ -440,6 +440,39 @@ def test_engine_queue_full_is_a_429_before_any_stream(fake_engine: FakeEngine) -
         assert r.status_code == 200 and "[DONE]" in r.text
 
 
+def test_a_client_gone_before_its_tokenizer_turn_is_skipped(fake_engine: FakeEngine) -> None:
+    # one tokenizer thread: a prompt behind a slow one is not tokenized once its client left
+    import time
+
+    own = fake_engine.encode_chat
+    encoded: list[str] = []
+    release = threading.Event()
+
+    def encode_chat(messages: list[dict[str, Any]]) -> list[int]:
+        encoded.append(messages[-1]["content"])
+        if messages[-1]["content"] == "slow":
+            release.wait(30)
+        return own(messages)
+
+    fake_engine.encode_chat = encode_chat  # type: ignore[method-assign]
+    with serve(fake_engine) as srv:
+        def chat(content: str, timeout: float) -> None:
+            with contextlib.suppress(httpx.TimeoutException):
+                httpx.post(srv.url + "/v1/chat/completions", timeout=timeout, json={
+                    "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+        slow = threading.Thread(target=chat, args=("slow", 30))
+        slow.start()
+        assert wait_until(lambda: encoded == ["slow"])
+        chat("gone", 0.3)  # waits behind "slow", then its client leaves
+        time.sleep(0.3)
+        release.set()
+        slow.join(30)
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert encoded == ["slow"]
+    assert 'client_disconnects_total{stage="tokenize"} 1.0' in metrics
+
+
 def test_queue_full_429(fake_engine: FakeEngine) -> None:
     fake_engine.gate.clear()
     with serve(fake_engine, max_queue=2) as srv:

@@ -38,7 +38,14 @@ from ferrobatch.server.protocol import (
     usage,
 )
 from ferrobatch.server.responses import ChatFormat, CompletionFormat, ResponseMeta, ToolChatFormat
-from ferrobatch.server.run import ClientGone, Job, Run, check_engine_room, collect
+from ferrobatch.server.run import (
+    ClientGone,
+    Job,
+    Run,
+    check_engine_room,
+    collect,
+    wait_disconnect,
+)
 from ferrobatch.server.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -265,6 +272,12 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         state.metrics.on_client_gone("body")
         return Response(status_code=499)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone_waiting(request: Request, exc: Exception) -> Response:
+        # Nobody reads this answer: the client left before its prompt was tokenized.
+        state.metrics.on_client_gone("tokenize")
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
@@ -369,14 +382,29 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     """``/v1/completions`` and ``/v1/chat/completions``."""
 
-    async def tokenize(fn: Callable[..., Any], *args: Any) -> Any:
+    async def tokenize(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in the tokenizer thread, unless the client has left by the time its
+        turn comes (a long prompt ahead of it in the one thread: its work is skipped)."""
         loop = asyncio.get_running_loop()
+        gone = threading.Event()
+
+        def guarded() -> Any:
+            if gone.is_set():
+                raise _TokenizeSkipped
+            return fn(*args)
+
+        watcher = asyncio.create_task(wait_disconnect(request.receive))
+        watcher.add_done_callback(lambda t: t.cancelled() or t.exception() or gone.set())
         try:
-            return await loop.run_in_executor(state.tokenize_pool, fn, *args)
+            return await loop.run_in_executor(state.tokenize_pool, guarded)
+        except _TokenizeSkipped:
+            raise ClientGone() from None
         except APIError:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise bad_request(f"Could not tokenize the input: {exc}") from None
+        finally:
+            watcher.cancel()
 
     async def accept(request: Request, schema: type[Any]) -> tuple[Any, Any]:
         """(engine, validated body) after auth, readiness and model checks."""
@@ -416,7 +444,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                                                             "prompt"))  # fmt: skip
             return prompts, max_tokens_each
 
-        prompts, max_tokens_each = await tokenize(prepare)
+        prompts, max_tokens_each = await tokenize(request, prepare)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
@@ -459,7 +487,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             encode = functools.partial(engine.encode_chat, tools=setup.tools)
         else:
             encode = engine.encode_chat
-        prompt_ids = list(await tokenize(encode, messages))
+        prompt_ids = list(await tokenize(request, encode, messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
         max_tokens = params.check_context(engine, len(prompt_ids), max_tokens, "messages")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -483,6 +511,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 job.reason_of = fmt.finish_reason_of
         return await _respond(state, request, engine, "chat", jobs, fmt, req, rid,
                               len(prompt_ids))  # fmt: skip
+
+
+class _TokenizeSkipped(Exception):
+    """A tokenizer-thread job whose client left before it started."""
 
 
 def _check_stop_token_ids(engine: Any, req: CompletionRequest | ChatCompletionRequest) -> None:
