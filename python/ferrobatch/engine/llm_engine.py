@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -494,8 +495,11 @@ class Engine(ModelProbes):
                 pass
             return embedding.embedding_output(req)
 
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run(r)) for r in reqs]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(run(r)) for r in reqs]
+        except BaseExceptionGroup as grouped:  # the first failure as the caller's error
+            raise grouped.exceptions[0] from None
         return [t.result() for t in tasks]
 
     def _embedding_requests(
@@ -604,18 +608,19 @@ class Engine(ModelProbes):
     def stream(self, prompt: Prompt, sampling: SamplingLike = None) -> Iterator[RequestOutput]:
         """Yield deltas (new tokens and text) as they are generated; the last is finished.
 
-        Closing the iterator early cancels the request.
+        The request is validated now (`ValueError` naming the field) and starts when the
+        iteration does; closing the iterator early cancels it.
         """
         sp = self._params_list(sampling, 1, None)[0]
         q: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         req = self._make_request(prompt, sp, None, listener=q.put, incremental=True)
-        self._submit(req)
-        self.start()
         return self._stream_iter(req, q)
 
     def _stream_iter(
         self, req: Request, q: queue.SimpleQueue[RequestOutput | BaseException]
     ) -> Iterator[RequestOutput]:
+        self._submit(req)
+        self.start()
         sub = _Subscription(self, req)
         try:
             while not sub.finished:
@@ -700,7 +705,10 @@ class Engine(ModelProbes):
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop_loop = False
-        self._thread = threading.Thread(target=self._loop, name="ferrobatch-loop", daemon=True)
+        # (the thread holds the engine weakly between turns: an engine its caller drops
+        # without close() is collected, and its loop stops)
+        self._thread = threading.Thread(target=_background_loop, name="ferrobatch-loop",
+                                        args=(weakref.ref(self), self._wakeup), daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -769,6 +777,8 @@ class Engine(ModelProbes):
             pipeline_drains=self._stats["pipeline_drains"],
             stall_drains=self._stats["stall_drains"],
             swap_drains=self._stats["swap_drains"],
+            priority_drains=self._stats["priority_drains"],
+            rope_drains=self._stats["rope_drains"],
             throughput_tok_s=gen / busy if busy > 0 else 0.0,
             page_size=self.config.page_size,
             running_requests=sum(1 for r in list(self._requests.values()) if not r.done.is_set()),
@@ -903,6 +913,13 @@ class Engine(ModelProbes):
         """One step in the caller's thread; errors fail every request and propagate."""
         try:
             worked = self._step()
+        except KeyboardInterrupt as exc:
+            # (the step stopped half-way in this thread: its plan was never applied)
+            self._fail_all(RuntimeError(
+                "a KeyboardInterrupt stopped a step half-way in the caller's thread, so this "
+                "engine cannot go on: build a new one (with the background loop running, "
+                "Engine.start(), an interrupt leaves the engine usable)"), fatal=True)
+            raise exc
         except BaseException as exc:
             self._fail_all(exc, fatal=True)
             raise
@@ -918,33 +935,32 @@ class Engine(ModelProbes):
                 self._fail_all(err, fatal=True)
                 raise err
 
-    def _loop(self) -> None:
-        idle_misses = 0
-        while not self._stop_loop:
-            try:
-                worked = self._step()
-            except BaseException as exc:  # delivered to every waiting caller
-                logger.exception("ferrobatch engine loop died")
-                self._fail_all(exc, fatal=True)
-                return
-            if worked:
-                idle_misses = 0
-                continue
-            with self._table_lock:
-                waiting = any(
-                    r.in_scheduler and not r.done.is_set() for r in self._requests.values()
+    def _loop_turn(self, idle_misses: int) -> tuple[int, bool] | None:
+        """One turn of the background loop (`_background_loop`): the next count of idle
+        misses and whether to wait for work, or None when the loop ends."""
+        if self._stop_loop:
+            return None
+        try:
+            worked = self._step()
+        except BaseException as exc:  # delivered to every waiting caller
+            logger.exception("ferrobatch engine loop died")
+            self._fail_all(exc, fatal=True)
+            return None
+        if worked:
+            return 0, False
+        with self._table_lock:
+            waiting = any(
+                r.in_scheduler and not r.done.is_set() for r in self._requests.values()
+            )
+        if waiting and not self._stepper.has_mail():
+            if idle_misses + 1 > 3:
+                self._fail_all(
+                    RuntimeError("scheduler returned no plan while requests are unfinished"),
+                    fatal=True,
                 )
-            if waiting and not self._stepper.has_mail():
-                idle_misses += 1
-                if idle_misses > 3:
-                    self._fail_all(
-                        RuntimeError("scheduler returned no plan while requests are unfinished"),
-                        fatal=True,
-                    )
-                    return
-                continue
-            self._wakeup.wait(0.05)
-            self._wakeup.clear()
+                return None
+            return idle_misses + 1, False
+        return idle_misses, True
 
     def _step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
@@ -961,6 +977,22 @@ class Engine(ModelProbes):
         router = getattr(self, "_router", None)  # (a failure while building: no callers)
         if router is not None:
             router.fail_all(exc)
+
+
+def _background_loop(ref: weakref.ReferenceType[Engine], wakeup: threading.Event) -> None:
+    """The background stepping loop: `Engine._loop_turn` until it says stop or the engine
+    is gone, the engine held only for the length of a turn."""
+    idle_misses = 0
+    while True:
+        engine = ref()
+        turn = None if engine is None else engine._loop_turn(idle_misses)
+        del engine
+        if turn is None:
+            return
+        idle_misses, wait = turn
+        if wait:
+            wakeup.wait(0.05)
+            wakeup.clear()
 
 
 class _Subscription:

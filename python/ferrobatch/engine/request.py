@@ -213,8 +213,16 @@ def _prompt_ids(engine: Engine, prompt: Prompt) -> tuple[list[int], str | None]:
             raise FieldError("prompt must not be empty", "prompt")
         if engine.tokenizer is None:
             raise FieldError("prompt: a string prompt needs a tokenizer; pass token ids", "prompt")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no text a tokenizer takes
+            raise FieldError(f"prompt is not valid Unicode text ({exc.reason} at "
+                             f"{exc.start})", "prompt") from None
         prompt_text = prompt
         ids = list(engine.tokenizer(prompt)["input_ids"])
+    elif isinstance(prompt, bytes | bytearray):
+        raise FieldError("prompt must be a string or token ids, not bytes (decode it first)",
+                         "prompt")
     else:
         ids = _as_id_list(prompt)
     if not ids:
