@@ -1,5 +1,5 @@
 """Where models are cached, and the dtype a checkpoint loads in: what `models` and `gguf`
-both need (a leaf over torch and transformers)."""
+both need (a leaf over torch, transformers and the compiled core)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers loads: never
 
 import torch  # noqa: E402
 from transformers import PretrainedConfig  # noqa: E402
+
+from ferrobatch import _core  # noqa: E402
 
 __all__ = ["DTYPE_NAMES", "cache_root", "checkpoint_dtype", "cpu_has_native_bf16",
            "default_dtype", "resolve_dtype"]
@@ -34,18 +36,10 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16 dot products):
-    the kernel crate's own detection (`_core.amx_backend`), else torch's where it still
-    has one (torch 2.13 dropped `torch._C._cpu._is_amx_tile_supported`)."""
-    try:
-        from ferrobatch import _core  # local: this module is a leaf over torch
-    except ImportError:
-        _core = None
-    if _core is not None and hasattr(_core, "amx_backend"):
-        return str(_core.amx_backend()) != "none"
-    cpu = getattr(torch._C, "_cpu", None)
-    return any(bool(getattr(cpu, name, lambda: False)())
-               for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16 dot products),
+    as the kernel crate detects it (`_core.amx_backend`, what `cpu.amx_ops` runs on)."""
+    backend = getattr(_core, "amx_backend", None)
+    return backend is not None and str(backend()) != "none"
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype | None:

@@ -816,14 +816,22 @@ class Engine(ModelProbes):
         counts every unfinished request, running or waiting) now; nothing without a bound.
         For a caller that must answer before its requests are submitted (a server choosing
         between a 429 and a stream)."""
+        with self._table_lock:
+            full = self._queue_full(count)
+        if full is not None:
+            raise full
+
+    def _queue_full(self, count: int) -> QueueFullError | None:
+        """The error when `count` more requests would pass `max_queue_size` (None: room, or
+        no bound); the caller holds the table lock."""
         limit = self.config.max_queue_size
         if not limit:
-            return
-        with self._table_lock:
-            busy = sum(not r.done.is_set() for r in self._requests.values())
-        if busy + count > limit:
-            raise QueueFullError(f"max_queue_size={limit} unfinished requests are already "
-                                 f"queued or running ({busy}, and {count} more asked)")
+            return None
+        busy = sum(not r.done.is_set() for r in self._requests.values())
+        if busy + count <= limit:
+            return None
+        return QueueFullError(f"max_queue_size={limit} unfinished requests are already "
+                              f"queued or running ({busy}, and {count} more asked)")
 
     def _submit(self, req: Request, *, bounded: bool = True) -> None:
         if self._closed:
@@ -833,12 +841,9 @@ class Engine(ModelProbes):
         with self._table_lock:
             if req.request_id in self._requests:
                 raise FieldError(f"request_id {req.request_id!r} is already in use", "request_id")
-            limit = self.config.max_queue_size
-            busy = sum(not r.done.is_set() for r in self._requests.values()) if limit else 0
-            if bounded and limit and busy >= limit:
-                raise QueueFullError(
-                    f"max_queue_size={limit} unfinished requests are already queued or running"
-                )
+            full = self._queue_full(1) if bounded else None
+            if full is not None:
+                raise full
             self._requests[req.request_id] = req
         self._stepper.inbox.append(req)
         self._wakeup.set()

@@ -100,8 +100,10 @@ def _copy_bytes(dtype: torch.dtype, weights: int, amx: bool, fp32_rows: int | No
     """The bytes of the packed copies `PackedLinears` makes of `weights` bytes of `dtype`
     weights: one per backend the table can choose with these copies
     (`linear_policy.reachable`; batch-invariant mode: its one backend). `in_bf16`: fp32
-    weights that are all bf16 values, which `f32_ops` packs as bf16 (half their bytes)."""
+    weights that are all bf16 values, which `f32_ops` (with `f32`) packs as bf16 (half
+    their bytes)."""
     isa = _narrowed(dtype, amx, f32)
+    in_bf16 = in_bf16 and f32
     fmt = policy.FP32_IN_BF16 if in_bf16 else policy.format_of(dtype)
     if invariant:
         found = policy.choose_invariant(fmt, isa)
@@ -421,8 +423,7 @@ class PackedLinears:
             bf16_exact(m.weight) for m in (layers[0], layers[-1]))
 
         def copies() -> int:
-            return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant,
-                               in_bf16 and wants_f32)
+            return _copy_bytes(dtype, weights, amx, fp32_rows, wants_f32, invariant, in_bf16)
 
         if fp32_rows == 1 and not invariant and amx and dtype == torch.bfloat16 \
                 and amx_ops.available():
@@ -448,7 +449,7 @@ class PackedLinears:
                         100 * _MAX_AVAILABLE_SHARE, budget / _MAX_AVAILABLE_SHARE / 2**20)
             return None
         return cls(model, layers, activation_dtype or layers[0].weight.dtype, in_thread,
-                   hidden_size, amx, fp32_rows, wants_f32, invariant, in_bf16 and wants_f32)
+                   hidden_size, amx, fp32_rows, wants_f32, invariant, in_bf16)
 
     # --- which product (`linear_policy`) ---------------------------------------------------
 
