@@ -1,10 +1,13 @@
-"""A bf16 checkpoint run in fp32 (the CPU default, `dtype=None`), one arm a process: "narrow"
-(main: `f32_ops` holds the weights, all bf16 values, as bf16 panels) or "plain" (the fp32
-panels and oneDNN's fp32 copy, as before `FP32_IN_BF16`). Prints the build time, RSS after
-construction (anonymous / file-backed / peak), a single stream's decode rate, a 16 x 32
-batch and a 512-token prefill. Token-id prompts: the checkpoint needs no tokenizer.
+"""A bf16 checkpoint run in fp32 (the CPU default, `dtype=None`), one arm a process:
+"panels" (main: `f32_ops` holds the weights, all bf16 values, as bf16 panels, and the
+model's fp32 linear weights are let go, `runner.panel_weights`), "kept" (the same panels,
+the fp32 weights kept beside them) or "plain" (the fp32 panels and oneDNN's fp32 copy, as
+before `FP32_IN_BF16`). Prints the build time, RSS after construction (anonymous /
+file-backed / peak), a single stream's decode rate, a 16 x 32 batch and a 512-token
+prefill. Token-id prompts: the checkpoint needs no tokenizer.
 
-    python benches/fp32_on_bf16.py DIR narrow --threads 1
+    python benches/fp32_on_bf16.py DIR panels --threads 1
+    python benches/fp32_on_bf16.py DIR kept --threads 1
     python benches/fp32_on_bf16.py DIR plain --threads 1
 """
 
@@ -19,13 +22,15 @@ from ferrobatch.runner import cpu_linear
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("model")
-ap.add_argument("arm", choices=("narrow", "plain"))
+ap.add_argument("arm", choices=("panels", "kept", "plain"))
 ap.add_argument("--threads", type=int, default=1)
 args = ap.parse_args()
 arm = args.arm
 torch.set_num_threads(args.threads)
 if arm == "plain":
     cpu_linear.bf16_exact = lambda w: False
+if arm == "kept":
+    cpu_linear.PackedLinears.hold_in_panels = lambda self: 0
 
 
 def rss() -> str:

@@ -576,6 +576,11 @@ def f32_pack_half(weight: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16], *
     """Packs a half-precision `weight` [n, k] (`dtype`'s bits as uint16) into `out`
     (`f32_packed_len(n, k)` uint16): `f32_pack`'s layout at half the bytes."""
 
+def f32_unpack_half(packed: npt.NDArray[np.uint16], weight: npt.NDArray[np.uint16], *,
+                    dtype: Literal["bfloat16", "float16"]) -> None:
+    """Unpacks `packed` (`f32_pack_half`ed bits of a `dtype` weight [n, k]) into `weight`
+    (uint16 [n, k]): the packed weight, bit for bit."""
+
 def f32_pack_bf16_exact(weight: npt.NDArray[np.float32],
                         out: npt.NDArray[np.uint16]) -> bool:
     """Packs a float32 `weight` [n, k] whose every value is a bf16 one into `out`

@@ -22,7 +22,8 @@ import torch
 from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
 
-__all__ = ["F32Weight", "available", "linear", "pack", "pack_bf16_exact", "torch_linear"]
+__all__ = ["F32Weight", "available", "linear", "pack", "pack_bf16_exact", "torch_linear",
+           "unpack"]
 
 #: products of at least this many multiply-adds split their columns over torch's threads
 #: (at a few rows they are bound by the weights' bytes, which two cores read faster than
@@ -92,6 +93,18 @@ def pack_bf16_exact(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F
         return None
     b = None if bias is None else bias.detach().float().contiguous()
     return F32Weight(packed, b, int(n), int(k))
+
+
+def unpack(w: F32Weight) -> torch.Tensor:
+    """The weight [n, k] a half-precision `w` was packed from, in its stored dtype, bit for
+    bit (for `pack_bf16_exact`: the fp32 weight's bf16 values). `ValueError` for an fp32
+    pack."""
+    half = HALF_DTYPES.get(w.packed.dtype)
+    if half is None:
+        raise ValueError(f"unpack takes a bfloat16 or float16 pack, not {w.packed.dtype}")
+    weight = torch.empty(w.n, w.k, dtype=w.packed.dtype)
+    _core.f32_unpack_half(_np(w.packed), _np(weight), dtype=half)
+    return weight
 
 
 def linear(x: torch.Tensor, w: F32Weight, out: torch.Tensor | None = None) -> torch.Tensor:

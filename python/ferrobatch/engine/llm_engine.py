@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import itertools
 import logging
 import queue
@@ -32,6 +33,7 @@ from ferrobatch import models
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.core import Scheduler
+from ferrobatch.cpu import pages
 from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
@@ -209,6 +211,8 @@ class Engine(ModelProbes):
         quant_modules.prepare_for_serving(self.model,
                                           self.runner.activations.stacked_quant_layers())
         self.runner.activations.release_sources()
+        if self.tp is None and not isinstance(model, torch.nn.Module):
+            self._hold_in_panels()
         if self.tp is not None:  # rank 0: steps go to every rank; torchrun ranks > 0 serve
             self.runner = tp_setup.attach(self.runner, self.tp, self._tp_failed)
         self.sampler = Sampler(self.device, seed=seed)
@@ -235,6 +239,16 @@ class Engine(ModelProbes):
         # embed()'s pooling when the caller names none (a sentence-transformers checkpoint's)
         self.pooling_defaults = embedding.pooling_defaults(
             getattr(self.model.config, "_name_or_path", None))
+
+    def _hold_in_panels(self) -> None:
+        """A model this engine loaded (never one the caller passed in): the fp32 weights
+        whose bf16 panels are their only copy are let go (`runner.panel_weights`)."""
+        let_go = self.runner.activations.hold_in_panels()
+        if let_go:
+            gc.collect()
+            pages.trim_heap()
+            logger.info("ferrobatch: %.0f MiB of fp32 linear weights held only as their bf16 "
+                        "panels", let_go / 2**20)
 
     def _load(self, model: Any, tokenizer: Any, device: Any, dtype: Any) -> tuple[Any, Any]:
         """(model, tokenizer): this rank's shard under tensor parallelism, else

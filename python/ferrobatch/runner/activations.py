@@ -93,6 +93,12 @@ class PackedActivations:
         back."""
         return 0 if self.linears is None else self.linears.release_sources()
 
+    def hold_in_panels(self) -> int:
+        """After construction, for a model the engine loaded: the fp32 weights whose bf16
+        panels are their only copy let go (`PackedLinears.hold_in_panels`). Returns the
+        bytes let go."""
+        return 0 if self.linears is None else self.linears.hold_in_panels()
+
     def attention_dtype(self, rows: int) -> torch.dtype | None:
         """The dtype a step of `rows` tokens writes its attention output in: the KV cache's
         where the o product rounds its input to half precision anyway (bf16 products), else

@@ -52,6 +52,7 @@ from ferrobatch.cpu.onednn import packing_available
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
+from ferrobatch.runner.panel_weights import PanelWeight
 
 logger = logging.getLogger("ferrobatch")
 
@@ -617,6 +618,48 @@ class PackedLinears:
         member run unpacked, packing again after a change) maps its pages back from the
         file. Returns the bytes given back."""
         return pages.release((m.weight for m in self._layers), anonymous=False)
+
+    def hold_in_panels(self) -> int:
+        """Let the model's fp32 weights go where their bf16 `f32_ops` panels are the only
+        copy every product reads (`FP32_IN_BF16`, nothing else reachable): each such layer's
+        weight becomes a `PanelWeight` over its panels (same shape, dtype and values, read
+        back from the panels when anything reads it). Not the output head's, nor a weight
+        another module shares (a tied embedding reads its rows). This changes the model:
+        only for an engine that loaded it. Returns the bytes of fp32 weights let go."""
+        if self.weight_format != policy.FP32_IN_BF16 or self._only_backend() is not \
+                Backend.F32_OPS:
+            return 0
+        uses: dict[int, int] = {}
+        for module in self.model.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    uses[id(p)] = uses.get(id(p), 0) + 1
+        freed = 0
+        for packed in self._packs:
+            f32 = packed.f32
+            if f32 is None or f32.dtype != torch.bfloat16 or packed.weight is not None \
+                    or packed.wide is not None or packed.amx is not None \
+                    or any(id(m) == self._wide_out or uses.get(id(m.weight)) != 1
+                           or isinstance(m.weight, PanelWeight) for m in packed.layers):
+                continue
+            start = 0
+            for m in packed.layers:
+                stop = start + m.out_features
+                freed += m.weight.numel() * m.weight.element_size()
+                m._parameters["weight"] = PanelWeight(f32, start, stop)
+                start = stop
+            packed.key = _weights_key(packed.layers)
+        self._seen = _weights_seen(self._params)
+        return freed
+
+    def _only_backend(self) -> Backend | None:
+        """The one product every call of these weights runs on, or None where the table
+        may choose between several."""
+        if self.invariant:
+            return self.invariant_backend()
+        found = policy.reachable(self.weight_format, self.isa,
+                                 policy.Probe(fp32_from_rows=self.fp32_rows))
+        return next(iter(found)) if len(found) == 1 else None
 
     def calibrate(self, forward: Callable[[], Any]) -> None:
         """Run `forward()` (a short forward of the model) on the packed layers and group the

@@ -19,10 +19,10 @@
 //! the same fused multiply-adds in the same order: its outputs are bit for bit those of
 //! [`linear`] over the weights widened to f32, at any rows or threads.
 
-use crate::error::KernelError;
+use crate::error::{Expected, KernelError};
 use crate::isa::{self, Isa};
 use crate::linear::panels::{
-    pack_columns, run_panels, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS,
+    pack_columns, run_panels, unpack_columns, PanelKernel, Prefetch, BLOCK_N, PASS_BLOCKS,
 };
 use crate::linear::{self, Layout, Lengths, LinearArgs, Product, Spelling};
 
@@ -160,6 +160,28 @@ pub fn pack_bf16_exact(
     pack_half(Half::Bf16, &high, n, k, out).map(|()| true)
 }
 
+/// The half-precision weight [n, k] (row-major bits) that [`pack_half`] packed into
+/// `packed`, written into `weight`: the inverse of [`pack_half`], bit for bit (the padding
+/// columns dropped). Fails naming `packed` or `weight` on a length mismatch.
+pub fn unpack_half(
+    half: Half,
+    packed: &[u16],
+    n: usize,
+    k: usize,
+    weight: &mut [u16],
+) -> Result<(), KernelError> {
+    KernelError::check_len("packed", packed.len(), packed_len(n, k), Expected::NotN)?;
+    KernelError::check_len("weight", weight.len(), n * k, Expected::NotFormula("n * k"))?;
+    if half == Half::Bf16 {
+        let mut columns = packed.to_vec();
+        unpair_blocks(n, k, &mut columns);
+        unpack_columns(&columns, n, k, weight);
+    } else {
+        unpack_columns(packed, n, k, weight);
+    }
+    Ok(())
+}
+
 /// Interleaves the bf16 panels `packed` (of an [n, k] weight) by pairs of column blocks: per
 /// input, blocks `2p` and `2p + 1` of a panel become one zmm register of 32-bit lanes, the
 /// first block's weight in each lane's low half and the second's in its high half (a
@@ -178,6 +200,25 @@ fn pair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
                     lane.copy_from_slice(&[pair[c], pair[BLOCK_N + c]]);
                 }
                 pair.copy_from_slice(&both);
+            }
+        }
+    }
+}
+
+/// The inverse of [`pair_blocks`]: each pair of column blocks back to one block after the
+/// other.
+fn unpair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
+    let blocks = n.div_ceil(BLOCK_N);
+    for nb in (0..blocks).step_by(PASS_BLOCKS) {
+        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
+        let panel = &mut packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
+        for row in panel.chunks_exact_mut(width) {
+            for pair in row.chunks_exact_mut(2 * BLOCK_N) {
+                let mut apart = [T::default(); 2 * BLOCK_N];
+                for (c, lane) in pair.chunks_exact(2).enumerate() {
+                    (apart[c], apart[BLOCK_N + c]) = (lane[0], lane[1]);
+                }
+                pair.copy_from_slice(&apart);
             }
         }
     }
@@ -562,6 +603,35 @@ mod tests {
         assert!(!pack_bf16_exact(&off, n, k, &mut untouched).unwrap());
         assert!(untouched.iter().all(|&u| u == 9));
         let e = pack_bf16_exact(&wide[1..], n, k, &mut got).unwrap_err();
+        assert_eq!(e.field(), Some("weight"));
+    }
+
+    proptest! {
+        #[test]
+        fn unpacking_half_panels_gives_the_weight_back(n in 1usize..150, k in 1usize..40,
+                                                        f16 in any::<bool>(), seed in 0u64..99) {
+            let half = if f16 { Half::F16 } else { Half::Bf16 };
+            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let bits: Vec<u16> = (0..n * k).map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 24) as u16
+            }).collect();
+            let mut packed = vec![0u16; packed_len(n, k)];
+            pack_half(half, &bits, n, k, &mut packed).unwrap();
+            let mut back = vec![0u16; n * k];
+            unpack_half(half, &packed, n, k, &mut back).unwrap();
+            prop_assert_eq!(back, bits);
+        }
+    }
+
+    #[test]
+    fn unpacking_checks_both_lengths() {
+        let packed = vec![0u16; packed_len(3, 5)];
+        let e = unpack_half(Half::Bf16, &packed[1..], 3, 5, &mut [0u16; 15]).unwrap_err();
+        assert_eq!(e.field(), Some("packed"));
+        let e = unpack_half(Half::F16, &packed, 3, 5, &mut [0u16; 14]).unwrap_err();
         assert_eq!(e.field(), Some("weight"));
     }
 

@@ -90,6 +90,25 @@ pub fn f32_pack_bf16_exact(
         .map_err(kernel_error)
 }
 
+/// Unpacks `packed` (`f32_pack_half`ed uint16 bits of a `dtype` weight [n, k]) into
+/// `weight` (uint16 [n, k]): the weight that was packed, bit for bit.
+#[pyfunction]
+#[pyo3(signature = (packed, weight, *, dtype))]
+pub fn f32_unpack_half(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    dtype: &str,
+) -> PyResult<()> {
+    let half = half_of(dtype)?;
+    let p = ro::<u16>(packed, "packed", "uint16")?;
+    let mut w = rw::<u16>(weight, "weight", "uint16")?;
+    let (n, k) = two_d("weight", w.shape(), "[out_features, in_features]")?;
+    let (p, w) = (p.as_slice()?, w.as_slice_mut()?);
+    py.detach(|| kernel::unpack_half(half, p, n, k, w))
+        .map_err(kernel_error)
+}
+
 /// The half format a dtype string names (a `FieldError` on `dtype` for another).
 fn half_of(dtype: &str) -> PyResult<kernel::Half> {
     match ty(dtype, "dtype")? {

@@ -71,6 +71,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(f32_linear::f32_pack_half, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::f32_pack_bf16_exact, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::f32_linear_half, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_linear::f32_unpack_half, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::i16_linear_available, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::i16_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::i16_pack, m)?)?;

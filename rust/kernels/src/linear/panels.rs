@@ -62,6 +62,28 @@ pub(crate) fn pack_columns<T: Copy + Default>(
     }
 }
 
+/// Unpacks `packed` (laid out by [`pack_columns`] with `step` 1) back into `weight` [n, k],
+/// row-major: the inverse of that packing, its padding columns dropped (lengths checked by
+/// the caller).
+pub(crate) fn unpack_columns<T: Copy>(packed: &[T], n: usize, k: usize, weight: &mut [T]) {
+    if k == 0 {
+        return;
+    }
+    let blocks = n.div_ceil(BLOCK_N);
+    for nb in (0..blocks).step_by(PASS_BLOCKS) {
+        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
+        let panel = &packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
+        for (s, row) in panel.chunks_exact(width).enumerate() {
+            for (j, v) in row.iter().enumerate() {
+                let col = nb * BLOCK_N + j;
+                if col < n {
+                    weight[col * k + s] = *v;
+                }
+            }
+        }
+    }
+}
+
 /// A product over the panel layout: its element types and its k loop.
 pub(crate) trait PanelKernel: super::Layout<Elem: Sync> {
     /// The inputs' element (`x` [m, k]).

@@ -1,0 +1,152 @@
+"""A bf16 checkpoint the engine loads in fp32 (the CPU default) keeps its linear weights only
+as the bf16 panels `f32_ops` reads (`runner.panel_weights`): the module's fp32 weights are
+let go, yet every read of them (a forward outside the engine, `state_dict()`) gets the same
+values, greedy parity holds, writing in place is refused, and a model the caller passed in
+is never changed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import tiny_models as tm
+import torch
+import torch.nn.functional as F
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.cpu import f32_ops
+from ferrobatch.models import load_model
+from ferrobatch.runner import cpu_linear
+from ferrobatch.runner.panel_weights import WRITE_REFUSED, PanelWeight
+from isa_helpers import needs_isa
+
+torch.set_num_threads(1)
+pytestmark = needs_isa(f32_ops.available(), "avx512f", what="f32_linear")
+
+
+def _saved_bf16(tmp_path: Path, build=tm.llama) -> Path:
+    build().to(torch.bfloat16).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (70, 33), (200, 577)])
+def test_unpack_gives_the_packed_weight_back(n, k):
+    w = torch.randn(n, k)
+    for dtype in (torch.bfloat16, torch.float16):
+        back = f32_ops.unpack(f32_ops.pack(w.to(dtype)))
+        assert back.dtype == dtype and torch.equal(back.view(torch.int16),
+                                                   w.to(dtype).view(torch.int16))
+    assert torch.equal(f32_ops.unpack(f32_ops.pack_bf16_exact(w.bfloat16().float())).float(),
+                       w.bfloat16().float())
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        f32_ops.unpack(f32_ops.pack(w))
+
+
+def test_a_panel_weight_reads_as_the_weight_and_refuses_writes():
+    w = torch.randn(40, 33).bfloat16().float()
+    rows = PanelWeight(f32_ops.pack_bf16_exact(w), 8, 30)
+    assert rows.shape == (22, 33) and rows.dtype == torch.float32
+    x = torch.randn(3, 33)
+    assert torch.equal(F.linear(x, rows), F.linear(x, w[8:30]))
+    assert torch.equal(rows.detach(), w[8:30]) and torch.equal(rows * 1, w[8:30])
+    out = torch.empty(22, 33)
+    out.copy_(rows)  # read: allowed
+    assert torch.equal(out, w[8:30])
+    for write in (lambda: rows.add_(1), lambda: rows.copy_(out),
+                  lambda: torch.add(x[:1], 1, out=rows)):
+        with pytest.raises(RuntimeError, match="cannot be written in place"):
+            write()
+    with pytest.raises(ValueError, match="bf16 pack"):
+        PanelWeight(f32_ops.pack(w), 0, 4)
+    with pytest.raises(ValueError, match="rows 30:50"):
+        PanelWeight(f32_ops.pack_bf16_exact(w), 30, 50)
+
+
+@pytest.mark.parametrize("build", [tm.llama, tm.qwen3], ids=["llama", "qwen3"])
+def test_an_engine_loaded_bf16_checkpoint_in_fp32_holds_its_linears_in_panels(
+        tmp_path, build, monkeypatch):
+    path = _saved_bf16(tmp_path, build)
+    reference, _ = load_model(path)  # fp32, what `Engine(path)` reads
+    assert reference.dtype == torch.float32
+    prompts = tm.random_prompts(11, 5, 4, 30)
+    let_go: list[weakref.ref] = []
+    hold = cpu_linear.PackedLinears.hold_in_panels
+
+    def watched(self: cpu_linear.PackedLinears) -> int:
+        let_go.extend(weakref.ref(m.weight) for m in self.layers)
+        return hold(self)
+
+    monkeypatch.setattr(cpu_linear.PackedLinears, "hold_in_panels", watched)
+    with Engine(str(path), tokenizer=None) as engine:
+        gc.collect()
+        held = _linears(engine.model)
+        # the fp32 weights let go are gone from memory (the head's is still held)
+        assert sum(ref() is None for ref in let_go) == len(held) - 1
+        head = engine.model.get_output_embeddings()
+        panels = [n for n, m in held.items() if isinstance(m.weight, PanelWeight)]
+        assert set(panels) == {n for n, m in held.items() if m is not head}
+        assert not isinstance(head.weight, PanelWeight)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.token_ids == tm.generate_greedy(reference, prompt, 12)
+        # every read of a let-go weight gets the fp32 weight's values
+        state = engine.model.state_dict()
+        for name, t in reference.state_dict().items():
+            assert torch.equal(state[name], t), name
+        # the model's own forward on the caller's thread, outside the engine's steps
+        assert tm.generate_greedy(engine.model, prompts[0], 6) == \
+            tm.generate_greedy(reference, prompts[0], 6)
+        with torch.no_grad(), pytest.raises(RuntimeError, match=WRITE_REFUSED[:40]):
+            held[panels[0]].weight.mul_(2)
+        again = engine.generate(prompts[:2], SamplingParams(max_new_tokens=12))
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs[:2]]
+
+
+def test_a_tied_head_keeps_its_weight_and_the_embedding_reads_it(tmp_path):
+    model = tm.llama(tie_word_embeddings=True)
+    model.tie_weights()
+    path = _saved_bf16(tmp_path, lambda: model)
+    reference, _ = load_model(path)
+    prompt = tm.random_prompts(3, 1, 5, 12)[0]
+    with Engine(str(path)) as engine:
+        emb, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
+        assert head.weight is emb.weight and not isinstance(head.weight, PanelWeight)
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=10))[0]
+    assert out.token_ids == tm.generate_greedy(reference, prompt, 10)
+
+
+def test_a_model_the_caller_passes_in_is_never_changed(tmp_path):
+    model, _ = load_model(_saved_bf16(tmp_path))
+    weights = {n: m.weight for n, m in _linears(model).items()}
+    with Engine(model) as engine:
+        engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))
+    assert {n: m.weight for n, m in _linears(model).items()} == weights
+    assert not any(isinstance(w, PanelWeight) for w in weights.values())
+
+
+def test_an_fp32_checkpoint_keeps_its_weights(tmp_path):
+    tm.llama().save_pretrained(tmp_path)
+    with Engine(str(tmp_path)) as engine:
+        assert not any(isinstance(m.weight, PanelWeight)
+                       for m in _linears(engine.model).values())
+
+
+def test_batch_invariant_mode_holds_them_too_with_the_same_logprobs(tmp_path):
+    path = _saved_bf16(tmp_path)
+    prompts = tm.random_prompts(5, 3, 4, 20)
+    sampling = SamplingParams(max_new_tokens=8, logprobs=2)
+    config = ContinuousBatchingConfig(batch_invariant=True)
+    runs = []
+    for load in (lambda: str(path), lambda: load_model(path)[0]):  # held, then kept
+        with Engine(load(), config=config) as engine:
+            held = any(isinstance(m.weight, PanelWeight)
+                       for m in _linears(engine.model).values())
+            outs = engine.generate(prompts, sampling)
+        runs.append((held, [(o.token_ids, o.logprobs) for o in outs]))
+    assert runs[0][0] and not runs[1][0]
+    assert runs[0][1] == runs[1][1]
