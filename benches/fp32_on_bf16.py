@@ -24,6 +24,10 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("model")
 ap.add_argument("arm", choices=("panels", "kept", "plain"))
 ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--head-ab", type=int, default=0, metavar="N",
+                help="then N rounds of a single stream with the output head on its bf16 "
+                     "panels (the module's packed product) and on oneDNN's fp32 copy, "
+                     "alternated")
 args = ap.parse_args()
 arm = args.arm
 torch.set_num_threads(args.threads)
@@ -61,4 +65,19 @@ t = time.time()
 e.generate([list(range(5, 517))], SamplingParams(max_new_tokens=1))
 w = time.time() - t
 print(arm, f"prefill 512 {512 / w:.1f} tok/s", flush=True)
+if args.head_ab:
+    from ferrobatch.runner.linear_policy import Backend
+
+    head = e.runner.head
+    arms = {"panels": None, "onednn fp32 copy": Backend.ONEDNN}
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.head_ab):
+        for name, backend in arms.items():
+            head.backend = backend
+            t = time.time()
+            e.generate(one, sp)
+            rates[name].append(32 / (time.time() - t))
+    for name, got in rates.items():
+        print(arm, f"head on {name}: single stream", " / ".join(f"{r:.2f}" for r in got),
+              "tok/s", flush=True)
 e.close()

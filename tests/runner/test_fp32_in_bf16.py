@@ -144,3 +144,18 @@ def test_a_weight_changed_off_bf16_is_packed_as_fp32_again():
         torch.testing.assert_close(packed.f32_product(x), F.linear(x, layer.weight),
                                    rtol=1e-5, atol=1e-5)
     assert out.token_ids == tm.generate_greedy(model, prompt, 8)
+
+
+def test_the_output_head_runs_on_its_bf16_panels_with_no_copy_of_its_own():
+    model = _bf16_valued(tm.llama())
+    prompts = tm.random_prompts(9, 4, 5, 20)
+    with Engine(model) as engine:
+        head = engine.runner.head
+        assert head.backend is None and head._packed._value is None \
+            and head._transposed._value is None
+        assert _linears(engine).only_on_bf16_panels(model.get_output_embeddings())
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == tm.generate_greedy(model, prompt, 8)
+    with Engine(tm.llama()) as engine:  # fp32 values: its own copy, as probed
+        assert not _linears(engine).only_on_bf16_panels(engine.model.get_output_embeddings())

@@ -652,6 +652,17 @@ class PackedLinears:
         self._seen = _weights_seen(self._params)
         return freed
 
+    def only_on_bf16_panels(self, module: torch.nn.Module | None) -> bool:
+        """Whether `module` is a packed layer whose every product runs on its bf16 `f32_ops`
+        panels (`FP32_IN_BF16`, nothing else reachable)."""
+        if module is None or self.weight_format != policy.FP32_IN_BF16 \
+                or self._only_backend() is not Backend.F32_OPS:
+            return False
+        for packed in self._packs:
+            if any(m is module for m in packed.layers):
+                return packed.f32 is not None and packed.f32.dtype == torch.bfloat16
+        return False
+
     def _only_backend(self) -> Backend | None:
         """The one product every call of these weights runs on, or None where the table
         may choose between several."""
@@ -662,8 +673,10 @@ class PackedLinears:
         return next(iter(found)) if len(found) == 1 else None
 
     def calibrate(self, forward: Callable[[], Any]) -> None:
-        """Run `forward()` (a short forward of the model) on the packed layers and group the
-        layers that took the same input tensor one after the other."""
+        """Run `forward()` (a short forward of the model, its products the exact fp32 ones:
+        nothing is packed for it) and group the layers that took the same input tensor one
+        after the other; a second forward on the groups' packed products checks that the
+        model takes their slices."""
         self._recording = []
         try:
             with self.active(everywhere=True):
@@ -734,11 +747,14 @@ class PackedLinears:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not (in_thread() or self._everywhere):
                 return own(module, x)
-            if self._exact:
+            if self._exact or self._recording is not None:
+                # (calibration only records who takes which input: no copy is packed for
+                # it, the groups it finds are packed next)
+                if self._recording is not None:
+                    self._recording.append((index, x))
                 b = module.bias
-                return F.linear(x.float(), module.weight.float(), None if b is None else b.float())
-            if self._recording is not None:
-                self._recording.append((index, x))
+                y = F.linear(x.float(), module.weight.float(), None if b is None else b.float())
+                return y if self._exact else widen(y)
             if alone:
                 return widen(run(x))
             if pos:
