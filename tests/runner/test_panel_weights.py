@@ -18,7 +18,8 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.cpu import f32_ops
 from ferrobatch.models import load_model
 from ferrobatch.runner import cpu_linear
-from ferrobatch.runner.panel_weights import WRITE_REFUSED, PanelWeight
+from ferrobatch.runner.greedy_head import GreedyHead
+from ferrobatch.runner.panel_weights import WRITE_REFUSED, NarrowWeight, PanelWeight
 from isa_helpers import needs_isa
 
 torch.set_num_threads(1)
@@ -98,6 +99,13 @@ def test_an_engine_loaded_bf16_checkpoint_in_fp32_holds_its_linears_in_panels(
         state = engine.model.state_dict()
         for name, t in reference.state_dict().items():
             assert torch.equal(state[name], t), name
+        engine.model.save_pretrained(tmp_path / "again")
+        again, _ = load_model(tmp_path / "again")
+        for name, t in reference.state_dict().items():
+            assert torch.equal(again.state_dict()[name], t), name
+        with torch.inference_mode():  # (a plain tensor there too)
+            assert torch.equal(held[panels[0]].weight.detach(),
+                               dict(reference.named_modules())[panels[0]].weight)
         # the model's own forward on the caller's thread, outside the engine's steps
         assert tm.generate_greedy(engine.model, prompts[0], 6) == \
             tm.generate_greedy(reference, prompts[0], 6)
@@ -107,17 +115,41 @@ def test_an_engine_loaded_bf16_checkpoint_in_fp32_holds_its_linears_in_panels(
         assert [o.token_ids for o in again] == [o.token_ids for o in outs[:2]]
 
 
-def test_a_tied_head_keeps_its_weight_and_the_embedding_reads_it(tmp_path):
+@pytest.mark.parametrize("greedy", [False, True], ids=["full-head", "greedy-screen"])
+def test_a_tied_head_and_embedding_are_held_as_bf16_unless_the_greedy_screen_keeps_them(
+        tmp_path, monkeypatch, greedy):
+    monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: greedy)
     model = tm.llama(tie_word_embeddings=True)
     model.tie_weights()
     path = _saved_bf16(tmp_path, lambda: model)
     reference, _ = load_model(path)
-    prompt = tm.random_prompts(3, 1, 5, 12)[0]
+    prompts = tm.random_prompts(3, 3, 5, 12)
     with Engine(str(path)) as engine:
         emb, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
         assert head.weight is emb.weight and not isinstance(head.weight, PanelWeight)
-        out = engine.generate([prompt], SamplingParams(max_new_tokens=10))[0]
-    assert out.token_ids == tm.generate_greedy(reference, prompt, 10)
+        assert isinstance(emb.weight, NarrowWeight) is not greedy
+        assert (engine.runner.head.greedy is not None) is greedy
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=10))
+        assert torch.equal(emb.weight.detach(), reference.get_input_embeddings().weight)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == tm.generate_greedy(reference, prompt, 10)
+
+
+def test_a_narrow_weight_gathers_bf16_rows_and_reads_as_the_weight():
+    w = torch.randn(50, 12).bfloat16()
+    narrow = NarrowWeight(w)
+    wide = w.float()
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(F.embedding(ids, narrow), F.embedding(ids, wide))
+    assert torch.equal(F.embedding(ids, narrow, padding_idx=7), F.embedding(ids, wide, 7))
+    assert torch.equal(narrow.index_select(0, ids[0]), wide.index_select(0, ids[0]))
+    assert torch.equal(narrow[ids[1]], wide[ids[1]]) and torch.equal(narrow * 2, wide * 2)
+    x = torch.randn(2, 12)
+    assert torch.equal(F.linear(x, narrow), F.linear(x, wide))
+    with pytest.raises(RuntimeError, match="cannot be written in place"):
+        narrow.zero_()
+    with pytest.raises(ValueError, match="bfloat16"):
+        NarrowWeight(wide)
 
 
 def test_a_model_the_caller_passes_in_is_never_changed(tmp_path):

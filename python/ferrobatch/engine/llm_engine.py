@@ -242,13 +242,16 @@ class Engine(ModelProbes):
 
     def _hold_in_panels(self) -> None:
         """A model this engine loaded (never one the caller passed in): the fp32 weights
-        whose bf16 panels are their only copy are let go (`runner.panel_weights`)."""
+        whose bf16 panels are their only copy are let go, and its input embedding is held as
+        bf16 where its values allow (`runner.panel_weights`)."""
         let_go = self.runner.activations.hold_in_panels()
+        if self.runner.head.greedy is None:  # (the greedy head keeps its own reference)
+            let_go += self.runner.activations.narrow_embedding()
         if let_go:
             gc.collect()
             pages.trim_heap()
-            logger.info("ferrobatch: %.0f MiB of fp32 linear weights held only as their bf16 "
-                        "panels", let_go / 2**20)
+            logger.info("ferrobatch: %.0f MiB of fp32 weights let go (held as bf16)",
+                        let_go / 2**20)
 
     def _load(self, model: Any, tokenizer: Any, device: Any, dtype: Any) -> tuple[Any, Any]:
         """(model, tokenizer): this rank's shard under tensor parallelism, else

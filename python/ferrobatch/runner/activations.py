@@ -21,6 +21,7 @@ from ferrobatch.runner import linear_policy
 from ferrobatch.runner.aligned_activations import activation_modules, aligned
 from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.lean_layers import LeanLayers
+from ferrobatch.runner.panel_weights import narrow_embedding
 from ferrobatch.runner.patches import eval_mode
 from ferrobatch.runner.quant_linears import QuantLinears
 
@@ -98,6 +99,18 @@ class PackedActivations:
         panels are their only copy let go (`PackedLinears.hold_in_panels`). Returns the
         bytes let go."""
         return 0 if self.linears is None else self.linears.hold_in_panels()
+
+    def narrow_embedding(self) -> int:
+        """After `hold_in_panels`, where the linears run on bf16 panels: the input
+        embedding's fp32 weight held as bf16 (`panel_weights.narrow_embedding`; a head tied
+        to it must read only its panels). Returns the bytes let go."""
+        linears = self.linears
+        if linears is None or linears.weight_format != linear_policy.FP32_IN_BF16:
+            return 0
+        let_go = narrow_embedding(self.model, linears.only_on_bf16_panels)
+        if let_go:
+            linears.same_values_swapped()
+        return let_go
 
     def attention_dtype(self, rows: int) -> torch.dtype | None:
         """The dtype a step of `rows` tokens writes its attention output in: the KV cache's

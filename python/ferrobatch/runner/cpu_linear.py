@@ -648,9 +648,16 @@ class PackedLinears:
                 freed += m.weight.numel() * m.weight.element_size()
                 m._parameters["weight"] = PanelWeight(f32, start, stop)
                 start = stop
+        self.same_values_swapped()
+        return freed
+
+    def same_values_swapped(self) -> None:
+        """Take the layers' weights as they are now for those the packs were made from, with
+        no packing again: after weights were replaced by objects of the same values (a
+        `PanelWeight`, a `NarrowWeight`)."""
+        for packed in self._packs:
             packed.key = _weights_key(packed.layers)
         self._seen = _weights_seen(self._params)
-        return freed
 
     def only_on_bf16_panels(self, module: torch.nn.Module | None) -> bool:
         """Whether `module` is a packed layer whose every product runs on its bf16 `f32_ops`

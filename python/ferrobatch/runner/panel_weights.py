@@ -10,26 +10,36 @@ widening is exact). The packed products never do; what still may (a forward of t
 on a thread outside ferrobatch's steps, `state_dict()`, a user's own code) gets the same
 values, more slowly. Writing to one in place is refused with an error that says why.
 
+The input embedding's fp32 weight, all bf16 values too, becomes a `NarrowWeight`: held as
+bf16 (half the bytes), its lookups gather bf16 rows and widen them (exact), any other read
+widens it whole. A head tied to it reads it only through its panels.
+
 Only an engine that loaded the model itself does this (`Engine(path)`); a model the caller
 passed in is never changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 from ferrobatch.cpu import f32_ops
 
-__all__ = ["PanelWeight", "WRITE_REFUSED"]
+__all__ = ["NarrowWeight", "PanelWeight", "WRITE_REFUSED", "narrow_embedding"]
 
 #: the error of an in-place write to a `PanelWeight`
 WRITE_REFUSED = (
     "this linear weight is held only as ferrobatch's packed bf16 panels (an fp32 run of a "
     "bf16 checkpoint loaded by the engine) and cannot be written in place; load the model "
     "yourself and pass it to Engine to keep writable fp32 weights")
+
+_aten = torch.ops.aten
+#: row gathers a `NarrowWeight` runs on its bf16 rows (the weight their first argument)
+_GATHERS = (_aten.embedding.default, _aten.index_select.default, _aten.index.Tensor)
 
 
 class PanelWeight(torch.Tensor):
@@ -66,8 +76,10 @@ class PanelWeight(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if _writes_to_panels(func, args, kwargs):
+        if _writes_to(func, args, kwargs, cls):
             raise RuntimeError(f"{func.__name__}: {WRITE_REFUSED}")
+        if func is _aten.detach.default:
+            return _detached(args[0].dense)
 
         def dense(a: Any) -> Any:
             return a.dense() if isinstance(a, PanelWeight) else a
@@ -75,15 +87,89 @@ class PanelWeight(torch.Tensor):
         return func(*tree_map(dense, args), **tree_map(dense, kwargs))
 
 
-def _writes_to_panels(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether `func` writes to one of its `PanelWeight` arguments (its schema marks the
-    argument written: in-place ops, `out=`)."""
+def _detached(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`detach`'s result: the weight rebuilt as a plain tensor (so `state_dict()` and
+    `numpy()` see one), made outside inference mode: autograd gives it the input's version
+    counter, which an inference tensor cannot take."""
+    with torch.inference_mode(False):
+        return make()
+
+
+def _writes_to(func: Any, args: tuple, kwargs: dict, cls: type) -> bool:
+    """Whether `func` writes to one of its `cls` arguments (its schema marks the argument
+    written: in-place ops, `out=`)."""
     for i, arg in enumerate(func._schema.arguments):
         alias = arg.alias_info
         if alias is None or not alias.is_write:
             continue
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, PanelWeight) or (
-                isinstance(value, list | tuple) and any(isinstance(v, PanelWeight) for v in value)):
+        if isinstance(value, cls) or (
+                isinstance(value, list | tuple) and any(isinstance(v, cls) for v in value)):
             return True
     return False
+
+
+class NarrowWeight(torch.Tensor):
+    """An fp32 weight whose every value is a bf16 one, held as that bf16 tensor (`half`): a
+    row gather (an embedding lookup, `index_select`, indexing by a tensor) runs on the bf16
+    rows and widens them; any other operation runs on the weight widened whole. Both exact.
+    """
+
+    half: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, half: torch.Tensor) -> NarrowWeight:
+        if half.dtype != torch.bfloat16 or half.device.type != "cpu":
+            raise ValueError(f"NarrowWeight holds a CPU bfloat16 tensor, not {half.dtype} on "
+                             f"{half.device}")
+        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, tuple(half.shape), dtype=torch.float32, device="cpu", requires_grad=False)
+        t.half = half
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's hook
+        return f"NarrowWeight(shape={tuple(self.shape)}, dtype=torch.float32, held as bf16)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _writes_to(func, args, kwargs, cls):
+            raise RuntimeError(f"{func.__name__}: {WRITE_REFUSED}")
+        if func is _aten.detach.default:
+            return _detached(lambda: args[0].half.float())
+        if func in _GATHERS and isinstance(args[0], NarrowWeight) and not any(
+                isinstance(a, NarrowWeight) for a in args[1:]):
+            return func(args[0].half, *args[1:], **kwargs).float()
+
+        def wide(a: Any) -> Any:
+            return a.half.float() if isinstance(a, NarrowWeight) else a
+
+        return func(*tree_map(wide, args), **tree_map(wide, kwargs))
+
+
+def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]) -> int:
+    """Hold `model`'s input embedding weight as a `NarrowWeight` where it is an fp32 CPU
+    weight of bf16 values, the output head is a linear layer, and every other module that
+    registers the weight is one whose products read only their panels (`reads_panels`: a
+    head tied to it). Returns the bytes let go."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
+        return 0  # (a head that is no linear layer may multiply by the embedding itself)
+    w = emb.weight
+    if type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu" \
+            or w.numel() == 0 or bool((w.detach().view(torch.int32) & 0xFFFF).any()):
+        return 0
+    owners = [m for m in model.modules()
+              if any(p is w for p in m._parameters.values())]
+    if any(m is not emb and not reads_panels(m) for m in owners):
+        return 0
+    narrow = NarrowWeight(w.detach().bfloat16())
+    for m in owners:
+        for name, p in list(m._parameters.items()):
+            if p is w:
+                m._parameters[name] = narrow
+    return w.numel() * w.element_size() - narrow.half.numel() * 2
