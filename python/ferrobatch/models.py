@@ -19,7 +19,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     AutoModelForCausalLM,
@@ -453,6 +455,8 @@ def load_checkpoint(
     path = Path(model).expanduser()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     dt = resolve_dtype(dtype, dev, path)
+    if dev.type == "cpu" and not from_pretrained:  # (quantize-on-load hooks read less)
+        check_read_fits(path, dt)
     kwargs: dict[str, Any] = dict(local_files_only=True, dtype=dt, **from_pretrained)
     loaded = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     loaded = loaded.to(dev).eval()
@@ -462,6 +466,57 @@ def load_checkpoint(
     else:
         logger.warning("ferrobatch: no tokenizer found in %s", path)
     return loaded, tokenizer
+
+
+#: safetensors dtype names of floating tensors, and their bytes per element
+_FLOAT_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_bytes(path: Path, dtype: torch.dtype) -> int | None:
+    """The bytes `path`'s safetensors tensors take read with their floating ones in `dtype`
+    (from the files' headers), or None where that can't be told (no safetensors files, or
+    one that can't be read)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    try:
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                    part = f.get_slice(key)
+                    count = 1
+                    for dim in part.get_shape():
+                        count *= int(dim)
+                    stored = part.get_dtype()
+                    total += count * (size if stored in _FLOAT_SIZES else
+                                      torch.empty(0, dtype=_int_dtype(stored)).element_size())
+    except Exception:  # noqa: BLE001 - a header this can't read: no estimate
+        return None
+    return total
+
+
+def _int_dtype(name: str) -> torch.dtype:
+    return {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+            "U8": torch.uint8, "BOOL": torch.bool}.get(name, torch.uint8)
+
+
+def check_read_fits(path: Path, dtype: torch.dtype) -> None:
+    """`FieldError` on `dtype` where reading the checkpoint at `path` in `dtype` would take
+    more memory than is available now (a bf16 8B checkpoint read in fp32: 32 GB), before
+    anything is read: the process would otherwise be killed midway."""
+    need = read_bytes(path, dtype)
+    available = psutil.virtual_memory().available
+    if need is None or need <= available:
+        return
+    hint = ("read it in its stored dtype (dtype=\"auto\" or \"bfloat16\") or quantize it on "
+            "load (quantization=\"q8_0\" or \"q4_k\")") if dtype == torch.float32 else \
+        "quantize it on load (quantization=\"q8_0\" or \"q4_k\")"
+    raise FieldError(
+        f"dtype: {path.name} read in {str(dtype).removeprefix('torch.')} takes "
+        f"{need / 1e9:.1f} GB, more than the {available / 1e9:.1f} GB of memory available; "
+        f"{hint}", "dtype")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",

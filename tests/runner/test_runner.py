@@ -432,3 +432,25 @@ def test_kernel_step_wiring_with_the_torch_reference_backend(name):
     """The GPU kernel path (KernelStep -> ferrobatch.cuda.paged_attention), run on CPU with
     the kernels' torch reference backend."""
     test_packed_steps_match_each_sequence_alone(name, backend="torch")
+
+
+def test_a_checkpoint_read_beyond_available_memory_is_refused_before_it_is_read(
+        tmp_path, monkeypatch):
+    import psutil
+    from ferrobatch import models
+    from ferrobatch.errors import FieldError
+
+    tm.llama().to(torch.bfloat16).save_pretrained(tmp_path)
+    stored = sum(p.numel() * 2 for p in tm.llama().parameters())
+    assert models.read_bytes(tmp_path, torch.bfloat16) == stored
+    assert models.read_bytes(tmp_path, torch.float32) == 2 * stored
+    real = psutil.virtual_memory()
+    tight = real._replace(available=int(1.5 * stored))
+    monkeypatch.setattr(models.psutil, "virtual_memory", lambda: tight)
+    with pytest.raises(FieldError, match=r"read in float32 takes .* quantize it on load") as err:
+        models.load_model(tmp_path)  # fp32: twice the bf16 bytes
+    assert err.value.field == "dtype" and "dtype=\"auto\"" in str(err.value)
+    loaded, _ = models.load_model(tmp_path, dtype="bfloat16")  # as stored: fits
+    assert loaded.dtype == torch.bfloat16
+    loaded, _ = models.load_model(tmp_path, quantization="q8_0")  # read narrow, quantized
+    assert loaded is not None
