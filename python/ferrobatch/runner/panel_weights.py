@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 from ferrobatch.cpu import f32_ops
 
-__all__ = ["NarrowWeight", "PanelWeight", "WRITE_REFUSED", "narrow_embedding"]
+__all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "narrow_embedding"]
 
 #: the error of an in-place write to a `PanelWeight`
 WRITE_REFUSED = (
@@ -42,10 +42,54 @@ _aten = torch.ops.aten
 _GATHERS = (_aten.embedding.default, _aten.index_select.default, _aten.index.Tensor)
 
 
-class PanelWeight(torch.Tensor):
+class HeldWeight(torch.Tensor):
+    """An fp32 weight of bf16 values held in another form (subclasses: `PanelWeight`,
+    `NarrowWeight`) as a tensor that holds no fp32 elements: an operation on it runs on the
+    weight rebuilt (`dense`), or on its stored form where the subclass can (`direct`);
+    in-place writes are refused."""
+
+    @staticmethod
+    def _wrap(cls: type, shape: tuple[int, ...]) -> Any:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, shape, dtype=torch.float32, device="cpu", requires_grad=False)
+
+    # results are plain tensors, never wrapped again
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight, rebuilt (a new tensor each call)."""
+        raise NotImplementedError
+
+    def direct(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func`'s result computed on the stored form, or None: rebuild the weight."""
+        return None
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's hook
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype=torch.float32)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _writes_to(func, args, kwargs):
+            raise RuntimeError(f"{func.__name__}: {WRITE_REFUSED}")
+        if func is _aten.detach.default:
+            return _detached(args[0].dense)
+        if isinstance(args[0], HeldWeight):
+            got = args[0].direct(func, args, kwargs)
+            if got is not None:
+                return got
+
+        def dense(a: Any) -> Any:
+            return a.dense() if isinstance(a, HeldWeight) else a
+
+        return func(*tree_map(dense, args), **tree_map(dense, kwargs))
+
+
+class PanelWeight(HeldWeight):
     """Rows `start:stop` of the fp32 weight packed in `panels` (an `f32_ops` bf16 pack,
-    one layer's or a stacked group's), as a [stop - start, k] fp32 tensor that holds no
-    elements: each operation on it runs on the weight rebuilt from the panels."""
+    one layer's or a stacked group's), as a [stop - start, k] fp32 tensor: each operation
+    on it runs on the weight rebuilt from the panels."""
 
     panels: f32_ops.F32Weight
     start: int
@@ -56,60 +100,15 @@ class PanelWeight(torch.Tensor):
         if panels.dtype != torch.bfloat16 or not 0 <= start < stop <= panels.n:
             raise ValueError(f"PanelWeight takes rows of a bf16 pack, not {panels.dtype} "
                              f"rows {start}:{stop} of {panels.n}")
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, (stop - start, panels.k), dtype=torch.float32, device="cpu",
-            requires_grad=False)
+        t = HeldWeight._wrap(cls, (stop - start, panels.k))
         t.panels, t.start, t.stop = panels, start, stop
         return t
 
-    # results are plain tensors, never wrapped again
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
     def dense(self) -> torch.Tensor:
-        """The fp32 weight, rebuilt (a new tensor each call)."""
         return f32_ops.unpack(self.panels)[self.start:self.stop].float()
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's hook
-        return f"PanelWeight(shape={tuple(self.shape)}, dtype=torch.float32, bf16 panels)"
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if _writes_to(func, args, kwargs, cls):
-            raise RuntimeError(f"{func.__name__}: {WRITE_REFUSED}")
-        if func is _aten.detach.default:
-            return _detached(args[0].dense)
-
-        def dense(a: Any) -> Any:
-            return a.dense() if isinstance(a, PanelWeight) else a
-
-        return func(*tree_map(dense, args), **tree_map(dense, kwargs))
-
-
-def _detached(make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`detach`'s result: the weight rebuilt as a plain tensor (so `state_dict()` and
-    `numpy()` see one), made outside inference mode: autograd gives it the input's version
-    counter, which an inference tensor cannot take."""
-    with torch.inference_mode(False):
-        return make()
-
-
-def _writes_to(func: Any, args: tuple, kwargs: dict, cls: type) -> bool:
-    """Whether `func` writes to one of its `cls` arguments (its schema marks the argument
-    written: in-place ops, `out=`)."""
-    for i, arg in enumerate(func._schema.arguments):
-        alias = arg.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        if isinstance(value, cls) or (
-                isinstance(value, list | tuple) and any(isinstance(v, cls) for v in value)):
-            return True
-    return False
-
-
-class NarrowWeight(torch.Tensor):
+class NarrowWeight(HeldWeight):
     """An fp32 weight whose every value is a bf16 one, held as that bf16 tensor (`half`): a
     row gather (an embedding lookup, `index_select`, indexing by a tensor) runs on the bf16
     rows and widens them; any other operation runs on the weight widened whole. Both exact.
@@ -122,32 +121,39 @@ class NarrowWeight(torch.Tensor):
         if half.dtype != torch.bfloat16 or half.device.type != "cpu":
             raise ValueError(f"NarrowWeight holds a CPU bfloat16 tensor, not {half.dtype} on "
                              f"{half.device}")
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, tuple(half.shape), dtype=torch.float32, device="cpu", requires_grad=False)
+        t = HeldWeight._wrap(cls, tuple(half.shape))
         t.half = half
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    def dense(self) -> torch.Tensor:
+        return self.half.float()
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002 - torch's hook
-        return f"NarrowWeight(shape={tuple(self.shape)}, dtype=torch.float32, held as bf16)"
+    def direct(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func in _GATHERS and not any(isinstance(a, HeldWeight) for a in args[1:]):
+            return func(self.half, *args[1:], **kwargs).float()
+        return None
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if _writes_to(func, args, kwargs, cls):
-            raise RuntimeError(f"{func.__name__}: {WRITE_REFUSED}")
-        if func is _aten.detach.default:
-            return _detached(lambda: args[0].half.float())
-        if func in _GATHERS and isinstance(args[0], NarrowWeight) and not any(
-                isinstance(a, NarrowWeight) for a in args[1:]):
-            return func(args[0].half, *args[1:], **kwargs).float()
 
-        def wide(a: Any) -> Any:
-            return a.half.float() if isinstance(a, NarrowWeight) else a
+def _detached(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`detach`'s result: the weight rebuilt as a plain tensor (so `state_dict()` and
+    `numpy()` see one), made outside inference mode: autograd gives it the input's version
+    counter, which an inference tensor cannot take."""
+    with torch.inference_mode(False):
+        return make()
 
-        return func(*tree_map(wide, args), **tree_map(wide, kwargs))
+
+def _writes_to(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether `func` writes to one of its `HeldWeight` arguments (its schema marks the
+    argument written: in-place ops, `out=`)."""
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, HeldWeight) or (
+                isinstance(value, list | tuple) and any(isinstance(v, HeldWeight) for v in value)):
+            return True
+    return False
 
 
 def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]) -> int:

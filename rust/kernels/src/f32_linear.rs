@@ -189,17 +189,31 @@ pub fn unpack_half(
 /// blocks with one instruction each (a shift left by 16, a mask of the high half) instead
 /// of two (zero-extension, shift) per block: the widening shares the FMA ports.
 fn pair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
+    for_each_pair(n, k, packed, |pair, both| {
+        for (c, lane) in both.chunks_exact_mut(2).enumerate() {
+            lane.copy_from_slice(&[pair[c], pair[BLOCK_N + c]]);
+        }
+    });
+}
+
+/// Runs `rearrange(pair, into)` over each pair of column blocks of the bf16 panels
+/// `packed` (per input, 2 x 16 elements; a panel's last block without a partner is left
+/// alone), then writes `into` over the pair.
+fn for_each_pair<T: Copy + Default>(
+    n: usize,
+    k: usize,
+    packed: &mut [T],
+    rearrange: impl Fn(&[T], &mut [T; 2 * BLOCK_N]),
+) {
     let blocks = n.div_ceil(BLOCK_N);
     for nb in (0..blocks).step_by(PASS_BLOCKS) {
         let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
         let panel = &mut packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
         for row in panel.chunks_exact_mut(width) {
             for pair in row.chunks_exact_mut(2 * BLOCK_N) {
-                let mut both = [T::default(); 2 * BLOCK_N];
-                for (c, lane) in both.chunks_exact_mut(2).enumerate() {
-                    lane.copy_from_slice(&[pair[c], pair[BLOCK_N + c]]);
-                }
-                pair.copy_from_slice(&both);
+                let mut into = [T::default(); 2 * BLOCK_N];
+                rearrange(pair, &mut into);
+                pair.copy_from_slice(&into);
             }
         }
     }
@@ -208,20 +222,11 @@ fn pair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
 /// The inverse of [`pair_blocks`]: each pair of column blocks back to one block after the
 /// other.
 fn unpair_blocks<T: Copy + Default>(n: usize, k: usize, packed: &mut [T]) {
-    let blocks = n.div_ceil(BLOCK_N);
-    for nb in (0..blocks).step_by(PASS_BLOCKS) {
-        let width = (blocks - nb).min(PASS_BLOCKS) * BLOCK_N;
-        let panel = &mut packed[nb * BLOCK_N * k..(nb * BLOCK_N + width) * k];
-        for row in panel.chunks_exact_mut(width) {
-            for pair in row.chunks_exact_mut(2 * BLOCK_N) {
-                let mut apart = [T::default(); 2 * BLOCK_N];
-                for (c, lane) in pair.chunks_exact(2).enumerate() {
-                    (apart[c], apart[BLOCK_N + c]) = (lane[0], lane[1]);
-                }
-                pair.copy_from_slice(&apart);
-            }
+    for_each_pair(n, k, packed, |pair, apart| {
+        for (c, lane) in pair.chunks_exact(2).enumerate() {
+            (apart[c], apart[BLOCK_N + c]) = (lane[0], lane[1]);
         }
-    }
+    });
 }
 
 /// `out[i, j] = sum_l x[i, l] * W[j, l] (+ bias[j])` in f32, `x` [m, k], `packed` the
