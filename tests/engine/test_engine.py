@@ -177,6 +177,7 @@ def test_add_request_get_output_cancel(engine, model) -> None:
         engine.add_request(ps[1], GREEDY, request_id="x")
     time.sleep(0.05)
     assert engine.cancel("x")
+    assert not engine.cancel("x")  # already being cancelled
     cancelled = engine.get_output("x", timeout=30)
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 300
     assert not engine.cancel("x") and not engine.cancel("nope")

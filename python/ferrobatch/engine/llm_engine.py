@@ -613,11 +613,13 @@ class Engine(ModelProbes):
         return req.output
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a running or waiting request; False if unknown or already finished."""
+        """Cancel a running or waiting request; False if unknown, already finished or
+        already being cancelled."""
         with self._table_lock:
             req = self._requests.get(request_id)
-        if req is None or req.done.is_set():
-            return False
+            if req is None or req.done.is_set() or req.cancelling:
+                return False
+            req.cancelling = True
         self._stepper.cancel_inbox.append(request_id)
         self._wakeup.set()
         return True

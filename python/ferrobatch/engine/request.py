@@ -59,6 +59,7 @@ class Request:
     lora_salt: int = 0  # its LoRA adapter's prefix-cache salt (0: the base model)
     lora_admitted: bool = False  # counted among its adapter's requests in the scheduler
     offline: bool = False  # part of a blocking batch (`generate`, `embed`): no step budget
+    cancelling: bool = False  # `Engine.cancel` asked; the next step ends it
 
     @property
     def plain(self) -> bool:
