@@ -69,6 +69,13 @@ class DraftProposer:
                 field="draft_model",
             )
         num_blocks = cfg.draft_num_blocks or num_blocks
+        if cfg.draft_num_blocks is not None and \
+                num_blocks * config.page_size < config.max_batch_tokens:
+            logger.warning(
+                "ferrobatch: draft_num_blocks=%d holds %d tokens, fewer than one step's "
+                "max_batch_tokens (%d): a request the draft's cache cannot hold with its "
+                "proposals is not speculated", num_blocks, num_blocks * config.page_size,
+                config.max_batch_tokens)
         self.runner = ModelRunner(
             draft, num_blocks=num_blocks, page_size=config.page_size, device=device,
             dtype=dtype, use_cuda_graph=False, config=config,
