@@ -4,6 +4,7 @@ and the process-wide lock every ferrobatch forward of a model object holds (`mod
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -38,6 +40,7 @@ from ferrobatch.gguf import source  # noqa: E402
 from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  # noqa: E402
 from ferrobatch.model_dtype import (  # noqa: E402
     cache_root,
+    checkpoint_dtype,
     resolve_dtype,
 )
 
@@ -468,38 +471,63 @@ def load_checkpoint(
     return loaded, tokenizer
 
 
-#: safetensors dtype names of floating tensors, and their bytes per element
-_FLOAT_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+#: bytes per element of each safetensors dtype, and which are floating (read in `dtype`)
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+          "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+_FLOATING = ("F", "BF")
+
+
+def _weight_files(path: Path) -> list[Path] | None:
+    """The safetensors files transformers reads from `path` (its index's, or
+    `model.safetensors`), or None where it would read none of them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text())["weight_map"].values()
+        return [path / name for name in sorted(set(names))]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else None
+
+
+def _tied_head(path: Path) -> bool:
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - no config: nothing known to be tied
+        return False
+    return bool(getattr(text_config(cfg), "tie_word_embeddings", False))
 
 
 def read_bytes(path: Path, dtype: torch.dtype) -> int | None:
-    """The bytes `path`'s safetensors tensors take read with their floating ones in `dtype`
-    (from the files' headers), or None where that can't be told (no safetensors files, or
-    one that can't be read)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return None
+    """The bytes the tensors transformers reads from `path`'s safetensors take, the floating
+    ones in `dtype` (from the files' headers; a stored head tied to the embedding counted
+    once), or None where that can't be told (no such files, one that can't be read, a
+    dtype this does not know)."""
     size = torch.empty(0, dtype=dtype).element_size()
+    tied = _tied_head(path)
     total = 0
     try:
+        files = _weight_files(path)
+        if files is None:
+            return None
         for file in files:
             with safe_open(str(file), "pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                    if tied and key.endswith("lm_head.weight"):
+                        continue
                     part = f.get_slice(key)
+                    stored = part.get_dtype()
+                    if stored not in _SIZES:
+                        return None
                     count = 1
                     for dim in part.get_shape():
                         count *= int(dim)
-                    stored = part.get_dtype()
-                    total += count * (size if stored in _FLOAT_SIZES else
-                                      torch.empty(0, dtype=_int_dtype(stored)).element_size())
-    except Exception:  # noqa: BLE001 - a header this can't read: no estimate
+                    total += count * (size if stored.startswith(_FLOATING) else _SIZES[stored])
+    except Exception:  # noqa: BLE001 - a file or header this can't read: no estimate
         return None
     return total
 
 
-def _int_dtype(name: str) -> torch.dtype:
-    return {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-            "U8": torch.uint8, "BOOL": torch.bool}.get(name, torch.uint8)
+def _amount(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def check_read_fits(path: Path, dtype: torch.dtype) -> None:
@@ -510,13 +538,18 @@ def check_read_fits(path: Path, dtype: torch.dtype) -> None:
     available = psutil.virtual_memory().available
     if need is None or need <= available:
         return
-    hint = ("read it in its stored dtype (dtype=\"auto\" or \"bfloat16\") or quantize it on "
-            "load (quantization=\"q8_0\" or \"q4_k\")") if dtype == torch.float32 else \
-        "quantize it on load (quantization=\"q8_0\" or \"q4_k\")"
+    stored = checkpoint_dtype(path)
+    if dtype == torch.float32 and stored in (torch.bfloat16, torch.float16):
+        hint = (f"read it in its stored {str(stored).removeprefix('torch.')} "
+                "(dtype=\"auto\") or quantize it on load (quantization=\"q8_0\" or \"q4_k\")")
+    else:
+        hint = ("read it in bfloat16 (dtype=\"bfloat16\") or quantize it on load "
+                "(quantization=\"q8_0\" or \"q4_k\")") if dtype == torch.float32 else \
+            "quantize it on load (quantization=\"q8_0\" or \"q4_k\")"
     raise FieldError(
         f"dtype: {path.name} read in {str(dtype).removeprefix('torch.')} takes "
-        f"{need / 1e9:.1f} GB, more than the {available / 1e9:.1f} GB of memory available; "
-        f"{hint}", "dtype")
+        f"{_amount(need)}, more than the {_amount(available)} of memory available; {hint}",
+        "dtype")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",

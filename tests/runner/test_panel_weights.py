@@ -6,6 +6,7 @@ is never changed."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_a_panel_weight_reads_as_the_weight_and_refuses_writes():
     assert torch.equal(out, w[8:30])
     for write in (lambda: rows.add_(1), lambda: rows.copy_(out),
                   lambda: torch.add(x[:1], 1, out=rows)):
-        with pytest.raises(RuntimeError, match="cannot be written in place"):
+        with pytest.raises(RuntimeError, match="cannot be written or converted"):
             write()
     with pytest.raises(ValueError, match="bf16 pack"):
         PanelWeight(f32_ops.pack(w), 0, 4)
@@ -146,7 +147,7 @@ def test_a_narrow_weight_gathers_bf16_rows_and_reads_as_the_weight():
     assert torch.equal(narrow[ids[1]], wide[ids[1]]) and torch.equal(narrow * 2, wide * 2)
     x = torch.randn(2, 12)
     assert torch.equal(F.linear(x, narrow), F.linear(x, wide))
-    with pytest.raises(RuntimeError, match="cannot be written in place"):
+    with pytest.raises(RuntimeError, match="cannot be written or converted"):
         narrow.zero_()
     with pytest.raises(ValueError, match="bfloat16"):
         NarrowWeight(wide)
@@ -182,3 +183,42 @@ def test_batch_invariant_mode_holds_them_too_with_the_same_logprobs(tmp_path):
         runs.append((held, [(o.token_ids, o.logprobs) for o in outs]))
     assert runs[0][0] and not runs[1][0]
     assert runs[0][1] == runs[1][1]
+
+
+def test_what_a_user_does_with_the_held_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: False)
+    path = _saved_bf16(tmp_path)
+    reference, _ = load_model(path)
+    with Engine(str(path)) as engine:
+        model = engine.model
+        name = "model.layers.0.self_attn.q_proj.weight"
+        w = model.get_parameter(name)  # held weights count as parameters
+        assert isinstance(w, PanelWeight) and isinstance(w, torch.nn.Parameter)
+        want = reference.get_parameter(name)
+        assert torch.equal(torch.from_numpy(w.numpy()), want) and w.tolist() == want.tolist()
+        copied = copy.deepcopy(model)  # plain fp32 parameters, the caller's to change
+        assert type(copied.get_parameter(name)) is torch.nn.Parameter
+        assert torch.equal(copied.get_parameter(name), want)
+        model.float()  # (nothing to convert)
+        emb = model.get_input_embeddings().weight
+        assert isinstance(emb, NarrowWeight)
+        for write in (lambda: w.data.mul_(0), lambda: emb.data.zero_(),
+                      lambda: setattr(w, "data", torch.zeros(w.shape)),
+                      lambda: model.to(torch.bfloat16), lambda: model.half(),
+                      lambda: model.share_memory()):
+            with pytest.raises(RuntimeError, match="cannot be written or converted"):
+                write()
+        # a refused conversion changed nothing
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert copied.to(torch.bfloat16).dtype == torch.bfloat16  # the copy converts
+        prompt = tm.random_prompts(2, 1, 5, 12)[0]
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=6))[0]
+    assert out.token_ids == tm.generate_greedy(reference, prompt, 6)
+
+
+def test_an_untied_embedding_is_narrowed_beside_a_greedy_screen(tmp_path, monkeypatch):
+    monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: True)
+    path = _saved_bf16(tmp_path)
+    with Engine(str(path)) as engine:
+        assert engine.runner.head.greedy is not None
+        assert isinstance(engine.model.get_input_embeddings().weight, NarrowWeight)

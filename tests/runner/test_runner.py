@@ -449,8 +449,29 @@ def test_a_checkpoint_read_beyond_available_memory_is_refused_before_it_is_read(
     monkeypatch.setattr(models.psutil, "virtual_memory", lambda: tight)
     with pytest.raises(FieldError, match=r"read in float32 takes .* quantize it on load") as err:
         models.load_model(tmp_path)  # fp32: twice the bf16 bytes
-    assert err.value.field == "dtype" and "dtype=\"auto\"" in str(err.value)
+    assert err.value.field == "dtype" and "stored bfloat16 (dtype=\"auto\")" in str(err.value)
+    # files transformers does not read are not counted
+    (tmp_path / "model.safetensors").rename(tmp_path / "other.safetensors")
+    assert models.read_bytes(tmp_path, torch.float32) is None
+    (tmp_path / "other.safetensors").rename(tmp_path / "model.safetensors")
+    import shutil
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "consolidated.safetensors")
+    assert models.read_bytes(tmp_path, torch.bfloat16) == stored
     loaded, _ = models.load_model(tmp_path, dtype="bfloat16")  # as stored: fits
     assert loaded.dtype == torch.bfloat16
     loaded, _ = models.load_model(tmp_path, quantization="q8_0")  # read narrow, quantized
     assert loaded is not None
+
+
+def test_a_tied_head_stored_in_the_file_is_counted_once(tmp_path):
+    from ferrobatch import models
+    from safetensors.torch import load_file, save_file
+
+    model = tm.llama(tie_word_embeddings=True)
+    model.tie_weights()
+    model.save_pretrained(tmp_path)
+    once = models.read_bytes(tmp_path, torch.float32)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert models.read_bytes(tmp_path, torch.float32) == once

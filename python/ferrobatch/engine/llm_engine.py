@@ -57,6 +57,7 @@ from ferrobatch.gguf import modules as quant_modules
 from ferrobatch.gguf import source as gguf_source
 from ferrobatch.lora.manager import LoraManager
 from ferrobatch.model_config import text_config
+from ferrobatch.runner import panel_weights
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
 from ferrobatch.sampling.params import SamplingParams
@@ -245,9 +246,11 @@ class Engine(ModelProbes):
         whose bf16 panels are their only copy are let go, and its input embedding is held as
         bf16 where its values allow (`runner.panel_weights`)."""
         let_go = self.runner.activations.hold_in_panels()
-        if self.runner.head.greedy is None:  # (the greedy head keeps its own reference)
-            let_go += self.runner.activations.narrow_embedding()
+        greedy = self.runner.head.greedy  # (its screen keeps a reference to a tied head)
+        let_go += self.runner.activations.narrow_embedding(
+            lambda w: greedy is not None and greedy.holds(w))
         if let_go:
+            panel_weights.guard_conversions(self.model)
             gc.collect()
             pages.trim_heap()
             logger.info("ferrobatch: %.0f MiB of fp32 weights let go (held as bf16)",

@@ -6,7 +6,7 @@ part; the packed layers themselves are `ferrobatch.runner.cpu_linear`, the lean 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -100,14 +100,15 @@ class PackedActivations:
         bytes let go."""
         return 0 if self.linears is None else self.linears.hold_in_panels()
 
-    def narrow_embedding(self) -> int:
+    def narrow_embedding(self, kept: Callable[[torch.Tensor], bool]) -> int:
         """After `hold_in_panels`, where the linears run on bf16 panels: the input
         embedding's fp32 weight held as bf16 (`panel_weights.narrow_embedding`; a head tied
-        to it must read only its panels). Returns the bytes let go."""
+        to it must read only its panels, and `kept` say no one else holds it). Returns the
+        bytes let go."""
         linears = self.linears
         if linears is None or linears.weight_format != linear_policy.FP32_IN_BF16:
             return 0
-        let_go = narrow_embedding(self.model, linears.only_on_bf16_panels)
+        let_go = narrow_embedding(self.model, linears.only_on_bf16_panels, kept)
         if let_go:
             linears.same_values_swapped()
         return let_go

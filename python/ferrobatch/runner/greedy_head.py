@@ -223,6 +223,10 @@ class GreedyHead:
                 self._w16 = None
             self._key = key
 
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the head weight this screen reads (and so keeps alive)."""
+        return self._weight is weight
+
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Token ids [N] (int64, CPU) = argmax of the fp32 logits of `hidden` [N, K] (with
         `window8`, up to its statistical window: module docstring); None when no screen can

@@ -8,7 +8,10 @@ dtype (fp32) with no elements of its own, which rebuilds the fp32 weight from th
 for any operation that reads it (exact: the panels hold the weight's bf16 values, and
 widening is exact). The packed products never do; what still may (a forward of the model
 on a thread outside ferrobatch's steps, `state_dict()`, a user's own code) gets the same
-values, more slowly. Writing to one in place is refused with an error that says why.
+values, more slowly. Writing to one in place (directly or through `.data`), converting it
+(`model.to(torch.bfloat16)`) or moving it to shared memory is refused with an error that
+says why, before the model is changed; `detach()` and `copy.deepcopy` give plain fp32
+tensors.
 
 The input embedding's fp32 weight, all bf16 values too, becomes a `NarrowWeight`: held as
 bf16 (half the bytes), its lookups gather bf16 rows and widen them (exact), any other read
@@ -20,6 +23,7 @@ passed in is never changed.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +33,14 @@ from torch.utils._pytree import tree_map
 
 from ferrobatch.cpu import f32_ops
 
-__all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "narrow_embedding"]
+__all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "guard_conversions",
+           "narrow_embedding"]
 
-#: the error of an in-place write to a `PanelWeight`
+#: the error of a write to a `HeldWeight`
 WRITE_REFUSED = (
-    "this linear weight is held only as ferrobatch's packed bf16 panels (an fp32 run of a "
-    "bf16 checkpoint loaded by the engine) and cannot be written in place; load the model "
-    "yourself and pass it to Engine to keep writable fp32 weights")
+    "this weight is held in bf16 by ferrobatch (an fp32 run of a bf16 checkpoint loaded by "
+    "the engine) and cannot be written or converted in place; load the model yourself and "
+    "pass it to Engine to keep writable fp32 weights")
 
 _aten = torch.ops.aten
 #: row gathers a `NarrowWeight` runs on its bf16 rows (the weight their first argument)
@@ -50,8 +55,43 @@ class HeldWeight(torch.Tensor):
 
     @staticmethod
     def _wrap(cls: type, shape: tuple[int, ...]) -> Any:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, shape, dtype=torch.float32, device="cpu", requires_grad=False)
+        t._is_param = True  # `isinstance(t, nn.Parameter)`, as the weight it replaces
+        return t
+
+    def _alias(self) -> HeldWeight:
+        """Another wrapper of the same stored form (`.data`)."""
+        raise NotImplementedError
+
+    @property  # type: ignore[override]
+    def data(self) -> HeldWeight:
+        """A wrapper of the same stored form: writes through it are refused too."""
+        return self._alias()
+
+    @data.setter
+    def data(self, value: Any) -> None:  # (`Module._apply`'s conversions, weight loading)
+        if value is not self:  # (`_apply` sets a weight its function returned unchanged)
+            raise RuntimeError(f"set data: {WRITE_REFUSED}")
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        """A plain fp32 parameter of the same values (a copy is the caller's to change)."""
+        got = memo.get(id(self))
+        if got is None:
+            got = memo[id(self)] = nn.Parameter(_detached(self.dense), requires_grad=False)
+        return got
+
+    def share_memory_(self) -> HeldWeight:
+        """Refused: the kernels read the stored form where it lies (moving it would free
+        the memory they read)."""
+        raise RuntimeError(f"share_memory_: {WRITE_REFUSED}")
+
+    def numpy(self, *, force: bool = False) -> Any:  # noqa: ARG002 - torch's signature
+        """The rebuilt weight as a numpy array (a copy: writes to it are not the weight's)."""
+        return self.dense().numpy()
+
+    def tolist(self) -> Any:
+        return self.dense().tolist()
 
     # results are plain tensors, never wrapped again
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -107,30 +147,36 @@ class PanelWeight(HeldWeight):
     def dense(self) -> torch.Tensor:
         return f32_ops.unpack(self.panels)[self.start:self.stop].float()
 
+    def _alias(self) -> PanelWeight:
+        return PanelWeight(self.panels, self.start, self.stop)
+
 
 class NarrowWeight(HeldWeight):
-    """An fp32 weight whose every value is a bf16 one, held as that bf16 tensor (`half`): a
+    """An fp32 weight whose every value is a bf16 one, held as that bf16 tensor (`bf16`): a
     row gather (an embedding lookup, `index_select`, indexing by a tensor) runs on the bf16
     rows and widens them; any other operation runs on the weight widened whole. Both exact.
     """
 
-    half: torch.Tensor
+    bf16: torch.Tensor
 
     @staticmethod
-    def __new__(cls, half: torch.Tensor) -> NarrowWeight:
-        if half.dtype != torch.bfloat16 or half.device.type != "cpu":
-            raise ValueError(f"NarrowWeight holds a CPU bfloat16 tensor, not {half.dtype} on "
-                             f"{half.device}")
-        t = HeldWeight._wrap(cls, tuple(half.shape))
-        t.half = half
+    def __new__(cls, bf16: torch.Tensor) -> NarrowWeight:
+        if bf16.dtype != torch.bfloat16 or bf16.device.type != "cpu":
+            raise ValueError(f"NarrowWeight holds a CPU bfloat16 tensor, not {bf16.dtype} on "
+                             f"{bf16.device}")
+        t = HeldWeight._wrap(cls, tuple(bf16.shape))
+        t.bf16 = bf16
         return t
 
     def dense(self) -> torch.Tensor:
-        return self.half.float()
+        return self.bf16.float()
+
+    def _alias(self) -> NarrowWeight:
+        return NarrowWeight(self.bf16)
 
     def direct(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in _GATHERS and not any(isinstance(a, HeldWeight) for a in args[1:]):
-            return func(self.half, *args[1:], **kwargs).float()
+            return func(self.bf16, *args[1:], **kwargs).float()
         return None
 
 
@@ -156,11 +202,13 @@ def _writes_to(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]) -> int:
+def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool],
+                     kept: Callable[[torch.Tensor], bool] = lambda w: False) -> int:
     """Hold `model`'s input embedding weight as a `NarrowWeight` where it is an fp32 CPU
-    weight of bf16 values, the output head is a linear layer, and every other module that
+    weight of bf16 values, the output head is a linear layer, every other module that
     registers the weight is one whose products read only their panels (`reads_panels`: a
-    head tied to it). Returns the bytes let go."""
+    head tied to it), and nothing else holds it (`kept`: the greedy head's screen of a
+    tied head). Returns the bytes let go."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
@@ -168,6 +216,8 @@ def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]
     w = emb.weight
     if type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu" \
             or w.numel() == 0 or bool((w.detach().view(torch.int32) & 0xFFFF).any()):
+        return 0
+    if kept(w):
         return 0
     owners = [m for m in model.modules()
               if any(p is w for p in m._parameters.values())]
@@ -178,4 +228,21 @@ def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]
         for name, p in list(m._parameters.items()):
             if p is w:
                 m._parameters[name] = narrow
-    return w.numel() * w.element_size() - narrow.half.numel() * 2
+    return w.numel() * w.element_size() - narrow.bf16.numel() * 2
+
+
+def guard_conversions(model: nn.Module) -> None:
+    """Make a conversion of `model` (`model.to(torch.bfloat16)`, `.half()`, `.cuda()`) that
+    would change a held weight fail before it changes anything (torch converts parameter
+    by parameter: a refusal midway would leave a model of mixed dtypes behind). Those that
+    leave the held weights as they are (`.float()`, `.cpu()`) run."""
+    model._apply = types.MethodType(_apply, model)  # type: ignore[method-assign]
+
+
+def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+           recurse: bool = True) -> nn.Module:
+    """`Module._apply` after checking that `fn` leaves every held weight as it is."""
+    for p in self.parameters():
+        if isinstance(p, HeldWeight) and fn(p) is not p:
+            raise RuntimeError(f"converting the model: {WRITE_REFUSED}")
+    return type(self)._apply(self, fn, recurse)
