@@ -69,30 +69,45 @@ def test_a_panel_weight_reads_as_the_weight_and_refuses_writes():
         PanelWeight(f32_ops.pack_bf16_exact(w), 30, 50)
 
 
-@pytest.mark.parametrize("build", [tm.llama, tm.qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("read", ["narrow", "fp32"])
+@pytest.mark.parametrize("build", [tm.llama, tm.qwen3, tm.qwen2_sliding],
+                         ids=["llama", "qwen3", "qwen2-biases"])
 def test_an_engine_loaded_bf16_checkpoint_in_fp32_holds_its_linears_in_panels(
-        tmp_path, build, monkeypatch):
+        tmp_path, build, read, monkeypatch):
+    """Read narrow (the default: bf16, each matrix held as its panels from the start) or
+    in fp32 (the fp32 weights let go once packed)."""
     path = _saved_bf16(tmp_path, build)
-    reference, _ = load_model(path)  # fp32, what `Engine(path)` reads
+    reference, _ = load_model(path)  # fp32, what `Engine(path)` computes with
     assert reference.dtype == torch.float32
     prompts = tm.random_prompts(11, 5, 4, 30)
     let_go: list[weakref.ref] = []
     hold = cpu_linear.PackedLinears.hold_in_panels
 
     def watched(self: cpu_linear.PackedLinears) -> int:
-        let_go.extend(weakref.ref(m.weight) for m in self.layers)
+        let_go.extend(weakref.ref(m.weight) for m in self.layers
+                      if not isinstance(m.weight, PanelWeight))
         return hold(self)
 
     monkeypatch.setattr(cpu_linear.PackedLinears, "hold_in_panels", watched)
+    if read == "fp32":
+        monkeypatch.setattr(Engine, "_narrow_read", lambda self, *args: None)
     with Engine(str(path), tokenizer=None) as engine:
         gc.collect()
         held = _linears(engine.model)
-        # the fp32 weights let go are gone from memory (the head's is still held)
-        assert sum(ref() is None for ref in let_go) == len(held) - 1
         head = engine.model.get_output_embeddings()
         panels = [n for n, m in held.items() if isinstance(m.weight, PanelWeight)]
-        assert set(panels) == {n for n, m in held.items() if m is not head}
-        assert not isinstance(head.weight, PanelWeight)
+        if read == "fp32":
+            # the fp32 weights let go are gone from memory (the head's is still held)
+            assert sum(ref() is None for ref in let_go) == len(held) - 1
+            assert set(panels) == {n for n, m in held.items() if m is not head}
+        else:  # nothing in fp32 to let go; the packed products read the weights' panels
+            assert not let_go and set(panels) == set(held)
+            linears = engine.runner.activations.linears
+            for packed in linears._packs:
+                assert all(m.weight.panels is packed.f32 or
+                           m.weight.panels.packed is packed.f32.packed
+                           for m in packed.layers)
+            assert linears.only_on_bf16_panels(head) and engine.runner.head.greedy is None
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
         for prompt, out in zip(prompts, outs, strict=True):
             assert out.token_ids == tm.generate_greedy(reference, prompt, 12)
@@ -116,10 +131,18 @@ def test_an_engine_loaded_bf16_checkpoint_in_fp32_holds_its_linears_in_panels(
         assert [o.token_ids for o in again] == [o.token_ids for o in outs[:2]]
 
 
+@pytest.mark.parametrize("read", ["narrow", "fp32"])
 @pytest.mark.parametrize("greedy", [False, True], ids=["full-head", "greedy-screen"])
 def test_a_tied_head_and_embedding_are_held_as_bf16_unless_the_greedy_screen_keeps_them(
-        tmp_path, monkeypatch, greedy):
+        tmp_path, monkeypatch, greedy, read):
+    """Read in fp32, a greedy screen that won its timing keeps the tied weight (its
+    reference); read narrow, the weight is bf16 from the start and no screen is made over
+    it (its rescoring would rebuild the whole weight)."""
     monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: greedy)
+    if read == "fp32":
+        monkeypatch.setattr(Engine, "_narrow_read", lambda self, *args: None)
+    else:
+        greedy = False
     model = tm.llama(tie_word_embeddings=True)
     model.tie_weights()
     path = _saved_bf16(tmp_path, lambda: model)
@@ -218,7 +241,19 @@ def test_what_a_user_does_with_the_held_model(tmp_path, monkeypatch):
 
 def test_an_untied_embedding_is_narrowed_beside_a_greedy_screen(tmp_path, monkeypatch):
     monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: True)
+    monkeypatch.setattr(Engine, "_narrow_read", lambda self, *args: None)  # (fp32 head)
     path = _saved_bf16(tmp_path)
     with Engine(str(path)) as engine:
         assert engine.runner.head.greedy is not None
         assert isinstance(engine.model.get_input_embeddings().weight, NarrowWeight)
+
+
+def test_a_linear_on_rows_of_a_stacked_pack_with_biases_takes_its_own_bias_once():
+    w = torch.randn(40, 33).bfloat16().float()
+    b = torch.randn(40)
+    stacked = f32_ops.pack_bf16_exact(w, b)  # (a group's pack holds the group's biases)
+    rows = PanelWeight(stacked, 8, 30)
+    x = torch.randn(2, 3, 33)
+    with torch.inference_mode():
+        got = F.linear(x, rows, b[8:30])
+    torch.testing.assert_close(got, F.linear(x, w[8:30], b[8:30]), rtol=1e-5, atol=1e-5)

@@ -62,6 +62,14 @@ def _pages(t: torch.Tensor) -> tuple[int, int]:
     return start, stop
 
 
+def _has_storage(t: torch.Tensor) -> bool:
+    """Whether `t` lies in memory of its own (a wrapper tensor's pointer is null)."""
+    try:
+        return t.data_ptr() != 0
+    except RuntimeError:
+        return False
+
+
 def _in_file_map(files: list[tuple[int, int]], start: int, stop: int) -> bool:
     i = bisect.bisect_right(files, (start, sys.maxsize)) - 1
     return i >= 0 and files[i][0] <= start and stop <= files[i][1]
@@ -95,6 +103,8 @@ def release(tensors: Iterable[torch.Tensor], anonymous: bool = True) -> int:
     dropped = 0
     try:
         for t in tensors:
+            if not _has_storage(t):  # (a weight held in another form: nothing mapped)
+                continue
             start, stop = _pages(t)
             if stop <= start:
                 continue

@@ -16,6 +16,7 @@ import collections
 import gc
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ from ferrobatch import models
 from ferrobatch.attention.rope import LongRope
 from ferrobatch.config import ContinuousBatchingConfig
 from ferrobatch.core import Scheduler
-from ferrobatch.cpu import pages
+from ferrobatch.cpu import f32_ops, pages
 from ferrobatch.cpu.threads import ThreadGovernor
 from ferrobatch.distributed import setup as tp_setup
 from ferrobatch.distributed import shard as tp_shard
@@ -54,9 +55,11 @@ from ferrobatch.engine.routing import OutputRouter
 from ferrobatch.engine.stepper import Stepper
 from ferrobatch.errors import EngineClosedError, FieldError, QueueFullError
 from ferrobatch.gguf import modules as quant_modules
+from ferrobatch.gguf import narrow_read
 from ferrobatch.gguf import source as gguf_source
 from ferrobatch.lora.manager import LoraManager
 from ferrobatch.model_config import text_config
+from ferrobatch.model_dtype import resolve_dtype
 from ferrobatch.runner import panel_weights
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.sampling.guided import GuideFactory
@@ -263,8 +266,12 @@ class Engine(ModelProbes):
             loaded, loaded_tok = tp_setup.load(self.tp, model, dtype, self._quantization,
                                                ordered=self.config.batch_invariant)
         else:
-            loaded, loaded_tok = models.load_model(model, device=device, dtype=dtype,
-                                                   quantization=self._quantization)
+            wide = self._narrow_read(model, device, dtype)
+            loaded, loaded_tok = models.load_model(
+                model, device=device, dtype=dtype if wide is None else torch.bfloat16,
+                quantization=self._quantization)
+            if wide is not None:
+                panel_weights.hold_narrow_read(loaded, wide)
         if isinstance(tokenizer, str):
             if models.names_nothing(tokenizer):
                 raise FieldError(f"tokenizer {tokenizer!r}: no such file or directory "
@@ -272,6 +279,26 @@ class Engine(ModelProbes):
             tokenizer = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()),
                                                       local_files_only=True)
         return loaded, tokenizer if tokenizer is not None else loaded_tok
+
+    def _narrow_read(self, model: Any, device: Any, dtype: Any) -> dict[str, Any] | None:
+        """Where this engine reads a bf16 checkpoint directory to run it in fp32 on a CPU
+        whose `f32_ops` hold such weights as bf16 panels: each tensor's dtype in an fp32
+        read (`narrow_read.read_dtype`), the checkpoint then read in bf16 and its matrices
+        held so (`panel_weights.hold_narrow_read`: no fp32 copy of them is made); else
+        None."""
+        if self._quantization is not None or not isinstance(model, str | os.PathLike) \
+                or not f32_ops.available():
+            return None
+        path = Path(model).expanduser()
+        if not path.is_dir() or gguf_source.gguf_path_of(model) is not None:
+            return None
+        cpu = torch.device("cpu")
+        if device is not None and models.parse_device(device) != cpu:
+            return None
+        if resolve_dtype(dtype, cpu, path) != torch.float32:
+            return None
+        read_in, wide = narrow_read.read_dtype(path, torch.float32)
+        return wide if read_in == torch.bfloat16 else None
 
     def _read_model_config(self, loaded: Any) -> Any:
         """Name, context, vocabulary, EOS ids and layer types; returns the text config."""

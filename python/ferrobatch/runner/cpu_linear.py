@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,7 +53,7 @@ from ferrobatch.cpu.onednn import packing_available
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
-from ferrobatch.runner.panel_weights import PanelWeight
+from ferrobatch.runner.panel_weights import HeldWeight, PanelWeight
 
 logger = logging.getLogger("ferrobatch")
 
@@ -117,9 +118,12 @@ def _copy_bytes(dtype: torch.dtype, weights: int, amx: bool, fp32_rows: int | No
 
 def bf16_exact(w: torch.Tensor) -> bool:
     """Whether every value of the fp32 tensor `w` is a bf16 value (its low 16 bits zero),
-    so that widening `w.bfloat16()` gives `w` back bit for bit."""
+    so that widening `w.bfloat16()` gives `w` back bit for bit (a weight held in bf16 by
+    construction, `HeldWeight`, is)."""
     if w.dtype != torch.float32 or w.numel() == 0:
         return False
+    if isinstance(w, HeldWeight):
+        return True
     return not bool((w.detach().contiguous().view(torch.int32) & 0xFFFF).any())
 
 
@@ -128,20 +132,21 @@ def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
 
 
 def _weights_seen(params: list[dict[str, Any]]) -> list[tuple[Any, int]]:
-    """Each packed layer's registered weight (read from the module's `_parameters`; None when
-    it is no longer registered there) and its version."""
-    return [(w, -1 if w is None else w._version)
+    """A weak reference to each packed layer's registered weight (read from the module's
+    `_parameters`; None when it is no longer registered there) and its version. (Weak: a
+    weight replaced since, such as rows moved onto a group's panels, is not kept alive.)"""
+    return [(None, -1) if w is None else (weakref.ref(w), w._version)
             for w in (d.get("weight") for d in params)]
 
 
 def _same_weights(params: list[dict[str, Any]], seen: list[tuple[Any, int]] | None) -> bool:
-    """Whether every layer still has the weight object of `seen`, at the same version (the
-    objects are held there, so an identity is never that of a freed weight's successor)."""
+    """Whether every layer still has the weight object of `seen`, at the same version (a
+    freed weight's reference is dead, so an identity is never that of its successor)."""
     if seen is None or len(seen) != len(params):
         return False
-    for d, (w, version) in zip(params, seen, strict=True):
+    for d, (ref, version) in zip(params, seen, strict=True):
         now = d.get("weight")
-        if now is not w or now is None or now._version != version:
+        if now is None or ref is None or ref() is not now or now._version != version:
             return False
     return True
 
@@ -181,10 +186,8 @@ class _Packed:
         if self.key == key:
             return
         with torch.no_grad():
-            w = torch.cat([m.weight.detach() for m in self.layers]) if len(self.layers) > 1 \
-                else self.layers[0].weight.detach()
             self.weight = None  # oneDNN's packing: on first use (`onednn_weight`)
-            dtype = w.dtype
+            dtype = self.layers[0].weight.dtype
             if all(m.bias is None for m in self.layers):
                 self.bias = None
             else:
@@ -214,15 +217,30 @@ class _Packed:
 
     def f32_weight(self) -> f32_ops.F32Weight | None:
         """The weight packed for `f32_ops` (on first use after each `refresh`), if
-        wanted."""
+        wanted. A layer whose weight is already held as its panels (`PanelWeight`, a model
+        the engine read narrow) lends them; a group of such layers is packed stacked and
+        its members then read their rows of the stacked panels (theirs let go)."""
         if self.f32 is None and self.wants_f32:
+            w0 = self.layers[0].weight
+            if len(self.layers) == 1 and isinstance(w0, PanelWeight) and w0.start == 0 \
+                    and w0.stop == w0.panels.n:
+                bias = None if self.bias is None else self.bias.float().contiguous()
+                self.f32 = f32_ops.F32Weight(w0.panels.packed, bias, w0.panels.n, w0.panels.k)
+                return self.f32
             with torch.no_grad():
                 w = torch.cat([m.weight.detach() for m in self.layers]) \
-                    if len(self.layers) > 1 else self.layers[0].weight.detach()
+                    if len(self.layers) > 1 else w0.detach()
                 if self.f32_in_bf16:
                     self.f32 = f32_ops.pack_bf16_exact(w, self.bias)
                 if self.f32 is None:
                     self.f32 = f32_ops.pack(w, self.bias)
+            if self.f32.dtype == torch.bfloat16 and all(
+                    isinstance(m.weight, PanelWeight) for m in self.layers):
+                start = 0
+                for m in self.layers:
+                    m._parameters["weight"] = PanelWeight(self.f32, start, start + m.out_features)
+                    start += m.out_features
+                self.key = _weights_key(self.layers)
         return self.f32
 
     def f32_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -409,7 +427,9 @@ class PackedLinears:
         if not packing_available(layers[0].weight.dtype):
             return None
         dtype = layers[0].weight.dtype
-        weights = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        # (weights already held as their panels lend them: no copy is made of those)
+        weights = sum(m.weight.numel() * m.weight.element_size() for m in layers
+                      if not isinstance(m.weight, PanelWeight))
         if invariant:
             amx, fp32_rows = _invariant_copies(dtype, activation_dtype, amx, fp32_rows)
         if activation_dtype != torch.float32 or dtype not in HALF_DTYPES:
@@ -823,8 +843,7 @@ class PackedLinears:
 
     def _refresh_changed(self) -> None:
         """Pack again the products whose weights were replaced or changed in place since the
-        last forward (one pass over the weights when nothing changed; a replaced weight is
-        held until then)."""
+        last forward (one pass over the weights when nothing changed)."""
         if _same_weights(self._params, self._seen):
             return
         for packed in self._packs:

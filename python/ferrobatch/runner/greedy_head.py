@@ -82,6 +82,7 @@ from ferrobatch import _core
 from ferrobatch.cpu import amx_ops, f32_ops, onednn
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
+from ferrobatch.runner.panel_weights import HeldWeight
 from ferrobatch.sampling.sampler import argmax_rows
 
 logger = logging.getLogger("ferrobatch")
@@ -183,6 +184,7 @@ class GreedyHead:
         of available memory."""
         if not (
             onednn.available()
+            and not isinstance(weight, HeldWeight)  # (its rescoring would rebuild it)
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and weight.device.type == "cpu"
             and weight.dim() == 2

@@ -18,7 +18,9 @@ bf16 (half the bytes), its lookups gather bf16 rows and widen them (exact), any 
 widens it whole. A head tied to it reads it only through its panels.
 
 Only an engine that loaded the model itself does this (`Engine(path)`); a model the caller
-passed in is never changed.
+passed in is never changed. Where it can, the engine reads such a checkpoint in bf16 and
+holds its matrices so from the start (`hold_narrow_read`): no fp32 copy of them is ever
+made.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ferrobatch.cpu import f32_ops
+from ferrobatch.cpu import f32_ops, pages
 
 __all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "guard_conversions",
-           "narrow_embedding"]
+           "hold_narrow_read", "narrow_embedding"]
 
 #: the error of a write to a `HeldWeight`
 WRITE_REFUSED = (
@@ -55,8 +58,9 @@ class HeldWeight(torch.Tensor):
 
     @staticmethod
     def _wrap(cls: type, shape: tuple[int, ...]) -> Any:
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, shape, dtype=torch.float32, device="cpu", requires_grad=False)
+        with torch.inference_mode(False):  # (a weight keeps a version counter)
+            t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+                cls, shape, dtype=torch.float32, device="cpu", requires_grad=False)
         t._is_param = True  # `isinstance(t, nn.Parameter)`, as the weight it replaces
         return t
 
@@ -147,6 +151,20 @@ class PanelWeight(HeldWeight):
     def dense(self) -> torch.Tensor:
         return f32_ops.unpack(self.panels)[self.start:self.stop].float()
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        """`F.linear(x, weight, bias)` runs on the panels (`f32_ops`: the product the
+        engine's steps run, not the weight rebuilt for torch's); anything else as any
+        held weight (results plain tensors)."""
+        kwargs = kwargs or {}
+        if func is F.linear:
+            got = _panel_linear(*args, **kwargs)
+            if got is not None:
+                return got
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
     def _alias(self) -> PanelWeight:
         return PanelWeight(self.panels, self.start, self.stop)
 
@@ -178,6 +196,25 @@ class NarrowWeight(HeldWeight):
         if func in _GATHERS and not any(isinstance(a, HeldWeight) for a in args[1:]):
             return func(self.bf16, *args[1:], **kwargs).float()
         return None
+
+
+def _panel_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x @ weight.T + bias` on `weight`'s panels, or None where they don't serve: not a
+    `PanelWeight`, another input dtype or device, autograd wanted."""
+    if not isinstance(weight, PanelWeight) or isinstance(x, HeldWeight) \
+            or isinstance(bias, HeldWeight) or x.dtype != torch.float32 \
+            or x.device.type != "cpu" or (torch.is_grad_enabled() and (
+                x.requires_grad or (bias is not None and bias.requires_grad))):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    panels = weight.panels  # (a stacked pack holds its group's biases: not these rows')
+    y = f32_ops.linear(rows, f32_ops.F32Weight(panels.packed, None, panels.n, panels.k))
+    if weight.start or weight.stop != weight.panels.n:
+        y = y[:, weight.start:weight.stop]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _detached(make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -246,3 +283,39 @@ def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
         if isinstance(p, HeldWeight) and fn(p) is not p:
             raise RuntimeError(f"converting the model: {WRITE_REFUSED}")
     return type(self)._apply(self, fn, recurse)
+
+
+def hold_narrow_read(model: nn.Module, wide: dict[str, torch.dtype]) -> None:
+    """`model`, read in bf16 from a bf16 checkpoint, made the model an fp32 read gives
+    (`wide`: each tensor's dtype there, by name; fp32 for names it lacks) with its matrices
+    kept at their bf16 bytes: each `nn.Linear` weight a `PanelWeight` over its own `f32_ops`
+    panels, the input embedding (and a head tied to it) a `NarrowWeight` where the head is
+    a linear layer, every other tensor converted as `wide` says."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb_w = emb.weight if isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) \
+        else None
+    done: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            new = done.get(id(p))
+            if new is None:
+                to = wide.get(f"{prefix}.{name}" if prefix else name, torch.float32)
+                if p.dtype != torch.bfloat16 or to != torch.float32:
+                    new = p if p.dtype == to else nn.Parameter(p.detach().to(to), False)
+                elif p is emb_w:
+                    new = NarrowWeight(p.detach())
+                elif type(module) is nn.Linear and name == "weight" and p.dim() == 2:
+                    new = PanelWeight(f32_ops.pack(p.detach()), 0, p.shape[0])
+                    pages.release([p], anonymous=False)  # (its file pages, read once)
+                else:
+                    new = nn.Parameter(p.detach().float(), requires_grad=False)
+                done[id(p)] = new
+            module._parameters[name] = new
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point():
+                to = wide.get(f"{prefix}.{name}" if prefix else name, torch.float32)
+                module._buffers[name] = b.to(to)
+    model.config.dtype = torch.float32
