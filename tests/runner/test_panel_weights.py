@@ -257,3 +257,28 @@ def test_a_linear_on_rows_of_a_stacked_pack_with_biases_takes_its_own_bias_once(
     with torch.inference_mode():
         got = F.linear(x, rows, b[8:30])
     torch.testing.assert_close(got, F.linear(x, w[8:30], b[8:30]), rtol=1e-5, atol=1e-5)
+
+
+def test_f_linear_takes_its_keyword_arguments_on_a_held_weight():
+    w = torch.randn(40, 33).bfloat16().float()
+    rows = PanelWeight(f32_ops.pack_bf16_exact(w), 0, 40)
+    x, b = torch.randn(3, 33), torch.randn(40)
+    with torch.inference_mode():
+        torch.testing.assert_close(F.linear(input=x, weight=rows), F.linear(x, w),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(F.linear(x, weight=rows, bias=b), F.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(F.linear(input=x, weight=rows, bias=b), F.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_narrow_read_keeps_no_view_of_the_checkpoint_and_guards_conversions(tmp_path):
+    path = _saved_bf16(tmp_path, lambda: tm.llama(tie_word_embeddings=True))
+    with Engine(str(path)) as engine:
+        assert isinstance(engine.model.get_input_embeddings().weight, NarrowWeight)
+        with open("/proc/self/maps") as maps:
+            assert str(path) not in maps.read()  # overwriting the files changes nothing
+        assert "_apply" in engine.model.__dict__
+        with pytest.raises(RuntimeError, match="converting the model"):
+            engine.model.half()
+        assert all(p.dtype == torch.float32 for p in engine.model.parameters())

@@ -252,8 +252,9 @@ class Engine(ModelProbes):
         greedy = self.runner.head.greedy  # (its screen keeps a reference to a tied head)
         let_go += self.runner.activations.narrow_embedding(
             lambda w: greedy is not None and greedy.holds(w))
-        if let_go:
+        if any(isinstance(p, panel_weights.HeldWeight) for p in self.model.parameters()):
             panel_weights.guard_conversions(self.model)
+        if let_go:
             gc.collect()
             pages.trim_heap()
             logger.info("ferrobatch: %.0f MiB of fp32 weights let go (held as bf16)",

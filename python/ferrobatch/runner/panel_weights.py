@@ -159,7 +159,8 @@ class PanelWeight(HeldWeight):
         held weight (results plain tensors)."""
         kwargs = kwargs or {}
         if func is F.linear:
-            got = _panel_linear(*args, **kwargs)
+            named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            got = _panel_linear(named.get("input"), named.get("weight"), named.get("bias"))
             if got is not None:
                 return got
         with torch._C.DisableTorchFunctionSubclass():
@@ -202,7 +203,8 @@ def _panel_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`x @ weight.T + bias` on `weight`'s panels, or None where they don't serve: not a
     `PanelWeight`, another input dtype or device, autograd wanted."""
-    if not isinstance(weight, PanelWeight) or isinstance(x, HeldWeight) \
+    if not isinstance(weight, PanelWeight) or not isinstance(x, torch.Tensor) \
+            or isinstance(x, HeldWeight) \
             or isinstance(bias, HeldWeight) or x.dtype != torch.float32 \
             or x.device.type != "cpu" or (torch.is_grad_enabled() and (
                 x.requires_grad or (bias is not None and bias.requires_grad))):
@@ -290,7 +292,8 @@ def hold_narrow_read(model: nn.Module, wide: dict[str, torch.dtype]) -> None:
     (`wide`: each tensor's dtype there, by name; fp32 for names it lacks) with its matrices
     kept at their bf16 bytes: each `nn.Linear` weight a `PanelWeight` over its own `f32_ops`
     panels, the input embedding (and a head tied to it) a `NarrowWeight` where the head is
-    a linear layer, every other tensor converted as `wide` says."""
+    a linear layer, every other tensor converted as `wide` says; all of them copies, none a
+    view of the checkpoint's files."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb_w = emb.weight if isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) \
@@ -303,10 +306,12 @@ def hold_narrow_read(model: nn.Module, wide: dict[str, torch.dtype]) -> None:
             new = done.get(id(p))
             if new is None:
                 to = wide.get(f"{prefix}.{name}" if prefix else name, torch.float32)
+                # (copies throughout: nothing may stay a view of the checkpoint's files,
+                # which someone may overwrite while the engine serves)
                 if p.dtype != torch.bfloat16 or to != torch.float32:
-                    new = p if p.dtype == to else nn.Parameter(p.detach().to(to), False)
+                    new = nn.Parameter(p.detach().to(to, copy=True), False)
                 elif p is emb_w:
-                    new = NarrowWeight(p.detach())
+                    new = NarrowWeight(p.detach().clone())
                 elif type(module) is nn.Linear and name == "weight" and p.dim() == 2:
                     new = PanelWeight(f32_ops.pack(p.detach()), 0, p.shape[0])
                     pages.release([p], anonymous=False)  # (its file pages, read once)
@@ -315,7 +320,8 @@ def hold_narrow_read(model: nn.Module, wide: dict[str, torch.dtype]) -> None:
                 done[id(p)] = new
             module._parameters[name] = new
         for name, b in list(module._buffers.items()):
-            if b is not None and b.is_floating_point():
-                to = wide.get(f"{prefix}.{name}" if prefix else name, torch.float32)
-                module._buffers[name] = b.to(to)
+            if b is not None:
+                to = wide.get(f"{prefix}.{name}" if prefix else name,
+                              torch.float32 if b.is_floating_point() else b.dtype)
+                module._buffers[name] = b.to(to, copy=True)
     model.config.dtype = torch.float32
