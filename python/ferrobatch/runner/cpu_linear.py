@@ -53,7 +53,7 @@ from ferrobatch.cpu.onednn import packing_available
 from ferrobatch.errors import FieldError
 from ferrobatch.runner import linear_policy as policy
 from ferrobatch.runner.linear_policy import Backend
-from ferrobatch.runner.panel_weights import HeldWeight, PanelWeight
+from ferrobatch.runner.panel_weights import PanelWeight, bf16_exact
 
 logger = logging.getLogger("ferrobatch")
 
@@ -114,17 +114,6 @@ def _copy_bytes(dtype: torch.dtype, weights: int, amx: bool, fp32_rows: int | No
         backends = policy.reachable(fmt, isa, policy.Probe(fp32_from_rows=fp32_rows))
     sizes = {**_COPY_SIZE, Backend.F32_OPS: 0.5} if in_bf16 else _COPY_SIZE
     return int(weights * sum(sizes.get(b, 0) for b in backends))
-
-
-def bf16_exact(w: torch.Tensor) -> bool:
-    """Whether every value of the fp32 tensor `w` is a bf16 value (its low 16 bits zero),
-    so that widening `w.bfloat16()` gives `w` back bit for bit (a weight held in bf16 by
-    construction, `HeldWeight`, is)."""
-    if w.dtype != torch.float32 or w.numel() == 0:
-        return False
-    if isinstance(w, HeldWeight):
-        return True
-    return not bool((w.detach().contiguous().view(torch.int32) & 0xFFFF).any())
 
 
 def _weights_key(layers: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
@@ -236,12 +225,18 @@ class _Packed:
                     self.f32 = f32_ops.pack(w, self.bias)
             if self.f32.dtype == torch.bfloat16 and all(
                     isinstance(m.weight, PanelWeight) for m in self.layers):
-                start = 0
-                for m in self.layers:
-                    m._parameters["weight"] = PanelWeight(self.f32, start, start + m.out_features)
-                    start += m.out_features
+                self.hold_rows()
                 self.key = _weights_key(self.layers)
         return self.f32
+
+    def hold_rows(self) -> None:
+        """Each layer's weight becomes a `PanelWeight` over its rows of the bf16 `f32_ops`
+        panels (`f32`, made): the same values, no elements of its own."""
+        assert self.f32 is not None and self.f32.dtype == torch.bfloat16
+        start = 0
+        for m in self.layers:
+            m._parameters["weight"] = PanelWeight(self.f32, start, start + m.out_features)
+            start += m.out_features
 
     def f32_product(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T + b` in fp32 on `f32_ops` (`x` [..., k] widened to fp32); the copy must be
@@ -662,12 +657,8 @@ class PackedLinears:
                     or any(id(m) == self._wide_out or uses.get(id(m.weight)) != 1
                            or isinstance(m.weight, PanelWeight) for m in packed.layers):
                 continue
-            start = 0
-            for m in packed.layers:
-                stop = start + m.out_features
-                freed += m.weight.numel() * m.weight.element_size()
-                m._parameters["weight"] = PanelWeight(f32, start, stop)
-                start = stop
+            freed += sum(m.weight.numel() * m.weight.element_size() for m in packed.layers)
+            packed.hold_rows()
         self.same_values_swapped()
         return freed
 

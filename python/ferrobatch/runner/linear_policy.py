@@ -88,7 +88,7 @@ class Backend(StrEnum):
 FORMATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 HALF = frozenset({"bfloat16", "float16"})
 #: fp32 weights whose every value is a bf16 one (a bf16 checkpoint run in fp32), which
-#: `f32_ops` packs as bf16 (`cpu_linear.bf16_exact`)
+#: `f32_ops` packs as bf16 (`panel_weights.bf16_exact`)
 FP32_IN_BF16 = "float32_in_bfloat16"
 ANY: frozenset[str] = frozenset()
 

@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_map
 
 from ferrobatch.cpu import f32_ops, pages
 
-__all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "guard_conversions",
-           "hold_narrow_read", "narrow_embedding"]
+__all__ = ["HeldWeight", "NarrowWeight", "PanelWeight", "WRITE_REFUSED", "bf16_exact",
+           "guard_conversions", "hold_narrow_read", "narrow_embedding"]
 
 #: the error of a write to a `HeldWeight`
 WRITE_REFUSED = (
@@ -48,6 +48,17 @@ WRITE_REFUSED = (
 _aten = torch.ops.aten
 #: row gathers a `NarrowWeight` runs on its bf16 rows (the weight their first argument)
 _GATHERS = (_aten.embedding.default, _aten.index_select.default, _aten.index.Tensor)
+
+
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of the fp32 tensor `w` is a bf16 value (its low 16 bits zero),
+    so that widening `w.bfloat16()` gives `w` back bit for bit (a weight held in bf16 by
+    construction, `HeldWeight`, is)."""
+    if w.dtype != torch.float32 or w.numel() == 0:
+        return False
+    if isinstance(w, HeldWeight):
+        return True
+    return not bool((w.detach().contiguous().view(torch.int32) & 0xFFFF).any())
 
 
 class HeldWeight(torch.Tensor):
@@ -253,8 +264,7 @@ def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]
     if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
         return 0  # (a head that is no linear layer may multiply by the embedding itself)
     w = emb.weight
-    if type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu" \
-            or w.numel() == 0 or bool((w.detach().view(torch.int32) & 0xFFFF).any()):
+    if type(w) is not nn.Parameter or w.device.type != "cpu" or not bf16_exact(w):
         return 0
     if kept(w):
         return 0
