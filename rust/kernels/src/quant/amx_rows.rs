@@ -10,8 +10,8 @@
 //! `15 * max(sc) * max_row(sum |q|) <= 2^24` (the bound of every partial sum), which holds
 //! for all but extreme inputs (Gaussian inputs reach about half of it); else it runs on the
 //! register tiles, which follow the formula step by step. Either way the outputs are the
-//! same bits as every other backend's. Calls of fewer than [`MIN_ROWS`] rows stay on the
-//! register tiles: unpacking the scaled codes costs more than the tiles save there.
+//! same bits as every other backend's. Calls of fewer than [`MIN_ROWS`] rows (one group) stay
+//! on the register tiles, and so do the rows past a call's last whole group.
 //!
 //! Q5_K would fit the same kernel (codes up to 31: the bound's 15 becomes 31), but Gaussian
 //! inputs pass that bound about as often as not, and the blocks that fall back ran slower
@@ -43,9 +43,10 @@ pub(super) static RUNS: [std::sync::atomic::AtomicUsize; 2] =
 /// Rows one tile product takes.
 pub(super) const ROWS: usize = 16;
 
-/// The fewest rows of a call that run on the tiles (`benches/quant_linear.py`, one core:
-/// 0.7-0.9x the register tiles at 16 and 32 rows, 1.2-1.3x at 64, 1.6x at 512).
-pub(super) const MIN_ROWS: usize = 64;
+/// The fewest rows of a call that run on the tiles: one group. Against the register tiles,
+/// one core (`examples/quant_speed`, Q4_K 1536 x 1536, 8960 x 1536, 1536 x 8960, 256 x
+/// 1536): 1.04-1.14x at 16 rows, 1.26-1.39x at 32, 1.35-1.54x at 64, ~1.8x at 512.
+pub(super) const MIN_ROWS: usize = ROWS;
 
 /// Whether a product of `m` rows of `qt` runs on the tiles (Q4_K, [`MIN_ROWS`] or more).
 pub(super) fn takes(qt: QType, m: usize) -> bool {

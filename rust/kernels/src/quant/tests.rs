@@ -567,8 +567,9 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
     // the many-rows kernels (m > MAX_ROWS): every type, row tiles of every size, 1 to 4
     // panels a pass (threads 1: passes of 4; threads 3: 4 panels as 1 + 1 + 2, 8 as
     // 2 + 3 + 3), 32-weight chunks that do not divide the blocks (k = 13 blocks of 32),
-    // several row chunks (k = 4096 at 512); on the AMX tiles, groups of 16 rows and the
-    // register tiles for the rest
+    // several row chunks (k = 4096 at 512); on the AMX tiles (Q4_K from 16 rows), groups of
+    // 16 rows in passes of at most 2 panels, and the register tiles for the rest (31 rows:
+    // one group and 15 rows)
     for backend in many_rows_backends() {
         for qt in QType::ALL {
             for (i, m) in [9, 31, 32, 64, 100, 512].into_iter().enumerate() {

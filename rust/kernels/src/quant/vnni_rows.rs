@@ -40,6 +40,13 @@ pub(crate) const TILE: usize = 3;
 /// Xeon with AVX-512 VNNI, on a par with 6 rows x 2 panels or slightly ahead.
 const PANELS: usize = 4;
 
+/// Panels a pass takes at most where its rows run on the AMX tiles: a Q4_K block's lines
+/// with the AMX ones are 13 KiB a panel, so 4 panels' scratch (53 KiB) spilled out of a
+/// 48 KiB L1 and the tiles loaded the weights from the L2. With 2 (26 KiB), one core, Q4_K
+/// 8960 x 1536 (`examples/quant_speed`): 16 rows 1660 -> 1210 us, 32 rows 2070 -> 1550-1710,
+/// 64 rows 3000 -> 2470-2560; 512 rows unchanged (1 panel: 32 and 64 rows slower again).
+const AMX_PANELS: usize = 2;
+
 /// Blocks of a chunk for the 32-weight types (256 inputs: the running sums stay in
 /// registers through it; 4 panels' scratch is 20 KiB, as the K-types' one block).
 const CHUNK32: usize = 8;
@@ -231,8 +238,9 @@ unsafe fn pass(
     let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
     let rest = rows.start + groups * amx_rows::ROWS..rows.end;
     let tiles = rest.len().div_ceil(TILE);
-    for first in panels.clone().step_by(PANELS) {
-        let np = (panels.end - first).min(PANELS);
+    let step = if on_tiles { AMX_PANELS } else { PANELS };
+    for first in panels.clone().step_by(step) {
+        let np = (panels.end - first).min(step);
         // the columns of the pass's last panel that are inside `n`
         let cols = (n - (first + np - 1) * PANEL).min(PANEL);
         for b0 in (0..nb).step_by(cb) {
@@ -249,8 +257,8 @@ unsafe fn pass(
                     b0 + cb,
                     cb.min(nb - b0 - cb),
                 )
-            } else if first + PANELS < panels.end {
-                let next = first + PANELS..(first + 2 * PANELS).min(panels.end);
+            } else if first + step < panels.end {
+                let next = first + step..(first + 2 * step).min(panels.end);
                 Ahead::of(qt, packed, panel_bytes, &st, next, 0, cb.min(nb))
             } else {
                 Ahead::default()
@@ -784,39 +792,29 @@ unsafe fn halves(p: *const u8) -> __m512 {
 /// scales written.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn scaled_codes(out: *mut Line, lay: Layout) {
-    // a u16 lane of a half line (32 bytes: 8 columns x 4 codes) takes its column's scale
-    let lane: [u16; 32] = std::array::from_fn(|l| (l / 4) as u16);
-    let low_cols = _mm512_loadu_si512(lane.as_ptr().cast());
-    let high_cols = _mm512_add_epi16(low_cols, _mm512_set1_epi16(8));
+    // a u16 lane holds two codes of one column (a line: 16 columns x 4 codes), so both
+    // take that column's scale: lane l gets column l / 2's
+    let lane: [u16; 32] = std::array::from_fn(|l| (l / 2) as u16);
+    let cols = _mm512_loadu_si512(lane.as_ptr().cast());
+    let even = _mm512_set1_epi16(0x00FF);
+    // the odd bytes of a line (the high byte of each u16 lane)
+    const ODD: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
     let mut most = _mm512_setzero_ps();
     for j in 0..8 {
         let sc_ps = _mm512_load_ps(out.add(lay.sc + j).cast());
         most = _mm512_max_ps(most, sc_ps);
-        // the 16 scales as u16 in the low 256 bits
+        // the 16 scales as u16 in the low 256 bits, then each lane its column's
         let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(sc_ps)));
-        let (sc_low, sc_high) = (
-            _mm512_permutexvar_epi16(low_cols, sc16),
-            _mm512_permutexvar_epi16(high_cols, sc16),
-        );
+        let sc = _mm512_permutexvar_epi16(cols, sc16);
         for q in 8 * j..8 * j + 8 {
             let codes = _mm512_load_si512(out.add(q).cast());
-            let w_low =
-                _mm512_mullo_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(codes)), sc_low);
-            let w_high = _mm512_mullo_epi16(
-                _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(codes)),
-                sc_high,
-            );
-            let bytes = |v: __m512i, u: __m512i| {
-                _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm512_cvtepi16_epi8(v)),
-                    _mm512_cvtepi16_epi8(u),
-                )
-            };
-            let lo = bytes(w_low, w_high);
-            let hi = bytes(
-                _mm512_srli_epi16::<8>(w_low),
-                _mm512_srli_epi16::<8>(w_high),
-            );
+            // w of the even and of the odd codes, one in each u16 lane (< 2^10)
+            let w_even = _mm512_mullo_epi16(_mm512_and_si512(codes, even), sc);
+            let w_odd = _mm512_mullo_epi16(_mm512_srli_epi16::<8>(codes), sc);
+            // low bytes: the even codes' in place, the odd codes' moved up a byte; high
+            // bytes: the even codes' moved down a byte, the odd codes' in place
+            let lo = _mm512_mask_blend_epi8(ODD, w_even, _mm512_slli_epi16::<8>(w_odd));
+            let hi = _mm512_mask_blend_epi8(ODD, _mm512_srli_epi16::<8>(w_even), w_odd);
             _mm512_store_si512(out.add(lay.wlo + q).cast(), lo);
             _mm512_store_si512(out.add(lay.wlo + 64 + q).cast(), hi);
         }
