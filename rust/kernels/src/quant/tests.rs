@@ -665,6 +665,30 @@ fn q4_k_on_the_amx_tiles_is_exact_on_both_sides_of_the_bound() {
 }
 
 #[test]
+fn q4_k_decode_batches_of_16_rows_or_more_run_on_the_amx_tiles() {
+    // one group (16), one group and a rest on the register tiles (23), two groups (32):
+    // every call puts blocks on the tiles, with the outputs of the portable path
+    if !amx() {
+        return;
+    }
+    use std::sync::atomic::Ordering::Relaxed;
+    let qt = QType::Q4_K;
+    let (n, k) = (72, 512);
+    let rows = random_rows(qt, n, k, 41);
+    for m in [16, 23, 32] {
+        let x = random_x(m, k, 42);
+        let before = super::amx_rows::RUNS[0].load(Relaxed);
+        let v = run(qt, &rows, &x, (m, n, k, 1), Backend::AmxInt8);
+        assert!(
+            super::amx_rows::RUNS[0].load(Relaxed) > before,
+            "{m} rows: no block on the tiles"
+        );
+        let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+        same_bits(&v, &p, &format!("q4_k m {m}"));
+    }
+}
+
+#[test]
 fn avx2_equals_portable_bit_for_bit() {
     if !avx2() {
         return;
