@@ -81,3 +81,33 @@ def test_stats_count_every_pipeline_drain():
     for reason in ("pipeline_drains", "stall_drains", "swap_drains", "priority_drains",
                    "rope_drains"):
         assert stats[reason] == 0, reason
+
+
+def test_close_frees_a_model_the_engine_read_itself(tmp_path):
+    tiny_models.llama().save_pretrained(tmp_path)
+    eng = Engine(str(tmp_path), config=CFG)
+    assert len(eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3),
+                            progress=False)[0].token_ids) == 3
+    model = weakref.ref(eng.model)
+    size = eng.embedding_size
+    eng.close()
+    gc.collect()
+    assert model() is None and eng.model is None
+    assert eng.embedding_size == size and eng.stats()["running"] == 0
+    for call in (lambda: eng.generate([[5, 6]], progress=False),
+                 lambda: eng.add_request([5, 6]),
+                 lambda: eng.check_request([5, 6]),
+                 lambda: eng.embed([[5, 6]])):
+        with pytest.raises(EngineClosedError):
+            call()
+
+
+def test_close_gives_a_passed_model_back_working():
+    model = tiny_models.llama()
+    want = tiny_models.generate_greedy(model, [5, 6, 7], 4)
+    eng = Engine(model, config=CFG)
+    assert eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4),
+                        progress=False)[0].token_ids == want
+    eng.close()
+    assert eng.model is model
+    assert tiny_models.generate_greedy(model, [5, 6, 7], 4) == want

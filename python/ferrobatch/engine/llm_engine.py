@@ -184,7 +184,10 @@ class Engine(ModelProbes):
         construction probes → the tensor-parallel runner → sampler → speculative
         controller → output router → stepper → thread governor → loop state.
         """
+        # a model read here (from a path) is the engine's own, and goes when it closes
+        self._owns_model = isinstance(model, str | os.PathLike)
         self.model, self.tokenizer = self._load(model, tokenizer, device, dtype)
+        self._model_config = self.model.config
         # A loaded model is never moved or converted (`load_model` says so when device/dtype
         # differ), so the cache follows the model: a cache in another dtype would silently
         # round every key and value, one on another device could not be read at all.
@@ -554,6 +557,8 @@ class Engine(ModelProbes):
         self, prompts: list[Prompt], pooling: str | None, normalize: bool | None
     ) -> list[Request]:
         """Validated embedding requests (`FieldError` naming the field)."""
+        if self._closed:
+            raise EngineClosedError("engine is closed")
         if self.tp is not None:
             raise FieldError("embeddings are not supported with tensor_parallel_size > 1",
                              "tensor_parallel_size")
@@ -591,7 +596,7 @@ class Engine(ModelProbes):
     @property
     def embedding_size(self) -> int:
         """The length of the embeddings `embed` returns (the model's hidden size)."""
-        return int(text_config(self.model.config).hidden_size)
+        return int(text_config(self._model_config).hidden_size)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Prompt token ids for a conversation, through the tokenizer's chat template."""
@@ -762,7 +767,11 @@ class Engine(ModelProbes):
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the loop, cancel unfinished requests and give the model back untouched."""
+        """Stop the loop, cancel unfinished requests and give the model back untouched.
+
+        The cache and every packed copy of the weights are freed; so is the model where the
+        engine read it itself (from a path: `engine.model` is None afterwards). Requests
+        after `close()` raise `EngineClosedError`."""
         if self._closed:
             return
         self._stop_loop = True
@@ -782,6 +791,8 @@ class Engine(ModelProbes):
             self.runner.close()
             if self.lora is not None:  # the adapters' hooks off the caller's model
                 self.lora.close()
+            if self._owns_model:
+                self.model = None
             if self._threads is not None:
                 self._threads.close()
         if self.tp is not None and self.tp.rank == 0:
@@ -856,6 +867,8 @@ class Engine(ModelProbes):
     def _make_request(
         self, prompt: Prompt, sp: SamplingParams, request_id: str | None, **kwargs: Any
     ) -> Request:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
         return make_request(self, prompt, sp, request_id, self._new_request_id, **kwargs)
 
     def _new_request_id(self) -> str:

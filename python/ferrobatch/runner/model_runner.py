@@ -513,7 +513,9 @@ class ModelRunner:
             return out.logits[0]
 
     def close(self) -> None:
-        """Release the cache and forget the model (its config is already restored)."""
+        """Release the cache and forget the model (its config is already restored) and all
+        that was made from it (packed weights, the head's copies): a closed runner holds no
+        weights, so a model nobody else holds is freed."""
         if self._closed:
             return
         self._closed = True
@@ -523,6 +525,9 @@ class ModelRunner:
         self.head.close()
         self.activations.close()
         self.fast_greedy = False
+        self.model = None
+        self.activations = None  # type: ignore[assignment]
+        self.head = None  # type: ignore[assignment]
 
     def __enter__(self) -> ModelRunner:
         return self
