@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers loads: never a hub
 
 import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from transformers import PretrainedConfig  # noqa: E402
 
 from ferrobatch import _core  # noqa: E402
 
 __all__ = ["DTYPE_NAMES", "cache_root", "checkpoint_dtype", "cpu_has_native_bf16",
-           "default_dtype", "resolve_dtype"]
+           "default_dtype", "is_floating", "resolve_dtype", "stored_tensors"]
 
 
 def cache_root() -> Path:
@@ -51,6 +53,22 @@ def checkpoint_dtype(path: Path) -> torch.dtype | None:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     value = getattr(torch, str(name).replace("torch.", ""), None) if name else None
     return value if isinstance(value, torch.dtype) else None
+
+
+def stored_tensors(files: Iterable[Path]) -> Iterator[tuple[str, str, list[int]]]:
+    """(name, safetensors dtype name such as "BF16", shape) of every tensor in the
+    safetensors `files`, from their headers (nothing else is read); raises what
+    `safe_open` raises on a file it cannot read."""
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                part = f.get_slice(key)
+                yield key, part.get_dtype(), part.get_shape()
+
+
+def is_floating(stored: str) -> bool:
+    """Whether a safetensors dtype name is a floating one (read in the model's dtype)."""
+    return stored.startswith(("F", "BF"))
 
 
 def resolve_dtype(

@@ -22,7 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     AutoConfig,
@@ -41,7 +40,9 @@ from ferrobatch.model_config import FULL, SLIDING, model_configs, text_config  #
 from ferrobatch.model_dtype import (  # noqa: E402
     cache_root,
     checkpoint_dtype,
+    is_floating,
     resolve_dtype,
+    stored_tensors,
 )
 
 logger = logging.getLogger("ferrobatch")
@@ -471,10 +472,9 @@ def load_checkpoint(
     return loaded, tokenizer
 
 
-#: bytes per element of each safetensors dtype, and which are floating (read in `dtype`)
+#: bytes per element of each safetensors dtype
 _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
           "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
-_FLOATING = ("F", "BF")
 
 
 def _weight_files(path: Path) -> list[Path] | None:
@@ -508,19 +508,15 @@ def read_bytes(path: Path, dtype: torch.dtype) -> int | None:
         files = _weight_files(path)
         if files is None:
             return None
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
-                    if tied and key.endswith("lm_head.weight"):
-                        continue
-                    part = f.get_slice(key)
-                    stored = part.get_dtype()
-                    if stored not in _SIZES:
-                        return None
-                    count = 1
-                    for dim in part.get_shape():
-                        count *= int(dim)
-                    total += count * (size if stored.startswith(_FLOATING) else _SIZES[stored])
+        for key, stored, shape in stored_tensors(files):
+            if tied and key.endswith("lm_head.weight"):
+                continue
+            if stored not in _SIZES:
+                return None
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            total += count * (size if is_floating(stored) else _SIZES[stored])
     except Exception:  # noqa: BLE001 - a file or header this can't read: no estimate
         return None
     return total

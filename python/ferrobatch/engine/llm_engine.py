@@ -187,7 +187,6 @@ class Engine(ModelProbes):
         # a model read here (from a path) is the engine's own, and goes when it closes
         self._owns_model = isinstance(model, str | os.PathLike)
         self.model, self.tokenizer = self._load(model, tokenizer, device, dtype)
-        self._model_config = self.model.config
         # A loaded model is never moved or converted (`load_model` says so when device/dtype
         # differ), so the cache follows the model: a cache in another dtype would silently
         # round every key and value, one on another device could not be read at all.
@@ -290,8 +289,7 @@ class Engine(ModelProbes):
         read (`narrow_read.read_dtype`), the checkpoint then read in bf16 and its matrices
         held so (`panel_weights.hold_narrow_read`: no fp32 copy of them is made); else
         None."""
-        if self._quantization is not None or not isinstance(model, str | os.PathLike) \
-                or not f32_ops.available():
+        if self._quantization is not None or not self._owns_model or not f32_ops.available():
             return None
         path = Path(model).expanduser()
         if not path.is_dir() or gguf_source.gguf_path_of(model) is not None:
@@ -557,8 +555,7 @@ class Engine(ModelProbes):
         self, prompts: list[Prompt], pooling: str | None, normalize: bool | None
     ) -> list[Request]:
         """Validated embedding requests (`FieldError` naming the field)."""
-        if self._closed:
-            raise EngineClosedError("engine is closed")
+        self._check_open()
         if self.tp is not None:
             raise FieldError("embeddings are not supported with tensor_parallel_size > 1",
                              "tensor_parallel_size")
@@ -596,7 +593,7 @@ class Engine(ModelProbes):
     @property
     def embedding_size(self) -> int:
         """The length of the embeddings `embed` returns (the model's hidden size)."""
-        return int(text_config(self._model_config).hidden_size)
+        return int(text_config(self.runner.config).hidden_size)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Prompt token ids for a conversation, through the tokenizer's chat template."""
@@ -753,8 +750,7 @@ class Engine(ModelProbes):
 
     def start(self) -> None:
         """Start the background stepping loop (no-op if running)."""
-        if self._closed:
-            raise EngineClosedError("engine is closed")
+        self._check_open()
         if self._error is not None:
             raise RuntimeError("the engine loop died earlier") from self._error
         if self._thread is not None and self._thread.is_alive():
@@ -867,8 +863,7 @@ class Engine(ModelProbes):
     def _make_request(
         self, prompt: Prompt, sp: SamplingParams, request_id: str | None, **kwargs: Any
     ) -> Request:
-        if self._closed:
-            raise EngineClosedError("engine is closed")
+        self._check_open()
         return make_request(self, prompt, sp, request_id, self._new_request_id, **kwargs)
 
     def _new_request_id(self) -> str:
@@ -896,9 +891,13 @@ class Engine(ModelProbes):
         return QueueFullError(f"max_queue_size={limit} unfinished requests are already "
                               f"queued or running ({busy}, and {count} more asked)")
 
-    def _submit(self, req: Request, *, bounded: bool = True) -> None:
+    def _check_open(self) -> None:
+        """`EngineClosedError` once `close()` has run."""
         if self._closed:
             raise EngineClosedError("engine is closed")
+
+    def _submit(self, req: Request, *, bounded: bool = True) -> None:
+        self._check_open()
         if self._error is not None:
             raise RuntimeError("the engine loop died earlier") from self._error
         with self._table_lock:
@@ -1033,8 +1032,7 @@ class Engine(ModelProbes):
     def _step(self) -> bool:
         """Run one scheduler step; False when there was nothing to do."""
         with self._step_lock:
-            if self._closed:
-                raise EngineClosedError("engine is closed")
+            self._check_open()
             if self._threads is not None:
                 self._threads.tick()
             return self._stepper.step()

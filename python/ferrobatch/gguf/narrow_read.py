@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ferrobatch.model_dtype import checkpoint_dtype, resolve_dtype
+from ferrobatch.model_dtype import checkpoint_dtype, is_floating, resolve_dtype, stored_tensors
 
 __all__ = ["in_place_read", "quantized_load", "read_dtype", "widen"]
 
@@ -65,12 +64,9 @@ def _files_hold_only(path: Path, dtype: torch.dtype) -> bool:
     files = sorted(path.glob("*.safetensors"))
     name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
     try:
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is no mapping
-                    stored = f.get_slice(key).get_dtype()
-                    if stored.startswith(("F", "BF")) and stored != name:
-                        return False
+        for _, stored, _ in stored_tensors(files):
+            if is_floating(stored) and stored != name:
+                return False
     except Exception:  # noqa: BLE001 - an unreadable header: read as asked
         return False
     return bool(files)

@@ -259,10 +259,9 @@ def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]
     registers the weight is one whose products read only their panels (`reads_panels`: a
     head tied to it), and nothing else holds it (`kept`: the greedy head's screen of a
     tied head). Returns the bytes let go."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
-        return 0  # (a head that is no linear layer may multiply by the embedding itself)
+    emb = _narrowable_embedding(model)
+    if emb is None:
+        return 0
     w = emb.weight
     if type(w) is not nn.Parameter or w.device.type != "cpu" or not bf16_exact(w):
         return 0
@@ -278,6 +277,15 @@ def narrow_embedding(model: nn.Module, reads_panels: Callable[[nn.Module], bool]
             if p is w:
                 m._parameters[name] = narrow
     return w.numel() * w.element_size() - narrow.bf16.numel() * 2
+
+
+def _narrowable_embedding(model: nn.Module) -> nn.Embedding | None:
+    """`model`'s input embedding where it is an `nn.Embedding` and the output head a linear
+    layer (a head that is no linear layer may multiply by the embedding itself), else
+    None."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return emb if isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) else None
 
 
 def guard_conversions(model: nn.Module) -> None:
@@ -304,10 +312,8 @@ def hold_narrow_read(model: nn.Module, wide: dict[str, torch.dtype]) -> None:
     panels, the input embedding (and a head tied to it) a `NarrowWeight` where the head is
     a linear layer, every other tensor converted as `wide` says; all of them copies, none a
     view of the checkpoint's files."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb_w = emb.weight if isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) \
-        else None
+    emb = _narrowable_embedding(model)
+    emb_w = None if emb is None else emb.weight
     done: dict[int, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         for name, p in list(module._parameters.items()):
