@@ -1,21 +1,14 @@
-//! Q4_K products of many rows on the AMX int8 tiles, 16 rows at a time.
+//! Q4_K, Q5_K and Q6_K products of many rows on the AMX int8 tiles, 16 rows at a time.
 //!
-//! The formula every path follows ([`super::portable`]) sums a block's 8 sub-block products
-//! in f32, `s1 = fma(f32(t[j]), sc[j], s1)`, and then scales `s1`. Where none of those
-//! partial sums can pass 2^24 they are all exact integers, and `s1` is the integer
-//! `S = sum_j sc[j] * t[j] = sum_l (sc * u)[l] * q[l]`: one product over the whole block of
-//! the codes times their sub-block's scale (`w = sc * u < 2^10`, unpacked once per panel as
-//! a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`), two tile sums a 64 inputs
-//! and no f32 step until the block's end. A block of 16 rows and one panel runs so when
-//! `15 * max(sc) * max_row(sum |q|) <= 2^24` (the bound of every partial sum), which holds
-//! for all but extreme inputs (Gaussian inputs reach about half of it); else it runs on the
-//! register tiles, which follow the formula step by step. Either way the outputs are the
-//! same bits as every other backend's. Calls of fewer than [`MIN_ROWS`] rows (one group) stay
-//! on the register tiles, and so do the rows past a call's last whole group.
-//!
-//! Q5_K would fit the same kernel (codes up to 31: the bound's 15 becomes 31), but Gaussian
-//! inputs pass that bound about as often as not, and the blocks that fall back ran slower
-//! than the register tiles alone (0.55-0.69x on one core); it stays on them.
+//! The formula every path follows ([`super::portable`]) sums a block's sub-block products
+//! as one integer, `S = sum_j sc[j] * t[j] = sum_l (sc * u)[l] * q[l]`, and rounds once, at
+//! the block's end. On the tiles that is one product over the whole block of the codes
+//! times their sub-block's scale (`w = sc * u`, Q6_K's `sc * (u - 32)`, unpacked once per
+//! panel as a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`): two tile sums a 64
+//! inputs, `S = low + 256 high`, and no f32 step until the block's end, which is the
+//! register tiles' ([`super::vnni_rows::k_block_end`]). The outputs are the same bits as
+//! every other backend's. Calls of fewer than [`MIN_ROWS`] rows (one group) stay on the
+//! register tiles, and so do the rows past a call's last whole group.
 //!
 //! The other types stay on the register tiles: with one f32 step a 32 inputs (their block
 //! factors and sub-block scales are f32), a tile product's sums must be stored and read back
@@ -31,14 +24,15 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::act::A256;
-use super::vnni_rows::{acc_load, acc_store, k_block_end, panel_on_registers, Line, Tile};
+use super::vnni_rows::{acc_load, acc_store, k_block_end, Line, Tile};
 use super::{ActRows, QType};
 
-/// Blocks of 16 rows and one panel run on the tiles, and on the register tiles for want of
-/// the bound (tests check that both sides ran).
+/// Blocks of 16 rows and one panel that ran on the tiles (tests check that they did).
 #[cfg(test)]
-pub(super) static RUNS: [std::sync::atomic::AtomicUsize; 2] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 2];
+pub(super) static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The types the tiles take.
+pub(super) const TYPES: [QType; 3] = [QType::Q4_K, QType::Q5_K, QType::Q6_K];
 
 /// Rows one tile product takes.
 pub(super) const ROWS: usize = 16;
@@ -48,9 +42,10 @@ pub(super) const ROWS: usize = 16;
 /// 1536): 1.04-1.14x at 16 rows, 1.26-1.39x at 32, 1.35-1.54x at 64, ~1.8x at 512.
 pub(super) const MIN_ROWS: usize = ROWS;
 
-/// Whether a product of `m` rows of `qt` runs on the tiles (Q4_K, [`MIN_ROWS`] or more).
+/// Whether a product of `m` rows of `qt` runs on the tiles (one of [`TYPES`], [`MIN_ROWS`]
+/// or more).
 pub(super) fn takes(qt: QType, m: usize) -> bool {
-    qt == QType::Q4_K && m >= MIN_ROWS
+    TYPES.contains(&qt) && m >= MIN_ROWS
 }
 
 /// The low and high sums of one block of 16 rows and one panel (16 i32 a row).
@@ -96,16 +91,15 @@ impl Drop for Tiles {
 }
 
 /// Rows `r` (16 of them) of `acts`, block `b0` (the chunk's one block), `np` panels: the
-/// chunk [`super::vnni_rows`]' register tiles would run. `abs`: [`abs_sums`] of `acts`.
+/// chunk [`super::vnni_rows`]' register tiles would run.
 ///
 /// # Safety
-/// [`Tiles::new`] configured this thread's tiles; `qt` is Q4_K; the CPU has AVX-512 F, BW
-/// and VNNI; `t` and the scratch (unpacked with the AMX lines) as [`super::vnni_rows`]'
-/// `tile_dispatch` requires.
+/// [`Tiles::new`] configured this thread's tiles; `qt` is one of [`TYPES`]; the CPU has
+/// AVX-512 F, BW and VNNI; `t` and the scratch (unpacked with the AMX lines) as
+/// [`super::vnni_rows`]' `tile_dispatch` requires.
 pub(super) unsafe fn group(
     qt: QType,
     acts: &ActRows<'_>,
-    abs: &[u32],
     r: Range<usize>,
     b0: usize,
     np: usize,
@@ -113,95 +107,37 @@ pub(super) unsafe fn group(
 ) {
     assert!(r.len() == ROWS && t.cb == 1, "a tile's rows, one block");
     assert!(
-        qt == QType::Q4_K && t.lay.wlo != 0,
-        "Q4_K with its AMX lines"
+        TYPES.contains(&qt) && t.lay.wlo != 0,
+        "a type of the tiles, with its AMX lines"
     );
     let ActRows::A256(a) = acts else {
         panic!("the K-types take A256 blocks")
     };
     assert!(r.end * t.nb <= a.len() && b0 < t.nb, "the tile's blocks");
-    assert_eq!(abs.len(), a.len(), "a sum |q| a block");
     let first = a[r.start * t.nb + b0..].as_ptr();
-    // the largest sum |q| of the rows' block (the bound's row side)
-    let most = r.clone().map(|i| abs[i * t.nb + b0]).max().unwrap_or(0);
-    // the panels whose partial sums cannot round (run on the tiles) and the others
-    let (mut exact, mut inexact) = ([0; 4], [0; 4]);
-    let (mut ne, mut ni) = (0, 0);
-    for p in 0..np {
-        // SAFETY: panel p's block is unpacked with its AMX lines (the caller's contract).
-        let sc = unsafe { line_max(t.s.add(p * t.pstride + t.lay.wlo + 128)) };
-        if 15.0 * f64::from(sc) * f64::from(most) <= f64::from(1u32 << 24) {
-            (exact[ne], ne) = (p, ne + 1);
-        } else {
-            (inexact[ni], ni) = (p, ni + 1);
-        }
-    }
-    let (panels, others) = (&exact[..ne], &inexact[..ni]);
     // (each written whole by its product before it is read)
     let mut sums = [const { MaybeUninit::<Sums>::uninit() }; 2];
     let stride = t.nb * size_of::<A256>();
-    if !panels.is_empty() {
-        // SAFETY: `first` is row r.start's block b0, the rows `stride` bytes apart (inside
-        // `a`, asserted); the tiles are configured (the caller's contract).
-        unsafe { load_inputs((*first).qs.as_ptr(), stride) };
-    }
+    // SAFETY: `first` is row r.start's block b0, the rows `stride` bytes apart (inside `a`,
+    // asserted); the tiles are configured (the caller's contract).
+    unsafe { load_inputs((*first).qs.as_ptr(), stride) };
     let lines = |p: usize| t.s.wrapping_add(p * t.pstride + t.lay.wlo);
-    for (k, &p) in panels.iter().enumerate() {
-        if k == 0 {
+    let signed = qt == QType::Q6_K;
+    for p in 0..np {
+        if p == 0 {
             // SAFETY: the panel's AMX lines are unpacked (the caller's contract).
-            unsafe { products(lines(p), sums[0].as_mut_ptr()) };
+            unsafe { products(lines(0), sums[0].as_mut_ptr(), signed) };
         }
-        if let Some(&next) = panels.get(k + 1) {
+        if p + 1 < np {
             // SAFETY: as above, for the next panel; its sums go to the other buffer.
-            unsafe { products(lines(next), sums[(k + 1) % 2].as_mut_ptr()) };
+            unsafe { products(lines(p + 1), sums[(p + 1) % 2].as_mut_ptr(), signed) };
         }
         // SAFETY: the sums of panel p are stored, all 2 KiB (its products ran above); the
         // outputs as the caller's contract.
-        unsafe { block_out(first, sums[k % 2].assume_init_ref(), p, np, t) };
+        unsafe { block_out(qt, first, sums[p % 2].assume_init_ref(), p, np, t) };
     }
     #[cfg(test)]
-    {
-        use std::sync::atomic::Ordering::Relaxed;
-        RUNS[0].fetch_add(panels.len(), Relaxed);
-        RUNS[1].fetch_add(others.len(), Relaxed);
-    }
-    for &p in others {
-        // SAFETY: the caller's contract.
-        unsafe { panel_on_registers(qt, acts, r.clone(), b0, p, np, t) };
-    }
-}
-
-/// `sum |q|` of each activation block of `a`. Panics where the CPU lacks AVX-512 F and BW.
-pub(super) fn abs_sums(a: &[A256]) -> Vec<u32> {
-    assert!(super::vnni::available(), "AVX-512 is not available");
-    // SAFETY: the CPU has AVX-512 F and BW (asserted).
-    a.iter().map(|a| unsafe { abs_sum(a) }).collect()
-}
-
-/// `sum |q|` of an activation block.
-///
-/// # Safety
-/// The CPU has AVX-512 F and BW.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn abs_sum(a: &A256) -> u32 {
-    let mut s = _mm512_setzero_si512();
-    for c in 0..4 {
-        let q = _mm512_loadu_si512(a.qs.as_ptr().add(64 * c).cast());
-        s = _mm512_add_epi64(
-            s,
-            _mm512_sad_epu8(_mm512_abs_epi8(q), _mm512_setzero_si512()),
-        );
-    }
-    _mm512_reduce_add_epi64(s) as u32
-}
-
-/// The largest of the 16 f32 of a line.
-///
-/// # Safety
-/// The CPU has AVX-512 F; the line is readable.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn line_max(p: *const Line) -> f32 {
-    _mm512_reduce_max_ps(_mm512_load_ps(p.cast()))
+    RUNS.fetch_add(np, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Loads 16 rows of a block's inputs at `a` (`stride` bytes apart) into tiles 0 to 3 (64
@@ -227,44 +163,55 @@ unsafe fn load_inputs(a: *const i8, stride: usize) {
 }
 
 /// The block's two sums (low and high bytes of `w`) for the inputs in tiles 0 to 3
-/// ([`load_inputs`]) and one panel's AMX lines at `w` (64 low, then 64 high), into `sums`
-/// (codes in tiles 4 and 7, sums in 5 and 6).
+/// ([`load_inputs`]) and one panel's AMX lines at `w` (64 low, then 64 high; the high bytes
+/// signed where `signed`), into `sums` (codes in tiles 4 and 7, sums in 5 and 6).
 ///
 /// # Safety
 /// [`Tiles::new`] configured this thread's tiles and [`load_inputs`] filled 0 to 3; 128
 /// lines at `w` are readable and `sums` writable.
 #[inline(always)]
-unsafe fn products(w: *const Line, sums: *mut Sums) {
+unsafe fn products(w: *const Line, sums: *mut Sums, signed: bool) {
+    // (the low bytes: `tdpbsud`, signed inputs times unsigned bytes; the high ones the
+    // same, or `tdpbssd` where they are signed)
+    macro_rules! block {
+        ($hi:literal) => {
+            asm!(
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tileloadd tmm4, [{w} + {s64}*1]",
+                "tdpbsud tmm5, tmm0, tmm4",
+                "tileloadd tmm7, [{w} + {s64}*1 + 4096]",
+                concat!($hi, " tmm6, tmm0, tmm7"),
+                "tileloadd tmm4, [{w} + {s64}*1 + 1024]",
+                "tdpbsud tmm5, tmm1, tmm4",
+                "tileloadd tmm7, [{w} + {s64}*1 + 5120]",
+                concat!($hi, " tmm6, tmm1, tmm7"),
+                "tileloadd tmm4, [{w} + {s64}*1 + 2048]",
+                "tdpbsud tmm5, tmm2, tmm4",
+                "tileloadd tmm7, [{w} + {s64}*1 + 6144]",
+                concat!($hi, " tmm6, tmm2, tmm7"),
+                "tileloadd tmm4, [{w} + {s64}*1 + 3072]",
+                "tdpbsud tmm5, tmm3, tmm4",
+                "tileloadd tmm7, [{w} + {s64}*1 + 7168]",
+                concat!($hi, " tmm6, tmm3, tmm7"),
+                "tilestored [{c} + {s64}*1], tmm5",
+                "tilestored [{c} + {s64}*1 + 1024], tmm6",
+                w = in(reg) w,
+                s64 = in(reg) 64usize,
+                c = in(reg) sums,
+                options(nostack),
+            )
+        };
+    }
     // SAFETY: the caller's contract: every tile is 16 rows x 64 bytes; the loads read 16
     // lines at `w + 16 c` and `w + 64 + 16 c` (64 bytes apart), the stores write the 2 KiB
     // of `sums`.
     unsafe {
-        asm!(
-            "tilezero tmm5",
-            "tilezero tmm6",
-            "tileloadd tmm4, [{w} + {s64}*1]",
-            "tdpbsud tmm5, tmm0, tmm4",
-            "tileloadd tmm7, [{w} + {s64}*1 + 4096]",
-            "tdpbsud tmm6, tmm0, tmm7",
-            "tileloadd tmm4, [{w} + {s64}*1 + 1024]",
-            "tdpbsud tmm5, tmm1, tmm4",
-            "tileloadd tmm7, [{w} + {s64}*1 + 5120]",
-            "tdpbsud tmm6, tmm1, tmm7",
-            "tileloadd tmm4, [{w} + {s64}*1 + 2048]",
-            "tdpbsud tmm5, tmm2, tmm4",
-            "tileloadd tmm7, [{w} + {s64}*1 + 6144]",
-            "tdpbsud tmm6, tmm2, tmm7",
-            "tileloadd tmm4, [{w} + {s64}*1 + 3072]",
-            "tdpbsud tmm5, tmm3, tmm4",
-            "tileloadd tmm7, [{w} + {s64}*1 + 7168]",
-            "tdpbsud tmm6, tmm3, tmm7",
-            "tilestored [{c} + {s64}*1], tmm5",
-            "tilestored [{c} + {s64}*1 + 1024], tmm6",
-            w = in(reg) w,
-            s64 = in(reg) 64usize,
-            c = in(reg) sums,
-            options(nostack),
-        )
+        if signed {
+            block!("tdpbssd")
+        } else {
+            block!("tdpbsud")
+        }
     }
 }
 
@@ -274,14 +221,14 @@ unsafe fn products(w: *const Line, sums: *mut Sums) {
 /// # Safety
 /// As [`group`]; `a` is the first row's block, `sums` holds the panel's stored sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn block_out(a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
+unsafe fn block_out(qt: QType, a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
     let blk = t.s.add(p * t.pstride);
     for i in 0..ROWS {
         let lo = _mm512_load_si512(sums.0[0][i].as_ptr().cast());
         let hi = _mm512_load_si512(sums.0[1][i].as_ptr().cast());
         let s1 = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32::<8>(hi)));
         let v = acc_load(&t, i, p, np, t.fresh);
-        let v = k_block_end(QType::Q4_K, &*a.add(i * t.nb), blk, t.lay, s1, v);
+        let v = k_block_end(qt, &*a.add(i * t.nb), blk, t.lay, s1, v);
         acc_store(&t, i, p, np, v);
     }
 }

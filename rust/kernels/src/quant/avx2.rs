@@ -204,6 +204,17 @@ fn widen(v: __m256i) -> __m256i {
     _mm256_madd_epi16(v, _mm256_set1_epi16(1))
 }
 
+/// Each i32 lane's scale `v` (|v| < 2^15) as the i16 pair `(v, v)`: `vpmaddwd` by it
+/// multiplies the pair sums of an i16 lane pair by the scale and adds them, exactly.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn scale_pairs(v: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32::<16>(v),
+    )
+}
+
 /// `a | (b & c)` bitwise.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -370,14 +381,16 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b + 32 * h);
-        let mut s1 = [_mm256_setzero_ps(); R];
+        let mut s1 = [_mm256_setzero_si256(); R];
         for j in 0..8 {
+            let scale = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                w.add(sc + 128 * b + 16 * j + 8 * h).cast(),
+            )));
             let mut hb = if Q5 {
                 load(w.add(qh + 512 * b + 64 * j + 32 * h))
             } else {
                 _mm256_setzero_si256()
             };
-            let mut t = [_mm256_setzero_si256(); R];
             let mut t16 = [_mm256_setzero_si256(); R];
             for l in 0..4 {
                 let v = load(nib.add(64 * (4 * j + l)));
@@ -399,17 +412,13 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
                 // Q5_K: 4 quads a widening (7874 a pair)
                 if Q5 && l == 1 {
                     for i in 0..R {
-                        t[i] = widen(t16[i]);
+                        s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(t16[i], scale));
                         t16[i] = _mm256_setzero_si256();
                     }
                 }
             }
-            let scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                w.add(sc + 128 * b + 16 * j + 8 * h).cast(),
-            )));
             for i in 0..R {
-                let ti = _mm256_add_epi32(t[i], widen(t16[i]));
-                s1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), scale, s1[i]);
+                s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(t16[i], scale));
             }
         }
         let mut s2 = [_mm256_setzero_si256(); R];
@@ -432,7 +441,8 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         let e = halves(w.add(dmin + 32 * b + 16 * h));
         for i in 0..R {
             let dx = _mm256_set1_ps((*ab[i]).d);
-            acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+            let s1f = _mm256_cvtepi32_ps(s1[i]);
+            acc[i] = _mm256_fmadd_ps(s1f, _mm256_mul_ps(d, dx), acc[i]);
             let s2f = _mm256_cvtepi32_ps(s2[i]);
             acc[i] = _mm256_fnmadd_ps(s2f, _mm256_mul_ps(e, dx), acc[i]);
         }
@@ -462,7 +472,7 @@ unsafe fn q6k<const R: usize>(
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b + 32 * h);
-        let mut s1 = [_mm256_setzero_ps(); R];
+        let mut s1 = [_mm256_setzero_si256(); R];
         for j in 0..16 {
             let hb = load(w.add(st[1] + 1024 * b + 64 * j + 32 * h));
             let v0 = load(nib.add(128 * j));
@@ -481,9 +491,10 @@ unsafe fn q6k<const R: usize>(
                     bits45,
                 ),
             ];
-            let scale = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            let scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
                 w.add(st[2] + 256 * b + 16 * j + 8 * h).cast(),
-            )));
+            ));
+            let pairs = scale_pairs(scale);
             for i in 0..R {
                 let qs = (*ab[i]).qs.as_ptr().add(16 * j);
                 // 2 quads a widening (16002 a pair)
@@ -495,17 +506,17 @@ unsafe fn q6k<const R: usize>(
                     _mm256_maddubs_epi16(c[2], quad(qs.add(8))),
                     _mm256_maddubs_epi16(c[3], quad(qs.add(12))),
                 );
-                let t = _mm256_add_epi32(
-                    _mm256_add_epi32(widen(p01), widen(p23)),
-                    _mm256_set1_epi32((*ab[i]).neg32_sum16[j]),
-                );
-                s1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, s1[i]);
+                let offset = _mm256_mullo_epi32(_mm256_set1_epi32((*ab[i]).neg32_sum16[j]), scale);
+                let t =
+                    _mm256_add_epi32(_mm256_madd_epi16(p01, pairs), _mm256_madd_epi16(p23, pairs));
+                s1[i] = _mm256_add_epi32(s1[i], _mm256_add_epi32(t, offset));
             }
         }
         let d = halves(w.add(st[3] + 32 * b + 16 * h));
         for i in 0..R {
             let dx = _mm256_set1_ps((*ab[i]).d);
-            acc[i] = _mm256_fmadd_ps(s1[i], _mm256_mul_ps(d, dx), acc[i]);
+            let s1f = _mm256_cvtepi32_ps(s1[i]);
+            acc[i] = _mm256_fmadd_ps(s1f, _mm256_mul_ps(d, dx), acc[i]);
         }
     }
     store::<R>(out, h, &acc);

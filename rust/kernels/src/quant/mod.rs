@@ -378,9 +378,9 @@ pub enum Backend {
     Avx512Vnni,
     /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
     Avx2,
-    /// [`Backend::Avx512Vnni`], with the Q4_K products of 16 rows or more on the AMX int8
-    /// tiles (`tdpbsud`, 16 rows at a time; the same sums as the f32 steps wherever those
-    /// cannot round, the register tiles elsewhere: the same bits)
+    /// [`Backend::Avx512Vnni`], with the Q4_K, Q5_K and Q6_K products of 16 rows or more
+    /// on the AMX int8 tiles (`tdpbsud` / `tdpbssd`, 16 rows at a time; a block's integer
+    /// sum in one product: the same bits)
     AmxInt8,
 }
 

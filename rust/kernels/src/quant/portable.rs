@@ -10,19 +10,24 @@
 //! * Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: `s = init + sum(u * qs)` (i32), `acc = fma(f32(s),
 //!   d * dx, acc)`, then for Q4_1 and Q5_1 `acc = fma(e, sd, acc)` (`init`, `sd`: [`A32`];
 //!   IQ4_NL's `u` is its table value + 128, [`IQ4NL_U`]);
-//! * Q4_K, Q5_K: `t[j] = sum_{32 j..}(u * qs)` (i32), `s1 = fma(f32(t[j]), f32(sc[j]), s1)`
-//!   for j = 0..8 (f32), `s2 = sum_j mn[j] * sum32[j]` (i32), `acc = fma(s1, d * dx, acc)`,
+//! * Q4_K, Q5_K: `t[j] = sum_{32 j..}(u * qs)`, `s1 = sum_j sc[j] * t[j]` (i32, j = 0..8),
+//!   `s2 = sum_j mn[j] * sum32[j]` (i32), `acc = fma(f32(s1), d * dx, acc)`,
 //!   `acc = fma(-f32(s2), e * dx, acc)`;
-//! * Q6_K: `t[j] = neg32_sum16[j] + sum_{16 j..}(u * qs)`, `s1 = fma(f32(t[j]), f32(sc[j]),
-//!   s1)` for j = 0..16, `acc = fma(s1, d * dx, acc)`;
-//! * Q3_K: as Q6_K with `t[j] = -4 * sum16[j] + sum_{16 j..}(u * qs)`;
-//! * Q2_K: `t[j] = sum_{16 j..}(u * qs)`, `s1` as Q6_K's (16 sub-blocks), `s2 = sum_j mn[j] *
+//! * Q6_K: `t[j] = neg32_sum16[j] + sum_{16 j..}(u * qs)`, `s1 = sum_j sc[j] * t[j]` (i32,
+//!   j = 0..16), `acc = fma(f32(s1), d * dx, acc)`;
+//! * Q3_K: `t[j] = -4 * sum16[j] + sum_{16 j..}(u * qs)`, `s1 = fma(f32(t[j]), f32(sc[j]),
+//!   s1)` for j = 0..16 (f32), `acc = fma(s1, d * dx, acc)`;
+//! * Q2_K: `t[j] = sum_{16 j..}(u * qs)`, `s1` as Q3_K's (f32), `s2 = sum_j mn[j] *
 //!   sum16[j]` (i32), then `acc` as Q4_K's;
 //! * IQ4_XS: `t[j] = -128 * sum32[j] + sum_{32 j..}(v * qs)`, `v = IQ4_VALUES[u] + 128` (the
-//!   value as an unsigned code), `s1` over j = 0..8, `acc = fma(s1, d * dx, acc)`.
+//!   value as an unsigned code), `s1` as Q3_K's over j = 0..8, `acc = fma(s1, d * dx, acc)`.
 //!
-//! The integer sums are exact in i32 (|t[j]| < 2^20, |s2| < 2^21), and so are the products
-//! `f32(t[j]) * sc[j]` (< 2^24), so `s1`'s fused multiply-adds round as plain adds would.
+//! The integer sums are exact in i32: |t[j]| < 2^20, |s2| < 2^21, and Q4_K's, Q5_K's and
+//! Q6_K's whole-block `s1` < 2^27 (`|u - 32| * |q| * 16 * |sc| * 16` for Q6_K, the largest),
+//! so those three types round once a block, where `f32(s1)` is taken: the AMX tiles
+//! ([`super::amx_rows`]) sum a block in one integer product, and every other path gives
+//! the same bits. Q3_K's, Q2_K's and IQ4_XS's products `f32(t[j]) * sc[j]` are exact
+//! (< 2^24), so their `s1`'s fused multiply-adds round as plain adds would.
 
 use super::act::{A256, A32};
 use super::blocks::{Block, IQ4NL_U, IQ4_VALUES};
@@ -102,23 +107,21 @@ pub(crate) fn dot_a256(qt: QType, blk: &Block, a: &A256, acc: f32) -> f32 {
     if matches!(qt, QType::Q3_K | QType::Q2_K | QType::IQ4_XS) {
         return dot_a256_small(qt, blk, a, acc);
     }
-    let mut s1 = 0f32;
+    let mut s1 = 0i32;
     if qt == QType::Q6_K {
         for j in 0..16 {
             let r = 16 * j..16 * j + 16;
             let t = a.neg32_sum16[j] + idot(&blk.codes[r.clone()], &a.qs[r]);
-            // (exact product: one rounding, as the SIMD kernels' fused multiply-add)
-            s1 += t as f32 * blk.sc[j] as f32;
+            s1 += t * blk.sc[j];
         }
-        s1.mul_add(blk.d * a.d, acc)
+        (s1 as f32).mul_add(blk.d * a.d, acc)
     } else {
         for j in 0..8 {
             let r = 32 * j..32 * j + 32;
-            let t = idot(&blk.codes[r.clone()], &a.qs[r]);
-            s1 += t as f32 * blk.sc[j] as f32;
+            s1 += idot(&blk.codes[r.clone()], &a.qs[r]) * blk.sc[j];
         }
         let s2: i32 = (0..8).map(|j| blk.mn[j] * i32::from(a.sum32[j])).sum();
-        let acc = s1.mul_add(blk.d * a.d, acc);
+        let acc = (s1 as f32).mul_add(blk.d * a.d, acc);
         (-(s2 as f32)).mul_add(blk.e * a.d, acc)
     }
 }
@@ -277,7 +280,7 @@ fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [
                 let d = halves(&panel[d_at + 32 * b..][..32]);
                 for (i, o) in out.iter_mut().enumerate().take(rows) {
                     let a = &a[i * nb + b];
-                    let mut s1 = [0f32; PANEL];
+                    let mut s1 = [0i32; PANEL];
                     for j in 0..subs {
                         let mut t = [if q6 { a.neg32_sum16[j] } else { 0 }; PANEL];
                         for (q, c) in codes.iter().enumerate().skip(per * j).take(per) {
@@ -286,16 +289,15 @@ fn panel_body(qt: QType, panel: &[u8], nb: usize, acts: ActRows<'_>, out: &mut [
                         for c in 0..PANEL {
                             let sc = panel[sc_at + 16 * j + c];
                             let sc = if q6 {
-                                f32::from(sc as i8)
+                                i32::from(sc as i8)
                             } else {
-                                f32::from(sc)
+                                i32::from(sc)
                             };
-                            // (exact product: one rounding, as the kernels' fused one)
-                            s1[c] += t[c] as f32 * sc;
+                            s1[c] += t[c] * sc;
                         }
                     }
                     for c in 0..PANEL {
-                        o[c] = s1[c].mul_add(d[c] * a.d, o[c]);
+                        o[c] = (s1[c] as f32).mul_add(d[c] * a.d, o[c]);
                     }
                     if !q6 {
                         let e = halves(&panel[e_at + 32 * b..][..32]);

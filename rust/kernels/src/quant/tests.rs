@@ -567,7 +567,7 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
     // the many-rows kernels (m > MAX_ROWS): every type, row tiles of every size, 1 to 4
     // panels a pass (threads 1: passes of 4; threads 3: 4 panels as 1 + 1 + 2, 8 as
     // 2 + 3 + 3), 32-weight chunks that do not divide the blocks (k = 13 blocks of 32),
-    // several row chunks (k = 4096 at 512); on the AMX tiles (Q4_K from 16 rows), groups of
+    // several row chunks (k = 4096 at 512); on the AMX tiles (Q4_K, Q5_K, Q6_K from 16 rows), groups of
     // 16 rows in passes of at most 2 panels, and the register tiles for the rest (31 rows:
     // one group and 15 rows)
     for backend in many_rows_backends() {
@@ -605,7 +605,7 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
 fn many_rows_at_the_extremes_equal_portable() {
     for backend in many_rows_backends() {
         for qt in QType::ALL {
-            // (69 rows: four groups of the AMX tiles' 16 (Q4_K), then register tiles)
+            // (69 rows: four groups of the AMX tiles' 16 (Q4_K to Q6_K), then register tiles)
             for (m, byte) in [(12, 0x00), (12, 0xFF), (69, 0x80), (69, 0x7F), (69, 0xFF)] {
                 let (n, k) = (40, 512);
                 let rows = constant_rows(qt, n, k, byte);
@@ -625,20 +625,29 @@ fn many_rows_at_the_extremes_equal_portable() {
 }
 
 #[test]
-fn q4_k_on_the_amx_tiles_is_exact_on_both_sides_of_the_bound() {
-    // Q4_K blocks of 16 rows run as one integer product where no partial sum of the
-    // sub-blocks can pass 2^24, else on the register tiles: small inputs, inputs at +-1
-    // (every q at +-127: past the bound with large scales), and groups that mix both rows
+fn k_type_block_sums_fit_i32() {
+    // the largest whole-block sums: Q4_K, Q5_K (8 x 32 codes up to 15 / 31, scales up to
+    // 63), Q6_K (16 x 16 codes - 32 in -32..=31, scales -128..=127)
+    for s in [
+        8 * 15 * 127 * 32 * 63i64,
+        8 * 31 * 127 * 32 * 63,
+        16 * 32 * 127 * 16 * 128,
+    ] {
+        assert!(s < i64::from(i32::MAX), "{s}");
+    }
+}
+
+#[test]
+fn k_types_on_the_amx_tiles_equal_portable_at_any_input() {
+    // Q4_K, Q5_K and Q6_K blocks of 16 rows run as one integer product a block: small
+    // inputs, inputs at +-1 (every q at +-127), groups that mix both, and weights of
+    // constant bytes (the largest codes and scales, Q6_K's scales at -1 and -128)
     if !amx() {
         return;
     }
     use std::sync::atomic::Ordering::Relaxed;
-    let runs = || super::amx_rows::RUNS.each_ref().map(|r| r.load(Relaxed));
-    let before = runs();
-    let qt = QType::Q4_K;
     // (m at least amx_rows::MIN_ROWS, not whole groups of 16)
     let (m, n, k) = (69, 70, 1024);
-    let rows = random_rows(qt, n, k, 31);
     let small = random_x(m, k, 32);
     let extreme: Vec<f32> = (0..m * k)
         .map(|i| if i % 5 == 0 { -1.0 } else { 1.0 })
@@ -652,39 +661,54 @@ fn q4_k_on_the_amx_tiles_is_exact_on_both_sides_of_the_bound() {
             }
         })
         .collect();
-    for (name, x) in [("small", small), ("extreme", extreme), ("mixed", mixed)] {
-        let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
-        for threads in [1, 2] {
-            let v = run(qt, &rows, &x, (m, n, k, threads), Backend::AmxInt8);
-            same_bits(&v, &p, &format!("q4_k {name} threads {threads}"));
+    for qt in super::amx_rows::TYPES {
+        let weights = [
+            ("random", random_rows(qt, n, k, 31)),
+            ("0xff", constant_rows(qt, n, k, 0xFF)),
+            ("0x80", constant_rows(qt, n, k, 0x80)),
+        ];
+        for (wname, rows) in &weights {
+            for (name, x) in [("small", &small), ("extreme", &extreme), ("mixed", &mixed)] {
+                let before = super::amx_rows::RUNS.load(Relaxed);
+                let p = run(qt, rows, x, (m, n, k, 1), Backend::Portable);
+                for threads in [1, 2] {
+                    let v = run(qt, rows, x, (m, n, k, threads), Backend::AmxInt8);
+                    let what = format!("{} {wname} {name} threads {threads}", qt.name());
+                    same_bits(&v, &p, &what);
+                }
+                assert!(
+                    super::amx_rows::RUNS.load(Relaxed) > before,
+                    "{} {wname} {name}: no block on the tiles",
+                    qt.name()
+                );
+            }
         }
     }
-    let after = runs();
-    assert!(after[0] > before[0], "no block ran as one product");
-    assert!(after[1] > before[1], "no block ran on the register tiles");
 }
 
 #[test]
-fn q4_k_decode_batches_of_16_rows_or_more_run_on_the_amx_tiles() {
+fn k_type_decode_batches_of_16_rows_or_more_run_on_the_amx_tiles() {
     // one group (16), one group and a rest on the register tiles (23), two groups (32):
     // every call puts blocks on the tiles, with the outputs of the portable path
     if !amx() {
         return;
     }
     use std::sync::atomic::Ordering::Relaxed;
-    let qt = QType::Q4_K;
     let (n, k) = (72, 512);
-    let rows = random_rows(qt, n, k, 41);
-    for m in [16, 23, 32] {
-        let x = random_x(m, k, 42);
-        let before = super::amx_rows::RUNS[0].load(Relaxed);
-        let v = run(qt, &rows, &x, (m, n, k, 1), Backend::AmxInt8);
-        assert!(
-            super::amx_rows::RUNS[0].load(Relaxed) > before,
-            "{m} rows: no block on the tiles"
-        );
-        let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
-        same_bits(&v, &p, &format!("q4_k m {m}"));
+    for qt in super::amx_rows::TYPES {
+        let rows = random_rows(qt, n, k, 41);
+        for m in [16, 23, 32] {
+            let x = random_x(m, k, 42);
+            let before = super::amx_rows::RUNS.load(Relaxed);
+            let v = run(qt, &rows, &x, (m, n, k, 1), Backend::AmxInt8);
+            assert!(
+                super::amx_rows::RUNS.load(Relaxed) > before,
+                "{} {m} rows: no block on the tiles",
+                qt.name()
+            );
+            let p = run(qt, &rows, &x, (m, n, k, 1), Backend::Portable);
+            same_bits(&v, &p, &format!("{} m {m}", qt.name()));
+        }
     }
 }
 

@@ -10,9 +10,9 @@
 //! (Q5_K, Q5_0, Q5_1) and Q6_K's bit pairs are shifted to bit 4 (16-bit shifts: the bits
 //! that cross a byte are masked off) and merged with one `vpternlogd` (`a | (b & c)`);
 //! IQ4_NL's indices become codes (value + 128) with one `vpshufb` from its table. Sub-block
-//! scales are widened to f32 lanes once a panel block, for one exact fused multiply-add a
-//! sub-block and row (`vpmulld` + `vpaddd` cost one more instruction, on one port); the
-//! K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
+//! scales are widened once a panel block: to i32 lanes for Q4_K, Q5_K and Q6_K, whose block
+//! sums stay integers (`vpmulld` + `vpaddd` a sub-block and row), to f32 lanes for the
+//! others' one exact fused multiply-add a sub-block and row; the K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
 //! Q3_K and Q2_K's bit pairs are shifted down and masked, Q3_K's third bits merged at bit 2;
 //! IQ4_XS's indices become their codes (value + 128) in one `vpshufb` from a 16-byte table.
 
@@ -336,6 +336,14 @@ unsafe fn or_and(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
     _mm512_ternarylogic_epi32::<0xF8>(a, b, c)
 }
 
+/// The largest magnitude of the sum of 4 of Q4_K's sub-block products `sc[j] * t[j]` (codes
+/// up to 15, inputs up to 127, 32 a sub-block, scales up to 63): under 2^24, so the f32
+/// sums of sub-blocks 0-3 and of 4-7 are exact (every fused multiply-add on the way too), and
+/// their f32 sum rounds once, as `f32(S)` of the block's i32 sum does. That is how the
+/// register kernels take Q4_K's block sum without an integer multiply. Q5_K's halves may
+/// pass 2^24 (codes up to 31), so its sum is an i32.
+pub(super) const Q4K_HALF_MAX: i64 = 4 * 15 * 127 * 32 * 63;
+
 /// Q4_K (`Q5` false) or Q5_K, `R` rows.
 ///
 /// # Safety
@@ -364,8 +372,13 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
-        let mut s1 = [_mm512_setzero_ps(); R];
+        // the block's sum: Q5_K's in i32, Q4_K's as two exact f32 halves (`first`, `s1f`)
+        let mut s1 = [_mm512_setzero_si512(); R];
+        let (mut first, mut s1f) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
         for j in 0..8 {
+            if !Q5 && j == 4 {
+                (first, s1f) = (s1f, [_mm512_setzero_ps(); R]);
+            }
             pf.part(8 * b + j);
             let mut t = [_mm512_setzero_si512(); R];
             let mut t_hi = [_mm512_setzero_si512(); R];
@@ -395,17 +408,20 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
                     }
                 }
             }
-            let scale = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                w.add(sc + 128 * b + 16 * j).cast(),
-            )));
+            let scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast()));
+            let scale_ps = _mm512_cvtepi32_ps(scale);
             for i in 0..R {
                 let ti = if split {
                     _mm512_add_epi32(t[i], t_hi[i])
                 } else {
                     t[i]
                 };
-                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
-                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), scale, s1[i]);
+                if Q5 {
+                    s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(ti, scale));
+                } else {
+                    const { assert!(Q4K_HALF_MAX < 1 << 24) }; // (exact)
+                    s1f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), scale_ps, s1f[i]);
+                }
             }
         }
         let mut s2 = [_mm512_setzero_si512(); R];
@@ -426,7 +442,12 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
         let e = halves(w.add(dmin + 32 * b));
         for i in 0..R {
             let dx = (*ab[i]).d;
-            acc[i] = scaled(acc[i], s1[i], d, dx);
+            let s1 = if Q5 {
+                _mm512_cvtepi32_ps(s1[i])
+            } else {
+                _mm512_add_ps(first[i], s1f[i])
+            };
+            acc[i] = scaled(acc[i], s1, d, dx);
             let edx = _mm512_mul_ps(e, _mm512_set1_ps(dx));
             acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[i]), edx, acc[i]);
         }
@@ -456,7 +477,7 @@ unsafe fn q6k<const R: usize>(
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b);
-        let mut s1 = [_mm512_setzero_ps(); R];
+        let mut s1 = [_mm512_setzero_si512(); R];
         for j in 0..16 {
             pf.part(16 * b + j);
             // sub-block j (16 inputs, quads 0..4): nibble rows 2 j, 2 j + 1, bit pairs row j
@@ -477,9 +498,8 @@ unsafe fn q6k<const R: usize>(
                     bits45,
                 ),
             ];
-            let scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                w.add(st[2] + 256 * b + 16 * j).cast(),
-            )));
+            let scale =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(w.add(st[2] + 256 * b + 16 * j).cast()));
             for i in 0..R {
                 let qs = (*ab[i]).qs.as_ptr().add(16 * j);
                 let mut t = _mm512_set1_epi32((*ab[i]).neg32_sum16[j]);
@@ -494,13 +514,12 @@ unsafe fn q6k<const R: usize>(
                 if split {
                     t = _mm512_add_epi32(t, t_odd);
                 }
-                // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
-                s1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, s1[i]);
+                s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t, scale));
             }
         }
         let d = halves(w.add(st[3] + 32 * b));
         for i in 0..R {
-            acc[i] = scaled(acc[i], s1[i], d, (*ab[i]).d);
+            acc[i] = scaled(acc[i], _mm512_cvtepi32_ps(s1[i]), d, (*ab[i]).d);
         }
     }
     store::<R>(out, &acc);

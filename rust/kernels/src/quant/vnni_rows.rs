@@ -16,10 +16,14 @@
 //! | types | lines |
 //! |---|---|
 //! | Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1, Q5_1) |
-//! | Q4_K, Q5_K | codes 64, sc 8 (f32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
-//! | Q6_K, Q3_K | codes 64, sc 16 (f32), d 1 |
+//! | Q4_K, Q5_K | codes 64, sc 8 (i32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
+//! | Q6_K | codes 64, sc 16 (i32), d 1 |
+//! | Q3_K | codes 64, sc 16 (f32), d 1 |
 //! | Q2_K | codes 64, sc 16 (f32), d 1, dmin 1, mins 8 (i16: `[pair][column][2]`) |
 //! | IQ4_XS | codes 64, sc 8 (f32), d 1 |
+//!
+//! On the AMX tiles ([`super::amx_rows`]), a Q4_K, Q5_K or Q6_K block has 128 lines more
+//! ([`Layout::wlo`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -41,7 +45,7 @@ pub(crate) const TILE: usize = 3;
 const PANELS: usize = 4;
 
 /// Panels a pass takes at most where its rows run on the AMX tiles: a Q4_K block's lines
-/// with the AMX ones are 13 KiB a panel, so 4 panels' scratch (53 KiB) spilled out of a
+/// with the AMX ones are 13 KiB a panel (Q6_K's 13.2), so 4 panels' scratch (53 KiB) spilled out of a
 /// 48 KiB L1 and the tiles loaded the weights from the L2. With 2 (26 KiB), one core, Q4_K
 /// 8960 x 1536 (`examples/quant_speed`): 16 rows 1660 -> 1210 us, 32 rows 2070 -> 1550-1710,
 /// 64 rows 3000 -> 2470-2560; 512 rows unchanged (1 panel: 32 and 64 rows slower again).
@@ -69,19 +73,19 @@ pub(super) struct Layout {
     pub(super) e: usize,
     /// Q4_K / Q5_K's mins
     pub(super) mins: usize,
-    /// Q4_K on the AMX tiles ([`super::amx_rows`]): the codes times their sub-block's
-    /// scale (`w = u * sc < 2^10`), low bytes from line `wlo` and high bytes from `wlo + 64`, a
-    /// line a quad as the codes; then at `wlo + 128` the largest of a column's 8 scales
-    /// (f32). 0 elsewhere.
+    /// Q4_K, Q5_K and Q6_K on the AMX tiles ([`super::amx_rows`]): the codes times their
+    /// sub-block's scale (`w = u * sc`; Q6_K's `(u - 32) * sc`), low bytes from line `wlo`
+    /// and high bytes from `wlo + 64`, a line a quad as the codes. 0 elsewhere.
     pub(super) wlo: usize,
 }
 
 pub(super) fn layout(qt: QType, amx: bool) -> Layout {
-    if amx && qt == QType::Q4_K {
+    if amx && amx_rows::TYPES.contains(&qt) {
+        let base = layout(qt, false);
         return Layout {
-            lines: 78 + 129,
-            wlo: 78,
-            ..layout(qt, false)
+            lines: base.lines + 128,
+            wlo: base.lines,
+            ..base
         };
     }
     match qt {
@@ -133,8 +137,8 @@ pub(super) fn layout(qt: QType, amx: bool) -> Layout {
 /// `out` [m, n] = the `m` rows of `acts` (`nb` blocks each) times the [`super::pack`]ed
 /// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
 /// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
-/// panels pass); where `amx`, a Q4_K call of [`amx_rows::MIN_ROWS`] rows or more runs its
-/// whole groups of 16 rows on the AMX int8 tiles ([`super::amx_rows`]). Panics on a length that does not match, or where
+/// panels pass); where `amx`, a call of [`amx_rows::TYPES`] of [`amx_rows::MIN_ROWS`] rows or
+/// more runs its whole groups of 16 rows on the AMX int8 tiles ([`super::amx_rows`]). Panics on a length that does not match, or where
 /// [`super::vnni::available`] (or, with `amx`, [`crate::isa::amx_int8_usable`]) is false.
 #[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
 pub(crate) fn linear(
@@ -154,12 +158,7 @@ pub(crate) fn linear(
         !amx || crate::isa::amx_int8_usable(),
         "AMX-INT8 is not usable"
     );
-    // each activation block's sum |q|, for the AMX tiles' bound (Q4_K of MIN_ROWS or more)
-    let abs = match acts {
-        ActRows::A256(a) if amx && amx_rows::takes(qt, m) => Some(amx_rows::abs_sums(a)),
-        _ => None,
-    };
-    let abs = abs.as_deref();
+    let on_tiles = amx && amx_rows::takes(qt, m);
     let panels = n.div_ceil(PANEL);
     let acts_len = match acts {
         ActRows::A32(a) => a.len(),
@@ -186,7 +185,7 @@ pub(crate) fn linear(
             // panels and `rows` inside the `m` rows; the pieces' panel ranges are disjoint
             // (`split`), so each thread writes only the columns of its own panels; AMX-INT8
             // is usable where `amx` (asserted).
-            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o, abs) };
+            unsafe { pass(qt, packed, nb, n, range.clone(), acts, rows, o, on_tiles) };
         }
     });
 }
@@ -207,8 +206,8 @@ unsafe impl Send for Out {}
 /// `out` points at `m * n` writable f32 ([m, n], `rows.end <= m`) that no other thread
 /// reads or writes in the columns of `panels` (`panels.end <= n.div_ceil(16)`); `packed`
 /// holds those panels of `nb` blocks of `qt`, and `acts` at least `rows.end * nb` blocks;
-/// the CPU has AVX-512 F, BW and VNNI; where `abs` (each activation block's sum |q|,
-/// [`amx_rows::abs_sums`]), this process may use AMX-INT8 and `qt` is Q4_K.
+/// the CPU has AVX-512 F, BW and VNNI; where `on_tiles`, this process may use AMX-INT8 and
+/// `qt` is one of [`amx_rows::TYPES`].
 #[allow(clippy::too_many_arguments)] // one call of `linear`: its slices and shapes
 unsafe fn pass(
     qt: QType,
@@ -219,10 +218,9 @@ unsafe fn pass(
     acts: ActRows<'_>,
     rows: Range<usize>,
     out: Out,
-    abs: Option<&[u32]>,
+    on_tiles: bool,
 ) {
     let panel_bytes = nb * panel_block_bytes(qt);
-    let on_tiles = abs.is_some();
     let lay = layout(qt, on_tiles);
     let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
     let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
@@ -234,7 +232,7 @@ unsafe fn pass(
     } else {
         0
     };
-    // SAFETY: AMX-INT8 is usable where `abs` is given (the caller's contract).
+    // SAFETY: AMX-INT8 is usable where `on_tiles` (the caller's contract).
     let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
     let rest = rows.start + groups * amx_rows::ROWS..rows.end;
     let tiles = rest.len().div_ceil(TILE);
@@ -301,8 +299,7 @@ unsafe fn pass(
                 // this thread's alone (the caller's contract); the tiles are configured, and
                 // take `qt`, where `t < groups`.
                 if t < groups {
-                    let abs = abs.unwrap_or_default();
-                    unsafe { amx_rows::group(qt, &acts, abs, r, b0, np, tile) };
+                    unsafe { amx_rows::group(qt, &acts, r, b0, np, tile) };
                 } else {
                     unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
                 }
@@ -503,45 +500,13 @@ unsafe fn tile_dispatch(
         (QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL, ActRows::A32(a)) => {
             go!(tile32, a, false)
         }
-        (QType::Q6_K, ActRows::A256(a)) => go!(tile_k, a, true),
-        (QType::Q4_K | QType::Q5_K, ActRows::A256(a)) => go!(tile_k, a, false),
+        (QType::Q4_K, ActRows::A256(a)) => go!(tile_k, a, { QType::Q4_K as u8 }),
+        (QType::Q5_K, ActRows::A256(a)) => go!(tile_k, a, { QType::Q5_K as u8 }),
+        (QType::Q6_K, ActRows::A256(a)) => go!(tile_k, a, { QType::Q6_K as u8 }),
         (QType::Q3_K, ActRows::A256(a)) => go!(tile_small, a, { QType::Q3_K as u8 }),
         (QType::Q2_K, ActRows::A256(a)) => go!(tile_small, a, { QType::Q2_K as u8 }),
         (QType::IQ4_XS, ActRows::A256(a)) => go!(tile_small, a, { QType::IQ4_XS as u8 }),
         _ => panic!("{}: wrong activation format", qt.name()),
-    }
-}
-
-/// Rows `r` of panel `p` (of `np`) of the chunk of `t` (the tile of `r`'s first row and the
-/// chunk's first panel) on the register tiles: how [`super::amx_rows`] runs a block whose
-/// sums could round.
-///
-/// # Safety
-/// As [`tile_dispatch`] for the rows `r` and the `np` panels of `t`.
-pub(super) unsafe fn panel_on_registers(
-    qt: QType,
-    acts: &ActRows<'_>,
-    r: Range<usize>,
-    b0: usize,
-    p: usize,
-    np: usize,
-    t: Tile,
-) {
-    let last = if p + 1 == np { t.last } else { 0xFFFF };
-    let tiles = r.len().div_ceil(TILE);
-    for k in 0..tiles {
-        let rows = r.start + r.len() * k / tiles..r.start + r.len() * (k + 1) / tiles;
-        let tile = Tile {
-            s: t.s.wrapping_add(p * t.pstride),
-            acc: t
-                .acc
-                .wrapping_add((rows.start - r.start) * t.rstride + p * PANEL),
-            last,
-            ..t
-        };
-        // SAFETY: the caller's contract; `tile` is panel `p` of `t` for the rows `rows`
-        // (inside `r`), one panel wide.
-        unsafe { tile_dispatch(qt, acts, rows, b0, 1, tile) };
     }
 }
 
@@ -645,22 +610,30 @@ unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32,
     }
 }
 
-/// The K-types (`Q6`: Q6_K, else Q4_K / Q5_K), `R` rows, `P` panels.
+/// Q4_K, Q5_K or Q6_K (`K`: the type's number), `R` rows, `P` panels: the block's sum in
+/// i32, or Q4_K's as two exact f32 halves ([`vnni::Q4K_HALF_MAX`]).
 ///
 /// # Safety
-/// As [`tile32`], with [`A256`] activation blocks and blocks of a K-type.
+/// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256, t: Tile) {
+unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
+    let qt = QType::ALL[K as usize];
+    let (q4, q6) = (qt == QType::Q4_K, qt == QType::Q6_K);
     let lay = t.lay;
-    let (subs, per) = if Q6 { (16, 4) } else { (8, 8) };
+    let (subs, per) = if q6 { (16, 4) } else { (8, 8) };
     for b in 0..t.cb {
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * t.nb + b));
         let blk: [*const Line; P] = std::array::from_fn(|p| t.s.add(p * t.pstride + b * lay.lines));
         let qs: [*const i8; R] = std::array::from_fn(|i| (*ab[i]).qs.as_ptr());
-        let mut s1 = [[_mm512_setzero_ps(); P]; R];
+        let mut s1 = [[_mm512_setzero_si512(); P]; R];
+        let mut first = [[_mm512_setzero_ps(); P]; R];
+        let mut s1f = [[_mm512_setzero_ps(); P]; R];
         for j in 0..subs {
+            if q4 && j == 4 {
+                (first, s1f) = (s1f, [[_mm512_setzero_ps(); P]; R]);
+            }
             let mut s: [[__m512i; P]; R] = std::array::from_fn(|i| {
-                [if Q6 {
+                [if q6 {
                     _mm512_set1_epi32((*ab[i]).neg32_sum16[j])
                 } else {
                     _mm512_setzero_si512()
@@ -668,18 +641,27 @@ unsafe fn tile_k<const R: usize, const P: usize, const Q6: bool>(a: *const A256,
             });
             dot_quads(&mut s, &blk, &qs, per * j..per * (j + 1));
             for p in 0..P {
-                let sc = line_ps(blk[p], lay.sc + j);
+                let sc = line(blk[p], lay.sc + j);
+                let sc_ps = _mm512_cvtepi32_ps(sc);
                 for i in 0..R {
-                    // (exact product, < 2^24: rounds as the portable `s1 += t * sc`)
-                    s1[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][p]), sc, s1[i][p]);
+                    if q4 {
+                        let t = _mm512_cvtepi32_ps(s[i][p]);
+                        s1f[i][p] = _mm512_fmadd_ps(t, sc_ps, s1f[i][p]);
+                    } else {
+                        s1[i][p] = _mm512_add_epi32(s1[i][p], _mm512_mullo_epi32(s[i][p], sc));
+                    }
                 }
             }
         }
         for p in 0..P {
             for i in 0..R {
                 let v = acc_load(&t, i, p, P, t.fresh && b == 0);
-                let qt = if Q6 { QType::Q6_K } else { QType::Q4_K };
-                let v = k_block_end(qt, &*ab[i], blk[p], lay, s1[i][p], v);
+                let s1 = if q4 {
+                    _mm512_add_ps(first[i][p], s1f[i][p])
+                } else {
+                    _mm512_cvtepi32_ps(s1[i][p])
+                };
+                let v = k_block_end(qt, &*ab[i], blk[p], lay, s1, v);
                 acc_store(&t, i, p, P, v);
             }
         }
@@ -783,34 +765,35 @@ unsafe fn halves(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
-/// The AMX lines of an unpacked Q4_K block ([`Layout::wlo`]): each code times its
-/// sub-block's scale (`w < 2^10`) split into low and high bytes, and each column's largest
-/// scale.
+/// The AMX lines of an unpacked Q4_K, Q5_K or Q6_K (`q6`) block ([`Layout::wlo`]): each
+/// code times its sub-block's scale (`w = u * sc < 2^11`; Q6_K's `(u - 32) * sc`, `|w| <=
+/// 2^12`) split into a low byte (unsigned) and a high byte (Q6_K's signed: `w >> 8`).
 ///
 /// # Safety
 /// The CPU has AVX-512 F and BW; `out` holds `lay.lines` lines, its codes and sub-block
 /// scales written.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn scaled_codes(out: *mut Line, lay: Layout) {
+unsafe fn scaled_codes(out: *mut Line, lay: Layout, q6: bool) {
     // a u16 lane holds two codes of one column (a line: 16 columns x 4 codes), so both
     // take that column's scale: lane l gets column l / 2's
     let lane: [u16; 32] = std::array::from_fn(|l| (l / 2) as u16);
     let cols = _mm512_loadu_si512(lane.as_ptr().cast());
     let even = _mm512_set1_epi16(0x00FF);
+    let offset = _mm512_set1_epi16(if q6 { 32 } else { 0 });
     // the odd bytes of a line (the high byte of each u16 lane)
     const ODD: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
-    let mut most = _mm512_setzero_ps();
-    for j in 0..8 {
-        let sc_ps = _mm512_load_ps(out.add(lay.sc + j).cast());
-        most = _mm512_max_ps(most, sc_ps);
-        // the 16 scales as u16 in the low 256 bits, then each lane its column's
-        let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(sc_ps)));
+    let (subs, per) = if q6 { (16, 4) } else { (8, 8) };
+    for j in 0..subs {
+        // the 16 scales as i16 in the low 256 bits, then each lane its column's
+        let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(line(out, lay.sc + j)));
         let sc = _mm512_permutexvar_epi16(cols, sc16);
-        for q in 8 * j..8 * j + 8 {
+        for q in per * j..per * j + per {
             let codes = _mm512_load_si512(out.add(q).cast());
-            // w of the even and of the odd codes, one in each u16 lane (< 2^10)
-            let w_even = _mm512_mullo_epi16(_mm512_and_si512(codes, even), sc);
-            let w_odd = _mm512_mullo_epi16(_mm512_srli_epi16::<8>(codes), sc);
+            let u_even = _mm512_sub_epi16(_mm512_and_si512(codes, even), offset);
+            let u_odd = _mm512_sub_epi16(_mm512_srli_epi16::<8>(codes), offset);
+            // w of the even and of the odd codes, one in each 16-bit lane
+            let w_even = _mm512_mullo_epi16(u_even, sc);
+            let w_odd = _mm512_mullo_epi16(u_odd, sc);
             // low bytes: the even codes' in place, the odd codes' moved up a byte; high
             // bytes: the even codes' moved down a byte, the odd codes' in place
             let lo = _mm512_mask_blend_epi8(ODD, w_even, _mm512_slli_epi16::<8>(w_odd));
@@ -819,7 +802,6 @@ unsafe fn scaled_codes(out: *mut Line, lay: Layout) {
             _mm512_store_si512(out.add(lay.wlo + 64 + q).cast(), hi);
         }
     }
-    _mm512_store_ps(out.add(lay.wlo + 128).cast(), most);
 }
 
 /// Block `b` of the panel `w` (streams at `st`) unpacked into the lines at `out`
@@ -915,11 +897,9 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
                     put(8 * j + 2 * l, lo);
                     put(8 * j + 2 * l + 1, hi);
                 }
-                put_ps(
+                put(
                     lay.sc + j,
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        w.add(sc + 128 * b + 16 * j).cast(),
-                    ))),
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast())),
                 );
             }
             for p in 0..4 {
@@ -933,7 +913,7 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
             if lay.wlo != 0 {
                 // SAFETY: the codes and scales of the block are written just above, and
                 // the layout holds the AMX lines (`wlo != 0`).
-                unsafe { scaled_codes(out, lay) };
+                unsafe { scaled_codes(out, lay, false) };
             }
         }
         QType::Q6_K => {
@@ -947,14 +927,16 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
                 put(4 * j + 1, or_and(h0, _mm512_slli_epi16::<2>(h), bits45));
                 put(4 * j + 2, or_and(l1, h, bits45));
                 put(4 * j + 3, or_and(h1, _mm512_srli_epi16::<2>(h), bits45));
-                put_ps(
+                put(
                     lay.sc + j,
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        w.add(st[2] + 256 * b + 16 * j).cast(),
-                    ))),
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128(w.add(st[2] + 256 * b + 16 * j).cast())),
                 );
             }
             put_ps(lay.d, halves(w.add(st[3] + 32 * b)));
+            if lay.wlo != 0 {
+                // SAFETY: as Q4_K's above.
+                unsafe { scaled_codes(out, lay, true) };
+            }
         }
         QType::Q3_K | QType::Q2_K | QType::IQ4_XS => {
             let (subs, per) = vnni::small_shape(qt);
