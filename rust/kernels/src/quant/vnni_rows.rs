@@ -16,7 +16,7 @@
 //! | types | lines |
 //! |---|---|
 //! | Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL | codes 8 (quad `q` at `q`), d 1, m 1 (Q4_1, Q5_1) |
-//! | Q4_K, Q5_K | codes 64, sc 8 (i32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
+//! | Q4_K, Q5_K | codes 64, sc 8 (Q4_K f32, Q5_K i32), d 1, dmin 1, mins 4 (i16: `[pair][column][2]`) |
 //! | Q6_K | codes 64, sc 16 (i32), d 1 |
 //! | Q3_K | codes 64, sc 16 (f32), d 1 |
 //! | Q2_K | codes 64, sc 16 (f32), d 1, dmin 1, mins 8 (i16: `[pair][column][2]`) |
@@ -630,7 +630,16 @@ unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t:
         let mut s1f = [[_mm512_setzero_ps(); P]; R];
         for j in 0..subs {
             if q4 && j == 4 {
-                (first, s1f) = (s1f, [[_mm512_setzero_ps(); P]; R]);
+                // Q4_K's first half waits in memory (volatile: in registers, with the
+                // second half's sums and the sub-block sums, 3 x 4 tiles spilled inside
+                // the quad loop, ~15% slower)
+                for i in 0..R {
+                    for p in 0..P {
+                        // SAFETY: `first[i][p]` is a live local, aligned, written whole.
+                        std::ptr::write_volatile(&mut first[i][p], s1f[i][p]);
+                        s1f[i][p] = _mm512_setzero_ps();
+                    }
+                }
             }
             let mut s: [[__m512i; P]; R] = std::array::from_fn(|i| {
                 [if q6 {
@@ -641,12 +650,13 @@ unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t:
             });
             dot_quads(&mut s, &blk, &qs, per * j..per * (j + 1));
             for p in 0..P {
+                // (Q4_K's scales are f32 lines, the others' i32)
                 let sc = line(blk[p], lay.sc + j);
-                let sc_ps = _mm512_cvtepi32_ps(sc);
                 for i in 0..R {
                     if q4 {
                         let t = _mm512_cvtepi32_ps(s[i][p]);
-                        s1f[i][p] = _mm512_fmadd_ps(t, sc_ps, s1f[i][p]);
+                        let sc = _mm512_castsi512_ps(sc);
+                        s1f[i][p] = _mm512_fmadd_ps(t, sc, s1f[i][p]);
                     } else {
                         s1[i][p] = _mm512_add_epi32(s1[i][p], _mm512_mullo_epi32(s[i][p], sc));
                     }
@@ -657,7 +667,8 @@ unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t:
             for i in 0..R {
                 let v = acc_load(&t, i, p, P, t.fresh && b == 0);
                 let s1 = if q4 {
-                    _mm512_add_ps(first[i][p], s1f[i][p])
+                    // SAFETY: as the write above (written at j = 4, before this read).
+                    _mm512_add_ps(std::ptr::read_volatile(&first[i][p]), s1f[i][p])
                 } else {
                     _mm512_cvtepi32_ps(s1[i][p])
                 };
@@ -765,7 +776,7 @@ unsafe fn halves(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
-/// The AMX lines of an unpacked Q4_K, Q5_K or Q6_K (`q6`) block ([`Layout::wlo`]): each
+/// The AMX lines of an unpacked Q4_K, Q5_K (`q5`) or Q6_K (`q6`) block ([`Layout::wlo`]): each
 /// code times its sub-block's scale (`w = u * sc < 2^11`; Q6_K's `(u - 32) * sc`, `|w| <=
 /// 2^12`) split into a low byte (unsigned) and a high byte (Q6_K's signed: `w >> 8`).
 ///
@@ -773,7 +784,7 @@ unsafe fn halves(p: *const u8) -> __m512 {
 /// The CPU has AVX-512 F and BW; `out` holds `lay.lines` lines, its codes and sub-block
 /// scales written.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn scaled_codes(out: *mut Line, lay: Layout, q6: bool) {
+unsafe fn scaled_codes(out: *mut Line, lay: Layout, q5: bool, q6: bool) {
     // a u16 lane holds two codes of one column (a line: 16 columns x 4 codes), so both
     // take that column's scale: lane l gets column l / 2's
     let lane: [u16; 32] = std::array::from_fn(|l| (l / 2) as u16);
@@ -785,7 +796,12 @@ unsafe fn scaled_codes(out: *mut Line, lay: Layout, q6: bool) {
     let (subs, per) = if q6 { (16, 4) } else { (8, 8) };
     for j in 0..subs {
         // the 16 scales as i16 in the low 256 bits, then each lane its column's
-        let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(line(out, lay.sc + j)));
+        let mut sc32 = line(out, lay.sc + j);
+        if !q6 && !q5 {
+            // (Q4_K's scale lines are f32)
+            sc32 = _mm512_cvtps_epi32(_mm512_castsi512_ps(sc32));
+        }
+        let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(sc32));
         let sc = _mm512_permutexvar_epi16(cols, sc16);
         for q in per * j..per * j + per {
             let codes = _mm512_load_si512(out.add(q).cast());
@@ -897,10 +913,13 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
                     put(8 * j + 2 * l, lo);
                     put(8 * j + 2 * l + 1, hi);
                 }
-                put(
-                    lay.sc + j,
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast())),
-                );
+                // (f32 for Q4_K's sub-block sums in f32 halves, i32 for Q5_K's `vpmulld`)
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(sc + 128 * b + 16 * j).cast()));
+                if q5 {
+                    put(lay.sc + j, v);
+                } else {
+                    put_ps(lay.sc + j, _mm512_cvtepi32_ps(v));
+                }
             }
             for p in 0..4 {
                 put(
@@ -913,7 +932,7 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
             if lay.wlo != 0 {
                 // SAFETY: the codes and scales of the block are written just above, and
                 // the layout holds the AMX lines (`wlo != 0`).
-                unsafe { scaled_codes(out, lay, false) };
+                unsafe { scaled_codes(out, lay, q5, false) };
             }
         }
         QType::Q6_K => {
@@ -935,7 +954,7 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
             put_ps(lay.d, halves(w.add(st[3] + 32 * b)));
             if lay.wlo != 0 {
                 // SAFETY: as Q4_K's above.
-                unsafe { scaled_codes(out, lay, true) };
+                unsafe { scaled_codes(out, lay, false, true) };
             }
         }
         QType::Q3_K | QType::Q2_K | QType::IQ4_XS => {
