@@ -7,7 +7,7 @@
 //! panel as a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`): two tile sums a 64
 //! inputs, `S = low + 256 high`, and no f32 step until the block's end, which is the
 //! register tiles' ([`super::vnni_rows::k_block_end`]). The outputs are the same bits as
-//! every other backend's. Calls of fewer than [`MIN_ROWS`] rows (one group) stay on the
+//! every other backend's. Calls of fewer than [`MIN_ROWS`] rows (two groups) stay on the
 //! register tiles, and so do the rows past a call's last whole group.
 //!
 //! The other types stay on the register tiles: with one f32 step a 32 inputs (their block
@@ -37,10 +37,12 @@ pub(super) const TYPES: [QType; 3] = [QType::Q4_K, QType::Q5_K, QType::Q6_K];
 /// Rows one tile product takes.
 pub(super) const ROWS: usize = 16;
 
-/// The fewest rows of a call that run on the tiles: one group. Against the register tiles,
-/// one core (`examples/quant_speed`, Q4_K 1536 x 1536, 8960 x 1536, 1536 x 8960, 256 x
-/// 1536): 1.04-1.14x at 16 rows, 1.26-1.39x at 32, 1.35-1.54x at 64, ~1.8x at 512.
-pub(super) const MIN_ROWS: usize = ROWS;
+/// The fewest rows of a call that run on the tiles: two groups. Against the register tiles,
+/// one core (`examples/quant_speed`, Q4_K 8960 x 1536): 1.26-1.39x at 32 rows, 1.1-1.2x at
+/// 40, 1.55x at 64, ~1.8x at 512 (Q5_K, Q6_K: 1.3-1.5x at 32, ~1.8x at 512). One group
+/// ran as fast as the register tiles (16 rows), and one group with the rest of 17-31 rows on
+/// the register tiles (which a pass of the tiles' 2 panels slows) 0.85-0.9x.
+pub(super) const MIN_ROWS: usize = 2 * ROWS;
 
 /// Whether a product of `m` rows of `qt` runs on the tiles (one of [`TYPES`], [`MIN_ROWS`]
 /// or more).
