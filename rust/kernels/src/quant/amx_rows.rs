@@ -7,8 +7,9 @@
 //! panel as a low and a high byte, [`super::vnni_rows`]' `Layout::wlo`): two tile sums a 64
 //! inputs, `S = low + 256 high`, and no f32 step until the block's end, which is the
 //! register tiles' ([`super::vnni_rows::k_block_end`]). The outputs are the same bits as
-//! every other backend's. Calls of fewer than [`MIN_ROWS`] rows (two groups) stay on the
-//! register tiles, and so do the rows past a call's last whole group.
+//! every other backend's. Calls of fewer than [`MIN_ROWS`] rows stay on the register
+//! tiles; past a call's last whole group, [`PAD_ROWS`] rows or more run as one more group
+//! padded with zero rows (whose outputs are dropped), fewer on the register tiles.
 //!
 //! The other types stay on the register tiles: with one f32 step a 32 inputs (their block
 //! factors and sub-block scales are f32), a tile product's sums must be stored and read back
@@ -37,12 +38,30 @@ pub(super) const TYPES: [QType; 3] = [QType::Q4_K, QType::Q5_K, QType::Q6_K];
 /// Rows one tile product takes.
 pub(super) const ROWS: usize = 16;
 
-/// The fewest rows of a call that run on the tiles: two groups. Against the register tiles,
-/// one core (`examples/quant_speed`, Q4_K 8960 x 1536): 1.26-1.39x at 32 rows, 1.1-1.2x at
-/// 40, 1.55x at 64, ~1.8x at 512 (Q5_K, Q6_K: 1.3-1.5x at 32, ~1.8x at 512). One group
-/// ran as fast as the register tiles (16 rows), and one group with the rest of 17-31 rows on
-/// the register tiles (which a pass of the tiles' 2 panels slows) 0.85-0.9x.
-pub(super) const MIN_ROWS: usize = 2 * ROWS;
+/// The fewest rows of a call that run on the tiles: one group and a padded one of
+/// [`PAD_ROWS`]. One core (`examples/quant_speed`, 8960 x 1536), against the same calls
+/// before padding (one group, the rest on the register tiles, whose passes the tiles' 2
+/// panels slow): Q4_K 1.3-1.4x at 24-28 rows, 1.15-1.3x at 40-47; Q6_K 1.3x at 24, 1.45x at
+/// 47. One group alone (16 rows) ran as fast as the register tiles, and one group with 1-7
+/// rows beside it on the register tiles 0.85-0.9x.
+pub(super) const MIN_ROWS: usize = ROWS + PAD_ROWS;
+
+/// Rows of a call's last group below which they run on the register tiles rather than in a
+/// group padded to 16 rows with zero rows (which costs a whole group). One core, 8960 x
+/// 1536: 8 rows on the register tiles beside 2 groups cost more than a third group.
+pub(super) const PAD_ROWS: usize = 8;
+
+/// The groups of a call of `m` rows on the tiles and the rows of its padded last group (0:
+/// none, every group whole): whole groups, and one more where at least [`PAD_ROWS`] rows
+/// are left.
+pub(super) fn groups(m: usize) -> (usize, usize) {
+    let left = m % ROWS;
+    if left >= PAD_ROWS {
+        (m / ROWS + 1, left)
+    } else {
+        (m / ROWS, 0)
+    }
+}
 
 /// Whether a product of `m` rows of `qt` runs on the tiles (one of [`TYPES`], [`MIN_ROWS`]
 /// or more).
@@ -93,7 +112,8 @@ impl Drop for Tiles {
 }
 
 /// Rows `r` (16 of them) of `acts`, block `b0` (the chunk's one block), `np` panels: the
-/// chunk [`super::vnni_rows`]' register tiles would run.
+/// chunk [`super::vnni_rows`]' register tiles would run, for the first `valid` rows (the
+/// outputs of `t`; the others are a padded group's zero rows, computed and dropped).
 ///
 /// # Safety
 /// [`Tiles::new`] configured this thread's tiles; `qt` is one of [`TYPES`]; the CPU has
@@ -103,11 +123,13 @@ pub(super) unsafe fn group(
     qt: QType,
     acts: &ActRows<'_>,
     r: Range<usize>,
+    valid: usize,
     b0: usize,
     np: usize,
     t: Tile,
 ) {
     assert!(r.len() == ROWS && t.cb == 1, "a tile's rows, one block");
+    assert!((1..=ROWS).contains(&valid), "a group's rows");
     assert!(
         TYPES.contains(&qt) && t.lay.wlo != 0,
         "a type of the tiles, with its AMX lines"
@@ -136,7 +158,7 @@ pub(super) unsafe fn group(
         }
         // SAFETY: the sums of panel p are stored, all 2 KiB (its products ran above); the
         // outputs as the caller's contract.
-        unsafe { block_out(qt, first, sums[p % 2].assume_init_ref(), p, np, t) };
+        unsafe { block_out(qt, first, sums[p % 2].assume_init_ref(), p, np, valid, t) };
     }
     #[cfg(test)]
     RUNS.fetch_add(np, std::sync::atomic::Ordering::Relaxed);
@@ -223,9 +245,17 @@ unsafe fn products(w: *const Line, sums: *mut Sums, signed: bool) {
 /// # Safety
 /// As [`group`]; `a` is the first row's block, `sums` holds the panel's stored sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn block_out(qt: QType, a: *const A256, sums: &Sums, p: usize, np: usize, t: Tile) {
+unsafe fn block_out(
+    qt: QType,
+    a: *const A256,
+    sums: &Sums,
+    p: usize,
+    np: usize,
+    valid: usize,
+    t: Tile,
+) {
     let blk = t.s.add(p * t.pstride);
-    for i in 0..ROWS {
+    for i in 0..valid {
         let lo = _mm512_load_si512(sums.0[0][i].as_ptr().cast());
         let hi = _mm512_load_si512(sums.0[1][i].as_ptr().cast());
         let s1 = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32::<8>(hi)));

@@ -378,7 +378,7 @@ pub enum Backend {
     Avx512Vnni,
     /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit registers)
     Avx2,
-    /// [`Backend::Avx512Vnni`], with the Q4_K, Q5_K and Q6_K products of 32 rows or more
+    /// [`Backend::Avx512Vnni`], with the Q4_K, Q5_K and Q6_K products of 24 rows or more
     /// on the AMX int8 tiles (`tdpbsud` / `tdpbssd`, 16 rows at a time; a block's integer
     /// sum in one product: the same bits)
     AmxInt8,

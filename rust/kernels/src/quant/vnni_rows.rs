@@ -225,16 +225,28 @@ unsafe fn pass(
     let cb = if qt.block() == 32 { CHUNK32 } else { 1 };
     let mut scratch = vec![Line([0; 64]); PANELS * cb * lay.lines];
     let st = stream_starts(qt, nb);
-    // groups of 16 rows on the AMX tiles (the types they take), then the rest in register
-    // tiles of near-equal size, at most TILE
-    let groups = if on_tiles {
-        rows.len() / amx_rows::ROWS
-    } else {
-        0
+    // groups of 16 rows on the AMX tiles (the types they take; a last group of at least
+    // PAD_ROWS rows padded to 16 with zero rows), then the rest in register tiles of
+    // near-equal size, at most TILE
+    let (groups, padded) = match on_tiles {
+        true => amx_rows::groups(rows.len()),
+        false => (0, 0),
+    };
+    // the padded group's activations: its rows, then zero rows
+    let pad = match (padded, acts) {
+        (0, _) => Vec::new(),
+        (_, ActRows::A256(a)) => {
+            let start = (rows.start + (groups - 1) * amx_rows::ROWS) * nb;
+            let mut pad = a[start..start + padded * nb].to_vec();
+            pad.resize(amx_rows::ROWS * nb, A256::ZERO);
+            pad
+        }
+        (_, ActRows::A32(_)) => unreachable!("the tiles take the K-types"),
     };
     // SAFETY: AMX-INT8 is usable where `on_tiles` (the caller's contract).
     let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
-    let rest = rows.start + groups * amx_rows::ROWS..rows.end;
+    let on_groups = (groups * amx_rows::ROWS).min(rows.len());
+    let rest = rows.start + on_groups..rows.end;
     let tiles = rest.len().div_ceil(TILE);
     let step = if on_tiles { AMX_PANELS } else { PANELS };
     for first in panels.clone().step_by(step) {
@@ -298,8 +310,12 @@ unsafe fn pass(
                 // the columns of panels `first + p` below `n` (`cols`), inside `out` and
                 // this thread's alone (the caller's contract); the tiles are configured, and
                 // take `qt`, where `t < groups`.
-                if t < groups {
-                    unsafe { amx_rows::group(qt, &acts, r, b0, np, tile) };
+                if t + 1 == groups && padded > 0 {
+                    let pad = ActRows::A256(&pad);
+                    unsafe { amx_rows::group(qt, &pad, 0..amx_rows::ROWS, padded, b0, np, tile) };
+                } else if t < groups {
+                    let all = r.len();
+                    unsafe { amx_rows::group(qt, &acts, r, all, b0, np, tile) };
                 } else {
                     unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
                 }
