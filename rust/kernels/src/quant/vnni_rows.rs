@@ -309,7 +309,8 @@ unsafe fn pass(
                 // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `r` are
                 // the columns of panels `first + p` below `n` (`cols`), inside `out` and
                 // this thread's alone (the caller's contract); the tiles are configured, and
-                // take `qt`, where `t < groups`.
+                // take `qt`, where `t < groups`; a padded group reads its 16 rows from `pad`
+                // and writes only its first `padded` rows (inside `rows`).
                 if t + 1 == groups && padded > 0 {
                     let pad = ActRows::A256(&pad);
                     unsafe { amx_rows::group(qt, &pad, 0..amx_rows::ROWS, padded, b0, np, tile) };
