@@ -12,7 +12,8 @@
 //! IQ4_NL's indices become codes (value + 128) with one `vpshufb` from its table. Sub-block
 //! scales are widened once a panel block: to i32 lanes for Q4_K, Q5_K and Q6_K, whose block
 //! sums stay integers (`vpmulld` + `vpaddd` a sub-block and row), to f32 lanes for the
-//! others' one exact fused multiply-add a sub-block and row; the K-types' mins meet the activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
+//! others' one exact fused multiply-add a sub-block and row; the K-types' mins meet the
+//! activations' partial sums in `vpdpwssd` (two sub-blocks a lane).
 //! Q3_K and Q2_K's bit pairs are shifted down and masked, Q3_K's third bits merged at bit 2;
 //! IQ4_XS's indices become their codes (value + 128) in one `vpshufb` from a 16-byte table.
 

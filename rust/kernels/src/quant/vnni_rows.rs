@@ -45,8 +45,8 @@ pub(crate) const TILE: usize = 3;
 const PANELS: usize = 4;
 
 /// Panels a pass takes at most where its rows run on the AMX tiles: a Q4_K block's lines
-/// with the AMX ones are 13 KiB a panel (Q6_K's 13.2), so 4 panels' scratch (53 KiB) spilled out of a
-/// 48 KiB L1 and the tiles loaded the weights from the L2. With 2 (26 KiB), one core, Q4_K
+/// with the AMX ones are 13 KiB a panel (Q6_K's 13.2), so 4 panels' scratch (53 KiB)
+/// spilled out of a 48 KiB L1 and the tiles loaded the weights from the L2. With 2 (26 KiB), one core, Q4_K
 /// 8960 x 1536 (`examples/quant_speed`): 16 rows 1660 -> 1210 us, 32 rows 2070 -> 1550-1710,
 /// 64 rows 3000 -> 2470-2560; 512 rows unchanged (1 panel: 32 and 64 rows slower again).
 const AMX_PANELS: usize = 2;
@@ -138,7 +138,8 @@ pub(super) fn layout(qt: QType, amx: bool) -> Layout {
 /// weight `packed` ([n, nb blocks] of `qt`): panels split over at most `threads` threads,
 /// rows taken `chunk` at a time (each chunk's activations stay in cache while a thread's
 /// panels pass); where `amx`, a call of [`amx_rows::TYPES`] of [`amx_rows::MIN_ROWS`] rows or
-/// more runs its whole groups of 16 rows on the AMX int8 tiles ([`super::amx_rows`]). Panics on a length that does not match, or where
+/// more runs its groups of 16 rows (the last one padded, [`amx_rows::groups`]) on the AMX
+/// int8 tiles ([`super::amx_rows`]). Panics on a length that does not match, or where
 /// [`super::vnni::available`] (or, with `amx`, [`crate::isa::amx_int8_usable`]) is false.
 #[allow(clippy::too_many_arguments)] // the slices of one call of `linear` and their shapes
 pub(crate) fn linear(
