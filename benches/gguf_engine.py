@@ -11,6 +11,8 @@ per CPU-second.
                                                                      # against another tree
     .venv/bin/python benches/gguf_engine.py model.gguf --backends amx_int8,avx512vnni --ab 3
                                       # the quantized products' backends, A/B, one engine
+    .venv/bin/python benches/gguf_engine.py model.gguf --many-rows 9,1000000 --ab 3
+                                      # the fewest rows of the many-rows kernels, A/B
 
 The file's read bandwidth limit for single-stream decode is (bytes of the matrices read per
 token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandwidth.
@@ -112,12 +114,16 @@ def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> 
 
 
 BACKEND_ENV = "FERROBATCH_QUANT_BACKEND"
+MANY_ROWS_ENV = "FERROBATCH_QUANT_MANY_ROWS"
 
 
-def backends_ab(path: str, backends: list[str], repeats: int, prompts: int, pp: int) -> None:
-    """The quantized products' backends (`FERROBATCH_QUANT_BACKEND`, read at each product)
-    on one engine, alternated: prefill of the first `pp` tokens of README.md (one token
-    generated) and `prompts` chat prompts x 64; prefix caching off; medians of `repeats`."""
+def env_ab(path: str, env: str, backends: list[str], repeats: int, prompts: int,
+           pp: int) -> None:
+    """Two values of a kernel switch read at each quantized product (`env`: the backend,
+    `FERROBATCH_QUANT_BACKEND`, or the fewest rows of the many-rows kernels,
+    `FERROBATCH_QUANT_MANY_ROWS`) on one engine, alternated: prefill of the first `pp`
+    tokens of README.md (one token generated) and `prompts` chat prompts x 64; prefix
+    caching off; medians of `repeats`."""
     engine = Engine(path, config=ContinuousBatchingConfig(allow_block_sharing=False))
     tok = engine.tokenizer
     readme = tok((Path(__file__).resolve().parents[1] / "README.md").read_text()).input_ids[:pp]
@@ -131,14 +137,14 @@ def backends_ab(path: str, backends: list[str], repeats: int, prompts: int, pp: 
     results: dict[tuple[str, str], list[float]] = {}
     for r in range(repeats + 1):  # run 0 warms up
         for backend in (backends if r % 2 == 0 else backends[::-1]):
-            os.environ[BACKEND_ENV] = backend
+            os.environ[env] = backend
             for what, ps, n in work:
                 got, wall, _ = timed(engine, ps, n)
                 rate = (len(readme) if what.startswith("prefill") else got) / wall
                 if r:
                     results.setdefault((what, backend), []).append(rate)
                     print(f"  run {r} {backend:10} {what}: {rate:.1f} tok/s", flush=True)
-    os.environ.pop(BACKEND_ENV, None)
+    os.environ.pop(env, None)
     for what, _, _ in work:
         med = {b: statistics.median(results[(what, b)]) for b in backends}
         print(f"{what:14} " + ", ".join(f"{b} {v:.1f} tok/s" for b, v in med.items())
@@ -163,6 +169,9 @@ def main() -> None:
     parser.add_argument("--backends", default=None, metavar="A,B",
                         help="with --ab: two quantized-product backends instead (prefill "
                              "and offline)")
+    parser.add_argument("--many-rows", default=None, metavar="A,B",
+                        help="with --ab: two values of the fewest rows of the many-rows "
+                             "kernels instead (prefill and offline)")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of --backends' "
                         "prefill")
     args = parser.parse_args()
@@ -170,8 +179,10 @@ def main() -> None:
     if args.construct:
         construct(args.model)
         return
-    if args.ab and args.backends:
-        backends_ab(args.model, args.backends.split(","), args.ab, args.prompts, args.pp)
+    if args.ab and (args.backends or args.many_rows):
+        env, values = ((BACKEND_ENV, args.backends) if args.backends
+                       else (MANY_ROWS_ENV, args.many_rows))
+        env_ab(args.model, env, values.split(","), args.ab, args.prompts, args.pp)
         return
     if args.ab:  # (prefix caching off: repeats of the batch must prefill it each time)
         engine = Engine(args.model,

@@ -112,6 +112,38 @@ pub fn amx_int8_usable() -> bool {
     amx_tiles().int8
 }
 
+/// Whether the CPU runs each 512-bit vector operation as two 256-bit halves: AMD Zen 4
+/// (vendor "AuthenticAMD", family 0x19 with AVX-512). There the many-rows quantized kernels,
+/// which unpack the weights into a scratch of 512-bit lines, lose to the panel kernels
+/// below ~128 rows (`quant::many_rows`). Zen 5 (family 0x1A) and Intel's cores answer false.
+pub fn splits_512() -> bool {
+    static SPLITS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SPLITS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid;
+            let vendor = __cpuid(0);
+            let amd = [vendor.ebx, vendor.edx, vendor.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .eq(*b"AuthenticAMD");
+            let eax = __cpuid(1).eax;
+            // the family: base (bits 8-11) plus extended (bits 20-27) where base is 0xF
+            let family = ((eax >> 8) & 0xF)
+                + if (eax >> 8) & 0xF == 0xF {
+                    (eax >> 20) & 0xFF
+                } else {
+                    0
+                };
+            amd && family == 0x19 && Isa::Avx512F.detected()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// Which AMX products this process may run (both false where the tiles are unusable).
 #[derive(Clone, Copy, Debug, Default)]
 struct AmxTiles {

@@ -728,21 +728,42 @@ pub fn linear(
 /// fewer go through the panel kernels, up to [`MAX_ROWS`] rows a pass over the weights.
 pub const MANY_ROWS: usize = 9;
 
-/// The environment variable that overrides [`MANY_ROWS`] (a number of rows, at least
-/// [`MAX_ROWS`] + 1; 0 or anything unparsable: the default) for A/B measurements.
+/// [`MANY_ROWS`] on a CPU that splits 512-bit operations in two ([`crate::isa::splits_512`],
+/// AMD Zen 4). There the scratch lines the many-rows kernels store and load cost twice an
+/// operation, and the panel kernels are faster up to about this many rows (2 threads, the
+/// 1.5B model's Q4_K and Q6_K shapes: 1.06-1.38x at 16-64 rows, 0.98-1.19x at 96-128, the
+/// many-rows kernels ahead only on wide matrices from ~256 rows; docs/benchmarks.md).
+pub const MANY_ROWS_SPLIT_512: usize = 128;
+
+/// The environment variable that overrides the fewest rows of the many-rows kernels (a
+/// number of rows, at least [`MAX_ROWS`] + 1; 0 or anything unparsable: the CPU's default)
+/// for A/B measurements.
 pub const MANY_ROWS_ENV: &str = "FERROBATCH_QUANT_MANY_ROWS";
 
-/// Whether a call of `m` rows on `backend` runs the many-rows kernels.
-fn many_rows(m: usize, backend: Backend) -> bool {
-    if !matches!(backend, Backend::Avx512Vnni | Backend::AmxInt8) || m <= MAX_ROWS {
-        return false;
+/// The fewest rows of the many-rows kernels on this CPU: [`MANY_ROWS_ENV`] where set, else
+/// [`MANY_ROWS_SPLIT_512`] where [`crate::isa::splits_512`], else [`MANY_ROWS`]. The two
+/// routes give the same bits; only the time differs.
+pub fn many_rows_least() -> usize {
+    #[cfg(test)]
+    if let Some(least) = tests::least_many() {
+        return least;
     }
-    let least = std::env::var(MANY_ROWS_ENV)
+    std::env::var(MANY_ROWS_ENV)
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&v| v > 0)
-        .unwrap_or(MANY_ROWS);
-    m >= least
+        .unwrap_or(if crate::isa::splits_512() {
+            MANY_ROWS_SPLIT_512
+        } else {
+            MANY_ROWS
+        })
+}
+
+/// Whether a call of `m` rows on `backend` runs the many-rows kernels.
+fn many_rows(m: usize, backend: Backend) -> bool {
+    matches!(backend, Backend::Avx512Vnni | Backend::AmxInt8)
+        && m > MAX_ROWS
+        && m >= many_rows_least()
 }
 
 /// The panel product of `qt` on `backend` (available).

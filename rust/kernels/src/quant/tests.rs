@@ -33,6 +33,33 @@ fn many_rows_backends() -> Vec<Backend> {
     backends
 }
 
+thread_local! {
+    static LEAST_MANY: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The fewest rows of the many-rows kernels that this test thread set ([`ManyRowsFrom`]).
+pub(super) fn least_many() -> Option<usize> {
+    LEAST_MANY.with(|c| c.get())
+}
+
+/// While held, this thread's calls of [`linear`] take the many-rows kernels from the rows
+/// it was set to, whatever the CPU's default ([`super::many_rows_least`]): the many-rows
+/// tests run the many-rows kernels on every CPU.
+struct ManyRowsFrom;
+
+impl ManyRowsFrom {
+    fn set(least: usize) -> ManyRowsFrom {
+        LEAST_MANY.with(|c| c.set(Some(least)));
+        ManyRowsFrom
+    }
+}
+
+impl Drop for ManyRowsFrom {
+    fn drop(&mut self) {
+        LEAST_MANY.with(|c| c.set(None));
+    }
+}
+
 fn avx2() -> bool {
     crate::isa::require_or_skip(&[Isa::Avx2, Isa::Fma]) && Backend::Avx2.available()
 }
@@ -570,6 +597,7 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
     // several row chunks (k = 4096 at 512); on the AMX tiles (Q4_K, Q5_K, Q6_K from 32
     // rows), groups of 16 rows in passes of at most 2 panels, and the register tiles for
     // the rest (100 rows: six groups and 4 rows)
+    let _many = ManyRowsFrom::set(super::MANY_ROWS);
     for backend in many_rows_backends() {
         for qt in QType::ALL {
             for (i, m) in [9, 31, 32, 64, 100, 512].into_iter().enumerate() {
@@ -603,6 +631,7 @@ fn many_rows_equal_portable_and_single_rows_bit_for_bit() {
 
 #[test]
 fn many_rows_at_the_extremes_equal_portable() {
+    let _many = ManyRowsFrom::set(super::MANY_ROWS);
     for backend in many_rows_backends() {
         for qt in QType::ALL {
             // (69 rows: four groups of the AMX tiles' 16 (Q4_K to Q6_K), then register tiles)
@@ -622,6 +651,32 @@ fn many_rows_at_the_extremes_equal_portable() {
             }
         }
     }
+}
+
+#[test]
+fn the_many_rows_kernels_start_where_the_cpu_says() {
+    // the default route of each backend by rows, whether or not this CPU splits 512-bit
+    // operations (AMD Zen 4: the panel kernels up to MANY_ROWS_SPLIT_512 - 1 rows); a
+    // test's own setting wins
+    let least = if crate::isa::splits_512() {
+        super::MANY_ROWS_SPLIT_512
+    } else {
+        super::MANY_ROWS
+    };
+    if std::env::var(super::MANY_ROWS_ENV).is_err() {
+        assert_eq!(super::many_rows_least(), least);
+    }
+    for m in [1, 8, 9, 32, 127, 128, 512] {
+        let want = m > MAX_ROWS && m >= super::many_rows_least();
+        assert_eq!(super::many_rows(m, Backend::Avx512Vnni), want, "{m}");
+        assert!(!super::many_rows(m, Backend::Avx2) && !super::many_rows(m, Backend::Portable));
+    }
+    let _many = ManyRowsFrom::set(32);
+    assert!(
+        !super::many_rows(31, Backend::Avx512Vnni) && super::many_rows(32, Backend::Avx512Vnni)
+    );
+    drop(_many);
+    assert_eq!(least_many(), None);
 }
 
 #[test]
