@@ -135,12 +135,25 @@ def test_quantized_steps_take_the_lean_path(gguf_file, monkeypatch, arch: str,
         monkeypatch.setattr(fused_layer.FusedLayer, "forward", counted_one_call)
         own_linear = _count_calls(monkeypatch, QuantLinear, "forward")
         products = _count_calls(monkeypatch, quant_linears.QuantProduct, "__call__")
+        buffers: list[int] = []  # where each lean layer's gate/up output went
+        gate_up_buffer = lean_layers.LeanLayers._gate_up_buffer
+
+        def recorded(self, product, rows):
+            out = gate_up_buffer(self, product, rows)
+            buffers.append(out.untyped_storage().data_ptr())
+            return out
+
+        monkeypatch.setattr(lean_layers.LeanLayers, "_gate_up_buffer", recorded)
         fast = engine.generate(PROMPTS, params, progress=False)
         forwards = (lean_calls[0] + one_calls[0]) // layers
         assert lean_calls[0] > 0 and one_calls[0] > 0  # the prefill lean, decode steps one call
         assert lean_calls[0] + one_calls[0] == forwards * layers
         assert products[0] == 4 * lean_calls[0]  # q/k/v, o, gate/up, down
         assert own_linear[0] == forwards  # only the head, once a forward
+        # one gate/up buffer for all the layers of a forward, dropped when it ends
+        assert len(buffers) == lean_calls[0]
+        assert all(len(set(buffers[i:i + layers])) == 1 for i in range(0, len(buffers), layers))
+        assert engine.runner.activations.lean._gate_up_out is None
     monkeypatch.setenv("FERROBATCH_QUANT_LEAN", "0")
     with Engine(str(written.path), config=CONFIG) as engine:
         assert engine.runner.activations.lean is None

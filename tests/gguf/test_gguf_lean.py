@@ -44,6 +44,10 @@ def test_stacked_products_equal_their_members(gguf_file, rows: int, backend: str
                 x = torch.randn(rows, members[0].in_features, generator=gen)
                 got = quant.wide_product(product, x)
                 assert torch.equal(got, _own(members, x)), [m.qtype for m in members]
+                # into a caller's buffer (the lean layers' gate/up one): the same values
+                out = torch.full((rows, quant.width(product)), float("nan"))
+                into = quant.wide_product(product, x, out)
+                assert into.data_ptr() == out.data_ptr() and torch.equal(into, got)
     q = model.model.layers[0].self_attn
     # q/k of one type stacked into one part, v (Q6_K) a part of its own
     assert [len(p.members) for p in quant.packed_of([q.q_proj, q.k_proj, q.v_proj]).parts] \

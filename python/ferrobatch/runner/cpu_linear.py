@@ -593,12 +593,21 @@ class PackedLinears:
         return torch.float32 if self.backend(rows, fp32_outputs=True).fp32_inputs \
             else self.weight_dtype
 
-    def wide_product(self, packed: _Packed, x: torch.Tensor) -> torch.Tensor:
+    def wide_product(self, packed: _Packed, x: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W.T + b` of a packed product (`x` [T, k]) for a caller that takes fp32
         outputs (the lean layers): in fp32 on the fp32 copies, `f32_ops` or `amx_ops` (`x`
         rounded to bf16, the output not rounded) where the policy says; else in the weight
-        dtype."""
+        dtype. `out` is taken by `QuantLinears.wide_product` only: here the result is a new
+        tensor (the return value, as there)."""
+        del out
         return self._run(packed, x, self.backend(x.shape[0], fp32_outputs=True))
+
+    @staticmethod
+    def width(packed: _Packed) -> int | None:
+        """None: this class's `wide_product` takes no `out` buffer."""
+        del packed
+        return None
 
     # --- groups ----------------------------------------------------------------------------
 

@@ -139,6 +139,13 @@ class LeanLayers:
         #: fp32 contiguous rows: every layer of a forward gets the same two tensors
         #: (replaced as one tuple, so a reader never sees half of an update)
         self._rope: tuple[Any, ...] = (None, None, None, None, None)
+        #: the gate/up products' fp32 outputs of the forward in progress, one buffer for all
+        #: its layers (each layer's is read by its silu_mul before the next layer runs).
+        #: One allocation a forward, not one a layer: a 512-token prefill's gate/up output
+        #: of a 1.5B model is 37 MB, which glibc maps and unmaps at every allocation (past
+        #: 32 MB), and the product's first writes then fault its pages in: ~5% of the
+        #: prefill (docs/benchmarks.md). Dropped when the forward ends.
+        self._gate_up_out: torch.Tensor | None = None
         #: whether layers may run in one `fused_layer` call (off: always the lean forward
         #: below; tests compare the two)
         self.fused_enabled = True
@@ -186,6 +193,19 @@ class LeanLayers:
             for part in self._layers:
                 part.layer.__dict__.pop("forward", None)
             self._active = self._everywhere = False
+            self._gate_up_out = None
+
+    def _gate_up_buffer(self, product: Any, rows: int) -> torch.Tensor | None:
+        """A contiguous fp32 [rows, width] view of the forward's gate/up buffer (grown as
+        needed), or None where the products take no `out` (`width` None)."""
+        width = self._linears.width(product)
+        if width is None:
+            return None
+        need = rows * width
+        buf = self._gate_up_out
+        if buf is None or buf.numel() < need:
+            buf = self._gate_up_out = torch.empty(need, dtype=torch.float32)
+        return buf[:need].view(rows, width)
 
     def _forward_of(self, p: _Layer) -> Callable[..., torch.Tensor]:
         own = type(p.layer).forward
@@ -204,7 +224,7 @@ class LeanLayers:
                     lambda: rope_rows(*kwargs["position_embeddings"])):
                 return hidden_states
             return _lean_forward(p, hidden_states, product, input_dtype, kv_dtype, kwargs,
-                                 rope_rows)
+                                 rope_rows, self._gate_up_buffer)
 
         return forward
 
@@ -226,10 +246,12 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
                   input_dtype: Callable[[int], torch.dtype], kv_dtype: torch.dtype,
                   kwargs: dict[str, Any],
                   rope_rows: Callable[[torch.Tensor, torch.Tensor],
-                                      tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                                      tuple[torch.Tensor, torch.Tensor]],
+                  gate_up_buffer: Callable[[Any, int], torch.Tensor | None]) -> torch.Tensor:
     """One decoder layer on the fp32 residual stream `hidden_states` [1, T, H] (updated in
     place and returned); `input_dtype(tokens)` is the products' input dtype, `rope_rows(cos,
-    sin)` gives the position embeddings' fp32 rows."""
+    sin)` gives the position embeddings' fp32 rows, `gate_up_buffer(product, tokens)` an
+    `out` for the gate/up product (or None)."""
     x = hidden_states[0]
     tokens = x.shape[0]
     wdt = input_dtype(tokens)
@@ -257,7 +279,8 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
         out = _interface_attention(attn, q, k, v, kwargs)
     o = product(p.o, out.reshape(tokens, p.nq))
     fused_ops.rms_norm(x, p.norm_weight(1), h, norm_post.variance_epsilon, residual=o)
-    gu = product(p.gate_up, h)  # (h's first use ended with the q/k/v product)
+    # (h's first use ended with the q/k/v product)
+    gu = product(p.gate_up, h, gate_up_buffer(p.gate_up, tokens))
     a = torch.empty(tokens, p.inter, dtype=wdt)
     fused_ops.silu_mul(gu, a)
     x.add_(product(p.down, a))

@@ -129,19 +129,23 @@ class QuantProduct:
             return None
         return tuple(part.packed() for part in self.parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 `x` [T, k] @ the stacked weights.T + bias, [T, n]; written into `out` (fp32,
+        contiguous [T, n]) when given and no tensor-parallel sum follows (the result is the
+        return value either way)."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         if len(self.parts) == 1:
-            y = self.parts[0].product(x, None)
+            y = self.parts[0].product(x, out)
         elif x.shape[0] == 1:  # one row: each part writes its columns in place
-            y = torch.empty(1, self.n)
+            y = torch.empty(1, self.n) if out is None else out
             start = 0
             for part in self.parts:
                 part.product(x, y[:, start:start + part.n])
                 start += part.n
         else:
-            y = torch.cat([part.product(x, None) for part in self.parts], dim=1)
+            ys = [part.product(x, None) for part in self.parts]
+            y = torch.cat(ys, dim=1) if out is None else torch.cat(ys, dim=1, out=out)
         if self.reduce is not None:
             y = self.reduce(y)
         if self.bias is not None:
@@ -225,9 +229,16 @@ class QuantLinears:
         """fp32: the quantized kernels take fp32 rows (quantized to int8 per row inside)."""
         return torch.float32
 
-    def wide_product(self, product: QuantProduct, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T + b` of a stacked product (`x` [T, k]), fp32."""
-        return product(x)
+    def wide_product(self, product: QuantProduct, x: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W.T + b` of a stacked product (`x` [T, k]), fp32, in `out` (fp32 [T, n]) when
+        given (a buffer the caller reuses; the return value is the result)."""
+        return product(x, out)
+
+    @staticmethod
+    def width(product: QuantProduct) -> int:
+        """Output columns of a stacked product (its `wide_product`'s `out` width)."""
+        return product.n
 
     def one_call(self, rows: int) -> Backend | None:
         """`quant_ops` where a lean layer's step of `rows` rows may run in one call of
