@@ -117,7 +117,7 @@ BACKEND_ENV = "FERROBATCH_QUANT_BACKEND"
 MANY_ROWS_ENV = "FERROBATCH_QUANT_MANY_ROWS"
 
 
-def env_ab(path: str, env: str, backends: list[str], repeats: int, prompts: int,
+def env_ab(path: str, env: str, values: list[str], repeats: int, prompts: int,
            pp: int) -> None:
     """Two values of a kernel switch read at each quantized product (`env`: the backend,
     `FERROBATCH_QUANT_BACKEND`, or the fewest rows of the many-rows kernels,
@@ -136,19 +136,19 @@ def env_ab(path: str, env: str, backends: list[str], repeats: int, prompts: int,
     work = ((f"prefill {len(readme)}", [readme], 1), (f"{prompts} x 64", batch, 64))
     results: dict[tuple[str, str], list[float]] = {}
     for r in range(repeats + 1):  # run 0 warms up
-        for backend in (backends if r % 2 == 0 else backends[::-1]):
-            os.environ[env] = backend
+        for value in (values if r % 2 == 0 else values[::-1]):
+            os.environ[env] = value
             for what, ps, n in work:
                 got, wall, _ = timed(engine, ps, n)
                 rate = (len(readme) if what.startswith("prefill") else got) / wall
                 if r:
-                    results.setdefault((what, backend), []).append(rate)
-                    print(f"  run {r} {backend:10} {what}: {rate:.1f} tok/s", flush=True)
+                    results.setdefault((what, value), []).append(rate)
+                    print(f"  run {r} {value:10} {what}: {rate:.1f} tok/s", flush=True)
     os.environ.pop(env, None)
     for what, _, _ in work:
-        med = {b: statistics.median(results[(what, b)]) for b in backends}
+        med = {b: statistics.median(results[(what, b)]) for b in values}
         print(f"{what:14} " + ", ".join(f"{b} {v:.1f} tok/s" for b, v in med.items())
-              + f"; {backends[0]} / {backends[1]} = {med[backends[0]] / med[backends[1]]:.2f}x")
+              + f"; {values[0]} / {values[1]} = {med[values[0]] / med[values[1]]:.2f}x")
     engine.close()
 
 
