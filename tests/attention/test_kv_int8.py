@@ -138,15 +138,19 @@ def test_decode_kernel_reads_int8_in_place(dim: int, window: int, softcap) -> No
     kd = _KernelDecode(tokens=None, block_tables=tables.int().numpy(),
                        seqlens=seqlens.int().numpy(), window=window)
     q = torch.randn(rows, 6, dim, generator=g)
-    torch.set_num_threads(2)
-    for out_dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
-        out = torch.empty(rows, 6, dim, dtype=out_dtype)
-        kernels.decode_kernel(q, cache.keys[0], cache.values[0], kd, out, PAGE, 0.25, softcap,
-                              (cache.key_scales[0], cache.value_scales[0]))
-        kf, vf = torch.empty(cache.num_slots, 2, dim), torch.empty(cache.num_slots, 2, dim)
-        cache.read_slots(0, torch.arange(cache.num_slots), kf, vf)
-        want = _reference(q, kf, vf, tables, seqlens, PAGE, window, 0.25, softcap)
-        assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the kernel's split over threads; restored for later tests)
+    try:
+        for out_dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
+            out = torch.empty(rows, 6, dim, dtype=out_dtype)
+            kernels.decode_kernel(q, cache.keys[0], cache.values[0], kd, out, PAGE, 0.25,
+                                  softcap, (cache.key_scales[0], cache.value_scales[0]))
+            kf, vf = torch.empty(cache.num_slots, 2, dim), torch.empty(cache.num_slots, 2, dim)
+            cache.read_slots(0, torch.arange(cache.num_slots), kf, vf)
+            want = _reference(q, kf, vf, tables, seqlens, PAGE, window, 0.25, softcap)
+            assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_kernel_refuses_missing_scales() -> None:

@@ -17,6 +17,7 @@ from ferrobatch.attention.kv_cache import PagedKVCache
 from ferrobatch.engine.memory import choose_num_blocks
 from ferrobatch.model_config import model_configs
 from ferrobatch.models import layer_types_of, sliding_window_of
+from ferrobatch.runner.cpu_linear import PackedLinears
 from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from ferrobatch.runner.output_head import OutputHead
@@ -375,7 +376,41 @@ def test_load_model_from_a_path_and_as_an_object(tmp_path):
     assert same is model and model.dtype == torch.float32
 
 
+def _head_outside_packed_linears(monkeypatch):
+    """Runners made now probe a head product of their own, as where the packed linears
+    don't hold the head."""
+    monkeypatch.setattr(PackedLinears, "holds", lambda self, module: False)
+
+
+def test_a_head_in_the_packed_linears_takes_their_product_untimed(monkeypatch):
+    """An fp32 head the packed linears hold runs on their product (by rows, the policy's
+    table): no timed probe, no copy of its own, so two runners on one model give the same
+    logits bit for bit (a probe picking by the moment's timings made them differ)."""
+    from ferrobatch.runner import output_head
+
+    def timed(fns, rounds=5):
+        raise AssertionError("the head was timed")
+
+    monkeypatch.setattr(output_head, "_best_times", timed)
+    model = tm.llama()
+    got = []
+    for _ in range(2):
+        runner, planner = _runner(model)
+        linears = runner.activations.linears
+        if linears is None:
+            runner.close()
+            pytest.skip("no packed linears here")
+        assert linears.holds(model.lm_head) and runner.head.backend is None
+        assert runner.head._packed._value is None and runner.head._transposed._value is None
+        for rid, prompt in (("x", [5, 6, 7, 8]), ("y", [9, 10, 11])):
+            planner.add(rid, prompt)
+        got.append(runner.execute(planner.plan([("x", 4), ("y", 3)])))
+        runner.close()
+    assert torch.equal(got[0], got[1])
+
+
 def test_transposed_head_copy_follows_weight_changes(monkeypatch):
+    _head_outside_packed_linears(monkeypatch)
     monkeypatch.setattr(OutputHead, "_packed_share", lambda self: None)
     monkeypatch.setattr(OutputHead, "_transposed_share", lambda self: 0.5)
     model = tm.llama()
@@ -396,6 +431,7 @@ def test_packed_head_follows_weight_changes(monkeypatch):
 
     from ferrobatch.runner import output_head
 
+    _head_outside_packed_linears(monkeypatch)
     monkeypatch.setattr(output_head, "_best_times", lambda fns, rounds=5: [0.0, 1.0])
     model = tm.llama()
     runner, planner = _runner(model)

@@ -587,6 +587,11 @@ class PackedLinears:
                 return packed
         return None
 
+    def holds(self, module: torch.nn.Module | None) -> bool:
+        """Whether `module` is one of the packed layers (inside a step its forward is a
+        product the policy chooses by rows)."""
+        return module is not None and any(m is module for p in self._packs for m in p.layers)
+
     def input_dtype(self, rows: int) -> torch.dtype:
         """The dtype `wide_product` computes a `rows`-row input in (one in another dtype is
         converted first): fp32 on fp32 products, else the weight dtype."""

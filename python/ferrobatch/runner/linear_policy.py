@@ -217,7 +217,8 @@ _FP32 = frozenset({"float32"})
 
 #: the table, first match wins (see the module docstring and each rule's `why`)
 RULES: tuple[Rule, ...] = (
-    # the output head (fp32 weights), timed once against F.linear on 64 random rows
+    # an output head outside the packed linears (fp32 weights), timed once against F.linear
+    # on 64 random rows
     Rule(Backend.ONEDNN, _FP32, _ONEDNN, max_share=0.9, use="head",
          why="MKL's sgemm repacks the whole (32000-wide) head weight on every call: ~2x "
              "slower than the packed product at decode sizes on the tiny-llama model"),

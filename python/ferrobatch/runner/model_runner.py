@@ -158,8 +158,7 @@ class ModelRunner:
         linears = self.activations.linears
         self.head = OutputHead(
             model, self.device, self.vocab_size, batch_invariant,
-            packed=linears is not None and linears.only_on_bf16_panels(
-                model.get_output_embeddings()))
+            packed=linears is not None and linears.holds(model.get_output_embeddings()))
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self.head.greedy is not None
         self._closed = False

@@ -1,7 +1,8 @@
 """The output head: base model + head split checked once, the CPU product for the head chosen
-once (`linear_policy`'s "head" rules over a timed probe: packed oneDNN weight, transposed
-copy, or the module's own forward), logit scaling and softcapping, and the greedy screen of
-`ferrobatch.runner.greedy_head` (the runner's `head` part)."""
+once (the packed linears' where they hold it; else `linear_policy`'s "head" rules over a
+timed probe: packed oneDNN weight, transposed copy, or the module's own forward), logit
+scaling and softcapping, and the greedy screen of `ferrobatch.runner.greedy_head` (the
+runner's `head` part)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,23 @@ class OutputHead:
 
     Built once per runner (after its packed linears: the checks run outside them): whether
     base model + head reproduce the model's full forward (`split`; why not in
-    `split_error`), which product the head runs on (`backend`, the policy's "head" rules
-    over a timed probe), and the greedy head."""
+    `split_error`), which product the head runs on (`backend`: the packed linears' where
+    they hold the head, else the policy's "head" rules over a timed probe), and the greedy
+    head."""
 
     def __init__(self, model: PreTrainedModel, device: torch.device, vocab_size: int,
                  batch_invariant: bool = False, packed: bool = False) -> None:
         """`batch_invariant`: no head product of its own and no greedy screen (the module's
         own forward: inside a step the packed linears' batch-invariant product). `packed`:
-        the packed linears run the head on its bf16 `f32_ops` panels alone (an fp32 head
-        that is all bf16 values), faster than any fp32 copy at every row count (1.5B's
-        152k x 1536 head, 2 threads: 19 ms at one row against oneDNN's 33, 110 against 122
-        at 64), so no copy of its own is probed or made."""
+        the packed linears hold the head, so inside a step its product is theirs, chosen by
+        rows in `linear_policy`'s table like every other layer's; no copy of its own is
+        probed or made. A timed probe would pick by the noise of the moment, and two
+        engines on one model would then compute different logit bits; it could only win
+        by chance: `f32_ops` is 1.1-2.0x the packed oneDNN copy on SmolLM2's 49152 x 576
+        fp32 head at 1-32 rows and level at 64-128 (AMD Zen 4, 1 and 2 threads), and the
+        table takes that oneDNN product itself beyond `f32_ops`' rows; a head on bf16
+        panels (1.5B's 152k x 1536, 2 threads) takes 19 ms at one row against oneDNN's
+        33."""
         cfg = text_config(model.config)
         self._model = model
         self._device = device
