@@ -152,6 +152,56 @@ def env_ab(path: str, env: str, values: list[str], repeats: int, prompts: int,
     engine.close()
 
 
+HUGE_ENV = "FERROBATCH_HUGE_WEIGHTS"
+
+
+def anon_huge_mib() -> float:
+    """This process's anonymous memory on transparent huge pages, MiB."""
+    with open("/proc/self/smaps_rollup") as smaps:
+        for line in smaps:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def huge_ab(path: str, repeats: int, prompts: int) -> None:
+    """Packed weights on 4 KiB pages against transparent huge pages (`FERROBATCH_HUGE_WEIGHTS`
+    0 / 1, read as the weights are packed): one engine built each way in this process (their
+    construction times and the huge pages each took), then single stream (128 tokens) and
+    `prompts` chat prompts x 64 on the two alternated, medians of `repeats`."""
+    engines = {}
+    for value in ("0", "1"):
+        os.environ[HUGE_ENV] = value
+        huge, start = anon_huge_mib(), time.perf_counter()
+        engines[value] = Engine(path, config=ContinuousBatchingConfig(allow_block_sharing=False))
+        print(f"{HUGE_ENV}={value}: built in {time.perf_counter() - start:.1f} s, "
+              f"{anon_huge_mib() - huge:.0f} MiB more on huge pages", flush=True)
+    os.environ.pop(HUGE_ENV)
+    tok = engines["0"].tokenizer
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+
+    work = (("single stream x 128", [tok("def fibonacci(n):").input_ids], 128),
+            (f"{prompts} x 64", chat_prompts(encode, prompts), 64))
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(repeats + 1):  # run 0 warms up
+        for value in (("0", "1") if r % 2 == 0 else ("1", "0")):
+            for what, ps, n in work:
+                got, wall, cpu = timed(engines[value], ps, n if r else 4)
+                if r:
+                    results.setdefault((what, value), []).append(got / wall)
+                    print(f"  run {r} huge={value} {what}: {got / wall:.2f} tok/s, "
+                          f"{got / cpu:.2f} tok per CPU-s", flush=True)
+    for what, _, _ in work:
+        med = {v: statistics.median(results[(what, v)]) for v in ("0", "1")}
+        print(f"{what:20} 4 KiB {med['0']:.2f} tok/s, huge {med['1']:.2f}; "
+              f"{med['1'] / med['0']:.3f}x")
+    for engine in engines.values():
+        engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a .gguf file")
@@ -174,8 +224,14 @@ def main() -> None:
                              "kernels instead (prefill and offline)")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of --backends' "
                         "prefill")
+    parser.add_argument("--huge-ab", type=int, default=0, metavar="REPEATS",
+                        help="packed weights on 4 KiB pages against huge pages: two engines, "
+                             "alternated, medians of REPEATS (single stream and offline)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.huge_ab:
+        huge_ab(args.model, args.huge_ab, args.prompts)
+        return
     if args.construct:
         construct(args.model)
         return

@@ -1,12 +1,16 @@
 """`cpu.pages.release`: a file view's pages leave the resident set and read back the file's
 bytes; a page this process wrote in a private file mapping keeps what was written; an
-anonymous tensor keeps its values; an engine gives back its checkpoint's packed pages."""
+anonymous tensor keeps its values; an engine gives back its checkpoint's packed pages.
+`cpu.pages.weight_empty`: packed weights' memory, on transparent huge pages where the
+kernel has them, small weights sharing a chunk that goes with its last weight."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -105,3 +109,71 @@ def test_an_engine_gives_back_its_checkpoints_packed_pages(tmp_path):
     with Engine(model, config=dict(num_blocks=32)) as eng:
         want = [o.token_ids for o in eng.generate(prompts, sp, progress=False)]
     assert got == want
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as smaps:
+        for line in smaps:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_weight_memory_is_aligned_typed_and_shared_by_small_weights(monkeypatch):
+    monkeypatch.delenv("FERROBATCH_HUGE_WEIGHTS", raising=False)
+    assert pages.huge_weights()
+    small = [pages.weight_empty(n, dt) for n, dt in
+             ((1000, torch.float32), (3, torch.bfloat16), (0, torch.uint8), (77, torch.int16))]
+    for t, (n, dt) in zip(small, ((1000, torch.float32), (3, torch.bfloat16), (0, torch.uint8),
+                                  (77, torch.int16)), strict=True):
+        assert t.shape == (n,) and t.dtype == dt and t.data_ptr() % 64 == 0
+    # consecutive small weights: one chunk, no overlap
+    assert small[1].data_ptr() == small[0].data_ptr() + 4032
+    assert small[3].data_ptr() >= small[1].data_ptr() + 64
+    small[0].fill_(1.5)
+    small[1].fill_(2.0)
+    assert bool((small[0] == 1.5).all()) and bool((small[1] == 2.0).all())
+    big = pages.weight_empty(40 << 20, torch.uint8)  # a mapping of its own, 2 MiB-aligned
+    assert big.data_ptr() % (2 << 20) == 0
+
+
+def test_a_chunk_goes_with_its_last_weight(monkeypatch):
+    monkeypatch.delenv("FERROBATCH_HUGE_WEIGHTS", raising=False)
+    monkeypatch.setattr(pages, "_chunk", (None, 0))  # (the next weight opens a chunk)
+    first = pages.weight_empty(1000, torch.float32)
+    second = pages.weight_empty(1000, torch.float32)
+    region = weakref.ref(pages._chunk[0]())
+    del first
+    gc.collect()
+    assert region() is not None and bool((second.fill_(3.0) == 3.0).all())
+    del second
+    gc.collect()
+    assert region() is None
+    third = pages.weight_empty(10, torch.float32)  # a new chunk
+    assert third.shape == (10,) and pages._chunk[0]() is not None
+
+
+def test_weight_memory_off_is_plain_torch_memory(monkeypatch):
+    monkeypatch.setenv("FERROBATCH_HUGE_WEIGHTS", "0")
+    assert not pages.huge_weights()
+    before = pages._chunk
+    t = pages.weight_empty(100, torch.float32)
+    assert t.shape == (100,) and pages._chunk == before
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off here")
+def test_a_large_weight_lies_on_huge_pages(monkeypatch):
+    monkeypatch.delenv("FERROBATCH_HUGE_WEIGHTS", raising=False)
+    before = _anon_huge_kib()
+    t = pages.weight_empty(16 << 20, torch.uint8)
+    t.fill_(1)
+    assert _anon_huge_kib() - before >= 8 << 10  # (most of its 16 MiB; the kernel may
+    del t                                          # fall back for a page or two)

@@ -20,6 +20,7 @@ import torch
 
 from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
+from ferrobatch.cpu.pages import weight_empty
 
 __all__ = ["AmxWeight", "available", "backend", "linear", "pack", "torch_linear"]
 
@@ -56,7 +57,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight:
         raise ValueError(f"weight must be a 2-D bfloat16 tensor, not {weight.dtype} "
                          f"{tuple(weight.shape)}")
     n, k = weight.shape
-    packed = torch.empty(_core.amx_packed_len(n, k), dtype=torch.int16)
+    packed = weight_empty(_core.amx_packed_len(n, k), torch.int16)
     _core.amx_pack(_np(weight.detach().contiguous()), _np(packed))
     b = None if bias is None else bias.detach().float().contiguous()
     return AmxWeight(packed, b, int(n), int(k))

@@ -21,6 +21,7 @@ import torch
 
 from ferrobatch import _core
 from ferrobatch.cpu.arrays import numpy_view as _np
+from ferrobatch.cpu.pages import weight_empty
 
 __all__ = ["F32Weight", "available", "linear", "pack", "pack_bf16_exact", "torch_linear",
            "unpack"]
@@ -72,10 +73,10 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Weight:
     w = weight.detach()
     b = None if bias is None else bias.detach().float().contiguous()
     if w.dtype in HALF_DTYPES:
-        packed = torch.empty(_core.f32_packed_len(n, k), dtype=w.dtype)
+        packed = weight_empty(_core.f32_packed_len(n, k), w.dtype)
         _core.f32_pack_half(_np(w.contiguous()), _np(packed), dtype=HALF_DTYPES[w.dtype])
         return F32Weight(packed, b, int(n), int(k))
-    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.float32)
+    packed = weight_empty(_core.f32_packed_len(n, k), torch.float32)
     _core.f32_pack(w.float().contiguous().numpy(), packed.numpy())
     return F32Weight(packed, b, int(n), int(k))
 
@@ -88,7 +89,7 @@ def pack_bf16_exact(weight: torch.Tensor, bias: torch.Tensor | None = None) -> F
         raise ValueError(f"weight must be a 2-D float32 tensor, not {weight.dtype} "
                          f"{tuple(weight.shape)}")
     n, k = weight.shape
-    packed = torch.empty(_core.f32_packed_len(n, k), dtype=torch.bfloat16)
+    packed = weight_empty(_core.f32_packed_len(n, k), torch.bfloat16)
     if not _core.f32_pack_bf16_exact(weight.detach().contiguous().numpy(), _np(packed)):
         return None
     b = None if bias is None else bias.detach().float().contiguous()

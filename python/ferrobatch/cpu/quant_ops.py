@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ferrobatch import _core
+from ferrobatch.cpu.pages import weight_empty
 
 __all__ = ["QTYPES", "QUANTIZERS", "PackedWeight", "backend", "dequantize", "linear", "pack",
            "qtype_name", "quantize"]
@@ -112,7 +113,7 @@ def pack(qtype: object, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> Pa
     `shape` is [k, n], GGUF's order): `pack(t.tensor_type, t.data, t.shape[1], t.shape[0])`."""
 
     name = qtype_name(qtype)
-    packed = torch.empty(_core.quant_packed_len(name, n, k), dtype=torch.uint8)
+    packed = weight_empty(_core.quant_packed_len(name, n, k), torch.uint8)
     _core.quant_pack(name, _blocks(blocks), packed.numpy(), n=n, k=k,
                      threads=torch.get_num_threads())
     return PackedWeight(name, int(n), int(k), packed)
