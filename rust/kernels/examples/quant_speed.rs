@@ -1,7 +1,8 @@
 //! Quick timing of the quantized products (one thread): weight GB/s at m = 1..8 and GOP/s
 //! at m = 512. `cargo run --release -p ferrobatch-kernels --example quant_speed [type] [n]
 //! [k] [m...]`; `benches/quant_linear.py` is the bench of record. Past 8 rows it times the
-//! panel kernels and the many-rows kernels interleaved (medians of 5).
+//! panel kernels and the many-rows kernels interleaved (medians of 5). The weights lie on
+//! transparent huge pages, as the engine's (`HUGE=0`: 4 KiB pages).
 
 /// Nanoseconds this thread has run on a CPU (the machine is shared: wall time counts the
 /// other processes' turns too).
@@ -14,6 +15,40 @@ use ferrobatch_kernels::linear::LinearArgs;
 use ferrobatch_kernels::quant::{
     linear, pack, packed_len, Backend, QType, MANY_ROWS_ENV, MAX_ROWS,
 };
+
+unsafe extern "C" {
+    /// libc's `madvise(2)`.
+    fn madvise(addr: *mut u8, len: usize, advice: i32) -> i32;
+}
+
+/// `madvise(2)`'s advice for transparent huge pages (Linux), on and off.
+const MADV_HUGEPAGE: i32 = 14;
+const MADV_NOHUGEPAGE: i32 = 15;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// `copies` copies of `packed`, one after the other from a 2 MiB boundary of one buffer,
+/// advised to lie on transparent huge pages (as the engine's packed weights:
+/// `ferrobatch.cpu.pages.weight_empty`) or, with `huge` false, on 4 KiB pages; the buffer
+/// and the offset of the first copy in it.
+fn weight_copies(packed: &[u8], copies: usize, huge: bool) -> (Vec<u8>, usize) {
+    let total = copies * packed.len() + 2 * HUGE_PAGE;
+    let mut buf: Vec<u8> = Vec::with_capacity(total);
+    let base = buf.as_mut_ptr() as usize;
+    let first = base.next_multiple_of(HUGE_PAGE) - base;
+    // SAFETY: madvise only advises the kernel on how to back pages of this process's own
+    // allocation (`first .. first + copies * len` lies inside `buf`'s capacity, untouched
+    // so far); it reads and writes no memory and changes no value, whatever its result.
+    unsafe {
+        let advice = if huge { MADV_HUGEPAGE } else { MADV_NOHUGEPAGE };
+        madvise(buf.as_mut_ptr().add(first), copies * packed.len(), advice);
+    }
+    buf.resize(total, 0);
+    for c in 0..copies {
+        let at = first + c * packed.len();
+        buf[at..at + packed.len()].copy_from_slice(packed);
+    }
+    (buf, first)
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -76,7 +111,13 @@ fn main() {
         } else {
             1
         };
-        let all: Vec<Vec<u8>> = (0..copies).map(|_| packed.clone()).collect();
+        // HUGE=0: the weights on 4 KiB pages (the engine's: huge pages)
+        let huge = std::env::var("HUGE").map_or(true, |v| v != "0");
+        let (buf, first) = weight_copies(&packed, copies, huge);
+        let all: Vec<&[u8]> = buf[first..]
+            .chunks_exact(packed.len())
+            .take(copies)
+            .collect();
         for &m in &ms {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3)
@@ -90,7 +131,7 @@ fn main() {
             };
             // (schedstat moves at scheduler ticks: loops of 0.25 s or more)
             let t = std::time::Instant::now();
-            linear(qt, &args, &x, &all[0], &mut out, backend).unwrap();
+            linear(qt, &args, &x, all[0], &mut out, backend).unwrap();
             let once = t.elapsed().as_secs_f64();
             let reps = ((0.25 / once) as usize).max(3).max(copies);
             // m > MAX_ROWS: the panel kernels ("few", many-rows threshold set past m) and
@@ -113,7 +154,7 @@ fn main() {
                     }
                     let t = cpu_ns();
                     for r in 0..reps {
-                        linear(qt, &args, &x, &all[r % copies], &mut out, backend).unwrap();
+                        linear(qt, &args, &x, all[r % copies], &mut out, backend).unwrap();
                     }
                     times[arm].push((cpu_ns() - t) as f64 * 1e-9 / reps as f64);
                 }
