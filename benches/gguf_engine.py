@@ -13,6 +13,8 @@ per CPU-second.
                                       # the quantized products' backends, A/B, one engine
     .venv/bin/python benches/gguf_engine.py model.gguf --many-rows 9,1000000 --ab 3
                                       # the fewest rows of the many-rows kernels, A/B
+    .venv/bin/python benches/gguf_engine.py model.gguf --huge-ab 10 --prompts 1
+                                      # packed weights on 4 KiB vs huge pages, two engines
 
 The file's read bandwidth limit for single-stream decode is (bytes of the matrices read per
 token) / (measured read bandwidth): `benches/quant_linear.py` measures the bandwidth.
