@@ -129,6 +129,7 @@ def _anon_huge_kib() -> int:
 
 def test_weight_memory_is_aligned_typed_and_shared_by_small_weights(monkeypatch):
     monkeypatch.delenv("FERROBATCH_HUGE_WEIGHTS", raising=False)
+    monkeypatch.setattr(pages, "_chunk", (None, 0))  # (a fresh chunk: room for them all)
     assert pages.huge_weights()
     small = [pages.weight_empty(n, dt) for n, dt in
              ((1000, torch.float32), (3, torch.bfloat16), (0, torch.uint8), (77, torch.int16))]

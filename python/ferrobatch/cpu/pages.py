@@ -163,23 +163,20 @@ def weight_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D CPU tensor of `numel` `dtype` elements for a packed weight, on
     transparent huge pages where the kernel has them (see the module docstring); 64-byte
     aligned, as `torch.empty`'s."""
-    if not huge_weights():
+    if numel == 0 or not huge_weights():
         return torch.empty(numel, dtype=dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    need = -(-max(nbytes, 1) // 64) * 64
+    need = -(-nbytes // 64) * 64
     if need > _CHUNK // 2:  # (a large weight: a mapping of its own)
         region, at = _huge_region(need)
-        return torch.frombuffer(region, dtype=torch.uint8, offset=at, count=nbytes).view(dtype) \
-            if nbytes else torch.empty(0, dtype=dtype)
-    global _chunk
-    with _chunk_lock:
-        ref, at = _chunk
-        region = ref() if ref is not None else None
-        if region is None or at + need > len(region):
-            region, at = _huge_region(_CHUNK)
-        _chunk = (weakref.ref(region), at + need)
-    if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
+    else:
+        global _chunk
+        with _chunk_lock:
+            ref, at = _chunk
+            region = ref() if ref is not None else None
+            if region is None or at + need > len(region):
+                region, at = _huge_region(_CHUNK)
+            _chunk = (weakref.ref(region), at + need)
     return torch.frombuffer(region, dtype=torch.uint8, offset=at, count=nbytes).view(dtype)
 
 
