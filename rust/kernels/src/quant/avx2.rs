@@ -118,7 +118,7 @@ fn panel<const T: u8>(
     for h in 0..2 {
         for i0 in (0..r).step_by(ROWS) {
             let rows = (r - i0).min(ROWS);
-            // the first pass fetches the next panel
+            // the first pass fetches the next panels
             let pf = if h == 0 && i0 == 0 {
                 Fetch {
                     at: next.as_ptr(),

@@ -143,7 +143,8 @@ pub enum ActRowMut<'a> {
 }
 
 /// `(panel, next, blocks, acts, out)`: a panel's sums for `out.len()` activation rows,
-/// fetching the panel `next` into the L2 cache on the way (empty: none).
+/// fetching the bytes `next` into the L2 cache on the way, spread evenly over the panel's
+/// work (empty: none; [`linear`] passes the next [`FETCH_PANELS`] panels).
 pub(crate) type PanelFn = fn(&[u8], &[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
 
 const fn qtype(i: u8) -> QType {
@@ -605,6 +606,21 @@ impl Acts {
 /// Rows a kernel call takes at most (the activations of 8 rows share each weight load).
 pub const MAX_ROWS: usize = 8;
 
+/// Panels a panel kernel fetches ahead while it runs: the next two, at twice the pace of
+/// its own loads, so each line of the weights is asked for twice, about two panels and then
+/// one panel before its loads. Measured on AMD Zen 4, one core, weights on huge pages past
+/// the L3, one row against one panel ahead: Q4_K 8960 x 1536 and 1536 x 8960 ~21 -> ~25
+/// GB/s, Q6_K 151936 x 1536 22 -> 29 GB/s; 2 rows 23 -> 25, level at 4 and 8. Three panels
+/// ahead streamed slower than two, and one request a line at a longer distance was no
+/// faster than one panel ahead (docs/benchmarks.md).
+const FETCH_PANELS: usize = 2;
+
+/// The panels fetched while panel `p` of a thread's `range` runs: the next
+/// [`FETCH_PANELS`], not past the range's end.
+fn fetch_ahead(p: usize, range: &Range<usize>) -> Range<usize> {
+    (p + 1).min(range.end)..(p + 1 + FETCH_PANELS).min(range.end)
+}
+
 /// Activation bytes of a chunk of rows: a chunk's rows stay in the L2 cache while every
 /// panel of a thread passes them.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -693,14 +709,11 @@ pub fn linear(
             let per = rows.div_ceil(rows.div_ceil(MAX_ROWS));
             for (p, sums) in range.clone().zip(piece.chunks_exact_mut(m)) {
                 let w = &packed[p * panel_bytes..(p + 1) * panel_bytes];
-                // the first group of rows fetches the thread's next panel on the way (a
+                // the first group of rows fetches the thread's next panels on the way (a
                 // decode call streams its weights from memory once: without this, the
                 // loads stall on memory and the work between them does not overlap)
-                let next = if p + 1 < range.end {
-                    &packed[(p + 1) * panel_bytes..(p + 2) * panel_bytes]
-                } else {
-                    &[]
-                };
+                let ahead = fetch_ahead(p, &range);
+                let next = &packed[ahead.start * panel_bytes..ahead.end * panel_bytes];
                 for g in (row0..row0 + rows).step_by(per) {
                     let end = (g + per).min(row0 + rows);
                     let next = if g == row0 { next } else { &[] };

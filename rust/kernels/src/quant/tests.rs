@@ -910,3 +910,14 @@ proptest! {
         check_all(qt, m, n, k, threads, seed);
     }
 }
+
+#[test]
+fn a_panel_fetches_the_next_panels_of_its_threads_range_only() {
+    let range = 4..9;
+    assert_eq!(fetch_ahead(4, &range), 5..7);
+    assert_eq!(fetch_ahead(6, &range), 7..9);
+    assert_eq!(fetch_ahead(7, &range), 8..9);
+    assert!(fetch_ahead(8, &range).is_empty());
+    assert!(fetch_ahead(0, &(0..1)).is_empty());
+    assert_eq!(fetch_ahead(0, &(0..2)).len(), 1);
+}

@@ -51,9 +51,9 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
 }
 
 /// `out[i][c]`: the panel `w` (`nb` blocks of type number `T`) times activation row `i` of
-/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]), fetching `next` (a panel, or empty) into the
-/// L2 cache on the way. Panics on a length that does not match, or where [`available`] is
-/// false.
+/// `acts` (`out.len()` rows, 1 to [`MAX_ROWS`]), fetching `next` (the next panels, or empty)
+/// into the L2 cache on the way. Panics on a length that does not match, or where
+/// [`available`] is false.
 fn panel<const T: u8>(
     w: &[u8],
     next: &[u8],
