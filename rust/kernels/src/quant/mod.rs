@@ -144,7 +144,7 @@ pub enum ActRowMut<'a> {
 
 /// `(panel, next, blocks, acts, out)`: a panel's sums for `out.len()` activation rows,
 /// fetching the bytes `next` into the L2 cache on the way, spread evenly over the panel's
-/// work (empty: none; [`linear`] passes the next [`FETCH_PANELS`] panels).
+/// work (empty: none; [`linear`] passes the next [`fetch_panels`] panels).
 pub(crate) type PanelFn = fn(&[u8], &[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
 
 const fn qtype(i: u8) -> QType {
@@ -606,19 +606,26 @@ impl Acts {
 /// Rows a kernel call takes at most (the activations of 8 rows share each weight load).
 pub const MAX_ROWS: usize = 8;
 
-/// Panels a panel kernel fetches ahead while it runs: the next two, at twice the pace of
-/// its own loads, so each line of the weights is asked for twice, about two panels and then
-/// one panel before its loads. Measured on AMD Zen 4, one core, weights on huge pages past
-/// the L3, one row against one panel ahead: Q4_K 8960 x 1536 and 1536 x 8960 ~21 -> ~25
-/// GB/s, Q6_K 151936 x 1536 22 -> 29 GB/s; 2 rows 23 -> 25, level at 4 and 8. Three panels
-/// ahead streamed slower than two, and one request a line at a longer distance was no
-/// faster than one panel ahead (docs/benchmarks.md).
-const FETCH_PANELS: usize = 2;
+/// Panels a panel kernel fetches ahead while it runs: the next two (three for Q8_0), at
+/// two (three) times the pace of its own loads, so each line of the weights is asked for
+/// more than once, the first time about two (three) panels before its loads. Measured on
+/// AMD Zen 4, one core, weights on huge pages past the L3, one row, against one panel
+/// ahead: Q4_K 8960 x 1536 and 1536 x 8960 ~21 -> ~25 GB/s, Q6_K 151936 x 1536 22 -> 29,
+/// Q4_0 8960 x 1536 22 -> 27.6; 2 rows 23 -> 25, level at 4 to 32. Three panels were slower
+/// than two for Q4_K and Q4_0, faster for Q8_0 (which streams the most bytes a product:
+/// 22.5 -> 25.0 and 21.3 -> 23.1 GB/s against two). One request a line at a longer
+/// distance was no faster than one panel ahead (docs/benchmarks.md).
+fn fetch_panels(qt: QType) -> usize {
+    match qt {
+        QType::Q8_0 => 3,
+        _ => 2,
+    }
+}
 
-/// The panels fetched while panel `p` of a thread's `range` runs: the next
-/// [`FETCH_PANELS`], not past the range's end.
-fn fetch_ahead(p: usize, range: &Range<usize>) -> Range<usize> {
-    (p + 1).min(range.end)..(p + 1 + FETCH_PANELS).min(range.end)
+/// The panels fetched while panel `p` of a thread's `range` runs: the next `panels`, not
+/// past the range's end.
+fn fetch_ahead(p: usize, range: &Range<usize>, panels: usize) -> Range<usize> {
+    (p + 1).min(range.end)..(p + 1 + panels).min(range.end)
 }
 
 /// Activation bytes of a chunk of rows: a chunk's rows stay in the L2 cache while every
@@ -712,7 +719,7 @@ pub fn linear(
                 // the first group of rows fetches the thread's next panels on the way (a
                 // decode call streams its weights from memory once: without this, the
                 // loads stall on memory and the work between them does not overlap)
-                let ahead = fetch_ahead(p, &range);
+                let ahead = fetch_ahead(p, &range, fetch_panels(qt));
                 let next = &packed[ahead.start * panel_bytes..ahead.end * panel_bytes];
                 for g in (row0..row0 + rows).step_by(per) {
                     let end = (g + per).min(row0 + rows);

@@ -914,10 +914,15 @@ proptest! {
 #[test]
 fn a_panel_fetches_the_next_panels_of_its_threads_range_only() {
     let range = 4..9;
-    assert_eq!(fetch_ahead(4, &range), 5..7);
-    assert_eq!(fetch_ahead(6, &range), 7..9);
-    assert_eq!(fetch_ahead(7, &range), 8..9);
-    assert!(fetch_ahead(8, &range).is_empty());
-    assert!(fetch_ahead(0, &(0..1)).is_empty());
-    assert_eq!(fetch_ahead(0, &(0..2)).len(), 1);
+    assert_eq!(fetch_ahead(4, &range, 2), 5..7);
+    assert_eq!(fetch_ahead(6, &range, 2), 7..9);
+    assert_eq!(fetch_ahead(6, &range, 3), 7..9);
+    assert_eq!(fetch_ahead(5, &range, 3), 6..9);
+    assert_eq!(fetch_ahead(7, &range, 2), 8..9);
+    assert!(fetch_ahead(8, &range, 2).is_empty());
+    assert!(fetch_ahead(0, &(0..1), 3).is_empty());
+    assert_eq!(fetch_ahead(0, &(0..2), 2).len(), 1);
+    assert!(QType::ALL
+        .iter()
+        .all(|&qt| (2..=3).contains(&fetch_panels(qt))));
 }
