@@ -57,6 +57,12 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
     # Conv1D linears (weights [in, out]), learned positions, LayerNorm with biases
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=512, tie_word_embeddings=True)),
+    # LayerNorm and every linear with biases, an ungated GELU MLP (c_fc / c_proj), rope theta
+    # off its config default; llama.cpp attends over the whole context (no sliding window)
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                   dict(norm_epsilon=1e-5, use_bias=True, sliding_window=None,
+                        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                        tie_word_embeddings=True)),
 }
 #: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
 _CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
@@ -178,7 +184,10 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         tokenizer = True  # (transformers takes GPT-2's vocabulary size from the tokens)
     else:
         w.add_head_count_kv(kv)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        if arch == "starcoder2":  # LayerNorm, its epsilon `norm_epsilon`
+            w.add_layer_norm_eps(cfg.norm_epsilon)
+        else:
+            w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         theta = cfg.rope_parameters.get("rope_theta") if "rope_theta" in cfg.rope_parameters \
             else cfg.rope_parameters["full_attention"]["rope_theta"]
         w.add_rope_freq_base(theta)

@@ -26,6 +26,7 @@ CASES = [("llama", q) for q in QTYPES] + [("qwen2", q) for q in QTYPES] + [
     ("qwen3", "Q4_K"), ("qwen3", "Q4_1"), ("mistral", "Q5_K"), ("mistral", "Q8_0"),
     ("gemma2", "Q6_K"), ("gemma2", "Q4_0"), ("gemma3", "Q4_K"), ("gemma3", "Q8_0"),
     ("phi3", "Q5_K"), ("phi3", "Q4_1"), ("gpt2", "Q4_K"), ("gpt2", "Q8_0"),
+    ("starcoder2", "Q4_K"), ("starcoder2", "Q6_K"), ("starcoder2", "Q8_0"),
 ]
 
 
@@ -214,6 +215,12 @@ def test_config_fixups(gguf_file) -> None:
     rp = loader.plan(w.path).config.rope_parameters
     assert rp["full_attention"]["factor"] == 8.0
     assert rp["sliding_attention"]["rope_type"] == "default"
+    # StarCoder2: rope theta and vocabulary size (dropped by transformers' mapping), the
+    # whole context attended, as llama.cpp does
+    w, _ = gguf_file("starcoder2", "Q8_0")
+    c = loader.plan(w.path).config
+    assert c.rope_parameters["rope_theta"] == 100000.0 and c.vocab_size == 512
+    assert c.sliding_window is None and c.norm_epsilon == pytest.approx(1e-5)
 
 
 def test_directory_with_one_file(gguf_file) -> None:
@@ -228,7 +235,7 @@ def test_directory_with_one_file(gguf_file) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3", "gpt2"])
+                                  "phi3", "gpt2", "starcoder2"])
 def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
     """The config read back from the cache is the one transformers made of the file."""
     written, _ = gguf_file(arch, "Q8_0")

@@ -42,15 +42,15 @@ def test_unsupported_tensor_type_named(tmp_path) -> None:
 
 
 def test_unsupported_architecture(tmp_path) -> None:
-    path = tmp_path / "sc2.gguf"
-    w = gguf.GGUFWriter(str(path), "starcoder2")
+    path = tmp_path / "stablelm.gguf"
+    w = gguf.GGUFWriter(str(path), "stablelm")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _refused(path, "architecture 'starcoder2' is not supported")
+    _refused(path, "architecture 'stablelm' is not supported")
 
 
 def test_metadata_and_tensors_disagree(tmp_path) -> None:
@@ -63,6 +63,14 @@ def test_missing_tensor(tmp_path) -> None:
     written = write_gguf(tmp_path / "hole.gguf", tiny_model("qwen2"), "qwen2", "Q8_0",
                          drop=("blk.1.ffn_norm.weight",))
     _refused(written.path, r"no tensor for model\.layers\.1\.post_attention_layernorm\.weight")
+
+
+def test_starcoder2_without_attention_biases(tmp_path) -> None:
+    """llama.cpp runs a StarCoder2 file without q/k/v biases; transformers' model has them
+    or none, so such a file is refused naming the missing bias, not run with another one."""
+    written = write_gguf(tmp_path / "nobias.gguf", tiny_model("starcoder2"), "starcoder2",
+                         "Q8_0", drop=("blk.0.attn_q.bias",))
+    _refused(written.path, r"no tensor for model\.layers\.0\.self_attn\.q_proj\.bias")
 
 
 def test_unknown_tensor(tmp_path) -> None:

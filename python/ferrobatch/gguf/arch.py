@@ -4,7 +4,8 @@ mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor 
 
 Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
 them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
-`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`. Anything else is refused with a
+`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`, `starcoder2`. Anything else is
+refused with a
 `FieldError` (field "model") before anything is built.
 """
 
@@ -29,7 +30,8 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config", "proce
 logger = logging.getLogger("ferrobatch")
 
 #: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
+                           "starcoder2")
 
 #: metadata (`{arch}.` + key) that changes the computation in ways no supported model uses:
 #: refused when present (a model loaded without it would compute something else)
@@ -93,7 +95,8 @@ def _meta(metadata: dict[str, Any], arch: str, key: str) -> Any:
 #: without it is refused, not run with transformers' default for it
 _REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attention.head_count")
 #: the norm epsilon's key (required too), where it is not `attention.layer_norm_rms_epsilon`
-_NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon"}
+_NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon",
+                 "starcoder2": "attention.layer_norm_epsilon"}
 
 
 def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
@@ -131,8 +134,10 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
       `query_pre_attn_scalar` as llama.cpp derives it (the head size, hidden / heads for the
       27B shapes);
     * GPT-2: `context_length` -> `n_positions`, `feed_forward_length` -> `n_inner`;
-    * Mistral (written as `llama`): no sliding window (llama.cpp attends over the whole
-      context); Phi-3: `attention.sliding_window`.
+    * Mistral (written as `llama`) and StarCoder2: no sliding window (llama.cpp attends over
+      the whole context); Phi-3: `attention.sliding_window`;
+    * StarCoder2: `rope.freq_base` -> `rope_theta` and `vocab_size` (transformers' mapping
+      drops both).
     """
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
@@ -168,8 +173,13 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
         big = (arch == "gemma2" and config.num_hidden_layers == 46 and hidden == 4608) or (
             arch == "gemma3" and config.num_hidden_layers == 62 and hidden == 5376)
         config.query_pre_attn_scalar = hidden // heads if big else head_dim
-    if getattr(config, "model_type", None) == "mistral":
+    if getattr(config, "model_type", None) == "mistral" or arch == "starcoder2":
         config.sliding_window = None
+    if arch == "starcoder2":
+        if _meta(metadata, arch, "rope.freq_base") is not None:
+            config.rope_parameters["rope_theta"] = float(_meta(metadata, arch, "rope.freq_base"))
+        if _meta(metadata, arch, "vocab_size") is not None:
+            config.vocab_size = int(_meta(metadata, arch, "vocab_size"))
     if arch == "phi3":
         window = _meta(metadata, arch, "attention.sliding_window")
         config.sliding_window = int(window) if window else None
