@@ -63,7 +63,18 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                    dict(norm_epsilon=1e-5, use_bias=True, sliding_window=None,
                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
                         tie_word_embeddings=True)),
+    # mixtures of experts: 4 experts, 2 a token (Qwen3-MoE renormalizes their weights,
+    # Qwen2-MoE does not and adds a gated shared expert), as llama.cpp computes them
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                      norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                 dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=512, norm_topk_prob=False,
+                      tie_word_embeddings=False)),
 }
+#: GGUF architecture -> transformers' model type, where they differ
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 #: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
 _CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
 
@@ -194,9 +205,15 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     w.add_vocab_size(cfg.vocab_size)
     if file_arch == "llama":
         w.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch in MODEL_TYPES:  # (llama.cpp's MoE keys)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -224,18 +241,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     tied = getattr(cfg, "tie_word_embeddings", False)
     reference: dict[str, torch.Tensor] = {}
     written: dict[str, str] = {}
-    for hf_name, param in model.state_dict().items():
-        if tied and hf_name == "lm_head.weight":
-            continue
-        base, suffix = hf_name.rsplit(".", 1)
-        gname = name_map.get_name(base)
-        assert gname is not None, hf_name
-        gname = f"{gname}.{suffix}"
+    for hf_name, x, gname in _gguf_tensors(model, name_map, tied):
         if gname in drop:
             continue
-        x = param.detach().float().numpy().copy()
         perm = None
-        if file_arch == "llama" and suffix == "weight" and (".attn_q." in gname
+        if file_arch == "llama" and gname.endswith(".weight") and (".attn_q." in gname
                                                             or ".attn_k." in gname):
             n_kv = heads if ".attn_q." in gname else kv
             x = _permute(x, heads, n_kv)
@@ -246,7 +256,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         if conv1d:
             x = np.ascontiguousarray(x.T)
         t = (types or {}).get(gname)
-        if t is None and x.ndim == 2:
+        if gname.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
+            t = t or "F32"  # (llama.cpp keeps the routers in floats)
+        if t is None and x.ndim >= 2:
             t = embed_qtype if gname == "token_embd.weight" and embed_qtype else \
                 output_qtype if gname == "output.weight" and output_qtype else qtype
         t = t or "F32"
@@ -267,11 +279,13 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             values = bf.float().numpy()
             w.add_tensor(gname, data, raw_dtype=gtype)
         else:
-            n, k = x.shape
+            *lead, k = x.shape  # (an experts tensor: [experts, rows, k])
+            n = int(np.prod(lead))
+            flat = x.reshape(n, k)
             data = _random_k_blocks(t, n, k, rng) if t in K_TYPES else \
-                quantize_iq4_nl(x) if t == "IQ4_NL" else quantize(x, gtype)
-            values = dequantize(data, gtype).reshape(n, k)
-            w.add_tensor(gname, data, raw_dtype=gtype)
+                quantize_iq4_nl(flat) if t == "IQ4_NL" else quantize(flat, gtype)
+            values = dequantize(data, gtype).reshape(x.shape)
+            w.add_tensor(gname, data.reshape(*lead, -1), raw_dtype=gtype)
         if perm is not None:
             values = values[perm]
         if conv1d:
@@ -279,6 +293,17 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
             values = values - 1
         ref = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        if gname.endswith(".ffn_gate_inp_shexp.weight"):
+            ref = ref.reshape(1, -1)
+        if gname.endswith((".ffn_gate_exps.weight", ".ffn_up_exps.weight")):
+            # gate and up side by side per expert in the model's fused gate_up_proj
+            part = 0 if ".ffn_gate_exps." in gname else 1
+            whole = reference.setdefault(hf_name, torch.zeros(tuple(model.state_dict()[hf_name]
+                                                                    .shape)))
+            rows = ref.shape[1]
+            whole[:, part * rows:(part + 1) * rows] = ref
+            written[gname] = t
+            continue
         reference[hf_name] = ref
         if tied and hf_name == "model.embed_tokens.weight":
             reference["lm_head.weight"] = ref
@@ -294,6 +319,35 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     w.write_tensors_to_file()
     w.close()
     return Written(Path(path), reference, written)
+
+
+def _gguf_tensors(model: transformers.PreTrainedModel, name_map: Any,
+                  tied: bool) -> list[tuple[str, np.ndarray, str]]:
+    """(parameter name, values, GGUF tensor name) of every tensor llama.cpp writes of
+    `model` (a `tied` output head: none): a fused experts `gate_up_proj` [E, 2 I, H] is two
+    tensors, `ffn_gate_exps` and `ffn_up_exps` [E, I, H]; Qwen2-MoE's shared expert gate
+    [1, H] a vector."""
+    out = []
+    for hf_name, param in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        x = param.detach().float().numpy().copy()
+        base, suffix = hf_name.rsplit(".", 1)
+        if base.endswith(".mlp.experts"):
+            blk = f"blk.{hf_name.split('.')[2]}"
+            if suffix == "gate_up_proj":
+                rows = x.shape[1] // 2
+                out.append((hf_name, x[:, :rows].copy(), f"{blk}.ffn_gate_exps.weight"))
+                out.append((hf_name, x[:, rows:].copy(), f"{blk}.ffn_up_exps.weight"))
+            else:
+                out.append((hf_name, x, f"{blk}.ffn_down_exps.weight"))
+            continue
+        gname = name_map.get_name(base)
+        assert gname is not None, hf_name
+        if gname.endswith("ffn_gate_inp_shexp"):
+            x = x.reshape(-1)
+        out.append((hf_name, x, f"{gname}.{suffix}"))
+    return out
 
 
 def reference_model(model: transformers.PreTrainedModel,

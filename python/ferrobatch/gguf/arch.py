@@ -4,8 +4,8 @@ mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor 
 
 Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
 them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
-`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`, `starcoder2`. Anything else is
-refused with a
+`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`, `starcoder2`, and the
+mixtures of experts `qwen2moe` and `qwen3moe`. Anything else is refused with a
 `FieldError` (field "model") before anything is built.
 """
 
@@ -24,14 +24,18 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from ferrobatch.errors import FieldError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config", "process",
-           "refuse_metadata", "row_permutation", "tensor_processor"]
+__all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config",
+           "model_type", "process", "refuse_metadata", "row_permutation", "tensor_processor"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
-                           "starcoder2")
+                           "starcoder2", "qwen2moe", "qwen3moe")
+#: the mixtures of experts among them (their experts: `ferrobatch.gguf.experts`)
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+#: transformers' model type of a GGUF architecture, where the two names differ
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 #: metadata (`{arch}.` + key) that changes the computation in ways no supported model uses:
 #: refused when present (a model loaded without it would compute something else)
@@ -39,10 +43,15 @@ _REFUSED_KEYS = ("logit_scale", "embedding_scale", "residual_scale", "attention.
                  "attention.clamp_kqv", "attention.max_alibi_bias", "expert_count")
 
 
+def model_type(arch: str) -> str:
+    """transformers' model type of the GGUF architecture `arch` ("qwen3moe" -> "qwen3_moe")."""
+    return _MODEL_TYPES.get(arch, arch)
+
+
 def check_architecture(arch: str, path: Any) -> None:
     """`FieldError` unless ferrobatch loads GGUF files of `arch`."""
 
-    if arch in SUPPORTED_ARCHITECTURES and arch in GGUF_SUPPORTED_ARCHITECTURES:
+    if arch in SUPPORTED_ARCHITECTURES and model_type(arch) in GGUF_SUPPORTED_ARCHITECTURES:
         return
     raise FieldError(
         f"{path}: GGUF architecture {arch!r} is not supported (ferrobatch loads "
@@ -97,19 +106,27 @@ _REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attentio
 #: the norm epsilon's key (required too), where it is not `attention.layer_norm_rms_epsilon`
 _NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon",
                  "starcoder2": "attention.layer_norm_epsilon"}
+#: metadata the mixtures of experts require besides (`{arch}.` + key)
+_MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+_MOE_SHARED_KEYS = {"qwen2moe": ("expert_shared_feed_forward_length",)}
 
 
 def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
     """`FieldError` for required metadata that is missing, and for metadata that would
     change the computation and is not handled."""
     required = (*_REQUIRED_KEYS, _NORM_EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"))
+    moe = arch in MOE_ARCHITECTURES
+    if moe:
+        required = (*required, *_MOE_KEYS, *_MOE_SHARED_KEYS.get(arch, ()))
     missing = [f"{arch}.{key}" for key in required if _meta(metadata, arch, key) is None]
     if missing:
         raise FieldError(f"{path}: GGUF metadata lacks {', '.join(missing)} (required, as "
                          "llama.cpp requires it)", "model")
     for key in _REFUSED_KEYS:
-        if _meta(metadata, arch, key) is not None:
+        if _meta(metadata, arch, key) is not None and not (moe and key == "expert_count"):
             raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")
+    if moe:
+        _refuse_routing(metadata, arch, path)
     scaling = _meta(metadata, arch, "rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise FieldError(f"{path}: rope scaling {scaling!r} ({arch}.rope.scaling.type) is not "
@@ -118,6 +135,28 @@ def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
                                                                 "attention.value_length")
     if k is not None and v is not None and k != v:
         raise FieldError(f"{path}: key length {k} != value length {v} is not supported", "model")
+
+
+def _refuse_routing(metadata: dict[str, Any], arch: str, path: Any) -> None:
+    """`FieldError` for routing metadata other than the softmax over all experts, top
+    `expert_used_count`, unscaled, that llama.cpp's Qwen2/3-MoE graphs compute."""
+    gating = _meta(metadata, arch, "expert_gating_func")
+    if gating is not None and int(gating) != 1:  # llama.cpp: 1 softmax, 2 sigmoid
+        raise FieldError(f"{path}: {arch}.expert_gating_func {gating} is not supported "
+                         "(softmax only)", "model")
+    scale = _meta(metadata, arch, "expert_weights_scale")
+    if scale is not None and float(scale) not in (0.0, 1.0):
+        raise FieldError(f"{path}: {arch}.expert_weights_scale {scale} is not supported",
+                         "model")
+    for key in ("expert_group_count", "expert_shared_count"):
+        if _meta(metadata, arch, key) not in (None, 0, 1):
+            raise FieldError(f"{path}: {arch}.{key} {_meta(metadata, arch, key)} is not "
+                             "supported", "model")
+    used, count = _meta(metadata, arch, "expert_used_count"), _meta(metadata, arch,
+                                                                    "expert_count")
+    if not 0 < int(used) <= int(count):
+        raise FieldError(f"{path}: {arch}.expert_used_count {used} is not 1 .. expert_count "
+                         f"({count})", "model")
 
 
 def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> None:
@@ -137,7 +176,11 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
     * Mistral (written as `llama`) and StarCoder2: no sliding window (llama.cpp attends over
       the whole context); Phi-3: `attention.sliding_window`;
     * StarCoder2: `rope.freq_base` -> `rope_theta` and `vocab_size` (transformers' mapping
-      drops both).
+      drops both);
+    * Qwen2/3-MoE: `expert_feed_forward_length` -> `moe_intermediate_size` (Qwen2-MoE's
+      `expert_shared_feed_forward_length` -> `shared_expert_intermediate_size`), every layer
+      a MoE layer, and the top experts' weights renormalized to sum 1 for Qwen3-MoE, not for
+      Qwen2-MoE (llama.cpp's graphs).
     """
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
@@ -180,6 +223,14 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
             config.rope_parameters["rope_theta"] = float(_meta(metadata, arch, "rope.freq_base"))
         if _meta(metadata, arch, "vocab_size") is not None:
             config.vocab_size = int(_meta(metadata, arch, "vocab_size"))
+    if arch in MOE_ARCHITECTURES:
+        config.moe_intermediate_size = int(_meta(metadata, arch, "expert_feed_forward_length"))
+        config.decoder_sparse_step = 1
+        config.mlp_only_layers = []
+        config.norm_topk_prob = arch == "qwen3moe"
+        if arch == "qwen2moe":
+            config.shared_expert_intermediate_size = int(
+                _meta(metadata, arch, "expert_shared_feed_forward_length"))
     if arch == "phi3":
         window = _meta(metadata, arch, "attention.sliding_window")
         config.sliding_window = int(window) if window else None

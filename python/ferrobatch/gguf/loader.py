@@ -29,6 +29,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -54,6 +55,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import arch as archs
+from ferrobatch.gguf.experts import QuantExperts
 from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.gguf.reader import GGUFFile, TensorEntry
@@ -66,6 +68,8 @@ logger = logging.getLogger("ferrobatch")
 #: bump when what is cached per file (config, tokenizer) changes meaning
 _CACHE_VERSION = "1"
 _ROPE_FREQS = "rope_freqs.weight"
+#: a MoE layer's experts: 3-D tensors [experts, rows, columns] (`ferrobatch.gguf.experts`)
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(?P<part>gate|up|down)_exps\.weight")
 
 
 @dataclass
@@ -76,6 +80,15 @@ class _Item:
     targets: list[str]  # the model's parameter names it fills (a tie group)
     quantized: bool  # stays a QuantWeight (else read as floats)
     perm: np.ndarray | None = None  # row order of a quantized tensor (None: the file's)
+
+
+@dataclass
+class _Experts:
+    """One MoE layer's three expert tensors, and the fused experts module they make."""
+
+    module: str  # the model's experts module (`model.layers.N.mlp.experts`)
+    parts: dict[str, TensorEntry]  # "gate", "up", "down"
+    quantized: bool  # QuantExperts (else the module's float parameters)
 
 
 @dataclass
@@ -108,6 +121,7 @@ class LoadPlan:
     dtype: torch.dtype
     cache_dir: Path | None
     config_cached: bool
+    experts: list[_Experts]
 
 
 # ---------------------------------------------------------------------------- plan
@@ -242,13 +256,22 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     skeleton.tie_weights()  # (`from_config` leaves meta parameters untied)
     processor = archs.tensor_processor(arch, config_dict)
     with _name_maps_cached():
-        names = _weights_map(skeleton, processor, arch)
+        names = _weights_map(skeleton, processor, archs.model_type(arch))
     groups = _param_groups(skeleton)
     shapes = dict(skeleton.named_parameters(remove_duplicate=False))
     items: list[_Item] = []
     filled: set[str] = set()
     rope_freqs = None
+    experts: dict[str, dict[str, TensorEntry]] = {}
     for t in f.tensors.values():
+        if (m := _EXPERTS.fullmatch(t.name)) is not None:
+            # (transformers maps the name without its `.weight`)
+            target = names.get(t.name) or names.get(t.name.removesuffix(".weight"))
+            if target is None or target not in groups:
+                raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) has no place in "
+                                 f"{type(skeleton).__name__} (not supported)", "model")
+            experts.setdefault(target.rpartition(".")[0], {})[m["part"]] = t
+            continue
         target = names.get(t.name)
         if target is None:
             if t.name == _ROPE_FREQS and arch == "llama":
@@ -262,6 +285,8 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         want = tuple(shapes[target].shape)
         kinds = {_module_kind(skeleton, n) for n in groups[target]}
         stored = tuple(reversed(t.shape)) if kinds == {"conv1d"} else tuple(t.shape)
+        if t.name.endswith(".ffn_gate_inp_shexp.weight") and len(stored) == 1:
+            stored = (1, *stored)  # (Qwen2-MoE's shared expert gate: a vector in the file)
         if stored != want:
             raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
                              f"{target} {list(want)} (the metadata and the tensors disagree)",
@@ -281,6 +306,11 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
                 raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) cannot stay quantized: "
                                  f"{exc}", "model") from exc
         items.append(item)
+    planned = [_plan_experts(path, skeleton, module, parts, shapes)
+                for module, parts in experts.items()]
+    for e in planned:
+        for param in ("gate_up_proj", "down_proj"):
+            filled.update(groups[f"{e.module}.{param}"])
     missing = sorted(n for n in groups if n not in filled)
     if missing:
         raise FieldError(f"{path}: no tensor for {', '.join(missing[:6])}"
@@ -296,7 +326,34 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
             raise FieldError(f"{path}: tensor {_ROPE_FREQS} must be F32, not {rope_freqs.qtype}",
                              "model")
     return LoadPlan(f, arch, config, base_config, skeleton, processor, items, rope_freqs, dt,
-                    cache_dir, cached)
+                    cache_dir, cached, planned)
+
+
+def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str, TensorEntry],
+                  shapes: dict[str, Any]) -> _Experts:
+    """One MoE layer's expert tensors checked against its fused experts module
+    (`gate_up_proj` [E, 2 I, H], `down_proj` [E, H, I]); `FieldError` naming what is wrong."""
+    absent = [p for p in ("gate", "up", "down") if p not in parts]
+    if absent:
+        raise FieldError(f"{path}: no ffn_{absent[0]}_exps tensor for {module}", "model")
+    gate_up = tuple(shapes[f"{module}.gate_up_proj"].shape)
+    down = tuple(shapes[f"{module}.down_proj"].shape)
+    want = {"gate": (gate_up[0], gate_up[1] // 2, gate_up[2]),
+            "up": (gate_up[0], gate_up[1] // 2, gate_up[2]), "down": down}
+    for part, t in parts.items():
+        if tuple(t.shape) != want[part]:
+            raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
+                             f"{module} experts {list(want[part])} (the metadata and the "
+                             "tensors disagree)", "model")
+    kinds = {t.qtype in QUANT_TYPES for t in parts.values()}
+    if len(kinds) > 1:
+        raise FieldError(f"{path}: the experts of {module} mix quantized and float tensors "
+                         f"({', '.join(f'{t.name} {t.qtype}' for t in parts.values())})",
+                         "model")
+    if not hasattr(skeleton.get_submodule(module), "act_fn"):
+        raise FieldError(f"{path}: {module} ({type(skeleton.get_submodule(module)).__name__}) "
+                         "is not an experts module ferrobatch runs quantized", "model")
+    return _Experts(module, dict(parts), kinds == {True})
 
 
 # ---------------------------------------------------------------------------- fill
@@ -325,6 +382,29 @@ def _quant_weight(p: LoadPlan, item: _Item) -> tuple[QuantWeight, bool]:
     if not mapped:
         data = data.index_select(0, torch.from_numpy(item.perm))
     return QuantWeight(t.qtype, t.shape[0], t.shape[1], data), mapped
+
+
+def _fill_experts(p: LoadPlan, model: nn.Module, e: _Experts, qbytes: int,
+                  mbytes: int) -> tuple[int, int]:
+    """Fill one MoE layer's experts: a `QuantExperts` over views of the file's blocks, or
+    the fused module's float parameters (gate and up side by side per expert). Returns the
+    quantized and mapped byte counts with these added."""
+    old = model.get_submodule(e.module)
+    if e.quantized:
+        stacked = {}
+        for part, t in e.parts.items():
+            experts, rows, cols = t.shape
+            data = torch.from_numpy(p.file.raw(t.name)).reshape(experts * rows, -1)
+            stacked[part] = QuantWeight(t.qtype, experts * rows, cols, data)
+            qbytes, mbytes = qbytes + data.numel(), mbytes + data.numel()
+        model.set_submodule(e.module, QuantExperts(stacked["gate"], stacked["up"],
+                                                   stacked["down"], experts, old.act_fn))
+        return qbytes, mbytes
+    gate, up, down = (_float_tensor(p, e.parts[part]) for part in ("gate", "up", "down"))
+    _set_param(model, f"{e.module}.gate_up_proj",
+               nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False))
+    _set_param(model, f"{e.module}.down_proj", nn.Parameter(down, requires_grad=False))
+    return qbytes, mbytes
 
 
 def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -357,6 +437,8 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
             new = QuantEmbedding(qw, p.dtype, embed_scale=getattr(old, "embed_scale", None),
                                  padding_idx=old.padding_idx)
         model.set_submodule(mod_name, new)
+    for e in p.experts:
+        qbytes, mbytes = _fill_experts(p, model, e, qbytes, mbytes)
     if p.rope_freqs is not None:
         freqs = torch.from_numpy(np.array(p.file.array(p.rope_freqs.name), dtype=np.float32))
         for m in model.modules():
@@ -373,7 +455,8 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
     info = GGUFModelInfo(
         path=p.file.path, architecture=p.architecture, file_bytes=p.file.file_size,
         types=dict(Counter(t.qtype for t in p.file.tensors.values())),
-        quantized_modules=len(replace), quantized_bytes=qbytes, float_bytes=fbytes,
+        quantized_modules=len(replace) + sum(e.quantized for e in p.experts),
+        quantized_bytes=qbytes, float_bytes=fbytes,
         mapped_bytes=mbytes)
     model.ferrobatch_gguf = info
     return model, info

@@ -1,0 +1,135 @@
+"""Mixture-of-experts GGUF files (`qwen3moe`, `qwen2moe`): the experts' 3-D tensors stay
+quantized (one `QuantLinear` an expert, views of the file's blocks), the logits equal the
+dequantized oracle, the config takes llama.cpp's MoE metadata, the engine's greedy tokens
+equal the model's own, and what llama.cpp would compute otherwise is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf import loader
+from ferrobatch.gguf.experts import QuantExperts
+from ferrobatch.gguf.loader import load_gguf
+from ferrobatch.gguf.modules import QuantLinear
+from gguf_files import reference_model, tiny_model, write_gguf
+
+IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
+PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS).logits[0]
+
+
+def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.mlp.experts for layer in model.model.layers]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen3moe", "Q8_0"),
+                                             ("qwen2moe", "Q6_K"), ("qwen2moe", "Q4_0")])
+def test_quantized_experts_equal_the_dequantized_oracle(gguf_file, arch: str,
+                                                        qtype: str) -> None:
+    written, source = gguf_file(arch, qtype)
+    model, _ = load_gguf(written.path)
+    torch.testing.assert_close(_logits(model), _logits(reference_model(source, written)),
+                               rtol=1e-5, atol=1e-5)
+    f = loader.GGUFFile(written.path)
+    for i, experts in enumerate(_experts(model)):
+        assert isinstance(experts, QuantExperts) and experts.num_experts == 4
+        stacked = f.raw(f"blk.{i}.ffn_down_exps.weight").nbytes
+        first = experts.down_proj[0].weight_q.data
+        for e, down in enumerate(experts.down_proj):
+            # expert e: its rows of the file's stacked tensor, a view of one storage
+            assert isinstance(down, QuantLinear) and down.qtype == qtype
+            data = down.weight_q.data
+            assert data.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            assert data.data_ptr() - first.data_ptr() == e * stacked // 4
+    info = model.ferrobatch_gguf
+    # (Q8_0: llama.cpp's type for rows that are not whole blocks of `qtype`)
+    assert info.quantized_bytes == sum(t.nbytes for t in f.tensors.values()
+                                       if t.qtype in (qtype, "Q8_0"))
+    assert info.mapped_bytes == info.quantized_bytes
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_float_experts_fill_the_fused_module(gguf_file, arch: str) -> None:
+    """An F16 file: the experts stay transformers' fused module, gate and up side by side."""
+    written, source = gguf_file(arch, "F16")
+    model, _ = load_gguf(written.path)
+    assert not any(isinstance(m, QuantExperts) for m in model.modules())
+    torch.testing.assert_close(_logits(model), _logits(reference_model(source, written)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_moe_config_from_the_metadata(gguf_file) -> None:
+    """transformers' mapping drops the experts' width and llama.cpp's renormalization."""
+    w, _ = gguf_file("qwen3moe", "Q8_0")
+    c = loader.plan(w.path).config
+    assert (c.model_type, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == \
+        ("qwen3_moe", 4, 2, 256)
+    assert c.norm_topk_prob and c.decoder_sparse_step == 1 and c.mlp_only_layers == []
+    w, _ = gguf_file("qwen2moe", "Q8_0")
+    c = loader.plan(w.path).config
+    assert (c.model_type, c.shared_expert_intermediate_size) == ("qwen2_moe", 512)
+    assert not c.norm_topk_prob
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen2moe", "Q8_0")])
+def test_engine_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
+    """Through the engine (the kernels' products): each request's tokens are the model's own
+    greedy tokens, and the same alone as batched."""
+    written, _ = gguf_file(arch, qtype)
+    params = SamplingParams(max_new_tokens=8)
+    with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
+                                                                   page_size=16)) as engine:
+        together = engine.generate(PROMPTS, params, progress=False)
+        for prompt, out in zip(PROMPTS, together, strict=True):
+            with torch.inference_mode():
+                own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                            do_sample=False)[0, len(prompt):].tolist()
+            assert out.token_ids == own, prompt
+            assert engine.generate([prompt], params, progress=False)[0].token_ids == own
+
+
+def _refused(path, match: str) -> None:
+    with pytest.raises(FieldError, match=match) as err:
+        loader.plan(path)
+    assert err.value.field == "model"
+
+
+def test_missing_expert_tensor_refused(tmp_path) -> None:
+    written = write_gguf(tmp_path / "noup.gguf", tiny_model("qwen3moe"), "qwen3moe", "Q8_0",
+                         drop=("blk.1.ffn_up_exps.weight",))
+    _refused(written.path, r"no ffn_up_exps tensor for model\.layers\.1\.mlp\.experts")
+
+
+def test_mixed_expert_types_refused(tmp_path) -> None:
+    written = write_gguf(tmp_path / "mixed.gguf", tiny_model("qwen3moe"), "qwen3moe", "Q8_0",
+                         types={"blk.0.ffn_down_exps.weight": "F32"})
+    _refused(written.path, r"experts of model\.layers\.0\.mlp\.experts mix quantized and float")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"qwen3moe.expert_gating_func": 2}, r"expert_gating_func 2 is not supported"),
+    ({"qwen3moe.expert_weights_scale": 2.5}, r"expert_weights_scale 2\.5 is not supported"),
+])
+def test_other_routing_refused(tmp_path, extra: dict, match: str) -> None:
+    written = write_gguf(tmp_path / "route.gguf", tiny_model("qwen3moe"), "qwen3moe", "Q8_0",
+                         extra_metadata=extra)
+    _refused(written.path, match)
+
+
+def test_missing_expert_width_refused(tmp_path) -> None:
+    written = write_gguf(tmp_path / "nowidth.gguf", tiny_model("qwen3moe"), "qwen3moe",
+                         "Q8_0", drop_metadata=("qwen3moe.expert_feed_forward_length",))
+    _refused(written.path, r"lacks qwen3moe\.expert_feed_forward_length")
+
+
+def test_tensor_parallel_refused(gguf_file) -> None:
+    written, _ = gguf_file("qwen3moe", "Q8_0")
+    with pytest.raises(FieldError) as err:
+        Engine(str(written.path), tensor_parallel_size=2)
+    assert err.value.field == "tensor_parallel_size"
