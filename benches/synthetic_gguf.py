@@ -10,11 +10,13 @@ model's. Tensors are generated and written one at a time (memory stays flat).
     python benches/synthetic_gguf.py llama-3-8b /tmp/llama8b-q4_k_m.gguf \
         --tokenizer-from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
     python benches/synthetic_gguf.py qwen2.5-7b /tmp/qwen7b.gguf --mix Q8_0
+    python benches/synthetic_gguf.py qwen3-30b-a3b /tmp/moe.gguf --layers 8   # a MoE's layers
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +41,11 @@ class Shape:
     rope_base: float
     tied: bool  # no output.weight: the head is the token embedding
     qkv_bias: bool  # Qwen2's attn_q/k/v biases
+    experts: int = 0  # a mixture of experts (qwen3moe): experts a layer, ...
+    experts_used: int = 0  # ... picked a token, ...
+    expert_ffn: int = 0  # ... and their width
+    head_dim: int = 0  # attention.key_length where it is not hidden / heads (0: it is)
+    qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
 
 
 SHAPES = {
@@ -46,6 +53,10 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 1000000.0, False, True),
     "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 1000000.0, True, True),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 1000000.0, True, True),
+    # Qwen3-30B-A3B: 128 experts of width 768 a layer, 8 a token, every layer a MoE layer
+    "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 1000000.0, False, False,
+                           experts=128, experts_used=8, expert_ffn=768, head_dim=128,
+                           qk_norm=True),
     # small enough for a test (widths whole 256-blocks)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
 }
@@ -97,22 +108,36 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
 
 
 def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, numpy shape [rows, cols], type) of every tensor, in llama.cpp's order."""
-    head_dim = shape.hidden // shape.heads
+    """(GGUF name, numpy shape [rows, cols] or, for experts, [experts, rows, cols], type) of
+    every tensor, in llama.cpp's order."""
+    head_dim = shape.head_dim or shape.hidden // shape.heads
     kv = shape.kv_heads * head_dim
+    q = shape.heads * head_dim
     yield "token_embd.weight", (vocab, shape.hidden), tensor_type("token_embd.weight", None,
                                                                   shape.layers, mix)
     for i in range(shape.layers):
         p = f"blk.{i}."
         yield p + "attn_norm.weight", (shape.hidden,), "F32"
-        for name, rows in (("attn_q", shape.hidden), ("attn_k", kv), ("attn_v", kv)):
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             yield p + name + ".weight", (rows, shape.hidden), tensor_type(
                 p + name + ".weight", i, shape.layers, mix)
             if shape.qkv_bias:
                 yield p + name + ".bias", (rows,), "F32"
-        yield p + "attn_output.weight", (shape.hidden, shape.hidden), tensor_type(
+        if shape.qk_norm:
+            yield p + "attn_q_norm.weight", (head_dim,), "F32"
+            yield p + "attn_k_norm.weight", (head_dim,), "F32"
+        yield p + "attn_output.weight", (shape.hidden, q), tensor_type(
             "attn_output.weight", i, shape.layers, mix)
         yield p + "ffn_norm.weight", (shape.hidden,), "F32"
+        if shape.experts:  # the router (F32, as llama.cpp keeps it), then the experts
+            e, f = shape.experts, shape.expert_ffn
+            yield p + "ffn_gate_inp.weight", (e, shape.hidden), "F32"
+            for name, dims in (("ffn_gate_exps", (e, f, shape.hidden)),
+                               ("ffn_up_exps", (e, f, shape.hidden)),
+                               ("ffn_down_exps", (e, shape.hidden, f))):
+                yield p + name + ".weight", dims, tensor_type(p + name + ".weight", i,
+                                                              shape.layers, mix)
+            continue
         for name, rows, cols in (("ffn_gate", shape.ffn, shape.hidden),
                                  ("ffn_up", shape.ffn, shape.hidden),
                                  ("ffn_down", shape.hidden, shape.ffn)):
@@ -141,14 +166,17 @@ def _array(name: str, rows_cols: tuple[int, ...], qtype: str,
         ones = "norm" in name
         base = np.ones(rows_cols, np.float32) if ones else np.zeros(rows_cols, np.float32)
         return base + rng.normal(0, 0.02, rows_cols).astype(np.float32)
-    n, k = rows_cols
-    return random_blocks(qtype, n, k, rng)
+    *lead, k = rows_cols  # (experts: [experts, rows, cols], written as one block of rows)
+    return random_blocks(qtype, int(np.prod(lead)), k, rng).reshape(*lead, -1)
 
 
 def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: int = 0,
-          progress: bool = False) -> int:
-    """Writes the file; returns its size in bytes."""
+          progress: bool = False, layers: int | None = None) -> int:
+    """Writes the file (`layers`: the shape's first layers only); returns its size in
+    bytes."""
     shape = SHAPES[shape_name]
+    if layers is not None:
+        shape = dataclasses.replace(shape, layers=layers)
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, shape.arch)
     writer.add_name(f"synthetic {shape_name} {mix}")
@@ -160,6 +188,13 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     vocab = _copy_tokenizer(writer, gguf.GGUFReader(donor))
     plan = list(tensors(shape, vocab, mix))
     for name, dims, qtype in plan:
@@ -167,9 +202,10 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
         if qtype == "F32":
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
-            n, k = dims
+            *lead, k = dims
+            n = int(np.prod(lead))
             block, size = GGML_QUANT_SIZES[gtype]
-            writer.add_tensor_info(name, (n, k // block * size), np.dtype(np.uint8),
+            writer.add_tensor_info(name, (*lead, k // block * size), np.dtype(np.uint8),
                                    n * k // block * size, raw_dtype=gtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -201,9 +237,12 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", type=Path, default=None,
                     help="GGUF whose tokenizer and vocabulary to copy (default: bundled SmolLM2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="write the shape's first LAYERS layers only (a per-layer measure)")
     args = ap.parse_args()
     donor = args.tokenizer_from or _bundled_donor()
-    size = write(args.shape, args.out, donor, args.mix, args.seed, progress=True)
+    size = write(args.shape, args.out, donor, args.mix, args.seed, progress=True,
+                 layers=args.layers)
     print(f"{args.out}: {size / 1e9:.2f} GB ({args.shape}, {args.mix}, vocabulary of {donor.name})")
 
 

@@ -699,6 +699,43 @@ def quant_quantize(
 _QuantParts = Sequence[tuple[str, npt.NDArray[np.uint8], int]]
 
 
+class QuantExperts:
+    """One mixture-of-experts layer's experts on the quantized products (`rust/kernels/src/
+    moe.rs`): `gate_up[e]` expert `e`'s GGUF parts `(qtype, quant_pack`ed uint8, rows)` of
+    its gate rows then its up rows [2 * inter, hidden], `down[e]` those of its down
+    projection [hidden, inter]; run on `backend` (None: `quant_backend()`). The arrays are
+    kept, not copied. FieldError on a bad shape."""
+
+    def __new__(
+        cls,
+        *,
+        gate_up: Sequence[_QuantParts],
+        down: Sequence[_QuantParts],
+        hidden: int,
+        inter: int,
+        backend: str | None = None,
+    ) -> QuantExperts:
+        """The experts over these weights (checked once here)."""
+
+    @property
+    def num_experts(self) -> int:
+        """The number of experts."""
+
+    def forward(
+        self,
+        x: npt.NDArray[np.float32],
+        ids: npt.NDArray[np.int64],
+        weights: npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32],
+        *,
+        threads: int = 1,
+    ) -> None:
+        """`out` [tokens, hidden] = each token's experts `ids` [tokens, top_k] (`num_experts`:
+        none) applied to its row of `x` [tokens, hidden], `silu(gate) * up` through down,
+        times its `weights` [tokens, top_k], added in ascending expert order (transformers'
+        eager experts forward); the GIL released. FieldError naming the argument."""
+
+
 class LeanLayer:
     """A Llama-style decoder layer run by `forward` in one call (ARCHITECTURE.md section 5a,
     one-call lean layers): `input_norm` / `post_norm` [hidden] in `norm_dtype`, the packed

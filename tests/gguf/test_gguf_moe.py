@@ -133,3 +133,67 @@ def test_tensor_parallel_refused(gguf_file) -> None:
     with pytest.raises(FieldError) as err:
         Engine(str(written.path), tensor_parallel_size=2)
     assert err.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.kernel_products
+def test_one_call_a_layer_on_the_kernels(gguf_file, monkeypatch) -> None:
+    """Where the kernels run, each MoE layer's experts are one `_core.QuantExperts` call:
+    the per-expert `QuantLinear` loop's outputs on the same kernels to the rounding of
+    `silu` (and so of the int8 inputs of down), each token's rows the same alone as
+    batched; an engine packs the experts for it and no copy of their gate and up rows of
+    their own."""
+    from ferrobatch.gguf import modules
+
+    written, _ = gguf_file("qwen3moe", "Q4_K")
+    model, _ = load_gguf(written.path)
+    experts = _experts(model)[0]
+    torch.manual_seed(0)
+    x = torch.randn(6, experts.hidden_dim)
+    ids = torch.tensor([[0, 3], [1, 2], [2, 0], [3, 1], [0, 1], [2, 3]])
+    w = torch.rand(6, 2)
+    with modules.backend("kernel"):
+        fused = experts(x, ids, w)
+        alone = torch.cat([experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(6)])
+    assert experts._op is not None
+    torch.testing.assert_close(alone, fused, rtol=0, atol=0)
+    with modules.probe_weights([m for m in model.modules() if isinstance(m, QuantLinear)], []):
+        assert not experts._kernels_run()  # (probes: the per-expert loop, their stand-ins)
+    with modules.backend("kernel"), monkeypatch.context() as m:
+        m.setattr(type(experts), "_kernels_run", lambda self: False)
+        looped = experts(x, ids, w)
+    scale = looped.abs().max().item()
+    torch.testing.assert_close(fused, looped, rtol=0, atol=2e-3 * scale)
+
+    with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
+                                                                   page_size=16)) as engine:
+        for layer in _experts(engine.model):
+            assert layer._op is not None and layer._op.num_experts == 4
+            for own in (*layer.gate_proj, *layer.up_proj):
+                assert id(own.weight_q.data) not in modules.kernel_ops()._packed
+            assert all(id(d.weight_q.data) in modules.kernel_ops()._packed
+                       for d in layer.down_proj)
+
+
+def test_one_call_refuses_bad_routes_naming_the_field(gguf_file) -> None:
+    from ferrobatch import _core
+    from ferrobatch.gguf import modules
+
+    written, _ = gguf_file("qwen3moe", "Q8_0")
+    model, _ = load_gguf(written.path)
+    with modules.backend("kernel"):
+        op = _experts(model)[0]._fused_op()
+    x = torch.zeros(2, 256).numpy()
+    out = torch.zeros(2, 256).numpy()
+    w = torch.ones(2, 2).numpy()
+    for ids, field in ((torch.tensor([[0, 7], [1, 2]]), "ids"),
+                       (torch.tensor([[0, 1]]), "ids"),
+                       (torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), "ids")):
+        with pytest.raises(FieldError) as err:
+            op.forward(x, ids.numpy(), w, out)
+        assert err.value.field == field
+    with pytest.raises(FieldError) as err:
+        op.forward(x, torch.tensor([[0, 1], [1, 2]]).numpy(), w, torch.zeros(2, 3).numpy())
+    assert err.value.field == "out"
+    with pytest.raises(FieldError) as err:
+        _core.QuantExperts(gate_up=[], down=[], hidden=256, inter=256)
+    assert err.value.field == "gate_up"

@@ -5,21 +5,37 @@ llama.cpp stores a MoE layer's experts as three 3-D tensors, `ffn_gate_exps` and
 intermediate]: expert `e`'s matrix is rows `e * rows .. (e + 1) * rows` of the tensor seen as
 a 2-D stack, so each expert is a row slice (a view) of the file's blocks. `QuantExperts`
 takes the place of transformers' fused experts module (`Qwen3MoeExperts`, `Qwen2MoeExperts`:
-`forward(hidden_states, top_k_index, top_k_weights)`) and computes what it computes, each
-expert's products on `QuantLinear` layers (the kernels, or the reference path).
+`forward(hidden_states, top_k_index, top_k_weights)`) and computes what it computes.
+
+Where the kernels run the products, one call a layer runs every expert the step's tokens
+picked (`_core.QuantExperts`, `ferrobatch-kernels`' `moe`: each expert's gate and up rows
+packed as one product, then `silu(gate) * up`, then down), made at the first such forward
+or by `pack_own_products` (`modules.prepare_for_serving`). Otherwise (the reference path,
+and the engine's construction probes, whose stand-in weights replace single `QuantLinear`
+products) each expert's products run on its `QuantLinear` layers, the same loop in Python.
+The two agree to the rounding of `silu` (the kernels' `exp` is within 2 ulp of torch's).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ferrobatch import _core
+from ferrobatch.cpu import quant_ops
+from ferrobatch.gguf import modules
 from ferrobatch.gguf.formats import QuantWeight
 from ferrobatch.gguf.modules import QuantLinear
 
-__all__ = ["QuantExperts"]
+__all__ = ["ONE_CALL", "QuantExperts"]
+
+#: whether the experts run as one kernel call a layer where the kernels run them (the
+#: default); `FERROBATCH_MOE_ONE_CALL=0` (or setting this False) keeps the per-expert loop,
+#: for A/B measures (`benches/gguf_moe.py`)
+ONE_CALL = os.environ.get("FERROBATCH_MOE_ONE_CALL", "1") != "0"
 
 
 def _per_expert(weight: QuantWeight, experts: int) -> nn.ModuleList:
@@ -53,9 +69,52 @@ class QuantExperts(nn.Module):
         self.up_proj = _per_expert(up, num_experts)
         self.down_proj = _per_expert(down, num_experts)
         self.act_fn = act_fn
+        self._op: _core.QuantExperts | None = None
+        self._silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+    def _kernels_run(self) -> bool:
+        """Whether this layer's products run on the kernels now (and on one fused call)."""
+        qtypes = {self.gate_proj[0].qtype, self.up_proj[0].qtype, self.down_proj[0].qtype}
+        return ONE_CALL and self._silu and not modules.probing() and all(
+            modules.kernels_run(q) for q in qtypes)
+
+    def pack_own_products(self) -> list[QuantLinear]:
+        """Pack the experts for the one-call products (where the kernels run them); returns
+        the `QuantLinear` layers whose products that call makes instead (the gate and up
+        ones: `prepare_for_serving` does not pack them, and drops copies made for them)."""
+        if not self._kernels_run():
+            return []
+        self._fused_op()
+        return [*self.gate_proj, *self.up_proj]
+
+    def _fused_op(self) -> _core.QuantExperts:
+        if self._op is None:
+            gate_up, down = [], []
+            for g, u, d in zip(self.gate_proj, self.up_proj, self.down_proj, strict=True):
+                gw, uw = g.weight_q, u.weight_q
+                if gw.qtype == uw.qtype:  # one product: the gate's rows, then the up rows
+                    rows = torch.cat([gw.data, uw.data])
+                    packed = quant_ops.pack(gw.qtype, rows, gw.n + uw.n, gw.k)
+                    gate_up.append([(packed.qtype, packed.packed.numpy(), packed.n)])
+                else:
+                    gate_up.append([(p.qtype, p.packed.numpy(), p.n) for p in
+                                    (modules.packed_weight(gw), modules.packed_weight(uw))])
+                pd = modules.packed_weight(d.weight_q)
+                down.append([(pd.qtype, pd.packed.numpy(), pd.n)])
+            self._op = _core.QuantExperts(gate_up=gate_up, down=down, hidden=self.hidden_dim,
+                                          inter=self.intermediate_dim,
+                                          backend=quant_ops.backend())
+        return self._op
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self._kernels_run():
+            x = hidden_states.to(torch.float32).contiguous()
+            out = torch.empty_like(x)
+            self._fused_op().forward(x.numpy(), top_k_index.to(torch.int64).contiguous().numpy(),
+                                     top_k_weights.to(torch.float32).contiguous().numpy(),
+                                     out.numpy(), threads=torch.get_num_threads())
+            return out.to(hidden_states.dtype)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # [experts + 1, top_k, tokens]: where each expert was picked (index `num_experts`:

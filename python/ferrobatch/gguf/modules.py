@@ -418,9 +418,15 @@ def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -
     needs them) and trim the C heap: the process keeps one copy of each matrix, the packed
     one. The `stacked` layers (whose products the
     runner's lean layers run stacked, from copies of their own) are not packed, and a copy
-    made for them by an earlier forward is dropped (made again if their own forward runs).
-    Returns the number of matrices packed."""
-    skip = {id(m) for m in stacked}
+    made for them by an earlier forward is dropped (made again if their own forward runs);
+    so are the layers a module's `pack_own_products()` returns after packing copies of its
+    own (MoE experts, `gguf/experts.py`). Returns the number of matrices packed."""
+    # layers computing some `QuantLinear` products in a call of their own (MoE experts:
+    # `pack_own_products` packs theirs and names the layers whose copies are not needed)
+    own = [m for module in model.modules()
+           if callable(getattr(module, "pack_own_products", None))
+           for m in module.pack_own_products()]
+    skip = {id(m) for m in (*stacked, *own)}
     packed = 0
     for module in model.modules():
         if not isinstance(module, QuantLinear):

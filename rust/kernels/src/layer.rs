@@ -79,7 +79,7 @@ impl Packed<'_> {
 }
 
 /// `Ok` when `parts` stack to a weight `[n, k]`, each packed whole.
-fn check_parts(parts: &[QuantPart<'_>], n: usize, k: usize) -> Result<(), String> {
+pub(crate) fn check_parts(parts: &[QuantPart<'_>], n: usize, k: usize) -> Result<(), String> {
     if parts.is_empty() {
         return Err("has no quantized parts".into());
     }
@@ -528,7 +528,7 @@ fn product(
 /// `out` [rows, n] = `x` @ the stacked parts' weights.T, each part's rows into its columns
 /// (through `part` when there are several rows). Each part splits over `threads` from
 /// [`SPLIT_MACS_QUANT`] multiply-adds on, as `quant_ops.linear` does.
-fn quant_product(
+pub(crate) fn quant_product(
     parts: &[QuantPart<'_>],
     backend: quant::Backend,
     args: &LinearArgs,

@@ -38,6 +38,7 @@ pub mod i16_linear;
 pub mod isa;
 pub mod layer;
 pub mod linear;
+pub mod moe;
 pub mod parallel;
 pub mod prefill;
 pub mod quant;

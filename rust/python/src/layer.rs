@@ -113,7 +113,7 @@ impl Packed {
 
 /// A quantized product's parts: `parts` a sequence of (qtype, uint8 array in
 /// `quant_pack`'s layout, rows) whose rows add up to `n`, each packed whole for `k` inputs.
-fn quant_parts(
+pub(crate) fn quant_parts(
     field: &'static str,
     parts: &Bound<'_, PyAny>,
     (n, k): (usize, usize),

@@ -32,6 +32,7 @@ mod f32_linear;
 mod fused;
 mod kernels;
 mod layer;
+mod moe;
 mod openmp;
 mod output;
 mod plan;
@@ -77,6 +78,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(f32_linear::i16_pack, m)?)?;
     m.add_function(wrap_pyfunction!(f32_linear::i16_linear, m)?)?;
     m.add_class::<layer::LeanLayer>()?;
+    m.add_class::<moe::QuantExperts>()?;
     quant::register(m)?;
     m.add_function(wrap_pyfunction!(openmp::share_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(select::greedy_select, m)?)?;

@@ -20,7 +20,7 @@ pub(crate) fn qtype_of(name: &str) -> PyResult<QType> {
     })
 }
 
-fn backend_of(name: Option<&str>) -> PyResult<Backend> {
+pub(crate) fn backend_of(name: Option<&str>) -> PyResult<Backend> {
     match name {
         None => Ok(Backend::auto()),
         Some(n) => Backend::from_name(n).ok_or_else(|| {
