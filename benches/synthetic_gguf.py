@@ -59,6 +59,8 @@ SHAPES = {
                            qk_norm=True),
     # small enough for a test (widths whole 256-blocks)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
+    "tiny-moe": Shape("qwen3moe", 2, 256, 512, 4, 2, 10000.0, False, False, experts=4,
+                      experts_used=2, expert_ffn=256, head_dim=64, qk_norm=True),
 }
 
 
@@ -71,12 +73,14 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 def tensor_type(name: str, layer: int | None, layers: int, mix: str) -> str:
     """The type a matrix gets in `mix`: "Q4_K_M" as llama.cpp's quantizer assigns it (output
-    Q6_K, attn_v and ffn_down Q6_K in `_more_bits` layers, Q4_K elsewhere), else one type."""
+    Q6_K, attn_v and ffn_down (the experts' too) Q6_K in `_more_bits` layers, Q4_K
+    elsewhere), else one type."""
     if mix != "Q4_K_M":
         return mix
     if name == "output.weight":
         return "Q6_K"
-    if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight")) \
+    if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight",
+                                            "ffn_down_exps.weight")) \
             and _more_bits(layer, layers):
         return "Q6_K"
     return "Q4_K"

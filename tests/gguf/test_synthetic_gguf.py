@@ -74,3 +74,21 @@ def test_single_type_mix_and_refusal(synthetic, donor: Path, tmp_path: Path) -> 
     assert types == {"Q8_0", "F32"}
     with pytest.raises(ValueError, match="IQ4_XS"):
         synthetic.random_blocks("IQ4_XS", 1, 256, np.random.default_rng(0))
+
+
+def test_moe_shape_and_layers(synthetic, donor: Path, tmp_path: Path) -> None:
+    """A Qwen3-MoE shape: 3-D expert tensors (ffn_down_exps Q6_K in the more-bits layers),
+    the router in F32, `layers` cutting the shape's depth; the engine runs it."""
+    path = tmp_path / "moe.gguf"
+    synthetic.write("tiny-moe", path, donor, layers=1)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert not any(name.startswith("blk.1.") for name in tensors)
+    down = tensors["blk.0.ffn_down_exps.weight"]
+    assert down.tensor_type.name == "Q6_K" and list(down.shape) == [256, 256, 4]
+    assert tensors["blk.0.ffn_gate_exps.weight"].tensor_type.name == "Q4_K"
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    config = ContinuousBatchingConfig(num_blocks=32, page_size=16)
+    with Engine(str(path), config=config) as engine:
+        out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4), progress=False)
+    assert len(out[0].token_ids) == 4

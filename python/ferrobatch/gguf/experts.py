@@ -57,8 +57,8 @@ class QuantExperts(nn.Module):
     def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, num_experts: int,
                  act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        if gate.n != up.n or gate.k != up.k or gate.n % num_experts or down.n % num_experts \
-                or down.k * num_experts != gate.n:
+        if gate.n != up.n or gate.k != up.k or gate.n % num_experts \
+                or down.k * num_experts != gate.n or down.n != gate.k * num_experts:
             raise ValueError(f"experts' shapes disagree: gate [{gate.n}, {gate.k}], up "
                              f"[{up.n}, {up.k}], down [{down.n}, {down.k}] for {num_experts} "
                              "experts")

@@ -336,6 +336,10 @@ def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str,
     absent = [p for p in ("gate", "up", "down") if p not in parts]
     if absent:
         raise FieldError(f"{path}: no ffn_{absent[0]}_exps tensor for {module}", "model")
+    if not all(f"{module}.{p}" in shapes for p in ("gate_up_proj", "down_proj")) or \
+            not hasattr(skeleton.get_submodule(module), "act_fn"):
+        raise FieldError(f"{path}: {module} ({type(skeleton.get_submodule(module)).__name__}) "
+                         "is not an experts module ferrobatch runs quantized", "model")
     gate_up = tuple(shapes[f"{module}.gate_up_proj"].shape)
     down = tuple(shapes[f"{module}.down_proj"].shape)
     want = {"gate": (gate_up[0], gate_up[1] // 2, gate_up[2]),
@@ -350,9 +354,6 @@ def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str,
         raise FieldError(f"{path}: the experts of {module} mix quantized and float tensors "
                          f"({', '.join(f'{t.name} {t.qtype}' for t in parts.values())})",
                          "model")
-    if not hasattr(skeleton.get_submodule(module), "act_fn"):
-        raise FieldError(f"{path}: {module} ({type(skeleton.get_submodule(module)).__name__}) "
-                         "is not an experts module ferrobatch runs quantized", "model")
     return _Experts(module, dict(parts), kinds == {True})
 
 

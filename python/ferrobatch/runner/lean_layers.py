@@ -19,8 +19,11 @@ Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, 
 Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
 q/k RMSNorms run as `fused_ops.rms_norm` over each head's row), whose q/k/v and gate/up
 products are stacked groups of the packed linears, and whose attention has no extra
-state. Where a step allows it, the whole layer runs in one call of `_core.LeanLayer`
-instead (`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal
+state. Qwen2/3-MoE layers run the same attention; their MoE block (router, experts, shared
+expert) runs as the model's own module on the normed rows (a GGUF model's experts: one
+kernel call a layer, `ferrobatch.gguf.experts`). Where a step allows it, the whole layer
+(not a MoE one) runs in one call of `_core.LeanLayer` instead
+(`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal
 to the forward here, which is the fallback for everything the one call cannot run).
 The runner also checks, on two short forwards through the model's own attention,
 that the lean layers' logits are within twice the model's own layers' distance from the
@@ -53,8 +56,16 @@ __all__ = ["LAYER_CLASSES", "LeanLayers"]
 #: decoder layer classes (by name) whose forward the lean one reproduces
 LAYER_CLASSES = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+    "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
 })
-_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
+                           "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"})
+#: MoE blocks run as their own module inside a lean layer (`forward(h [1, T, H])`)
+_MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock"})
+
+
+def _is_moe(mlp: torch.nn.Module) -> bool:
+    return type(mlp).__name__ in _MOE_CLASSES
 _SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
 
 
@@ -66,12 +77,15 @@ class _Layer:
         self.layer, self.attn = layer, attn
         self.qkv = linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = linears.packed_of([attn.o_proj])
-        self.gate_up = linears.packed_of([mlp.gate_proj, mlp.up_proj])
-        self.down = linears.packed_of([mlp.down_proj])
+        #: a MoE block, run as its own module (None: the SiLU-gated MLP's products below)
+        self.moe = mlp if _is_moe(mlp) else None
+        dense = self.moe is None
+        self.gate_up = linears.packed_of([mlp.gate_proj, mlp.up_proj]) if dense else None
+        self.down = linears.packed_of([mlp.down_proj]) if dense else None
         self.dim = int(attn.head_dim)
         self.nq, self.nk = attn.q_proj.out_features, attn.k_proj.out_features
         self.heads, self.kv_heads = self.nq // self.dim, self.nk // self.dim
-        self.inter = mlp.gate_proj.out_features
+        self.inter = mlp.gate_proj.out_features if dense else 0
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
@@ -79,8 +93,9 @@ class _Layer:
         #: kernels' view of a detached tensor is cheaper than of a parameter; again when the
         #: weight object is replaced
         self._norm_weights: list[tuple[Any, Any]] = [(None, None)] * 4
-        #: the whole layer in one call, where the build has it (`fused_layer`)
-        self.fused = FusedLayer(self, linears) if fused_available() else None
+        #: the whole layer in one call, where the build has it (`fused_layer`; not a MoE
+        #: layer's)
+        self.fused = FusedLayer(self, linears) if fused_available() and dense else None
 
     def norm_weight(self, i: int) -> torch.Tensor:
         """The weight of norm `i` (0: input, 1: post-attention, 2: q, 3: k), detached."""
@@ -100,7 +115,8 @@ class _Layer:
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
             return "no self_attn q/k/v/o projections or no mlp"
-        if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
+        moe = _is_moe(mlp)
+        if not moe and type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
             return "the MLP activation is not SiLU"
         norms = (getattr(layer, "input_layernorm", None),
                  getattr(layer, "post_attention_layernorm", None))
@@ -108,9 +124,9 @@ class _Layer:
                for n in norms):
             return "its norms are not Llama-style RMSNorm"
         if linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj]) is None \
-                or linears.packed_of([mlp.gate_proj, mlp.up_proj]) is None \
-                or linears.packed_of([attn.o_proj]) is None \
-                or linears.packed_of([mlp.down_proj]) is None:
+                or linears.packed_of([attn.o_proj]) is None or not moe and (
+                    linears.packed_of([mlp.gate_proj, mlp.up_proj]) is None
+                    or linears.packed_of([mlp.down_proj]) is None):
             return "its q/k/v or gate/up products are not stacked groups"
         if (attn.q_proj.out_features % attn.head_dim or attn.k_proj.out_features
                 % attn.head_dim or attn.head_dim % 2):
@@ -279,6 +295,9 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
         out = _interface_attention(attn, q, k, v, kwargs)
     o = product(p.o, out.reshape(tokens, p.nq))
     fused_ops.rms_norm(x, p.norm_weight(1), h, norm_post.variance_epsilon, residual=o)
+    if p.moe is not None:  # (the block's router and experts take the normed rows as they are)
+        x.add_(p.moe(h.unsqueeze(0))[0])
+        return hidden_states
     # (h's first use ended with the q/k/v product)
     gu = product(p.gate_up, h, gate_up_buffer(p.gate_up, tokens))
     a = torch.empty(tokens, p.inter, dtype=wdt)
