@@ -14,10 +14,13 @@
 //! product of its own row alone (a row's quantized product does not depend on the other
 //! rows of the call): the result of a token is the same whatever else the batch holds.
 
+use std::sync::Mutex;
+
 use crate::error::{Expected, KernelError};
 use crate::fused;
 use crate::layer::{check_parts, quant_product, QuantPart};
 use crate::linear::LinearArgs;
+use crate::parallel::{row_ranges, run_pieces};
 use crate::quant;
 use crate::{Elems, ElemsMut};
 
@@ -109,9 +112,10 @@ pub fn experts(
     }
     out.fill(0.0);
     let lists = by_expert(&routes, experts.len())?;
-    let (mut xs, mut gu, mut a, mut y) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut part = Vec::new();
-    for (e, list) in lists {
+    // every picked expert's weights, checked before anything runs
+    let mut picked = Vec::with_capacity(lists.len());
+    for (e, _) in &lists {
+        let e = *e;
         let Some(ex) = experts[e] else {
             return KernelError::invalid(
                 "ids",
@@ -122,37 +126,159 @@ pub fn experts(
             .map_err(|m| KernelError::Layout(format!("expert {e}'s gate_up {m}")))?;
         check_parts(ex.down, hidden, inter)
             .map_err(|m| KernelError::Layout(format!("expert {e}'s down {m}")))?;
-        let m = list.len();
-        xs.clear();
-        for &(t, _) in &list {
-            xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        picked.push(ex);
+    }
+    let few_rows = lists.iter().all(|(_, l)| l.len() <= EXPERT_PARALLEL_ROWS);
+    if threads > 1 && lists.len() > 1 && few_rows {
+        // decode-sized calls: whole experts on each thread (one meeting a call, where
+        // splitting each small product over the threads meets twice an expert); the
+        // terms are added below in expert order, so the bits are those of the other way
+        let ranges = row_ranges(lists.len(), threads.min(lists.len()));
+        let mut ys: Vec<Vec<f32>> = vec![Vec::new(); lists.len()];
+        let mut rest: &mut [Vec<f32>] = &mut ys;
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let (mine, more) = rest.split_at_mut(r.len());
+            pieces.push((r, mine));
+            rest = more;
         }
-        gu.resize(m * 2 * inter, 0.0);
+        let failed = Mutex::new(None);
+        run_pieces(pieces, |range, mine| {
+            let mut bufs = Bufs::default();
+            for (slot, i) in mine.iter_mut().zip(range) {
+                let one = Call {
+                    x,
+                    hidden,
+                    inter,
+                    threads: 1,
+                    backend,
+                };
+                if let Err(e) = one.expert(picked[i], &lists[i].1, &mut bufs) {
+                    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    return;
+                }
+                *slot = std::mem::take(&mut bufs.y);
+            }
+        });
+        if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        for ((_, list), y) in lists.iter().zip(&ys) {
+            add_terms(out, list, y, hidden);
+        }
+        return Ok(());
+    }
+    let call = Call {
+        x,
+        hidden,
+        inter,
+        threads,
+        backend,
+    };
+    let mut bufs = Bufs::default();
+    for ((_, list), ex) in lists.iter().zip(picked) {
+        call.expert(ex, list, &mut bufs)?;
+        add_terms(out, list, &bufs.y, hidden);
+    }
+    Ok(())
+}
+
+/// Experts whose calls have at most this many rows each run whole on one thread apiece
+/// (`threads` > 1): a decode step's.
+const EXPERT_PARALLEL_ROWS: usize = 4;
+
+/// `out[t] += y[r] * w` for each row `r` of `y` [rows, hidden] and its `(t, w)` of `list`.
+fn add_terms(out: &mut [f32], list: &[(usize, f32)], y: &[f32], hidden: usize) {
+    for (r, &(t, w)) in list.iter().enumerate() {
+        let row = &mut out[t * hidden..(t + 1) * hidden];
+        for (o, &v) in row.iter_mut().zip(&y[r * hidden..(r + 1) * hidden]) {
+            *o += v * w;
+        }
+    }
+}
+
+/// One call's inputs and settings, shared by its experts.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    x: &'a [f32],
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    backend: quant::Backend,
+}
+
+/// Scratch of one expert's products, reused from expert to expert.
+#[derive(Default)]
+struct Bufs {
+    xs: Vec<f32>,
+    gu: Vec<f32>,
+    a: Vec<f32>,
+    /// the expert's output rows [rows, hidden]
+    y: Vec<f32>,
+    part: Vec<f32>,
+}
+
+impl Call<'_> {
+    /// `bufs.y` = expert `ex`'s output rows for the tokens of `list` (weights not applied).
+    fn expert(
+        &self,
+        ex: Expert<'_>,
+        list: &[(usize, f32)],
+        bufs: &mut Bufs,
+    ) -> Result<(), KernelError> {
+        let Call {
+            x,
+            hidden,
+            inter,
+            threads,
+            backend,
+        } = *self;
+        let m = list.len();
+        bufs.xs.clear();
+        for &(t, _) in list {
+            bufs.xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        bufs.gu.resize(m * 2 * inter, 0.0);
         let args = LinearArgs {
             m,
             n: 2 * inter,
             k: hidden,
             threads,
         };
-        quant_product(ex.gate_up, backend, &args, &xs, &mut gu, threads, &mut part)?;
-        a.resize(m * inter, 0.0);
-        fused::silu_mul(Elems::F32(&gu), ElemsMut::F32(&mut a), m, inter, threads)?;
-        y.resize(m * hidden, 0.0);
+        quant_product(
+            ex.gate_up,
+            backend,
+            &args,
+            &bufs.xs,
+            &mut bufs.gu,
+            threads,
+            &mut bufs.part,
+        )?;
+        bufs.a.resize(m * inter, 0.0);
+        fused::silu_mul(
+            Elems::F32(&bufs.gu),
+            ElemsMut::F32(&mut bufs.a),
+            m,
+            inter,
+            threads,
+        )?;
+        bufs.y.resize(m * hidden, 0.0);
         let args = LinearArgs {
             m,
             n: hidden,
             k: inter,
             threads,
         };
-        quant_product(ex.down, backend, &args, &a, &mut y, threads, &mut part)?;
-        for (r, &(t, w)) in list.iter().enumerate() {
-            let row = &mut out[t * hidden..(t + 1) * hidden];
-            for (o, &v) in row.iter_mut().zip(&y[r * hidden..(r + 1) * hidden]) {
-                *o += v * w;
-            }
-        }
+        quant_product(
+            ex.down,
+            backend,
+            &args,
+            &bufs.a,
+            &mut bufs.y,
+            threads,
+            &mut bufs.part,
+        )
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -281,6 +407,19 @@ mod tests {
             }
             assert_eq!(&out[t * hidden..(t + 1) * hidden], &want[..], "token {t}");
         }
+        // one thread (each expert in turn, not whole experts a thread): the same bits
+        let mut serial = vec![f32::NAN; tokens * hidden];
+        experts(
+            &x,
+            shape,
+            routes,
+            &table,
+            &mut serial,
+            1,
+            quant::Backend::Portable,
+        )
+        .unwrap();
+        assert_eq!(serial, out);
         // token 1 alone: the same bits
         let mut alone = vec![0f32; hidden];
         let one = Routes {
