@@ -421,6 +421,10 @@ def prepare_for_serving(model: nn.Module, stacked: Sequence[QuantLinear] = ()) -
     made for them by an earlier forward is dropped (made again if their own forward runs);
     so are the layers a module's `pack_own_products()` returns after packing copies of its
     own (MoE experts, `gguf/experts.py`). Returns the number of matrices packed."""
+    # the construction probes' dequantized weights, freed by now, go back to the kernel
+    # before the packed copies are made (glibc keeps freed blocks: a Qwen3-30B-A3B-shaped
+    # file's first-layer experts are 2.4 GB of them, which packing would otherwise add to)
+    pages.trim_heap()
     # layers computing some `QuantLinear` products in a call of their own (MoE experts:
     # `pack_own_products` packs theirs and names the layers whose copies are not needed)
     own = [m for module in model.modules()
