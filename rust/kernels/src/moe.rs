@@ -79,8 +79,11 @@ fn by_expert(routes: &Routes<'_>, experts: usize) -> Result<Vec<Picks>, KernelEr
 /// `out` [tokens, hidden] = the experts' outputs for the `tokens` rows of `x` [tokens,
 /// hidden] routed by `routes` (see the module docs). `experts[e]` is None for an expert
 /// the caller did not pass: a token routed to it is an error naming "ids". Products run on
-/// `backend`, each split over `threads` threads where it is large enough (as
-/// `quant_ops.linear` splits). Errors name the argument whose length or value is wrong.
+/// `backend`. With `threads` > 1, a decode-sized call (every picked expert at most
+/// `EXPERT_PARALLEL_ROWS` rows) runs whole experts on each thread; otherwise each product
+/// splits over `threads` threads where it is large enough (as `quant_ops.linear` splits).
+/// Either way the result is the same bits. Errors name the argument whose length or value
+/// is wrong.
 pub fn experts(
     x: &[f32],
     shape: Shape,
