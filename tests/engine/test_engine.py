@@ -342,7 +342,8 @@ def test_loop_death_reaches_every_caller(model) -> None:
 
 def test_close_finishes_waiters(model) -> None:
     eng = Engine(model, config=ContinuousBatchingConfig(num_blocks=64, page_size=8))
-    eng.runner.execute = lambda plan, _real=eng.runner.execute: (time.sleep(0.01), _real(plan))[1]
+    real = eng.runner.execute  # (slowed down; called as the engine calls it, greedy or not)
+    eng.runner.execute = lambda plan, *a, **k: (time.sleep(0.01), real(plan, *a, **k))[1]
     rid = eng.add_request(prompts(1)[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
     time.sleep(0.05)
     eng.close()
