@@ -298,9 +298,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         if gname.endswith((".ffn_gate_exps.weight", ".ffn_up_exps.weight")):
             # gate and up side by side per expert in the model's fused gate_up_proj
             part = 0 if ".ffn_gate_exps." in gname else 1
-            whole = reference.setdefault(hf_name, torch.zeros(tuple(model.state_dict()[hf_name]
-                                                                    .shape)))
-            rows = ref.shape[1]
+            experts, rows, cols = ref.shape
+            whole = reference.setdefault(hf_name, torch.zeros(experts, 2 * rows, cols))
             whole[:, part * rows:(part + 1) * rows] = ref
             written[gname] = t
             continue

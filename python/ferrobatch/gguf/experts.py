@@ -71,12 +71,12 @@ class QuantExperts(nn.Module):
         self.act_fn = act_fn
         self._op: _core.QuantExperts | None = None
         self._silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        self._qtypes = frozenset((gate.qtype, up.qtype, down.qtype))
 
     def _kernels_run(self) -> bool:
         """Whether this layer's products run on the kernels now (and on one fused call)."""
-        qtypes = {self.gate_proj[0].qtype, self.up_proj[0].qtype, self.down_proj[0].qtype}
         return ONE_CALL and self._silu and not modules.probing() and all(
-            modules.kernels_run(q) for q in qtypes)
+            modules.kernels_run(q) for q in self._qtypes)
 
     def pack_own_products(self) -> list[QuantLinear]:
         """Pack the experts for the one-call products (where the kernels run them); returns

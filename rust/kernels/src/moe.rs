@@ -131,6 +131,13 @@ pub fn experts(
             .map_err(|m| KernelError::Layout(format!("expert {e}'s down {m}")))?;
         picked.push(ex);
     }
+    let call = Call {
+        x,
+        hidden,
+        inter,
+        threads,
+        backend,
+    };
     let few_rows = lists.iter().all(|(_, l)| l.len() <= EXPERT_PARALLEL_ROWS);
     if threads > 1 && lists.len() > 1 && few_rows {
         // decode-sized calls: whole experts on each thread (one meeting a call, where
@@ -146,16 +153,10 @@ pub fn experts(
             rest = more;
         }
         let failed = Mutex::new(None);
+        let one = Call { threads: 1, ..call };
         run_pieces(pieces, |range, mine| {
             let mut bufs = Bufs::default();
             for (slot, i) in mine.iter_mut().zip(range) {
-                let one = Call {
-                    x,
-                    hidden,
-                    inter,
-                    threads: 1,
-                    backend,
-                };
                 if let Err(e) = one.expert(picked[i], &lists[i].1, &mut bufs) {
                     *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     return;
@@ -171,13 +172,6 @@ pub fn experts(
         }
         return Ok(());
     }
-    let call = Call {
-        x,
-        hidden,
-        inter,
-        threads,
-        backend,
-    };
     let mut bufs = Bufs::default();
     for ((_, list), ex) in lists.iter().zip(picked) {
         call.expert(ex, list, &mut bufs)?;
