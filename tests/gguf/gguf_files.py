@@ -14,6 +14,7 @@ types its quantizer falls back to for rows that are not whole 256-weight blocks.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,10 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    long_rope = _long_rope(cfg) if arch == "phi3" else None
+    if long_rope is not None:  # (llama.cpp's Phi-3 LongRoPE: the factors are tensors)
+        w.add_rope_scaling_orig_ctx_len(long_rope["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(long_rope["attn_factor"])
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -310,6 +315,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     for gname, x in (extra_tensors or {}).items():
         w.add_tensor(gname, x.astype(np.float32))
         written[gname] = "F32"
+    if long_rope is not None:
+        for kind in ("short", "long"):
+            factors = np.asarray(long_rope[f"{kind}_factor"], np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
+            written[f"rope_factors_{kind}.weight"] = "F32"
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
         written["rope_freqs.weight"] = "F32"
@@ -318,6 +328,18 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     w.write_tensors_to_file()
     w.close()
     return Written(Path(path), reference, written)
+
+
+def _long_rope(cfg: Any) -> dict[str, Any] | None:
+    """A Phi-3 config's LongRoPE parameters as llama.cpp's converter writes them (its
+    attention factor computed from the context lengths as the converter does), or None."""
+    params = cfg.rope_parameters
+    if params.get("rope_type") != "longrope" or not params.get("long_factor"):
+        return None
+    orig = params["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / orig
+    attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    return {**params, "original_max_position_embeddings": orig, "attn_factor": attn}
 
 
 def _gguf_tensors(model: transformers.PreTrainedModel, name_map: Any,

@@ -74,9 +74,12 @@ def test_starcoder2_without_attention_biases(tmp_path) -> None:
 
 
 def test_unknown_tensor(tmp_path) -> None:
-    """Phi-3's longrope factors (or anything else the model has no place for) are refused, not
-    dropped."""
-    written = write_gguf(tmp_path / "long.gguf", tiny_model("phi3"), "phi3", "Q8_0",
+    """A tensor the model has no place for (here BERT's token types; Phi-3's LongRoPE
+    factors outside Phi-3) is refused, not dropped."""
+    written = write_gguf(tmp_path / "types.gguf", tiny_model("phi3"), "phi3", "Q8_0",
+                         extra_tensors={"token_types.weight": np.ones(32)})
+    _refused(written.path, r"tensor token_types\.weight \(F32\) has no place")
+    written = write_gguf(tmp_path / "long.gguf", tiny_model("qwen2"), "qwen2", "Q8_0",
                          extra_tensors={"rope_factors_long.weight": np.ones(32)})
     _refused(written.path, r"tensor rope_factors_long\.weight \(F32\) has no place")
 

@@ -4,7 +4,8 @@ mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor 
 
 Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
 them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
-`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`, `gpt2`, `starcoder2`, and the
+`qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3` (with LongRoPE: Phi-3 128k, Phi-3.5,
+Phi-4-mini), `gpt2`, `starcoder2`, and the
 mixtures of experts `qwen2moe` and `qwen3moe`. Anything else is refused with a
 `FieldError` (field "model") before anything is built.
 """
@@ -159,7 +160,37 @@ def _refuse_routing(metadata: dict[str, Any], arch: str, path: Any) -> None:
                          f"({count})", "model")
 
 
-def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> None:
+def _longrope(config: Any, metadata: dict[str, Any], arch: str, path: Any,
+              factors: tuple[list[float], list[float]], head_dim: int) -> None:
+    """transformers' "longrope" rotary parameters from a Phi-3 file's factors and metadata.
+
+    Which factors a token uses is transformers' rule (the request's length against the
+    threshold, `ferrobatch.attention.rope`); llama.cpp picks one set for the whole context
+    it was started with (long where that context exceeds the threshold)."""
+    short, long = factors
+    params = config.rope_parameters
+    dims = int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0))
+    if len(short) != dims // 2 or len(long) != dims // 2:
+        raise FieldError(f"{path}: rope_factors_short / rope_factors_long have {len(short)} / "
+                         f"{len(long)} values, the rotary dimensions {dims} need {dims // 2}",
+                         "model")
+    context = int(_meta(metadata, arch, "context_length"))
+    threshold = int(_meta(metadata, arch, "rope.scaling.original_context_length") or context)
+    if not 0 < threshold <= context:
+        raise FieldError(f"{path}: {arch}.rope.scaling.original_context_length {threshold} "
+                         f"is not 1 .. context_length ({context})", "model")
+    attn = float(_meta(metadata, arch, "rope.scaling.attn_factor") or 1.0)
+    if not (math.isfinite(attn) and attn > 0):
+        raise FieldError(f"{path}: {arch}.rope.scaling.attn_factor {attn} is not a positive "
+                         "number", "model")
+    params.update(rope_type="longrope", short_factor=list(short), long_factor=list(long),
+                  original_max_position_embeddings=threshold, attention_factor=attn)
+    config.original_max_position_embeddings = threshold
+    config.max_position_embeddings = context
+
+
+def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
+               rope_factors: tuple[list[float], list[float]] | None = None) -> None:
     """Metadata llama.cpp writes that transformers' GGUF mapping leaves out, applied to the
     transformers `config` so the model computes what llama.cpp computes from the same file:
 
@@ -167,6 +198,11 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
       hidden / heads); where the config has no `head_dim`, it must equal hidden / heads;
     * `rope.dimension_count` below the head size: Phi-3's `partial_rotary_factor`; elsewhere
       refused;
+    * Phi-3 LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): `rope_factors` (the file's
+      `rope_factors_short` / `rope_factors_long` tensors, read by the loader),
+      `rope.scaling.original_context_length` (the threshold; the context length when absent)
+      and `rope.scaling.attn_factor` (cos/sin scale; 1 when absent, as llama.cpp) make
+      transformers' "longrope" parameters;
     * `rope.scaling.type` linear + `rope.scaling.factor` (Gemma 3: the global layers only, as
       llama.cpp);
     * Gemma 2: `attn_logit_softcapping`, `final_logit_softcapping`; Gemma 2 / 3:
@@ -199,6 +235,11 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any) -> N
         else:
             raise FieldError(f"{path}: rotary dimensions {rope_dims} != head size {head_dim} "
                              f"is not supported for {arch}", "model")
+    if rope_factors is not None:
+        _longrope(config, metadata, arch, path, rope_factors, head_dim)
+    elif float(_meta(metadata, arch, "rope.scaling.attn_factor") or 1.0) != 1.0:
+        raise FieldError(f"{path}: {arch}.rope.scaling.attn_factor without LongRoPE factors is "
+                         "not supported", "model")
     if _meta(metadata, arch, "rope.scaling.type") == "linear":
         factor = float(_meta(metadata, arch, "rope.scaling.factor") or 1.0)
         params = config.rope_parameters

@@ -13,7 +13,8 @@
    `QuantLinear` / `QuantEmbedding` over a `QuantWeight` that is a view of the file's map
    (llama's q/k rows, reordered by transformers' processor, are a copy in the new row order);
    a tied output head shares the embedding's `QuantWeight`. Llama 3's `rope_freqs` divide the
-   rotary frequencies, as llama.cpp does.
+   rotary frequencies, as llama.cpp does; Phi-3's LongRoPE factors go into the config
+   (`arch.fix_config`).
 
 Config and tokenizer come from transformers' GGUF support (`load_gguf_checkpoint`,
 `AutoTokenizer.from_pretrained(dir, gguf_file=name)`); both parse the whole vocabulary
@@ -68,6 +69,8 @@ logger = logging.getLogger("ferrobatch")
 #: bump when what is cached per file (config, tokenizer) changes meaning
 _CACHE_VERSION = "1"
 _ROPE_FREQS = "rope_freqs.weight"
+#: Phi-3 LongRoPE's factors (short, long): config values, not parameters (`arch.fix_config`)
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 #: a MoE layer's experts: 3-D tensors [experts, rows, columns] (`ferrobatch.gguf.experts`)
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_(?P<part>gate|up|down)_exps\.weight")
 
@@ -246,7 +249,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     config._name_or_path = str(path)
     config_dict = config.to_dict()
     base_config = copy.deepcopy(config)
-    archs.fix_config(config, f.metadata, arch, path)
+    archs.fix_config(config, f.metadata, arch, path, rope_factors=_rope_factors(f, arch))
     try:
         with init_empty_weights():
             skeleton = AutoModelForCausalLM.from_config(config, dtype=dt)
@@ -274,6 +277,8 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
             continue
         target = names.get(t.name)
         if target is None:
+            if t.name in _ROPE_FACTORS and arch == "phi3":
+                continue  # (in the config: `_rope_factors`)
             if t.name == _ROPE_FREQS and arch == "llama":
                 rope_freqs = t
                 continue
@@ -327,6 +332,25 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
                              "model")
     return LoadPlan(f, arch, config, base_config, skeleton, processor, items, rope_freqs, dt,
                     cache_dir, cached, planned)
+
+
+def _rope_factors(f: GGUFFile, arch: str) -> tuple[list[float], list[float]] | None:
+    """A Phi-3 file's LongRoPE factors (short, long) as the config takes them, or None
+    without them; `FieldError` for one without the other or factors not F32 vectors."""
+    present = [name for name in _ROPE_FACTORS if name in f.tensors]
+    if arch != "phi3" or not present:
+        return None
+    if len(present) == 1:
+        missing = next(n for n in _ROPE_FACTORS if n not in present)
+        raise FieldError(f"{f.path}: tensor {present[0]} without {missing}", "model")
+    values = []
+    for name in _ROPE_FACTORS:
+        t = f.tensors[name]
+        if t.qtype != "F32" or len(t.shape) != 1:
+            raise FieldError(f"{f.path}: tensor {name} must be an F32 vector, not {t.qtype} "
+                             f"{list(t.shape)}", "model")
+        values.append([float(x) for x in np.asarray(f.array(name), dtype=np.float32)])
+    return values[0], values[1]
 
 
 def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str, TensorEntry],
