@@ -73,9 +73,16 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                       shared_expert_intermediate_size=512, norm_topk_prob=False,
                       tie_word_embeddings=False)),
+    # Mixtral: a `llama` file with experts (their width `feed_forward_length`), top-2 of 4
+    # renormalized
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                     tie_word_embeddings=False)),
 }
 #: GGUF architecture -> transformers' model type, where they differ
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+#: the test architectures llama.cpp writes as `llama`
+_LLAMA_FILES = ("mistral", "mixtral")
 #: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
 _CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
 
@@ -179,7 +186,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     lie = metadata or {}
     rng = np.random.default_rng(seed)
     cfg = model.config
-    file_arch = "llama" if arch == "mistral" else arch
+    file_arch = "llama" if arch in _LLAMA_FILES else arch
     w = gguf.GGUFWriter(str(path), file_arch)
     w.add_name(name or ("mistral" if arch == "mistral" else f"tiny-{arch}"))
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
@@ -209,6 +216,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "mixtral":  # (the experts' width: feed_forward_length)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in MODEL_TYPES:  # (llama.cpp's MoE keys)
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

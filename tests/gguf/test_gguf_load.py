@@ -235,7 +235,8 @@ def test_directory_with_one_file(gguf_file) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3", "gpt2", "starcoder2", "qwen3moe", "qwen2moe"])
+                                  "phi3", "gpt2", "starcoder2", "qwen3moe", "qwen2moe",
+                                  "mixtral"])
 def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
     """The config read back from the cache is the one transformers made of the file."""
     written, _ = gguf_file(arch, "Q8_0")

@@ -1,4 +1,5 @@
-"""Mixture-of-experts GGUF files (`qwen3moe`, `qwen2moe`): the experts' 3-D tensors stay
+"""Mixture-of-experts GGUF files (`qwen3moe`, `qwen2moe`, and Mixtral: `llama` with experts):
+the experts' 3-D tensors stay
 quantized (one `QuantLinear` an expert, views of the file's blocks), the logits equal the
 dequantized oracle, the config takes llama.cpp's MoE metadata, the engine's greedy tokens
 equal the model's own, and what llama.cpp would compute otherwise is refused by name."""
@@ -29,7 +30,8 @@ def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen3moe", "Q8_0"),
-                                             ("qwen2moe", "Q6_K"), ("qwen2moe", "Q4_0")])
+                                             ("qwen2moe", "Q6_K"), ("qwen2moe", "Q4_0"),
+                                             ("mixtral", "Q5_K"), ("mixtral", "Q8_0")])
 def test_quantized_experts_equal_the_dequantized_oracle(gguf_file, arch: str,
                                                         qtype: str) -> None:
     written, source = gguf_file(arch, qtype)
@@ -51,10 +53,13 @@ def test_quantized_experts_equal_the_dequantized_oracle(gguf_file, arch: str,
     # (Q8_0: llama.cpp's type for rows that are not whole blocks of `qtype`)
     assert info.quantized_bytes == sum(t.nbytes for t in f.tensors.values()
                                        if t.qtype in (qtype, "Q8_0"))
-    assert info.mapped_bytes == info.quantized_bytes
+    # (a `llama` file's q/k rows are reordered: a copy, not a view of the map)
+    permuted = sum(t.nbytes for t in f.tensors.values()
+                   if arch == "mixtral" and (".attn_q." in t.name or ".attn_k." in t.name))
+    assert info.mapped_bytes == info.quantized_bytes - permuted
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
 def test_float_experts_fill_the_fused_module(gguf_file, arch: str) -> None:
     """An F16 file: the experts stay transformers' fused module, gate and up side by side."""
     written, source = gguf_file(arch, "F16")
@@ -75,19 +80,25 @@ def test_moe_config_from_the_metadata(gguf_file) -> None:
     c = loader.plan(w.path).config
     assert (c.model_type, c.shared_expert_intermediate_size) == ("qwen2_moe", 512)
     assert not c.norm_topk_prob
+    # Mixtral: a `llama` file with experts, `feed_forward_length` wide, whole context
+    w, _ = gguf_file("mixtral", "Q8_0")
+    c = loader.plan(w.path).config
+    assert (c.model_type, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
+            c.head_dim, c.sliding_window) == ("mixtral", 4, 2, 512, 64, None)
 
 
-@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen2moe", "Q8_0")])
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", "Q4_K"), ("qwen2moe", "Q8_0"),
+                                             ("mixtral", "Q4_K")])
 def test_engine_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     """Through the engine (the kernels' products): each request's tokens are the model's own
-    greedy tokens, and the same alone as batched. Qwen3-MoE's layers run lean (their
+    greedy tokens, and the same alone as batched. Qwen3-MoE's and Mixtral's layers run lean (their
     attention on the fused kernels, the MoE block as its module); Qwen2-MoE's float shared
     expert gate keeps them the model's own."""
     written, _ = gguf_file(arch, qtype)
     params = SamplingParams(max_new_tokens=8)
     with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
                                                                    page_size=16)) as engine:
-        assert (engine.runner.activations.lean is not None) == (arch == "qwen3moe")
+        assert (engine.runner.activations.lean is not None) == (arch != "qwen2moe")
         together = engine.generate(PROMPTS, params, progress=False)
         for prompt, out in zip(PROMPTS, together, strict=True):
             with torch.inference_mode():
@@ -200,3 +211,9 @@ def test_one_call_refuses_bad_routes_naming_the_field(gguf_file) -> None:
     with pytest.raises(FieldError) as err:
         _core.QuantExperts(gate_up=[], down=[], hidden=256, inter=256)
     assert err.value.field == "gate_up"
+
+
+def test_mixtral_without_used_count_refused(tmp_path) -> None:
+    written = write_gguf(tmp_path / "noused.gguf", tiny_model("mixtral"), "mixtral", "Q8_0",
+                         drop_metadata=("llama.expert_used_count",))
+    _refused(written.path, r"lacks llama\.expert_used_count")

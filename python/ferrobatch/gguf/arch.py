@@ -5,8 +5,8 @@ mapping, plus the metadata llama.cpp writes that the mapping drops), the tensor 
 Supported: the architectures the engine runs, as llama.cpp's `convert_hf_to_gguf.py` writes
 them: `llama` (Llama, and Mistral when `general.name` says so, as transformers decides),
 `qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3` (with LongRoPE: Phi-3 128k, Phi-3.5,
-Phi-4-mini), `gpt2`, `starcoder2`, and the
-mixtures of experts `qwen2moe` and `qwen3moe`. Anything else is refused with a
+Phi-4-mini), `gpt2`, `starcoder2`, and the mixtures of experts `qwen2moe`, `qwen3moe` and
+`llama` with experts (Mixtral). Anything else is refused with a
 `FieldError` (field "model") before anything is built.
 """
 
@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import numpy as np
+from transformers import MixtralConfig
 from transformers.modeling_gguf_pytorch_utils import (
     GGUF_SUPPORTED_ARCHITECTURES,
     TENSOR_PROCESSORS,
@@ -26,7 +27,8 @@ from transformers.modeling_gguf_pytorch_utils import (
 from ferrobatch.errors import FieldError
 
 __all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config",
-           "model_type", "process", "refuse_metadata", "row_permutation", "tensor_processor"]
+           "is_moe", "model_type", "moe_config", "process", "refuse_metadata",
+           "row_permutation", "tensor_processor"]
 
 logger = logging.getLogger("ferrobatch")
 
@@ -107,24 +109,49 @@ _REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attentio
 #: the norm epsilon's key (required too), where it is not `attention.layer_norm_rms_epsilon`
 _NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon",
                  "starcoder2": "attention.layer_norm_epsilon"}
-#: metadata the mixtures of experts require besides (`{arch}.` + key)
-_MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+#: metadata the mixtures of experts require besides (`{arch}.` + key): a `llama` file's
+#: experts (Mixtral) are `feed_forward_length` wide
+_MOE_KEYS = {"llama": ("expert_count", "expert_used_count")}
+_MOE_KEYS_DEFAULT = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 _MOE_SHARED_KEYS = {"qwen2moe": ("expert_shared_feed_forward_length",)}
+
+
+def is_moe(metadata: dict[str, Any], arch: str) -> bool:
+    """Whether the file is a mixture of experts: Qwen2/3-MoE, or a `llama` file with
+    experts (Mixtral, as llama.cpp writes it)."""
+    return arch in MOE_ARCHITECTURES or (
+        arch == "llama" and int(_meta(metadata, arch, "expert_count") or 0) > 0)
+
+
+def moe_config(config: Any, metadata: dict[str, Any], arch: str) -> Any:
+    """`config` itself, or for a `llama` file with experts the transformers Mixtral config
+    of the same values (llama.cpp's Llama graph with experts: softmax over every expert, the
+    top `expert_used_count` renormalized to sum 1, experts `feed_forward_length` wide, the
+    whole context attended)."""
+    if arch != "llama" or not is_moe(metadata, arch):
+        return config
+    values = {k: v for k, v in config.to_dict().items() if k not in ("architectures",
+                                                                      "sliding_window")}
+    return MixtralConfig.from_dict({
+        **values, "model_type": "mixtral", "sliding_window": None, "router_jitter_noise": 0.0,
+        "num_local_experts": int(_meta(metadata, arch, "expert_count")),
+        "num_experts_per_tok": int(_meta(metadata, arch, "expert_used_count"))})
 
 
 def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
     """`FieldError` for required metadata that is missing, and for metadata that would
     change the computation and is not handled."""
     required = (*_REQUIRED_KEYS, _NORM_EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"))
-    moe = arch in MOE_ARCHITECTURES
+    moe = is_moe(metadata, arch)
     if moe:
-        required = (*required, *_MOE_KEYS, *_MOE_SHARED_KEYS.get(arch, ()))
+        required = (*required, *_MOE_KEYS.get(arch, _MOE_KEYS_DEFAULT),
+                    *_MOE_SHARED_KEYS.get(arch, ()))
     missing = [f"{arch}.{key}" for key in required if _meta(metadata, arch, key) is None]
     if missing:
         raise FieldError(f"{path}: GGUF metadata lacks {', '.join(missing)} (required, as "
                          "llama.cpp requires it)", "model")
     for key in _REFUSED_KEYS:
-        if _meta(metadata, arch, key) is not None and not (moe and key == "expert_count"):
+        if _meta(metadata, arch, key) not in (None, 0) and not (moe and key == "expert_count"):
             raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")
     if moe:
         _refuse_routing(metadata, arch, path)

@@ -4,7 +4,8 @@ llama.cpp stores a MoE layer's experts as three 3-D tensors, `ffn_gate_exps` and
 `ffn_up_exps` [experts, intermediate, hidden] and `ffn_down_exps` [experts, hidden,
 intermediate]: expert `e`'s matrix is rows `e * rows .. (e + 1) * rows` of the tensor seen as
 a 2-D stack, so each expert is a row slice (a view) of the file's blocks. `QuantExperts`
-takes the place of transformers' fused experts module (`Qwen3MoeExperts`, `Qwen2MoeExperts`:
+takes the place of transformers' fused experts module (`Qwen3MoeExperts`, `Qwen2MoeExperts`,
+`MixtralExperts`:
 `forward(hidden_states, top_k_index, top_k_weights)`) and computes what it computes.
 
 Where the kernels run the products, one call a layer runs every expert the step's tokens

@@ -72,7 +72,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 #: Phi-3 LongRoPE's factors (short, long): config values, not parameters (`arch.fix_config`)
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 #: a MoE layer's experts: 3-D tensors [experts, rows, columns] (`ferrobatch.gguf.experts`)
-_EXPERTS = re.compile(r"blk\.\d+\.ffn_(?P<part>gate|up|down)_exps\.weight")
+_EXPERTS = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 
 
 @dataclass
@@ -249,6 +249,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     config._name_or_path = str(path)
     config_dict = config.to_dict()
     base_config = copy.deepcopy(config)
+    config = archs.moe_config(config, f.metadata, arch)
     archs.fix_config(config, f.metadata, arch, path, rope_factors=_rope_factors(f, arch))
     try:
         with init_empty_weights():
@@ -268,8 +269,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     experts: dict[str, dict[str, TensorEntry]] = {}
     for t in f.tensors.values():
         if (m := _EXPERTS.fullmatch(t.name)) is not None:
-            # (transformers maps the name without its `.weight`)
-            target = names.get(t.name) or names.get(t.name.removesuffix(".weight"))
+            target = _experts_target(names, m)
             if target is None or target not in groups:
                 raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) has no place in "
                                  f"{type(skeleton).__name__} (not supported)", "model")
@@ -332,6 +332,20 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
                              "model")
     return LoadPlan(f, arch, config, base_config, skeleton, processor, items, rope_freqs, dt,
                     cache_dir, cached, planned)
+
+
+def _experts_target(names: dict[str, str], m: re.Match[str]) -> str | None:
+    """The fused experts parameter (`...experts.gate_up_proj` or `.down_proj`) an experts
+    tensor fills, or None. transformers maps the names without their `.weight`, and for a
+    `llama` file (Mixtral) only `ffn_down_exps`: the others' module is the down one's."""
+    block, part = m["block"], m["part"]
+    param = "down_proj" if part == "down" else "gate_up_proj"
+    for name in (f"blk.{block}.ffn_{part}_exps", f"blk.{block}.ffn_down_exps"):
+        target = names.get(f"{name}.weight") or names.get(name)
+        if target is not None:
+            module, _, _ = target.rpartition(".")
+            return f"{module}.{param}"
+    return None
 
 
 def _rope_factors(f: GGUFFile, arch: str) -> tuple[list[float], list[float]] | None:

@@ -19,10 +19,10 @@ Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, 
 Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
 q/k RMSNorms run as `fused_ops.rms_norm` over each head's row), whose q/k/v and gate/up
 products are stacked groups of the packed linears, and whose attention has no extra
-state. Qwen2/3-MoE layers run the same attention; their MoE block (router, experts, shared
-expert) runs as the model's own module on the normed rows (a GGUF model's experts: one
-kernel call a layer, `ferrobatch.gguf.experts`). Where a step allows it, the whole layer
-(not a MoE one) runs in one call of `_core.LeanLayer` instead
+state. Qwen2/3-MoE and Mixtral layers run the same attention; their MoE block (router,
+experts, shared expert) runs as the model's own module on the normed rows (a GGUF model's
+experts: one kernel call a layer, `ferrobatch.gguf.experts`). Where a step allows it, the
+whole layer (not a MoE one) runs in one call of `_core.LeanLayer` instead
 (`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal
 to the forward here, which is the fallback for everything the one call cannot run).
 The runner also checks, on two short forwards through the model's own attention,
@@ -56,12 +56,13 @@ __all__ = ["LAYER_CLASSES", "LeanLayers"]
 #: decoder layer classes (by name) whose forward the lean one reproduces
 LAYER_CLASSES = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-    "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
+    "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer",
 })
 _NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
-                           "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"})
+                           "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm"})
 #: MoE blocks run as their own module inside a lean layer (`forward(h [1, T, H])`)
-_MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock"})
+_MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
+                          "MixtralSparseMoeBlock"})
 
 
 def _is_moe(mlp: torch.nn.Module) -> bool:
