@@ -799,3 +799,26 @@ class LeanLayer:
         `slots` of the caches ([slots, kv_heads, dim] in `cache_dtype`), every row attended
         by the decode kernel over `block_tables` [rows, width] and `seqlens` [rows]; `cos` /
         `sin` [rows, dim]; `window` 0 = full attention."""
+
+
+def lean_layers_forward(
+    layers: Sequence[LeanLayer],
+    x: npt.NDArray[np.float32],
+    k_caches: Sequence[_Storage],
+    v_caches: Sequence[_Storage],
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+    block_tables: npt.NDArray[np.int32],
+    seqlens: npt.NDArray[np.int32],
+    *,
+    cache_dtype: Literal["float32", "bfloat16", "float16"],
+    page: int,
+    window: int,
+    scale: float,
+    threads: int,
+) -> None:
+    """`layers` in order on `x` [rows, hidden] in one call, layer `i` with `k_caches[i]` /
+    `v_caches[i]`, the other arguments shared (`LeanLayer.forward`'s): bit for bit the
+    layers' own calls in order. FieldError for lists of other lengths, layers of other
+    widths, or caches overlapping one another or `x`."""

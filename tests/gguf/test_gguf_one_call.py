@@ -73,6 +73,27 @@ def test_the_one_call_layer_is_the_lean_forward_bit_for_bit(gguf_file, monkeypat
         assert torch.equal(a, b)
 
 
+def test_the_whole_stack_in_one_call_is_the_layers_calls_bit_for_bit(gguf_file, monkeypatch):
+    """Decode steps run every layer in one `_core.lean_layers_forward` call (mixed types,
+    biases), with logits equal to the layers' own one calls in order."""
+    written, _ = gguf_file("qwen2", "Q4_K", types=MIXED)
+    model = load_gguf(written.path)[0]
+    calls: list[int] = []
+    own = _core.lean_layers_forward
+    monkeypatch.setattr(fused_layer._core, "lean_layers_forward",
+                        lambda layers, *a, **k: (calls.append(len(layers)), own(layers, *a,
+                                                                               **k))[1])
+    got = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(fused_layer.FusedStack, "ENABLED", enabled)
+        runner = ModelRunner(model, num_blocks=128, page_size=4)
+        got[enabled] = drive_runner(runner, [[5, 9, 14, 2], [11, 3, 8]], 5, forced=True)
+        runner.close()
+    assert calls and set(calls) == {model.config.num_hidden_layers}
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_an_int8_cache_keeps_the_lean_forward(gguf_file, monkeypatch):
     """An int8 cache (quantized on write) is the lean forward's: no one call."""
     written, _ = gguf_file("llama", "Q8_0")

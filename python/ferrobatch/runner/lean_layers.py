@@ -46,7 +46,7 @@ from ferrobatch.attention import context
 from ferrobatch.attention.forward import kernel_only_attention
 from ferrobatch.cpu import fused_ops
 from ferrobatch.runner.cpu_linear import PackedLinears
-from ferrobatch.runner.fused_layer import FusedLayer
+from ferrobatch.runner.fused_layer import FusedLayer, FusedStack
 from ferrobatch.runner.fused_layer import available as fused_available
 
 logger = logging.getLogger("ferrobatch")
@@ -145,7 +145,8 @@ class LeanLayers:
     Build with `LeanLayers.of(...)`, which returns None when they don't apply."""
 
     def __init__(self, layers: list[_Layer], linears: PackedLinears,
-                 in_thread: Callable[[], bool], kv_dtype: torch.dtype) -> None:
+                 in_thread: Callable[[], bool], kv_dtype: torch.dtype,
+                 whole_stack: bool = False) -> None:
         self._layers = layers
         self._kv_dtype = kv_dtype
         self._linears = linears
@@ -166,6 +167,10 @@ class LeanLayers:
         #: whether layers may run in one `fused_layer` call (off: always the lean forward
         #: below; tests compare the two)
         self.fused_enabled = True
+        #: every layer in one call where a step allows it (`whole_stack`: `layers` are all
+        #: of the model's decoder layers, in the order its forward runs them, none a MoE one)
+        fused = [p.fused for p in layers]
+        self._stack = FusedStack(fused) if whole_stack and all(fused) else None
         self._forwards = [self._forward_of(p) for p in layers]
 
     @classmethod
@@ -186,7 +191,11 @@ class LeanLayers:
             if why is not None:
                 logger.info("ferrobatch: decoder layers run as the model's own (%s)", why)
                 return None
-        return cls([_Layer(m, linears) for m in decoder], linears, in_thread, kv_dtype)
+        config = model.config.get_text_config()
+        in_order = [getattr(m.self_attn, "layer_idx", None) for m in decoder] == \
+            list(range(len(decoder))) == list(range(config.num_hidden_layers))
+        return cls([_Layer(m, linears) for m in decoder], linears, in_thread, kv_dtype,
+                   whole_stack=in_order)
 
     @property
     def num_layers(self) -> int:
@@ -211,6 +220,8 @@ class LeanLayers:
                 part.layer.__dict__.pop("forward", None)
             self._active = self._everywhere = False
             self._gate_up_out = None
+            if self._stack is not None:
+                self._stack.forget()
 
     def _gate_up_buffer(self, product: Any, rows: int) -> torch.Tensor | None:
         """A contiguous fp32 [rows, width] view of the forward's gate/up buffer (grown as

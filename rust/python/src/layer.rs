@@ -11,6 +11,7 @@ use ferrobatch_kernels::quant::{self, Backend, QType};
 use ferrobatch_kernels::{amx, f32_linear, Window};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use std::ops::Range;
 
 use crate::errors::{invalid, kernel_error};
 use crate::views::{disjoint, expect_shape, ro, rw, threads_of, two_d, ty, In, Out, Span, Ty};
@@ -348,9 +349,9 @@ impl LeanLayer {
     /// The layer on `x` float32 [rows, hidden] (updated in place): the rows' new keys and
     /// values written at `slots` (int64 [rows]) of `k_cache` / `v_cache` ([slots, kv_heads,
     /// dim] in `cache_dtype`), then every row attended by the decode kernel over
-    /// `block_tables` (int32 [rows, width]) and `seqlens` (int32 [rows]); `cos` / `sin`
-    /// float32 [rows, dim]. `window` 0 = full attention. Parts split over at most `threads`
-    /// threads of the kernel pool.
+    /// `block_tables` (int32 [rows, width]) and `seqlens` (int32 [rows], the new token
+    /// included) with the rotary `cos` / `sin` float32 [rows, dim]. `window` 0 = full
+    /// attention. Parts split over at most `threads` threads of the kernel pool.
     #[pyo3(signature = (x, k_cache, v_cache, cos, sin, slots, block_tables, seqlens, *,
                         cache_dtype, page, window, scale, threads))]
     #[allow(clippy::too_many_arguments)]
@@ -371,14 +372,127 @@ impl LeanLayer {
         scale: f32,
         threads: i64,
     ) -> PyResult<()> {
-        let [hidden, heads, kv_heads, dim, inter] = self.dims;
-        let threads = threads_of(threads)?;
-        let ct = ty(cache_dtype, "cache_dtype")?;
-        let mut xa = rw::<f32>(x, "x", "float32")?;
-        let (rows, _) = two_d("x", xa.shape(), "[rows, hidden]")?;
-        expect_shape("x", xa.shape(), &[rows, hidden], "[rows, hidden]")?;
-        let mut kc = Out::new(k_cache, ct, "k_cache")?;
-        let mut vc = Out::new(v_cache, ct, "v_cache")?;
+        let args = StepArgs {
+            cos,
+            sin,
+            slots,
+            block_tables,
+            seqlens,
+            cache_dtype,
+            page,
+            window,
+            scale,
+            threads,
+        };
+        run_layers(py, &[self], x, &[k_cache], &[v_cache], &args)
+    }
+}
+
+/// `layers` (a model's decoder layers in order, each a `LeanLayer`) on `x` float32 [rows,
+/// hidden] in one call: layer `i` with `k_caches[i]` / `v_caches[i]`, every layer over the
+/// same step (`LeanLayer.forward`'s other arguments, shared: one attention window, one
+/// scale). Bit for bit the layers' own `forward` calls in order; the caches must not
+/// overlap one another or `x`.
+#[pyfunction]
+#[pyo3(signature = (layers, x, k_caches, v_caches, cos, sin, slots, block_tables, seqlens, *,
+                    cache_dtype, page, window, scale, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn lean_layers_forward(
+    py: Python<'_>,
+    layers: Vec<PyRef<'_, LeanLayer>>,
+    x: &Bound<'_, PyAny>,
+    k_caches: Vec<Bound<'_, PyAny>>,
+    v_caches: Vec<Bound<'_, PyAny>>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    slots: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    seqlens: &Bound<'_, PyAny>,
+    cache_dtype: &str,
+    page: usize,
+    window: usize,
+    scale: f32,
+    threads: i64,
+) -> PyResult<()> {
+    if layers.is_empty() || k_caches.len() != layers.len() || v_caches.len() != layers.len() {
+        return Err(invalid(
+            "k_caches",
+            format!(
+                "one k_cache and one v_cache a layer: {} layers, {} k_caches, {} v_caches \
+                 (at least one layer)",
+                layers.len(),
+                k_caches.len(),
+                v_caches.len()
+            ),
+        ));
+    }
+    let args = StepArgs {
+        cos,
+        sin,
+        slots,
+        block_tables,
+        seqlens,
+        cache_dtype,
+        page,
+        window,
+        scale,
+        threads,
+    };
+    let layers: Vec<&LeanLayer> = layers.iter().map(|l| &**l).collect();
+    let k: Vec<&Bound<'_, PyAny>> = k_caches.iter().collect();
+    let v: Vec<&Bound<'_, PyAny>> = v_caches.iter().collect();
+    run_layers(py, &layers, x, &k, &v, &args)
+}
+
+/// A step's arguments every layer of a call shares.
+struct StepArgs<'a, 'py> {
+    cos: &'a Bound<'py, PyAny>,
+    sin: &'a Bound<'py, PyAny>,
+    slots: &'a Bound<'py, PyAny>,
+    block_tables: &'a Bound<'py, PyAny>,
+    seqlens: &'a Bound<'py, PyAny>,
+    cache_dtype: &'a str,
+    page: usize,
+    window: usize,
+    scale: f32,
+    threads: i64,
+}
+
+/// The borrowed norms and products of one layer for a call.
+struct LayerViews<'py> {
+    norms: (In<'py>, In<'py>),
+    qk: Option<(In<'py>, In<'py>, f32)>,
+    products: [Views<'py>; 4],
+}
+
+impl LeanLayer {
+    fn views<'py>(&self, py: Python<'py>) -> PyResult<LayerViews<'py>> {
+        Ok(LayerViews {
+            norms: (
+                In::new(self.input_norm.bind(py), self.norm_ty, "input_norm")?,
+                In::new(self.post_norm.bind(py), self.norm_ty, "post_norm")?,
+            ),
+            qk: match &self.qk_norm {
+                None => None,
+                Some((q, k, eps)) => Some((
+                    In::new(q.bind(py), self.norm_ty, "q_norm")?,
+                    In::new(k.bind(py), self.norm_ty, "k_norm")?,
+                    *eps,
+                )),
+            },
+            products: [
+                Views::of(py, &self.qkv, "qkv")?,
+                Views::of(py, &self.o, "o")?,
+                Views::of(py, &self.gate_up, "gate_up")?,
+                Views::of(py, &self.down, "down")?,
+            ],
+        })
+    }
+
+    /// `FieldError` unless `k_cache` / `v_cache` are [slots, kv_heads, dim] with slots a
+    /// multiple of `page`.
+    fn check_caches(&self, kc: &Out<'_>, vc: &Out<'_>, page: usize) -> PyResult<()> {
+        let [_, _, kv_heads, dim, _] = self.dims;
         for (field, shape) in [("k_cache", kc.shape()), ("v_cache", vc.shape())] {
             if shape.len() != 3
                 || shape[1] != kv_heads
@@ -395,62 +509,41 @@ impl LeanLayer {
                 ));
             }
         }
-        let xs = xa.span();
-        disjoint(
-            "v_cache",
-            vc.span(),
-            &[("k_cache", kc.span()), ("x", xs.clone())],
-        )?;
-        disjoint("k_cache", kc.span(), &[("x", xs)])?;
-        let cos = ro::<f32>(cos, "cos", "float32")?;
-        let sin = ro::<f32>(sin, "sin", "float32")?;
-        expect_shape("cos", cos.shape(), &[rows, dim], "[rows, dim]")?;
-        expect_shape("sin", sin.shape(), &[rows, dim], "[rows, dim]")?;
-        let slots = ro::<i64>(slots, "slots", "int64")?;
-        let tables = ro::<i32>(block_tables, "block_tables", "int32")?;
-        let seqlens = ro::<i32>(seqlens, "seqlens", "int32")?;
-        let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
-        expect_shape(
-            "block_tables",
-            tables.shape(),
-            &[rows, width],
-            "[rows, width]",
-        )?;
-        let norms = (
-            In::new(self.input_norm.bind(py), self.norm_ty, "input_norm")?,
-            In::new(self.post_norm.bind(py), self.norm_ty, "post_norm")?,
-        );
-        let qk = match &self.qk_norm {
-            None => None,
-            Some((q, k, eps)) => Some((
-                In::new(q.bind(py), self.norm_ty, "q_norm")?,
-                In::new(k.bind(py), self.norm_ty, "k_norm")?,
-                *eps,
-            )),
-        };
-        let views = [
-            Views::of(py, &self.qkv, "qkv")?,
-            Views::of(py, &self.o, "o")?,
-            Views::of(py, &self.gate_up, "gate_up")?,
-            Views::of(py, &self.down, "down")?,
-        ];
-        let parts = [
-            views[0].quant_parts()?,
-            views[1].quant_parts()?,
-            views[2].quant_parts()?,
-            views[3].quant_parts()?,
-        ];
-        let backend = Backend::auto();
-        let w = Weights {
-            input_norm: norms.0.elems(),
-            post_norm: norms.1.elems(),
-            input_eps: self.eps.0,
-            post_eps: self.eps.1,
-            qkv: views[0].product(&parts[0], backend)?,
-            o: views[1].product(&parts[1], backend)?,
-            gate_up: views[2].product(&parts[2], backend)?,
-            down: views[3].product(&parts[3], backend)?,
-            qk_norm: qk.as_ref().map(|(q, k, eps)| QkNorm {
+        Ok(())
+    }
+}
+
+impl LayerViews<'_> {
+    /// The products' quantized parts (empty for the other kinds).
+    fn parts(&self) -> PyResult<[Vec<QuantPart<'_>>; 4]> {
+        let p = &self.products;
+        Ok([
+            p[0].quant_parts()?,
+            p[1].quant_parts()?,
+            p[2].quant_parts()?,
+            p[3].quant_parts()?,
+        ])
+    }
+
+    /// The kernel's view of `layer`'s weights, its quantized parts `parts` on `backend`.
+    fn weights<'s>(
+        &'s self,
+        layer: &LeanLayer,
+        parts: &'s [Vec<QuantPart<'s>>; 4],
+        backend: Backend,
+    ) -> PyResult<Weights<'s>> {
+        let [hidden, heads, kv_heads, dim, inter] = layer.dims;
+        let p = &self.products;
+        Ok(Weights {
+            input_norm: self.norms.0.elems(),
+            post_norm: self.norms.1.elems(),
+            input_eps: layer.eps.0,
+            post_eps: layer.eps.1,
+            qkv: p[0].product(&parts[0], backend)?,
+            o: p[1].product(&parts[1], backend)?,
+            gate_up: p[2].product(&parts[2], backend)?,
+            down: p[3].product(&parts[3], backend)?,
+            qk_norm: self.qk.as_ref().map(|(q, k, eps)| QkNorm {
                 q: q.elems(),
                 k: k.elems(),
                 eps: *eps,
@@ -460,26 +553,106 @@ impl LeanLayer {
             kv_heads,
             dim,
             inter,
-        };
-        let s = Step {
-            cos: cos.as_slice()?,
-            sin: sin.as_slice()?,
-            slots: slots.as_slice()?,
-            block_tables: tables.as_slice()?,
-            seqlens: seqlens.as_slice()?,
-            width,
-            page,
-            window: if window == 0 {
-                Window::Full
-            } else {
-                Window::Sliding { window }
-            },
-            scale,
-            threads,
-        };
-        let x = xa.as_slice_mut()?;
-        let (kc, vc) = (kc.elems(), vc.elems());
-        py.detach(|| layer::decoder_layer(&w, &s, x, kc, vc))
-            .map_err(kernel_error)
+        })
     }
+}
+
+/// `layers` in order on `x`, layer `i` with `k_caches[i]` / `v_caches[i]`, every argument
+/// checked (shapes, dtypes, no cache overlapping another or `x`) before the GIL is
+/// released once for them all.
+fn run_layers(
+    py: Python<'_>,
+    layers: &[&LeanLayer],
+    x: &Bound<'_, PyAny>,
+    k_caches: &[&Bound<'_, PyAny>],
+    v_caches: &[&Bound<'_, PyAny>],
+    a: &StepArgs<'_, '_>,
+) -> PyResult<()> {
+    let [hidden, _, _, dim, _] = layers[0].dims;
+    if let Some(other) = layers
+        .iter()
+        .find(|l| l.dims[0] != hidden || l.dims[3] != dim)
+    {
+        return Err(invalid(
+            "layers",
+            format!(
+                "every layer must have hidden = {hidden} and dim = {dim}, not {} and {}",
+                other.dims[0], other.dims[3]
+            ),
+        ));
+    }
+    let threads = threads_of(a.threads)?;
+    let ct = ty(a.cache_dtype, "cache_dtype")?;
+    let mut xa = rw::<f32>(x, "x", "float32")?;
+    let (rows, _) = two_d("x", xa.shape(), "[rows, hidden]")?;
+    expect_shape("x", xa.shape(), &[rows, hidden], "[rows, hidden]")?;
+    let mut spans: Vec<(&'static str, Range<usize>)> = vec![("x", xa.span())];
+    let mut caches = Vec::with_capacity(layers.len());
+    for ((layer, k), v) in layers.iter().zip(k_caches).zip(v_caches) {
+        let kc = Out::new(k, ct, "k_cache")?;
+        let vc = Out::new(v, ct, "v_cache")?;
+        layer.check_caches(&kc, &vc, a.page)?;
+        disjoint("k_cache", kc.span(), &spans)?;
+        spans.push(("k_cache", kc.span()));
+        disjoint("v_cache", vc.span(), &spans)?;
+        spans.push(("v_cache", vc.span()));
+        caches.push((kc, vc));
+    }
+    let cos = ro::<f32>(a.cos, "cos", "float32")?;
+    let sin = ro::<f32>(a.sin, "sin", "float32")?;
+    expect_shape("cos", cos.shape(), &[rows, dim], "[rows, dim]")?;
+    expect_shape("sin", sin.shape(), &[rows, dim], "[rows, dim]")?;
+    let slots = ro::<i64>(a.slots, "slots", "int64")?;
+    let tables = ro::<i32>(a.block_tables, "block_tables", "int32")?;
+    let seqlens = ro::<i32>(a.seqlens, "seqlens", "int32")?;
+    let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
+    expect_shape(
+        "block_tables",
+        tables.shape(),
+        &[rows, width],
+        "[rows, width]",
+    )?;
+    let views = layers
+        .iter()
+        .map(|l| l.views(py))
+        .collect::<PyResult<Vec<_>>>()?;
+    let parts = views
+        .iter()
+        .map(LayerViews::parts)
+        .collect::<PyResult<Vec<_>>>()?;
+    let backend = Backend::auto();
+    let weights = views
+        .iter()
+        .zip(&parts)
+        .zip(layers)
+        .map(|((v, p), l)| v.weights(l, p, backend))
+        .collect::<PyResult<Vec<_>>>()?;
+    let s = Step {
+        cos: cos.as_slice()?,
+        sin: sin.as_slice()?,
+        slots: slots.as_slice()?,
+        block_tables: tables.as_slice()?,
+        seqlens: seqlens.as_slice()?,
+        width,
+        page: a.page,
+        window: if a.window == 0 {
+            Window::Full
+        } else {
+            Window::Sliding { window: a.window }
+        },
+        scale: a.scale,
+        threads,
+    };
+    let x = xa.as_slice_mut()?;
+    let caches: Vec<_> = caches
+        .iter_mut()
+        .map(|(k, v)| (k.elems(), v.elems()))
+        .collect();
+    py.detach(|| {
+        for (w, (k, v)) in weights.iter().zip(caches) {
+            layer::decoder_layer(w, &s, x, k, v)?;
+        }
+        Ok(())
+    })
+    .map_err(kernel_error)
 }

@@ -56,6 +56,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::paged_prefill_attention, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(layer::lean_layers_forward, m)?)?;
     m.add_function(wrap_pyfunction!(fused::silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(fused::rope, m)?)?;
     m.add_function(wrap_pyfunction!(fused::write_rows, m)?)?;

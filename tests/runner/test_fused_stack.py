@@ -1,0 +1,143 @@
+"""A model's whole stack of one-call layers in one call (`fused_layer.FusedStack`,
+`_core.lean_layers_forward`): bit-equal to the layers' own one calls in order, taken on
+decode steps of models whose layers share one attention group and left to the layers
+elsewhere, and a bad argument is a `FieldError` naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from ferrobatch import FieldError, _core
+from ferrobatch.cpu import f32_ops
+from ferrobatch.cpu.arrays import numpy_view
+from ferrobatch.runner import fused_layer
+from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.fused_layer import FusedStack
+from ferrobatch.runner.model_runner import ModelRunner
+from isa_helpers import needs_isa
+from ref_planner import drive_runner
+
+torch.set_num_threads(1)
+pytestmark = [
+    pytest.mark.skipif(not (packing_available(torch.float32) and fused_layer.available()),
+                       reason="no oneDNN packed linears, or no LeanLayer products here"),
+    needs_isa(f32_ops.available(), "avx512f", what="f32_linear"),
+]
+
+
+def _count_stack_calls(monkeypatch) -> list[int]:
+    """The number of layers of every `_core.lean_layers_forward` call."""
+    calls: list[int] = []
+    own = _core.lean_layers_forward
+
+    def counted(layers, *args, **kwargs):
+        calls.append(len(layers))
+        return own(layers, *args, **kwargs)
+
+    monkeypatch.setattr(fused_layer._core, "lean_layers_forward", counted)
+    return calls
+
+
+def _with_and_without_the_stack(monkeypatch, model, prompts, new):
+    got = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(FusedStack, "ENABLED", enabled)
+        runner = ModelRunner(model, num_blocks=128, page_size=4)
+        assert runner.activations.lean is not None
+        got[enabled] = drive_runner(runner, prompts, new, forced=True)
+        runner.close()
+    return got[True], got[False]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_the_stack_is_the_layers_one_calls_bit_for_bit(monkeypatch, name):
+    """Layers of one attention kind (full, or Mistral's window on every layer): the decode
+    steps run every layer in one call, with logits equal to the layers' own calls."""
+    calls = _count_stack_calls(monkeypatch)
+    model = getattr(tm, name)()
+    stacked, layered = _with_and_without_the_stack(
+        monkeypatch, model, tm.random_prompts(3, 4, 2, 12), 5)
+    layers = model.config.num_hidden_layers
+    assert calls and set(calls) == {layers}
+    for a, b in zip(stacked, layered, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_layers_of_two_attention_kinds_keep_their_own_calls(monkeypatch):
+    """Qwen2 with sliding layers next to a full one: the layers' groups differ, so no
+    stack call; the logits are the layers' own."""
+    calls = _count_stack_calls(monkeypatch)
+    stacked, layered = _with_and_without_the_stack(
+        monkeypatch, tm.qwen2_sliding(), tm.random_prompts(4, 3, 2, 12), 4)
+    assert not calls
+    for a, b in zip(stacked, layered, strict=True):
+        assert torch.equal(a, b)
+
+
+# --- the binding ------------------------------------------------------------------------
+
+H, HEADS, KV, D, INTER, SLOTS = 64, 4, 2, 16, 96, 16
+
+
+def _layer(seed: int):
+    def packed(n, k):
+        gen = torch.Generator().manual_seed(seed * 7919 + n * 1000 + k)
+        return numpy_view(f32_ops.pack(torch.randn(n, k, generator=gen)).packed)
+
+    nq, nk = HEADS * D, KV * D
+    return _core.LeanLayer(
+        input_norm=np.ones(H, np.float32), post_norm=np.full(H, 0.5, np.float32),
+        norm_dtype="float32", input_eps=1e-6, post_eps=1e-6, qkv=packed(nq + 2 * nk, H),
+        o=packed(H, nq), gate_up=packed(2 * INTER, H), down=packed(H, INTER), hidden=H,
+        heads=HEADS, kv_heads=KV, dim=D, inter=INTER, weight_dtype="float32")
+
+
+def _step(rows: int = 2):
+    rng = np.random.default_rng(1)
+    return dict(
+        cos=np.cos(rng.standard_normal((rows, D))).astype(np.float32),
+        sin=np.sin(rng.standard_normal((rows, D))).astype(np.float32),
+        slots=np.arange(rows, dtype=np.int64), block_tables=np.zeros((rows, 1), np.int32),
+        seqlens=np.arange(1, rows + 1, dtype=np.int32))
+
+
+KW = dict(cache_dtype="float32", page=4, window=0, scale=0.25, threads=2)
+
+
+def _caches(n: int) -> list[np.ndarray]:
+    return [np.zeros((SLOTS, KV, D), np.float32) for _ in range(n)]
+
+
+def test_one_call_equals_the_layers_in_order():
+    layers = [_layer(i) for i in range(3)]
+    x0 = np.random.default_rng(0).standard_normal((2, H)).astype(np.float32)
+    s = _step()
+    x, ks, vs = x0.copy(), _caches(3), _caches(3)
+    for layer, k, v in zip(layers, ks, vs, strict=True):
+        layer.forward(x, k, v, s["cos"], s["sin"], s["slots"], s["block_tables"],
+                      s["seqlens"], **KW)
+    y, ks2, vs2 = x0.copy(), _caches(3), _caches(3)
+    _core.lean_layers_forward(layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"],
+                              s["block_tables"], s["seqlens"], **KW)
+    assert np.array_equal(x, y) and not np.array_equal(x, x0)
+    for a, b in zip(ks + vs, ks2 + vs2, strict=True):
+        assert np.array_equal(a, b) and a.any()
+
+
+@pytest.mark.parametrize(("field", "caches"), [
+    ("k_caches", lambda c: (c[:1], c[1:])),  # one k_cache for two layers
+    ("k_cache", lambda c: ([c[0], c[0]], c[2:])),  # two layers writing one cache
+    ("v_cache", lambda c: (c[:2], [c[2], c[0]])),  # a v_cache that is a k_cache
+])
+def test_bad_caches_name_the_field_and_change_nothing(field, caches):
+    layers = [_layer(0), _layer(1)]
+    x = np.ones((2, H), np.float32)
+    k, v = caches(_caches(4))
+    s = _step()
+    with pytest.raises(FieldError) as e:
+        _core.lean_layers_forward(layers, x, k, v, s["cos"], s["sin"], s["slots"],
+                                  s["block_tables"], s["seqlens"], **KW)
+    assert e.value.field == field
+    assert (x == 1).all() and not any(c.any() for c in k + v)
