@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 class Shape:
     """A decoder-only model's sizes, as llama.cpp's metadata names them."""
 
-    arch: str  # GGUF general.architecture: llama or qwen2
+    arch: str  # GGUF general.architecture: llama, qwen2, qwen3moe or phi3
     layers: int
     hidden: int
     ffn: int
@@ -53,12 +53,15 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, 1000000.0, False, True),
     "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 1000000.0, True, True),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 1000000.0, True, True),
+    # Phi-3 / Phi-3.5-mini: one attn_qkv and one ffn_up (gate and up rows) matrix a layer
+    "phi-3.5-mini": Shape("phi3", 32, 3072, 8192, 32, 32, 10000.0, False, False),
     # Qwen3-30B-A3B: 128 experts of width 768 a layer, 8 a token, every layer a MoE layer
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 1000000.0, False, False,
                            experts=128, experts_used=8, expert_ffn=768, head_dim=128,
                            qk_norm=True),
     # small enough for a test (widths whole 256-blocks)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
+    "tiny-phi3": Shape("phi3", 2, 256, 512, 4, 4, 10000.0, False, False),
     "tiny-moe": Shape("qwen3moe", 2, 256, 512, 4, 2, 10000.0, False, False, experts=4,
                       experts_used=2, expert_ffn=256, head_dim=64, qk_norm=True),
 }
@@ -79,6 +82,8 @@ def tensor_type(name: str, layer: int | None, layers: int, mix: str) -> str:
         return mix
     if name == "output.weight":
         return "Q6_K"
+    if name.endswith("attn_qkv.weight"):  # (llama.cpp: Q5_K for a fused q/k/v in *_M)
+        return "Q5_K"
     if layer is not None and name.endswith(("attn_v.weight", "ffn_down.weight",
                                             "ffn_down_exps.weight")) \
             and _more_bits(layer, layers):
@@ -122,7 +127,9 @@ def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int
     for i in range(shape.layers):
         p = f"blk.{i}."
         yield p + "attn_norm.weight", (shape.hidden,), "F32"
-        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+        fused = shape.arch == "phi3"  # (q/k/v as one matrix, gate and up as one)
+        for name, rows in ((("attn_qkv", q + 2 * kv),) if fused else
+                           (("attn_q", q), ("attn_k", kv), ("attn_v", kv))):
             yield p + name + ".weight", (rows, shape.hidden), tensor_type(
                 p + name + ".weight", i, shape.layers, mix)
             if shape.qkv_bias:
@@ -142,9 +149,9 @@ def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int
                 yield p + name + ".weight", dims, tensor_type(p + name + ".weight", i,
                                                               shape.layers, mix)
             continue
-        for name, rows, cols in (("ffn_gate", shape.ffn, shape.hidden),
-                                 ("ffn_up", shape.ffn, shape.hidden),
-                                 ("ffn_down", shape.hidden, shape.ffn)):
+        mlp = (("ffn_up", 2 * shape.ffn, shape.hidden),) if fused else (
+            ("ffn_gate", shape.ffn, shape.hidden), ("ffn_up", shape.ffn, shape.hidden))
+        for name, rows, cols in (*mlp, ("ffn_down", shape.hidden, shape.ffn)):
             yield p + name + ".weight", (rows, cols), tensor_type(
                 p + name + ".weight", i, shape.layers, mix)
     yield "output_norm.weight", (shape.hidden,), "F32"
@@ -192,6 +199,8 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
+    if shape.arch == "phi3":
+        writer.add_rope_dimension_count(shape.hidden // shape.heads)
     if shape.head_dim:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)

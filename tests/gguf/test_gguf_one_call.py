@@ -59,6 +59,7 @@ def _one_call_and_lean(model, prompts, new):
     ("qwen3", "Q8_0", None),  # per-head q/k norms
     ("mistral", "Q4_0", None),
     ("qwen2", "IQ4_XS", None),
+    ("phi3", "Q4_K", None),  # one q/k/v and one gate/up matrix
 ])
 def test_the_one_call_layer_is_the_lean_forward_bit_for_bit(gguf_file, monkeypatch, arch,
                                                              qtype, types):

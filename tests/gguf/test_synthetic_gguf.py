@@ -92,3 +92,19 @@ def test_moe_shape_and_layers(synthetic, donor: Path, tmp_path: Path) -> None:
     with Engine(str(path), config=config) as engine:
         out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4), progress=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_phi3_shape(synthetic, donor: Path, tmp_path: Path) -> None:
+    """A Phi-3 shape: one attn_qkv (Q5_K in Q4_K_M, as llama.cpp) and one ffn_up of gate
+    and up rows a layer; the engine runs its layers lean."""
+    path = tmp_path / "phi3.gguf"
+    synthetic.write("tiny-phi3", path, donor)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    qkv, up = tensors["blk.0.attn_qkv.weight"], tensors["blk.0.ffn_up.weight"]
+    assert qkv.tensor_type.name == "Q5_K" and list(qkv.shape) == [256, 3 * 256]
+    assert list(up.shape) == [256, 2 * 512] and "blk.0.ffn_gate.weight" not in tensors
+    config = ContinuousBatchingConfig(num_blocks=32, page_size=16)
+    with Engine(str(path), config=config) as engine:
+        assert engine.runner.activations.lean is not None
+        out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4), progress=False)
+    assert len(out[0].token_ids) == 4

@@ -16,20 +16,21 @@ such a layer as four packed products, the attention function the model's config 
     x += down_proj(silu_mul(gate_up product of h))
 
 Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, Mistral,
-Qwen2, Qwen3 layers: pre-norm, RMSNorm, rotate-half rope, SiLU-gated MLP; Qwen3's per-head
-q/k RMSNorms run as `fused_ops.rms_norm` over each head's row), whose q/k/v and gate/up
-products are stacked groups of the packed linears, and whose attention has no extra
-state. Qwen2/3-MoE and Mixtral layers run the same attention; their MoE block (router,
-experts, shared expert) runs as the model's own module on the normed rows (a GGUF model's
-experts: one kernel call a layer, `ferrobatch.gguf.experts`). Where a step allows it, the
-whole layer (not a MoE one) runs in one call of `_core.LeanLayer` instead
-(`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal
-to the forward here, which is the fallback for everything the one call cannot run).
-The runner also checks, on two short forwards through the model's own attention,
-that the lean layers' logits are within twice the model's own layers' distance from the
-exact fp32 computation on the same packed weights; if not, nothing changes. The caller's
-model is never modified: the layers' `forward` is an instance attribute only inside
-`active()`, and calls from other threads get the layer's own forward.
+Qwen2, Qwen3, Phi-3 layers (Phi-3's fused q/k/v and gate/up projections as they are; not
+with a rotary embedding over part of each head): pre-norm, RMSNorm, rotate-half rope,
+SiLU-gated MLP; Qwen3's per-head q/k RMSNorms run as `fused_ops.rms_norm` over each head's
+row), whose q/k/v and gate/up products are stacked groups of the packed linears, and whose
+attention has no extra state. Qwen2/3-MoE and Mixtral layers run the same attention; their
+MoE block (router, experts, shared expert) runs as the model's own module on the normed rows
+(a GGUF model's experts: one kernel call a layer, `ferrobatch.gguf.experts`). Where a step
+allows it, the whole layer (not a MoE one) runs in one call of `_core.LeanLayer` instead
+(`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal to the
+forward here, which is the fallback for everything the one call cannot run). The runner also
+checks, on two short forwards through the model's own attention, that the lean layers'
+logits are within twice the model's own layers' distance from the exact fp32 computation on
+the same packed weights; if not, nothing changes. The caller's model is never modified: the
+layers' `forward` is an instance attribute only inside `active()`, and calls from other
+threads get the layer's own forward.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ __all__ = ["LAYER_CLASSES", "LeanLayers"]
 #: decoder layer classes (by name) whose forward the lean one reproduces
 LAYER_CLASSES = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-    "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer",
+    "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Phi3DecoderLayer",
 })
 _NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
-                           "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm"})
+                           "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm",
+                           "Phi3RMSNorm"})
 #: MoE blocks run as their own module inside a lean layer (`forward(h [1, T, H])`)
 _MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
                           "MixtralSparseMoeBlock"})
@@ -76,17 +78,17 @@ class _Layer:
     def __init__(self, layer: torch.nn.Module, linears: PackedLinears) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer, self.attn = layer, attn
-        self.qkv = linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv = linears.packed_of(_qkv_linears(attn))
         self.o = linears.packed_of([attn.o_proj])
         #: a MoE block, run as its own module (None: the SiLU-gated MLP's products below)
         self.moe = mlp if _is_moe(mlp) else None
         dense = self.moe is None
-        self.gate_up = linears.packed_of([mlp.gate_proj, mlp.up_proj]) if dense else None
+        self.gate_up = linears.packed_of(_gate_up_linears(mlp)) if dense else None
         self.down = linears.packed_of([mlp.down_proj]) if dense else None
         self.dim = int(attn.head_dim)
-        self.nq, self.nk = attn.q_proj.out_features, attn.k_proj.out_features
+        self.nq, self.nk = _qk_widths(attn)
         self.heads, self.kv_heads = self.nq // self.dim, self.nk // self.dim
-        self.inter = mlp.gate_proj.out_features if dense else 0
+        self.inter = sum(m.out_features for m in _gate_up_linears(mlp)) // 2 if dense else 0
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
@@ -114,23 +116,29 @@ class _Layer:
             return f"{type(layer).__name__} is not a known Llama-style layer"
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+        if attn is None or mlp is None or not hasattr(attn, "o_proj") or not (
+                hasattr(attn, "qkv_proj") or all(hasattr(attn, n) for n in names)):
             return "no self_attn q/k/v/o projections or no mlp"
         moe = _is_moe(mlp)
-        if not moe and type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if not moe and type(act).__name__ not in _SILU_CLASSES:
             return "the MLP activation is not SiLU"
+        if _partial_rotary(attn.config):
+            return "its rotary embedding covers part of each head"
         norms = (getattr(layer, "input_layernorm", None),
                  getattr(layer, "post_attention_layernorm", None))
         if any(type(n).__name__ not in _NORM_CLASSES or not hasattr(n, "variance_epsilon")
                for n in norms):
             return "its norms are not Llama-style RMSNorm"
-        if linears.packed_of([attn.q_proj, attn.k_proj, attn.v_proj]) is None \
+        if linears.packed_of(_qkv_linears(attn)) is None \
                 or linears.packed_of([attn.o_proj]) is None or not moe and (
-                    linears.packed_of([mlp.gate_proj, mlp.up_proj]) is None
+                    linears.packed_of(_gate_up_linears(mlp)) is None
                     or linears.packed_of([mlp.down_proj]) is None):
             return "its q/k/v or gate/up products are not stacked groups"
-        if (attn.q_proj.out_features % attn.head_dim or attn.k_proj.out_features
-                % attn.head_dim or attn.head_dim % 2):
+        nq, nk = _qk_widths(attn)
+        if nq % attn.head_dim or nk % attn.head_dim or attn.head_dim % 2 or \
+                sum(m.out_features for m in _qkv_linears(attn)) != nq + 2 * nk or \
+                not moe and sum(m.out_features for m in _gate_up_linears(mlp)) % 2:
             return "its projection widths are not whole even-sized heads"
         qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(n is not None for n in qk) and not all(
@@ -138,6 +146,38 @@ class _Layer:
                 and tuple(n.weight.shape) == (attn.head_dim,) for n in qk):
             return "its q/k norms are not per-head RMSNorms of both q and k"
         return None
+
+
+def _qkv_linears(attn: torch.nn.Module) -> list[torch.nn.Module]:
+    """The q, k and v projections in that order (Phi-3's one `qkv_proj` holding all three)."""
+    if hasattr(attn, "qkv_proj"):
+        return [attn.qkv_proj]
+    return [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+def _gate_up_linears(mlp: torch.nn.Module) -> list[torch.nn.Module]:
+    """The gate and up projections in that order (Phi-3's one `gate_up_proj`: gate rows,
+    then up rows)."""
+    if hasattr(mlp, "gate_up_proj"):
+        return [mlp.gate_up_proj]
+    return [mlp.gate_proj, mlp.up_proj]
+
+
+def _qk_widths(attn: torch.nn.Module) -> tuple[int, int]:
+    """The q and k columns of the q/k/v product."""
+    if hasattr(attn, "qkv_proj"):
+        config, dim = attn.config, int(attn.head_dim)
+        return config.num_attention_heads * dim, config.num_key_value_heads * dim
+    return attn.q_proj.out_features, attn.k_proj.out_features
+
+
+def _partial_rotary(config: Any) -> bool:
+    """Whether the rotary embedding covers only part of each head (Phi-4-mini's 0.75): the
+    lean rope kernels rotate whole heads."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or params.get(
+        "partial_rotary_factor", 1.0)
+    return float(factor or 1.0) != 1.0
 
 
 class LeanLayers:
