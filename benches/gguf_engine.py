@@ -7,6 +7,8 @@ per CPU-second.
     .venv/bin/python benches/gguf_engine.py model.gguf --ab 3    # lean layers vs own, A/B
     .venv/bin/python benches/gguf_engine.py model.gguf --ab 3 --arms lean,per_kernel
                                       # decode layers in one call against one call a kernel
+    .venv/bin/python benches/gguf_engine.py model.gguf --ab 10 --arms lean,per_layer
+                                      # the whole stack in one call against one a layer
     .venv/bin/python benches/gguf_engine.py model.gguf --construct   # one line; run it
                                                                      # against another tree
     .venv/bin/python benches/gguf_engine.py model.gguf --backends amx_int8,avx512vnni --ab 3
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.runner.fused_layer import FusedStack
 from ferrobatch.workloads import chat_prompts
 
 
@@ -72,13 +75,14 @@ def construct(path: str) -> None:
 #: quantized products, a decode step's layer in one `_core.LeanLayer` call), the lean
 #: layers without the one call, the model's own layers (transformers' code, each
 #: `QuantLinear` on its own)
-ARMS = ("lean", "per_kernel", "own")
+ARMS = ("lean", "per_layer", "per_kernel", "own")
 
 
 def _set_arm(engine: Engine, lean: object, arm: str) -> None:
     acts = engine.runner.activations
     acts.lean = None if arm == "own" else lean
-    lean.fused_enabled = arm == "lean"
+    lean.fused_enabled = arm in ("lean", "per_layer")
+    FusedStack.ENABLED = arm == "lean"
 
 
 def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> None:
@@ -216,7 +220,8 @@ def main() -> None:
                              "(single stream and offline)")
     parser.add_argument("--arms", default="lean,own", metavar="A,B",
                         help=f"with --ab: two of {', '.join(ARMS)} (lean: as the engine "
-                             "runs; per_kernel: lean layers without the one-call layer; "
+                             "runs; per_layer: one call a layer, not the whole stack in "
+                             "one; per_kernel: lean layers without the one-call layer; "
                              "own: the model's own layers)")
     parser.add_argument("--backends", default=None, metavar="A,B",
                         help="with --ab: two quantized-product backends instead (prefill "

@@ -91,14 +91,14 @@ def test_moe_config_from_the_metadata(gguf_file) -> None:
                                              ("mixtral", "Q4_K")])
 def test_engine_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     """Through the engine (the kernels' products): each request's tokens are the model's own
-    greedy tokens, and the same alone as batched. Qwen3-MoE's and Mixtral's layers run lean (their
-    attention on the fused kernels, the MoE block as its module); Qwen2-MoE's float shared
-    expert gate keeps them the model's own."""
+    greedy tokens, and the same alone as batched. The layers run lean (their attention on
+    the fused kernels, the MoE block as its module, Qwen2-MoE's float shared-expert gate
+    inside it)."""
     written, _ = gguf_file(arch, qtype)
     params = SamplingParams(max_new_tokens=8)
     with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
                                                                    page_size=16)) as engine:
-        assert (engine.runner.activations.lean is not None) == (arch != "qwen2moe")
+        assert engine.runner.activations.lean is not None
         together = engine.generate(PROMPTS, params, progress=False)
         for prompt, out in zip(PROMPTS, together, strict=True):
             with torch.inference_mode():

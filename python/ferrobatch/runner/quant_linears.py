@@ -171,12 +171,17 @@ class QuantLinears:
     @classmethod
     def of(cls, model: torch.nn.Module) -> QuantLinears | None:
         """The quantized products of `model` when it is an fp32 CPU model with `QuantLinear`
-        layers and no plain `nn.Linear` (a mixed file's plain layers take the packed
-        linears), and `enabled()`; else None."""
+        layers and no plain `nn.Linear` outside its mixture-of-experts blocks (a mixed file's
+        plain layers take the packed linears; a MoE block runs as its own module in a lean
+        layer, so a float linear inside it, as Qwen2-MoE's shared-expert gate, runs there),
+        and `enabled()`; else None."""
         if not enabled() or model.dtype != torch.float32:
             return None
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        if not layers or any(type(m) is torch.nn.Linear for m in model.modules()):
+        blocks = tuple(f"{name}." for name, m in model.named_modules()
+                       if type(m).__name__.endswith("SparseMoeBlock"))
+        if not layers or any(type(m) is torch.nn.Linear and not name.startswith(blocks)
+                             for name, m in model.named_modules()):
             return None
         return cls(model, layers)
 
