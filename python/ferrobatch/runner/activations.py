@@ -64,12 +64,15 @@ class PackedActivations:
         #: with LoRA adapter rows: their hooks need each linear layer called as a module)
         self.lean_off = False
         if device.type == "cpu":
-            self.linears = self._make_packed_linears(
+            # a GGUF model's quantized products first: its only plain linears are then inside
+            # MoE blocks (Qwen2-MoE's shared-expert gate), which run as their own modules
+            quant = QuantLinears.of(model) if lean_layers and not batch_invariant else None
+            self.linears = None if quant is not None else self._make_packed_linears(
                 "float32" if batch_invariant else activations)
             if batch_invariant:
                 self._check_invariant()
             if self.linears is None and lean_layers:
-                self.quant = QuantLinears.of(model)
+                self.quant = quant or QuantLinears.of(model)
             self.lean = self._make_lean_layers(lean_layers)
             if self.lean is None:
                 self.quant = None
