@@ -151,8 +151,10 @@ def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
         raise FieldError(f"{path}: GGUF metadata lacks {', '.join(missing)} (required, as "
                          "llama.cpp requires it)", "model")
     for key in _REFUSED_KEYS:
-        if _meta(metadata, arch, key) not in (None, 0) and not (moe and key == "expert_count"):
-            raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")
+        value = _meta(metadata, arch, key)
+        if value is None or key == "expert_count" and (moe or value == 0):
+            continue  # (experts: a MoE file's, or none)
+        raise FieldError(f"{path}: GGUF metadata {arch}.{key} is not supported", "model")
     if moe:
         _refuse_routing(metadata, arch, path)
     scaling = _meta(metadata, arch, "rope.scaling.type")

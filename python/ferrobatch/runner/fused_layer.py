@@ -164,7 +164,7 @@ class FusedStack:
     `_core.lean_layers_forward` where each could run alone in one call (`FusedLayer`) on the
     same products' backend, attention group (one window: a model of full-attention layers)
     and scale, with one cache dtype: bit for bit the layers' one calls in order, without the
-    Python between them (about a tenth of a single stream's decode step).
+    Python between them (about 5% of a 1.5B single stream's decode step).
     `FERROBATCH_LAYER_STACK=0` (or `ENABLED = False`) leaves each layer to its own call."""
 
     ENABLED = os.environ.get("FERROBATCH_LAYER_STACK", "1") != "0"
