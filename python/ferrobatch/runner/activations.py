@@ -64,15 +64,16 @@ class PackedActivations:
         #: with LoRA adapter rows: their hooks need each linear layer called as a module)
         self.lean_off = False
         if device.type == "cpu":
-            # a GGUF model's quantized products first: its only plain linears are then inside
-            # MoE blocks (Qwen2-MoE's shared-expert gate), which run as their own modules
-            quant = QuantLinears.of(model) if lean_layers and not batch_invariant else None
-            self.linears = None if quant is not None else self._make_packed_linears(
-                "float32" if batch_invariant else activations)
+            # a GGUF model's quantized products first (outside the batch-invariant mode): its
+            # only plain linears are then inside MoE blocks (Qwen2-MoE's shared-expert gate),
+            # which run as their own modules
+            quant = QuantLinears.of(model) if lean_layers else None
+            self.linears = None if quant is not None and not batch_invariant else \
+                self._make_packed_linears("float32" if batch_invariant else activations)
             if batch_invariant:
                 self._check_invariant()
-            if self.linears is None and lean_layers:
-                self.quant = quant or QuantLinears.of(model)
+            if self.linears is None:
+                self.quant = quant
             self.lean = self._make_lean_layers(lean_layers)
             if self.lean is None:
                 self.quant = None

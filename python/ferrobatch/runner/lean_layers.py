@@ -52,7 +52,7 @@ from ferrobatch.runner.fused_layer import available as fused_available
 
 logger = logging.getLogger("ferrobatch")
 
-__all__ = ["LAYER_CLASSES", "LeanLayers"]
+__all__ = ["LAYER_CLASSES", "LeanLayers", "is_moe_block"]
 
 #: decoder layer classes (by name) whose forward the lean one reproduces
 LAYER_CLASSES = frozenset({
@@ -67,7 +67,8 @@ _MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
                           "MixtralSparseMoeBlock"})
 
 
-def _is_moe(mlp: torch.nn.Module) -> bool:
+def is_moe_block(mlp: torch.nn.Module) -> bool:
+    """Whether `mlp` is a MoE block a lean layer runs as its own module."""
     return type(mlp).__name__ in _MOE_CLASSES
 _SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
 
@@ -81,7 +82,7 @@ class _Layer:
         self.qkv = linears.packed_of(_qkv_linears(attn))
         self.o = linears.packed_of([attn.o_proj])
         #: a MoE block, run as its own module (None: the SiLU-gated MLP's products below)
-        self.moe = mlp if _is_moe(mlp) else None
+        self.moe = mlp if is_moe_block(mlp) else None
         dense = self.moe is None
         self.gate_up = linears.packed_of(_gate_up_linears(mlp)) if dense else None
         self.down = linears.packed_of([mlp.down_proj]) if dense else None
@@ -119,7 +120,7 @@ class _Layer:
         if attn is None or mlp is None or not hasattr(attn, "o_proj") or not (
                 hasattr(attn, "qkv_proj") or all(hasattr(attn, n) for n in names)):
             return "no self_attn q/k/v/o projections or no mlp"
-        moe = _is_moe(mlp)
+        moe = is_moe_block(mlp)
         act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
         if not moe and type(act).__name__ not in _SILU_CLASSES:
             return "the MLP activation is not SiLU"

@@ -41,6 +41,7 @@ import torch
 from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
+from ferrobatch.runner.lean_layers import is_moe_block
 from ferrobatch.runner.linear_policy import ONE_CALL_MAX_ROWS, Backend
 
 logger = logging.getLogger("ferrobatch")
@@ -178,8 +179,7 @@ class QuantLinears:
         if not enabled() or model.dtype != torch.float32:
             return None
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        blocks = tuple(f"{name}." for name, m in model.named_modules()
-                       if type(m).__name__.endswith("SparseMoeBlock"))
+        blocks = tuple(f"{name}." for name, m in model.named_modules() if is_moe_block(m))
         if not layers or any(type(m) is torch.nn.Linear and not name.startswith(blocks)
                              for name, m in model.named_modules()):
             return None
