@@ -439,10 +439,12 @@ def silu_mul(
     dtype: _DType,
     out_dtype: _DType,
     threads: int = 1,
+    activation: Literal["silu", "gelu_pytorch_tanh"] = "silu",
 ) -> None:
-    """`out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, I + i]`
+    """`out[t, i] = round(act(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, I + i]`
     (`gate_up` [T, 2I], `out` [T, I]); `silu(g) = g / (1 + exp(-g))` in f32, exp within
-    2 ulp (Cephes). `threads` > 1 splits rows only from 2^20 output elements on."""
+    2 ulp (Cephes); "gelu_pytorch_tanh" as `g / (1 + exp(-2u))`, `u = sqrt(2 / pi) (g +
+    0.044715 g^3)`. `threads` > 1 splits rows only from 2^20 output elements on."""
 
 def rope(
     src: _Storage,
@@ -746,8 +748,11 @@ class LeanLayer:
     GGUF parts `(qtype, quant_pack`ed uint8, rows)` stacked in order, run on
     `quant_backend()`'s products), each with an optional
     float32 bias; `q_norm` / `k_norm` [dim] (in `norm_dtype`, both or neither): per-head
-    RMSNorms of q and k before rope (Qwen3). The arrays are kept, not copied. FieldError on
-    a bad shape."""
+    RMSNorms of q and k before rope (Qwen3). Gemma 2 / 3: `post_attn_norm` / `post_mlp_norm`
+    [hidden] normalize the attention's and the MLP's outputs before the residual
+    (`sandwich_eps`), `norm_offset` 1.0 makes every norm weight `1 + w`, `activation`
+    "gelu_pytorch_tanh" gates the MLP, `softcap` caps the attention scores. The arrays are
+    kept, not copied. FieldError on a bad shape or value."""
 
     def __new__(
         cls,
@@ -775,6 +780,12 @@ class LeanLayer:
         q_norm: _Storage | None = None,
         k_norm: _Storage | None = None,
         qk_norm_eps: float = 1e-6,
+        post_attn_norm: _Storage | None = None,
+        post_mlp_norm: _Storage | None = None,
+        sandwich_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        activation: Literal["silu", "gelu_pytorch_tanh"] = "silu",
+        softcap: float | None = None,
     ) -> LeanLayer:
         """The layer over these weights (checked once here)."""
 

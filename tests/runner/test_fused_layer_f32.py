@@ -53,7 +53,8 @@ def _fused_and_lean(model, prompts, new, **kw):
     return got[True], got[False]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding", "qwen3", "gemma2",
+                                  "gemma3"])
 def test_an_fp32_models_one_call_layer_is_its_lean_layer_bit_for_bit(monkeypatch, name):
     """fp32 model, fp32 cache: equal logits with and without the one call, taken on f32
     products."""

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="no oneDNN packed linears or no fused kernels in this build",
 )
 
-LEAN = ["llama", "qwen3", "mistral", "qwen2_sliding"]
+LEAN = ["llama", "qwen3", "mistral", "qwen2_sliding", "gemma2", "gemma3"]
 
 
 
@@ -61,7 +61,7 @@ def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt2"])
+@pytest.mark.parametrize("name", ["gpt2"])
 def test_other_layers_keep_their_own_forward(name):
     runner = _runner(tm.BUILDERS[name]().to(torch.bfloat16))
     assert runner.activations.lean is None
@@ -136,7 +136,7 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
     runner.close()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
 def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
     """Engine outputs in bf16 with lean layers against the fp32 greedy reference: at least
     as close as the same engine running the model's own layers (chunked prefill on)."""
@@ -159,7 +159,8 @@ def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
 
 
 @pytest.mark.parametrize("name,cache_dtype", [("llama", None), ("qwen2_sliding", None),
-                                              ("qwen3", None), ("llama", torch.float32)])
+                                              ("qwen3", None), ("llama", torch.float32),
+                                              ("gemma2", None), ("gemma3", None)])
 def test_kernel_only_attention_is_the_interface_path_bit_for_bit(monkeypatch, name,
                                                                  cache_dtype):
     """Layers whose rows all go to the CPU kernel skip the attention interface: the same

@@ -180,11 +180,13 @@ def kernel_only_group(step: Any, layer: int, prefill: bool = False) -> Any:
 
 
 def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, scaling: float) -> torch.Tensor | None:
+                          v: torch.Tensor, scaling: float,
+                          softcap: float | None = None) -> torch.Tensor | None:
     """`paged_attention_forward` of a layer whose every row this step goes to the CPU
     kernels (decode rows on the decode kernel, prompt rows on the prefill kernel), without
     the attention interface's reshaping: writes the keys `k` and values `v` [T, Hkv, D] at
-    their slots, then attends; the output is [T, H, D] in the step's output dtype. None
+    their slots, then attends (scores capped at `softcap`, where given); the output is
+    [T, H, D] in the step's output dtype. None
     (nothing written) when the layer's rows need the general path, or `q` [T, H, D] is not
     a contiguous fp32 / bf16 / fp16 tensor."""
     group = kernel_only_group(step, layer, prefill=True)
@@ -196,14 +198,14 @@ def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tenso
     out_dtype = step.out_dtype or q.dtype
     kd, kp = group.kernel_decode, group.kernel_prefill
     if kp is None:
-        return _kernel_rows(step, layer, q, scaling, None, out_dtype)
+        return _kernel_rows(step, layer, q, scaling, softcap or None, out_dtype)
     if kd is None and kp.tokens is None:
-        return _prefill_rows(step, layer, q, scaling, None, out_dtype)
+        return _prefill_rows(step, layer, q, scaling, softcap or None, out_dtype)
     out = q.new_empty(q.shape, dtype=out_dtype)
     for part, rows in ((kd, _kernel_rows), (kp, _prefill_rows)):
         if part is not None:
             out.index_copy_(0, part.tokens, rows(step, layer, q.index_select(0, part.tokens),
-                                                 scaling, None, out_dtype))
+                                                 scaling, softcap or None, out_dtype))
     return out
 
 

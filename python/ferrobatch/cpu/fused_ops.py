@@ -1,6 +1,6 @@
 """The fused CPU elementwise ops of a lean decoder layer (`ferrobatch.runner.lean_layers`),
 each one call of the `ferrobatch-kernels` crate: RMSNorm (with the residual add folded in),
-SiLU-and-multiply, rotary embeddings, and row writes into the paged KV cache.
+SiLU- (or tanh-GELU-) and-multiply, rotary embeddings, and row writes into the paged KV cache.
 
 Every op writes a caller-allocated output and has a torch reference (`torch_*`), used when
 the extension lacks the kernel, and by the tests. The kernels compute in fp32 and round
@@ -51,12 +51,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: floa
                    threads=_threads(x.numel()), **kw)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """`out[t, i] = silu(g) * u`, `g, u = gate_up[t, i], gate_up[t, I + i]` ([T, 2I] -> [T, I])."""
+#: the gate activations `silu_mul` takes, as transformers' `hidden_act` names them
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, activation: str = "silu") -> None:
+    """`out[t, i] = act(g) * u`, `g, u = gate_up[t, i], gate_up[t, I + i]` ([T, 2I] -> [T, I]);
+    `act` SiLU, or with `activation="gelu_pytorch_tanh"` GELU's tanh approximation."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
     if not hasattr(_core, "silu_mul"):
-        return torch_silu_mul(gate_up, out)
+        return torch_silu_mul(gate_up, out, activation)
     _core.silu_mul(_np(gate_up), _np(out), dtype=_DTYPES[gate_up.dtype],
-                   out_dtype=_DTYPES[out.dtype], threads=_threads(out.numel()))
+                   out_dtype=_DTYPES[out.dtype], threads=_threads(out.numel()),
+                   activation=activation)
 
 
 def rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
@@ -94,9 +102,10 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps
     out.copy_(h * w)
 
 
-def torch_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+def torch_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, activation: str = "silu") -> None:
     g, u = gate_up.float().chunk(2, dim=-1)
-    out.copy_(F.silu(g) * u)
+    act = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+    out.copy_(act * u)
 
 
 def torch_rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,

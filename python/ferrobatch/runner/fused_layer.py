@@ -78,8 +78,9 @@ class FusedLayer:
         p = self._part
         parts = (p.qkv, p.o, p.gate_up, p.down)
         packed = tuple(_packed(x, kind) for x in parts)
-        norms = tuple(p.norm_weight(i) for i in ((0, 1, 2, 3) if p.q_norm is not None
-                                                 else (0, 1)))
+        which = (0, 1) + ((2, 3) if p.q_norm is not None else ()) \
+            + ((4, 5) if p.sandwich is not None else ())
+        norms = tuple(p.norm_weight(i) for i in which)
         made = (*_flat(packed), *norms)
         last = self._made.get(kind, ())
         if len(made) == len(last) and all(a is b for a, b in zip(made, last, strict=True)):
@@ -89,23 +90,29 @@ class FusedLayer:
                 or norms[0].dtype not in KERNEL_DTYPES \
                 or kind is Backend.F32_OPS and len({w.dtype for w in packed}) > 1:
             return None
-        qk = {} if len(norms) == 2 else {
-            "q_norm": numpy_view(norms[2]), "k_norm": numpy_view(norms[3]),
-            "qk_norm_eps": float(p.q_norm.variance_epsilon)}
-        if qk and p.q_norm.variance_epsilon != p.k_norm.variance_epsilon:
-            return None
+        extra: dict[str, Any] = {}
+        if p.q_norm is not None:
+            if p.eps(2) != p.eps(3):
+                return None
+            extra.update(q_norm=numpy_view(norms[2]), k_norm=numpy_view(norms[3]),
+                         qk_norm_eps=p.eps(2))
+        if p.sandwich is not None:
+            if p.eps(4) != p.eps(5):
+                return None
+            extra.update(post_attn_norm=numpy_view(norms[-2]),
+                         post_mlp_norm=numpy_view(norms[-1]), sandwich_eps=p.eps(4))
         qkv, o, gate_up, down = (_arrays(w, kind) for w in packed)
         self._layers[kind] = _core.LeanLayer(
             input_norm=numpy_view(norms[0]), post_norm=numpy_view(norms[1]),
             norm_dtype=KERNEL_DTYPES[norms[0].dtype],
-            input_eps=float(p.norms[0].variance_epsilon),
-            post_eps=float(p.norms[1].variance_epsilon),
+            input_eps=p.eps(0), post_eps=p.eps(1),
             qkv=qkv, o=o, gate_up=gate_up, down=down,
             hidden=norms[0].numel(), heads=p.heads, kv_heads=p.kv_heads, dim=p.dim,
             inter=p.inter,
             qkv_bias=_bias(p.qkv, packed[0]), o_bias=_bias(p.o, packed[1]),
             gate_up_bias=_bias(p.gate_up, packed[2]), down_bias=_bias(p.down, packed[3]),
-            weight_dtype=_weight_dtype(packed[0], kind), **qk)
+            weight_dtype=_weight_dtype(packed[0], kind), norm_offset=p.norm_offset,
+            activation=p.activation, softcap=p.softcap, **extra)
         return self._layers[kind]
 
     def _call(self, rows: int, step: Any) -> _Call | None:

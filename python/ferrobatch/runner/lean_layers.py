@@ -20,12 +20,18 @@ Qwen2, Qwen3, Phi-3 layers (Phi-3's fused q/k/v and gate/up projections as they 
 with a rotary embedding over part of each head): pre-norm, RMSNorm, rotate-half rope,
 SiLU-gated MLP; Qwen3's per-head q/k RMSNorms run as `fused_ops.rms_norm` over each head's
 row), whose q/k/v and gate/up products are stacked groups of the packed linears, and whose
-attention has no extra state. Qwen2/3-MoE and Mixtral layers run the same attention; their
-MoE block (router, experts, shared expert) runs as the model's own module on the normed rows
-(a GGUF model's experts: one kernel call a layer, `ferrobatch.gguf.experts`). Where a step
-allows it, the whole layer (not a MoE one) runs in one call of `_core.LeanLayer` instead
-(`fused_layer.FusedLayer.forward`, asked first on every step, decides; bit-equal to the
-forward here, which is the fallback for everything the one call cannot run). The runner also
+attention has no extra state. Gemma, Gemma 2 and Gemma 3 layers run the same way with
+their differences: every norm weight counts as `1 + w` (the kernels' `weight_offset`), the
+MLP gates with GELU's tanh approximation, Gemma 2 / 3 normalize the attention's and the
+MLP's outputs before each joins the residual (`post_attention_layernorm` and
+`post_feedforward_layernorm`; `pre_feedforward_layernorm` is then the norm before the MLP),
+and Gemma 2 caps attention scores (`attn_logit_softcapping`). Qwen2/3-MoE and Mixtral
+layers run the same attention; their MoE block (router, experts, shared expert) runs as the
+model's own module on the normed rows (a GGUF model's experts: one kernel call a layer,
+`ferrobatch.gguf.experts`). Where a step allows it, the whole layer (not a MoE one) runs in
+one call of `_core.LeanLayer` instead (`fused_layer.FusedLayer.forward`, asked first on
+every step, decides; bit-equal to the forward here, which is the fallback for everything
+the one call cannot run). The runner also
 checks, on two short forwards through the model's own attention, that the lean layers'
 logits are within twice the model's own layers' distance from the exact fp32 computation on
 the same packed weights; if not, nothing changes. The caller's model is never modified: the
@@ -58,10 +64,17 @@ __all__ = ["LAYER_CLASSES", "LeanLayers", "is_moe_block"]
 LAYER_CLASSES = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
     "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Phi3DecoderLayer",
+    "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer",
 })
+#: RMSNorms `x * rsqrt(mean(x^2) + eps) * w` (epsilon `variance_epsilon`)
 _NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                            "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm",
                            "Phi3RMSNorm"})
+#: Gemma's RMSNorms, `x * rsqrt(mean(x^2) + eps) * (1 + w)` in fp32 (epsilon `eps`)
+_OFFSET_NORM_CLASSES = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+#: attention classes that pass `attn_logit_softcapping` to their attention function (Gemma
+#: 3 keeps the attribute but does not use it)
+_SOFTCAP_ATTENTION = frozenset({"Gemma2Attention"})
 #: MoE blocks run as their own module inside a lean layer (`forward(h [1, T, H])`)
 _MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
                           "MixtralSparseMoeBlock"})
@@ -70,7 +83,38 @@ _MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
 def is_moe_block(mlp: torch.nn.Module) -> bool:
     """Whether `mlp` is a MoE block a lean layer runs as its own module."""
     return type(mlp).__name__ in _MOE_CLASSES
-_SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
+#: the gate activations the fused kernel has, by the activation module's class name
+_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_pytorch_tanh",
+                "PytorchGELUTanh": "gelu_pytorch_tanh",
+                "NewGELUActivation": "gelu_pytorch_tanh"}
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    """A supported RMSNorm's epsilon."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def _norm_kind(norm: Any) -> float | None:
+    """The weight offset of a supported RMSNorm (0.0, or 1.0 for Gemma's `1 + w`), None for
+    anything else."""
+    name = type(norm).__name__
+    if name in _NORM_CLASSES and hasattr(norm, "variance_epsilon"):
+        return 0.0
+    if name in _OFFSET_NORM_CLASSES and hasattr(norm, "eps"):
+        return 1.0
+    return None
+
+
+def _activation(mlp: torch.nn.Module) -> str | None:
+    """The MLP gate's activation as `fused_ops.silu_mul` names it, None where it has none."""
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    return _ACTIVATIONS.get(type(act).__name__)
+
+
+def _sandwiched(layer: torch.nn.Module) -> bool:
+    """Whether the layer normalizes its attention's and MLP's outputs (Gemma 2 / 3)."""
+    return hasattr(layer, "pre_feedforward_layernorm") \
+        and hasattr(layer, "post_feedforward_layernorm")
 
 
 class _Layer:
@@ -90,20 +134,39 @@ class _Layer:
         self.nq, self.nk = _qk_widths(attn)
         self.heads, self.kv_heads = self.nq // self.dim, self.nk // self.dim
         self.inter = sum(m.out_features for m in _gate_up_linears(mlp)) // 2 if dense else 0
-        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        #: the norms before the attention and before the MLP
+        self.norms = (layer.input_layernorm, layer.pre_feedforward_layernorm
+                      if _sandwiched(layer) else layer.post_attention_layernorm)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
-        #: per norm (input, post-attention, q, k), (its weight, that weight detached): the
-        #: kernels' view of a detached tensor is cheaper than of a parameter; again when the
-        #: weight object is replaced
-        self._norm_weights: list[tuple[Any, Any]] = [(None, None)] * 4
+        #: the norms of the attention's and the MLP's outputs (Gemma 2 / 3), or None
+        self.sandwich = (layer.post_attention_layernorm, layer.post_feedforward_layernorm) \
+            if _sandwiched(layer) else None
+        #: added to every norm weight: 1.0 for Gemma's `1 + w`
+        self.norm_offset = _norm_kind(layer.input_layernorm) or 0.0
+        self.activation = _activation(mlp) or "silu"
+        self.softcap = getattr(attn, "attn_logit_softcapping", None) \
+            if type(attn).__name__ in _SOFTCAP_ATTENTION else None
+        #: per norm (input, pre-MLP, q, k, post-attention, post-MLP), (its weight, that weight
+        #: detached): the kernels' view of a detached tensor is cheaper than of a parameter;
+        #: again when the weight object is replaced
+        self._norm_weights: list[tuple[Any, Any]] = [(None, None)] * 6
         #: the whole layer in one call, where the build has it (`fused_layer`; not a MoE
         #: layer's)
         self.fused = FusedLayer(self, linears) if fused_available() and dense else None
 
+    def norm(self, i: int) -> torch.nn.Module:
+        """Norm `i`: 0 input, 1 before the MLP, 2 q, 3 k, 4 the attention's output, 5 the
+        MLP's output."""
+        return (*self.norms, self.q_norm, self.k_norm, *(self.sandwich or (None, None)))[i]
+
+    def eps(self, i: int) -> float:
+        """The epsilon of norm `i` (see `norm`)."""
+        return _eps(self.norm(i))
+
     def norm_weight(self, i: int) -> torch.Tensor:
-        """The weight of norm `i` (0: input, 1: post-attention, 2: q, 3: k), detached."""
-        w = (*self.norms, self.q_norm, self.k_norm)[i].weight
+        """The weight of norm `i` (see `norm`), detached."""
+        w = self.norm(i).weight
         own, detached = self._norm_weights[i]
         if own is not w:
             detached = w.detach()
@@ -121,16 +184,19 @@ class _Layer:
                 hasattr(attn, "qkv_proj") or all(hasattr(attn, n) for n in names)):
             return "no self_attn q/k/v/o projections or no mlp"
         moe = is_moe_block(mlp)
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-        if not moe and type(act).__name__ not in _SILU_CLASSES:
-            return "the MLP activation is not SiLU"
+        if not moe and _activation(mlp) is None:
+            return "the MLP activation is not SiLU or GELU's tanh approximation"
         if _partial_rotary(attn.config):
             return "its rotary embedding covers part of each head"
-        norms = (getattr(layer, "input_layernorm", None),
-                 getattr(layer, "post_attention_layernorm", None))
-        if any(type(n).__name__ not in _NORM_CLASSES or not hasattr(n, "variance_epsilon")
-               for n in norms):
-            return "its norms are not Llama-style RMSNorm"
+        names = ["input_layernorm", "post_attention_layernorm"]
+        if _sandwiched(layer):
+            names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        kinds = {_norm_kind(getattr(layer, n, None)) for n in names}
+        qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None for n in qk):
+            kinds |= {_norm_kind(n) for n in qk}
+        if None in kinds or len(kinds) > 1:
+            return "its norms are not all Llama-style or all Gemma-style RMSNorms"
         if linears.packed_of(_qkv_linears(attn)) is None \
                 or linears.packed_of([attn.o_proj]) is None or not moe and (
                     linears.packed_of(_gate_up_linears(mlp)) is None
@@ -141,10 +207,8 @@ class _Layer:
                 sum(m.out_features for m in _qkv_linears(attn)) != nq + 2 * nk or \
                 not moe and sum(m.out_features for m in _gate_up_linears(mlp)) % 2:
             return "its projection widths are not whole even-sized heads"
-        qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(n is not None for n in qk) and not all(
-                type(n).__name__ in _NORM_CLASSES and hasattr(n, "variance_epsilon")
-                and tuple(n.weight.shape) == (attn.head_dim,) for n in qk):
+                n is not None and tuple(n.weight.shape) == (attn.head_dim,) for n in qk):
             return "its q/k norms are not per-head RMSNorms of both q and k"
         return None
 
@@ -194,10 +258,11 @@ class LeanLayers:
         self._in_thread = in_thread
         self._everywhere = False
         self._active = False
-        #: (cos, sin) of the last forward's position embeddings, their versions and their
-        #: fp32 contiguous rows: every layer of a forward gets the same two tensors
-        #: (replaced as one tuple, so a reader never sees half of an update)
-        self._rope: tuple[Any, ...] = (None, None, None, None, None)
+        #: (cos, sin) of the last forwards' position embeddings, their versions and their
+        #: fp32 contiguous rows, the latest first: every layer of a forward gets the same
+        #: two tensors, or one of two pairs (Gemma 3: local and global rope) (replaced as
+        #: one tuple, so a reader never sees half of an update)
+        self._rope: tuple[tuple[Any, ...], ...] = ()
         #: the gate/up products' fp32 outputs of the forward in progress, one buffer for all
         #: its layers (each layer's is read by its silu_mul before the next layer runs).
         #: One allocation a forward, not one a layer: a 512-token prefill's gate/up output
@@ -303,11 +368,11 @@ class LeanLayers:
         # an inference tensor has no version counter: its identity is the key
         version = None if cos.is_inference() or sin.is_inference() \
             else (cos._version, sin._version)
-        last = self._rope
-        if last[0] is cos and last[1] is sin and last[2] == version:
-            return last[3], last[4]
+        for last in self._rope:
+            if last[0] is cos and last[1] is sin and last[2] == version:
+                return last[3], last[4]
         rows = cos[0].float().contiguous(), sin[0].float().contiguous()
-        self._rope = (cos, sin, version, *rows)
+        self._rope = ((cos, sin, version, *rows), *self._rope[:1])
         return rows
 
 
@@ -324,9 +389,9 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
     x = hidden_states[0]
     tokens = x.shape[0]
     wdt = input_dtype(tokens)
-    norm_in, norm_post = p.norms
+    offset = p.norm_offset
     h = torch.empty(x.shape, dtype=wdt)
-    fused_ops.rms_norm(x, p.norm_weight(0), h, norm_in.variance_epsilon)
+    fused_ops.rms_norm(x, p.norm_weight(0), h, p.eps(0), offset)
     qkv = product(p.qkv, h)
     q_src, q_off, k_src, k_off = qkv, 0, qkv, p.nq
     if p.q_norm is not None:  # (Qwen3: both, per head; the one-call layer does the same)
@@ -343,20 +408,31 @@ def _lean_forward(p: _Layer, hidden_states: torch.Tensor, product: Callable,
     step = kwargs.get(context.STEP_KWARG)
     if step is not None and attn.config._attn_implementation == context.ATTENTION_NAME:
         # every row on the CPU kernel: straight to it, past the attention interface
-        out = kernel_only_attention(step, attn.layer_idx, q, k, v, attn.scaling)
+        out = kernel_only_attention(step, attn.layer_idx, q, k, v, attn.scaling, p.softcap)
     if out is None:
-        out = _interface_attention(attn, q, k, v, kwargs)
-    o = product(p.o, out.reshape(tokens, p.nq))
-    fused_ops.rms_norm(x, p.norm_weight(1), h, norm_post.variance_epsilon, residual=o)
+        out = _interface_attention(attn, q, k, v, kwargs, p.softcap)
+    o = _sandwich_norm(p, product(p.o, out.reshape(tokens, p.nq)), 4)
+    fused_ops.rms_norm(x, p.norm_weight(1), h, p.eps(1), offset, residual=o)
     if p.moe is not None:  # (the block's router and experts take the normed rows as they are)
         x.add_(p.moe(h.unsqueeze(0))[0])
         return hidden_states
     # (h's first use ended with the q/k/v product)
     gu = product(p.gate_up, h, gate_up_buffer(p.gate_up, tokens))
     a = torch.empty(tokens, p.inter, dtype=wdt)
-    fused_ops.silu_mul(gu, a)
-    x.add_(product(p.down, a))
+    fused_ops.silu_mul(gu, a, p.activation)
+    x.add_(_sandwich_norm(p, product(p.down, a), 5))
     return hidden_states
+
+
+def _sandwich_norm(p: _Layer, out: torch.Tensor, norm: int) -> torch.Tensor:
+    """`out` [T, H] as it joins the residual: normalized in fp32 by norm `norm` (4: the
+    attention's output, 5: the MLP's) where the layer has them (Gemma 2 / 3), else as it
+    is."""
+    if p.sandwich is None:
+        return out
+    normed = torch.empty(out.shape, dtype=torch.float32)
+    fused_ops.rms_norm(out, p.norm_weight(norm), normed, p.eps(norm), p.norm_offset)
+    return normed
 
 
 def _head_norm(p: _Layer, qkv: torch.Tensor, off: int, cols: int, norm: int) -> torch.Tensor:
@@ -365,15 +441,17 @@ def _head_norm(p: _Layer, qkv: torch.Tensor, off: int, cols: int, norm: int) -> 
     `fused_ops.rms_norm`, in `qkv`'s dtype; [T, cols]."""
     rows = qkv[:, off:off + cols].reshape(-1, p.dim)  # (a copy: the slice is strided)
     out = torch.empty(rows.shape, dtype=qkv.dtype)
-    module = p.q_norm if norm == 2 else p.k_norm
-    fused_ops.rms_norm(rows, p.norm_weight(norm), out, module.variance_epsilon)
+    fused_ops.rms_norm(rows, p.norm_weight(norm), out, p.eps(norm), p.norm_offset)
     return out.view(qkv.shape[0], cols)
 
 
 def _interface_attention(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+                         v: torch.Tensor, kwargs: dict[str, Any],
+                         softcap: float | None = None) -> torch.Tensor:
     """The attention function the layer's config selects, as the layer's own attention
     calls it: q [T, H, D], k and v [T, Hkv, D]; output [1, T, H, D]."""
+    if softcap is not None:
+        kwargs = {**kwargs, "softcap": softcap}
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
     mask = kwargs.pop("attention_mask", None)  # None in a paged step (no dense mask)
     for name in ("position_ids", "past_key_values", "cache", "use_cache", "cache_position"):

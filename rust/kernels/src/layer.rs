@@ -14,6 +14,12 @@
 //! x  += a @ Wd.T + b                                   (f32 adds)
 //! ```
 //!
+//! Gemma 2 / 3 layers ([`Weights::sandwich`]) also normalize the attention's and the MLP's
+//! outputs before they join the residual (`x += rms_norm(att @ Wo.T)`, `x +=
+//! rms_norm(a @ Wd.T)`, each into its own f32 buffer first), gate with GELU's tanh
+//! approximation ([`Gate`]), scale every norm weight as `(1 + w)` ([`Weights::norm_offset`])
+//! and may cap attention scores ([`Weights::softcap`]).
+//!
 //! With f32 weights ([`Packed::F32`], an fp32 model's) or half-precision ones in
 //! [`f32_linear`]'s panels ([`Packed::Half`], widened exactly in its k loop) `h` and `a`
 //! stay f32, the attention output is not rounded (f32 into the o product) and the products
@@ -29,7 +35,7 @@ use std::cell::RefCell;
 use crate::amx;
 use crate::error::KernelError;
 use crate::f32_linear;
-use crate::fused::{self, NormInput, RmsNorm, Rope, WriteRows};
+use crate::fused::{self, Gate, NormInput, RmsNorm, Rope, WriteRows};
 use crate::linear::LinearArgs;
 use crate::quant::{self, QType};
 use crate::{paged_decode_attention, DecodeArgs, Elems, ElemsMut, Window};
@@ -118,10 +124,19 @@ pub struct QkNorm<'a> {
     pub eps: f32,
 }
 
+/// Gemma's norms of the attention's and the MLP's outputs, before each joins the residual:
+/// `[hidden]` weights, one epsilon.
+#[derive(Clone, Copy, Debug)]
+pub struct Sandwich<'a> {
+    pub attn: Elems<'a>,
+    pub mlp: Elems<'a>,
+    pub eps: f32,
+}
+
 /// The layer's weights and shapes.
 #[derive(Clone, Copy, Debug)]
 pub struct Weights<'a> {
-    /// `[hidden]` each
+    /// `[hidden]` each: the norm before the attention, and the one before the MLP
     pub input_norm: Elems<'a>,
     pub post_norm: Elems<'a>,
     pub input_eps: f32,
@@ -136,6 +151,14 @@ pub struct Weights<'a> {
     pub down: Product<'a>,
     /// each head's q and k normalized before rope, if the layer does (Qwen3)
     pub qk_norm: Option<QkNorm<'a>>,
+    /// the attention's and the MLP's outputs normalized before the residual (Gemma 2 / 3)
+    pub sandwich: Option<Sandwich<'a>>,
+    /// added to every norm weight (f32): 0, or 1 for Gemma's `(1 + w)`
+    pub norm_offset: f32,
+    /// the MLP gate's activation
+    pub gate: Gate,
+    /// attention scores capped as `cap * tanh(score / cap)` (Gemma 2)
+    pub softcap: Option<f32>,
     pub hidden: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -182,6 +205,8 @@ struct Scratch {
     h: Vec<u16>,
     h32: Vec<f32>,
     qkv: Vec<f32>,
+    /// the attention's or the MLP's output normalized (Gemma's sandwich norms)
+    sandwiched: Vec<f32>,
     q: Vec<f32>,
     k: Vec<u16>,
     k32: Vec<f32>,
@@ -242,7 +267,7 @@ pub fn decoder_layer(
             rows,
             hidden,
             eps,
-            weight_offset: 0.0,
+            weight_offset: w.norm_offset,
             threads: elems(rows * hidden),
         };
         fused::rms_norm(
@@ -269,8 +294,9 @@ pub fn decoder_layer(
                 let kn = take(&mut sc.kn, rows * nk);
                 let strip = &mut sc.strip;
                 let src = (&*qkv, width, rows, w.dim);
-                head_norm(src, 0, nq, n.q, n.eps, strip, qn, elems(rows * nq))?;
-                head_norm(src, nq, nk, n.k, n.eps, strip, kn, elems(rows * nk))?;
+                let off = w.norm_offset;
+                head_norm(src, 0, nq, (n.q, n.eps, off), strip, qn, elems(rows * nq))?;
+                head_norm(src, nq, nk, (n.k, n.eps, off), strip, kn, elems(rows * nk))?;
                 ((&*qn, nq, 0), (&*kn, nk, 0))
             }
         };
@@ -321,7 +347,7 @@ pub fn decoder_layer(
             width: s.width,
             window: s.window,
             scale: s.scale,
-            softcap: None,
+            softcap: w.softcap,
             threads: s.threads,
         };
         // the attention output: f32 before f32-input products (no rounding in between);
@@ -354,11 +380,24 @@ pub fn decoder_layer(
         };
         let out = take(&mut sc.out, rows * hidden);
         product(&w.o, att, rows, nq, &mut *out, s.threads, &mut sc.part)?;
+        let residual: &[f32] = match &w.sandwich {
+            None => &*out,
+            Some(sw) => {
+                let normed = take(&mut sc.sandwiched, rows * hidden);
+                let n = norm(sw.attn, sw.eps);
+                fused::rms_norm(
+                    &n,
+                    NormInput::Plain(Elems::F32(&*out)),
+                    ElemsMut::F32(normed),
+                )?;
+                normed
+            }
+        };
         fused::rms_norm(
             &norm(w.post_norm, w.post_eps),
             NormInput::AddResidual {
                 x: &mut *x,
-                residual: Elems::F32(&*out),
+                residual: Elems::F32(residual),
             },
             h.out(),
         )?;
@@ -377,11 +416,12 @@ pub fn decoder_layer(
         } else {
             Act::Bf16(take(&mut sc.act, rows * w.inter))
         };
-        fused::silu_mul(
+        fused::gated_mul(
             Elems::F32(&*gate_up),
             act.out(),
             rows,
             w.inter,
+            w.gate,
             elems(rows * w.inter),
         )?;
         product(
@@ -393,7 +433,20 @@ pub fn decoder_layer(
             s.threads,
             &mut sc.part,
         )?;
-        for (x, d) in x.iter_mut().zip(out.iter()) {
+        let down: &[f32] = match &w.sandwich {
+            None => &*out,
+            Some(sw) => {
+                let normed = take(&mut sc.sandwiched, rows * hidden);
+                let n = norm(sw.mlp, sw.eps);
+                fused::rms_norm(
+                    &n,
+                    NormInput::Plain(Elems::F32(&*out)),
+                    ElemsMut::F32(normed),
+                )?;
+                normed
+            }
+        };
+        for (x, d) in x.iter_mut().zip(down.iter()) {
             *x += *d;
         }
         Ok(())
@@ -427,13 +480,11 @@ fn rope_of<'a>(
 /// `out` [rows, cols] = the per-head RMSNorm (rows of `dim`, `weight` [dim]) of columns
 /// `off .. off + cols` of `src` ([rows, width]), copied into `strip` first: what the lean
 /// forward does with a contiguous copy of that slice and `fused_ops.rms_norm`.
-#[allow(clippy::too_many_arguments)] // one norm's operands
 fn head_norm(
     (src, width, rows, dim): (&[f32], usize, usize, usize),
     off: usize,
     cols: usize,
-    weight: Elems<'_>,
-    eps: f32,
+    (weight, eps, weight_offset): (Elems<'_>, f32, f32),
     strip: &mut Vec<f32>,
     out: &mut [f32],
     threads: usize,
@@ -447,7 +498,7 @@ fn head_norm(
         rows: rows * cols / dim,
         hidden: dim,
         eps,
-        weight_offset: 0.0,
+        weight_offset,
         threads,
     };
     fused::rms_norm(
@@ -609,6 +660,29 @@ fn validate(
             }
         }
     }
+    if let Some(n) = &w.sandwich {
+        for (field, e) in [("post_attn_norm", n.attn), ("post_mlp_norm", n.mlp)] {
+            if e.len() != w.hidden {
+                return KernelError::invalid(
+                    field,
+                    format!(
+                        "{field} has {} elements, not hidden = {}",
+                        e.len(),
+                        w.hidden
+                    ),
+                );
+            }
+        }
+    }
+    if !w.norm_offset.is_finite() || w.softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+        return KernelError::invalid(
+            "softcap",
+            format!(
+                "norm_offset must be finite and softcap finite and > 0, not {} and {:?}",
+                w.norm_offset, w.softcap
+            ),
+        );
+    }
     if x_len != rows * w.hidden {
         return KernelError::invalid(
             "x",
@@ -722,13 +796,17 @@ mod tests {
         out
     }
 
-    fn norm(x: &[f64], w: &[f64], rows: usize) -> Vec<f64> {
+    /// Gemma's parts of the reference layer: the sandwich norms' weights (widened), the
+    /// attention's score cap; every norm weight then counts as `1 + w`, the gate is GELU's.
+    type GemmaRef<'a> = Option<(&'a [f64], &'a [f64], f64)>;
+
+    fn norm_offset(x: &[f64], w: &[f64], rows: usize, offset: f64) -> Vec<f64> {
         let mut out = vec![0.0; x.len()];
         for r in 0..rows {
             let row = &x[r * H..(r + 1) * H];
             let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / H as f64 + EPS as f64).sqrt();
             for j in 0..H {
-                out[r * H + j] = row[j] * inv * w[j];
+                out[r * H + j] = row[j] * inv * (w[j] + offset);
             }
         }
         out
@@ -757,9 +835,12 @@ mod tests {
         v_cache: &[f64],
         s: &Step<'_>,
         rows: usize,
+        gemma: GemmaRef<'_>,
     ) -> Vec<f64> {
         let (nq, nk) = (HEADS * D, KV * D);
         let width = nq + 2 * nk;
+        let off = if gemma.is_some() { 1.0 } else { 0.0 };
+        let norm = |x: &[f64], w: &[f64], rows| norm_offset(x, w, rows, off);
         let mut x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
         let qkv = matmul(&norm(&x, norms.0, rows), wts[0], rows, width, H);
         let (mut kc, mut vc) = (k_cache.to_vec(), v_cache.to_vec());
@@ -784,7 +865,11 @@ mod tests {
                 let scores: Vec<f64> = (0..keys)
                     .map(|p| {
                         let k = &kc[(slot_of(p) * KV + g) * D..][..D];
-                        s.scale as f64 * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
+                        let v = s.scale as f64 * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>();
+                        match gemma {
+                            Some((_, _, cap)) => cap * (v / cap).tanh(),
+                            None => v,
+                        }
                     })
                     .collect();
                 let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -798,7 +883,10 @@ mod tests {
                 }
             }
         }
-        let o = matmul(&att, wts[1], rows, H, nq);
+        let mut o = matmul(&att, wts[1], rows, H, nq);
+        if let Some((attn, _, _)) = gemma {
+            o = norm(&o, attn, rows);
+        }
         for (x, o) in x.iter_mut().zip(&o) {
             *x += o;
         }
@@ -807,10 +895,20 @@ mod tests {
             .map(|t| {
                 let (r, i) = (t / I, t % I);
                 let g = gu[r * 2 * I + i];
-                g / (1.0 + (-g).exp()) * gu[r * 2 * I + I + i]
+                let a = match gemma {
+                    None => g / (1.0 + (-g).exp()),
+                    Some(_) => {
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh())
+                    }
+                };
+                a * gu[r * 2 * I + I + i]
             })
             .collect();
-        let d = matmul(&act, wts[3], rows, H, I);
+        let mut d = matmul(&act, wts[3], rows, H, I);
+        if let Some((_, mlp, _)) = gemma {
+            d = norm(&d, mlp, rows);
+        }
         x.iter().zip(&d).map(|(a, b)| a + b).collect()
     }
 
@@ -885,6 +983,10 @@ mod tests {
             gate_up,
             down,
             qk_norm: None,
+            sandwich: None,
+            norm_offset: 0.0,
+            gate: Gate::Silu,
+            softcap: None,
             hidden: H,
             heads: HEADS,
             kv_heads: KV,
@@ -899,24 +1001,45 @@ mod tests {
     #[test]
     fn a_layer_is_the_reference_computation_to_its_rounding_with_bf16_products() {
         if require_or_skip(BF16) {
-            check_layer(false, 0.03); // bf16 products and cache
+            check_layer(false, 0.03, false); // bf16 products and cache
         }
     }
 
     #[test]
     fn a_layer_is_the_reference_computation_to_its_rounding_with_f32_products() {
         if require_or_skip(&[Isa::Avx512F]) {
-            check_layer(true, 1e-5); // f32 products and cache
+            check_layer(true, 1e-5, false); // f32 products and cache
+        }
+    }
+
+    /// Gemma 2's layer: sandwich norms, `(1 + w)` norm weights, GELU gate, capped scores.
+    #[test]
+    fn a_gemma_layer_is_the_reference_computation_to_its_rounding() {
+        if require_or_skip(&[Isa::Avx512F]) {
+            check_layer(true, 1e-5, true);
         }
     }
 
     /// The layer against the f64 reference (within `tol` of the largest output), then a bad
     /// slot: an error naming it, x and the caches unchanged.
-    fn check_layer(f32_weights: bool, tol: f64) {
+    fn check_layer(f32_weights: bool, tol: f64, gemma: bool) {
         let rows = 3;
         let p = packs(f32_weights);
         let norms = (round(&values(5, H, 1.0)), round(&values(6, H, 1.0)));
-        let weights = weights(&p, &norms, f32_weights);
+        let sandwich = (round(&values(11, H, 1.0)), round(&values(12, H, 1.0)));
+        let mut weights = weights(&p, &norms, f32_weights);
+        let cap = 0.5; // (low enough to change the scores)
+        if gemma {
+            weights.sandwich = Some(Sandwich {
+                attn: Elems::Bf16(&sandwich.0),
+                mlp: Elems::Bf16(&sandwich.1),
+                eps: EPS,
+            });
+            weights.norm_offset = 1.0;
+            weights.gate = Gate::GeluTanh;
+            weights.softcap = Some(cap);
+        }
+        let sandwich_wide = (wide(&sandwich.0), wide(&sandwich.1));
         // rows of 5, 1 and 8 keys: the new key last, the others already cached
         let seqlens = [5i32, 1, 8];
         let tables = [0i32, 1, 2, 0, 3, 4];
@@ -970,6 +1093,7 @@ mod tests {
             &vw,
             &step,
             rows,
+            gemma.then_some((&sandwich_wide.0[..], &sandwich_wide.1[..], cap as f64)),
         );
         let mut x = x0.clone();
         let (kc, vc) = caches(f32_weights, &mut kb, &mut vb, &mut kf, &mut vf);

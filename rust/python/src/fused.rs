@@ -109,13 +109,15 @@ fn norm_args<'a>(
     })
 }
 
-/// `out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]`: `gate_up` [T, 2I], `out` [T, I];
-/// `silu(g) = g / (1 + exp(-g))` in f32, exp Cephes' polynomial (within 2 ulp).
+/// `out[t, i] = act(gate_up[t, i]) * gate_up[t, I + i]`: `gate_up` [T, 2I], `out` [T, I];
+/// `activation` "silu", `silu(g) = g / (1 + exp(-g))` in f32, exp Cephes' polynomial (within
+/// 2 ulp), or "gelu_pytorch_tanh", GELU's tanh approximation as `g / (1 + exp(-2u))`, `u =
+/// sqrt(2 / pi) (g + 0.044715 g^3)`.
 /// `threads` > 1 splits the rows in calls of the kernel pool's `min_split` elements or more
 /// (2^15 on torch's OpenMP team after `share_openmp`, else 2^20: a fresh thread per call
 /// never paid at decode sizes); smaller calls run on the caller's thread.
 #[pyfunction]
-#[pyo3(signature = (gate_up, out, *, dtype, out_dtype, threads = 1))]
+#[pyo3(signature = (gate_up, out, *, dtype, out_dtype, threads = 1, activation = "silu"))]
 pub fn silu_mul(
     py: Python<'_>,
     gate_up: &Bound<'_, PyAny>,
@@ -123,7 +125,14 @@ pub fn silu_mul(
     dtype: &str,
     out_dtype: &str,
     threads: i64,
+    activation: &str,
 ) -> PyResult<()> {
+    let gate = fused::Gate::from_name(activation).ok_or_else(|| {
+        invalid(
+            "activation",
+            format!("activation must be \"silu\" or \"gelu_pytorch_tanh\", not {activation:?}"),
+        )
+    })?;
     let (it, ot) = (ty(dtype, "dtype")?, ty(out_dtype, "out_dtype")?);
     let threads = threads_of(threads)?;
     let g = In::new(gate_up, it, "gate_up")?;
@@ -139,7 +148,7 @@ pub fn silu_mul(
     expect_shape("out", o.shape(), &[rows, inter], "[tokens, intermediate]")?;
     disjoint("out", o.span(), &[("gate_up", g.span())])?;
     let (g, out) = (g.elems(), o.elems());
-    py.detach(|| fused::silu_mul(g, out, rows, inter, threads))
+    py.detach(|| fused::gated_mul(g, out, rows, inter, gate, threads))
         .map_err(kernel_error)
 }
 

@@ -4,8 +4,9 @@
 //! shape the kernel needs is checked here or by the kernel, with a `FieldError` naming the
 //! argument.
 
+use ferrobatch_kernels::fused::Gate;
 use ferrobatch_kernels::layer::{
-    self, Packed as PackedWeight, Product, QkNorm, QuantPart, Step, Weights,
+    self, Packed as PackedWeight, Product, QkNorm, QuantPart, Sandwich, Step, Weights,
 };
 use ferrobatch_kernels::quant::{self, Backend, QType};
 use ferrobatch_kernels::{amx, f32_linear, Window};
@@ -237,8 +238,12 @@ impl<'py> Views<'py> {
 /// bit for bit "float32" over the widened weights), or with "quantized" each product a
 /// sequence of GGUF parts (qtype, `quant_pack`ed uint8 rows, rows) stacked in order (f32
 /// inputs, each row quantized to int8 in the product, as `quant_linear`; the backend is
-/// `quant_backend()`'s at each call). The arrays are kept (not copied): the caller must not
-/// change them while the layer is in use.
+/// `quant_backend()`'s at each call). Gemma 2 / 3 layers add `post_attn_norm` /
+/// `post_mlp_norm` [hidden] (the attention's and the MLP's outputs normalized before the
+/// residual, with `sandwich_eps`), `norm_offset` 1.0 (every norm weight counts as `1 + w`),
+/// `activation` "gelu_pytorch_tanh" (else "silu") and, Gemma 2, `softcap` (attention scores
+/// capped as `softcap * tanh(score / softcap)`). The arrays are kept (not copied): the
+/// caller must not change them while the layer is in use.
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct LeanLayer {
     input_norm: Py<PyAny>,
@@ -251,6 +256,11 @@ pub struct LeanLayer {
     down: Packed,
     /// per-head q / k norm weights [dim] (in `norm_ty`) and their epsilon (Qwen3)
     qk_norm: Option<(Py<PyAny>, Py<PyAny>, f32)>,
+    /// Gemma's norms of the attention's and the MLP's outputs (in `norm_ty`), their epsilon
+    sandwich: Option<(Py<PyAny>, Py<PyAny>, f32)>,
+    norm_offset: f32,
+    gate: Gate,
+    softcap: Option<f32>,
     dims: [usize; 5],
 }
 
@@ -261,7 +271,9 @@ impl LeanLayer {
                         gate_up, down, hidden, heads, kv_heads, dim, inter, qkv_bias = None,
                         o_bias = None, gate_up_bias = None, down_bias = None,
                         weight_dtype = "bfloat16", q_norm = None, k_norm = None,
-                        qk_norm_eps = 1e-6))]
+                        qk_norm_eps = 1e-6, post_attn_norm = None, post_mlp_norm = None,
+                        sandwich_eps = 1e-6, norm_offset = 0.0, activation = "silu",
+                        softcap = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: &Bound<'_, PyAny>,
@@ -286,6 +298,12 @@ impl LeanLayer {
         q_norm: Option<&Bound<'_, PyAny>>,
         k_norm: Option<&Bound<'_, PyAny>>,
         qk_norm_eps: f32,
+        post_attn_norm: Option<&Bound<'_, PyAny>>,
+        post_mlp_norm: Option<&Bound<'_, PyAny>>,
+        sandwich_eps: f32,
+        norm_offset: f32,
+        activation: &str,
+        softcap: Option<f32>,
     ) -> PyResult<Self> {
         let kind = Kind::of(weight_dtype)?;
         if [hidden, heads, kv_heads, dim, inter].contains(&0) {
@@ -331,6 +349,42 @@ impl LeanLayer {
                 ))
             }
         };
+        let sandwich = match (post_attn_norm, post_mlp_norm) {
+            (None, None) => None,
+            (Some(a), Some(m)) => {
+                for (field, norm) in [("post_attn_norm", a), ("post_mlp_norm", m)] {
+                    let n = In::new(norm, norm_ty, field)?;
+                    if n.shape() != [hidden] {
+                        return Err(invalid(
+                            field,
+                            format!("{field} must be [hidden] = [{hidden}], not {:?}", n.shape()),
+                        ));
+                    }
+                }
+                Some((a.clone().unbind(), m.clone().unbind(), sandwich_eps))
+            }
+            _ => {
+                return Err(invalid(
+                    "post_attn_norm",
+                    "post_attn_norm and post_mlp_norm are given together or not at all",
+                ))
+            }
+        };
+        let gate = Gate::from_name(activation).ok_or_else(|| {
+            invalid(
+                "activation",
+                format!("activation must be \"silu\" or \"gelu_pytorch_tanh\", not {activation:?}"),
+            )
+        })?;
+        if !norm_offset.is_finite() {
+            return Err(invalid("norm_offset", "norm_offset must be finite"));
+        }
+        if softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+            return Err(invalid(
+                "softcap",
+                format!("softcap must be finite and > 0, not {softcap:?}"),
+            ));
+        }
         let (nq, nk) = (heads * dim, kv_heads * dim);
         Ok(LeanLayer {
             input_norm: input_norm.clone().unbind(),
@@ -342,6 +396,10 @@ impl LeanLayer {
             gate_up: Packed::new("gate_up", gate_up, gate_up_bias, (2 * inter, hidden), kind)?,
             down: Packed::new("down", down, down_bias, (hidden, inter), kind)?,
             qk_norm,
+            sandwich,
+            norm_offset,
+            gate,
+            softcap,
             dims: [hidden, heads, kv_heads, dim, inter],
         })
     }
@@ -462,6 +520,7 @@ struct StepArgs<'a, 'py> {
 struct LayerViews<'py> {
     norms: (In<'py>, In<'py>),
     qk: Option<(In<'py>, In<'py>, f32)>,
+    sandwich: Option<(In<'py>, In<'py>, f32)>,
     products: [Views<'py>; 4],
 }
 
@@ -477,6 +536,14 @@ impl LeanLayer {
                 Some((q, k, eps)) => Some((
                     In::new(q.bind(py), self.norm_ty, "q_norm")?,
                     In::new(k.bind(py), self.norm_ty, "k_norm")?,
+                    *eps,
+                )),
+            },
+            sandwich: match &self.sandwich {
+                None => None,
+                Some((a, m, eps)) => Some((
+                    In::new(a.bind(py), self.norm_ty, "post_attn_norm")?,
+                    In::new(m.bind(py), self.norm_ty, "post_mlp_norm")?,
                     *eps,
                 )),
             },
@@ -548,6 +615,14 @@ impl LayerViews<'_> {
                 k: k.elems(),
                 eps: *eps,
             }),
+            sandwich: self.sandwich.as_ref().map(|(a, m, eps)| Sandwich {
+                attn: a.elems(),
+                mlp: m.elems(),
+                eps: *eps,
+            }),
+            norm_offset: layer.norm_offset,
+            gate: layer.gate,
+            softcap: layer.softcap,
             hidden,
             heads,
             kv_heads,

@@ -23,7 +23,7 @@ mod write_rows;
 
 pub use rms_norm::{rms_norm, NormInput, RmsNorm};
 pub use rope::{rope, Rope};
-pub use silu_mul::silu_mul;
+pub use silu_mul::{gated_mul, silu_mul, Gate};
 pub use write_rows::{write_rows, write_rows_int8, WriteRows};
 
 use crate::error::{Expected, KernelError};

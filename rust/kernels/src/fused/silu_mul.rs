@@ -1,4 +1,5 @@
-//! `silu(gate) * up` from the fused gate/up projection.
+//! `act(gate) * up` from the fused gate/up projection: SiLU (Llama-style MLPs) or the
+//! tanh approximation of GELU (Gemma's).
 
 use super::{
     check_len, dispatch, len, len_mut, plan_threads, product, row_ranges, run_pieces, split_mut,
@@ -6,6 +7,29 @@ use super::{
 };
 use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
+
+/// The gate's activation of a gated MLP.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Gate {
+    /// `g / (1 + exp(-g))`
+    #[default]
+    Silu,
+    /// GELU's tanh approximation, `0.5 g (1 + tanh(u))` with `u = sqrt(2 / pi) (g + 0.044715
+    /// g^3)`, computed as `g / (1 + exp(-2u))` (the same value: `0.5 (1 + tanh(u))` is the
+    /// logistic function of `2u`)
+    GeluTanh,
+}
+
+impl Gate {
+    /// The gate named as transformers' `hidden_act` names it ("silu", "gelu_pytorch_tanh").
+    pub fn from_name(name: &str) -> Option<Gate> {
+        match name {
+            "silu" => Some(Gate::Silu),
+            "gelu_pytorch_tanh" => Some(Gate::GeluTanh),
+            _ => None,
+        }
+    }
+}
 
 /// `out[t, i] = round(silu(g) * u)`, `g = gate_up[t, i]`, `u = gate_up[t, inter + i]`,
 /// `silu(g) = g / (1 + exp(-g))` in f32, `exp` Cephes' single-precision polynomial
@@ -19,6 +43,19 @@ pub fn silu_mul(
     inter: usize,
     threads: usize,
 ) -> Result<(), KernelError> {
+    gated_mul(gate_up, out, rows, inter, Gate::Silu, threads)
+}
+
+/// [`silu_mul`] with the activation `gate` ([`Gate::GeluTanh`]: `gelu_tanh(g) * u`, the
+/// same exp).
+pub fn gated_mul(
+    gate_up: Elems<'_>,
+    out: ElemsMut<'_>,
+    rows: usize,
+    inter: usize,
+    gate: Gate,
+    threads: usize,
+) -> Result<(), KernelError> {
     let n = product("out", rows, inter)?;
     check_len("gate_up", len(&gate_up), product("gate_up", n, 2)?)?;
     check_len("out", len_mut(&out), n)?;
@@ -28,13 +65,16 @@ pub fn silu_mul(
     let ranges = row_ranges(rows, plan_threads(threads, rows, n));
     let sizes: Vec<usize> = ranges.iter().map(|r| r.len() * inter).collect();
     let pieces = ranges.into_iter().zip(split_mut(out, &sizes)).collect();
-    run_pieces(pieces, |range, mut out| {
-        silu_rows(&gate_up, range.start, range.len(), inter, &mut out)
+    run_pieces(pieces, |range, mut out| match gate {
+        Gate::Silu => silu_rows(&gate_up, range.start, range.len(), inter, &mut out),
+        Gate::GeluTanh => gelu_rows(&gate_up, range.start, range.len(), inter, &mut out),
     });
     Ok(())
 }
 
 dispatch!(silu_rows => silu_rows_impl(gate_up: &Elems<'_>, first: usize, rows: usize,
+                                      inter: usize, out: &mut ElemsMut<'_>));
+dispatch!(gelu_rows => gelu_rows_impl(gate_up: &Elems<'_>, first: usize, rows: usize,
                                       inter: usize, out: &mut ElemsMut<'_>));
 
 #[inline(always)]
@@ -45,6 +85,29 @@ fn silu_rows_impl(
     inter: usize,
     out: &mut ElemsMut<'_>,
 ) {
+    gated_rows(gate_up, first, rows, inter, out, silu)
+}
+
+#[inline(always)]
+fn gelu_rows_impl(
+    gate_up: &Elems<'_>,
+    first: usize,
+    rows: usize,
+    inter: usize,
+    out: &mut ElemsMut<'_>,
+) {
+    gated_rows(gate_up, first, rows, inter, out, gelu_tanh)
+}
+
+#[inline(always)]
+fn gated_rows(
+    gate_up: &Elems<'_>,
+    first: usize,
+    rows: usize,
+    inter: usize,
+    out: &mut ElemsMut<'_>,
+    act: impl Fn(f32) -> f32 + Copy,
+) {
     let (mut gbuf, mut ubuf, mut scratch) =
         (vec![0f32; inter], vec![0f32; inter], vec![0f32; inter]);
     for i in 0..rows {
@@ -53,10 +116,19 @@ fn silu_rows_impl(
         let u = widen(gate_up, at + inter, &mut ubuf);
         store_row!(out, i * inter, &mut scratch, |o, round| {
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = round(silu(g) * u);
+                *o = round(act(g) * u);
             }
         });
     }
+}
+
+/// `g / (1 + exp(-2u))`, `u = sqrt(2 / pi) * (g + 0.044715 * g^3)`: GELU's tanh
+/// approximation (see [`Gate::GeluTanh`]).
+#[inline(always)]
+pub(crate) fn gelu_tanh(g: f32) -> f32 {
+    const TWO_SQRT_2_OVER_PI: f32 = 1.595_769_1; // 2 * sqrt(2 / pi)
+    let u2 = TWO_SQRT_2_OVER_PI * (g + 0.044_715 * (g * g * g));
+    g / (1.0 + exp(-u2))
 }
 
 /// `g / (1 + exp(-g))`.
@@ -224,6 +296,61 @@ mod tests {
         assert_eq!(e.field().unwrap(), "out");
         let e = silu_mul(Elems::Bf16(&gu), ElemsMut::Bf16(&mut out), usize::MAX, 3, 1);
         assert_eq!(e.unwrap_err().field().unwrap(), "out");
+    }
+
+    /// `gelu_tanh(g) * u` in f64 by the tanh formula transformers' `GELUTanh` writes.
+    fn gelu_reference(gu: &[f32], inter: usize) -> Vec<f64> {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let mut out = Vec::new();
+        for row in gu.chunks(2 * inter) {
+            for i in 0..inter {
+                let g = row[i] as f64;
+                let t = (c * (g + 0.044715 * g * g * g)).tanh();
+                out.push(0.5 * g * (1.0 + t) * row[inter + i] as f64);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn gelu_tanh_matches_the_tanh_formula() {
+        for &it in &TYPES {
+            for (rows, inter, threads) in [(1, 1, 1), (3, 17, 1), (2, 1536, 2), (700, 97, 3)] {
+                let gu = Buf::new(it, &values(11, rows * 2 * inter, 12.0));
+                let mut out = Buf::zeros(Ty::F32, rows * inter);
+                let g = Gate::GeluTanh;
+                gated_mul(gu.elems(), out.elems_mut(), rows, inter, g, threads).unwrap();
+                let (x, want) = (gu.f32s(), gelu_reference(&gu.f32s(), inter));
+                for (k, (&got, w)) in out.f32s().iter().zip(want).enumerate() {
+                    let (r, i) = (k / inter, k % inter);
+                    let scale = (x[r * 2 * inter + i] * x[r * 2 * inter + inter + i]).abs();
+                    let err = (got as f64 - w).abs();
+                    assert!(err <= 1e-6 * scale as f64 + 1e-30, "elem {k}: {got} vs {w}");
+                }
+            }
+        }
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert_eq!(gelu_tanh(f32::INFINITY), f32::INFINITY);
+        assert_eq!(gelu_tanh(100.0), 100.0);
+        assert_eq!(gelu_tanh(-100.0), -0.0);
+        assert!(gelu_tanh(f32::NAN).is_nan());
+        assert_eq!(Gate::from_name("gelu_pytorch_tanh"), Some(Gate::GeluTanh));
+        assert_eq!(Gate::from_name("silu"), Some(Gate::Silu));
+        assert_eq!(Gate::from_name("relu"), None);
+    }
+
+    #[test]
+    fn gelu_portable_path_matches_the_dispatched_one() {
+        let (rows, inter) = (4, 301);
+        for &it in &TYPES {
+            for &ot in &TYPES {
+                let gu = Buf::new(it, &values(6, rows * 2 * inter, 10.0));
+                let (mut a, mut b) = (Buf::zeros(ot, rows * inter), Buf::zeros(ot, rows * inter));
+                gelu_rows(&gu.elems(), 0, rows, inter, &mut a.elems_mut());
+                gelu_rows_impl(&gu.elems(), 0, rows, inter, &mut b.elems_mut());
+                assert_eq!(a.bits(), b.bits());
+            }
+        }
     }
 
     proptest! {
