@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 class Shape:
     """A decoder-only model's sizes, as llama.cpp's metadata names them."""
 
-    arch: str  # GGUF general.architecture: llama, qwen2, qwen3moe or phi3
+    arch: str  # GGUF general.architecture: llama, qwen2, qwen3moe, phi3, gemma2 or gemma3
     layers: int
     hidden: int
     ffn: int
@@ -46,6 +46,14 @@ class Shape:
     expert_ffn: int = 0  # ... and their width
     head_dim: int = 0  # attention.key_length where it is not hidden / heads (0: it is)
     qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
+    sliding_window: int = 0  # Gemma 2 / 3: the sliding layers' window
+    softcap: bool = False  # Gemma 2: attention (50) and final (30) logit soft-capping
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 2 / 3: post-attention and post-MLP norms (`post_attention_norm`,
+        `post_ffw_norm`), norm weights stored as `1 + w`."""
+        return self.arch in ("gemma2", "gemma3")
 
 
 SHAPES = {
@@ -59,9 +67,17 @@ SHAPES = {
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 1000000.0, False, False,
                            experts=128, experts_used=8, expert_ffn=768, head_dim=128,
                            qk_norm=True),
+    # Gemma 2 2B and Gemma 3 1B: head size 256, sliding layers (every other one for Gemma 2,
+    # five of six for Gemma 3); Gemma 3's q/k norms
+    "gemma-2-2b": Shape("gemma2", 26, 2304, 9216, 8, 4, 10000.0, True, False, head_dim=256,
+                        sliding_window=4096, softcap=True),
+    "gemma-3-1b": Shape("gemma3", 26, 1152, 6912, 4, 1, 1000000.0, True, False, head_dim=256,
+                        qk_norm=True, sliding_window=512),
     # small enough for a test (widths whole 256-blocks)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
     "tiny-phi3": Shape("phi3", 2, 256, 512, 4, 4, 10000.0, False, False),
+    "tiny-gemma3": Shape("gemma3", 2, 384, 512, 4, 2, 1000000.0, True, False, head_dim=64,
+                         qk_norm=True, sliding_window=16),
     "tiny-moe": Shape("qwen3moe", 2, 256, 512, 4, 2, 10000.0, False, False, experts=4,
                       experts_used=2, expert_ffn=256, head_dim=64, qk_norm=True),
 }
@@ -91,6 +107,18 @@ def tensor_type(name: str, layer: int | None, layers: int, mix: str) -> str:
     return "Q4_K"
 
 
+#: llama.cpp's fallback for a K-type matrix whose rows are not whole 256-weight blocks
+#: (Gemma 3 1B's width 1152): the 32-weight type of about as many bits
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _fit(qtype: str, cols: int) -> str:
+    """`qtype`, or its fallback where `cols` is not whole blocks of it."""
+    if qtype.endswith("_K") and cols % 256:
+        return _FALLBACK[qtype]
+    return qtype
+
+
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)[..., None].view(np.uint8)
 
@@ -107,10 +135,11 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
         blocks[..., 2:4] = _f16_bytes(d * (7.5 if qtype == "Q4_K" else 15.5))
     elif qtype == "Q6_K":  # d last; value d*sc*(q-32), sc int8
         blocks[..., size - 2:] = _f16_bytes(d / 10)
-    elif qtype in ("Q8_0", "Q4_0", "Q4_1"):  # d first; Q4_1's m second
-        blocks[..., 0:2] = _f16_bytes(d * (3 if qtype == "Q8_0" else 40))
-        if qtype == "Q4_1":
-            blocks[..., 2:4] = _f16_bytes(-d * 40 * 7.5)
+    elif qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # d first; Q4_1 / Q5_1's m second
+        scale = {"Q8_0": 3, "Q5_0": 20, "Q5_1": 20}.get(qtype, 40)
+        blocks[..., 0:2] = _f16_bytes(d * scale)
+        if qtype in ("Q4_1", "Q5_1"):
+            blocks[..., 2:4] = _f16_bytes(-d * scale * (7.5 if qtype == "Q4_1" else 15.5))
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return blocks.reshape(n, nb * size)
@@ -122,23 +151,23 @@ def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int
     head_dim = shape.head_dim or shape.hidden // shape.heads
     kv = shape.kv_heads * head_dim
     q = shape.heads * head_dim
-    yield "token_embd.weight", (vocab, shape.hidden), tensor_type("token_embd.weight", None,
-                                                                  shape.layers, mix)
+    yield "token_embd.weight", (vocab, shape.hidden), _fit(tensor_type(
+        "token_embd.weight", None, shape.layers, mix), shape.hidden)
     for i in range(shape.layers):
         p = f"blk.{i}."
         yield p + "attn_norm.weight", (shape.hidden,), "F32"
         fused = shape.arch == "phi3"  # (q/k/v as one matrix, gate and up as one)
         for name, rows in ((("attn_qkv", q + 2 * kv),) if fused else
                            (("attn_q", q), ("attn_k", kv), ("attn_v", kv))):
-            yield p + name + ".weight", (rows, shape.hidden), tensor_type(
-                p + name + ".weight", i, shape.layers, mix)
+            yield p + name + ".weight", (rows, shape.hidden), _fit(tensor_type(
+                p + name + ".weight", i, shape.layers, mix), shape.hidden)
             if shape.qkv_bias:
                 yield p + name + ".bias", (rows,), "F32"
         if shape.qk_norm:
             yield p + "attn_q_norm.weight", (head_dim,), "F32"
             yield p + "attn_k_norm.weight", (head_dim,), "F32"
-        yield p + "attn_output.weight", (shape.hidden, q), tensor_type(
-            "attn_output.weight", i, shape.layers, mix)
+        yield p + "attn_output.weight", (shape.hidden, q), _fit(tensor_type(
+            "attn_output.weight", i, shape.layers, mix), q)
         yield p + "ffn_norm.weight", (shape.hidden,), "F32"
         if shape.experts:  # the router (F32, as llama.cpp keeps it), then the experts
             e, f = shape.experts, shape.expert_ffn
@@ -152,12 +181,15 @@ def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int
         mlp = (("ffn_up", 2 * shape.ffn, shape.hidden),) if fused else (
             ("ffn_gate", shape.ffn, shape.hidden), ("ffn_up", shape.ffn, shape.hidden))
         for name, rows, cols in (*mlp, ("ffn_down", shape.hidden, shape.ffn)):
-            yield p + name + ".weight", (rows, cols), tensor_type(
-                p + name + ".weight", i, shape.layers, mix)
+            yield p + name + ".weight", (rows, cols), _fit(tensor_type(
+                p + name + ".weight", i, shape.layers, mix), cols)
+        if shape.gemma:
+            yield p + "post_attention_norm.weight", (shape.hidden,), "F32"
+            yield p + "post_ffw_norm.weight", (shape.hidden,), "F32"
     yield "output_norm.weight", (shape.hidden,), "F32"
     if not shape.tied:
-        yield "output.weight", (vocab, shape.hidden), tensor_type("output.weight", None,
-                                                                  shape.layers, mix)
+        yield "output.weight", (vocab, shape.hidden), _fit(tensor_type(
+            "output.weight", None, shape.layers, mix), shape.hidden)
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, donor: gguf.GGUFReader) -> int:
@@ -204,6 +236,11 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
     if shape.head_dim:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.softcap:
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)

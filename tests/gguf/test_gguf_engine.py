@@ -34,7 +34,7 @@ def _check_parity(engine: Engine, n: int = 10) -> None:
 
 
 #: architectures whose decoder layers the lean layers run (`lean_layers.LAYER_CLASSES`)
-LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 
 
 @pytest.mark.parametrize(("arch", "qtype"), [

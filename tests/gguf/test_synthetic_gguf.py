@@ -68,6 +68,25 @@ def test_tiny_file_types_values_and_engine(synthetic, donor: Path, tmp_path: Pat
     assert all(math.isfinite(out.logprobs[i][t]) for i, t in enumerate(out.token_ids))
 
 
+def test_gemma3_shape_falls_back_and_runs_lean(synthetic, donor: Path, tmp_path: Path) -> None:
+    """A Gemma 3 shape of width 384 (not whole 256-weight blocks): its K-type matrices of
+    that width fall back to Q5_0 (Q4_K) and Q8_0 (Q6_K) as llama.cpp's are; the sandwich
+    norms and q/k norms are written; the engine runs its layers lean."""
+    path = tmp_path / "gemma3.gguf"
+    synthetic.write("tiny-gemma3", path, donor)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.1.attn_v.weight"] == "Q8_0"
+    assert types["blk.1.ffn_down.weight"] == "Q6_K" and types["blk.0.attn_output.weight"] \
+        == "Q4_K"
+    for name in ("post_attention_norm", "post_ffw_norm", "attn_q_norm", "attn_k_norm"):
+        assert types[f"blk.1.{name}.weight"] == "F32"
+    config = ContinuousBatchingConfig(num_blocks=32, page_size=16)
+    with Engine(str(path), config=config) as engine:
+        assert engine.runner.activations.lean is not None
+        out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4), progress=False)
+    assert len(out[0].token_ids) == 4
+
+
 def test_single_type_mix_and_refusal(synthetic, donor: Path, tmp_path: Path) -> None:
     synthetic.write("tiny", tmp_path / "q8.gguf", donor, mix="Q8_0")
     types = {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors}

@@ -274,8 +274,8 @@ def skewed_attention() -> Iterator[None]:
     def skewed(module, query, key, value, *args, **kwargs):
         return real(module, query, key * 3.0, value, *args, **kwargs)
 
-    def skewed_direct(step, layer_idx, q, k, v, scaling):
-        return real_direct(step, layer_idx, q, (k * 3.0).to(k.dtype), v, scaling)
+    def skewed_direct(step, layer_idx, q, k, v, scaling, softcap=None):
+        return real_direct(step, layer_idx, q, (k * 3.0).to(k.dtype), v, scaling, softcap)
 
     registry.AttentionInterface.register(context.ATTENTION_NAME, skewed)
     lean_layers.kernel_only_attention = skewed_direct

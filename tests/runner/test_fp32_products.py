@@ -97,18 +97,19 @@ def test_products_from_fp32_rows_are_fp32_products_of_the_widened_weights(forced
 
 
 def test_general_layers_keep_their_output_dtypes(forced):
-    """Layers that are not lean (Gemma2) on fp32 copies: the grouped outputs are rounded to
-    the weight dtype as the half products' are, and the logits match those without."""
+    """Layers that are not lean (Gemma2's, lean layers off) on fp32 copies: the grouped
+    outputs are rounded to the weight dtype as the half products' are, and the logits match
+    those without."""
     model = tm.gemma2().to(torch.bfloat16)
     prompts = tm.random_prompts(3, 6, 3, 12)
-    runner = ModelRunner(model, num_blocks=64, page_size=4)
+    runner = ModelRunner(model, num_blocks=64, page_size=4, lean_layers=False)
     assert runner.activations.linears is not None and runner.activations.linears.fp32_rows == ROWS
     assert runner.activations.lean is None
     got = drive_runner(runner, prompts, 4, forced=True)
     runner.close()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(linear_policy, "fp32_from_rows", lambda dtype: None)
-        plain = ModelRunner(model, num_blocks=64, page_size=4)
+        plain = ModelRunner(model, num_blocks=64, page_size=4, lean_layers=False)
         want = drive_runner(plain, prompts, 4, forced=True)
         plain.close()
     for a, b in zip(got, want, strict=True):
