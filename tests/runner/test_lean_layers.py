@@ -52,6 +52,17 @@ def test_lean_layers_compute_what_the_own_layers_compute(name):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("arch", [("Qwen3ForCausalLM", "Qwen3Config"),
+                                  ("Gemma3ForCausalLM", "Gemma3TextConfig")])
+def test_one_kv_head_with_q_k_norms_runs_lean(arch):
+    """One key/value head (Gemma 3 1B): its k columns of one row are a view, not a copy,
+    of the q/k/v product; the per-head k norm still gets contiguous rows (the lean layers
+    used to fail there and the model ran its own layers)."""
+    model = tm._build(*arch, 0, num_key_value_heads=1, head_dim=16)
+    for a, b in _lean_and_own(model, tm.random_prompts(5, 4, 1, 12), 5):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
     """A bf16 model over an fp32 or fp16 KV cache: keys and values are rounded to the

@@ -439,7 +439,8 @@ def _head_norm(p: _Layer, qkv: torch.Tensor, off: int, cols: int, norm: int) -> 
     """Columns `off .. off + cols` of `qkv` [T, width] normalized per head (rows of
     `p.dim`) by q/k norm `norm` (2: q, 3: k): a contiguous copy of the slice through
     `fused_ops.rms_norm`, in `qkv`'s dtype; [T, cols]."""
-    rows = qkv[:, off:off + cols].reshape(-1, p.dim)  # (a copy: the slice is strided)
+    # (a copy where the slice is strided; one head of one row stays a view: copied here)
+    rows = qkv[:, off:off + cols].reshape(-1, p.dim).contiguous()
     out = torch.empty(rows.shape, dtype=qkv.dtype)
     fused_ops.rms_norm(rows, p.norm_weight(norm), out, p.eps(norm), p.norm_offset)
     return out.view(qkv.shape[0], cols)
