@@ -1,7 +1,8 @@
 """A model's whole stack of one-call layers in one call (`fused_layer.FusedStack`,
 `_core.lean_layers_forward`): bit-equal to the layers' own one calls in order, taken on
-decode steps of models whose layers share one attention group and left to the layers
-elsewhere, and a bad argument is a `FieldError` naming it."""
+decode steps of models whose layers share one rotary embedding (each layer over its own
+attention group) and left to the layers elsewhere, and a bad argument is a `FieldError`
+naming it."""
 
 from __future__ import annotations
 
@@ -65,12 +66,26 @@ def test_the_stack_is_the_layers_one_calls_bit_for_bit(monkeypatch, name):
         assert torch.equal(a, b)
 
 
-def test_layers_of_two_attention_kinds_keep_their_own_calls(monkeypatch):
-    """Qwen2 with sliding layers next to a full one: the layers' groups differ, so no
-    stack call; the logits are the layers' own."""
+@pytest.mark.parametrize("name", ["qwen2_sliding", "gemma2"])
+def test_layers_of_two_attention_kinds_run_in_one_call(monkeypatch, name):
+    """Sliding layers next to full ones (Qwen2's last layers sliding, Gemma 2 alternating):
+    each layer over its own group in one call, prompts longer than the window; the logits
+    are the layers' own calls'."""
+    calls = _count_stack_calls(monkeypatch)
+    model = tm.BUILDERS[name]()
+    stacked, layered = _with_and_without_the_stack(
+        monkeypatch, model, tm.random_prompts(4, 3, 10, 24), 6)
+    assert calls and set(calls) == {model.config.num_hidden_layers}
+    for a, b in zip(stacked, layered, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_layers_of_two_ropes_keep_their_own_calls(monkeypatch):
+    """Gemma 3's local and global layers get different rotary embeddings: no stack (the
+    call would have the first layer's only); each layer takes its own one call."""
     calls = _count_stack_calls(monkeypatch)
     stacked, layered = _with_and_without_the_stack(
-        monkeypatch, tm.qwen2_sliding(), tm.random_prompts(4, 3, 2, 12), 4)
+        monkeypatch, tm.gemma3(), tm.random_prompts(4, 3, 2, 12), 4)
     assert not calls
     for a, b in zip(stacked, layered, strict=True):
         assert torch.equal(a, b)
@@ -124,6 +139,36 @@ def test_one_call_equals_the_layers_in_order():
     assert np.array_equal(x, y) and not np.array_equal(x, x0)
     for a, b in zip(ks + vs, ks2 + vs2, strict=True):
         assert np.array_equal(a, b) and a.any()
+
+
+def test_layers_over_two_groups_equal_their_own_calls():
+    """Layers 0 and 2 over the positional group, layer 1 over a second one (a window of 2,
+    other slots and tables): the one call equals each layer's call with its group's."""
+    layers = [_layer(i) for i in range(3)]
+    x0 = np.random.default_rng(2).standard_normal((2, H)).astype(np.float32)
+    s = _step()
+    other = dict(slots=np.array([5, 9], np.int64), block_tables=np.array([[1], [2]], np.int32),
+                 seqlens=np.array([2, 3], np.int32))
+    own = [(s, 0), (other, 2), (s, 0)]
+    x, ks, vs = x0.copy(), _caches(3), _caches(3)
+    for layer, k, v, (g, window) in zip(layers, ks, vs, own, strict=True):
+        layer.forward(x, k, v, s["cos"], s["sin"], g["slots"], g["block_tables"],
+                      g["seqlens"], **{**KW, "window": window})
+    y, ks2, vs2 = x0.copy(), _caches(3), _caches(3)
+    _core.lean_layers_forward(
+        layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"], s["seqlens"],
+        **KW, groups=[(other["slots"], other["block_tables"], other["seqlens"], 2)],
+        group_of=[0, 1, 0])
+    assert np.array_equal(x, y)
+    for a, b in zip(ks + vs, ks2 + vs2, strict=True):
+        assert np.array_equal(a, b) and a.any()
+    for bad in ([0, 1], [0, 2, 0]):
+        with pytest.raises(FieldError) as e:
+            _core.lean_layers_forward(
+                layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"],
+                s["seqlens"], **KW, groups=[(other["slots"], other["block_tables"],
+                                             other["seqlens"], 2)], group_of=bad)
+        assert e.value.field == "group_of"
 
 
 @pytest.mark.parametrize(("field", "caches"), [

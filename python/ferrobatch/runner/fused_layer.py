@@ -22,10 +22,11 @@ the call when:
   q/k norms with one epsilon run inside the call, as the lean forward's `_head_norm`).
 
 Where every decoder layer of the model may take its one call on a step with the same
-backend, attention group, scale and cache dtype (a model whose layers all attend alike),
-`FusedStack` runs them all in one `_core.lean_layers_forward` from the first layer's call,
-and the other layers' calls only report it: the same kernels in the same order, without the
-Python around each layer's call.
+backend, scale and cache dtype, and all of them get the same rotary embedding, `FusedStack`
+runs them all in one `_core.lean_layers_forward` from the first layer's call (each layer
+over its own attention group: sliding and full layers side by side), and the other layers'
+calls only report it: the same kernels in the same order, without the Python around each
+layer's call.
 
 Everything else is the lean forward's, the fallback: oneDNN's products (bf16 outputs, or
 fp32 copies beyond `f32_ops`' rows), steps with SDPA rows, longer steps (the scratch the
@@ -169,9 +170,11 @@ class FusedLayer:
 class FusedStack:
     """A model's decoder layers, every one of them in order, in one call of
     `_core.lean_layers_forward` where each could run alone in one call (`FusedLayer`) on the
-    same products' backend, attention group (one window: a model of full-attention layers)
-    and scale, with one cache dtype: bit for bit the layers' one calls in order, without the
-    Python between them (about 5% of a 1.5B single stream's decode step).
+    same products' backend and scale, with one cache dtype, each layer over its own
+    attention group (sliding or full): bit for bit the layers' one calls in order, without
+    the Python between them (about 5% of a 1.5B single stream's decode step). Built only for
+    models whose layers all get the same rotary embedding (`LeanLayers.of`: not Gemma 3's
+    local and global ropes), since the first layer's is the one the call gets.
     `FERROBATCH_LAYER_STACK=0` (or `ENABLED = False`) leaves each layer to its own call."""
 
     ENABLED = os.environ.get("FERROBATCH_LAYER_STACK", "1") != "0"
@@ -207,10 +210,14 @@ class FusedStack:
         calls = [f._call(x.shape[0], step) for f in self._layers]
         first = calls[0]
         if first is None or any(
-                c is None or c.kind is not first.kind or c.group is not first.group
-                or c.scale != first.scale or c.k_cache.dtype != first.k_cache.dtype
-                for c in calls):
+                c is None or c.kind is not first.kind or c.scale != first.scale
+                or c.k_cache.dtype != first.k_cache.dtype for c in calls):
             return None
+        groups, group_of = _groups([c.group for c in calls])
+        more = {} if len(groups) == 1 else {
+            "groups": [(g.slot_mapping.numpy(), g.kernel_decode.block_tables,
+                        g.kernel_decode.seqlens, g.kernel_decode.window) for g in groups[1:]],
+            "group_of": group_of}
         cos, sin = rope()
         step.calls += len(calls)
         kd = first.group.kernel_decode
@@ -219,9 +226,23 @@ class FusedStack:
             [numpy_view(c.v_cache) for c in calls], cos.numpy(), sin.numpy(),
             first.group.slot_mapping.numpy(), kd.block_tables, kd.seqlens,
             cache_dtype=KERNEL_DTYPES[first.k_cache.dtype], page=step.cache.page_size,
-            window=kd.window, scale=first.scale, threads=torch.get_num_threads())
+            window=kd.window, scale=first.scale, threads=torch.get_num_threads(), **more)
         self._ran = (step, x.data_ptr(), first.kind)
         return first.kind
+
+
+def _groups(per_layer: list[Any]) -> tuple[list[Any], list[int]]:
+    """The distinct attention groups of `per_layer` (by identity, in order of first use)
+    and each layer's index among them."""
+    groups: list[Any] = []
+    index: list[int] = []
+    for g in per_layer:
+        at = next((i for i, seen in enumerate(groups) if seen is g), None)
+        if at is None:
+            at = len(groups)
+            groups.append(g)
+        index.append(at)
+    return groups, index
 
 
 @dataclass(frozen=True)

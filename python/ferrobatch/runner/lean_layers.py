@@ -236,6 +236,16 @@ def _qk_widths(attn: torch.nn.Module) -> tuple[int, int]:
     return attn.q_proj.out_features, attn.k_proj.out_features
 
 
+def _one_rope(config: Any) -> bool:
+    """Whether every decoder layer gets the same rotary embedding: not where the rope
+    parameters differ by layer type (Gemma 3's local and global layers)."""
+    params = getattr(config, "rope_parameters", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not isinstance(params, dict) or not types or not types <= set(params):
+        return True
+    return all(params[t] == params[next(iter(types))] for t in types)
+
+
 def _partial_rotary(config: Any) -> bool:
     """Whether the rotary embedding covers only part of each head (Phi-4-mini's 0.75): the
     lean rope kernels rotate whole heads."""
@@ -301,7 +311,7 @@ class LeanLayers:
         in_order = [getattr(m.self_attn, "layer_idx", None) for m in decoder] == \
             list(range(len(decoder))) == list(range(config.num_hidden_layers))
         return cls([_Layer(m, linears) for m in decoder], linears, in_thread, kv_dtype,
-                   whole_stack=in_order)
+                   whole_stack=in_order and _one_rope(config))
 
     @property
     def num_layers(self) -> int:

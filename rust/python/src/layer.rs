@@ -442,18 +442,22 @@ impl LeanLayer {
             scale,
             threads,
         };
-        run_layers(py, &[self], x, &[k_cache], &[v_cache], &args)
+        run_layers(py, &[self], x, &[k_cache], &[v_cache], &args, (&[], &[0]))
     }
 }
 
 /// `layers` (a model's decoder layers in order, each a `LeanLayer`) on `x` float32 [rows,
 /// hidden] in one call: layer `i` with `k_caches[i]` / `v_caches[i]`, every layer over the
-/// same step (`LeanLayer.forward`'s other arguments, shared: one attention window, one
-/// scale). Bit for bit the layers' own `forward` calls in order; the caches must not
-/// overlap one another or `x`.
+/// same step (`LeanLayer.forward`'s other arguments, shared: one rope, one scale). A model
+/// whose layers attend in more than one way (sliding and full layers) gives the other
+/// attention groups' `(slots, block_tables, seqlens, window)` in `groups` and each layer's
+/// group in `group_of` (0: the positional arguments' group, `i`: `groups[i - 1]`). Bit for
+/// bit the layers' own `forward` calls in order; the caches must not overlap one another or
+/// `x`.
 #[pyfunction]
 #[pyo3(signature = (layers, x, k_caches, v_caches, cos, sin, slots, block_tables, seqlens, *,
-                    cache_dtype, page, window, scale, threads))]
+                    cache_dtype, page, window, scale, threads, groups = None,
+                    group_of = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn lean_layers_forward(
     py: Python<'_>,
@@ -471,6 +475,8 @@ pub fn lean_layers_forward(
     window: usize,
     scale: f32,
     threads: i64,
+    groups: Option<Vec<GroupArgs<'_>>>,
+    group_of: Option<Vec<usize>>,
 ) -> PyResult<()> {
     if layers.is_empty() || k_caches.len() != layers.len() || v_caches.len() != layers.len() {
         return Err(invalid(
@@ -481,6 +487,18 @@ pub fn lean_layers_forward(
                 layers.len(),
                 k_caches.len(),
                 v_caches.len()
+            ),
+        ));
+    }
+    let groups = groups.unwrap_or_default();
+    let group_of = group_of.unwrap_or_else(|| vec![0; layers.len()]);
+    if group_of.len() != layers.len() || group_of.iter().any(|&g| g > groups.len()) {
+        return Err(invalid(
+            "group_of",
+            format!(
+                "group_of must give each of the {} layers a group in 0 ..= {}, not {group_of:?}",
+                layers.len(),
+                groups.len()
             ),
         ));
     }
@@ -499,8 +517,17 @@ pub fn lean_layers_forward(
     let layers: Vec<&LeanLayer> = layers.iter().map(|l| &**l).collect();
     let k: Vec<&Bound<'_, PyAny>> = k_caches.iter().collect();
     let v: Vec<&Bound<'_, PyAny>> = v_caches.iter().collect();
-    run_layers(py, &layers, x, &k, &v, &args)
+    run_layers(py, &layers, x, &k, &v, &args, (&groups, &group_of))
 }
+
+/// Another attention group's `(slots, block_tables, seqlens, window)` for
+/// `lean_layers_forward`.
+type GroupArgs<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    usize,
+);
 
 /// A step's arguments every layer of a call shares.
 struct StepArgs<'a, 'py> {
@@ -642,6 +669,7 @@ fn run_layers(
     k_caches: &[&Bound<'_, PyAny>],
     v_caches: &[&Bound<'_, PyAny>],
     a: &StepArgs<'_, '_>,
+    (groups, group_of): (&[GroupArgs<'_>], &[usize]),
 ) -> PyResult<()> {
     let [hidden, _, _, dim, _] = layers[0].dims;
     if let Some(other) = layers
@@ -677,16 +705,27 @@ fn run_layers(
     let sin = ro::<f32>(a.sin, "sin", "float32")?;
     expect_shape("cos", cos.shape(), &[rows, dim], "[rows, dim]")?;
     expect_shape("sin", sin.shape(), &[rows, dim], "[rows, dim]")?;
-    let slots = ro::<i64>(a.slots, "slots", "int64")?;
-    let tables = ro::<i32>(a.block_tables, "block_tables", "int32")?;
-    let seqlens = ro::<i32>(a.seqlens, "seqlens", "int32")?;
-    let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
-    expect_shape(
-        "block_tables",
-        tables.shape(),
-        &[rows, width],
-        "[rows, width]",
-    )?;
+    let first = (a.slots, a.block_tables, a.seqlens, a.window);
+    let metas = std::iter::once(first)
+        .chain(groups.iter().map(|(s, t, l, w)| (s, t, l, *w)))
+        .map(|(slots, tables, seqlens, window)| {
+            let tables = ro::<i32>(tables, "block_tables", "int32")?;
+            let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
+            expect_shape(
+                "block_tables",
+                tables.shape(),
+                &[rows, width],
+                "[rows, width]",
+            )?;
+            Ok(GroupMeta {
+                slots: ro::<i64>(slots, "slots", "int64")?,
+                tables,
+                seqlens: ro::<i32>(seqlens, "seqlens", "int32")?,
+                width,
+                window,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     let views = layers
         .iter()
         .map(|l| l.views(py))
@@ -702,32 +741,47 @@ fn run_layers(
         .zip(layers)
         .map(|((v, p), l)| v.weights(l, p, backend))
         .collect::<PyResult<Vec<_>>>()?;
-    let s = Step {
-        cos: cos.as_slice()?,
-        sin: sin.as_slice()?,
-        slots: slots.as_slice()?,
-        block_tables: tables.as_slice()?,
-        seqlens: seqlens.as_slice()?,
-        width,
-        page: a.page,
-        window: if a.window == 0 {
-            Window::Full
-        } else {
-            Window::Sliding { window: a.window }
-        },
-        scale: a.scale,
-        threads,
-    };
+    let (cos, sin) = (cos.as_slice()?, sin.as_slice()?);
+    let steps = metas
+        .iter()
+        .map(|m| {
+            Ok(Step {
+                cos,
+                sin,
+                slots: m.slots.as_slice()?,
+                block_tables: m.tables.as_slice()?,
+                seqlens: m.seqlens.as_slice()?,
+                width: m.width,
+                page: a.page,
+                window: if m.window == 0 {
+                    Window::Full
+                } else {
+                    Window::Sliding { window: m.window }
+                },
+                scale: a.scale,
+                threads,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     let x = xa.as_slice_mut()?;
     let caches: Vec<_> = caches
         .iter_mut()
         .map(|(k, v)| (k.elems(), v.elems()))
         .collect();
     py.detach(|| {
-        for (w, (k, v)) in weights.iter().zip(caches) {
-            layer::decoder_layer(w, &s, x, k, v)?;
+        for ((w, (k, v)), &g) in weights.iter().zip(caches).zip(group_of) {
+            layer::decoder_layer(w, &steps[g], x, k, v)?;
         }
         Ok(())
     })
     .map_err(kernel_error)
+}
+
+/// One attention group's step arrays, borrowed for a call.
+struct GroupMeta<'py> {
+    slots: PyReadonlyArrayDyn<'py, i64>,
+    tables: PyReadonlyArrayDyn<'py, i32>,
+    seqlens: PyReadonlyArrayDyn<'py, i32>,
+    width: usize,
+    window: usize,
 }

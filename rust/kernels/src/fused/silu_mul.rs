@@ -126,7 +126,7 @@ fn gated_rows(
 /// approximation (see [`Gate::GeluTanh`]).
 #[inline(always)]
 pub(crate) fn gelu_tanh(g: f32) -> f32 {
-    const TWO_SQRT_2_OVER_PI: f32 = 1.595_769_1; // 2 * sqrt(2 / pi)
+    const TWO_SQRT_2_OVER_PI: f32 = 1.595_769_2; // 2 * sqrt(2 / pi), rounded to f32
     let u2 = TWO_SQRT_2_OVER_PI * (g + 0.044_715 * (g * g * g));
     g / (1.0 + exp(-u2))
 }
