@@ -53,7 +53,7 @@ def _fused_and_lean(model, prompts, new, **kw):
 
 @pytest.mark.parametrize("name,cache_dtype", [
     ("llama", None), ("mistral", None), ("qwen2_sliding", None),
-    ("llama", torch.float32), ("llama", torch.float16)])
+    ("llama", torch.float32), ("llama", torch.float16), ("gemma2", None), ("gemma3", None)])
 def test_the_one_call_layer_is_the_lean_layer_bit_for_bit(monkeypatch, name, cache_dtype):
     """Same forced steps (a packed prefill, then decodes over full and sliding windows, with
     Qwen2's q/k/v biases) with the one call and without: equal logits, and it was taken."""
