@@ -81,6 +81,12 @@ def gemma3(seed: int = 0) -> PreTrainedModel:
     )
 
 
+def phi4_mini(seed: int = 0) -> PreTrainedModel:
+    """Phi-3 layers with Phi-4-mini's rotary embedding over 3/4 of each head."""
+    return _build("Phi3ForCausalLM", "Phi3Config", seed, partial_rotary_factor=0.75,
+                  tie_word_embeddings=False)
+
+
 def gpt2(seed: int = 0) -> PreTrainedModel:
     """GPT-2: learned positions, MHA, Conv1D projections."""
     config = transformers.GPT2Config(

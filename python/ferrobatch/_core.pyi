@@ -458,10 +458,12 @@ def rope(
     heads: int,
     dim: int,
     threads: int = 1,
+    rot: int | None = None,
 ) -> None:
     """Rotary embedding of `heads` heads of `src` [T, W] from column `col_offset` on into
-    `out` [T, heads, dim] (`cos` / `sin` float32 [T, dim]): `x * cos + rotate_half(x) * sin`
-    in f32, bit-equal to transformers' fp32 formula, rounded once to `out_dtype`."""
+    `out` [T, heads, dim] (`cos` / `sin` float32 [T, rot], `rot` default `dim`): `x * cos +
+    rotate_half(x) * sin` in f32 over each head's first `rot` columns, the rest copied,
+    bit-equal to transformers' fp32 formula, rounded once to `out_dtype`."""
 
 def write_rows(
     src: _Storage,
@@ -751,8 +753,9 @@ class LeanLayer:
     RMSNorms of q and k before rope (Qwen3). Gemma 2 / 3: `post_attn_norm` / `post_mlp_norm`
     [hidden] normalize the attention's and the MLP's outputs before the residual
     (`sandwich_eps`), `norm_offset` 1.0 makes every norm weight `1 + w`, `activation`
-    "gelu_pytorch_tanh" gates the MLP, `softcap` caps the attention scores. The arrays are
-    kept, not copied. FieldError on a bad shape or value."""
+    "gelu_pytorch_tanh" gates the MLP, `softcap` caps the attention scores. `rot` (default
+    `dim`): the columns of each head the rope rotates (cos / sin [rows, rot]; the rest
+    copied). The arrays are kept, not copied. FieldError on a bad shape or value."""
 
     def __new__(
         cls,
@@ -786,6 +789,7 @@ class LeanLayer:
         norm_offset: float = 0.0,
         activation: Literal["silu", "gelu_pytorch_tanh"] = "silu",
         softcap: float | None = None,
+        rot: int | None = None,
     ) -> LeanLayer:
         """The layer over these weights (checked once here)."""
 

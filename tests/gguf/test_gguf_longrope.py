@@ -116,11 +116,11 @@ def test_partial_rotary_factors(tmp_path) -> None:
     reference = reference_model(source, written)
     torch.testing.assert_close(_logits(model, ids), _logits(reference, ids),
                                rtol=1e-5, atol=1e-5)
-    # the lean rope kernels rotate whole heads: these layers stay the model's own
+    # the lean layers rotate each head's first 48 columns and copy the other 16
     config = ContinuousBatchingConfig(num_blocks=64, page_size=16)
     prompts = [_prompt(n, n) for n in (5, THRESHOLD + 3)]
     with Engine(str(written.path), config=config) as engine:
-        assert engine.runner.activations.lean is None
+        assert engine.runner.activations.lean is not None
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW), progress=False)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == _greedy(reference, prompt, NEW), len(prompt)

@@ -54,12 +54,12 @@ def _fused_and_lean(model, prompts, new, **kw):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding", "qwen3", "gemma2",
-                                  "gemma3"])
+                                  "gemma3", "phi4_mini"])
 def test_an_fp32_models_one_call_layer_is_its_lean_layer_bit_for_bit(monkeypatch, name):
     """fp32 model, fp32 cache: equal logits with and without the one call, taken on f32
     products."""
     seen = _record(monkeypatch)
-    model = tm.BUILDERS[name]()
+    model = getattr(tm, name)()
     fused, lean = _fused_and_lean(model, tm.random_prompts(3, 6, 2, 30), 8)
     assert any(ran and wide for ran, wide in seen)
     for a, b in zip(fused, lean, strict=True):

@@ -52,7 +52,7 @@ def _with_and_without_the_stack(monkeypatch, model, prompts, new):
     return got[True], got[False]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi4_mini"])
 def test_the_stack_is_the_layers_one_calls_bit_for_bit(monkeypatch, name):
     """Layers of one attention kind (full, or Mistral's window on every layer): the decode
     steps run every layer in one call, with logits equal to the layers' own calls."""

@@ -63,6 +63,18 @@ def test_one_kv_head_with_q_k_norms_runs_lean(arch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_a_rope_over_part_of_each_head_runs_lean():
+    """Phi-4-mini's rotary embedding over 3/4 of each head: the lean layers rotate those
+    columns, copy the rest, and compute what the model's own layers compute (decode steps in
+    one call)."""
+    model = tm.phi4_mini()
+    assert model.model.layers[0].self_attn.head_dim * 3 // 4 == \
+        model.model.rotary_emb.inv_freq.numel() * 2
+    for a, b in _lean_and_own(model, tm.random_prompts(6, 5, 2, 20), 6):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_lean_layers_with_a_cache_in_another_dtype(cache_dtype):
     """A bf16 model over an fp32 or fp16 KV cache: keys and values are rounded to the

@@ -70,12 +70,14 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, activation: str = "silu")
 def rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
          col_offset: int, heads: int, dim: int) -> None:
     """Rotary embedding (rotate-half form) of the `heads` heads of `dim` starting at column
-    `col_offset` of `src` [T, W]; cos / sin fp32 [T, dim]; `out` [T, heads, dim]."""
+    `col_offset` of `src` [T, W]; cos / sin fp32 [T, rot]: each head's first `rot` columns
+    rotated, the rest copied (a rotary embedding over part of each head); `out` [T, heads,
+    dim]."""
     if not hasattr(_core, "rope"):
         return torch_rope(src, cos, sin, out, col_offset, heads, dim)
     _core.rope(_np(src), _np(cos), _np(sin), _np(out), src_dtype=_DTYPES[src.dtype],
                out_dtype=_DTYPES[out.dtype], col_offset=int(col_offset), heads=int(heads),
-               dim=int(dim), threads=_threads(out.numel()))
+               dim=int(dim), threads=_threads(out.numel()), rot=int(cos.shape[-1]))
 
 
 def write_rows(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor,
@@ -111,9 +113,11 @@ def torch_silu_mul(gate_up: torch.Tensor, out: torch.Tensor, activation: str = "
 def torch_rope(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
                col_offset: int, heads: int, dim: int) -> None:
     x = src[:, col_offset:col_offset + heads * dim].float().view(-1, heads, dim)
-    half = dim // 2
+    r = cos.shape[-1]
+    x, passed = x[..., :r], x[..., r:]
+    half = r // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    out.copy_(x * cos.unsqueeze(1) + rot * sin.unsqueeze(1))
+    out.copy_(torch.cat((x * cos.unsqueeze(1) + rot * sin.unsqueeze(1), passed), dim=-1))
 
 
 def torch_write_rows(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor,

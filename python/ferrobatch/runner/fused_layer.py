@@ -112,7 +112,7 @@ class FusedLayer:
             inter=p.inter,
             qkv_bias=_bias(p.qkv, packed[0]), o_bias=_bias(p.o, packed[1]),
             gate_up_bias=_bias(p.gate_up, packed[2]), down_bias=_bias(p.down, packed[3]),
-            weight_dtype=_weight_dtype(packed[0], kind), norm_offset=p.norm_offset,
+            weight_dtype=_weight_dtype(packed[0], kind), rot=p.rot, norm_offset=p.norm_offset,
             activation=p.activation, softcap=p.softcap, **extra)
         return self._layers[kind]
 
@@ -157,6 +157,8 @@ class FusedLayer:
         if call is None:
             return None
         cos, sin = rope()
+        if cos.shape[-1] != self._part.rot:  # (a rope the layer was not built for)
+            return None
         step.calls += 1
         kd = call.group.kernel_decode
         call.layer.forward(
@@ -219,6 +221,8 @@ class FusedStack:
                         g.kernel_decode.seqlens, g.kernel_decode.window) for g in groups[1:]],
             "group_of": group_of}
         cos, sin = rope()
+        if cos.shape[-1] != self.first._part.rot:
+            return None
         step.calls += len(calls)
         kd = first.group.kernel_decode
         _core.lean_layers_forward(

@@ -16,8 +16,9 @@ such a layer as four packed products, the attention function the model's config 
     x += down_proj(silu_mul(gate_up product of h))
 
 Which layers: those whose class is one of `LAYER_CLASSES` (transformers' Llama, Mistral,
-Qwen2, Qwen3, Phi-3 layers (Phi-3's fused q/k/v and gate/up projections as they are; not
-with a rotary embedding over part of each head): pre-norm, RMSNorm, rotate-half rope,
+Qwen2, Qwen3, Phi-3 layers (Phi-3's fused q/k/v and gate/up projections as they are;
+Phi-4-mini's rotary embedding over part of each head, the rest of the head copied):
+pre-norm, RMSNorm, rotate-half rope,
 SiLU-gated MLP; Qwen3's per-head q/k RMSNorms run as `fused_ops.rms_norm` over each head's
 row), whose q/k/v and gate/up products are stacked groups of the packed linears, and whose
 attention has no extra state. Gemma, Gemma 2 and Gemma 3 layers run the same way with
@@ -131,6 +132,8 @@ class _Layer:
         self.gate_up = linears.packed_of(_gate_up_linears(mlp)) if dense else None
         self.down = linears.packed_of([mlp.down_proj]) if dense else None
         self.dim = int(attn.head_dim)
+        #: the rotated columns of each head
+        self.rot = _rotary_dims(attn.config, self.dim)
         self.nq, self.nk = _qk_widths(attn)
         self.heads, self.kv_heads = self.nq // self.dim, self.nk // self.dim
         self.inter = sum(m.out_features for m in _gate_up_linears(mlp)) // 2 if dense else 0
@@ -186,8 +189,8 @@ class _Layer:
         moe = is_moe_block(mlp)
         if not moe and _activation(mlp) is None:
             return "the MLP activation is not SiLU or GELU's tanh approximation"
-        if _partial_rotary(attn.config):
-            return "its rotary embedding covers part of each head"
+        if _rotary_dims(attn.config, int(attn.head_dim)) % 2:
+            return "its rotary embedding covers an odd number of each head's columns"
         names = ["input_layernorm", "post_attention_layernorm"]
         if _sandwiched(layer):
             names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -246,13 +249,14 @@ def _one_rope(config: Any) -> bool:
     return all(params[t] == params[next(iter(types))] for t in types)
 
 
-def _partial_rotary(config: Any) -> bool:
-    """Whether the rotary embedding covers only part of each head (Phi-4-mini's 0.75): the
-    lean rope kernels rotate whole heads."""
+def _rotary_dims(config: Any, head_dim: int) -> int:
+    """The columns of each head the rotary embedding rotates: all of them, or, where it
+    covers part of each head (Phi-4-mini's 0.75), `int(head_dim * factor)` as transformers'
+    rope initialization sizes cos / sin."""
     params = getattr(config, "rope_parameters", None) or {}
     factor = getattr(config, "partial_rotary_factor", None) or params.get(
         "partial_rotary_factor", 1.0)
-    return float(factor or 1.0) != 1.0
+    return int(head_dim * float(factor or 1.0))
 
 
 class LeanLayers:

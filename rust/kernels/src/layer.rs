@@ -163,13 +163,16 @@ pub struct Weights<'a> {
     pub heads: usize,
     pub kv_heads: usize,
     pub dim: usize,
+    /// the rotated columns of each head (`dim`, or fewer where the rotary embedding covers
+    /// part of each head: Phi-4-mini); the step's cos / sin are `[rows, rot]`
+    pub rot: usize,
     pub inter: usize,
 }
 
 /// What the step gives every layer: positions, cache slots and the decode kernel's rows.
 #[derive(Clone, Copy, Debug)]
 pub struct Step<'a> {
-    /// `[rows, dim]` f32 rotary embedding of each row's position
+    /// `[rows, rot]` f32 rotary embedding of each row's position
     pub cos: &'a [f32],
     pub sin: &'a [f32],
     /// `[rows]` cache slot of each row's new key and value
@@ -301,7 +304,7 @@ pub fn decoder_layer(
             }
         };
         let q = take(&mut sc.q, rows * nq);
-        let rope = |src, heads| rope_of(src, heads, s, w.dim, elems(rows * heads * w.dim));
+        let rope = |src, heads| rope_of(src, heads, s, (w.dim, w.rot), elems(rows * heads * w.dim));
         fused::rope(&rope(q_src, w.heads), ElemsMut::F32(&mut *q))?;
         // the rotated keys in the cache's type, then both rows at their slots
         let (k_rot, mut k_cache, mut v_cache): (Elems<'_>, _, _) = match (k_cache, v_cache) {
@@ -456,12 +459,13 @@ pub fn decoder_layer(
 /// What rope reads: (the rows, their width, the first column).
 type RopeSrc<'a> = (&'a [f32], usize, usize);
 
-/// The rope of `heads` heads of `dim` from `(src, its row width, first column)`.
+/// The rope of `heads` heads of `dim` (the first `rot` columns rotated) from `(src, its
+/// row width, first column)`.
 fn rope_of<'a>(
     (src, src_width, col_offset): RopeSrc<'a>,
     heads: usize,
     s: &Step<'a>,
-    dim: usize,
+    (dim, rot): (usize, usize),
     threads: usize,
 ) -> Rope<'a> {
     Rope {
@@ -473,6 +477,7 @@ fn rope_of<'a>(
         col_offset,
         heads,
         dim,
+        rot,
         threads,
     }
 }
@@ -991,6 +996,7 @@ mod tests {
             heads: HEADS,
             kv_heads: KV,
             dim: D,
+            rot: D,
             inter: I,
         }
     }

@@ -153,14 +153,15 @@ pub fn silu_mul(
 }
 
 /// Rotary embedding of `heads` heads of `dim` columns of `src` [T, W] from column
-/// `col_offset` on, with `cos` / `sin` float32 [T, dim], into `out` [T, heads, dim]:
-/// `x * cos + rotate_half(x) * sin` in f32 (bit-equal to transformers' fp32 formula).
+/// `col_offset` on, with `cos` / `sin` float32 [T, rot], into `out` [T, heads, dim]:
+/// `x * cos + rotate_half(x) * sin` in f32 over each head's first `rot` columns (all `dim`
+/// by default), the rest copied (bit-equal to transformers' fp32 formula).
 /// `threads` > 1 splits the rows in calls of the kernel pool's `min_split` elements or more
 /// (2^15 on torch's OpenMP team after `share_openmp`, else 2^20: a fresh thread per call
 /// never paid at decode sizes); smaller calls run on the caller's thread.
 #[pyfunction]
 #[pyo3(signature = (src, cos, sin, out, *, src_dtype, out_dtype, col_offset, heads, dim,
-                    threads = 1))]
+                    threads = 1, rot = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     py: Python<'_>,
@@ -174,6 +175,7 @@ pub fn rope(
     heads: i64,
     dim: i64,
     threads: i64,
+    rot: Option<i64>,
 ) -> PyResult<()> {
     let (st, ot) = (ty(src_dtype, "src_dtype")?, ty(out_dtype, "out_dtype")?);
     let (col_offset, heads, dim) = (
@@ -181,14 +183,15 @@ pub fn rope(
         count(heads, "heads")?,
         count(dim, "dim")?,
     );
+    let rot = count(rot.unwrap_or(dim as i64), "rot")?;
     let threads = threads_of(threads)?;
     let s = In::new(src, st, "src")?;
     let c = ro::<f32>(cos, "cos", "float32")?;
     let n = ro::<f32>(sin, "sin", "float32")?;
     let mut o = Out::new(out, ot, "out")?;
     let (rows, src_width) = two_d("src", s.shape(), "[tokens, width]")?;
-    expect_shape("cos", c.shape(), &[rows, dim], "[tokens, dim]")?;
-    expect_shape("sin", n.shape(), &[rows, dim], "[tokens, dim]")?;
+    expect_shape("cos", c.shape(), &[rows, rot], "[tokens, rot]")?;
+    expect_shape("sin", n.shape(), &[rows, rot], "[tokens, rot]")?;
     expect_shape(
         "out",
         o.shape(),
@@ -206,6 +209,7 @@ pub fn rope(
         col_offset,
         heads,
         dim,
+        rot,
         threads,
     };
     let out = o.elems();

@@ -261,6 +261,8 @@ pub struct LeanLayer {
     norm_offset: f32,
     gate: Gate,
     softcap: Option<f32>,
+    /// the rotated columns of each head (`dim` unless the rope covers part of each head)
+    rot: usize,
     dims: [usize; 5],
 }
 
@@ -273,7 +275,7 @@ impl LeanLayer {
                         weight_dtype = "bfloat16", q_norm = None, k_norm = None,
                         qk_norm_eps = 1e-6, post_attn_norm = None, post_mlp_norm = None,
                         sandwich_eps = 1e-6, norm_offset = 0.0, activation = "silu",
-                        softcap = None))]
+                        softcap = None, rot = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: &Bound<'_, PyAny>,
@@ -304,6 +306,7 @@ impl LeanLayer {
         norm_offset: f32,
         activation: &str,
         softcap: Option<f32>,
+        rot: Option<usize>,
     ) -> PyResult<Self> {
         let kind = Kind::of(weight_dtype)?;
         if [hidden, heads, kv_heads, dim, inter].contains(&0) {
@@ -385,6 +388,13 @@ impl LeanLayer {
                 format!("softcap must be finite and > 0, not {softcap:?}"),
             ));
         }
+        let rot = rot.unwrap_or(dim);
+        if !rot.is_multiple_of(2) || rot > dim {
+            return Err(invalid(
+                "rot",
+                format!("rot must be even and at most dim = {dim}, not {rot}"),
+            ));
+        }
         let (nq, nk) = (heads * dim, kv_heads * dim);
         Ok(LeanLayer {
             input_norm: input_norm.clone().unbind(),
@@ -400,6 +410,7 @@ impl LeanLayer {
             norm_offset,
             gate,
             softcap,
+            rot,
             dims: [hidden, heads, kv_heads, dim, inter],
         })
     }
@@ -654,6 +665,7 @@ impl LayerViews<'_> {
             heads,
             kv_heads,
             dim,
+            rot: layer.rot,
             inter,
         })
     }
@@ -672,15 +684,17 @@ fn run_layers(
     (groups, group_of): (&[GroupArgs<'_>], &[usize]),
 ) -> PyResult<()> {
     let [hidden, _, _, dim, _] = layers[0].dims;
+    let rot = layers[0].rot;
     if let Some(other) = layers
         .iter()
-        .find(|l| l.dims[0] != hidden || l.dims[3] != dim)
+        .find(|l| l.dims[0] != hidden || l.dims[3] != dim || l.rot != rot)
     {
         return Err(invalid(
             "layers",
             format!(
-                "every layer must have hidden = {hidden} and dim = {dim}, not {} and {}",
-                other.dims[0], other.dims[3]
+                "every layer must have hidden = {hidden}, dim = {dim} and rot = {rot}, not {}, \
+                 {} and {}",
+                other.dims[0], other.dims[3], other.rot
             ),
         ));
     }
@@ -703,8 +717,8 @@ fn run_layers(
     }
     let cos = ro::<f32>(a.cos, "cos", "float32")?;
     let sin = ro::<f32>(a.sin, "sin", "float32")?;
-    expect_shape("cos", cos.shape(), &[rows, dim], "[rows, dim]")?;
-    expect_shape("sin", sin.shape(), &[rows, dim], "[rows, dim]")?;
+    expect_shape("cos", cos.shape(), &[rows, rot], "[rows, rot]")?;
+    expect_shape("sin", sin.shape(), &[rows, rot], "[rows, rot]")?;
     let first = (a.slots, a.block_tables, a.seqlens, a.window);
     let metas = std::iter::once(first)
         .chain(groups.iter().map(|(s, t, l, w)| (s, t, l, *w)))

@@ -397,6 +397,7 @@ mod timing {
             col_offset: 0,
             heads: 9,
             dim: 64,
+            rot: 64,
             threads: 1,
         };
         time("rope q bf16->bf16", || rope(&r, ro.elems_mut()).unwrap());

@@ -7,8 +7,10 @@ use super::{
 use crate::error::KernelError;
 use crate::{Elems, ElemsMut};
 
-/// The inputs: `src` `[rows, src_width]`, `cos` / `sin` `[rows, dim]`; the heads are
-/// `src[t, col_offset + h * dim ..][.. dim]` for `h < heads`.
+/// The inputs: `src` `[rows, src_width]`, `cos` / `sin` `[rows, rot]`; the heads are
+/// `src[t, col_offset + h * dim ..][.. dim]` for `h < heads`, each rotated over its first
+/// `rot` columns (all of them but where the rotary embedding covers part of each head,
+/// Phi-4-mini's 0.75) and copied past them.
 #[derive(Clone, Copy, Debug)]
 pub struct Rope<'a> {
     pub src: Elems<'a>,
@@ -20,14 +22,17 @@ pub struct Rope<'a> {
     pub heads: usize,
     /// even
     pub dim: usize,
+    /// the rotated columns of each head: even, at most `dim`
+    pub rot: usize,
     /// worker threads when the call has at least the pool's [`crate::parallel::Pool::min_split`] output elements
     pub threads: usize,
 }
 
-/// `out[t, h, j] = round(x[j] * cos[t, j] + rot[j] * sin[t, j])` (`out` `[rows, heads,
-/// dim]`), `x` the head widened, `rot[j] = -x[j + dim/2]` for `j < dim/2`, else
-/// `x[j - dim/2]`: two rounded f32 products and a rounded f32 add, bit-equal to
-/// transformers' `q * cos + rotate_half(q) * sin` in f32.
+/// `out[t, h, j] = round(x[j] * cos[t, j] + rot[j] * sin[t, j])` for `j < a.rot` (`out`
+/// `[rows, heads, dim]`), `x` the head widened, `rot[j] = -x[j + rot/2]` for `j < rot/2`,
+/// else `x[j - rot/2]`: two rounded f32 products and a rounded f32 add, bit-equal to
+/// transformers' `q * cos + rotate_half(q) * sin` in f32; `out[t, h, j] = round(x[j])`
+/// for the columns past `a.rot` (transformers' `q_pass`).
 pub fn rope(a: &Rope<'_>, out: ElemsMut<'_>) -> Result<(), KernelError> {
     validate(a, &out)?;
     let row = a.heads * a.dim;
@@ -48,6 +53,15 @@ fn validate(a: &Rope<'_>, out: &ElemsMut<'_>) -> Result<(), KernelError> {
     if !a.dim.is_multiple_of(2) {
         return KernelError::invalid("dim", format!("dim must be even, not {}", a.dim));
     }
+    if !a.rot.is_multiple_of(2) || a.rot > a.dim {
+        return KernelError::invalid(
+            "rot",
+            format!(
+                "rot must be even and at most dim = {}, not {}",
+                a.dim, a.rot
+            ),
+        );
+    }
     check_len("src", len(&a.src), product("src", a.rows, a.src_width)?)?;
     let cols = product("heads", a.heads, a.dim)?;
     match a.col_offset.checked_add(cols) {
@@ -62,7 +76,7 @@ fn validate(a: &Rope<'_>, out: &ElemsMut<'_>) -> Result<(), KernelError> {
             )
         }
     }
-    let table = product("cos", a.rows, a.dim)?;
+    let table = product("cos", a.rows, a.rot)?;
     check_len("cos", a.cos.len(), table)?;
     check_len("sin", a.sin.len(), table)?;
     check_len("out", len_mut(out), product("out", a.rows, cols)?)
@@ -73,15 +87,19 @@ dispatch!(rope_rows => rope_rows_impl(a: &Rope<'_>, first: usize, rows: usize,
 
 #[inline(always)]
 fn rope_rows_impl(a: &Rope<'_>, first: usize, rows: usize, out: &mut ElemsMut<'_>) {
-    let (d, half) = (a.dim, a.dim / 2);
+    let (d, r, half) = (a.dim, a.rot, a.rot / 2);
     let row = a.heads * d;
     let (mut xbuf, mut scratch) = (vec![0f32; row], vec![0f32; row]);
     for i in 0..rows {
         let t = first + i;
         let xs = widen(&a.src, t * a.src_width + a.col_offset, &mut xbuf);
-        let (cos, sin) = (&a.cos[t * d..(t + 1) * d], &a.sin[t * d..(t + 1) * d]);
+        let (cos, sin) = (&a.cos[t * r..(t + 1) * r], &a.sin[t * r..(t + 1) * r]);
         store_row!(out, i * row, &mut scratch, |o, round| {
             for (o, x) in o.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+                let (o, pass) = o.split_at_mut(r);
+                for (o, &x) in pass.iter_mut().zip(&x[r..]) {
+                    *o = round(x);
+                }
                 // all eight halves resliced to `half`, so the loop has no bounds checks
                 let (o1, o2) = o.split_at_mut(half);
                 let (o1, o2) = (&mut o1[..half], &mut o2[..half]);
@@ -113,19 +131,23 @@ mod tests {
         w: usize,
         off: usize,
         heads: usize,
-        d: usize,
+        (d, r): (usize, usize),
     ) -> Vec<f32> {
         let mut out = Vec::new();
         for t in 0..rows {
             for h in 0..heads {
                 let x = |j: usize| src[t * w + off + h * d + j];
                 for j in 0..d {
-                    let rot = if j < d / 2 {
-                        -x(j + d / 2)
+                    if j >= r {
+                        out.push(x(j));
+                        continue;
+                    }
+                    let rot = if j < r / 2 {
+                        -x(j + r / 2)
                     } else {
-                        x(j - d / 2)
+                        x(j - r / 2)
                     };
-                    out.push(x(j) * cos[t * d + j] + rot * sin[t * d + j]);
+                    out.push(x(j) * cos[t * r + j] + rot * sin[t * r + j]);
                 }
             }
         }
@@ -145,8 +167,25 @@ mod tests {
         threads: usize,
     ) {
         let src = Buf::new(st, &values(seed, rows * w, 4.0));
-        let cos = values(seed + 1, rows * d, 1.0);
-        let sin = values(seed + 2, rows * d, 1.0);
+        check_rot(seed, rows, w, off, heads, (d, d), st, ot, threads)
+    }
+
+    /// [`check`] with `rot` of each head's `d` columns rotated.
+    #[allow(clippy::too_many_arguments)]
+    fn check_rot(
+        seed: u64,
+        rows: usize,
+        w: usize,
+        off: usize,
+        heads: usize,
+        (d, rot): (usize, usize),
+        st: Ty,
+        ot: Ty,
+        threads: usize,
+    ) {
+        let src = Buf::new(st, &values(seed, rows * w, 4.0));
+        let cos = values(seed + 1, rows * rot, 1.0);
+        let sin = values(seed + 2, rows * rot, 1.0);
         let mut out = Buf::zeros(ot, rows * heads * d);
         let a = Rope {
             src: src.elems(),
@@ -157,11 +196,24 @@ mod tests {
             col_offset: off,
             heads,
             dim: d,
+            rot,
             threads,
         };
         rope(&a, out.elems_mut()).unwrap();
-        let want = reference(&src.f32s(), &cos, &sin, rows, w, off, heads, d);
+        let want = reference(&src.f32s(), &cos, &sin, rows, w, off, heads, (d, rot));
         assert_eq!(out.bits(), round_bits(ot, &want), "{st:?} -> {ot:?}");
+    }
+
+    #[test]
+    fn part_of_each_head_rotated_matches_the_reference() {
+        for &st in &TYPES {
+            for &ot in &TYPES {
+                // Phi-4-mini: 96 of 128 columns; and none at all
+                check_rot(5, 3, 3 * 128 + 8, 8, 3, (128, 96), st, ot, 1);
+                check_rot(6, 2, 40, 0, 2, (20, 0), st, ot, 1);
+                check_rot(7, 700, 3 * 128, 0, 3, (128, 96), st, ot, 3);
+            }
+        }
     }
 
     #[test]
@@ -201,6 +253,7 @@ mod tests {
                     col_offset: 7,
                     heads,
                     dim: d,
+                    rot: d,
                     threads: 1,
                 };
                 let n = rows * heads * d;
@@ -226,6 +279,7 @@ mod tests {
             col_offset: 8,
             heads: 3,
             dim: 4,
+            rot: 4,
             threads: 1,
         };
         let field = |a: Rope<'_>, out: &mut [f32]| {
@@ -244,6 +298,8 @@ mod tests {
             "col_offset"
         );
         assert_eq!(field(Rope { dim: 3, ..a }, &mut out), "dim");
+        assert_eq!(field(Rope { rot: 3, ..a }, &mut out), "rot");
+        assert_eq!(field(Rope { rot: 6, ..a }, &mut out), "rot");
         assert_eq!(field(Rope { cos: &cs[1..], ..a }, &mut out), "cos");
         assert_eq!(field(Rope { sin: &cs[1..], ..a }, &mut out), "sin");
         assert_eq!(
