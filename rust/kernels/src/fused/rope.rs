@@ -166,7 +166,6 @@ mod tests {
         ot: Ty,
         threads: usize,
     ) {
-        let src = Buf::new(st, &values(seed, rows * w, 4.0));
         check_rot(seed, rows, w, off, heads, (d, d), st, ot, threads)
     }
 
