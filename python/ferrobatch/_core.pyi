@@ -833,13 +833,16 @@ def lean_layers_forward(
     scale: float,
     threads: int,
     groups: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.int32],
-                           npt.NDArray[np.int32], int]] | None = None,
+                           npt.NDArray[np.int32], int,
+                           tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None]]
+    | None = None,
     group_of: Sequence[int] | None = None,
 ) -> None:
     """`layers` in order on `x` [rows, hidden] in one call, layer `i` with `k_caches[i]` /
     `v_caches[i]`, the other arguments shared (`LeanLayer.forward`'s): bit for bit the
     layers' own calls in order. Layers of other attention groups (sliding next to full):
-    `groups` holds the others' `(slots, block_tables, seqlens, window)`, `group_of` each
+    `groups` holds the others' `(slots, block_tables, seqlens, window, rope)` (`rope` None
+    or the group's own `(cos, sin)`: Gemma 3's local and global layers), `group_of` each
     layer's group (0: the positional arguments', `i`: `groups[i - 1]`). FieldError for
     lists of other lengths, a group index out of range, layers of other widths, or caches
     overlapping one another or `x`."""

@@ -80,15 +80,42 @@ def test_layers_of_two_attention_kinds_run_in_one_call(monkeypatch, name):
         assert torch.equal(a, b)
 
 
-def test_layers_of_two_ropes_keep_their_own_calls(monkeypatch):
-    """Gemma 3's local and global layers get different rotary embeddings: no stack (the
-    call would have the first layer's only); each layer takes its own one call."""
+def test_layers_of_two_ropes_run_in_one_call(monkeypatch):
+    """Gemma 3's local (sliding) and global (full) layers get different rotary embeddings:
+    the stack takes each type's rope as the model's rotary module gave it this forward, and
+    equals the layers' own calls bit for bit."""
     calls = _count_stack_calls(monkeypatch)
+    model = tm.gemma3()
     stacked, layered = _with_and_without_the_stack(
-        monkeypatch, tm.gemma3(), tm.random_prompts(4, 3, 2, 12), 4)
-    assert not calls
+        monkeypatch, model, tm.random_prompts(4, 3, 10, 24), 6)
+    assert calls and set(calls) == {model.config.num_hidden_layers}
     for a, b in zip(stacked, layered, strict=True):
         assert torch.equal(a, b)
+
+
+def test_layers_over_two_ropes_equal_their_own_calls():
+    """A second group with its own cos / sin: layer 1 rotates with those."""
+    layers = [_layer(i) for i in range(2)]
+    x0 = np.random.default_rng(3).standard_normal((2, H)).astype(np.float32)
+    s, r = _step(), _step()
+    r["cos"], r["sin"] = r["sin"].copy(), r["cos"].copy()
+    x, ks, vs = x0.copy(), _caches(2), _caches(2)
+    for layer, k, v, g in zip(layers, ks, vs, (s, r), strict=True):
+        layer.forward(x, k, v, g["cos"], g["sin"], g["slots"], g["block_tables"],
+                      g["seqlens"], **KW)
+    y, ks2, vs2 = x0.copy(), _caches(2), _caches(2)
+    _core.lean_layers_forward(
+        layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"], s["seqlens"],
+        **KW, groups=[(r["slots"], r["block_tables"], r["seqlens"], 0, (r["cos"], r["sin"]))],
+        group_of=[0, 1])
+    assert np.array_equal(x, y)
+    bad = (r["cos"][:, :4].copy(), r["sin"])
+    with pytest.raises(FieldError) as e:
+        _core.lean_layers_forward(
+            layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"],
+            s["seqlens"], **KW, groups=[(r["slots"], r["block_tables"], r["seqlens"], 0, bad)],
+            group_of=[0, 1])
+    assert e.value.field == "cos"
 
 
 # --- the binding ------------------------------------------------------------------------
@@ -157,7 +184,7 @@ def test_layers_over_two_groups_equal_their_own_calls():
     y, ks2, vs2 = x0.copy(), _caches(3), _caches(3)
     _core.lean_layers_forward(
         layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"], s["seqlens"],
-        **KW, groups=[(other["slots"], other["block_tables"], other["seqlens"], 2)],
+        **KW, groups=[(other["slots"], other["block_tables"], other["seqlens"], 2, None)],
         group_of=[0, 1, 0])
     assert np.array_equal(x, y)
     for a, b in zip(ks + vs, ks2 + vs2, strict=True):
@@ -167,7 +194,7 @@ def test_layers_over_two_groups_equal_their_own_calls():
             _core.lean_layers_forward(
                 layers, y, ks2, vs2, s["cos"], s["sin"], s["slots"], s["block_tables"],
                 s["seqlens"], **KW, groups=[(other["slots"], other["block_tables"],
-                                             other["seqlens"], 2)], group_of=bad)
+                                             other["seqlens"], 2, None)], group_of=bad)
         assert e.value.field == "group_of"
 
 

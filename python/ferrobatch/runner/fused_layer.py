@@ -22,10 +22,10 @@ the call when:
   q/k norms with one epsilon run inside the call, as the lean forward's `_head_norm`).
 
 Where every decoder layer of the model may take its one call on a step with the same
-backend, scale and cache dtype, and all of them get the same rotary embedding, `FusedStack`
-runs them all in one `_core.lean_layers_forward` from the first layer's call (each layer
-over its own attention group: sliding and full layers side by side), and the other layers'
-calls only report it: the same kernels in the same order, without the Python around each
+backend, scale and cache dtype, `FusedStack` runs them all in one
+`_core.lean_layers_forward` from the first layer's call (each layer over its own attention
+group and rope: sliding and full layers side by side, Gemma 3's local and global ropes),
+and the other layers' calls only report it: the same kernels in the same order, without the Python around each
 layer's call.
 
 Everything else is the lean forward's, the fallback: oneDNN's products (bf16 outputs, or
@@ -173,17 +173,23 @@ class FusedStack:
     """A model's decoder layers, every one of them in order, in one call of
     `_core.lean_layers_forward` where each could run alone in one call (`FusedLayer`) on the
     same products' backend and scale, with one cache dtype, each layer over its own
-    attention group (sliding or full): bit for bit the layers' one calls in order, without
-    the Python between them (about 5% of a 1.5B single stream's decode step). Built only for
-    models whose layers all get the same rotary embedding (`LeanLayers.of`: not Gemma 3's
-    local and global ropes), since the first layer's is the one the call gets.
+    attention group (sliding or full) and rope: bit for bit the layers' one calls in order,
+    without the Python between them (about 5% of a 1.5B single stream's decode step). Where
+    the ropes differ by layer type (Gemma 3's local and global layers), `rope_of(i)` gives
+    layer `i`'s, as the model's rotary module gave it in this forward (`LeanLayers`
+    records it); elsewhere every layer gets the first layer's.
     `FERROBATCH_LAYER_STACK=0` (or `ENABLED = False`) leaves each layer to its own call."""
 
     ENABLED = os.environ.get("FERROBATCH_LAYER_STACK", "1") != "0"
 
-    def __init__(self, layers: list[FusedLayer]) -> None:
+    def __init__(self, layers: list[FusedLayer],
+                 rope_of: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None
+                 = None) -> None:
         self._layers = layers
         self.first = layers[0]
+        #: layer `i`'s rope rows in the forward in progress, where the layers' ropes differ
+        #: by layer type (None: every layer gets the first layer's)
+        self._rope_of = rope_of
         #: (step, address of its residual rows, backend) of the last stack call
         self._ran: tuple[Any, int, Backend] | None = None
         for layer in layers:
@@ -215,14 +221,22 @@ class FusedStack:
                 c is None or c.kind is not first.kind or c.scale != first.scale
                 or c.k_cache.dtype != first.k_cache.dtype for c in calls):
             return None
-        groups, group_of = _groups([c.group for c in calls])
-        more = {} if len(groups) == 1 else {
-            "groups": [(g.slot_mapping.numpy(), g.kernel_decode.block_tables,
-                        g.kernel_decode.seqlens, g.kernel_decode.window) for g in groups[1:]],
-            "group_of": group_of}
         cos, sin = rope()
         if cos.shape[-1] != self.first._part.rot:
             return None
+        ropes = [(cos, sin)] * len(calls)
+        if self._rope_of is not None:
+            ropes = [self._rope_of(i) for i in range(len(calls))]
+            # (the first layer's own rope must be the one recorded for its type this forward)
+            if any(r is None for r in ropes) or ropes[0][0] is not cos:
+                return None
+        groups, group_of = _groups(list(zip((c.group for c in calls), ropes, strict=True)))
+        more = {} if len(groups) == 1 else {
+            "groups": [(g.slot_mapping.numpy(), g.kernel_decode.block_tables,
+                        g.kernel_decode.seqlens, g.kernel_decode.window,
+                        None if r[0] is cos else (r[0].numpy(), r[1].numpy()))
+                       for g, r in groups[1:]],
+            "group_of": group_of}
         step.calls += len(calls)
         kd = first.group.kernel_decode
         _core.lean_layers_forward(
@@ -235,13 +249,14 @@ class FusedStack:
         return first.kind
 
 
-def _groups(per_layer: list[Any]) -> tuple[list[Any], list[int]]:
-    """The distinct attention groups of `per_layer` (by identity, in order of first use)
-    and each layer's index among them."""
-    groups: list[Any] = []
+def _groups(per_layer: list[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any]], list[int]]:
+    """The distinct (attention group, (cos, sin)) pairs of `per_layer` (by the group's and
+    the cos rows' identity, in order of first use) and each layer's index among them."""
+    groups: list[tuple[Any, Any]] = []
     index: list[int] = []
     for g in per_layer:
-        at = next((i for i, seen in enumerate(groups) if seen is g), None)
+        at = next((i for i, seen in enumerate(groups)
+                   if seen[0] is g[0] and seen[1][0] is g[1][0]), None)
         if at is None:
             at = len(groups)
             groups.append(g)

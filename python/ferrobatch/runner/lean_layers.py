@@ -239,6 +239,14 @@ def _qk_widths(attn: torch.nn.Module) -> tuple[int, int]:
     return attn.q_proj.out_features, attn.k_proj.out_features
 
 
+def _decoder_of(model: torch.nn.Module) -> Any:
+    """The module holding a causal LM's decoder layers (its `rotary_emb` too)."""
+    try:
+        return model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return getattr(model, "model", None)
+
+
 def _one_rope(config: Any) -> bool:
     """Whether every decoder layer gets the same rotary embedding: not where the rope
     parameters differ by layer type (Gemma 3's local and global layers)."""
@@ -265,7 +273,8 @@ class LeanLayers:
 
     def __init__(self, layers: list[_Layer], linears: PackedLinears,
                  in_thread: Callable[[], bool], kv_dtype: torch.dtype,
-                 whole_stack: bool = False) -> None:
+                 whole_stack: bool = False, rotary: torch.nn.Module | None = None,
+                 rope_types: list[str] | None = None) -> None:
         self._layers = layers
         self._kv_dtype = kv_dtype
         self._linears = linears
@@ -287,10 +296,17 @@ class LeanLayers:
         #: whether layers may run in one `fused_layer` call (off: always the lean forward
         #: below; tests compare the two)
         self.fused_enabled = True
+        #: where the layers' ropes differ by layer type (Gemma 3's local and global): the
+        #: model's rotary embedding module, each layer's type, and the (cos, sin) the module
+        #: gave each type in the forward in progress (recorded inside `active()`)
+        self._rotary, self._rope_types = rotary, rope_types
+        self._ropes: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         #: every layer in one call where a step allows it (`whole_stack`: `layers` are all
         #: of the model's decoder layers, in the order its forward runs them, none a MoE one)
         fused = [p.fused for p in layers]
-        self._stack = FusedStack(fused) if whole_stack and all(fused) else None
+        self._stack = FusedStack(
+            fused, None if rope_types is None else self._layer_rope,
+        ) if whole_stack and all(fused) else None
         self._forwards = [self._forward_of(p) for p in layers]
 
     @classmethod
@@ -314,8 +330,13 @@ class LeanLayers:
         config = model.config.get_text_config()
         in_order = [getattr(m.self_attn, "layer_idx", None) for m in decoder] == \
             list(range(len(decoder))) == list(range(config.num_hidden_layers))
+        rotary, types = None, None
+        if not _one_rope(config):  # (one rope a layer type: the stack needs the module's)
+            rotary = getattr(_decoder_of(model), "rotary_emb", None)
+            types = list(config.layer_types)
         return cls([_Layer(m, linears) for m in decoder], linears, in_thread, kv_dtype,
-                   whole_stack=in_order and _one_rope(config))
+                   whole_stack=in_order and (types is None or rotary is not None),
+                   rotary=rotary, rope_types=types)
 
     @property
     def num_layers(self) -> int:
@@ -334,10 +355,15 @@ class LeanLayers:
         try:
             for part, fwd in zip(self._layers, self._forwards, strict=True):
                 part.layer.__dict__["forward"] = fwd  # `Module.__setattr__`, unchecked
+            if self._rotary is not None:
+                self._rotary.__dict__["forward"] = self._recording_rope()
             yield
         finally:
             for part in self._layers:
                 part.layer.__dict__.pop("forward", None)
+            if self._rotary is not None:
+                self._rotary.__dict__.pop("forward", None)
+            self._ropes = {}
             self._active = self._everywhere = False
             self._gate_up_out = None
             if self._stack is not None:
@@ -375,6 +401,27 @@ class LeanLayers:
                                  rope_rows, self._gate_up_buffer)
 
         return forward
+
+    def _recording_rope(self) -> Callable[..., Any]:
+        """The rotary module's forward that also records what it gives each layer type
+        (`rotary_emb(x, position_ids, layer_type)`, Gemma 3's call)."""
+        rotary = self._rotary
+        own = type(rotary).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = own(rotary, *args, **kwargs)
+            kind = args[2] if len(args) > 2 else kwargs.get("layer_type")
+            if kind is not None and isinstance(out, tuple) and len(out) == 2:
+                self._ropes[kind] = out
+            return out
+
+        return forward
+
+    def _layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `i`'s rope rows in the forward in progress (`_rope_rows` of what the rotary
+        module gave its layer type), None where none was recorded."""
+        pair = self._ropes.get(self._rope_types[i]) if self._rope_types else None
+        return None if pair is None else self._rope_rows(*pair)
 
     def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:

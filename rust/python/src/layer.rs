@@ -461,10 +461,11 @@ impl LeanLayer {
 /// hidden] in one call: layer `i` with `k_caches[i]` / `v_caches[i]`, every layer over the
 /// same step (`LeanLayer.forward`'s other arguments, shared: one rope, one scale). A model
 /// whose layers attend in more than one way (sliding and full layers) gives the other
-/// attention groups' `(slots, block_tables, seqlens, window)` in `groups` and each layer's
-/// group in `group_of` (0: the positional arguments' group, `i`: `groups[i - 1]`). Bit for
-/// bit the layers' own `forward` calls in order; the caches must not overlap one another or
-/// `x`.
+/// attention groups' `(slots, block_tables, seqlens, window, rope)` in `groups` (`rope`
+/// None, or the group's own `(cos, sin)`: Gemma 3's local and global layers) and each
+/// layer's group in `group_of` (0: the positional arguments' group, `i`: `groups[i - 1]`).
+/// Bit for bit the layers' own `forward` calls in order; the caches must not overlap one
+/// another or `x`.
 #[pyfunction]
 #[pyo3(signature = (layers, x, k_caches, v_caches, cos, sin, slots, block_tables, seqlens, *,
                     cache_dtype, page, window, scale, threads, groups = None,
@@ -532,12 +533,13 @@ pub fn lean_layers_forward(
 }
 
 /// Another attention group's `(slots, block_tables, seqlens, window)` for
-/// `lean_layers_forward`.
+/// `lean_layers_forward`, and its own `(cos, sin)` where its layers get another rope.
 type GroupArgs<'py> = (
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     usize,
+    Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 );
 
 /// A step's arguments every layer of a call shares.
@@ -719,10 +721,14 @@ fn run_layers(
     let sin = ro::<f32>(a.sin, "sin", "float32")?;
     expect_shape("cos", cos.shape(), &[rows, rot], "[rows, rot]")?;
     expect_shape("sin", sin.shape(), &[rows, rot], "[rows, rot]")?;
-    let first = (a.slots, a.block_tables, a.seqlens, a.window);
+    let first = (a.slots, a.block_tables, a.seqlens, a.window, None);
     let metas = std::iter::once(first)
-        .chain(groups.iter().map(|(s, t, l, w)| (s, t, l, *w)))
-        .map(|(slots, tables, seqlens, window)| {
+        .chain(
+            groups
+                .iter()
+                .map(|(s, t, l, w, r)| (s, t, l, *w, r.as_ref())),
+        )
+        .map(|(slots, tables, seqlens, window, rope)| {
             let tables = ro::<i32>(tables, "block_tables", "int32")?;
             let (_, width) = two_d("block_tables", tables.shape(), "[rows, width]")?;
             expect_shape(
@@ -731,12 +737,23 @@ fn run_layers(
                 &[rows, width],
                 "[rows, width]",
             )?;
+            let rope = match rope {
+                None => None,
+                Some((c, s)) => {
+                    let c = ro::<f32>(c, "cos", "float32")?;
+                    let s = ro::<f32>(s, "sin", "float32")?;
+                    expect_shape("cos", c.shape(), &[rows, rot], "[rows, rot]")?;
+                    expect_shape("sin", s.shape(), &[rows, rot], "[rows, rot]")?;
+                    Some((c, s))
+                }
+            };
             Ok(GroupMeta {
                 slots: ro::<i64>(slots, "slots", "int64")?,
                 tables,
                 seqlens: ro::<i32>(seqlens, "seqlens", "int32")?,
                 width,
                 window,
+                rope,
             })
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -759,6 +776,10 @@ fn run_layers(
     let steps = metas
         .iter()
         .map(|m| {
+            let (cos, sin) = match &m.rope {
+                None => (cos, sin),
+                Some((c, s)) => (c.as_slice()?, s.as_slice()?),
+            };
             Ok(Step {
                 cos,
                 sin,
@@ -798,4 +819,5 @@ struct GroupMeta<'py> {
     seqlens: PyReadonlyArrayDyn<'py, i32>,
     width: usize,
     window: usize,
+    rope: Option<(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>)>,
 }
