@@ -25,8 +25,8 @@ Where every decoder layer of the model may take its one call on a step with the 
 backend, scale and cache dtype, `FusedStack` runs them all in one
 `_core.lean_layers_forward` from the first layer's call (each layer over its own attention
 group and rope: sliding and full layers side by side, Gemma 3's local and global ropes),
-and the other layers' calls only report it: the same kernels in the same order, without the Python around each
-layer's call.
+and the other layers' calls only report it: the same kernels in the same order, without
+the Python around each layer's call.
 
 Everything else is the lean forward's, the fallback: oneDNN's products (bf16 outputs, or
 fp32 copies beyond `f32_ops`' rows), steps with SDPA rows, longer steps (the scratch the
