@@ -48,6 +48,7 @@ class Shape:
     qk_norm: bool = False  # Qwen3's attn_q_norm / attn_k_norm
     sliding_window: int = 0  # Gemma 2 / 3: the sliding layers' window
     softcap: bool = False  # Gemma 2: attention (50) and final (30) logit soft-capping
+    rope_dims: int = 0  # Phi-4-mini: the rotary embedding's columns of each head (0: all)
 
     @property
     def gemma(self) -> bool:
@@ -63,6 +64,8 @@ SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 8960, 12, 2, 1000000.0, True, True),
     # Phi-3 / Phi-3.5-mini: one attn_qkv and one ffn_up (gate and up rows) matrix a layer
     "phi-3.5-mini": Shape("phi3", 32, 3072, 8192, 32, 32, 10000.0, False, False),
+    # Phi-4-mini: grouped keys, the rotary embedding over 96 of each head's 128 columns
+    "phi-4-mini": Shape("phi3", 32, 3072, 8192, 24, 8, 10000.0, True, False, rope_dims=96),
     # Qwen3-30B-A3B: 128 experts of width 768 a layer, 8 a token, every layer a MoE layer
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, 1000000.0, False, False,
                            experts=128, experts_used=8, expert_ffn=768, head_dim=128,
@@ -232,7 +235,7 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
     if shape.arch == "phi3":
-        writer.add_rope_dimension_count(shape.hidden // shape.heads)
+        writer.add_rope_dimension_count(shape.rope_dims or shape.hidden // shape.heads)
     if shape.head_dim:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
