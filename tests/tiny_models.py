@@ -81,6 +81,12 @@ def gemma3(seed: int = 0) -> PreTrainedModel:
     )
 
 
+def gemma(seed: int = 0) -> PreTrainedModel:
+    """Gemma (the first): `1 + w` norms, the GELU-tanh gate, no sandwich norms."""
+    return _build("GemmaForCausalLM", "GemmaConfig", seed, head_dim=16,
+                  tie_word_embeddings=True)
+
+
 def phi4_mini(seed: int = 0) -> PreTrainedModel:
     """Phi-3 layers with Phi-4-mini's rotary embedding over 3/4 of each head."""
     return _build("Phi3ForCausalLM", "Phi3Config", seed, partial_rotary_factor=0.75,

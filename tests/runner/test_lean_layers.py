@@ -113,11 +113,11 @@ def test_model_dtype_activations_keep_their_own_forward():
     assert _runner(tm.llama().to(torch.bfloat16), activations="model").activations.lean is None
 
 
-@pytest.mark.parametrize("name", LEAN)
+@pytest.mark.parametrize("name", [*LEAN, "gemma"])
 def test_fp32_lean_layers_compute_what_the_own_layers_compute(name):
     """An fp32 model runs lean too (fp32 products, kernels and cache): the same packed steps
     give the own layers' logits to fp32 rounding, and the same greedy tokens."""
-    for a, b in _lean_and_own(tm.BUILDERS[name](), tm.random_prompts(5, 6, 2, 30), 6):
+    for a, b in _lean_and_own(getattr(tm, name)(), tm.random_prompts(5, 6, 2, 30), 6):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 

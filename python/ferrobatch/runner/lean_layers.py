@@ -84,6 +84,8 @@ _MOE_CLASSES = frozenset({"Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
 def is_moe_block(mlp: torch.nn.Module) -> bool:
     """Whether `mlp` is a MoE block a lean layer runs as its own module."""
     return type(mlp).__name__ in _MOE_CLASSES
+
+
 #: the gate activations the fused kernel has, by the activation module's class name
 _ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_pytorch_tanh",
                 "PytorchGELUTanh": "gelu_pytorch_tanh",
