@@ -123,7 +123,7 @@ def test_layers_over_two_ropes_equal_their_own_calls():
 H, HEADS, KV, D, INTER, SLOTS = 64, 4, 2, 16, 96, 16
 
 
-def _layer(seed: int):
+def _layer(seed: int, **extra):
     def packed(n, k):
         gen = torch.Generator().manual_seed(seed * 7919 + n * 1000 + k)
         return numpy_view(f32_ops.pack(torch.randn(n, k, generator=gen)).packed)
@@ -133,7 +133,38 @@ def _layer(seed: int):
         input_norm=np.ones(H, np.float32), post_norm=np.full(H, 0.5, np.float32),
         norm_dtype="float32", input_eps=1e-6, post_eps=1e-6, qkv=packed(nq + 2 * nk, H),
         o=packed(H, nq), gate_up=packed(2 * INTER, H), down=packed(H, INTER), hidden=H,
-        heads=HEADS, kv_heads=KV, dim=D, inter=INTER, weight_dtype="float32")
+        heads=HEADS, kv_heads=KV, dim=D, inter=INTER, weight_dtype="float32", **extra)
+
+
+@pytest.mark.parametrize(("field", "kw"), [
+    ("activation", {"activation": "relu"}),
+    ("softcap", {"softcap": 0.0}),
+    ("softcap", {"softcap": float("nan")}),
+    ("rot", {"rot": 3}),
+    ("rot", {"rot": D + 2}),
+    ("post_attn_norm", {"post_attn_norm": np.ones(H, np.float32)}),
+    ("post_mlp_norm", {"post_attn_norm": np.ones(H, np.float32),
+                       "post_mlp_norm": np.ones(H + 1, np.float32)}),
+    ("norm_offset", {"norm_offset": float("inf")}),
+])
+def test_a_bad_gemma_or_rope_argument_names_its_field(field, kw):
+    """Gemma's and Phi-4-mini's arguments of `LeanLayer` are checked when it is made."""
+    with pytest.raises(FieldError) as e:
+        _layer(0, **kw)
+    assert e.value.field == field
+
+
+def test_gemma_arguments_make_a_layer_that_runs():
+    layer = _layer(1, post_attn_norm=np.ones(H, np.float32),
+                   post_mlp_norm=np.full(H, 0.5, np.float32), norm_offset=1.0,
+                   activation="gelu_pytorch_tanh", softcap=30.0, rot=D // 2)
+    s = _step()
+    x = np.random.default_rng(4).standard_normal((2, H)).astype(np.float32)
+    before = x.copy()
+    half = {k: np.ascontiguousarray(s[k][:, :D // 2]) for k in ("cos", "sin")}
+    layer.forward(x, *_caches(2), half["cos"], half["sin"], s["slots"], s["block_tables"],
+                  s["seqlens"], **KW)
+    assert np.isfinite(x).all() and not np.array_equal(x, before)
 
 
 def _step(rows: int = 2):

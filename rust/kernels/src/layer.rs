@@ -383,19 +383,8 @@ pub fn decoder_layer(
         };
         let out = take(&mut sc.out, rows * hidden);
         product(&w.o, att, rows, nq, &mut *out, s.threads, &mut sc.part)?;
-        let residual: &[f32] = match &w.sandwich {
-            None => &*out,
-            Some(sw) => {
-                let normed = take(&mut sc.sandwiched, rows * hidden);
-                let n = norm(sw.attn, sw.eps);
-                fused::rms_norm(
-                    &n,
-                    NormInput::Plain(Elems::F32(&*out)),
-                    ElemsMut::F32(normed),
-                )?;
-                normed
-            }
-        };
+        let attn_norm = w.sandwich.map(|sw| norm(sw.attn, sw.eps));
+        let residual = sandwiched(&*out, attn_norm.as_ref(), &mut sc.sandwiched)?;
         fused::rms_norm(
             &norm(w.post_norm, w.post_eps),
             NormInput::AddResidual {
@@ -436,24 +425,32 @@ pub fn decoder_layer(
             s.threads,
             &mut sc.part,
         )?;
-        let down: &[f32] = match &w.sandwich {
-            None => &*out,
-            Some(sw) => {
-                let normed = take(&mut sc.sandwiched, rows * hidden);
-                let n = norm(sw.mlp, sw.eps);
-                fused::rms_norm(
-                    &n,
-                    NormInput::Plain(Elems::F32(&*out)),
-                    ElemsMut::F32(normed),
-                )?;
-                normed
-            }
-        };
+        let mlp_norm = w.sandwich.map(|sw| norm(sw.mlp, sw.eps));
+        let down = sandwiched(&*out, mlp_norm.as_ref(), &mut sc.sandwiched)?;
         for (x, d) in x.iter_mut().zip(down.iter()) {
             *x += *d;
         }
         Ok(())
     })
+}
+
+/// `out` as it joins the residual: normalized by `norm` into `buf` where the layer has
+/// sandwich norms (Gemma 2 / 3), else as it is.
+fn sandwiched<'a>(
+    out: &'a [f32],
+    norm: Option<&RmsNorm<'_>>,
+    buf: &'a mut Vec<f32>,
+) -> Result<&'a [f32], KernelError> {
+    let Some(norm) = norm else {
+        return Ok(out);
+    };
+    let normed = take(buf, out.len());
+    fused::rms_norm(
+        norm,
+        NormInput::Plain(Elems::F32(out)),
+        ElemsMut::F32(normed),
+    )?;
+    Ok(normed)
 }
 
 /// What rope reads: (the rows, their width, the first column).

@@ -322,57 +322,22 @@ impl LeanLayer {
             ));
         }
         let norm_ty = ty(norm_dtype, "norm_dtype")?;
-        for (field, norm) in [("input_norm", input_norm), ("post_norm", post_norm)] {
-            let n = In::new(norm, norm_ty, field)?;
-            if n.shape() != [hidden] {
-                return Err(invalid(
-                    field,
-                    format!("{field} must be [hidden] = [{hidden}], not {:?}", n.shape()),
-                ));
-            }
-        }
-        let qk_norm = match (q_norm, k_norm) {
-            (None, None) => None,
-            (Some(q), Some(k)) => {
-                for (field, norm) in [("q_norm", q), ("k_norm", k)] {
-                    let n = In::new(norm, norm_ty, field)?;
-                    if n.shape() != [dim] {
-                        return Err(invalid(
-                            field,
-                            format!("{field} must be [dim] = [{dim}], not {:?}", n.shape()),
-                        ));
-                    }
-                }
-                Some((q.clone().unbind(), k.clone().unbind(), qk_norm_eps))
-            }
-            _ => {
-                return Err(invalid(
-                    "q_norm",
-                    "q_norm and k_norm are given together or not at all",
-                ))
-            }
-        };
-        let sandwich = match (post_attn_norm, post_mlp_norm) {
-            (None, None) => None,
-            (Some(a), Some(m)) => {
-                for (field, norm) in [("post_attn_norm", a), ("post_mlp_norm", m)] {
-                    let n = In::new(norm, norm_ty, field)?;
-                    if n.shape() != [hidden] {
-                        return Err(invalid(
-                            field,
-                            format!("{field} must be [hidden] = [{hidden}], not {:?}", n.shape()),
-                        ));
-                    }
-                }
-                Some((a.clone().unbind(), m.clone().unbind(), sandwich_eps))
-            }
-            _ => {
-                return Err(invalid(
-                    "post_attn_norm",
-                    "post_attn_norm and post_mlp_norm are given together or not at all",
-                ))
-            }
-        };
+        let norms = [("input_norm", input_norm), ("post_norm", post_norm)];
+        check_norms(norms, norm_ty, ("hidden", hidden))?;
+        let qk_norm = norm_pair(
+            ("q_norm", q_norm),
+            ("k_norm", k_norm),
+            norm_ty,
+            ("dim", dim),
+        )?
+        .map(|(q, k)| (q, k, qk_norm_eps));
+        let sandwich = norm_pair(
+            ("post_attn_norm", post_attn_norm),
+            ("post_mlp_norm", post_mlp_norm),
+            norm_ty,
+            ("hidden", hidden),
+        )?
+        .map(|(a, m)| (a, m, sandwich_eps));
         let gate = Gate::from_name(activation).ok_or_else(|| {
             invalid(
                 "activation",
@@ -554,6 +519,45 @@ struct StepArgs<'a, 'py> {
     window: usize,
     scale: f32,
     threads: i64,
+}
+
+/// `FieldError` unless every norm is a `ty` vector of `len` (named `len.0`) elements.
+fn check_norms<const N: usize>(
+    norms: [(&'static str, &Bound<'_, PyAny>); N],
+    ty: Ty,
+    (what, len): (&str, usize),
+) -> PyResult<()> {
+    for (field, norm) in norms {
+        let n = In::new(norm, ty, field)?;
+        if n.shape() != [len] {
+            return Err(invalid(
+                field,
+                format!("{field} must be [{what}] = [{len}], not {:?}", n.shape()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Two norms given together or not at all (q and k, or Gemma's post-attention and post-MLP
+/// norms), each checked as [`check_norms`] does.
+fn norm_pair(
+    (a_field, a): (&'static str, Option<&Bound<'_, PyAny>>),
+    (b_field, b): (&'static str, Option<&Bound<'_, PyAny>>),
+    ty: Ty,
+    len: (&str, usize),
+) -> PyResult<Option<(Py<PyAny>, Py<PyAny>)>> {
+    match (a, b) {
+        (None, None) => Ok(None),
+        (Some(a), Some(b)) => {
+            check_norms([(a_field, a), (b_field, b)], ty, len)?;
+            Ok(Some((a.clone().unbind(), b.clone().unbind())))
+        }
+        _ => Err(invalid(
+            a_field,
+            format!("{a_field} and {b_field} are given together or not at all"),
+        )),
+    }
 }
 
 /// The borrowed norms and products of one layer for a call.
