@@ -159,6 +159,32 @@ def test_the_model_is_left_as_it_was_and_other_threads_get_its_own_forward():
     runner.close()
 
 
+def test_gemma3_ropes_are_recorded_for_the_engine_only():
+    """Gemma 3's rotary module records each layer type's rope for the whole-stack call only
+    in the engine's own forwards: another thread's call of the model inside a step records
+    nothing (its positions are not the step's), and the module is left as it was."""
+    model = tm.gemma3()
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    rotary = model.model.rotary_emb
+    runner = _runner(model)
+    lean = runner.activations.lean
+    assert lean is not None and lean._rotary is rotary
+    drive_runner(runner, tm.random_prompts(1, 3, 3, 9), 2)
+    assert "forward" not in rotary.__dict__ and not lean._ropes
+
+    def other_thread() -> None:
+        with torch.inference_mode():
+            model(ids)
+
+    with runner.activations.active():
+        assert "forward" in rotary.__dict__
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert not lean._ropes
+    runner.close()
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])
 def test_lean_engine_is_as_close_to_fp32_as_the_own_layers(name):
     """Engine outputs in bf16 with lean layers against the fp32 greedy reference: at least

@@ -409,11 +409,14 @@ class LeanLayers:
         (`rotary_emb(x, position_ids, layer_type)`, Gemma 3's call)."""
         rotary = self._rotary
         own = type(rotary).forward
+        in_thread = self._in_thread
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = own(rotary, *args, **kwargs)
             kind = args[2] if len(args) > 2 else kwargs.get("layer_type")
-            if kind is not None and isinstance(out, tuple) and len(out) == 2:
+            # (only the engine's own forwards: another thread's model call records nothing)
+            if kind is not None and isinstance(out, tuple) and len(out) == 2 \
+                    and (in_thread() or self._everywhere):
                 self._ropes[kind] = out
             return out
 
