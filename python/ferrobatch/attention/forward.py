@@ -192,20 +192,21 @@ def kernel_only_attention(step: Any, layer: int, q: torch.Tensor, k: torch.Tenso
     group = kernel_only_group(step, layer, prefill=True)
     if group is None or q.dtype not in KERNEL_DTYPES or not q.is_contiguous():
         return None
+    softcap = softcap or None
     step.calls += 1
     dt = step.cache.dtype
     write_layer(step.cache, layer, group.slot_mapping, k.to(dt), v.to(dt))
     out_dtype = step.out_dtype or q.dtype
     kd, kp = group.kernel_decode, group.kernel_prefill
     if kp is None:
-        return _kernel_rows(step, layer, q, scaling, softcap or None, out_dtype)
+        return _kernel_rows(step, layer, q, scaling, softcap, out_dtype)
     if kd is None and kp.tokens is None:
-        return _prefill_rows(step, layer, q, scaling, softcap or None, out_dtype)
+        return _prefill_rows(step, layer, q, scaling, softcap, out_dtype)
     out = q.new_empty(q.shape, dtype=out_dtype)
     for part, rows in ((kd, _kernel_rows), (kp, _prefill_rows)):
         if part is not None:
             out.index_copy_(0, part.tokens, rows(step, layer, q.index_select(0, part.tokens),
-                                                 scaling, softcap or None, out_dtype))
+                                                 scaling, softcap, out_dtype))
     return out
 
 

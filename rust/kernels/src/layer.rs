@@ -676,14 +676,13 @@ fn validate(
             }
         }
     }
-    if !w.norm_offset.is_finite() || w.softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
-        return KernelError::invalid(
-            "softcap",
-            format!(
-                "norm_offset must be finite and softcap finite and > 0, not {} and {:?}",
-                w.norm_offset, w.softcap
-            ),
-        );
+    if !w.norm_offset.is_finite() {
+        let msg = format!("norm_offset must be finite, not {}", w.norm_offset);
+        return KernelError::invalid("norm_offset", msg);
+    }
+    if w.softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+        let msg = format!("softcap must be finite and > 0, not {:?}", w.softcap);
+        return KernelError::invalid("softcap", msg);
     }
     if x_len != rows * w.hidden {
         return KernelError::invalid(
@@ -1123,7 +1122,26 @@ mod tests {
         )
         .expect_err("slot out of range");
         assert_eq!(err.field(), Some("slots"));
-        assert_eq!(before, (x, kb, vb, kf, vf));
+        let now = || (x.clone(), kb.clone(), vb.clone(), kf.clone(), vf.clone());
+        assert_eq!(before, now());
+        if gemma {
+            let bad = [
+                (f32::NAN, Some(cap), "norm_offset"),
+                (1.0, Some(0.0), "softcap"),
+                (1.0, Some(f32::INFINITY), "softcap"),
+            ];
+            for (norm_offset, softcap, field) in bad {
+                let w = Weights {
+                    norm_offset,
+                    softcap,
+                    ..weights
+                };
+                let (kc, vc) = caches(f32_weights, &mut kb, &mut vb, &mut kf, &mut vf);
+                let err = decoder_layer(&w, &step, &mut x, kc, vc).expect_err(field);
+                assert_eq!(err.field(), Some(field));
+            }
+            assert_eq!(before, (x, kb, vb, kf, vf));
+        }
     }
 
     /// The f32 caches for f32 weights, else the bf16 ones.
