@@ -248,7 +248,9 @@ unsafe fn pass(
     let _tiles = (groups > 0).then(|| unsafe { amx_rows::Tiles::new() });
     let on_groups = (groups * amx_rows::ROWS).min(rows.len());
     let rest = rows.start + on_groups..rows.end;
-    let tiles = rest.len().div_ceil(TILE);
+    let (full, left) = (rest.len() / TILE, rest.len() % TILE);
+    // the prefetch of the next chunk is spread over the groups and register tiles
+    let parts = groups + full + usize::from(left > 0);
     let step = if on_tiles { AMX_PANELS } else { PANELS };
     for first in panels.clone().step_by(step) {
         let np = (panels.end - first).min(step);
@@ -285,42 +287,57 @@ unsafe fn pass(
                     unsafe { unpack(qt, w.as_ptr(), &st, b0 + b, out.as_mut_ptr(), lay) };
                 }
             }
-            for t in 0..groups + tiles {
-                ahead.part(t, groups + tiles);
-                let r = if t < groups {
-                    let start = rows.start + amx_rows::ROWS * t;
-                    start..start + amx_rows::ROWS
-                } else {
-                    let t = t - groups;
-                    rest.start + rest.len() * t / tiles..rest.start + rest.len() * (t + 1) / tiles
-                };
-                let tile = Tile {
-                    s: scratch.as_ptr(),
-                    lay,
-                    pstride: cb * lay.lines,
-                    cb: c,
-                    nb,
-                    // (inside `out`: row r.start < m, column first * 16 < n)
-                    acc: out.0.wrapping_add(r.start * n + first * PANEL),
-                    rstride: n,
-                    last: ((1u32 << cols) - 1) as u16,
-                    fresh: b0 == 0,
-                };
+            let tile = Tile {
+                s: scratch.as_ptr(),
+                lay,
+                pstride: cb * lay.lines,
+                cb: c,
+                nb,
+                // (inside `out`: row rows.start < m, column first * 16 < n)
+                acc: out.0.wrapping_add(rows.start * n + first * PANEL),
+                rstride: n,
+                last: ((1u32 << cols) - 1) as u16,
+                fresh: b0 == 0,
+            };
+            for g in 0..groups {
+                ahead.part(g, parts);
+                let tile = tile.down(amx_rows::ROWS * g);
                 // SAFETY: the CPU as the caller's contract; `scratch` holds the `np` panels'
-                // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `r` are
-                // the columns of panels `first + p` below `n` (`cols`), inside `out` and
-                // this thread's alone (the caller's contract); the tiles are configured, and
-                // take `qt`, where `t < groups`; a padded group reads its 16 rows from `pad`
-                // and writes only its first `padded` rows (inside `rows`).
-                if t + 1 == groups && padded > 0 {
+                // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of the group's
+                // rows are the columns of panels `first + p` below `n` (`cols`), inside
+                // `out` and this thread's alone (the caller's contract); the tiles are
+                // configured and take `qt`; a padded group reads its 16 rows from `pad` and
+                // writes only its first `padded` rows (inside `rows`).
+                if g + 1 == groups && padded > 0 {
                     let pad = ActRows::A256(&pad);
                     unsafe { amx_rows::group(qt, &pad, 0..amx_rows::ROWS, padded, b0, np, tile) };
-                } else if t < groups {
-                    let all = r.len();
-                    unsafe { amx_rows::group(qt, &acts, r, all, b0, np, tile) };
                 } else {
-                    unsafe { tile_dispatch(qt, &acts, r, b0, np, tile) };
+                    let start = rows.start + amx_rows::ROWS * g;
+                    let r = start..start + amx_rows::ROWS;
+                    unsafe { amx_rows::group(qt, &acts, r, amx_rows::ROWS, b0, np, tile) };
                 }
+            }
+            // the rest: whole register tiles of TILE rows, then one of the rows left over
+            for (start, per, count) in [
+                (rest.start, TILE, full),
+                (rest.start + full * TILE, left, usize::from(left > 0)),
+            ] {
+                if count == 0 {
+                    continue;
+                }
+                let run = Run {
+                    tiles: count,
+                    ahead: &ahead,
+                    first: groups + (start - rest.start) / TILE,
+                    parts,
+                };
+                let tile = tile.down(start - rows.start);
+                // SAFETY: the CPU as the caller's contract; `scratch` holds the `np` panels'
+                // `c` blocks unpacked above; the lanes of `tile.mask(p, np)` of rows `start
+                // .. start + per * count` (inside `rows`) are the columns of panels `first
+                // + p` below `n` (`cols`), inside `out` and this thread's alone (the
+                // caller's contract).
+                unsafe { tile_dispatch(qt, &acts, start, per, &run, b0, np, tile) };
             }
         }
     }
@@ -422,7 +439,33 @@ pub(super) struct Tile {
     pub(super) fresh: bool,
 }
 
+/// The register tiles one kernel call runs, one below the other, and the share of the next
+/// chunk's prefetch each takes (`ahead`'s part `first + t` of `parts` before tile `t`).
+pub(super) struct Run<'a> {
+    tiles: usize,
+    ahead: &'a Ahead,
+    first: usize,
+    parts: usize,
+}
+
+impl Run<'_> {
+    /// Fetches tile `t`'s share of the next chunk.
+    #[inline(always)]
+    fn fetch(&self, t: usize) {
+        self.ahead.part(self.first + t, self.parts);
+    }
+}
+
 impl Tile {
+    /// The same tile `rows` rows further down the outputs.
+    #[inline(always)]
+    pub(super) fn down(&self, rows: usize) -> Tile {
+        Tile {
+            acc: self.acc.wrapping_add(rows * self.rstride),
+            ..*self
+        }
+    }
+
     /// The lanes of panel `p` of `np` that are outputs.
     #[inline(always)]
     fn mask(&self, p: usize, np: usize) -> __mmask16 {
@@ -462,43 +505,47 @@ pub(super) unsafe fn acc_store(t: &Tile, i: usize, p: usize, np: usize, v: __m51
     _mm512_mask_storeu_ps(t.acc.add(i * t.rstride + PANEL * p), t.mask(p, np), v)
 }
 
-/// Runs the kernel of `qt` for rows `r` (1 to [`TILE`]) of `acts`, blocks `b0 ..` (`tile.cb`
-/// of them), `np` panels (1 to [`PANELS`]).
+/// Runs the kernel of `qt` over `run.tiles` register tiles of `per` rows (1 to [`TILE`]) of
+/// `acts` from row `start`, blocks `b0 ..` (`tile.cb` of them), `np` panels (1 to
+/// [`PANELS`]).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `t.s` holds `np` panels' `t.cb` blocks unpacked
 /// ([`unpack`]) from `qt`'s panels; the lanes of `t.mask(p, np)` at `t.acc + i * t.rstride +
-/// 16 p` are readable and writable by this thread alone for `i < r.len()`, `p < np`.
+/// 16 p` are readable and writable by this thread alone for `i < per * run.tiles`, `p < np`.
+#[allow(clippy::too_many_arguments)] // one tile run: its rows, blocks, panels and outputs
 unsafe fn tile_dispatch(
     qt: QType,
     acts: &ActRows<'_>,
-    r: Range<usize>,
+    start: usize,
+    per: usize,
+    run: &Run<'_>,
     b0: usize,
     np: usize,
     t: Tile,
 ) {
     macro_rules! by_rows {
         ($f:ident, $np:literal, $a:expr $(, $c:expr)?) => {
-            match r.len() {
-                1 => $f::<1, $np $(, $c)?>($a, t),
-                2 => $f::<2, $np $(, $c)?>($a, t),
-                _ => $f::<3, $np $(, $c)?>($a, t),
+            match per {
+                1 => $f::<1, $np $(, $c)?>($a, t, run),
+                2 => $f::<2, $np $(, $c)?>($a, t, run),
+                _ => $f::<3, $np $(, $c)?>($a, t, run),
             }
         };
     }
     macro_rules! go {
         ($f:ident, $a:expr $(, $c:expr)?) => {{
             let a = $a;
-            let first = r.start * t.nb + b0;
+            let first = start * t.nb + b0;
             assert!(
-                r.end * t.nb <= a.len() && b0 + t.cb <= t.nb,
-                "the tile's activation blocks"
+                (start + per * run.tiles) * t.nb <= a.len() && b0 + t.cb <= t.nb,
+                "the tiles' activation blocks"
             );
             let a = a[first..].as_ptr();
             // SAFETY: the CPU, `t.s` and `t.acc` as this function's contract requires;
-            // `a` is row `r.start`'s block `b0` and rows `r` hold `t.cb` blocks from `b0`
-            // (asserted above): the contract of each kernel, the one of `r.len()` rows and
-            // `np` panels.
+            // `a` is row `start`'s block `b0` and the `per * run.tiles` rows from it hold
+            // `t.cb` blocks from `b0` (asserted above): the contract of each kernel, the
+            // one of `per` rows and `np` panels.
             unsafe {
                 match np {
                     1 => by_rows!($f, 1, a $(, $c)?),
@@ -510,7 +557,7 @@ unsafe fn tile_dispatch(
         }};
     }
     assert!(
-        (1..=TILE).contains(&r.len()) && (1..=PANELS).contains(&np),
+        (1..=TILE).contains(&per) && (1..=PANELS).contains(&np),
         "a tile's shape"
     );
     match (qt, acts) {
@@ -592,7 +639,25 @@ unsafe fn dot_quads<const R: usize, const P: usize>(
 /// the lanes of `t.mask(p, P)` at `t.acc + i * t.rstride + 16 p` are readable and writable
 /// (by this thread alone) for `p < P`, `i < R`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, t: Tile) {
+unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(
+    a: *const A32,
+    t: Tile,
+    run: &Run<'_>,
+) {
+    for i in 0..run.tiles {
+        run.fetch(i);
+        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
+        unsafe { one32::<R, P, Q41>(a.add(i * R * t.nb), t.down(i * R)) };
+    }
+}
+
+/// One register tile of [`tile32`].
+///
+/// # Safety
+/// As [`tile32`], for one tile of `R` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn one32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, t: Tile) {
     let lay = t.lay;
     let mut acc: [[__m512; P]; R] =
         std::array::from_fn(|i| std::array::from_fn(|p| acc_load(&t, i, p, P, t.fresh)));
@@ -634,7 +699,25 @@ unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(a: *const A32,
 /// # Safety
 /// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
+unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(
+    a: *const A256,
+    t: Tile,
+    run: &Run<'_>,
+) {
+    for i in 0..run.tiles {
+        run.fetch(i);
+        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
+        unsafe { one_k::<R, P, K>(a.add(i * R * t.nb), t.down(i * R)) };
+    }
+}
+
+/// One register tile of [`tile_k`].
+///
+/// # Safety
+/// As [`tile_k`], for one tile of `R` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn one_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
     let qt = QType::ALL[K as usize];
     let (q4, q6) = (qt == QType::Q4_K, qt == QType::Q6_K);
     let lay = t.lay;
@@ -703,7 +786,25 @@ unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t:
 /// # Safety
 /// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_small<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
+unsafe fn tile_small<const R: usize, const P: usize, const K: u8>(
+    a: *const A256,
+    t: Tile,
+    run: &Run<'_>,
+) {
+    for i in 0..run.tiles {
+        run.fetch(i);
+        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
+        unsafe { one_small::<R, P, K>(a.add(i * R * t.nb), t.down(i * R)) };
+    }
+}
+
+/// One register tile of [`tile_small`].
+///
+/// # Safety
+/// As [`tile_small`], for one tile of `R` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn one_small<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
     let qt = QType::ALL[K as usize];
     let lay = t.lay;
     let (subs, per) = vnni::small_shape(qt);
