@@ -14,6 +14,7 @@ from ferrobatch.errors import FieldError
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.modules import QuantLinear
 from ferrobatch.runner import fused_layer, lean_layers, quant_linears
+from ferrobatch.runner.direct_forward import DirectForward
 from ferrobatch.runner.linear_policy import Backend
 from gguf_files import reference_model
 
@@ -114,6 +115,8 @@ def test_quantized_steps_take_the_lean_path(gguf_file, monkeypatch, arch: str,
     layers."""
     written, _ = gguf_file(arch, qtype)
     params = SamplingParams(max_new_tokens=6)
+    # (the stack run directly would bypass the layers' calls counted here)
+    monkeypatch.setattr(DirectForward, "ENABLED", False)
     with Engine(str(written.path), config=CONFIG) as engine:
         quant = engine.runner.activations.quant
         assert engine.runner.activations.lean is not None and quant is not None

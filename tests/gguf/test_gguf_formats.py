@@ -76,6 +76,11 @@ def test_quant_embedding_rows(qtype: str) -> None:
     scaled = QuantEmbedding(w, torch.bfloat16, embed_scale=torch.tensor(16.0))
     want = F.embedding(ids, table).to(torch.bfloat16) * torch.tensor(16.0).to(torch.bfloat16)
     assert torch.equal(scaled(ids), want)
+    # one token (a decode step's lookup, without the sort and gather): same rows, shapes
+    for one in (torch.tensor([[63]]), torch.tensor([7]), torch.tensor(5)):
+        assert torch.equal(emb(one), F.embedding(one, table))
+        assert torch.equal(scaled(one), F.embedding(one, table).to(torch.bfloat16)
+                           * torch.tensor(16.0).to(torch.bfloat16))
 
 
 def test_quant_weight_checks() -> None:

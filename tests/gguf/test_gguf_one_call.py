@@ -13,6 +13,7 @@ from ferrobatch.cpu import quant_ops
 from ferrobatch.gguf import modules
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.runner import fused_layer
+from ferrobatch.runner.direct_forward import DirectForward
 from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from ref_planner import drive_runner
@@ -38,6 +39,8 @@ def _record(monkeypatch) -> list[Backend | None]:
         seen.append(ran)
         return ran
 
+    # (the stack run directly would bypass the layers' calls counted here)
+    monkeypatch.setattr(DirectForward, "ENABLED", False)
     monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
     return seen
 

@@ -15,6 +15,7 @@ from ferrobatch.cpu import f32_ops
 from ferrobatch.cpu.arrays import numpy_view
 from ferrobatch.runner import fused_layer, linear_policy
 from ferrobatch.runner.cpu_linear import packing_available
+from ferrobatch.runner.direct_forward import DirectForward
 from ferrobatch.runner.linear_policy import Backend
 from ferrobatch.runner.model_runner import ModelRunner
 from isa_helpers import needs_isa
@@ -38,6 +39,8 @@ def _record(monkeypatch) -> list[tuple[bool, bool]]:
         seen.append((ran is not None, ran is Backend.F32_OPS))
         return ran
 
+    # (the stack run directly would bypass the layers' calls counted here)
+    monkeypatch.setattr(DirectForward, "ENABLED", False)
     monkeypatch.setattr(fused_layer.FusedLayer, "forward", recorded)
     return seen
 

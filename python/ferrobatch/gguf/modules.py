@@ -394,9 +394,12 @@ class QuantEmbedding(nn.Module):
             self.weight_q = QuantWeight(self.qtype, self.num_embeddings, self.embedding_dim,
                                         self.qdata)
         ids = input_ids.reshape(-1)
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        rows = quant_dequantize(self.weight_q.rows(unique))
-        out = rows.index_select(0, inverse).reshape(*input_ids.shape, self.embedding_dim)
+        if ids.numel() == 1:  # (a decode step's one token: no sort, no gather)
+            out = quant_dequantize(self.weight_q.rows(ids))
+        else:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            out = quant_dequantize(self.weight_q.rows(unique)).index_select(0, inverse)
+        out = out.reshape(*input_ids.shape, self.embedding_dim)
         out = out.to(self.dtype)
         if self.embed_scale is not None:
             out = out * self.embed_scale.to(self.dtype)

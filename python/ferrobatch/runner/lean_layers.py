@@ -371,6 +371,21 @@ class LeanLayers:
             if self._stack is not None:
                 self._stack.forget()
 
+    def run_stack(self, hidden_states: torch.Tensor, step: Any,
+                  position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Every decoder layer on the residual stream `hidden_states` [1, T, H] (fp32,
+        updated in place) in one call of the whole stack, exactly as the first layer's lean
+        forward would start it inside `active()`; False, with nothing done, where the stack
+        can't run this step (the caller then runs the layers' forwards)."""
+        stack = self._stack
+        if stack is None or not self._active or not self.fused_enabled or step is None \
+                or not (self._in_thread() or self._everywhere) \
+                or hidden_states.dtype != torch.float32 or not hidden_states.is_contiguous():
+            return False
+        rope = self._rope_rows
+        return stack.forward(hidden_states[0], step,
+                             lambda: rope(*position_embeddings)) is not None
+
     def _gate_up_buffer(self, product: Any, rows: int) -> torch.Tensor | None:
         """A contiguous fp32 [rows, width] view of the forward's gate/up buffer (grown as
         needed), or None where the products take no `out` (`width` None)."""

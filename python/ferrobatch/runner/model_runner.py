@@ -25,6 +25,7 @@ from ferrobatch.model_config import FULL, model_configs, text_config
 from ferrobatch.models import layer_types_of, sliding_window_of
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.activations import PackedActivations
+from ferrobatch.runner.direct_forward import DirectForward
 from ferrobatch.runner.graph_steps import GraphSteps
 from ferrobatch.runner.output_head import OutputHead
 from ferrobatch.runner.patches import eval_mode, install_packed_check_bypass
@@ -161,6 +162,10 @@ class ModelRunner:
             packed=linears is not None and linears.holds(model.get_output_embeddings()))
         # execute_greedy screens the vocabulary instead of computing every fp32 logit
         self.fast_greedy: bool = self.head.greedy is not None
+        #: the base model's forward with its layer stack in one call, for plain decoders
+        #: (`direct_forward`; None: the model's own forward)
+        self._direct = DirectForward.of(self.head.base, self.activations.lean) \
+            if self.head.split and DirectForward.ENABLED else None
         self._closed = False
         # execute_with_rows' request for final hidden states, and the rows it got
         self._hidden_indices: np.ndarray | None = None
@@ -494,12 +499,15 @@ class ModelRunner:
         head = self.head
         with registry.paged_attention_enabled(self._configs, step), self.activations.active():
             if head.split:
-                out = head.base(input_ids=input_ids, position_ids=positions, **kwargs)
+                if self._direct is not None:
+                    last = self._direct(input_ids, positions, step, **kwargs)
+                else:
+                    last = head.base(input_ids=input_ids, position_ids=positions, **kwargs)[0]
                 if self._hidden_indices is not None:  # execute_with_rows' hidden rows
                     rows = torch.from_numpy(np.asarray(self._hidden_indices, np.int64))
-                    self._hidden_rows = out[0][0].index_select(
-                        0, rows.to(out[0].device)).float()
-                hidden = out[0][0].index_select(0, logits_indices)
+                    self._hidden_rows = last[0].index_select(
+                        0, rows.to(last.device)).float()
+                hidden = last[0].index_select(0, logits_indices)
                 if greedy and head.greedy is not None:
                     tokens = head.greedy.argmax(hidden)
                     if tokens is not None:
@@ -522,6 +530,7 @@ class ModelRunner:
         registry.forget(self._configs)
         self.cache = None  # type: ignore[assignment]
         self.head.close()
+        self._direct = None
         self.activations.close()
         self.fast_greedy = False
         self.model = None
