@@ -72,23 +72,26 @@ def construct(path: str) -> None:
 
 
 #: the arms `interleaved` compares: the engine as it runs (decoder layers lean over the
-#: quantized products, a decode step's layer in one `_core.LeanLayer` call), the lean
-#: layers without the one call, the model's own layers (transformers' code, each
-#: `QuantLinear` on its own)
-ARMS = ("lean", "per_layer", "per_kernel", "own")
+#: quantized products, a decode step's layers in one `_core.lean_layers_forward` call, the
+#: base model's forward run directly), the same through the model's own base-model forward,
+#: the lean layers in one call each, the lean layers without the one call, the model's own
+#: layers (transformers' code, each `QuantLinear` on its own)
+ARMS = ("lean", "model_forward", "per_layer", "per_kernel", "own")
 
 
-def _set_arm(engine: Engine, lean: object, arm: str) -> None:
+def _set_arm(engine: Engine, lean: object, direct: object, arm: str) -> None:
     acts = engine.runner.activations
     acts.lean = None if arm == "own" else lean
-    lean.fused_enabled = arm in ("lean", "per_layer")
-    FusedStack.ENABLED = arm == "lean"
+    lean.fused_enabled = arm in ("lean", "model_forward", "per_layer")
+    FusedStack.ENABLED = arm in ("lean", "model_forward")
+    engine.runner.direct_forward = direct if arm == "lean" else None
 
 
 def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> None:
     """Two of `ARMS` on the same engine, alternated, medians of `repeats`: single stream
     (128 tokens) and `prompts` chat prompts x 64 (their prefill included)."""
     lean = engine.runner.activations.lean
+    direct = engine.runner.direct_forward
     if lean is None:
         raise SystemExit("this model's layers do not run lean; nothing to compare")
 
@@ -100,19 +103,19 @@ def interleaved(engine: Engine, repeats: int, prompts: int, arms: list[str]) -> 
     batch = chat_prompts(encode, prompts)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for arm in arms:  # warm-up: the own layers pack their weights on first use, a first
-        _set_arm(engine, lean, arm)  # large batch allocates
+        _set_arm(engine, lean, direct, arm)  # large batch allocates
         timed(engine, single, 4)
         timed(engine, batch, 4)
     for r in range(repeats):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
-            _set_arm(engine, lean, arm)
+            _set_arm(engine, lean, direct, arm)
             for what, ps, n in (("single stream x 128", single, 128),
                                 (f"{prompts} x 64", batch, 64)):
                 got, wall, cpu = timed(engine, ps, n)
                 results.setdefault((what, arm), []).append((got / wall, got / cpu))
                 print(f"  run {r} {arm:10} {what}: {got / wall:.2f} tok/s, "
                       f"{got / cpu:.2f} tok per CPU-s", flush=True)
-    _set_arm(engine, lean, "lean")
+    _set_arm(engine, lean, direct, "lean")
     for (what, arm), runs in results.items():
         print(f"{what:22} {arm:10}: median {statistics.median(w for w, _ in runs):.2f} tok/s "
               f"wall, {statistics.median(c for _, c in runs):.2f} tok per CPU-s "
@@ -220,9 +223,10 @@ def main() -> None:
                              "(single stream and offline)")
     parser.add_argument("--arms", default="lean,own", metavar="A,B",
                         help=f"with --ab: two of {', '.join(ARMS)} (lean: as the engine "
-                             "runs; per_layer: one call a layer, not the whole stack in "
-                             "one; per_kernel: lean layers without the one-call layer; "
-                             "own: the model's own layers)")
+                             "runs; model_forward: the same through the model's own "
+                             "base-model forward; per_layer: one call a layer, not the "
+                             "whole stack in one; per_kernel: lean layers without the "
+                             "one-call layer; own: the model's own layers)")
     parser.add_argument("--backends", default=None, metavar="A,B",
                         help="with --ab: two quantized-product backends instead (prefill "
                              "and offline)")

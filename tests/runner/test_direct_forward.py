@@ -46,7 +46,7 @@ def _run(monkeypatch, model, prompts, new, direct: bool, calls: list[int] | None
     runner's construction checks)."""
     monkeypatch.setattr(DirectForward, "ENABLED", direct)
     runner = ModelRunner(model, num_blocks=128, page_size=4)
-    assert (runner._direct is not None) == direct
+    assert (runner.direct_forward is not None) == direct
     if calls is not None:
         calls.clear()
     out = drive_runner(runner, prompts, new, forced=True)
@@ -109,7 +109,7 @@ def test_only_plain_decoders_take_it(monkeypatch):
     model = tm.llama()
     lean = ModelRunner(model, num_blocks=16, page_size=4)
     try:
-        assert lean._direct is not None
+        assert lean.direct_forward is not None
         base = model.base_model
         base.forward = base.forward  # (an instance attribute, as a patch would leave)
         assert DirectForward.of(base, lean.activations.lean) is None

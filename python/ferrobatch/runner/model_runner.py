@@ -164,7 +164,8 @@ class ModelRunner:
         self.fast_greedy: bool = self.head.greedy is not None
         #: the base model's forward with its layer stack in one call, for plain decoders
         #: (`direct_forward`; None: the model's own forward)
-        self._direct = DirectForward.of(self.head.base, self.activations.lean) \
+        self.direct_forward: DirectForward | None = DirectForward.of(
+            self.head.base, self.activations.lean) \
             if self.head.split and DirectForward.ENABLED else None
         self._closed = False
         # execute_with_rows' request for final hidden states, and the rows it got
@@ -499,8 +500,8 @@ class ModelRunner:
         head = self.head
         with registry.paged_attention_enabled(self._configs, step), self.activations.active():
             if head.split:
-                if self._direct is not None:
-                    last = self._direct(input_ids, positions, step, **kwargs)
+                if self.direct_forward is not None:
+                    last = self.direct_forward(input_ids, positions, step, **kwargs)
                 else:
                     last = head.base(input_ids=input_ids, position_ids=positions, **kwargs)[0]
                 if self._hidden_indices is not None:  # execute_with_rows' hidden rows
@@ -530,7 +531,7 @@ class ModelRunner:
         registry.forget(self._configs)
         self.cache = None  # type: ignore[assignment]
         self.head.close()
-        self._direct = None
+        self.direct_forward = None
         self.activations.close()
         self.fast_greedy = False
         self.model = None
