@@ -6,16 +6,16 @@ attention masks, the rotary embedding, runs its layers in order and normalizes. 
 ferrobatch the masks are unused (the paged attention reads the step), and where the stack
 runs, the first layer's call runs every layer and the others only return. A one-token
 decode step of a 1.5B GGUF model spent ~1.5 ms a token in that machinery (the forward's
-decorators, the mask, 28 layer calls through `nn.Module.__call__`) and another ~0.5 ms in
-the quantized embedding's `torch.unique`. `DirectForward` runs the same operations on the
-same tensors, in the same order: the embedding, the rotary embedding, the stack in one
-call, the final norm. The hidden states are the same bits as the model's own forward.
+decorators, the mask, 28 layer calls through `nn.Module.__call__`). `DirectForward` runs
+the same operations on the same tensors, in the same order: the embedding, the rotary
+embedding, the stack in one call, the final norm. The hidden states are the same bits as
+the model's own forward.
 
 It applies only to the classes named in `CLASSES`, with their own (not overridden) forward,
 and never while any forward hook or pre-hook is registered on the base model, its layers
-or its parts, or globally (those would not run). Where the stack can't run a step (too many
-rows for one call, a policy or cache that asks for the layers' own calls), the model's
-forward runs on the embeddings already made."""
+or its parts, or globally (those would not run). Where the stack can't run a step (a prompt's
+rows, more rows than one call takes, a policy or cache that asks for the layers' own
+calls), the model's forward runs on the embeddings already made."""
 
 from __future__ import annotations
 
