@@ -630,6 +630,36 @@ unsafe fn dot_quads<const R: usize, const P: usize>(
     }
 }
 
+/// Defines `$name`: the one-tile kernel `$one` run over `run.tiles` register tiles of `R`
+/// rows, one below the other, each after fetching its share of the next chunk (one call
+/// for every tile of a chunk: a call a tile cost ~3-5% of the 512-row K-type products).
+macro_rules! tiles {
+    ($(#[$doc:meta])* $name:ident, $one:ident, $act:ty, $c:ident: $ct:ty) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        unsafe fn $name<const R: usize, const P: usize, const $c: $ct>(
+            a: *const $act,
+            t: Tile,
+            run: &Run<'_>,
+        ) {
+            for i in 0..run.tiles {
+                run.fetch(i);
+                // SAFETY: tile `i`'s rows `R i .. R (i + 1)` lie inside the rows of this
+                // function's contract; the rest of `$one`'s contract is this one's.
+                unsafe { $one::<R, P, $c>(a.add(i * R * t.nb), t.down(i * R)) };
+            }
+        }
+    };
+}
+
+tiles! {
+    /// [`one32`] over `run.tiles` register tiles of `R` rows, one below the other.
+    ///
+    /// # Safety
+    /// As [`one32`]'s, for the `R * run.tiles` rows from `a` (and `t.acc`).
+    tile32, one32, A32, Q41: bool
+}
+
 /// The 32-weight types (`Q41`: Q4_1's or Q5_1's `m` term), `R` rows, `P` panels.
 ///
 /// # Safety
@@ -638,23 +668,6 @@ unsafe fn dot_quads<const R: usize, const P: usize>(
 /// chunk, row `i`'s block `b` at `a + i * t.nb + b` readable for `i < R`, `b < t.cb`;
 /// the lanes of `t.mask(p, P)` at `t.acc + i * t.rstride + 16 p` are readable and writable
 /// (by this thread alone) for `p < P`, `i < R`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile32<const R: usize, const P: usize, const Q41: bool>(
-    a: *const A32,
-    t: Tile,
-    run: &Run<'_>,
-) {
-    for i in 0..run.tiles {
-        run.fetch(i);
-        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
-        unsafe { one32::<R, P, Q41>(a.add(i * R * t.nb), t.down(i * R)) };
-    }
-}
-
-/// One register tile of [`tile32`].
-///
-/// # Safety
-/// As [`tile32`], for one tile of `R` rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
 unsafe fn one32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, t: Tile) {
@@ -693,28 +706,19 @@ unsafe fn one32<const R: usize, const P: usize, const Q41: bool>(a: *const A32, 
     }
 }
 
+tiles! {
+    /// [`one_k`] over `run.tiles` register tiles of `R` rows, one below the other.
+    ///
+    /// # Safety
+    /// As [`one_k`]'s, for the `R * run.tiles` rows from `a` (and `t.acc`).
+    tile_k, one_k, A256, K: u8
+}
+
 /// Q4_K, Q5_K or Q6_K (`K`: the type's number), `R` rows, `P` panels: the block's sum in
 /// i32, or Q4_K's as two exact f32 halves ([`vnni::Q4K_HALF_MAX`]).
 ///
 /// # Safety
-/// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_k<const R: usize, const P: usize, const K: u8>(
-    a: *const A256,
-    t: Tile,
-    run: &Run<'_>,
-) {
-    for i in 0..run.tiles {
-        run.fetch(i);
-        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
-        unsafe { one_k::<R, P, K>(a.add(i * R * t.nb), t.down(i * R)) };
-    }
-}
-
-/// One register tile of [`tile_k`].
-///
-/// # Safety
-/// As [`tile_k`], for one tile of `R` rows.
+/// As [`one32`], with [`A256`] activation blocks and blocks of the type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
 unsafe fn one_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
@@ -780,28 +784,19 @@ unsafe fn one_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: 
     }
 }
 
-/// Q3_K, Q2_K or IQ4_XS (`K`: the type's number), `R` rows, `P` panels: [`tile_k`]'s
+tiles! {
+    /// [`one_small`] over `run.tiles` register tiles of `R` rows, one below the other.
+    ///
+    /// # Safety
+    /// As [`one_small`]'s, for the `R * run.tiles` rows from `a` (and `t.acc`).
+    tile_small, one_small, A256, K: u8
+}
+
+/// Q3_K, Q2_K or IQ4_XS (`K`: the type's number), `R` rows, `P` panels: [`one_k`]'s
 /// order with the starts of the sub-block sums and Q2_K's mins of `vnni::small_k`.
 ///
 /// # Safety
-/// As [`tile32`], with [`A256`] activation blocks and blocks of the type.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_small<const R: usize, const P: usize, const K: u8>(
-    a: *const A256,
-    t: Tile,
-    run: &Run<'_>,
-) {
-    for i in 0..run.tiles {
-        run.fetch(i);
-        // SAFETY: tile `i`'s rows `R i ..`, inside the rows of this function's contract.
-        unsafe { one_small::<R, P, K>(a.add(i * R * t.nb), t.down(i * R)) };
-    }
-}
-
-/// One register tile of [`tile_small`].
-///
-/// # Safety
-/// As [`tile_small`], for one tile of `R` rows.
+/// As [`one32`], with [`A256`] activation blocks and blocks of the type.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
 unsafe fn one_small<const R: usize, const P: usize, const K: u8>(a: *const A256, t: Tile) {
