@@ -59,6 +59,13 @@ impl A256 {
     };
 }
 
+/// Sums `2 p` and `2 p + 1` of `sums` (an [`A256`]'s `sum32` or `sum16`) as one i32, the
+/// first in the low half: the operand a `pmaddwd` / `vpdpwssd` pairs with two mins.
+#[inline(always)]
+pub(crate) fn sum_pair(sums: &[i16], p: usize) -> i32 {
+    i32::from(sums[2 * p] as u16) | (i32::from(sums[2 * p + 1]) << 16)
+}
+
 /// `rne(v)` (round to nearest, ties to even) for `|v| < 2^22`, in integer arithmetic:
 /// adding 1.5 * 2^23 leaves no fraction bits, and the sum's bits less the constant's are the
 /// rounded value. Branch-free (it vectorizes, unlike a saturating `as` or a libm call); any

@@ -16,7 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{A256, A32};
+use super::act::{sum_pair, A256, A32};
 use super::blocks::IQ4_VALUES;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
@@ -427,12 +427,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
                 w.add(mins + 128 * b + 32 * p + 16 * h).cast(),
             ));
             for i in 0..R {
-                let pair = (*ab[i])
-                    .sum32
-                    .as_ptr()
-                    .add(2 * p)
-                    .cast::<i32>()
-                    .read_unaligned();
+                let pair = sum_pair(&(*ab[i]).sum32, p);
                 let m = _mm256_madd_epi16(mp, _mm256_set1_epi32(pair));
                 s2[i] = _mm256_add_epi32(s2[i], m);
             }
@@ -650,12 +645,7 @@ unsafe fn small_k<const R: usize, const K: u8>(
                 let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.add(16).cast()));
                 let mp = _mm256_or_si256(lo, _mm256_slli_epi32::<16>(_mm256_srli_epi32::<4>(hi)));
                 for i in 0..R {
-                    let pair = (*ab[i])
-                        .sum16
-                        .as_ptr()
-                        .add(2 * p)
-                        .cast::<i32>()
-                        .read_unaligned();
+                    let pair = sum_pair(&(*ab[i]).sum16, p);
                     let m = _mm256_madd_epi16(mp, _mm256_set1_epi32(pair));
                     s2[i] = _mm256_add_epi32(s2[i], m);
                 }

@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::{A256, A32};
+use super::act::{sum_pair, A256, A32};
 use super::blocks::IQ4NL_U;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
@@ -197,7 +197,7 @@ unsafe fn load(p: *const u8) -> __m512i {
 /// `p .. p + 4` is readable.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn quad(p: *const i8) -> __m512i {
+pub(super) unsafe fn quad(p: *const i8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
@@ -430,12 +430,7 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
             let mp =
                 _mm512_cvtepu8_epi16(_mm256_loadu_si256(w.add(mins + 128 * b + 32 * p).cast()));
             for i in 0..R {
-                let pair = (*ab[i])
-                    .sum32
-                    .as_ptr()
-                    .add(2 * p)
-                    .cast::<i32>()
-                    .read_unaligned();
+                let pair = sum_pair(&(*ab[i]).sum32, p);
                 s2[i] = dpwssd(s2[i], mp, _mm512_set1_epi32(pair));
             }
         }
@@ -733,12 +728,7 @@ unsafe fn small_k<const R: usize, const K: u8>(
             for p in 0..8 {
                 let mp = q2_min_pair(w, &st, b, p);
                 for i in 0..R {
-                    let pair = (*ab[i])
-                        .sum16
-                        .as_ptr()
-                        .add(2 * p)
-                        .cast::<i32>()
-                        .read_unaligned();
+                    let pair = sum_pair(&(*ab[i]).sum16, p);
                     s2[i] = dpwssd(s2[i], mp, _mm512_set1_epi32(pair));
                 }
             }

@@ -28,7 +28,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::act::{A256, A32};
+use super::act::{sum_pair, A256, A32};
 use super::blocks::IQ4NL_U;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, streams, PANEL};
 use super::{amx_rows, vnni};
@@ -595,16 +595,6 @@ pub(super) unsafe fn line_ps(p: *const Line, i: usize) -> __m512 {
     _mm512_load_ps(p.add(i).cast())
 }
 
-/// The 4 bytes at `p` (4 int8 inputs) in every i32 lane.
-///
-/// # Safety
-/// `p .. p + 4` is readable.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-unsafe fn quad(p: *const i8) -> __m512i {
-    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
-}
-
 /// `s[i][p]` gains the products of quads `quads` of panel `p`'s unpacked codes (`blk[p]`,
 /// a line a quad) with row `i`'s inputs (`qs[i]`), one `vpdpbusd` a quad, in quad order.
 ///
@@ -622,7 +612,7 @@ unsafe fn dot_quads<const R: usize, const P: usize>(
     for q in quads {
         let c: [__m512i; P] = std::array::from_fn(|p| line(blk[p], q));
         for i in 0..R {
-            let x = quad(qs[i].add(4 * q));
+            let x = vnni::quad(qs[i].add(4 * q));
             for p in 0..P {
                 s[i][p] = _mm512_dpbusd_epi32(s[i][p], c[p], x);
             }
@@ -786,12 +776,7 @@ unsafe fn one_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: 
         for pp in 0..4 {
             let mins: [__m512i; P] = std::array::from_fn(|p| line(blk[p], lay.mins + pp));
             for i in 0..R {
-                let pair = (*ab[i])
-                    .sum32
-                    .as_ptr()
-                    .add(2 * pp)
-                    .cast::<i32>()
-                    .read_unaligned();
+                let pair = sum_pair(&(*ab[i]).sum32, pp);
                 let pair = _mm512_set1_epi32(pair);
                 for p in 0..P {
                     s2[i][p] = dpwssd(s2[i][p], mins[p], pair);
@@ -893,15 +878,15 @@ pub(super) unsafe fn k_block_end(
         _mm512_mul_ps(line_ps(blk, lay.d), _mm512_set1_ps(dx)),
         v,
     );
-    let (pairs, sums) = match qt {
-        QType::Q4_K | QType::Q5_K => (4, ab.sum32.as_ptr()),
-        QType::Q2_K => (8, ab.sum16.as_ptr()),
+    let sums: &[i16] = match qt {
+        QType::Q4_K | QType::Q5_K => &ab.sum32,
+        QType::Q2_K => &ab.sum16,
         _ => return v,
     };
     let mut s2 = _mm512_setzero_si512();
-    for pp in 0..pairs {
-        let pair = sums.add(2 * pp).cast::<i32>().read_unaligned();
-        s2 = dpwssd(s2, line(blk, lay.mins + pp), _mm512_set1_epi32(pair));
+    for pp in 0..sums.len() / 2 {
+        let pair = _mm512_set1_epi32(sum_pair(sums, pp));
+        s2 = dpwssd(s2, line(blk, lay.mins + pp), pair);
     }
     let edx = _mm512_mul_ps(line_ps(blk, lay.e), _mm512_set1_ps(dx));
     _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v)
