@@ -43,21 +43,17 @@ class DirectForward:
     def __init__(self, base: torch.nn.Module, lean: Any) -> None:
         self.base = base
         self._lean = lean
-        self._layers = list(base.layers)
-        self._parts = [base, base.embed_tokens, base.rotary_emb, base.norm, *self._layers]
+        self._parts = [base, base.embed_tokens, base.rotary_emb, base.norm, *base.layers]
 
     @classmethod
     def of(cls, base: torch.nn.Module | None, lean: Any) -> DirectForward | None:
         """The direct forward of `base` over the lean layers `lean`, or None."""
-        if base is None or lean is None or not callable(getattr(lean, "run_stack", None)):
+        if base is None or lean is None:
             return None
         kind = type(base)
-        if kind.__name__ not in CLASSES or not kind.__module__.startswith("transformers."):
-            return None
-        # (the class's own forward, not a subclass's or an instance's replacement)
-        own = next((c.__dict__["forward"] for c in kind.__mro__ if "forward" in c.__dict__),
-                   None)
-        if own is None or "forward" in base.__dict__ \
+        # (transformers' own class, so its own forward; none replaced on the instance)
+        if kind.__name__ not in CLASSES or not kind.__module__.startswith("transformers.") \
+                or "forward" in base.__dict__ \
                 or any(getattr(base, a, None) is None
                        for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return None

@@ -379,12 +379,17 @@ class LeanLayers:
         can't run this step (the caller then runs the layers' forwards)."""
         stack = self._stack
         if stack is None or not self._active or not self.fused_enabled or step is None \
-                or not (self._in_thread() or self._everywhere) \
-                or hidden_states.dtype != torch.float32 or not hidden_states.is_contiguous():
+                or not self._takes(hidden_states):
             return False
         rope = self._rope_rows
         return stack.forward(hidden_states[0], step,
                              lambda: rope(*position_embeddings)) is not None
+
+    def _takes(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this forward's residual stream `hidden_states` may run lean: an engine
+        forward (any forward with `everywhere`), fp32 and contiguous."""
+        return (self._in_thread() or self._everywhere) \
+            and hidden_states.dtype == torch.float32 and hidden_states.is_contiguous()
 
     def _gate_up_buffer(self, product: Any, rows: int) -> torch.Tensor | None:
         """A contiguous fp32 [rows, width] view of the forward's gate/up buffer (grown as
@@ -403,12 +408,10 @@ class LeanLayers:
         layer = p.layer
         product = self._linears.wide_product
         input_dtype, kv_dtype = self._linears.input_dtype, self._kv_dtype
-        in_thread = self._in_thread
         rope_rows = self._rope_rows
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if not (in_thread() or self._everywhere) or hidden_states.dtype != torch.float32 \
-                    or args or not hidden_states.is_contiguous():
+            if args or not self._takes(hidden_states):
                 return own(layer, hidden_states, *args, **kwargs)
             if p.fused is not None and self.fused_enabled and p.fused.forward(
                     hidden_states[0], kwargs.get(context.STEP_KWARG),
