@@ -173,7 +173,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
                metadata: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
                extra_tensors: dict[str, np.ndarray] | None = None,
                fallback: dict[str, str] | None = None,
-               drop_metadata: tuple[str, ...] = ()) -> Written:
+               drop_metadata: tuple[str, ...] = (), split_max_tensors: int = 0,
+               small_first_shard: bool = False) -> Written:
     """Write `model` as llama.cpp would (GGUF architecture `arch`: "mistral" is written as
     "llama" named "mistral", as transformers recognises it). Matrices of `qtype` (the token
     embedding `embed_qtype`, the output head `output_qtype`, any GGUF tensor named in `types`
@@ -182,12 +183,15 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     `drop_metadata` leaves keys out; `drop` leaves GGUF tensors out, `extra_tensors` adds
     F32 ones. A matrix whose rows are not whole blocks
     of its type is written as `fallback[type]` (`LLAMA_CPP_FALLBACK`: as llama.cpp), else
-    Q8_0."""
+    Q8_0. `split_max_tensors` writes a split file as llama.cpp's converter does (shards
+    `STEM-0000i-of-0000n.gguf` beside `path`; `small_first_shard`: the first one holds the
+    metadata alone); `Written.path` is then the first shard."""
     lie = metadata or {}
     rng = np.random.default_rng(seed)
     cfg = model.config
     file_arch = "llama" if arch in _LLAMA_FILES else arch
-    w = gguf.GGUFWriter(str(path), file_arch)
+    w = gguf.GGUFWriter(str(path), file_arch, split_max_tensors=split_max_tensors,
+                        small_first_shard=small_first_shard)
     w.add_name(name or ("mistral" if arch == "mistral" else f"tiny-{arch}"))
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -337,7 +341,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return Written(Path(path), reference, written)
+    return Written(w.format_shard_names(Path(path))[0], reference, written)
 
 
 def _long_rope(cfg: Any) -> dict[str, Any] | None:

@@ -68,6 +68,8 @@ logger = logging.getLogger("ferrobatch")
 
 #: bump when what is cached per file (config, tokenizer) changes meaning
 _CACHE_VERSION = "1"
+#: the output head's tensor (absent: the head is tied to the token embedding)
+_OUTPUT = "output.weight"
 _ROPE_FREQS = "rope_freqs.weight"
 #: Phi-3 LongRoPE's factors (short, long): config values, not parameters (`arch.fix_config`)
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
@@ -247,6 +249,10 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     cache_dir = _cache_dir(path) if cache else None
     config, cached = _base_config(path, cache_dir)
     config._name_or_path = str(path)
+    if len(f.paths) > 1:
+        # (transformers reads a split file's first shard alone, and ties the head where
+        # that shard has no `output.weight`: whether the whole file has one decides)
+        config.tie_word_embeddings = _OUTPUT not in f.tensors
     config_dict = config.to_dict()
     base_config = copy.deepcopy(config)
     config = archs.moe_config(config, f.metadata, arch)

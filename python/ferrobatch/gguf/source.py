@@ -15,7 +15,7 @@ import torch
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import narrow_read, quantize, stream_quantize
 from ferrobatch.gguf.loader import load_gguf
-from ferrobatch.gguf.reader import is_gguf_file
+from ferrobatch.gguf.reader import is_gguf_file, shard_paths
 from ferrobatch.model_dtype import resolve_dtype
 
 __all__ = ["gguf_path_of", "load"]
@@ -24,7 +24,8 @@ __all__ = ["gguf_path_of", "load"]
 def gguf_path_of(model: Any) -> Path | None:
     """The GGUF file `model` (a path) names, or None: a file whose name ends in `.gguf` or
     that starts with the GGUF magic, or a directory with no `config.json` holding exactly
-    one `*.gguf` (more than one: `FieldError` naming them)."""
+    one `*.gguf` or one split file's shards (the first shard; any other set of files:
+    `FieldError` naming them)."""
     if not isinstance(model, str | os.PathLike):
         return None
     p = Path(model).expanduser()
@@ -33,6 +34,8 @@ def gguf_path_of(model: Any) -> Path | None:
     if p.is_dir() and not (p / "config.json").is_file():
         found = sorted(x for x in p.iterdir() if x.suffix.lower() == ".gguf" and x.is_file())
         if len(found) == 1:
+            return found[0]
+        if found and shard_paths(found[0], len(found)) == found:  # one split file's shards
             return found[0]
         if len(found) > 1:
             raise FieldError(f"{p} holds {len(found)} GGUF files "
