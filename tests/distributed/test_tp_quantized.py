@@ -130,6 +130,15 @@ def test_fallback_types_split_in_32_weight_blocks(tmp_path: Path) -> None:
     assert _tokens(written.path, 2) == _tokens(written.path, 1)
 
 
+def test_split_file_two_ranks_equal_one(tmp_path: Path) -> None:
+    """A split GGUF file (its shards' directory): each rank cuts its share of the shards."""
+    source = tiny_model("llama", head_dim=128, intermediate_size=768)
+    first = write_gguf(tmp_path / "llama-q4_k.gguf", source, "llama", "Q4_K",
+                       split_max_tensors=4).path
+    assert len(list(tmp_path.glob("*.gguf"))) > 2
+    assert _tokens(tmp_path, 2) == _tokens(first, 1)
+
+
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])  # bf16: read narrow
 def test_quantize_on_load_equals_one_rank(tmp_path: Path, stored: torch.dtype) -> None:
     tiny_model("qwen2").to(stored).save_pretrained(tmp_path / "ckpt")
