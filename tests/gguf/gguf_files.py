@@ -56,6 +56,12 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                dict(head_dim=64, sliding_window=8, query_pre_attn_scalar=64,
                     tie_word_embeddings=True, num_hidden_layers=6)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+    # LayerNorm1P with biases, squared-ReLU MLP (up / down, no gate), rope on the first
+    # half of each head (llama.cpp: `rope.dimension_count`), a norm epsilon off the default
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM",
+                 dict(head_dim=64, norm_eps=1e-4, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5})),
     # Conv1D linears (weights [in, out]), learned positions, LayerNorm with biases
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=512, tie_word_embeddings=True)),
     # LayerNorm and every linear with biases, an ungated GELU MLP (c_fc / c_proj), rope theta
@@ -81,6 +87,8 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 #: GGUF architecture -> transformers' model type, where they differ
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+#: architectures whose norm weights llama.cpp stores plus one
+_NORM_PLUS_ONE = ("gemma2", "gemma3", "nemotron")
 #: the test architectures llama.cpp writes as `llama`
 _LLAMA_FILES = ("mistral", "mixtral")
 #: GPT-2's Conv1D weights, which llama.cpp writes transposed (as [out, in] rows)
@@ -209,6 +217,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         w.add_head_count_kv(kv)
         if arch == "starcoder2":  # LayerNorm, its epsilon `norm_epsilon`
             w.add_layer_norm_eps(cfg.norm_epsilon)
+        elif arch == "nemotron":  # LayerNorm1P, `norm_eps`
+            w.add_layer_norm_eps(cfg.norm_eps)
         else:
             w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         theta = cfg.rope_parameters.get("rope_theta") if "rope_theta" in cfg.rope_parameters \
@@ -217,6 +227,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     w.add_vocab_size(cfg.vocab_size)
     if file_arch == "llama":
         w.add_rope_dimension_count(head_dim)
+    if arch == "nemotron":  # (llama.cpp's converter: the rotated share of the hidden width)
+        partial = cfg.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * cfg.hidden_size) // heads)
     if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -269,7 +282,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             n_kv = heads if ".attn_q." in gname else kv
             x = _permute(x, heads, n_kv)
             perm = np.argsort(_permute(np.arange(x.shape[0])[:, None], heads, n_kv)[:, 0])
-        if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
+        if arch in _NORM_PLUS_ONE and gname.endswith("norm.weight"):
             x = (x + 1).astype(np.float32)
         conv1d = gpt2 and gname.endswith(_CONV1D)
         if conv1d:
@@ -309,7 +322,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
             values = values[perm]
         if conv1d:
             values = values.T
-        if arch in ("gemma2", "gemma3") and gname.endswith("norm.weight"):
+        if arch in _NORM_PLUS_ONE and gname.endswith("norm.weight"):
             values = values - 1
         ref = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if gname.endswith(".ffn_gate_inp_shexp.weight"):

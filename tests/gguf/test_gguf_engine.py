@@ -43,7 +43,7 @@ LEAN_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
     ("gemma2", "Q5_K"), ("gemma3", "Q4_1"), ("phi3", "Q4_K"), ("gpt2", "Q6_K"),
     ("qwen3", "Q5_0"), ("llama", "IQ4_NL"), ("gemma3", "Q5_1"),
     ("llama", "Q3_K"), ("qwen2", "Q2_K"), ("qwen3", "IQ4_XS"), ("gemma2", "Q3_K"),
-    ("starcoder2", "Q5_K"),
+    ("starcoder2", "Q5_K"), ("nemotron", "Q4_K"),
 ])
 def test_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -> None:
     written, _ = gguf_file(arch, qtype)

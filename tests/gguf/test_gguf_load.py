@@ -27,6 +27,7 @@ CASES = [("llama", q) for q in QTYPES] + [("qwen2", q) for q in QTYPES] + [
     ("gemma2", "Q6_K"), ("gemma2", "Q4_0"), ("gemma3", "Q4_K"), ("gemma3", "Q8_0"),
     ("phi3", "Q5_K"), ("phi3", "Q4_1"), ("gpt2", "Q4_K"), ("gpt2", "Q8_0"),
     ("starcoder2", "Q4_K"), ("starcoder2", "Q6_K"), ("starcoder2", "Q8_0"),
+    ("nemotron", "Q4_K"), ("nemotron", "Q8_0"),
 ]
 
 
@@ -236,7 +237,7 @@ def test_directory_with_one_file(gguf_file) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
                                   "phi3", "gpt2", "starcoder2", "qwen3moe", "qwen2moe",
-                                  "mixtral"])
+                                  "mixtral", "nemotron"])
 def test_cached_config_is_the_same(gguf_file, arch: str) -> None:
     """The config read back from the cache is the one transformers made of the file."""
     written, _ = gguf_file(arch, "Q8_0")

@@ -34,7 +34,7 @@ logger = logging.getLogger("ferrobatch")
 
 #: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
-                           "starcoder2", "qwen2moe", "qwen3moe")
+                           "starcoder2", "nemotron", "qwen2moe", "qwen3moe")
 #: the mixtures of experts among them (their experts: `ferrobatch.gguf.experts`)
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 #: transformers' model type of a GGUF architecture, where the two names differ
@@ -108,7 +108,11 @@ def _meta(metadata: dict[str, Any], arch: str, key: str) -> Any:
 _REQUIRED_KEYS = ("context_length", "embedding_length", "block_count", "attention.head_count")
 #: the norm epsilon's key (required too), where it is not `attention.layer_norm_rms_epsilon`
 _NORM_EPS_KEY = {"gpt2": "attention.layer_norm_epsilon",
-                 "starcoder2": "attention.layer_norm_epsilon"}
+                 "starcoder2": "attention.layer_norm_epsilon",
+                 "nemotron": "attention.layer_norm_epsilon"}
+#: architectures whose rotary embedding may turn only the head's first dimensions
+#: (`rope.dimension_count` < head size: transformers' `partial_rotary_factor`)
+_PARTIAL_ROPE = ("phi3", "nemotron")
 #: metadata the mixtures of experts require besides (`{arch}.` + key): a `llama` file's
 #: experts (Mixtral) are `feed_forward_length` wide
 _MOE_KEYS = {"llama": ("expert_count", "expert_used_count")}
@@ -225,8 +229,8 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
 
     * `attention.key_length` -> `head_dim` (Qwen3 and others whose head size is not
       hidden / heads); where the config has no `head_dim`, it must equal hidden / heads;
-    * `rope.dimension_count` below the head size: Phi-3's `partial_rotary_factor`; elsewhere
-      refused;
+    * `rope.dimension_count` below the head size: Phi-3's and Nemotron's
+      `partial_rotary_factor`; elsewhere refused;
     * Phi-3 LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): `rope_factors` (the file's
       `rope_factors_short` / `rope_factors_long` tensors, read by the loader),
       `rope.scaling.original_context_length` (the threshold; the context length when absent)
@@ -238,6 +242,9 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
       `query_pre_attn_scalar` as llama.cpp derives it (the head size, hidden / heads for the
       27B shapes);
     * GPT-2: `context_length` -> `n_positions`, `feed_forward_length` -> `n_inner`;
+    * Nemotron: `attention.layer_norm_epsilon` -> `norm_eps` (transformers reads the RMS
+      key, which llama.cpp does not write for it); its norm weights are stored plus one
+      (layernorm1p as a plain LayerNorm), which transformers' tensor processor undoes;
     * Mistral (written as `llama`) and StarCoder2: no sliding window (llama.cpp attends over
       the whole context); Phi-3: `attention.sliding_window`;
     * StarCoder2: `rope.freq_base` -> `rope_theta` and `vocab_size` (transformers' mapping
@@ -259,7 +266,7 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     rope_dims = _meta(metadata, arch, "rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
-        if arch == "phi3":
+        if arch in _PARTIAL_ROPE:
             config.rope_parameters["partial_rotary_factor"] = int(rope_dims) / head_dim
         else:
             raise FieldError(f"{path}: rotary dimensions {rope_dims} != head size {head_dim} "
@@ -304,6 +311,8 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
     if arch == "phi3":
         window = _meta(metadata, arch, "attention.sliding_window")
         config.sliding_window = int(window) if window else None
+    if arch == "nemotron":
+        config.norm_eps = float(_meta(metadata, arch, "attention.layer_norm_epsilon"))
     if arch == "gpt2":  # transformers maps these onto names GPT2Config does not read
         if _meta(metadata, arch, "context_length") is not None:
             config.n_positions = int(_meta(metadata, arch, "context_length"))
