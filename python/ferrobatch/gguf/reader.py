@@ -275,9 +275,12 @@ def _other_shards(first: _Shard) -> list[_Shard]:
             raise FieldError(f"{first.path}: shard {i + 1} of {count}, {p.name}, is missing "
                              f"from {p.parent}", "model")
         shard = _Shard(p)
-        if shard.split() != (i, count):
-            raise FieldError(f"{p}: not shard {i + 1} of {count} of {first.path.name} (its "
-                             f"split metadata says {shard.split()})", "model")
+        said = shard.split()
+        if said != (i, count):
+            what = "no split metadata" if said is None else \
+                f"split metadata of shard {said[0] + 1} of {said[1]}"
+            raise FieldError(f"{p}: not shard {i + 1} of {count} of {first.path.name} (it "
+                             f"has {what})", "model")
         shards.append(shard)
     return shards
 
