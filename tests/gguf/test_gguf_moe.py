@@ -69,6 +69,25 @@ def test_float_experts_fill_the_fused_module(gguf_file, arch: str) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
+def test_shared_expert_gate_as_a_matrix(tmp_path) -> None:
+    """llama.cpp's converter now writes Qwen2-MoE's shared expert gate as [1, hidden] (older
+    files: a vector); both load as the model's [1, hidden] gate, with the same logits."""
+    source = tiny_model("qwen2moe")
+    names = [f"blk.{i}.ffn_gate_inp_shexp.weight" for i in range(2)]
+    gates = {name: layer.mlp.shared_expert_gate.weight.detach().numpy().copy()
+             for name, layer in zip(names, source.model.layers, strict=True)}
+    assert all(g.shape == (1, 256) for g in gates.values())
+    matrix = write_gguf(tmp_path / "matrix.gguf", source, "qwen2moe", "Q4_0", drop=tuple(names),
+                        extra_tensors=gates)
+    vector = write_gguf(tmp_path / "vector.gguf", source, "qwen2moe", "Q4_0")
+    assert loader.GGUFFile(matrix.path).tensors[names[0]].shape == (1, 256)
+    assert loader.GGUFFile(vector.path).tensors[names[0]].shape == (256,)
+    a, _ = load_gguf(matrix.path)
+    b, _ = load_gguf(vector.path)
+    assert a.model.layers[0].mlp.shared_expert_gate.weight.shape == (1, 256)
+    torch.testing.assert_close(_logits(a), _logits(b), rtol=0, atol=0)
+
+
 def test_moe_config_from_the_metadata(gguf_file) -> None:
     """transformers' mapping drops the experts' width and llama.cpp's renormalization."""
     w, _ = gguf_file("qwen3moe", "Q8_0")

@@ -84,6 +84,7 @@ class _Item:
     entry: TensorEntry
     targets: list[str]  # the model's parameter names it fills (a tie group)
     quantized: bool  # stays a QuantWeight (else read as floats)
+    shape: tuple[int, ...]  # the parameters' shape (the stored one may differ by unit dims)
     perm: np.ndarray | None = None  # row order of a quantized tensor (None: the file's)
 
 
@@ -297,7 +298,8 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         kinds = {_module_kind(skeleton, n) for n in groups[target]}
         stored = tuple(reversed(t.shape)) if kinds == {"conv1d"} else tuple(t.shape)
         if t.name.endswith(".ffn_gate_inp_shexp.weight") and len(stored) == 1:
-            stored = (1, *stored)  # (Qwen2-MoE's shared expert gate: a vector in the file)
+            # (Qwen2-MoE's shared expert gate: a vector in older files, [1, hidden] in newer)
+            stored = (1, *stored)
         if stored != want:
             raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
                              f"{target} {list(want)} (the metadata and the tensors disagree)",
@@ -308,7 +310,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         filled.update(group)
         quantized = t.qtype in QUANT_TYPES and "other" not in kinds and (
             len(kinds) == 1 or "conv1d" not in kinds)
-        item = _Item(t, group, quantized)
+        item = _Item(t, group, quantized, want)
         if quantized:
             try:
                 item.perm = archs.row_permutation(processor, t.name, t.shape[0],
@@ -470,7 +472,11 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
             for name in item.targets:
                 replace[name.rpartition(".")[0]] = (_module_kind(model, name), qw)
         else:
-            param = nn.Parameter(_float_tensor(p, item.entry), requires_grad=False)
+            # (the plan checked the stored shape against the parameter's; a processor may
+            # add unit dims, as transformers' Qwen2-MoE one does to the shared expert gate
+            # whether the file holds it as a vector or, as llama.cpp now writes, [1, hidden])
+            value = _float_tensor(p, item.entry).reshape(item.shape)
+            param = nn.Parameter(value, requires_grad=False)
             for name in item.targets:
                 _set_param(model, name, param)
     for mod_name, (kind, qw) in replace.items():
