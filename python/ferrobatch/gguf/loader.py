@@ -421,6 +421,20 @@ def _float_tensor(p: LoadPlan, t: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(p.dtype)
 
 
+def _unit_dims_as(value: torch.Tensor, shape: tuple[int, ...], p: LoadPlan,
+                  t: TensorEntry) -> torch.Tensor:
+    """`value` in the parameter's `shape` where the two differ only by dims of size 1 (a
+    processor may add one: transformers' Qwen2-MoE processor does to the shared expert gate,
+    whether the file holds it as a vector or, as llama.cpp now writes, [1, hidden]);
+    `FieldError` where they differ otherwise."""
+    if tuple(value.shape) == shape:
+        return value
+    if [d for d in value.shape if d != 1] != [d for d in shape if d != 1]:
+        raise FieldError(f"{p.file.path}: tensor {t.name} reads as shape {list(value.shape)}, "
+                         f"its parameter's is {list(shape)}", "model")
+    return value.reshape(shape)
+
+
 def _quant_weight(p: LoadPlan, item: _Item) -> tuple[QuantWeight, bool]:
     """The tensor's `QuantWeight` and whether it is a view of the map."""
     t = item.entry
@@ -472,10 +486,7 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
             for name in item.targets:
                 replace[name.rpartition(".")[0]] = (_module_kind(model, name), qw)
         else:
-            # (the plan checked the stored shape against the parameter's; a processor may
-            # add unit dims, as transformers' Qwen2-MoE one does to the shared expert gate
-            # whether the file holds it as a vector or, as llama.cpp now writes, [1, hidden])
-            value = _float_tensor(p, item.entry).reshape(item.shape)
+            value = _unit_dims_as(_float_tensor(p, item.entry), item.shape, p, item.entry)
             param = nn.Parameter(value, requires_grad=False)
             for name in item.targets:
                 _set_param(model, name, param)
