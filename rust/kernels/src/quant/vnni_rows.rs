@@ -794,9 +794,8 @@ unsafe fn one_k<const R: usize, const P: usize, const K: u8>(a: *const A256, t: 
                 } else {
                     _mm512_cvtepi32_ps(s1[i][p])
                 };
-                let dx = _mm512_set1_ps((*ab[i]).d);
-                let v = _mm512_fmadd_ps(s1, _mm512_mul_ps(d, dx), v);
-                let v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2[i][p]), _mm512_mul_ps(e, dx), v);
+                let dx = (*ab[i]).d;
+                let v = mins_sub(scaled_add(v, s1, d, dx), s2[i][p], e, dx);
                 acc_store(&t, i, p, P, v);
             }
         }
@@ -873,11 +872,7 @@ pub(super) unsafe fn k_block_end(
     v: __m512,
 ) -> __m512 {
     let dx = ab.d;
-    let v = _mm512_fmadd_ps(
-        s1,
-        _mm512_mul_ps(line_ps(blk, lay.d), _mm512_set1_ps(dx)),
-        v,
-    );
+    let v = scaled_add(v, s1, line_ps(blk, lay.d), dx);
     let sums: &[i16] = match qt {
         QType::Q4_K | QType::Q5_K => &ab.sum32,
         QType::Q2_K => &ab.sum16,
@@ -888,8 +883,33 @@ pub(super) unsafe fn k_block_end(
         let pair = _mm512_set1_epi32(sum_pair(sums, pp));
         s2 = dpwssd(s2, line(blk, lay.mins + pp), pair);
     }
-    let edx = _mm512_mul_ps(line_ps(blk, lay.e), _mm512_set1_ps(dx));
-    _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s2), edx, v)
+    mins_sub(v, s2, line_ps(blk, lay.e), dx)
+}
+
+/// `v + s1 * (d * dx)`: a K-type block's sub-block sums `s1` scaled by the weights' `d` and
+/// the inputs' `dx` ([`k_block_end`]'s first update).
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn scaled_add(v: __m512, s1: __m512, d: __m512, dx: f32) -> __m512 {
+    _mm512_fmadd_ps(s1, _mm512_mul_ps(d, _mm512_set1_ps(dx)), v)
+}
+
+/// `v - s2 * (e * dx)`: the mins' term of Q4_K, Q5_K and Q2_K (`s2` the mins' integer sums,
+/// `e` the weights' dmin; [`k_block_end`]'s second update).
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn mins_sub(v: __m512, s2: __m512i, e: __m512, dx: f32) -> __m512 {
+    _mm512_fnmadd_ps(
+        _mm512_cvtepi32_ps(s2),
+        _mm512_mul_ps(e, _mm512_set1_ps(dx)),
+        v,
+    )
 }
 
 /// `a | (b & c)` bitwise.
