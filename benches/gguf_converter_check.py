@@ -43,7 +43,7 @@ from gguf_files import tiny_model  # noqa: E402
 #: architectures whose converter reads a SentencePiece `tokenizer.model` (the others: BPE)
 SENTENCEPIECE = ("llama", "mixtral", "gemma2", "gemma3", "phi3", "nemotron")
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2",
-         "starcoder2", "nemotron", "qwen2moe", "qwen3moe", "mixtral")
+         "starcoder2", "nemotron", "qwen2moe", "qwen3moe", "mixtral", "gpt-oss")
 PROMPTS = [[1, 17, 99, 5, 200, 7, 8], [1, 300, 301, 9]]
 IDS = torch.tensor([[1, 17, 99, 5, 200, 7, 8, 300, 11, 400]])
 NEW = 8

@@ -84,9 +84,18 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                      tie_word_embeddings=False)),
+    # gpt-oss: attention sinks, every other layer sliding, YaRN, biases everywhere, 4 experts
+    # (2 a token) with biases and the clamped SwiGLU
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                     intermediate_size=256, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                      "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False,
+                                      "original_max_position_embeddings": 64})),
 }
 #: GGUF architecture -> transformers' model type, where they differ
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
 #: architectures whose norm weights llama.cpp stores plus one
 _NORM_PLUS_ONE = ("gemma2", "gemma3", "nemotron")
 #: the test architectures llama.cpp writes as `llama`

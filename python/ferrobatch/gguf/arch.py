@@ -26,24 +26,50 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from ferrobatch.errors import FieldError
 
-__all__ = ["MOE_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "check_architecture", "fix_config",
-           "is_moe", "model_type", "moe_config", "process", "refuse_metadata",
-           "row_permutation", "tensor_processor"]
+__all__ = ["MOE_ARCHITECTURES", "OWN_CONFIG", "SUPPORTED_ARCHITECTURES", "check_architecture",
+           "fix_config", "is_moe", "model_type", "moe_config", "own_config_dict", "process",
+           "refuse_metadata", "row_permutation", "tensor_processor"]
 
 logger = logging.getLogger("ferrobatch")
 
 #: GGUF `general.architecture` values ferrobatch loads (each tested with a file written here)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
-                           "starcoder2", "nemotron", "qwen2moe", "qwen3moe")
-#: the mixtures of experts among them (their experts: `ferrobatch.gguf.experts`)
+                           "starcoder2", "nemotron", "qwen2moe", "qwen3moe", "gpt-oss")
+#: the Qwen mixtures of experts among them (their experts: `ferrobatch.gguf.experts`)
 MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+#: architectures whose config is made here from transformers' mapping table
+#: (`own_config_dict`), not by transformers' GGUF reader
+OWN_CONFIG = ("gpt-oss",)
 #: transformers' model type of a GGUF architecture, where the two names differ
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 #: metadata (`{arch}.` + key) that changes the computation in ways no supported model uses:
 #: refused when present (a model loaded without it would compute something else)
 _REFUSED_KEYS = ("logit_scale", "embedding_scale", "residual_scale", "attention.scale",
                  "attention.clamp_kqv", "attention.max_alibi_bias", "expert_count")
+
+
+def own_config_dict(metadata: dict[str, Any], arch: str, vocab_rows: int,
+                    tied: bool) -> dict[str, Any] | None:
+    """The config dict transformers' GGUF reader would make of a gpt-oss file, made here from
+    its mapping table (its reader fails on every file whose YaRN keys llama.cpp wrote); None
+    for the other architectures (transformers' reader serves them). `vocab_rows`: the token
+    embedding's rows; `tied`: whether the file has no output head."""
+    if arch not in OWN_CONFIG:
+        return None
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    out: dict[str, Any] = {"model_type": model_type(arch), "tie_word_embeddings": tied}
+    for key, name in GGUF_CONFIG_MAPPING[model_type(arch)].items():
+        value = _meta(metadata, arch, key)
+        if name is not None and value is not None:
+            out[name] = value
+    for key, name in GGUF_CONFIG_MAPPING["tokenizer"].items():
+        value = metadata.get(f"tokenizer.{key}")
+        if value is not None:
+            out[name] = int(value)
+    out.setdefault("vocab_size", vocab_rows)
+    return out
 
 
 def model_type(arch: str) -> str:
@@ -121,9 +147,9 @@ _MOE_SHARED_KEYS = {"qwen2moe": ("expert_shared_feed_forward_length",)}
 
 
 def is_moe(metadata: dict[str, Any], arch: str) -> bool:
-    """Whether the file is a mixture of experts: Qwen2/3-MoE, or a `llama` file with
-    experts (Mixtral, as llama.cpp writes it)."""
-    return arch in MOE_ARCHITECTURES or (
+    """Whether the file is a mixture of experts: Qwen2/3-MoE, gpt-oss, or a `llama` file
+    with experts (Mixtral, as llama.cpp writes it)."""
+    return arch in (*MOE_ARCHITECTURES, "gpt-oss") or (
         arch == "llama" and int(_meta(metadata, arch, "expert_count") or 0) > 0)
 
 
@@ -162,13 +188,32 @@ def refuse_metadata(metadata: dict[str, Any], arch: str, path: Any) -> None:
     if moe:
         _refuse_routing(metadata, arch, path)
     scaling = _meta(metadata, arch, "rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
+    allowed = ("yarn",) if arch == "gpt-oss" else ("linear",)
+    if scaling not in (None, "none", *allowed):
         raise FieldError(f"{path}: rope scaling {scaling!r} ({arch}.rope.scaling.type) is not "
-                         "supported (only linear)", "model")
+                         f"supported for {arch} (only {allowed[0]})", "model")
+    if arch == "gpt-oss":
+        _refuse_gpt_oss(metadata, path)
     k, v = _meta(metadata, arch, "attention.key_length"), _meta(metadata, arch,
                                                                 "attention.value_length")
     if k is not None and v is not None and k != v:
         raise FieldError(f"{path}: key length {k} != value length {v} is not supported", "model")
+
+
+def _refuse_gpt_oss(metadata: dict[str, Any], path: Any) -> None:
+    """`FieldError` for gpt-oss metadata transformers' model cannot compute: a separate rope
+    base for the sliding layers, a YaRN log multiplier or extrapolation factor other than
+    llama.cpp's defaults."""
+    base = _meta(metadata, "gpt-oss", "rope.freq_base")
+    swa_base = _meta(metadata, "gpt-oss", "rope.freq_base_swa")
+    if swa_base is not None and (base is None or float(swa_base) != float(base)):
+        raise FieldError(f"{path}: gpt-oss.rope.freq_base_swa {swa_base} != rope.freq_base "
+                         f"{base} is not supported", "model")
+    for key, default in (("rope.scaling.yarn_log_multiplier", 0.0),
+                         ("rope.scaling.yarn_ext_factor", 1.0)):
+        value = _meta(metadata, "gpt-oss", key)
+        if value is not None and float(value) != default:
+            raise FieldError(f"{path}: gpt-oss.{key} {value} is not supported", "model")
 
 
 def _refuse_routing(metadata: dict[str, Any], arch: str, path: Any) -> None:
@@ -222,6 +267,53 @@ def _longrope(config: Any, metadata: dict[str, Any], arch: str, path: Any,
     config.max_position_embeddings = context
 
 
+def _swa_layers(metadata: dict[str, Any], layers: int, path: Any) -> list[bool]:
+    """Which layers attend through the sliding window, as llama.cpp reads a gpt-oss file:
+    `attention.sliding_window_pattern` as one flag a layer, or a period `n` (layer `i`
+    slides where `i % n < n - 1`, every layer where `n` is 0); 2 when absent."""
+    pattern = _meta(metadata, "gpt-oss", "attention.sliding_window_pattern")
+    if isinstance(pattern, list | tuple | np.ndarray):
+        if len(pattern) != layers:
+            raise FieldError(f"{path}: gpt-oss.attention.sliding_window_pattern has "
+                             f"{len(pattern)} values for {layers} layers", "model")
+        return [bool(x) for x in pattern]
+    n = 2 if pattern is None else int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
+
+
+def _gpt_oss(config: Any, metadata: dict[str, Any], path: Any) -> None:
+    """gpt-oss's config from what llama.cpp writes: the experts' width, the sliding layers,
+    YaRN (llama.cpp's defaults for the betas; the correction range not truncated, as the
+    original model's config says: llama.cpp rounds it to whole dimensions), and the SwiGLU
+    clamp (7.0) and slope (1.702), which llama.cpp's graph fixes and the file does not hold."""
+    width = _meta(metadata, "gpt-oss", "expert_feed_forward_length")
+    config.intermediate_size = int(width)
+    window = _meta(metadata, "gpt-oss", "attention.sliding_window")
+    if not window or int(window) <= 0:
+        raise FieldError(f"{path}: gpt-oss.attention.sliding_window must be a positive "
+                         f"number, not {window}", "model")
+    config.sliding_window = int(window)
+    slides = _swa_layers(metadata, int(config.num_hidden_layers), path)
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in slides]
+    config.swiglu_limit, config.swiglu_alpha = 7.0, 1.702
+    theta = float(_meta(metadata, "gpt-oss", "rope.freq_base") or 10000.0)
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if _meta(metadata, "gpt-oss", "rope.scaling.type") == "yarn":
+        context = int(_meta(metadata, "gpt-oss", "context_length"))
+        params.update(
+            rope_type="yarn",
+            factor=float(_meta(metadata, "gpt-oss", "rope.scaling.factor") or 1.0),
+            original_max_position_embeddings=int(_meta(
+                metadata, "gpt-oss", "rope.scaling.original_context_length") or context),
+            beta_fast=float(_meta(metadata, "gpt-oss", "rope.scaling.yarn_beta_fast") or 32.0),
+            beta_slow=float(_meta(metadata, "gpt-oss", "rope.scaling.yarn_beta_slow") or 1.0),
+            truncate=False)
+        attn = _meta(metadata, "gpt-oss", "rope.scaling.yarn_attn_factor")
+        if attn is not None:
+            params["attention_factor"] = float(attn)
+    config.rope_parameters = params
+
+
 def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
                rope_factors: tuple[list[float], list[float]] | None = None) -> None:
     """Metadata llama.cpp writes that transformers' GGUF mapping leaves out, applied to the
@@ -249,6 +341,8 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
       the whole context); Phi-3: `attention.sliding_window`;
     * StarCoder2: `rope.freq_base` -> `rope_theta` and `vocab_size` (transformers' mapping
       drops both);
+    * gpt-oss: the experts' width, the sliding layers, YaRN and the SwiGLU constants
+      (`_gpt_oss`);
     * Qwen2/3-MoE: `expert_feed_forward_length` -> `moe_intermediate_size` (Qwen2-MoE's
       `expert_shared_feed_forward_length` -> `shared_expert_intermediate_size`), every layer
       a MoE layer, and the top experts' weights renormalized to sum 1 for Qwen3-MoE, not for
@@ -308,6 +402,8 @@ def fix_config(config: Any, metadata: dict[str, Any], arch: str, path: Any,
         if arch == "qwen2moe":
             config.shared_expert_intermediate_size = int(
                 _meta(metadata, arch, "expert_shared_feed_forward_length"))
+    if arch == "gpt-oss":
+        _gpt_oss(config, metadata, path)
     if arch == "phi3":
         window = _meta(metadata, arch, "attention.sliding_window")
         config.sliding_window = int(window) if window else None

@@ -15,6 +15,10 @@ or by `pack_own_products` (`modules.prepare_for_serving`). Otherwise (the refere
 and the engine's construction probes, whose stand-in weights replace single `QuantLinear`
 products) each expert's products run on its `QuantLinear` layers, the same loop in Python.
 The two agree to the rounding of `silu` (the kernels' `exp` is within 2 ulp of torch's).
+
+`OssQuantExperts` is gpt-oss's: each product with its bias, and the clamped SwiGLU of
+`GptOssExperts` (`(clamp(up) + 1) * g * sigmoid(alpha * g)`, `g` the gate clamped above);
+its experts always run as the per-expert loop.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ferrobatch.gguf import modules
 from ferrobatch.gguf.formats import QuantWeight
 from ferrobatch.gguf.modules import QuantLinear
 
-__all__ = ["ONE_CALL", "QuantExperts"]
+__all__ = ["ONE_CALL", "OssQuantExperts", "QuantExperts"]
 
 #: whether the experts run as one kernel call a layer where the kernels run them (the
 #: default); `FERROBATCH_MOE_ONE_CALL=0` (or setting this False) keeps the per-expert loop,
@@ -39,11 +43,15 @@ __all__ = ["ONE_CALL", "QuantExperts"]
 ONE_CALL = os.environ.get("FERROBATCH_MOE_ONE_CALL", "1") != "0"
 
 
-def _per_expert(weight: QuantWeight, experts: int) -> nn.ModuleList:
-    """`weight` (the experts' matrices stacked by rows) as one `QuantLinear` an expert."""
+def _per_expert(weight: QuantWeight, experts: int,
+                bias: torch.Tensor | None = None) -> nn.ModuleList:
+    """`weight` (the experts' matrices stacked by rows) as one `QuantLinear` an expert, each
+    with its row of `bias` [experts, rows] where given."""
     rows = weight.n // experts
-    return nn.ModuleList(QuantLinear(weight.slice_rows(e * rows, (e + 1) * rows))
-                         for e in range(experts))
+    return nn.ModuleList(
+        QuantLinear(weight.slice_rows(e * rows, (e + 1) * rows),
+                    None if bias is None else bias[e].clone())
+        for e in range(experts))
 
 
 class QuantExperts(nn.Module):
@@ -133,12 +141,47 @@ class QuantExperts(nn.Module):
             if e == self.num_experts:
                 continue
             slot, token = torch.where(picked[e])
-            x = hidden_states[token]
-            h = self.act_fn(self.gate_proj[e](x)) * self.up_proj[e](x)
-            h = self.down_proj[e](h) * top_k_weights[token, slot, None]
+            h = self._expert(e, hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s output for the rows `x` (before the routing weight)."""
+        return self.down_proj[e](self.act_fn(self.gate_proj[e](x)) * self.up_proj[e](x))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, qtype={self.gate_proj[0].qtype}")
+
+
+class OssQuantExperts(QuantExperts):
+    """gpt-oss's experts over GGUF blocks (`GptOssExperts`' computation): `gate`, `up` and
+    `down` stacked by rows as in `QuantExperts`, `biases` (gate [experts, intermediate], up
+    the same, down [experts, hidden]) added to each product, and between them
+    `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)`."""
+
+    def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, num_experts: int,
+                 biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor], limit: float,
+                 alpha: float) -> None:
+        super().__init__(gate, up, down, num_experts, nn.Identity())
+        for name, b, rows in zip(("gate", "up", "down"), biases,
+                                 (self.intermediate_dim, self.intermediate_dim,
+                                  self.hidden_dim), strict=True):
+            if tuple(b.shape) != (num_experts, rows):
+                raise ValueError(f"{name} bias has shape {list(b.shape)}, not "
+                                 f"[{num_experts}, {rows}]")
+        self.gate_proj = _per_expert(gate, num_experts, biases[0])
+        self.up_proj = _per_expert(up, num_experts, biases[1])
+        self.down_proj = _per_expert(down, num_experts, biases[2])
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def _kernels_run(self) -> bool:
+        return False  # (the fused experts call computes SiLU without biases)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj[e](x).clamp(max=self.limit)
+        up = self.up_proj[e](x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj[e]((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, limit={self.limit}, alpha={self.alpha}"

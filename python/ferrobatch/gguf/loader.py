@@ -49,15 +49,28 @@ from accelerate import init_empty_weights
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map, load_gguf_checkpoint
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.pytorch_utils import Conv1D
 
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import arch as archs
-from ferrobatch.gguf.experts import QuantExperts
-from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
+from ferrobatch.gguf import mxfp4
+from ferrobatch.gguf.experts import OssQuantExperts, QuantExperts
+from ferrobatch.gguf.formats import (
+    FLOAT_TYPES,
+    QUANT_TYPES,
+    REPACKED_TYPES,
+    QuantWeight,
+    stays_quantized,
+)
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.gguf.reader import GGUFFile, TensorEntry
 from ferrobatch.model_dtype import cache_root, cpu_has_native_bf16, resolve_dtype
@@ -74,7 +87,8 @@ _ROPE_FREQS = "rope_freqs.weight"
 #: Phi-3 LongRoPE's factors (short, long): config values, not parameters (`arch.fix_config`)
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 #: a MoE layer's experts: 3-D tensors [experts, rows, columns] (`ferrobatch.gguf.experts`)
-_EXPERTS = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
+_EXPERTS = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\."
+                      r"(?P<kind>weight|bias)")
 
 
 @dataclass
@@ -93,8 +107,9 @@ class _Experts:
     """One MoE layer's three expert tensors, and the fused experts module they make."""
 
     module: str  # the model's experts module (`model.layers.N.mlp.experts`)
-    parts: dict[str, TensorEntry]  # "gate", "up", "down"
+    parts: dict[str, TensorEntry]  # "gate", "up", "down" (+ "gate.bias", ... for gpt-oss)
     quantized: bool  # QuantExperts (else the module's float parameters)
+    oss: bool = False  # gpt-oss's layout (`GptOssExperts`: [E, H, 2 I] interleaved, biases)
 
 
 @dataclass
@@ -135,11 +150,11 @@ class LoadPlan:
 
 def _check_types(f: GGUFFile) -> None:
     for t in f.tensors.values():
-        if t.qtype not in QUANT_TYPES and t.qtype not in FLOAT_TYPES:
+        if not stays_quantized(t.qtype) and t.qtype not in FLOAT_TYPES:
             raise FieldError(
                 f"{f.path}: tensor {t.name} has type {t.qtype}, which ferrobatch does not "
-                f"load (quantized: {', '.join(QUANT_TYPES)}; float: {', '.join(FLOAT_TYPES)})",
-                "model")
+                f"load (quantized: {', '.join((*QUANT_TYPES, *REPACKED_TYPES))}; float: "
+                f"{', '.join(FLOAT_TYPES)})", "model")
 
 
 def _cache_dir(path: Path) -> Path:
@@ -151,12 +166,17 @@ def _cache_dir(path: Path) -> Path:
     return cache_root() / "gguf" / f"{path.stem[:60]}-{digest}"
 
 
-def _config_dict(path: Path) -> dict[str, Any]:
+def _config_dict(f: GGUFFile) -> dict[str, Any]:
+    embed = f.tensors.get("token_embd.weight")
+    own = archs.own_config_dict(f.metadata, f.architecture,
+                                int(embed.shape[0]) if embed is not None else 0,
+                                _OUTPUT not in f.tensors)
+    if own is not None:
+        return own
+    return dict(load_gguf_checkpoint(str(f.path), return_tensors=False)["config"])
 
-    return dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
 
-
-def _base_config(path: Path, cache_dir: Path | None) -> tuple[Any, bool]:
+def _base_config(f: GGUFFile, cache_dir: Path | None) -> tuple[Any, bool]:
     """transformers' config of the file (before `fix_config`), from the cache when there;
     and whether it came from there."""
 
@@ -165,7 +185,8 @@ def _base_config(path: Path, cache_dir: Path | None) -> tuple[Any, bool]:
             return AutoConfig.from_pretrained(str(cache_dir), local_files_only=True), True
         except Exception as exc:  # noqa: BLE001 - a damaged cache entry: read the file again
             logger.info("ferrobatch: GGUF config cache %s unreadable (%s)", cache_dir, exc)
-    d = _config_dict(path)
+    path = f.path
+    d = _config_dict(f)
     model_type = d.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise FieldError(f"{path}: transformers has no config for model type {model_type!r}",
@@ -248,7 +269,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     _check_types(f)
     dt = _resolve_dtype(dtype, f)
     cache_dir = _cache_dir(path) if cache else None
-    config, cached = _base_config(path, cache_dir)
+    config, cached = _base_config(f, cache_dir)
     config._name_or_path = str(path)
     if len(f.paths) > 1:
         # (transformers reads a split file's first shard alone, and ties the head where
@@ -280,9 +301,12 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
             if target is None or target not in groups:
                 raise FieldError(f"{path}: tensor {t.name} ({t.qtype}) has no place in "
                                  f"{type(skeleton).__name__} (not supported)", "model")
-            experts.setdefault(target.rpartition(".")[0], {})[m["part"]] = t
+            part = m["part"] if m["kind"] == "weight" else f"{m['part']}.bias"
+            experts.setdefault(target.rpartition(".")[0], {})[part] = t
             continue
         target = names.get(t.name)
+        if target is None and t.name.endswith(".weight"):
+            target = names.get(t.name.removesuffix(".weight"))  # (gpt-oss's `attn_sinks`)
         if target is None:
             if t.name in _ROPE_FACTORS and arch == "phi3":
                 continue  # (in the config: `_rope_factors`)
@@ -308,7 +332,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         if filled.intersection(group):
             raise FieldError(f"{path}: tensor {t.name} fills {target} a second time", "model")
         filled.update(group)
-        quantized = t.qtype in QUANT_TYPES and "other" not in kinds and (
+        quantized = stays_quantized(t.qtype) and "other" not in kinds and (
             len(kinds) == 1 or "conv1d" not in kinds)
         item = _Item(t, group, quantized, want)
         if quantized:
@@ -322,7 +346,10 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
     planned = [_plan_experts(path, skeleton, module, parts, shapes)
                 for module, parts in experts.items()]
     for e in planned:
-        for param in ("gate_up_proj", "down_proj"):
+        params = ("gate_up_proj", "down_proj")
+        if e.oss:
+            params = (*params, "gate_up_proj_bias", "down_proj_bias")
+        for param in params:
             filled.update(groups[f"{e.module}.{param}"])
     missing = sorted(n for n in groups if n not in filled)
     if missing:
@@ -378,29 +405,46 @@ def _rope_factors(f: GGUFFile, arch: str) -> tuple[list[float], list[float]] | N
 def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str, TensorEntry],
                   shapes: dict[str, Any]) -> _Experts:
     """One MoE layer's expert tensors checked against its fused experts module
-    (`gate_up_proj` [E, 2 I, H], `down_proj` [E, H, I]); `FieldError` naming what is wrong."""
-    absent = [p for p in ("gate", "up", "down") if p not in parts]
+    (`gate_up_proj` [E, 2 I, H], `down_proj` [E, H, I]; gpt-oss's [E, H, 2 I] and [E, I, H]
+    with biases [E, 2 I] and [E, H]); `FieldError` naming what is wrong."""
+    mod = skeleton.get_submodule(module)
+    oss = f"{module}.gate_up_proj_bias" in shapes
+    wanted = ("gate", "up", "down", *(("gate.bias", "up.bias", "down.bias") if oss else ()))
+    absent = [p for p in wanted if p not in parts]
     if absent:
-        raise FieldError(f"{path}: no ffn_{absent[0]}_exps tensor for {module}", "model")
+        part, _, kind = absent[0].partition(".")
+        raise FieldError(f"{path}: no ffn_{part}_exps.{kind or 'weight'} tensor for {module}",
+                         "model")
+    extra = [t.name for p, t in parts.items() if p not in wanted]
+    if extra:
+        raise FieldError(f"{path}: tensor {extra[0]} has no place in {module} "
+                         f"({type(mod).__name__})", "model")
     if not all(f"{module}.{p}" in shapes for p in ("gate_up_proj", "down_proj")) or \
-            not hasattr(skeleton.get_submodule(module), "act_fn"):
-        raise FieldError(f"{path}: {module} ({type(skeleton.get_submodule(module)).__name__}) "
+            not (oss or hasattr(mod, "act_fn")):
+        raise FieldError(f"{path}: {module} ({type(mod).__name__}) "
                          "is not an experts module ferrobatch runs quantized", "model")
     gate_up = tuple(shapes[f"{module}.gate_up_proj"].shape)
     down = tuple(shapes[f"{module}.down_proj"].shape)
-    want = {"gate": (gate_up[0], gate_up[1] // 2, gate_up[2]),
-            "up": (gate_up[0], gate_up[1] // 2, gate_up[2]), "down": down}
+    if oss:  # (the file's gate / up are [E, I, H], down [E, H, I]: transposed)
+        experts, hidden, inter = gate_up[0], gate_up[1], gate_up[2] // 2
+        want = {"gate": (experts, inter, hidden), "up": (experts, inter, hidden),
+                "down": (experts, hidden, inter), "gate.bias": (experts, inter),
+                "up.bias": (experts, inter), "down.bias": (experts, hidden)}
+    else:
+        want = {"gate": (gate_up[0], gate_up[1] // 2, gate_up[2]),
+                "up": (gate_up[0], gate_up[1] // 2, gate_up[2]), "down": down}
     for part, t in parts.items():
         if tuple(t.shape) != want[part]:
             raise FieldError(f"{path}: tensor {t.name} has shape {list(t.shape)}, the model's "
                              f"{module} experts {list(want[part])} (the metadata and the "
                              "tensors disagree)", "model")
-    kinds = {t.qtype in QUANT_TYPES for t in parts.values()}
+    mats = [t for p, t in parts.items() if "." not in p]
+    kinds = {stays_quantized(t.qtype) for t in mats}
     if len(kinds) > 1:
         raise FieldError(f"{path}: the experts of {module} mix quantized and float tensors "
-                         f"({', '.join(f'{t.name} {t.qtype}' for t in parts.values())})",
+                         f"({', '.join(f'{t.name} {t.qtype}' for t in mats)})",
                          "model")
-    return _Experts(module, dict(parts), kinds == {True})
+    return _Experts(module, dict(parts), kinds == {True}, oss)
 
 
 # ---------------------------------------------------------------------------- fill
@@ -435,33 +479,68 @@ def _unit_dims_as(value: torch.Tensor, shape: tuple[int, ...], p: LoadPlan,
     return value.reshape(shape)
 
 
+def _blocks(p: LoadPlan, t: TensorEntry, rows: int) -> tuple[str, torch.Tensor, bool]:
+    """A quantized tensor's blocks as `rows` rows of a kernel type: (type, uint8 data, whether
+    a view of the map). A `REPACKED_TYPES` tensor is rewritten into memory of its own."""
+    raw = p.file.raw(t.name).reshape(rows, -1)
+    if t.qtype not in REPACKED_TYPES:
+        return t.qtype, torch.from_numpy(raw), True
+    try:
+        data, flushed = mxfp4.to_q5_0(raw, t.name)
+    except mxfp4.RepackError as exc:
+        raise FieldError(f"{p.file.path}: {exc}", "model") from exc
+    if flushed:
+        logger.warning("ferrobatch: %s: %d MXFP4 blocks below fp16's range (every weight under "
+                       "4e-7) load as zero", t.name, flushed)
+    return REPACKED_TYPES[t.qtype], torch.from_numpy(data), False
+
+
 def _quant_weight(p: LoadPlan, item: _Item) -> tuple[QuantWeight, bool]:
     """The tensor's `QuantWeight` and whether it is a view of the map."""
     t = item.entry
-    data = torch.from_numpy(p.file.raw(t.name))
-    mapped = item.perm is None
-    if not mapped:
-        data = data.index_select(0, torch.from_numpy(item.perm))
-    return QuantWeight(t.qtype, t.shape[0], t.shape[1], data), mapped
+    qtype, data, mapped = _blocks(p, t, t.shape[0])
+    if item.perm is not None:
+        data, mapped = data.index_select(0, torch.from_numpy(item.perm)), False
+    return QuantWeight(qtype, t.shape[0], t.shape[1], data), mapped
 
 
 def _fill_experts(p: LoadPlan, model: nn.Module, e: _Experts, qbytes: int,
                   mbytes: int) -> tuple[int, int]:
-    """Fill one MoE layer's experts: a `QuantExperts` over views of the file's blocks, or
-    the fused module's float parameters (gate and up side by side per expert). Returns the
-    quantized and mapped byte counts with these added."""
+    """Fill one MoE layer's experts: a `QuantExperts` (gpt-oss: `OssQuantExperts`) over the
+    file's blocks, or the fused module's float parameters (gate and up side by side per
+    expert; gpt-oss: transposed, gate and up interleaved). Returns the quantized and mapped
+    byte counts with these added."""
     old = model.get_submodule(e.module)
+    biases = [_float_tensor(p, e.parts[f"{part}.bias"]) for part in ("gate", "up", "down")] \
+        if e.oss else []
     if e.quantized:
         stacked = {}
-        for part, t in e.parts.items():
+        for part in ("gate", "up", "down"):
+            t = e.parts[part]
             experts, rows, cols = t.shape
-            data = torch.from_numpy(p.file.raw(t.name)).reshape(experts * rows, -1)
-            stacked[part] = QuantWeight(t.qtype, experts * rows, cols, data)
-            qbytes, mbytes = qbytes + data.numel(), mbytes + data.numel()
-        model.set_submodule(e.module, QuantExperts(stacked["gate"], stacked["up"],
-                                                   stacked["down"], experts, old.act_fn))
+            qtype, data, mapped = _blocks(p, t, experts * rows)
+            stacked[part] = QuantWeight(qtype, experts * rows, cols, data)
+            qbytes, mbytes = qbytes + data.numel(), mbytes + data.numel() * mapped
+        gate, up, down = stacked["gate"], stacked["up"], stacked["down"]
+        new: nn.Module = OssQuantExperts(gate, up, down, experts, (biases[0], biases[1],
+                                                                    biases[2]),
+                                         old.limit, old.alpha) if e.oss else \
+            QuantExperts(gate, up, down, experts, old.act_fn)
+        model.set_submodule(e.module, new)
         return qbytes, mbytes
     gate, up, down = (_float_tensor(p, e.parts[part]) for part in ("gate", "up", "down"))
+    if e.oss:
+        gate_up = torch.stack([gate.transpose(1, 2), up.transpose(1, 2)], dim=-1).flatten(2)
+        gate_up_bias = torch.stack([biases[0], biases[1]], dim=-1).flatten(1)
+        _set_param(model, f"{e.module}.gate_up_proj", nn.Parameter(
+            gate_up.contiguous(), requires_grad=False))
+        _set_param(model, f"{e.module}.gate_up_proj_bias", nn.Parameter(
+            gate_up_bias.contiguous(), requires_grad=False))
+        _set_param(model, f"{e.module}.down_proj", nn.Parameter(
+            down.transpose(1, 2).contiguous(), requires_grad=False))
+        _set_param(model, f"{e.module}.down_proj_bias", nn.Parameter(biases[2],
+                                                                     requires_grad=False))
+        return qbytes, mbytes
     _set_param(model, f"{e.module}.gate_up_proj",
                nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False))
     _set_param(model, f"{e.module}.down_proj", nn.Parameter(down, requires_grad=False))
@@ -527,9 +606,10 @@ def fill(p: LoadPlan) -> tuple[nn.Module, GGUFModelInfo]:
 # ---------------------------------------------------------------------------- tokenizer
 
 
-def _tokenizer(path: Path, cache_dir: Path | None) -> Any:
+def _tokenizer(path: Path, cache_dir: Path | None, arch: str = "") -> Any:
     """The file's tokenizer (transformers' GGUF conversion; cached like the config), or
-    None when the file has none."""
+    None when the file has none. (gpt-oss: through the fast tokenizer class, whose GGUF
+    conversion does not read the config, which transformers' reader fails on.)"""
 
     if cache_dir is not None:
         if (cache_dir / "no-tokenizer").is_file():
@@ -541,9 +621,10 @@ def _tokenizer(path: Path, cache_dir: Path | None) -> Any:
             except Exception as exc:  # noqa: BLE001 - a damaged cache entry: convert again
                 logger.info("ferrobatch: GGUF tokenizer cache %s unreadable (%s)", cache_dir,
                             exc)
+    cls = PreTrainedTokenizerFast if arch in archs.OWN_CONFIG else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                             local_files_only=True)
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name,
+                                   local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - a model without a tokenizer is still usable
         logger.warning("ferrobatch: no tokenizer from %s (%s: %s)", path.name,
                        type(exc).__name__, exc)
@@ -593,7 +674,8 @@ def tokenizer_of(p: LoadPlan) -> Any:
     """The plan's file's tokenizer (None when it has none); the config and tokenizer saved
     under `cache_root()` when they did not come from there. A saved tokenizer that reads
     back different from the converted one is marked so that later loads convert again."""
-    tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None)
+    tokenizer = _tokenizer(p.file.path, p.cache_dir if p.config_cached else None,
+                           p.architecture)
     if p.cache_dir is not None and not p.config_cached:
         _save_cache(p.cache_dir, p.base_config, tokenizer)
         p.config_cached = True
