@@ -245,7 +245,21 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
     if arch == "mixtral":  # (the experts' width: feed_forward_length)
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch in MODEL_TYPES:  # (llama.cpp's MoE keys)
+    if arch == "gpt-oss":  # (llama.cpp's converter: experts, window, YaRN)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        rope = cfg.rope_parameters
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    elif arch in MODEL_TYPES:  # (llama.cpp's MoE keys)
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -297,8 +311,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         if conv1d:
             x = np.ascontiguousarray(x.T)
         t = (types or {}).get(gname)
-        if gname.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
-            t = t or "F32"  # (llama.cpp keeps the routers in floats)
+        if gname.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".bias")):
+            t = t or "F32"  # (llama.cpp keeps the routers and the biases in floats)
         if t is None and x.ndim >= 2:
             t = embed_qtype if gname == "token_embd.weight" and embed_qtype else \
                 output_qtype if gname == "output.weight" and output_qtype else qtype
@@ -336,6 +350,18 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, qtype
         ref = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if gname.endswith(".ffn_gate_inp_shexp.weight"):
             ref = ref.reshape(1, -1)
+        if arch == "gpt-oss" and ".ffn_" in gname and "_exps." in gname:
+            # gpt-oss's fused experts: x @ W layouts, gate and up interleaved
+            part = 1 if ".ffn_up_exps." in gname else 0
+            value = ref.transpose(-1, -2) if ref.dim() == 3 else ref
+            if ".ffn_down_exps." in gname:
+                reference[hf_name] = value.contiguous()
+            else:
+                shape = (*value.shape[:-1], 2 * value.shape[-1])
+                whole = reference.setdefault(hf_name, torch.zeros(shape))
+                whole[..., part::2] = value
+            written[gname] = t
+            continue
         if gname.endswith((".ffn_gate_exps.weight", ".ffn_up_exps.weight")):
             # gate and up side by side per expert in the model's fused gate_up_proj
             part = 0 if ".ffn_gate_exps." in gname else 1
@@ -390,8 +416,14 @@ def _gguf_tensors(model: transformers.PreTrainedModel, name_map: Any,
             continue
         x = param.detach().float().numpy().copy()
         base, suffix = hf_name.rsplit(".", 1)
+        blk = f"blk.{hf_name.split('.')[2]}" if hf_name.startswith("model.layers.") else ""
+        if suffix == "sinks":  # (gpt-oss's attention sinks)
+            out.append((hf_name, x, f"{blk}.attn_sinks.weight"))
+            continue
+        if base.endswith(".mlp.experts") and model.config.model_type == "gpt_oss":
+            out.extend(_oss_experts(hf_name, x, blk, suffix))
+            continue
         if base.endswith(".mlp.experts"):
-            blk = f"blk.{hf_name.split('.')[2]}"
             if suffix == "gate_up_proj":
                 rows = x.shape[1] // 2
                 out.append((hf_name, x[:, :rows].copy(), f"{blk}.ffn_gate_exps.weight"))
@@ -405,6 +437,23 @@ def _gguf_tensors(model: transformers.PreTrainedModel, name_map: Any,
             x = x.reshape(-1)
         out.append((hf_name, x, f"{gname}.{suffix}"))
     return out
+
+
+def _oss_experts(hf_name: str, x: np.ndarray, blk: str,
+                 suffix: str) -> list[tuple[str, np.ndarray, str]]:
+    """gpt-oss's fused expert tensors as llama.cpp's converter writes them: `gate_up_proj`
+    [E, H, 2 I] (gate and up interleaved) as `ffn_gate_exps` / `ffn_up_exps` [E, I, H],
+    `down_proj` [E, I, H] as `ffn_down_exps` [E, H, I], the biases split the same way."""
+    if suffix == "gate_up_proj":
+        x = np.swapaxes(x, 1, 2)  # [E, 2 I, H], rows interleaved
+        return [(hf_name, x[:, 0::2].copy(), f"{blk}.ffn_gate_exps.weight"),
+                (hf_name, x[:, 1::2].copy(), f"{blk}.ffn_up_exps.weight")]
+    if suffix == "gate_up_proj_bias":
+        return [(hf_name, x[:, 0::2].copy(), f"{blk}.ffn_gate_exps.bias"),
+                (hf_name, x[:, 1::2].copy(), f"{blk}.ffn_up_exps.bias")]
+    if suffix == "down_proj":
+        return [(hf_name, np.swapaxes(x, 1, 2).copy(), f"{blk}.ffn_down_exps.weight")]
+    return [(hf_name, x, f"{blk}.ffn_down_exps.bias")]
 
 
 def reference_model(model: transformers.PreTrainedModel,

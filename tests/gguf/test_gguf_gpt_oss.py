@@ -1,0 +1,170 @@
+"""gpt-oss GGUF files (`gpt-oss`, as llama.cpp's converter writes them): MXFP4 expert blocks
+rewritten at load as Q5_0 blocks of the same values, the experts' biases and clamped SwiGLU,
+attention sinks, every other layer sliding, YaRN; the logits equal the dequantized oracle,
+the engine's greedy tokens equal the model's own, and what ferrobatch would compute
+differently from llama.cpp is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.errors import FieldError
+from ferrobatch.gguf import loader, mxfp4
+from ferrobatch.gguf.experts import OssQuantExperts
+from ferrobatch.gguf.loader import load_gguf
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_files import reference_model, tiny_model, write_gguf
+
+IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
+PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
+#: the experts' tensors of the tiny model's two layers
+EXPERTS = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down"))
+MXFP4_EXPERTS = dict.fromkeys(EXPERTS, "MXFP4")
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS).logits[0]
+
+
+def _mxfp4(rng: np.random.Generator, blocks: int, e: np.ndarray | int) -> np.ndarray:
+    out = rng.integers(0, 256, size=(blocks, 17), dtype=np.uint8)
+    out[:, 0] = e
+    return out
+
+
+def test_mxfp4_as_q5_0_holds_the_same_values() -> None:
+    """Every exponent fp16 holds (104 .. 143), random codes: gguf-py's dequantization of the
+    Q5_0 blocks equals its dequantization of the MXFP4 blocks, bit for bit."""
+    rng = np.random.default_rng(0)
+    blocks = _mxfp4(rng, 40 * 8, np.repeat(np.arange(104, 144), 8))
+    q5, flushed = mxfp4.to_q5_0(blocks.reshape(8, -1))
+    assert flushed == 0 and q5.shape == (8, 40 * 22)
+    want = dequantize(blocks.reshape(8, -1), GGMLQuantizationType.MXFP4)
+    got = dequantize(q5, GGMLQuantizationType.Q5_0)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mxfp4_zero_and_tiny_blocks() -> None:
+    """A block of zero codes (0 and 8 both mean zero) is zero whatever its exponent; a block
+    below fp16's range with a nonzero code becomes zero and is counted; above it, refused."""
+    rng = np.random.default_rng(1)
+    zero = _mxfp4(rng, 2, 0)
+    zero[:, 1:] = rng.choice(np.array([0x00, 0x08, 0x80, 0x88], np.uint8), size=(2, 16))
+    tiny = _mxfp4(rng, 1, 103)
+    tiny[:, 1:] = 0x11  # (code 1 everywhere: 2^-25 each)
+    q5, flushed = mxfp4.to_q5_0(np.concatenate([zero, tiny]).reshape(1, -1))
+    assert flushed == 1
+    assert not dequantize(q5, GGMLQuantizationType.Q5_0).any()
+    with pytest.raises(mxfp4.RepackError, match=r"w: .*exponent 144"):
+        mxfp4.to_q5_0(_mxfp4(rng, 1, 144), "w")
+    with pytest.raises(ValueError, match="whole 17-byte blocks"):
+        mxfp4.to_q5_0(np.zeros((2, 20), np.uint8))
+
+
+@pytest.mark.parametrize(("qtype", "types"), [("Q8_0", MXFP4_EXPERTS), ("Q8_0", None),
+                                              ("Q4_K", MXFP4_EXPERTS)],
+                         ids=["mxfp4-experts", "q8_0", "q4_k-mxfp4-experts"])
+def test_logits_equal_the_dequantized_oracle(gguf_file, qtype: str, types: dict | None) -> None:
+    written, source = gguf_file("gpt-oss", qtype, types=types)
+    model, _ = load_gguf(written.path)
+    torch.testing.assert_close(_logits(model), _logits(reference_model(source, written)),
+                               rtol=1e-5, atol=1e-5)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert all(isinstance(e, OssQuantExperts) for e in experts)
+    kept = "Q5_0" if types else qtype
+    assert {e.down_proj[0].qtype for e in experts} == {kept}
+    info = model.ferrobatch_gguf
+    f = loader.GGUFFile(written.path)
+    mx = sum(t.nbytes for t in f.tensors.values() if t.qtype == "MXFP4")
+    assert info.types.get("MXFP4", 0) == (6 if types else 0)
+    # (MXFP4: 17 bytes a block in the file, 22 in memory, not a view of the map)
+    assert info.quantized_bytes - info.mapped_bytes == mx * 22 // 17
+
+
+def test_float_experts_fill_the_fused_module(gguf_file) -> None:
+    """An F32 file: the experts stay `GptOssExperts`, gate and up interleaved, transposed."""
+    written, source = gguf_file("gpt-oss", "F32")
+    model, _ = load_gguf(written.path)
+    assert not any(isinstance(m, OssQuantExperts) for m in model.modules())
+    torch.testing.assert_close(_logits(model), _logits(source), rtol=0, atol=0)
+
+
+def test_config_from_the_metadata(gguf_file) -> None:
+    written, source = gguf_file("gpt-oss", "Q8_0", types=MXFP4_EXPERTS)
+    c = loader.plan(written.path).config
+    want = source.config
+    assert (c.model_type, c.head_dim, c.intermediate_size, c.num_local_experts,
+            c.num_experts_per_tok, c.sliding_window) == ("gpt_oss", 64, 256, 4, 2, 8)
+    assert c.layer_types == want.layer_types == ["sliding_attention", "full_attention"]
+    assert (c.swiglu_limit, c.swiglu_alpha) == (7.0, 1.702)
+    rope = {k: v for k, v in c.rope_parameters.items() if v is not None}
+    assert rope == {k: v for k, v in want.rope_parameters.items() if v is not None}
+
+
+@pytest.mark.parametrize(("pattern", "slides"), [(3, [True, True, False, True, True, False]),
+                                                 (1, [False] * 6), (0, [True] * 6)])
+def test_sliding_pattern_as_llama_cpp_reads_it(tmp_path, pattern: int,
+                                               slides: list[bool]) -> None:
+    written = write_gguf(tmp_path / "p.gguf", tiny_model("gpt-oss", num_hidden_layers=6),
+                         "gpt-oss", "Q8_0",
+                         extra_metadata={"gpt-oss.attention.sliding_window_pattern": pattern})
+    c = loader.plan(written.path).config
+    assert c.layer_types == ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+@pytest.mark.kernel_products
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_engine_greedy_equals_model_generate(gguf_file, qtype: str) -> None:
+    """Through the engine on the kernels' products: each request's tokens are the model's
+    own greedy tokens, alone and batched."""
+    written, _ = gguf_file("gpt-oss", qtype, types=MXFP4_EXPERTS)
+    params = SamplingParams(max_new_tokens=8)
+    with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
+                                                                   page_size=16)) as engine:
+        together = engine.generate(PROMPTS, params, progress=False)
+        for prompt, out in zip(PROMPTS, together, strict=True):
+            with torch.inference_mode():
+                own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                            do_sample=False)[0, len(prompt):].tolist()
+            assert out.token_ids == own, prompt
+            assert engine.generate([prompt], params, progress=False)[0].token_ids == own
+
+
+def _refused(path, match: str) -> None:
+    with pytest.raises(FieldError, match=match) as err:
+        loader.plan(path)
+    assert err.value.field == "model"
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(drop=("blk.1.ffn_up_exps.bias",)),
+     r"no ffn_up_exps\.bias tensor for model\.layers\.1\.mlp\.experts"),
+    (dict(extra_metadata={"gpt-oss.rope.freq_base_swa": 1000.0}),
+     r"rope\.freq_base_swa 1000\.0 != rope\.freq_base"),
+    (dict(extra_metadata={"gpt-oss.rope.scaling.yarn_log_multiplier": 0.1}),
+     r"yarn_log_multiplier 0\.1"),
+    (dict(drop_metadata=("gpt-oss.attention.sliding_window",)),
+     r"sliding_window must be a positive number"),
+    (dict(types={"blk.0.ffn_down_exps.weight": "F32"}), r"mix quantized and float"),
+], ids=["bias", "swa-base", "yarn-log", "window", "mixed"])
+def test_refused(tmp_path, kw: dict, match: str) -> None:
+    written = write_gguf(tmp_path / "r.gguf", tiny_model("gpt-oss"), "gpt-oss", "Q8_0", **kw)
+    _refused(written.path, match)
+
+
+def test_mxfp4_beyond_q5_0_refused_naming_the_tensor(tmp_path) -> None:
+    """An exponent above fp16's range fails the load with the tensor's name (checked when its
+    blocks are rewritten, before the model is handed out)."""
+    written = write_gguf(tmp_path / "big.gguf", tiny_model("gpt-oss"), "gpt-oss", "Q8_0",
+                         types=MXFP4_EXPERTS)
+    f = loader.GGUFFile(written.path)
+    t = f.tensors["blk.1.ffn_down_exps.weight"]
+    with open(written.path, "r+b") as fh:
+        fh.seek(t.offset)
+        fh.write(bytes([200]))
+    with pytest.raises(FieldError, match=r"blk\.1\.ffn_down_exps\.weight: .*exponent 200"):
+        load_gguf(written.path)
