@@ -643,6 +643,14 @@ def quant_backend_available(backend: str) -> bool:
 def quant_packed_len(qtype: str, n: int, k: int) -> int:
     """Bytes (uint8) of the packed form of an `[n, k]` weight of `qtype` (`k` whole blocks)."""
 
+def quant_mxfp4_to_q5_0(
+    blocks: npt.NDArray[np.uint8],
+    out: npt.NDArray[np.uint8],
+) -> int:
+    """Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
+    bytes for every 17) as Q5_0 blocks of the same values; returns how many blocks were below
+    fp16's range and became zero. `FieldError` ("blocks") for an exponent above 143."""
+
 def quant_dequantize(
     qtype: str,
     blocks: npt.NDArray[np.uint8],

@@ -136,7 +136,7 @@ def _refused(path, match: str) -> None:
 def test_missing_expert_tensor_refused(tmp_path) -> None:
     written = write_gguf(tmp_path / "noup.gguf", tiny_model("qwen3moe"), "qwen3moe", "Q8_0",
                          drop=("blk.1.ffn_up_exps.weight",))
-    _refused(written.path, r"no ffn_up_exps tensor for model\.layers\.1\.mlp\.experts")
+    _refused(written.path, r"no ffn_up_exps\.weight tensor for model\.layers\.1\.mlp\.experts")
 
 
 def test_mixed_expert_types_refused(tmp_path) -> None:

@@ -87,6 +87,21 @@ pub fn quant_dequantize(
         .map_err(to_py)
 }
 
+/// Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
+/// bytes for every 17) as Q5_0 blocks of the same values; returns how many blocks were
+/// below fp16's range and became zero (`ferrobatch-kernels`' `quant::mxfp4_to_q5_0`).
+#[pyfunction]
+pub fn quant_mxfp4_to_q5_0(
+    py: Python<'_>,
+    blocks: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<usize> {
+    let b = ro::<u8>(blocks, "blocks", "uint8")?;
+    let mut o = rw::<u8>(out, "out", "uint8")?;
+    let (be, oe) = (b.as_slice()?, o.as_slice_mut()?);
+    py.detach(|| kernel::mxfp4_to_q5_0(be, oe)).map_err(to_py)
+}
+
 /// Packs the GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) into `out`
 /// (uint8, `quant_packed_len(qtype, n, k)` bytes), panels split over at most `threads`
 /// threads.
@@ -188,6 +203,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_backend_available, m)?)?;
     m.add_function(wrap_pyfunction!(quant_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_mxfp4_to_q5_0, m)?)?;
     m.add_function(wrap_pyfunction!(quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant_linear, m)?)?;
     m.add_function(wrap_pyfunction!(quant_quantize_types, m)?)?;

@@ -47,6 +47,7 @@ mod amx_rows;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod blocks;
+mod mxfp4;
 mod packing;
 mod portable;
 mod quantize;
@@ -63,6 +64,7 @@ mod tests;
 use std::ops::Range;
 
 pub use act::{Acts, A256, A32};
+pub use mxfp4::{mxfp4_to_q5_0, MXFP4_BYTES, Q5_0_BYTES};
 pub use packing::PANEL;
 pub use quantize::{quantize, quantizes, RowError};
 
