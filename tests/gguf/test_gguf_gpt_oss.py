@@ -168,3 +168,11 @@ def test_mxfp4_beyond_q5_0_refused_naming_the_tensor(tmp_path) -> None:
         fh.write(bytes([200]))
     with pytest.raises(FieldError, match=r"blk\.1\.ffn_down_exps\.weight: .*exponent 200"):
         load_gguf(written.path)
+
+
+def test_tensor_parallel_refused(gguf_file) -> None:
+    """The experts are not split across ranks (as for the other mixtures of experts)."""
+    written, _ = gguf_file("gpt-oss", "Q8_0", types=MXFP4_EXPERTS)
+    with pytest.raises(FieldError) as err:
+        Engine(str(written.path), tensor_parallel_size=2)
+    assert err.value.field == "tensor_parallel_size"
