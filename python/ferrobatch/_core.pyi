@@ -716,7 +716,10 @@ class QuantExperts:
     moe.rs`): `gate_up[e]` expert `e`'s GGUF parts `(qtype, quant_pack`ed uint8, rows)` of
     its gate rows then its up rows [2 * inter, hidden], `down[e]` those of its down
     projection [hidden, inter]; run on `backend` (None: `quant_backend()`). The arrays are
-    kept, not copied. FieldError on a bad shape."""
+    kept, not copied. gpt-oss's experts: `gate_up_bias[e]` (float32 [2 * inter]) and
+    `down_bias[e]` ([hidden]) added to the products (copied), `swiglu` = (limit, alpha): the
+    clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate,
+    limit)`, in place of `silu(gate) * up`. FieldError on a bad shape."""
 
     def __new__(
         cls,
@@ -726,6 +729,9 @@ class QuantExperts:
         hidden: int,
         inter: int,
         backend: str | None = None,
+        gate_up_bias: Sequence[npt.NDArray[np.float32]] | None = None,
+        down_bias: Sequence[npt.NDArray[np.float32]] | None = None,
+        swiglu: tuple[float, float] | None = None,
     ) -> QuantExperts:
         """The experts over these weights (checked once here)."""
 

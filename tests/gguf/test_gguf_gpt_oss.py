@@ -176,3 +176,33 @@ def test_tensor_parallel_refused(gguf_file) -> None:
     with pytest.raises(FieldError) as err:
         Engine(str(written.path), tensor_parallel_size=2)
     assert err.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.kernel_products
+def test_one_call_a_layer_on_the_kernels(gguf_file, monkeypatch) -> None:
+    """Where the kernels run, gpt-oss's experts are one `_core.QuantExperts` call with the
+    biases and the clamped SwiGLU: the per-expert loop's outputs to the rounding of the
+    sigmoid (and so of the int8 inputs of down), each token's rows the same alone as
+    batched. A small clamp makes the clamp matter on the tiny model's outputs."""
+    from ferrobatch.gguf import modules
+
+    written, _ = gguf_file("gpt-oss", "Q8_0", types=MXFP4_EXPERTS)
+    model, _ = load_gguf(written.path)
+    experts = model.model.layers[0].mlp.experts
+    experts.limit = 0.02
+    torch.manual_seed(0)
+    x = torch.randn(6, experts.hidden_dim)
+    ids = torch.tensor([[0, 3], [1, 2], [2, 0], [3, 1], [0, 1], [2, 3]])
+    w = torch.rand(6, 2)
+    with modules.backend("kernel"):
+        fused = experts(x, ids, w)
+        alone = torch.cat([experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(6)])
+    assert experts._op is not None
+    torch.testing.assert_close(alone, fused, rtol=0, atol=0)
+    with modules.backend("kernel"), monkeypatch.context() as m:
+        m.setattr(type(experts), "_kernels_run", lambda self: False)
+        looped = experts(x, ids, w)
+        gate = torch.stack([experts.gate_proj[e](x) for e in range(4)])
+    assert (gate > experts.limit).float().mean() > 0.2  # (the clamp is exercised)
+    scale = looped.abs().max().item()
+    torch.testing.assert_close(fused, looped, rtol=0, atol=2e-3 * scale)

@@ -17,8 +17,8 @@ products) each expert's products run on its `QuantLinear` layers, the same loop 
 The two agree to the rounding of `silu` (the kernels' `exp` is within 2 ulp of torch's).
 
 `OssQuantExperts` is gpt-oss's: each product with its bias, and the clamped SwiGLU of
-`GptOssExperts` (`(clamp(up) + 1) * g * sigmoid(alpha * g)`, `g` the gate clamped above);
-its experts always run as the per-expert loop.
+`GptOssExperts` (`(clamp(up) + 1) * g * sigmoid(alpha * g)`, `g` the gate clamped above),
+on the same one call a layer (biases and the clamped SwiGLU passed to it) or loop.
 """
 
 from __future__ import annotations
@@ -84,8 +84,16 @@ class QuantExperts(nn.Module):
 
     def _kernels_run(self) -> bool:
         """Whether this layer's products run on the kernels now (and on one fused call)."""
-        return ONE_CALL and self._silu and not modules.probing() and all(
+        return ONE_CALL and self._one_call_glu() and not modules.probing() and all(
             modules.kernels_run(q) for q in self._qtypes)
+
+    def _one_call_glu(self) -> bool:
+        """Whether the one call computes this layer's activation (SiLU here)."""
+        return self._silu
+
+    def _fused_extras(self) -> dict[str, object]:
+        """`_core.QuantExperts` arguments beyond the matrices (none here)."""
+        return {}
 
     def pack_own_products(self) -> list[QuantLinear]:
         """Pack the experts for the one-call products (where the kernels run them); returns
@@ -118,7 +126,7 @@ class QuantExperts(nn.Module):
                 down.append([(pd.qtype, pd.packed.numpy(), pd.n)])
             self._op = _core.QuantExperts(gate_up=gate_up, down=down, hidden=self.hidden_dim,
                                           inter=self.intermediate_dim,
-                                          backend=quant_ops.backend())
+                                          backend=quant_ops.backend(), **self._fused_extras())
         return self._op
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -175,8 +183,17 @@ class OssQuantExperts(QuantExperts):
         self.down_proj = _per_expert(down, num_experts, biases[2])
         self.limit, self.alpha = float(limit), float(alpha)
 
-    def _kernels_run(self) -> bool:
-        return False  # (the fused experts call computes SiLU without biases)
+    def _one_call_glu(self) -> bool:
+        return True
+
+    def _fused_extras(self) -> dict[str, object]:
+        def f32(b: torch.Tensor) -> object:
+            return b.detach().to(torch.float32).contiguous().numpy()
+
+        return {"gate_up_bias": [f32(torch.cat([g.bias, u.bias])) for g, u in
+                                 zip(self.gate_proj, self.up_proj, strict=True)],
+                "down_bias": [f32(d.bias) for d in self.down_proj],
+                "swiglu": (self.limit, self.alpha)}
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj[e](x).clamp(max=self.limit)

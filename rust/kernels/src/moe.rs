@@ -13,6 +13,10 @@
 //! So a token's output adds its experts' terms in ascending expert order, each term a
 //! product of its own row alone (a row's quantized product does not depend on the other
 //! rows of the call): the result of a token is the same whatever else the batch holds.
+//!
+//! gpt-oss's experts (`GptOssExperts`) add a bias to each product and take [`Glu::Clamped`]
+//! between them: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate,
+//! limit)`.
 
 use std::sync::Mutex;
 
@@ -26,10 +30,26 @@ use crate::{Elems, ElemsMut};
 
 /// One expert's packed matrices: `gate_up` [2 * inter, hidden] (the gate's rows, then the
 /// up projection's), `down` [hidden, inter]; each one or more stacked parts of one type.
+/// The biases, where the expert has them: `gate_up_bias` [2 * inter] (the gate's, then the
+/// up projection's), `down_bias` [hidden].
 #[derive(Clone, Copy, Debug)]
 pub struct Expert<'a> {
     pub gate_up: &'a [QuantPart<'a>],
     pub down: &'a [QuantPart<'a>],
+    pub gate_up_bias: Option<&'a [f32]>,
+    pub down_bias: Option<&'a [f32]>,
+}
+
+/// The activation between an expert's two products, of the gate and up outputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Glu {
+    /// `silu(gate) * up` (Qwen2/3-MoE, Mixtral: [`fused::silu_mul`])
+    #[default]
+    Silu,
+    /// gpt-oss's: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g =
+    /// min(gate, limit)` (NaN kept), `sigmoid(v) = 1 / (1 + exp(-v))` in f32 with
+    /// [`fused::silu_mul`]'s `exp`
+    Clamped { limit: f32, alpha: f32 },
 }
 
 /// The routing of a call's tokens: `ids[t * top_k + j]` is token `t`'s `j`-th expert (an
@@ -42,12 +62,14 @@ pub struct Routes<'a> {
     pub top_k: usize,
 }
 
-/// The shapes of a call: `tokens` rows of `hidden` inputs, experts of width `inter`.
+/// The shapes of a call: `tokens` rows of `hidden` inputs, experts of width `inter`; and
+/// the activation `glu` between each expert's products.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
     pub tokens: usize,
     pub hidden: usize,
     pub inter: usize,
+    pub glu: Glu,
 }
 
 /// The tokens that picked one expert, with their weights: `(expert, [(token, weight)])`.
@@ -97,6 +119,7 @@ pub fn experts(
         tokens,
         hidden,
         inter,
+        glu,
     } = shape;
     let cells = tokens
         .checked_mul(hidden)
@@ -129,12 +152,26 @@ pub fn experts(
             .map_err(|m| KernelError::Layout(format!("expert {e}'s gate_up {m}")))?;
         check_parts(ex.down, hidden, inter)
             .map_err(|m| KernelError::Layout(format!("expert {e}'s down {m}")))?;
+        for (name, bias, want) in [
+            ("gate_up_bias", ex.gate_up_bias, 2 * inter),
+            ("down_bias", ex.down_bias, hidden),
+        ] {
+            if let Some(b) = bias {
+                if b.len() != want {
+                    return Err(KernelError::Layout(format!(
+                        "expert {e}'s {name} has {} values, not {want}",
+                        b.len()
+                    )));
+                }
+            }
+        }
         picked.push(ex);
     }
     let call = Call {
         x,
         hidden,
         inter,
+        glu,
         threads,
         backend,
     };
@@ -194,12 +231,38 @@ fn add_terms(out: &mut [f32], list: &[(usize, f32)], y: &[f32], hidden: usize) {
     }
 }
 
+/// `rows[r] += bias` for each row of `rows` ([_, bias.len()]).
+fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in rows.chunks_exact_mut(b.len()) {
+            for (v, &c) in row.iter_mut().zip(b) {
+                *v += c;
+            }
+        }
+    }
+}
+
+/// `a[r, i]` = [`Glu::Clamped`] of `g = gu[r, i]`, `u = gu[r, inter + i]` for the rows of
+/// `gu` [rows, 2 * inter].
+fn clamped_glu(gu: &[f32], a: &mut [f32], inter: usize, limit: f32, alpha: f32) {
+    for (row, out) in gu.chunks_exact(2 * inter).zip(a.chunks_exact_mut(inter)) {
+        let (gate, up) = row.split_at(inter);
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            let g = if g > limit { limit } else { g };
+            let u = u.clamp(-limit, limit);
+            let s = 1.0 / (1.0 + fused::exp(-(g * alpha)));
+            *o = (u + 1.0) * (g * s);
+        }
+    }
+}
+
 /// One call's inputs and settings, shared by its experts.
 #[derive(Clone, Copy)]
 struct Call<'a> {
     x: &'a [f32],
     hidden: usize,
     inter: usize,
+    glu: Glu,
     threads: usize,
     backend: quant::Backend,
 }
@@ -227,6 +290,7 @@ impl Call<'_> {
             x,
             hidden,
             inter,
+            glu,
             threads,
             backend,
         } = *self;
@@ -251,14 +315,20 @@ impl Call<'_> {
             threads,
             &mut bufs.part,
         )?;
+        add_bias(&mut bufs.gu, ex.gate_up_bias);
         bufs.a.resize(m * inter, 0.0);
-        fused::silu_mul(
-            Elems::F32(&bufs.gu),
-            ElemsMut::F32(&mut bufs.a),
-            m,
-            inter,
-            threads,
-        )?;
+        match glu {
+            Glu::Silu => fused::silu_mul(
+                Elems::F32(&bufs.gu),
+                ElemsMut::F32(&mut bufs.a),
+                m,
+                inter,
+                threads,
+            )?,
+            Glu::Clamped { limit, alpha } => {
+                clamped_glu(&bufs.gu, &mut bufs.a, inter, limit, alpha)
+            }
+        }
         bufs.y.resize(m * hidden, 0.0);
         let args = LinearArgs {
             m,
@@ -274,7 +344,9 @@ impl Call<'_> {
             &mut bufs.y,
             threads,
             &mut bufs.part,
-        )
+        )?;
+        add_bias(&mut bufs.y, ex.down_bias);
+        Ok(())
     }
 }
 
@@ -322,7 +394,49 @@ mod tests {
 
     #[test]
     fn experts_add_each_tokens_terms_in_expert_order_and_do_not_depend_on_the_batch() {
+        check_experts(Glu::Silu, false);
+    }
+
+    #[test]
+    fn gpt_oss_experts_add_biases_around_the_clamped_glu() {
+        check_experts(
+            Glu::Clamped {
+                limit: 0.75,
+                alpha: 1.702,
+            },
+            true,
+        );
+    }
+
+    /// `glu(a, j)`: [`Glu`]'s activation of row `a` [2 * inter] at `j`, spelled out
+    fn glu_ref(glu: Glu, gu: &[f32], inter: usize) -> Vec<f32> {
+        (0..inter)
+            .map(|j| {
+                let (g, u) = (gu[j], gu[inter + j]);
+                match glu {
+                    Glu::Silu => g / (1.0 + fused::exp(-g)) * u,
+                    Glu::Clamped { limit, alpha } => {
+                        let g = g.min(limit);
+                        let sig = 1.0 / (1.0 + fused::exp(-(g * alpha)));
+                        (u.max(-limit).min(limit) + 1.0) * (g * sig)
+                    }
+                }
+            })
+            .collect()
+    }
+
+    fn check_experts(glu: Glu, biased: bool) {
         let (hidden, inter, n_experts, top_k, tokens) = (64, 32, 4, 2, 5);
+        let biases: Vec<(Vec<f32>, Vec<f32>)> = (0..n_experts)
+            .map(|e| {
+                let b = |n: usize, s: usize| -> Vec<f32> {
+                    (0..n)
+                        .map(|i| ((i * 13 + e * 7 + s) % 17) as f32 / 8.0 - 1.0)
+                        .collect()
+                };
+                (b(2 * inter, 1), b(hidden, 2))
+            })
+            .collect();
         let weights: Vec<(Vec<u8>, Vec<u8>)> = (0..n_experts as u64)
             .map(|e| {
                 let gu = q8_rows(10 + e, 2 * inter, hidden);
@@ -348,10 +462,13 @@ mod tests {
             .collect();
         let table: Vec<Option<Expert<'_>>> = parts
             .iter()
-            .map(|(gu, d)| {
+            .zip(&biases)
+            .map(|((gu, d), (bgu, bd))| {
                 Some(Expert {
                     gate_up: gu,
                     down: d,
+                    gate_up_bias: biased.then_some(&bgu[..]),
+                    down_bias: biased.then_some(&bd[..]),
                 })
             })
             .collect();
@@ -367,6 +484,7 @@ mod tests {
             tokens,
             hidden,
             inter,
+            glu,
         };
         let routes = Routes {
             ids: &ids,
@@ -394,10 +512,15 @@ mod tests {
             picks.sort_by_key(|p| p.0);
             let mut want = vec![0f32; hidden];
             for (e, wt) in picks {
-                let gu = linear(&weights[e].0, row, 1, 2 * inter, hidden);
-                let mut a = vec![0f32; inter];
-                fused::silu_mul(Elems::F32(&gu), ElemsMut::F32(&mut a), 1, inter, 1).unwrap();
-                let y = linear(&weights[e].1, &a, 1, hidden, inter);
+                let mut gu = linear(&weights[e].0, row, 1, 2 * inter, hidden);
+                if biased {
+                    gu.iter_mut().zip(&biases[e].0).for_each(|(v, b)| *v += b);
+                }
+                let a = glu_ref(glu, &gu, inter);
+                let mut y = linear(&weights[e].1, &a, 1, hidden, inter);
+                if biased {
+                    y.iter_mut().zip(&biases[e].1).for_each(|(v, b)| *v += b);
+                }
                 for (o, v) in want.iter_mut().zip(y) {
                     *o += v * wt;
                 }
@@ -428,6 +551,7 @@ mod tests {
             tokens: 1,
             hidden,
             inter,
+            glu,
         };
         experts(
             &x[hidden..2 * hidden],
@@ -461,6 +585,8 @@ mod tests {
             Some(Expert {
                 gate_up: &gp,
                 down: &dp,
+                gate_up_bias: None,
+                down_bias: None,
             }),
             None,
         ];
@@ -470,6 +596,7 @@ mod tests {
             tokens: 1,
             hidden,
             inter,
+            glu: Glu::Silu,
         };
         let field = |ids: &[i64], w: &[f32], experts: &[Option<Expert<'_>>], out: &mut [f32]| {
             let routes = Routes {

@@ -5,7 +5,7 @@
 //! the kernel, with a `FieldError` naming the argument.
 
 use ferrobatch_kernels::layer::QuantPart;
-use ferrobatch_kernels::moe::{self, Expert, Routes, Shape};
+use ferrobatch_kernels::moe::{self, Expert, Glu, Routes, Shape};
 use ferrobatch_kernels::quant::{Backend, QType};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -32,10 +32,38 @@ fn as_parts<'a>(
         .collect()
 }
 
+/// Each expert's bias, copied (`len` values each), or None.
+fn biases(
+    field: &'static str,
+    given: Option<Vec<Bound<'_, PyAny>>>,
+    experts: usize,
+    len: usize,
+) -> PyResult<Option<Vec<Vec<f32>>>> {
+    let Some(given) = given else { return Ok(None) };
+    if given.len() != experts {
+        return Err(invalid(
+            field,
+            format!("{field} has {} experts' biases, not {experts}", given.len()),
+        ));
+    }
+    given
+        .iter()
+        .map(|b| {
+            let a = ro::<f32>(b, field, "float32")?;
+            expect_shape(field, a.shape(), &[len], "[n]")?;
+            Ok(a.as_slice()?.to_vec())
+        })
+        .collect::<PyResult<_>>()
+        .map(Some)
+}
+
 #[pyclass(frozen, module = "ferrobatch._core")]
 pub struct QuantExperts {
     gate_up: Vec<Parts>,
     down: Vec<Parts>,
+    gate_up_bias: Option<Vec<Vec<f32>>>,
+    down_bias: Option<Vec<Vec<f32>>>,
+    glu: Glu,
     hidden: usize,
     inter: usize,
     backend: Backend,
@@ -45,15 +73,23 @@ pub struct QuantExperts {
 impl QuantExperts {
     /// One MoE layer's experts: `gate_up[e]` the parts of expert `e`'s gate rows then up
     /// rows ([2 * inter, hidden]), `down[e]` its down projection's ([hidden, inter]); each a
-    /// sequence of (qtype, uint8 array in `quant_pack`'s layout, rows).
+    /// sequence of (qtype, uint8 array in `quant_pack`'s layout, rows). gpt-oss's experts:
+    /// `gate_up_bias[e]` (float32 [2 * inter], the gate's then the up's) and `down_bias[e]`
+    /// ([hidden]) added to the products, `swiglu` = (limit, alpha) the clamped SwiGLU
+    /// between them (else SiLU).
     #[new]
-    #[pyo3(signature = (*, gate_up, down, hidden, inter, backend = None))]
+    #[pyo3(signature = (*, gate_up, down, hidden, inter, backend = None, gate_up_bias = None,
+                        down_bias = None, swiglu = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keywords
     fn new(
         gate_up: Vec<Bound<'_, PyAny>>,
         down: Vec<Bound<'_, PyAny>>,
         hidden: usize,
         inter: usize,
         backend: Option<&str>,
+        gate_up_bias: Option<Vec<Bound<'_, PyAny>>>,
+        down_bias: Option<Vec<Bound<'_, PyAny>>>,
+        swiglu: Option<(f32, f32)>,
     ) -> PyResult<Self> {
         if hidden == 0 || inter == 0 {
             return Err(invalid("hidden", "hidden and inter must be >= 1"));
@@ -69,7 +105,7 @@ impl QuantExperts {
                 ),
             ));
         }
-        let gate_up = gate_up
+        let gate_up: Vec<Parts> = gate_up
             .iter()
             .map(|p| quant_parts("gate_up", p, (2 * inter, hidden)))
             .collect::<PyResult<_>>()?;
@@ -78,9 +114,27 @@ impl QuantExperts {
             .map(|p| quant_parts("down", p, (hidden, inter)))
             .collect::<PyResult<_>>()?;
         let backend = crate::quant::backend_of(backend)?;
+        let experts = gate_up.len();
+        let gate_up_bias = biases("gate_up_bias", gate_up_bias, experts, 2 * inter)?;
+        let down_bias = biases("down_bias", down_bias, experts, hidden)?;
+        let glu = match swiglu {
+            None => Glu::Silu,
+            Some((limit, alpha)) if limit.is_finite() && alpha.is_finite() => {
+                Glu::Clamped { limit, alpha }
+            }
+            Some(v) => {
+                return Err(invalid(
+                    "swiglu",
+                    format!("swiglu must be finite (limit, alpha), not {v:?}"),
+                ))
+            }
+        };
         Ok(QuantExperts {
             gate_up,
             down,
+            gate_up_bias,
+            down_bias,
+            glu,
             hidden,
             inter,
             backend,
@@ -165,10 +219,13 @@ impl QuantExperts {
         }
         let table: Vec<Option<Expert<'_>>> = parts
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(e, p)| {
                 p.as_ref().map(|(gu, d)| Expert {
                     gate_up: gu,
                     down: d,
+                    gate_up_bias: self.gate_up_bias.as_ref().map(|v| &v[e][..]),
+                    down_bias: self.down_bias.as_ref().map(|v| &v[e][..]),
                 })
             })
             .collect();
@@ -176,6 +233,7 @@ impl QuantExperts {
             tokens,
             hidden,
             inter: self.inter,
+            glu: self.glu,
         };
         let routes = Routes {
             ids: id_list,

@@ -23,6 +23,7 @@ mod write_rows;
 
 pub use rms_norm::{rms_norm, NormInput, RmsNorm};
 pub use rope::{rope, Rope};
+pub(crate) use silu_mul::exp;
 pub use silu_mul::{gated_mul, silu_mul, Gate};
 pub use write_rows::{write_rows, write_rows_int8, WriteRows};
 
