@@ -486,7 +486,7 @@ def _blocks(p: LoadPlan, t: TensorEntry, rows: int) -> tuple[str, torch.Tensor, 
     if t.qtype not in REPACKED_TYPES:
         return t.qtype, torch.from_numpy(raw), True
     try:
-        data, flushed = mxfp4.to_q5_0(raw, t.name)
+        data, flushed = mxfp4.to_q5_0(raw, t.name, cache_root() / "gguf" / "repacked")
     except mxfp4.RepackError as exc:
         raise FieldError(f"{p.file.path}: {exc}", "model") from exc
     if flushed:
