@@ -11,6 +11,7 @@ model's. Tensors are generated and written one at a time (memory stays flat).
         --tokenizer-from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
     python benches/synthetic_gguf.py qwen2.5-7b /tmp/qwen7b.gguf --mix Q8_0
     python benches/synthetic_gguf.py qwen3-30b-a3b /tmp/moe.gguf --layers 8   # a MoE's layers
+    python benches/synthetic_gguf.py gpt-oss-20b /tmp/oss.gguf --mix MXFP4_MOE
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 class Shape:
     """A decoder-only model's sizes, as llama.cpp's metadata names them."""
 
-    arch: str  # GGUF general.architecture: llama, qwen2, qwen3moe, phi3, gemma2 or gemma3
+    arch: str  # GGUF general.architecture: llama, qwen2, qwen3moe, phi3, gemma2, gemma3, gpt-oss
     layers: int
     hidden: int
     ffn: int
@@ -49,6 +50,12 @@ class Shape:
     sliding_window: int = 0  # Gemma 2 / 3: the sliding layers' window
     softcap: bool = False  # Gemma 2: attention (50) and final (30) logit soft-capping
     rope_dims: int = 0  # Phi-4-mini: the rotary embedding's columns of each head (0: all)
+
+    @property
+    def oss(self) -> bool:
+        """gpt-oss: biases on every product (the experts' too), attention sinks, the post-
+        attention norm in the feed-forward norm's place, YaRN."""
+        return self.arch == "gpt-oss"
 
     @property
     def gemma(self) -> bool:
@@ -76,6 +83,10 @@ SHAPES = {
                         sliding_window=4096, softcap=True),
     "gemma-3-1b": Shape("gemma3", 26, 1152, 6912, 4, 1, 1000000.0, True, False, head_dim=256,
                         qk_norm=True, sliding_window=512),
+    # gpt-oss-20b: 32 experts of width 2880 a layer, 4 a token, every other layer sliding
+    # (window 128), q/k/v biases
+    "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 2880, 64, 8, 150000.0, False, True, experts=32,
+                         experts_used=4, expert_ffn=2880, head_dim=64, sliding_window=128),
     # small enough for a test (widths whole 256-blocks)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, 10000.0, False, False),
     "tiny-phi3": Shape("phi3", 2, 256, 512, 4, 4, 10000.0, False, False),
@@ -83,6 +94,8 @@ SHAPES = {
                          qk_norm=True, sliding_window=16),
     "tiny-moe": Shape("qwen3moe", 2, 256, 512, 4, 2, 10000.0, False, False, experts=4,
                       experts_used=2, expert_ffn=256, head_dim=64, qk_norm=True),
+    "tiny-oss": Shape("gpt-oss", 2, 288, 288, 4, 2, 150000.0, False, True, experts=4,
+                      experts_used=2, expert_ffn=288, head_dim=64, sliding_window=8),
 }
 
 
@@ -96,7 +109,10 @@ def _more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, layer: int | None, layers: int, mix: str) -> str:
     """The type a matrix gets in `mix`: "Q4_K_M" as llama.cpp's quantizer assigns it (output
     Q6_K, attn_v and ffn_down (the experts' too) Q6_K in `_more_bits` layers, Q4_K
-    elsewhere), else one type."""
+    elsewhere); "MXFP4_MOE" (llama.cpp's type of gpt-oss files) the experts MXFP4, every other
+    matrix Q8_0; else one type."""
+    if mix == "MXFP4_MOE":
+        return "MXFP4" if "_exps." in name else "Q8_0"
     if mix != "Q4_K_M":
         return mix
     if name == "output.weight":
@@ -143,6 +159,8 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
         blocks[..., 0:2] = _f16_bytes(d * scale)
         if qtype in ("Q4_1", "Q5_1"):
             blocks[..., 2:4] = _f16_bytes(-d * scale * (7.5 if qtype == "Q4_1" else 15.5))
+    elif qtype == "MXFP4":  # e8m0 first; value kvalue(code) * 2^(e - 128), kvalues to 12
+        blocks[..., 0] = rng.integers(116, 120, size=(n, nb), dtype=np.uint8)
     else:
         raise ValueError(f"no random blocks for {qtype}")
     return blocks.reshape(n, nb * size)
@@ -171,15 +189,23 @@ def tensors(shape: Shape, vocab: int, mix: str) -> Iterator[tuple[str, tuple[int
             yield p + "attn_k_norm.weight", (head_dim,), "F32"
         yield p + "attn_output.weight", (shape.hidden, q), _fit(tensor_type(
             "attn_output.weight", i, shape.layers, mix), q)
-        yield p + "ffn_norm.weight", (shape.hidden,), "F32"
+        if shape.oss:
+            yield p + "attn_output.bias", (shape.hidden,), "F32"
+            yield p + "attn_sinks.weight", (shape.heads,), "F32"
+        yield p + ("post_attention_norm.weight" if shape.oss else "ffn_norm.weight"), \
+            (shape.hidden,), "F32"
         if shape.experts:  # the router (F32, as llama.cpp keeps it), then the experts
             e, f = shape.experts, shape.expert_ffn
             yield p + "ffn_gate_inp.weight", (e, shape.hidden), "F32"
+            if shape.oss:
+                yield p + "ffn_gate_inp.bias", (e,), "F32"
             for name, dims in (("ffn_gate_exps", (e, f, shape.hidden)),
                                ("ffn_up_exps", (e, f, shape.hidden)),
                                ("ffn_down_exps", (e, shape.hidden, f))):
                 yield p + name + ".weight", dims, tensor_type(p + name + ".weight", i,
                                                               shape.layers, mix)
+                if shape.oss:
+                    yield p + name + ".bias", dims[:2], "F32"
             continue
         mlp = (("ffn_up", 2 * shape.ffn, shape.hidden),) if fused else (
             ("ffn_gate", shape.ffn, shape.hidden), ("ffn_up", shape.ffn, shape.hidden))
@@ -248,6 +274,10 @@ def write(shape_name: str, path: Path, donor: Path, mix: str = "Q4_K_M", seed: i
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.expert_ffn)
+    if shape.oss:  # (gpt-oss-20b's YaRN)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     vocab = _copy_tokenizer(writer, gguf.GGUFReader(donor))
     plan = list(tensors(shape, vocab, mix))
     for name, dims, qtype in plan:
