@@ -646,10 +646,13 @@ def quant_packed_len(qtype: str, n: int, k: int) -> int:
 def quant_mxfp4_to_q5_0(
     blocks: npt.NDArray[np.uint8],
     out: npt.NDArray[np.uint8],
+    *,
+    threads: int = 1,
 ) -> int:
     """Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
-    bytes for every 17) as Q5_0 blocks of the same values; returns how many blocks were below
-    fp16's range and became zero. `FieldError` ("blocks") for an exponent above 143."""
+    bytes for every 17) as Q5_0 blocks of the same values on up to `threads` threads; returns
+    how many blocks were below fp16's range and became zero. `FieldError` ("blocks") naming
+    the first block whose exponent is above 143."""
 
 def quant_dequantize(
     qtype: str,

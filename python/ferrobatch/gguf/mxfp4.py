@@ -11,8 +11,8 @@ both say the same number, so the kernels' Q5_0 products compute MXFP4 products e
 whose codes are all zero is zero whatever its `e` (llama.cpp writes `e = 0` for it); a block
 with a smaller `e` and a nonzero code (every weight below 12 * 2^-25 in magnitude) becomes
 zero, and is counted; a larger `e` (weights of 2^16 and more) is refused. The rewrite runs in
-`ferrobatch-kernels` (`quant::mxfp4_to_q5_0`: 0.3-1 GB/s on one core of the Zen 4 it was
-written on, the lower figure with the output's first-touch page faults).
+`ferrobatch-kernels` (`quant::mxfp4_to_q5_0`, on torch's threads: 0.3-1 GB/s a core on
+the Zen 4 it was written on, the lower figure with the output's first-touch page faults).
 
 The rewritten blocks live in a file-backed map (`file_backed`: an unlinked file under the
 cache directory), as the file's own blocks do: the kernels' packed copies are the model's
@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ferrobatch import _core
 from ferrobatch.errors import FieldError
@@ -75,7 +76,8 @@ def to_q5_0(blocks: np.ndarray, name: str = "tensor",
     out = file_backed((*arr.shape[:-1],
                        arr.shape[-1] // MXFP4_BLOCK_BYTES * Q5_0_BLOCK_BYTES), directory)
     try:
-        flushed = _core.quant_mxfp4_to_q5_0(arr.reshape(-1), out.reshape(-1))
+        flushed = _core.quant_mxfp4_to_q5_0(arr.reshape(-1), out.reshape(-1),
+                                            threads=torch.get_num_threads())
     except FieldError as exc:
         raise RepackError(f"{name}: {exc}") from exc
     return out, int(flushed)

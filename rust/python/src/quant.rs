@@ -88,18 +88,23 @@ pub fn quant_dequantize(
 }
 
 /// Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
-/// bytes for every 17) as Q5_0 blocks of the same values; returns how many blocks were
-/// below fp16's range and became zero (`ferrobatch-kernels`' `quant::mxfp4_to_q5_0`).
+/// bytes for every 17) as Q5_0 blocks of the same values on up to `threads` threads;
+/// returns how many blocks were below fp16's range and became zero (`ferrobatch-kernels`'
+/// `quant::mxfp4_to_q5_0`).
 #[pyfunction]
+#[pyo3(signature = (blocks, out, *, threads = 1))]
 pub fn quant_mxfp4_to_q5_0(
     py: Python<'_>,
     blocks: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    threads: i64,
 ) -> PyResult<usize> {
+    let threads = threads_of(threads)?;
     let b = ro::<u8>(blocks, "blocks", "uint8")?;
     let mut o = rw::<u8>(out, "out", "uint8")?;
     let (be, oe) = (b.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| kernel::mxfp4_to_q5_0(be, oe)).map_err(to_py)
+    py.detach(|| kernel::mxfp4_to_q5_0(be, oe, threads))
+        .map_err(to_py)
 }
 
 /// Packs the GGUF rows `blocks` (uint8, `n * k / block` blocks of `qtype`) into `out`

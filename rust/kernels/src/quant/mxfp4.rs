@@ -10,7 +10,10 @@
 //! smaller `e` with a nonzero code (every weight below 12 * 2^-25) becomes zero, and is
 //! counted; a larger `e` is refused.
 
+use std::sync::Mutex;
+
 use crate::error::KernelError;
+use crate::parallel::{plan_threads, row_ranges, run_pieces};
 
 /// MXFP4's code -> weight in units of 2^(e - 128) (the doubled E2M1 values)
 pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -48,11 +51,12 @@ fn scale_bits(e: u8) -> u16 {
     }
 }
 
-/// Rewrites the MXFP4 blocks `src` as Q5_0 blocks into `dst` (22 bytes for every 17) and
-/// returns how many blocks were below fp16's range and became zero. `Invalid` ("blocks")
-/// for a length that is not whole blocks or an exponent above 143 (nothing is written then
-/// past the blocks before it); `Length` ("out") for a `dst` of the wrong size.
-pub fn mxfp4_to_q5_0(src: &[u8], dst: &mut [u8]) -> Result<usize, KernelError> {
+/// Rewrites the MXFP4 blocks `src` as Q5_0 blocks into `dst` (22 bytes for every 17) on up
+/// to `threads` threads and returns how many blocks were below fp16's range and became
+/// zero. `Invalid` ("blocks") for a length that is not whole blocks, or naming the first
+/// block whose exponent is above 143 (`dst` is then partly written); `Length` ("out") for a
+/// `dst` of the wrong size.
+pub fn mxfp4_to_q5_0(src: &[u8], dst: &mut [u8], threads: usize) -> Result<usize, KernelError> {
     if !src.len().is_multiple_of(MXFP4_BYTES) {
         return KernelError::invalid(
             "blocks",
@@ -69,6 +73,39 @@ pub fn mxfp4_to_q5_0(src: &[u8], dst: &mut [u8]) -> Result<usize, KernelError> {
         blocks * Q5_0_BYTES,
         crate::error::Expected::NotN,
     )?;
+    let threads = plan_threads(threads, blocks, dst.len());
+    let ranges = row_ranges(blocks, threads);
+    let mut pieces = Vec::with_capacity(ranges.len());
+    let mut rest = dst;
+    for r in ranges {
+        let (mine, more) = rest.split_at_mut(r.len() * Q5_0_BYTES);
+        pieces.push((r, mine));
+        rest = more;
+    }
+    // per piece: (its flushed count, its first block above the range)
+    let results = Mutex::new(Vec::new());
+    run_pieces(pieces, |range, out| {
+        let start = range.start;
+        let part = &src[range.start * MXFP4_BYTES..range.end * MXFP4_BYTES];
+        let r = rewrite(part, out).map_err(|(b, e)| (start + b, e));
+        results.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+    });
+    let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    if let Some((b, e)) = results.iter().filter_map(|r| r.err()).min() {
+        return KernelError::invalid(
+            "blocks",
+            format!(
+                "blocks: MXFP4 block {b} has exponent {e} (weights of 2^16 or more), which Q5_0 \
+                 cannot hold"
+            ),
+        );
+    }
+    Ok(results.iter().map(|r| r.unwrap_or(0)).sum())
+}
+
+/// [`mxfp4_to_q5_0`] of whole blocks on this thread: the flushed count, or (block, exponent)
+/// of the first block above the range.
+fn rewrite(src: &[u8], dst: &mut [u8]) -> Result<usize, (usize, u8)> {
     let mut flushed = 0;
     for (b, (s, d)) in src
         .chunks_exact(MXFP4_BYTES)
@@ -77,10 +114,7 @@ pub fn mxfp4_to_q5_0(src: &[u8], dst: &mut [u8]) -> Result<usize, KernelError> {
     {
         let (e, codes) = (s[0], &s[1..]);
         if e > E_MAX {
-            return KernelError::invalid(
-                "blocks",
-                format!("blocks: MXFP4 block {b} has exponent {e} (weights of 2^16 or more), which Q5_0 cannot hold"),
-            );
+            return Err((b, e));
         }
         if e < E_MIN {
             flushed += usize::from(codes.iter().any(|&c| c & 0x77 != 0));
@@ -140,12 +174,35 @@ mod tests {
         }
         let blocks = src.len() / MXFP4_BYTES;
         let mut q5 = vec![0; blocks * Q5_0_BYTES];
-        assert_eq!(mxfp4_to_q5_0(&src, &mut q5), Ok(0));
+        assert_eq!(mxfp4_to_q5_0(&src, &mut q5, 2), Ok(0));
         let mut got = vec![0.0f32; blocks * 32];
         dequantize(QType::Q5_0, &q5, blocks, 32, &mut got).unwrap();
         for (g, w) in got.iter().zip(mxfp4_values(&src)) {
             assert_eq!(f64::from(*g), w);
         }
+    }
+
+    #[test]
+    fn threads_give_the_same_bytes_and_the_first_bad_block() {
+        let blocks = 100_000;
+        let src: Vec<u8> = (0..blocks * MXFP4_BYTES)
+            .map(|i| {
+                if i % MXFP4_BYTES == 0 {
+                    E_MIN + (i / MXFP4_BYTES % 40) as u8
+                } else {
+                    (i * 7919 % 251) as u8
+                }
+            })
+            .collect();
+        let (mut one, mut two) = (vec![0; blocks * Q5_0_BYTES], vec![1; blocks * Q5_0_BYTES]);
+        assert_eq!(mxfp4_to_q5_0(&src, &mut one, 1), Ok(0));
+        assert_eq!(mxfp4_to_q5_0(&src, &mut two, 2), Ok(0));
+        assert!(one == two);
+        let mut bad = src.clone();
+        bad[90_000 * MXFP4_BYTES] = 200;
+        bad[70_000 * MXFP4_BYTES] = 150;
+        let err = mxfp4_to_q5_0(&bad, &mut two, 2).unwrap_err().to_string();
+        assert!(err.contains("block 70000 has exponent 150"), "{err}");
     }
 
     #[test]
@@ -156,14 +213,14 @@ mod tests {
         src[18] = 0x01;
         src[34] = 120; // in range, zero codes
         let mut q5 = vec![0xAA; 3 * Q5_0_BYTES];
-        assert_eq!(mxfp4_to_q5_0(&src, &mut q5), Ok(1));
+        assert_eq!(mxfp4_to_q5_0(&src, &mut q5, 1), Ok(1));
         let mut got = vec![1.0f32; 96];
         dequantize(QType::Q5_0, &q5, 3, 32, &mut got).unwrap();
         assert!(got.iter().all(|&v| v == 0.0));
         src[0] = 144;
-        let err = mxfp4_to_q5_0(&src, &mut q5).unwrap_err();
+        let err = mxfp4_to_q5_0(&src, &mut q5, 2).unwrap_err();
         assert!(err.to_string().contains("exponent 144"), "{err}");
-        assert!(mxfp4_to_q5_0(&src[..16], &mut q5).is_err());
-        assert!(mxfp4_to_q5_0(&src, &mut q5[..21]).is_err());
+        assert!(mxfp4_to_q5_0(&src[..16], &mut q5, 1).is_err());
+        assert!(mxfp4_to_q5_0(&src, &mut q5[..21], 1).is_err());
     }
 }
