@@ -504,3 +504,29 @@ def add_tiny_tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
     w.add_pad_token_id(0)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+
+
+def assert_greedy_as_generate(engine: Any, prompts: list[list[int]], new: int = 8) -> None:
+    """Each prompt's engine tokens, batched with the others and then alone, equal the greedy
+    `generate` of the engine's own model on that prompt alone."""
+    from ferrobatch import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new)
+    together = engine.generate(prompts, params, progress=False)
+    for prompt, out in zip(prompts, together, strict=True):
+        with torch.inference_mode():
+            own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=new,
+                                        do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == own, prompt
+        assert engine.generate([prompt], params, progress=False)[0].token_ids == own
+
+
+def assert_plan_refused(path: Path, match: str) -> None:
+    """`loader.plan(path)` raises a `FieldError` on field "model" matching `match`."""
+    import pytest
+    from ferrobatch.errors import FieldError
+    from ferrobatch.gguf import loader
+
+    with pytest.raises(FieldError, match=match) as err:
+        loader.plan(path)
+    assert err.value.field == "model"

@@ -9,14 +9,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import loader, mxfp4
 from ferrobatch.gguf.experts import OssQuantExperts
 from ferrobatch.gguf.loader import load_gguf
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_files import reference_model, tiny_model, write_gguf
+from gguf_files import (
+    assert_greedy_as_generate,
+    assert_plan_refused,
+    reference_model,
+    tiny_model,
+    write_gguf,
+)
 
 IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
 PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
@@ -122,22 +128,13 @@ def test_engine_greedy_equals_model_generate(gguf_file, qtype: str) -> None:
     """Through the engine on the kernels' products: each request's tokens are the model's
     own greedy tokens, alone and batched."""
     written, _ = gguf_file("gpt-oss", qtype, types=MXFP4_EXPERTS)
-    params = SamplingParams(max_new_tokens=8)
     with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
                                                                    page_size=16)) as engine:
-        together = engine.generate(PROMPTS, params, progress=False)
-        for prompt, out in zip(PROMPTS, together, strict=True):
-            with torch.inference_mode():
-                own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                            do_sample=False)[0, len(prompt):].tolist()
-            assert out.token_ids == own, prompt
-            assert engine.generate([prompt], params, progress=False)[0].token_ids == own
+        assert_greedy_as_generate(engine, PROMPTS)
 
 
 def _refused(path, match: str) -> None:
-    with pytest.raises(FieldError, match=match) as err:
-        loader.plan(path)
-    assert err.value.field == "model"
+    assert_plan_refused(path, match)
 
 
 @pytest.mark.parametrize(("kw", "match"), [

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch import ContinuousBatchingConfig, Engine
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import loader
 from ferrobatch.gguf.experts import QuantExperts
 from ferrobatch.gguf.loader import load_gguf
 from ferrobatch.gguf.modules import QuantLinear
-from gguf_files import reference_model, tiny_model, write_gguf
+from gguf_files import (
+    assert_greedy_as_generate,
+    assert_plan_refused,
+    reference_model,
+    tiny_model,
+    write_gguf,
+)
 
 IDS = torch.tensor([[3, 17, 99, 5, 200, 7, 8, 9, 11, 400, 13, 14]])
 PROMPTS = [[3, 17, 99, 5, 200], [7, 8, 9, 11, 400, 12, 13, 14, 15, 16, 17, 18], [21]]
@@ -114,23 +120,14 @@ def test_engine_greedy_equals_model_generate(gguf_file, arch: str, qtype: str) -
     the fused kernels, the MoE block as its module, Qwen2-MoE's float shared-expert gate
     inside it)."""
     written, _ = gguf_file(arch, qtype)
-    params = SamplingParams(max_new_tokens=8)
     with Engine(str(written.path), config=ContinuousBatchingConfig(num_blocks=64,
                                                                    page_size=16)) as engine:
         assert engine.runner.activations.lean is not None
-        together = engine.generate(PROMPTS, params, progress=False)
-        for prompt, out in zip(PROMPTS, together, strict=True):
-            with torch.inference_mode():
-                own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                            do_sample=False)[0, len(prompt):].tolist()
-            assert out.token_ids == own, prompt
-            assert engine.generate([prompt], params, progress=False)[0].token_ids == own
+        assert_greedy_as_generate(engine, PROMPTS)
 
 
 def _refused(path, match: str) -> None:
-    with pytest.raises(FieldError, match=match) as err:
-        loader.plan(path)
-    assert err.value.field == "model"
+    assert_plan_refused(path, match)
 
 
 def test_missing_expert_tensor_refused(tmp_path) -> None:
