@@ -630,7 +630,7 @@ def i16_linear(
 
 def quant_types() -> list[str]:
     """The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
-    "q6_k", "q3_k", "q2_k", "iq4_xs")."""
+    "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k", "q2_k", "iq4_xs", "mxfp4")."""
 
 def quant_backend() -> str:
     """The backend `quant_linear` runs when given none: "amx_int8" where the CPU has AMX-INT8
@@ -642,17 +642,6 @@ def quant_backend_available(backend: str) -> bool:
 
 def quant_packed_len(qtype: str, n: int, k: int) -> int:
     """Bytes (uint8) of the packed form of an `[n, k]` weight of `qtype` (`k` whole blocks)."""
-
-def quant_mxfp4_to_q5_0(
-    blocks: npt.NDArray[np.uint8],
-    out: npt.NDArray[np.uint8],
-    *,
-    threads: int = 1,
-) -> int:
-    """Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
-    bytes for every 17) as Q5_0 blocks of the same values on up to `threads` threads; returns
-    how many blocks were below fp16's range and became zero. `FieldError` ("blocks") naming
-    the first block whose exponent is above 143."""
 
 def quant_dequantize(
     qtype: str,

@@ -2,8 +2,9 @@
 `dequantize` is `gguf.quants.dequantize` bit for bit; `linear` is within the bound the
 activations' int8 quantization allows of the f64 product of the dequantized weights, the
 same bits on every backend, a row's result independent of its batch and of the threads;
-bad arguments name the field. K-type blocks are random bytes with sane fp16 `d` / `dmin`
-(`gguf` cannot quantize K-types; dequantize defines their values)."""
+bad arguments name the field. K-type blocks are random bytes with sane fp16 `d` / `dmin`,
+MXFP4 blocks with a sane exponent (`gguf` cannot quantize K-types; dequantize defines their
+values)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144),
          "q5_k": (256, 176), "q6_k": (256, 210), "q5_0": (32, 22), "q5_1": (32, 24),
-         "iq4_nl": (32, 18), "q3_k": (256, 110), "q2_k": (256, 84), "iq4_xs": (256, 136)}
+         "iq4_nl": (32, 18), "q3_k": (256, 110), "q2_k": (256, 84), "iq4_xs": (256, 136),
+         "mxfp4": (32, 17)}
 GGML = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q4_k": G.Q4_K, "q5_k": G.Q5_K,
         "q6_k": G.Q6_K, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "q3_k": G.Q3_K,
-        "q2_k": G.Q2_K, "iq4_xs": G.IQ4_XS}
+        "q2_k": G.Q2_K, "iq4_xs": G.IQ4_XS, "mxfp4": G.MXFP4}
 BACKENDS = [b for b in ("portable", "avx2", "avx512vnni", "amx_int8")
             if _core.quant_backend_available(b)]
 
@@ -52,6 +54,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     elif qtype == "q2_k":
         b[..., 80:82] = np.abs(d)[..., None].view(np.uint8)
         b[..., 82:84] = e[..., None].view(np.uint8)
+    elif qtype == "mxfp4":  # an E8M0 exponent: 2^(e - 128) from 2^-18 to 2^-2
+        b[..., 0] = rng.integers(110, 127, size=(n, k // block), dtype=np.uint8)
     else:  # iq4_xs
         b[..., 0:2] = d[..., None].view(np.uint8)
     return b.reshape(n, -1)
@@ -176,7 +180,8 @@ def test_out_is_written_and_inputs_widened():
 
 def test_packed_bytes_are_the_gguf_bytes():
     for qtype, (block, nbytes) in BLOCK.items():
-        extra = {"q4_k": 4, "q5_k": 4, "q3_k": 4, "iq4_xs": 2}.get(qtype, 0)
+        # (MXFP4: its exponent byte packed as an fp16 `d`)
+        extra = {"q4_k": 4, "q5_k": 4, "q3_k": 4, "iq4_xs": 2, "mxfp4": 1}.get(qtype, 0)
         assert _core.quant_packed_len(qtype, 64, 4 * 256) == 64 * 4 * 256 // block * (
             nbytes + extra)
 

@@ -1,5 +1,5 @@
 """gpt-oss GGUF files (`gpt-oss`, as llama.cpp's converter writes them): MXFP4 expert blocks
-rewritten at load as Q5_0 blocks of the same values, the experts' biases and clamped SwiGLU,
+kept as they are and run on the kernels, the experts' biases and clamped SwiGLU,
 attention sinks, every other layer sliding, YaRN; the logits equal the dequantized oracle,
 the engine's greedy tokens equal the model's own, and what ferrobatch would compute
 differently from llama.cpp is refused by name."""
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine
+from ferrobatch.cpu import quant_ops
 from ferrobatch.errors import FieldError
-from ferrobatch.gguf import loader, mxfp4
+from ferrobatch.gguf import loader
 from ferrobatch.gguf.experts import OssQuantExperts
 from ferrobatch.gguf.loader import load_gguf
 from gguf import GGMLQuantizationType
@@ -42,33 +43,33 @@ def _mxfp4(rng: np.random.Generator, blocks: int, e: np.ndarray | int) -> np.nda
     return out
 
 
-def test_mxfp4_as_q5_0_holds_the_same_values() -> None:
-    """Every exponent fp16 holds (104 .. 143), random codes: gguf-py's dequantization of the
-    Q5_0 blocks equals its dequantization of the MXFP4 blocks, bit for bit."""
+def test_mxfp4_products_at_every_exponent_the_kernels_hold() -> None:
+    """MXFP4 blocks at every exponent 104 .. 143 (2^-24 .. 2^15, what the packed panels'
+    fp16 `d` holds): the kernels' dequantization is gguf-py's bit for bit, and a product
+    is within the activations' int8 rounding of the dequantized weights' product."""
     rng = np.random.default_rng(0)
-    blocks = _mxfp4(rng, 40 * 8, np.repeat(np.arange(104, 144), 8))
-    q5, flushed = mxfp4.to_q5_0(blocks.reshape(8, -1))
-    assert flushed == 0 and q5.shape == (8, 40 * 22)
-    want = dequantize(blocks.reshape(8, -1), GGMLQuantizationType.MXFP4)
-    got = dequantize(q5, GGMLQuantizationType.Q5_0)
-    np.testing.assert_array_equal(got, want)
+    blocks = _mxfp4(rng, 40 * 8, np.repeat(np.arange(104, 144), 8)).reshape(8, -1)
+    want = dequantize(blocks, GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(quant_ops.dequantize("MXFP4", blocks, 8, 40 * 32), want)
+    x = torch.from_numpy(rng.standard_normal((3, 40 * 32)).astype(np.float32))
+    got = quant_ops.linear(x, quant_ops.pack("MXFP4", blocks, 8, 40 * 32))
+    exact = x.double() @ torch.from_numpy(want).double().T
+    step = torch.from_numpy(np.abs(want).astype(np.float64)).sum(1) * x.abs().max() / 127
+    assert ((got.double() - exact).abs() <= step).all()
 
 
-def test_mxfp4_zero_and_tiny_blocks() -> None:
-    """A block of zero codes (0 and 8 both mean zero) is zero whatever its exponent; a block
-    below fp16's range with a nonzero code becomes zero and is counted; above it, refused."""
+def test_mxfp4_tiny_blocks_are_zero_and_huge_ones_refused() -> None:
+    """Below exponent 104 (every weight under 12 * 2^-25) a block counts as zero, as fp16
+    rounds its `d`; above 143 (weights of 2^16 and more) packing refuses it by name."""
     rng = np.random.default_rng(1)
-    zero = _mxfp4(rng, 2, 0)
-    zero[:, 1:] = rng.choice(np.array([0x00, 0x08, 0x80, 0x88], np.uint8), size=(2, 16))
     tiny = _mxfp4(rng, 1, 103)
     tiny[:, 1:] = 0x11  # (code 1 everywhere: 2^-25 each)
-    q5, flushed = mxfp4.to_q5_0(np.concatenate([zero, tiny]).reshape(1, -1))
-    assert flushed == 1
-    assert not dequantize(q5, GGMLQuantizationType.Q5_0).any()
-    with pytest.raises(mxfp4.RepackError, match=r"w: .*exponent 144"):
-        mxfp4.to_q5_0(_mxfp4(rng, 1, 144), "w")
-    with pytest.raises(ValueError, match="whole 17-byte blocks"):
-        mxfp4.to_q5_0(np.zeros((2, 20), np.uint8))
+    assert not quant_ops.dequantize("MXFP4", tiny, 1, 32).any()
+    assert dequantize(tiny, GGMLQuantizationType.MXFP4).any()  # (gguf-py: 2^-25)
+    huge = np.concatenate([_mxfp4(rng, 2, 120), _mxfp4(rng, 1, 150)]).reshape(1, -1)
+    with pytest.raises(FieldError, match=r"MXFP4 block 2 has exponent 150") as err:
+        quant_ops.pack("MXFP4", huge, 1, 96)
+    assert err.value.field == "blocks"
 
 
 @pytest.mark.parametrize(("qtype", "types"), [("Q8_0", MXFP4_EXPERTS), ("Q8_0", None),
@@ -81,14 +82,14 @@ def test_logits_equal_the_dequantized_oracle(gguf_file, qtype: str, types: dict 
                                rtol=1e-5, atol=1e-5)
     experts = [layer.mlp.experts for layer in model.model.layers]
     assert all(isinstance(e, OssQuantExperts) for e in experts)
-    kept = "Q5_0" if types else qtype
+    kept = "MXFP4" if types else qtype
     assert {e.down_proj[0].qtype for e in experts} == {kept}
     info = model.ferrobatch_gguf
     f = loader.GGUFFile(written.path)
-    mx = sum(t.nbytes for t in f.tensors.values() if t.qtype == "MXFP4")
     assert info.types.get("MXFP4", 0) == (6 if types else 0)
-    # (MXFP4: 17 bytes a block in the file, 22 in memory, not a view of the map)
-    assert info.quantized_bytes - info.mapped_bytes == mx * 22 // 17
+    # (every quantized tensor, MXFP4's too, a view of the file's map)
+    assert info.quantized_bytes == info.mapped_bytes == sum(
+        t.nbytes for t in f.tensors.values() if t.qtype in ("MXFP4", qtype, "Q8_0"))
 
 
 def test_float_experts_fill_the_fused_module(gguf_file) -> None:
@@ -151,20 +152,6 @@ def _refused(path, match: str) -> None:
 def test_refused(tmp_path, kw: dict, match: str) -> None:
     written = write_gguf(tmp_path / "r.gguf", tiny_model("gpt-oss"), "gpt-oss", "Q8_0", **kw)
     _refused(written.path, match)
-
-
-def test_mxfp4_beyond_q5_0_refused_naming_the_tensor(tmp_path) -> None:
-    """An exponent above fp16's range fails the load with the tensor's name (checked when its
-    blocks are rewritten, before the model is handed out)."""
-    written = write_gguf(tmp_path / "big.gguf", tiny_model("gpt-oss"), "gpt-oss", "Q8_0",
-                         types=MXFP4_EXPERTS)
-    f = loader.GGUFFile(written.path)
-    t = f.tensors["blk.1.ffn_down_exps.weight"]
-    with open(written.path, "r+b") as fh:
-        fh.seek(t.offset)
-        fh.write(bytes([200]))
-    with pytest.raises(FieldError, match=r"blk\.1\.ffn_down_exps\.weight: .*exponent 200"):
-        load_gguf(written.path)
 
 
 def test_tensor_parallel_refused(gguf_file) -> None:

@@ -132,7 +132,7 @@ def test_phi3_shape(synthetic, donor: Path, tmp_path: Path) -> None:
 def test_gpt_oss_shape(synthetic, donor: Path, tmp_path: Path) -> None:
     """A gpt-oss shape in llama.cpp's MXFP4_MOE mix: MXFP4 experts with F32 biases, every
     other matrix Q8_0 (a width of 288: not whole 256-blocks), sinks, YaRN; the engine runs
-    it with the experts rewritten as Q5_0."""
+    it on the MXFP4 kernels."""
     path = tmp_path / "oss.gguf"
     synthetic.write("tiny-oss", path, donor, mix="MXFP4_MOE")
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -142,6 +142,6 @@ def test_gpt_oss_shape(synthetic, donor: Path, tmp_path: Path) -> None:
     assert "blk.0.attn_sinks.weight" in tensors and "blk.0.ffn_norm.weight" not in tensors
     config = ContinuousBatchingConfig(num_blocks=32, page_size=16)
     with Engine(str(path), config=config) as engine:
-        assert engine.model.model.layers[0].mlp.experts.down_proj[0].qtype == "Q5_0"
+        assert engine.model.model.layers[0].mlp.experts.down_proj[0].qtype == "MXFP4"
         out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4), progress=False)
     assert len(out[0].token_ids) == 4

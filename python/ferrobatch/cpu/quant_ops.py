@@ -1,7 +1,7 @@
 """Products with GGUF quantized weights (`ferrobatch-kernels`' `quant`): Q8_0, Q4_0, Q4_1,
-Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q3_K, Q2_K and IQ4_XS, the types of the `Q4_K_M`,
-`Q5_K_M`, `Q3_K_M`, `Q2_K` and `IQ4_XS` files (Q5_0 / Q5_1 / IQ4_NL where a matrix's width is
-not whole 256-weight blocks) and of quantize-on-load Q8_0.
+Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q3_K, Q2_K, IQ4_XS and MXFP4, the types of the `Q4_K_M`,
+`Q5_K_M`, `Q3_K_M`, `Q2_K`, `IQ4_XS` and gpt-oss `MXFP4_MOE` files (Q5_0 / Q5_1 / IQ4_NL where
+a matrix's width is not whole 256-weight blocks) and of quantize-on-load Q8_0.
 
 `pack` lays the GGUF rows of a weight [n, k] (as `gguf.GGUFReader` gives them: uint8,
 `k / block` blocks a row) out once into panels of 16 rows; `linear` computes `x @ W.T` in
@@ -31,7 +31,7 @@ __all__ = ["QTYPES", "QUANTIZERS", "PackedWeight", "backend", "dequantize", "lin
 
 #: the types the products take, by their lower-case `GGMLQuantizationType` names
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k",
-          "q2_k", "iq4_xs")
+          "q2_k", "iq4_xs", "mxfp4")
 
 #: the types `quantize` makes
 QUANTIZERS = tuple(_core.quant_quantize_types())

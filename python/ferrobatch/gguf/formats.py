@@ -16,18 +16,17 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-__all__ = ["FLOAT_TYPES", "QUANT_TYPES", "REPACKED_TYPES", "QuantWeight", "block_shape",
-           "dequantize_reference", "qtype_name", "row_bytes", "stays_quantized"]
+__all__ = ["FLOAT_TYPES", "QUANT_TYPES", "QuantWeight", "block_shape", "dequantize_reference",
+           "qtype_name", "row_bytes"]
 
 #: the block-quantized types ferrobatch keeps quantized (the kernels of
 #: `ferrobatch.cpu.quant_ops` implement these; the reference path dequantizes any of them).
 #: Q5_0, Q5_1 and IQ4_NL are llama.cpp's fallbacks for matrices whose input width is not whole
-#: 256-weight blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, the low-bit types -> IQ4_NL)
+#: 256-weight blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, the low-bit types -> IQ4_NL); MXFP4 is
+#: gpt-oss's experts' type (its products: blocks whose exponent puts every weight under 4e-7
+#: count as zero; an exponent above 143, weights of 2^16 and more, is refused when packed)
 QUANT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1",
-                                "IQ4_NL", "Q3_K", "Q2_K", "IQ4_XS")
-#: file types rewritten at load into a type of `QUANT_TYPES` holding the same values
-#: (`ferrobatch.gguf.mxfp4`: gpt-oss's MXFP4 experts as Q5_0)
-REPACKED_TYPES: dict[str, str] = {"MXFP4": "Q5_0"}
+                                "IQ4_NL", "Q3_K", "Q2_K", "IQ4_XS", "MXFP4")
 #: plain float types, read as float tensors
 FLOAT_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
 
@@ -38,11 +37,6 @@ def qtype_name(ggml_type: int | GGMLQuantizationType) -> str:
         return GGMLQuantizationType(int(ggml_type)).name
     except ValueError:
         return f"type {int(ggml_type)}"
-
-
-def stays_quantized(qtype: str) -> bool:
-    """Whether a file tensor of `qtype` is kept as blocks (as itself or repacked)."""
-    return qtype in QUANT_TYPES or qtype in REPACKED_TYPES
 
 
 def block_shape(qtype: str) -> tuple[int, int]:

@@ -62,15 +62,8 @@ from transformers.pytorch_utils import Conv1D
 
 from ferrobatch.errors import FieldError
 from ferrobatch.gguf import arch as archs
-from ferrobatch.gguf import mxfp4
 from ferrobatch.gguf.experts import OssQuantExperts, QuantExperts
-from ferrobatch.gguf.formats import (
-    FLOAT_TYPES,
-    QUANT_TYPES,
-    REPACKED_TYPES,
-    QuantWeight,
-    stays_quantized,
-)
+from ferrobatch.gguf.formats import FLOAT_TYPES, QUANT_TYPES, QuantWeight
 from ferrobatch.gguf.modules import QuantEmbedding, QuantLinear
 from ferrobatch.gguf.reader import GGUFFile, TensorEntry
 from ferrobatch.model_dtype import cache_root, cpu_has_native_bf16, resolve_dtype
@@ -150,11 +143,11 @@ class LoadPlan:
 
 def _check_types(f: GGUFFile) -> None:
     for t in f.tensors.values():
-        if not stays_quantized(t.qtype) and t.qtype not in FLOAT_TYPES:
+        if t.qtype not in QUANT_TYPES and t.qtype not in FLOAT_TYPES:
             raise FieldError(
                 f"{f.path}: tensor {t.name} has type {t.qtype}, which ferrobatch does not "
-                f"load (quantized: {', '.join((*QUANT_TYPES, *REPACKED_TYPES))}; float: "
-                f"{', '.join(FLOAT_TYPES)})", "model")
+                f"load (quantized: {', '.join(QUANT_TYPES)}; float: {', '.join(FLOAT_TYPES)})",
+                "model")
 
 
 def _cache_dir(path: Path) -> Path:
@@ -332,7 +325,7 @@ def plan(path: str | os.PathLike, *, device: Any = None, dtype: Any = None,
         if filled.intersection(group):
             raise FieldError(f"{path}: tensor {t.name} fills {target} a second time", "model")
         filled.update(group)
-        quantized = stays_quantized(t.qtype) and "other" not in kinds and (
+        quantized = t.qtype in QUANT_TYPES and "other" not in kinds and (
             len(kinds) == 1 or "conv1d" not in kinds)
         item = _Item(t, group, quantized, want)
         if quantized:
@@ -439,7 +432,7 @@ def _plan_experts(path: Path, skeleton: nn.Module, module: str, parts: dict[str,
                              f"{module} experts {list(want[part])} (the metadata and the "
                              "tensors disagree)", "model")
     mats = [t for p, t in parts.items() if "." not in p]
-    kinds = {stays_quantized(t.qtype) for t in mats}
+    kinds = {t.qtype in QUANT_TYPES for t in mats}
     if len(kinds) > 1:
         raise FieldError(f"{path}: the experts of {module} mix quantized and float tensors "
                          f"({', '.join(f'{t.name} {t.qtype}' for t in mats)})",
@@ -479,29 +472,14 @@ def _unit_dims_as(value: torch.Tensor, shape: tuple[int, ...], p: LoadPlan,
     return value.reshape(shape)
 
 
-def _blocks(p: LoadPlan, t: TensorEntry, rows: int) -> tuple[str, torch.Tensor, bool]:
-    """A quantized tensor's blocks as `rows` rows of a kernel type: (type, uint8 data, whether
-    a view of the map). A `REPACKED_TYPES` tensor is rewritten into memory of its own."""
-    raw = p.file.raw(t.name).reshape(rows, -1)
-    if t.qtype not in REPACKED_TYPES:
-        return t.qtype, torch.from_numpy(raw), True
-    try:
-        data, flushed = mxfp4.to_q5_0(raw, t.name, cache_root() / "gguf" / "repacked")
-    except mxfp4.RepackError as exc:
-        raise FieldError(f"{p.file.path}: {exc}", "model") from exc
-    if flushed:
-        logger.warning("ferrobatch: %s: %d MXFP4 blocks below fp16's range (every weight under "
-                       "4e-7) load as zero", t.name, flushed)
-    return REPACKED_TYPES[t.qtype], torch.from_numpy(data), False
-
-
 def _quant_weight(p: LoadPlan, item: _Item) -> tuple[QuantWeight, bool]:
     """The tensor's `QuantWeight` and whether it is a view of the map."""
     t = item.entry
-    qtype, data, mapped = _blocks(p, t, t.shape[0])
-    if item.perm is not None:
-        data, mapped = data.index_select(0, torch.from_numpy(item.perm)), False
-    return QuantWeight(qtype, t.shape[0], t.shape[1], data), mapped
+    data = torch.from_numpy(p.file.raw(t.name))
+    mapped = item.perm is None
+    if not mapped:
+        data = data.index_select(0, torch.from_numpy(item.perm))
+    return QuantWeight(t.qtype, t.shape[0], t.shape[1], data), mapped
 
 
 def _fill_experts(p: LoadPlan, model: nn.Module, e: _Experts, qbytes: int,
@@ -518,9 +496,9 @@ def _fill_experts(p: LoadPlan, model: nn.Module, e: _Experts, qbytes: int,
         for part in ("gate", "up", "down"):
             t = e.parts[part]
             experts, rows, cols = t.shape
-            qtype, data, mapped = _blocks(p, t, experts * rows)
-            stacked[part] = QuantWeight(qtype, experts * rows, cols, data)
-            qbytes, mbytes = qbytes + data.numel(), mbytes + data.numel() * mapped
+            data = torch.from_numpy(p.file.raw(t.name)).reshape(experts * rows, -1)
+            stacked[part] = QuantWeight(t.qtype, experts * rows, cols, data)
+            qbytes, mbytes = qbytes + data.numel(), mbytes + data.numel()
         gate, up, down = stacked["gate"], stacked["up"], stacked["down"]
         new: nn.Module = OssQuantExperts(gate, up, down, experts, (biases[0], biases[1],
                                                                     biases[2]),

@@ -98,10 +98,14 @@ fn main() {
             QType::Q3_K => &[108],
             QType::Q2_K => &[80, 82],
             QType::IQ4_XS => &[0],
+            QType::MXFP4 => &[],
         };
         for b in rows.chunks_exact_mut(qt.block_bytes()) {
             for &a in at {
                 b[a..a + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            }
+            if qt == QType::MXFP4 {
+                b[0] = 121; // (2^-7: weights of order 0.01)
             }
         }
         let mut packed = vec![0u8; packed_len(qt, n, k).unwrap()];

@@ -40,7 +40,7 @@ fn to_py(e: ferrobatch_kernels::error::KernelError) -> PyErr {
 }
 
 /// The quantization types the products take ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
-/// "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k", "q2_k", "iq4_xs").
+/// "q6_k", "q5_0", "q5_1", "iq4_nl", "q3_k", "q2_k", "iq4_xs", "mxfp4").
 #[pyfunction]
 pub fn quant_types() -> Vec<&'static str> {
     QType::ALL.iter().map(|t| t.name()).collect()
@@ -84,26 +84,6 @@ pub fn quant_dequantize(
     expect_shape("out", o.shape(), &[n, k], "[n, k]")?;
     let (be, oe) = (b.as_slice()?, o.as_slice_mut()?);
     py.detach(|| kernel::dequantize(qt, be, n, k, oe))
-        .map_err(to_py)
-}
-
-/// Rewrites the MXFP4 blocks `blocks` (uint8, whole 17-byte blocks) into `out` (uint8, 22
-/// bytes for every 17) as Q5_0 blocks of the same values on up to `threads` threads;
-/// returns how many blocks were below fp16's range and became zero (`ferrobatch-kernels`'
-/// `quant::mxfp4_to_q5_0`).
-#[pyfunction]
-#[pyo3(signature = (blocks, out, *, threads = 1))]
-pub fn quant_mxfp4_to_q5_0(
-    py: Python<'_>,
-    blocks: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    threads: i64,
-) -> PyResult<usize> {
-    let threads = threads_of(threads)?;
-    let b = ro::<u8>(blocks, "blocks", "uint8")?;
-    let mut o = rw::<u8>(out, "out", "uint8")?;
-    let (be, oe) = (b.as_slice()?, o.as_slice_mut()?);
-    py.detach(|| kernel::mxfp4_to_q5_0(be, oe, threads))
         .map_err(to_py)
 }
 
@@ -208,7 +188,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_backend_available, m)?)?;
     m.add_function(wrap_pyfunction!(quant_packed_len, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
-    m.add_function(wrap_pyfunction!(quant_mxfp4_to_q5_0, m)?)?;
     m.add_function(wrap_pyfunction!(quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant_linear, m)?)?;
     m.add_function(wrap_pyfunction!(quant_quantize_types, m)?)?;

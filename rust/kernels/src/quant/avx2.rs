@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use super::act::{sum_pair, A256, A32};
-use super::blocks::IQ4_VALUES;
+use super::blocks::table_values;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
 
@@ -46,6 +46,7 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q3_K => panel::<{ QType::Q3_K as u8 }>,
         QType::Q2_K => panel::<{ QType::Q2_K as u8 }>,
         QType::IQ4_XS => panel::<{ QType::IQ4_XS as u8 }>,
+        QType::MXFP4 => panel::<{ QType::MXFP4 as u8 }>,
     }
 }
 
@@ -102,7 +103,13 @@ fn panel<const T: u8>(
     );
     match (qt, acts) {
         (
-            QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL,
+            QType::Q8_0
+            | QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::IQ4_NL
+            | QType::MXFP4,
             ActRows::A32(a),
         ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks")
@@ -258,8 +265,8 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     let m4 = _mm256_set1_epi8(0x0F);
     let bit4 = _mm256_set1_epi8(0x10);
     let flip = _mm256_set1_epi8(-128);
-    // IQ4_NL's values (int8) by index, in both 128-bit lanes for `vpshufb`
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_VALUES.as_ptr().cast()));
+    // IQ4_NL's or MXFP4's values (int8) by index, in both 128-bit lanes for `vpshufb`
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table_values(qt).as_ptr().cast()));
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         pf.part(b);
@@ -278,7 +285,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     s[i] = _mm256_add_epi32(s[i], widen(_mm256_maddubs_epi16(aw, x)));
                 }
             }
-        } else if K == QType::IQ4_NL as u8 {
+        } else if K == QType::IQ4_NL as u8 || K == QType::MXFP4 as u8 {
             // the table's int8 values w: |w| times sign(w) * x as Q8_0 (|w| <= 127: a pair
             // is at most 32258, widened a quad), exactly sum(w * x) = init + sum(u * x)
             for p in 0..4 {

@@ -15,6 +15,7 @@
 //! | Q3_K | `(d * sc[j]) * (u - 4)`, `j = t / 16`, `sc` signed |
 //! | Q2_K | `(d * sc[j]) * u - e * mn[j]`, `j = t / 16` (`e` = `dmin`) |
 //! | IQ4_XS | `(d * sc[j]) * IQ4_VALUES[u]`, `j = t / 32`, `sc` signed, `u` a 4-bit index |
+//! | MXFP4 | `d * MXFP4_VALUES[u]`, `d = 2^(e - 128)` of the E8M0 byte `e` (`u`: a 4-bit index) |
 //!
 //! computed in f32 in exactly that order by [`dequantize_block`], the order of
 //! `gguf.quants.dequantize` (so the two agree bit for bit).
@@ -55,16 +56,78 @@ pub(crate) const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// IQ4_NL's values as the unsigned codes of the products (`value + 128`, as Q8_0's codes).
-pub(crate) const IQ4NL_U: [u8; 16] = {
+/// The values of MXFP4's 4-bit codes (ggml's `kvalues_mxfp4`: the E2M1 values doubled), in
+/// units of the block's `2^(e - 128)`.
+pub(crate) const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// A table's values as the unsigned codes of the products (`value + 128`, as Q8_0's codes).
+const fn codes_of(values: [i8; 16]) -> [u8; 16] {
     let mut u = [0u8; 16];
     let mut i = 0;
     while i < 16 {
-        u[i] = (IQ4_VALUES[i] as u8) ^ 0x80;
+        u[i] = (values[i] as u8) ^ 0x80;
         i += 1;
     }
     u
-};
+}
+
+/// IQ4_NL's values as the unsigned codes of the products.
+pub(crate) const IQ4NL_U: [u8; 16] = codes_of(IQ4_VALUES);
+/// MXFP4's values as the unsigned codes of the products.
+pub(crate) const MXFP4_U: [u8; 16] = codes_of(MXFP4_VALUES);
+
+/// Whether `qt` is a 32-weight table type (IQ4_NL, MXFP4: 4-bit indices into 16 values).
+pub(crate) const fn is_table32(qt: QType) -> bool {
+    matches!(qt, QType::IQ4_NL | QType::MXFP4)
+}
+
+/// The 16 values of a table type's indices (MXFP4's, else IQ4_NL's).
+pub(crate) const fn table_values(qt: QType) -> &'static [i8; 16] {
+    if matches!(qt, QType::MXFP4) {
+        &MXFP4_VALUES
+    } else {
+        &IQ4_VALUES
+    }
+}
+
+/// [`table_values`] as the products' unsigned codes.
+pub(crate) const fn table_codes(qt: QType) -> &'static [u8; 16] {
+    if matches!(qt, QType::MXFP4) {
+        &MXFP4_U
+    } else {
+        &IQ4NL_U
+    }
+}
+
+/// The E8M0 exponents of MXFP4 blocks whose `2^(e - 128)` fp16 holds exactly (the packed
+/// panels keep `d` in fp16); below, `d` is 0 (every weight under 12 * 2^-25: fp16's
+/// conversion rounds such a `d` to 0 too), above, the block is refused.
+pub(crate) const MXFP4_E: std::ops::RangeInclusive<u8> = 104..=143;
+
+/// An MXFP4 block's `d` from its exponent byte `e`: `2^(e - 128)`, 0 below [`MXFP4_E`].
+fn mxfp4_d(e: u8) -> f32 {
+    if e < *MXFP4_E.start() {
+        0.0
+    } else {
+        f32::from_bits(u32::from(e - 1) << 23)
+    }
+}
+
+/// `Invalid` ("blocks") naming the first MXFP4 block of `rows` whose exponent is above
+/// [`MXFP4_E`] (weights of 2^16 and more, which the fp16 `d` of a packed panel cannot hold).
+pub(crate) fn check_mxfp4_scales(rows: &[u8]) -> Result<(), crate::error::KernelError> {
+    match rows.chunks_exact(17).position(|b| b[0] > *MXFP4_E.end()) {
+        None => Ok(()),
+        Some(i) => crate::error::KernelError::invalid(
+            "blocks",
+            format!(
+                "blocks: MXFP4 block {i} has exponent {} (weights of 2^16 or more), above the \
+                 range ferrobatch's kernels hold",
+                rows[17 * i]
+            ),
+        ),
+    }
+}
 
 fn half(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
@@ -135,6 +198,13 @@ pub(crate) fn decode(qt: QType, b: &[u8]) -> Block {
             }
         }
         QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => decode_32(qt, b, &mut out),
+        QType::MXFP4 => {
+            out.d = mxfp4_d(b[0]);
+            for (l, &q) in b[1..17].iter().enumerate() {
+                out.codes[l] = q & 0xF;
+                out.codes[l + 16] = q >> 4;
+            }
+        }
         QType::Q6_K => {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             out.d = half(b, 208);
@@ -249,8 +319,8 @@ pub(crate) fn dequantize_block(qt: QType, blk: &Block, out: &mut [f32]) {
         QType::Q4_0 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u as i8 - 8)),
         QType::Q4_1 | QType::Q5_1 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u) + e),
         QType::Q5_0 => per_sub_block(out, codes, 32, |_, u| d * f32::from(u as i8 - 16)),
-        QType::IQ4_NL => per_sub_block(out, codes, 32, |_, u| {
-            d * f32::from(IQ4_VALUES[usize::from(u & 0xF)])
+        QType::IQ4_NL | QType::MXFP4 => per_sub_block(out, codes, 32, |_, u| {
+            d * f32::from(table_values(qt)[usize::from(u & 0xF)])
         }),
         QType::Q4_K | QType::Q5_K => per_sub_block(out, codes, 32, |j, u| {
             d * blk.sc[j] as f32 * f32::from(u) - e * blk.mn[j] as f32
@@ -405,6 +475,17 @@ pub(crate) fn encode(qt: QType, blk: &Block, b: &mut [u8]) {
                 for l in 0..16 {
                     b[8 + 16 * j + l] = (c[32 * j + l] & 0xF) | (c[32 * j + 16 + l] << 4);
                 }
+            }
+        }
+        QType::MXFP4 => {
+            // (d: 0, or a power of two 2^(e - 128) with e in MXFP4_E)
+            b[0] = if blk.d == 0.0 {
+                0
+            } else {
+                ((blk.d.to_bits() >> 23) + 1) as u8
+            };
+            for (l, q) in b[1..17].iter_mut().enumerate() {
+                *q = (c[l] & 0xF) | (c[l + 16] << 4);
             }
         }
     }

@@ -25,7 +25,7 @@
 //! [`TYPES`] is the table of the types' sizes and functions (as ggml's type traits).
 
 /// `$go!($($args)*, K)` with `K` the type number (a const block) of `$qt`, one of the
-/// 32-weight types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; any other as IQ4_NL): how a
+/// 32-weight types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; any other as IQ4_NL): how a
 /// backend's dispatch picks the `blocks32::<.., K>` kernel of a type.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_type32 {
@@ -36,6 +36,7 @@ macro_rules! by_type32 {
             QType::Q4_1 => $go!($($args)*, { QType::Q4_1 as u8 }),
             QType::Q5_0 => $go!($($args)*, { QType::Q5_0 as u8 }),
             QType::Q5_1 => $go!($($args)*, { QType::Q5_1 as u8 }),
+            QType::MXFP4 => $go!($($args)*, { QType::MXFP4 as u8 }),
             _ => $go!($($args)*, { QType::IQ4_NL as u8 }),
         }
     };
@@ -47,7 +48,6 @@ mod amx_rows;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod blocks;
-mod mxfp4;
 mod packing;
 mod portable;
 mod quantize;
@@ -64,7 +64,6 @@ mod tests;
 use std::ops::Range;
 
 pub use act::{Acts, A256, A32};
-pub use mxfp4::{mxfp4_to_q5_0, MXFP4_BYTES, Q5_0_BYTES};
 pub use packing::PANEL;
 pub use quantize::{quantize, quantizes, RowError};
 
@@ -87,6 +86,7 @@ pub enum QType {
     Q3_K,
     Q2_K,
     IQ4_XS,
+    MXFP4,
 }
 
 /// The activation blocks a type's products take.
@@ -224,7 +224,7 @@ macro_rules! traits {
 
 /// The types' table, in [`QType`] order (`panel_block_bytes`: the streams of the packed
 /// layout summed, checked against it in the tests).
-pub static TYPES: [TypeTraits; 12] = [
+pub static TYPES: [TypeTraits; 13] = [
     traits!(
         Q8_0,
         "q8_0",
@@ -318,10 +318,20 @@ pub static TYPES: [TypeTraits; 12] = [
     traits!(Q3_K, "q3_k", 11, 256, 110, 1824, ActFormat::A256, None),
     traits!(Q2_K, "q2_k", 10, 256, 84, 1344, ActFormat::A256, None),
     traits!(IQ4_XS, "iq4_xs", 23, 256, 136, 2208, ActFormat::A256, None),
+    traits!(
+        MXFP4,
+        "mxfp4",
+        39,
+        32,
+        17,
+        288,
+        ActFormat::A32 { offset: 128 },
+        None
+    ),
 ];
 
 impl QType {
-    pub const ALL: [QType; 12] = [
+    pub const ALL: [QType; 13] = [
         QType::Q8_0,
         QType::Q4_0,
         QType::Q4_1,
@@ -334,6 +344,7 @@ impl QType {
         QType::Q3_K,
         QType::Q2_K,
         QType::IQ4_XS,
+        QType::MXFP4,
     ];
 
     pub fn traits(self) -> &'static TypeTraits {
@@ -349,7 +360,7 @@ impl QType {
     pub const fn block(self) -> usize {
         match self {
             QType::Q8_0 | QType::Q4_0 | QType::Q4_1 => 32,
-            QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
+            QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL | QType::MXFP4 => 32,
             _ => 256,
         }
     }
@@ -548,6 +559,9 @@ pub fn pack(
     }
     if want == 0 {
         return Ok(());
+    }
+    if qt == QType::MXFP4 {
+        blocks::check_mxfp4_scales(rows)?;
     }
     let panel_bytes = want / n.div_ceil(PANEL);
     let mut pieces = Vec::new();

@@ -17,7 +17,7 @@
 //! | Q6_K | nibbles 2048, high bit pairs 1024, sc 256, d 32 |
 //! | Q5_0 | nibbles 256, fifth bits 64, d 32 |
 //! | Q5_1 | nibbles 256, fifth bits 64, d 32, m 32 |
-//! | IQ4_NL | nibbles 256 (the table indices), d 32 |
+//! | IQ4_NL, MXFP4 | nibbles 256 (the table indices), d 32 (MXFP4: `2^(e - 128)` in fp16) |
 //! | Q3_K | low bit pairs 1024, third bits 512, sc 256, d 32 |
 //! | Q2_K | bit pairs 1024, sc and mins 256, d 32, dmin 32 |
 //! | IQ4_XS | nibbles 2048 (indices), sc 128, d 32 |
@@ -44,7 +44,7 @@
 
 use half::f16;
 
-use super::blocks::{decode, Block};
+use super::blocks::{decode, is_table32, Block};
 use super::QType;
 
 /// Output columns of a panel (one zmm register of i32 / f32 lanes).
@@ -61,7 +61,7 @@ pub(crate) fn streams(qt: QType) -> &'static [usize] {
         QType::Q6_K => &[2048, 1024, 256, 32],
         QType::Q5_0 => &[256, 64, 32],
         QType::Q5_1 => &[256, 64, 32, 32],
-        QType::IQ4_NL => &[256, 32],
+        QType::IQ4_NL | QType::MXFP4 => &[256, 32],
         QType::Q3_K => &[1024, 512, 256, 32],
         QType::Q2_K => &[1024, 256, 32, 32],
         QType::IQ4_XS => &[2048, 128, 32],
@@ -241,10 +241,10 @@ pub(crate) fn encode(qt: QType, blks: &[Block; PANEL], panel: &mut [u8], nb: usi
                 blks.iter().map(|k| k.e),
             );
         }
-        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL | QType::MXFP4 => {
             put_nibbles(stream_mut(qt, panel, nb, 0, b), blks, bl);
             let mut next = 1;
-            if qt != QType::IQ4_NL {
+            if !is_table32(qt) {
                 put_field(stream_mut(qt, panel, nb, 1, b), blks, 4, 1, 8);
                 next = 2;
             }
@@ -336,10 +336,10 @@ pub(crate) fn decode_panel(qt: QType, panel: &[u8], nb: usize, b: usize) -> [Blo
             set(&mut blks, st(next + 2), |k, v| k.d = v);
             set(&mut blks, st(next + 3), |k, v| k.e = v);
         }
-        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL | QType::MXFP4 => {
             get_nibbles(st(0), &mut blks, bl);
             let mut next = 1;
-            if qt != QType::IQ4_NL {
+            if !is_table32(qt) {
                 get_field(st(1), &mut blks, 4, 1, 8);
                 next = 2;
             }

@@ -30,7 +30,7 @@
 //! (< 2^24), so their `s1`'s fused multiply-adds round as plain adds would.
 
 use super::act::{A256, A32};
-use super::blocks::{Block, IQ4NL_U, IQ4_VALUES};
+use super::blocks::{is_table32, table_codes, Block, IQ4_VALUES};
 use super::packing::{factor_streams, PANEL};
 use super::{ActRows, QType};
 
@@ -45,8 +45,9 @@ fn idot(u: &[u8], q: &[i8]) -> i32 {
 /// `acc` plus block `blk` (of a 32-weight type) times `a`.
 #[inline(always)]
 pub(crate) fn dot_a32(qt: QType, blk: &Block, a: &A32, acc: f32) -> f32 {
-    let s = if qt == QType::IQ4_NL {
-        let u: [u8; 32] = std::array::from_fn(|t| IQ4NL_U[usize::from(blk.codes[t] & 0xF)]);
+    let s = if is_table32(qt) {
+        let codes = table_codes(qt);
+        let u: [u8; 32] = std::array::from_fn(|t| codes[usize::from(blk.codes[t] & 0xF)]);
         a.init + idot(&u, &a.qs)
     } else {
         a.init + idot(&blk.codes[..32], &a.qs)
@@ -193,9 +194,10 @@ fn quad_codes(qt: QType, panel: &[u8], st: &[usize; 6], b: usize, q: usize) -> [
                 *c |= ((h >> q) & 1) << 4;
             }
         }
-        QType::IQ4_NL => {
+        QType::IQ4_NL | QType::MXFP4 => {
+            let codes = table_codes(qt);
             for c in c.iter_mut() {
-                *c = IQ4NL_U[usize::from(*c)];
+                *c = codes[usize::from(*c)];
             }
         }
         QType::Q6_K => {

@@ -259,7 +259,7 @@ fn non_finite_weights_and_bad_arguments_are_refused_naming_the_field() {
         assert_eq!(e.field(), Some("qtype"));
     }
     // the types only read from GGUF files
-    for qt in [QType::Q3_K, QType::Q2_K, QType::IQ4_XS] {
+    for qt in [QType::Q3_K, QType::Q2_K, QType::IQ4_XS, QType::MXFP4] {
         assert!(!quantizes(qt));
         let mut out = vec![0u8; qt.block_bytes()];
         let e = quantize(qt, &[0.0; 256], 1, 256, &mut out, 1).unwrap_err();

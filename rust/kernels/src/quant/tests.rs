@@ -120,6 +120,8 @@ pub(super) fn random_rows(qt: QType, n: usize, k: usize, seed: u64) -> Vec<u8> {
                 put_half(b, 82, e);
             }
             QType::IQ4_XS => put_half(b, 0, d),
+            // (2^(e - 128) from 2^-18 to 2^-2: a d of [1e-3, 5e-2) at the middle)
+            QType::MXFP4 => b[0] = 110 + (rng.next() % 27) as u8,
         }
     }
     out
@@ -241,6 +243,18 @@ fn direct(qt: QType, b: &[u8]) -> Vec<f64> {
                 let s = b[t / 16];
                 let q = (b[16 + 32 * (t / 128) + t % 32] >> (2 * ((t / 32) % 4))) & 3;
                 h(80) * f64::from(s & 15) * f64::from(q) - h(82) * f64::from(s >> 4)
+            })
+            .collect(),
+        QType::MXFP4 => (0..32)
+            .map(|t| {
+                // e8m0 byte 0, then weight t: nibble of byte 1 + t % 16, low for t < 16;
+                // the value 2^(e - 128) times the doubled E2M1 value of the nibble
+                const V: [f64; 16] = [
+                    0., 1., 2., 3., 4., 6., 8., 12., 0., -1., -2., -3., -4., -6., -8., -12.,
+                ];
+                let byte = b[1 + t % 16];
+                let idx = if t < 16 { byte & 15 } else { byte >> 4 };
+                (f64::from(b[0]) - 128.0).exp2() * V[usize::from(idx)]
             })
             .collect(),
         QType::IQ4_XS => (0..256)
@@ -368,6 +382,9 @@ fn reference(
                     QType::Q4_1 | QType::Q5_1 => d * u + e,
                     QType::Q5_0 => d * (u - 16.0).abs(),
                     QType::IQ4_NL => d * f64::from(IQ4_VALUES[usize::from(blk.codes[t])]).abs(),
+                    QType::MXFP4 => {
+                        d * f64::from(blocks::MXFP4_VALUES[usize::from(blk.codes[t])]).abs()
+                    }
                     QType::Q4_K | QType::Q5_K => {
                         d * f64::from(blk.sc[t / 32]) * u + e * f64::from(blk.mn[t / 32])
                     }
@@ -509,7 +526,7 @@ fn constant_rows(qt: QType, n: usize, k: usize, byte: u8) -> Vec<u8> {
         QType::Q6_K => &[208],
         QType::Q3_K => &[108],
         QType::Q2_K => &[80, 82],
-        QType::IQ4_XS => &[0],
+        QType::IQ4_XS | QType::MXFP4 => &[0],
     };
     for b in rows.chunks_exact_mut(bb) {
         for (i, v) in b.iter_mut().enumerate() {

@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 
 use super::act::{sum_pair, A256, A32};
-use super::blocks::IQ4NL_U;
+use super::blocks::table_codes;
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, PANEL};
 use super::{ActRows, PanelFn, QType, MAX_ROWS};
 use crate::asm::dpwssd;
@@ -47,6 +47,7 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
         QType::Q3_K => panel::<{ QType::Q3_K as u8 }>,
         QType::Q2_K => panel::<{ QType::Q2_K as u8 }>,
         QType::IQ4_XS => panel::<{ QType::IQ4_XS as u8 }>,
+        QType::MXFP4 => panel::<{ QType::MXFP4 as u8 }>,
     }
 }
 
@@ -98,7 +99,13 @@ fn panel<const T: u8>(
     }
     match (qt, acts) {
         (
-            QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL,
+            QType::Q8_0
+            | QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::IQ4_NL
+            | QType::MXFP4,
             ActRows::A32(a),
         ) => {
             assert_eq!(a.len(), r * nb, "{r} rows of {nb} blocks");
@@ -254,8 +261,8 @@ unsafe fn blocks32<const R: usize, const K: u8>(
     let split = R <= 2;
     let m4 = _mm512_set1_epi8(0x0F);
     let bit4 = _mm512_set1_epi8(0x10);
-    // IQ4_NL's codes (value + 128) by index, in each 128-bit lane for `vpshufb`
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_U.as_ptr().cast()));
+    // IQ4_NL's or MXFP4's codes (value + 128) by index, in each 128-bit lane for `vpshufb`
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(table_codes(qt).as_ptr().cast()));
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
         pf.part(b);
@@ -296,7 +303,7 @@ unsafe fn blocks32<const R: usize, const K: u8>(
                     let k_hi = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << (2 * p + 1)));
                     lo = _mm512_mask_add_epi8(lo, k_lo, lo, bit4);
                     hi = _mm512_mask_add_epi8(hi, k_hi, hi, bit4);
-                } else if K == QType::IQ4_NL as u8 {
+                } else if K == QType::IQ4_NL as u8 || K == QType::MXFP4 as u8 {
                     lo = _mm512_shuffle_epi8(table, lo);
                     hi = _mm512_shuffle_epi8(table, hi);
                 }

@@ -29,7 +29,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::act::{sum_pair, A256, A32};
-use super::blocks::IQ4NL_U;
+use super::blocks::{is_table32, table_codes};
 use super::packing::{factor_streams, panel_block_bytes, stream_starts, streams, PANEL};
 use super::{amx_rows, vnni};
 use super::{ActRows, QType};
@@ -89,16 +89,20 @@ pub(super) fn layout(qt: QType, amx: bool) -> Layout {
         };
     }
     match qt {
-        QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
-            Layout {
-                lines: 10,
-                sc: 8,
-                d: 8,
-                e: 9,
-                mins: 10,
-                wlo: 0,
-            }
-        }
+        QType::Q8_0
+        | QType::Q4_0
+        | QType::Q4_1
+        | QType::Q5_0
+        | QType::Q5_1
+        | QType::IQ4_NL
+        | QType::MXFP4 => Layout {
+            lines: 10,
+            sc: 8,
+            d: 8,
+            e: 9,
+            mins: 10,
+            wlo: 0,
+        },
         QType::Q4_K | QType::Q5_K => Layout {
             lines: 78,
             sc: 64,
@@ -562,7 +566,10 @@ unsafe fn tile_dispatch(
     );
     match (qt, acts) {
         (QType::Q4_1 | QType::Q5_1, ActRows::A32(a)) => go!(tile32, a, true),
-        (QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL, ActRows::A32(a)) => {
+        (
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL | QType::MXFP4,
+            ActRows::A32(a),
+        ) => {
             go!(tile32, a, false)
         }
         (QType::Q4_K, ActRows::A256(a)) => go!(tile_k, a, { QType::Q4_K as u8 }),
@@ -1012,19 +1019,19 @@ unsafe fn unpack(qt: QType, w: *const u8, st: &[usize; 6], b: usize, out: *mut L
                 put_ps(lay.e, halves(w.add(st[2] + 32 * b)));
             }
         }
-        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => {
+        QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL | QType::MXFP4 => {
             let (ds, ms) = factor_streams(qt);
             let bit4 = _mm512_set1_epi8(0x10);
-            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4NL_U.as_ptr().cast()));
+            let table = _mm512_broadcast_i32x4(_mm_loadu_si128(table_codes(qt).as_ptr().cast()));
             // fifth bits (Q5_0, Q5_1): bit v of a byte for quad v
-            let mut h = if qt == QType::IQ4_NL {
+            let mut h = if is_table32(qt) {
                 _mm512_setzero_si512()
             } else {
                 ld(w.add(st[1] + 64 * b))
             };
             for p in 0..4 {
                 let (mut lo, mut hi) = lo_hi(ld(w.add(st[0] + 256 * b + 64 * p)));
-                if qt == QType::IQ4_NL {
+                if is_table32(qt) {
                     lo = _mm512_shuffle_epi8(table, lo);
                     hi = _mm512_shuffle_epi8(table, hi);
                 } else {
