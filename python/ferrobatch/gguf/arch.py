@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from transformers import MixtralConfig
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import (
     GGUF_SUPPORTED_ARCHITECTURES,
     TENSOR_PROCESSORS,
@@ -57,8 +58,6 @@ def own_config_dict(metadata: dict[str, Any], arch: str, vocab_rows: int,
     embedding's rows; `tied`: whether the file has no output head."""
     if arch not in OWN_CONFIG:
         return None
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
     out: dict[str, Any] = {"model_type": model_type(arch), "tie_word_embeddings": tied}
     for key, name in GGUF_CONFIG_MAPPING[model_type(arch)].items():
         value = _meta(metadata, arch, key)
