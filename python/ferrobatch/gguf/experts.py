@@ -57,14 +57,16 @@ def _per_expert(weight: QuantWeight, experts: int,
 class QuantExperts(nn.Module):
     """The experts of one MoE layer over GGUF blocks: `gate`, `up` [experts * intermediate,
     hidden] and `down` [experts * hidden, intermediate] stacked by rows; `act_fn` the
-    activation of the gate (SiLU for Qwen2/3-MoE).
+    activation of the gate (SiLU for Qwen2/3-MoE); `biases` (gate [experts, intermediate],
+    up the same, down [experts, hidden]) added to each expert's products where given.
 
     `forward` is transformers' eager experts forward: for each expert some token picked, its
     tokens' `act_fn(gate(x)) * up(x)` through `down`, times the token's routing weight,
     added into the output in the experts' order."""
 
     def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, num_experts: int,
-                 act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 act_fn: Callable[[torch.Tensor], torch.Tensor],
+                 biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         if gate.n != up.n or gate.k != up.k or gate.n % num_experts \
                 or down.k * num_experts != gate.n or down.n != gate.k * num_experts:
@@ -74,9 +76,15 @@ class QuantExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_dim = gate.k
         self.intermediate_dim = down.k
-        self.gate_proj = _per_expert(gate, num_experts)
-        self.up_proj = _per_expert(up, num_experts)
-        self.down_proj = _per_expert(down, num_experts)
+        rows = (self.intermediate_dim, self.intermediate_dim, self.hidden_dim)
+        for name, b, n in zip(("gate", "up", "down"), biases or (), rows, strict=False):
+            if tuple(b.shape) != (num_experts, n):
+                raise ValueError(f"{name} bias has shape {list(b.shape)}, not "
+                                 f"[{num_experts}, {n}]")
+        gate_b, up_b, down_b = biases or (None, None, None)
+        self.gate_proj = _per_expert(gate, num_experts, gate_b)
+        self.up_proj = _per_expert(up, num_experts, up_b)
+        self.down_proj = _per_expert(down, num_experts, down_b)
         self.act_fn = act_fn
         self._op: _core.QuantExperts | None = None
         self._silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
@@ -171,16 +179,7 @@ class OssQuantExperts(QuantExperts):
     def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, num_experts: int,
                  biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor], limit: float,
                  alpha: float) -> None:
-        super().__init__(gate, up, down, num_experts, nn.Identity())
-        for name, b, rows in zip(("gate", "up", "down"), biases,
-                                 (self.intermediate_dim, self.intermediate_dim,
-                                  self.hidden_dim), strict=True):
-            if tuple(b.shape) != (num_experts, rows):
-                raise ValueError(f"{name} bias has shape {list(b.shape)}, not "
-                                 f"[{num_experts}, {rows}]")
-        self.gate_proj = _per_expert(gate, num_experts, biases[0])
-        self.up_proj = _per_expert(up, num_experts, biases[1])
-        self.down_proj = _per_expert(down, num_experts, biases[2])
+        super().__init__(gate, up, down, num_experts, nn.Identity(), biases)
         self.limit, self.alpha = float(limit), float(alpha)
 
     def _one_call_glu(self) -> bool:

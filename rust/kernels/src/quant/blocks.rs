@@ -116,14 +116,15 @@ fn mxfp4_d(e: u8) -> f32 {
 /// `Invalid` ("blocks") naming the first MXFP4 block of `rows` whose exponent is above
 /// [`MXFP4_E`] (weights of 2^16 and more, which the fp16 `d` of a packed panel cannot hold).
 pub(crate) fn check_mxfp4_scales(rows: &[u8]) -> Result<(), crate::error::KernelError> {
-    match rows.chunks_exact(17).position(|b| b[0] > *MXFP4_E.end()) {
+    let bb = QType::MXFP4.block_bytes();
+    match rows.chunks_exact(bb).position(|b| b[0] > *MXFP4_E.end()) {
         None => Ok(()),
         Some(i) => crate::error::KernelError::invalid(
             "blocks",
             format!(
                 "blocks: MXFP4 block {i} has exponent {} (weights of 2^16 or more), above the \
                  range ferrobatch's kernels hold",
-                rows[17 * i]
+                rows[bb * i]
             ),
         ),
     }
