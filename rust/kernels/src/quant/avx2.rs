@@ -50,7 +50,13 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
     }
 }
 
-/// The bytes a kernel fetches into the L2 cache while it runs (see `vnni::Fetch`).
+/// The bytes a kernel fetches into the L2 cache while it runs (as `vnni::Fetch`): `len`
+/// bytes from `at` (none when `len` is 0), the `b`th of `nb` near-equal parts during block
+/// (or, [`split`](Fetch::split), sub-block) `b`, every cache line. Fetching one line in two
+/// and counting on an adjacent-line prefetcher for the other (as Intel's L2 pairs lines)
+/// left half the lines to demand misses on AMD Zen 3: Q4_K 8960 x 1536, one row, one core,
+/// past the L3: 1.60-1.71 ms -> 1.01-1.07 ms with every line, spread a sub-block, one
+/// panel ahead; Q6_K 1.94-2.15 -> 1.28-1.59 ms (docs/benchmarks.md).
 #[derive(Clone, Copy)]
 struct Fetch {
     at: *const u8,
@@ -65,20 +71,27 @@ impl Fetch {
         nb: 1,
     };
 
+    /// The same bytes in `s` times as many parts (fetched a part a sub-block).
+    #[inline(always)]
+    fn split(self, s: usize) -> Fetch {
+        Fetch {
+            nb: self.nb * s,
+            ..self
+        }
+    }
+
     #[inline(always)]
     fn part(self, b: usize) {
         if self.len == 0 {
             return;
         }
         let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
-        // (one line in two: the L2's adjacent-line prefetcher brings the other of each
-        // 128-byte pair)
-        let mut at = from & !127;
+        let mut at = from & !63;
         while at < to {
             // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
             // and cannot fault; the address is formed with `wrapping_add`.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
-            at += 128;
+            at += 64;
         }
     }
 }
@@ -374,13 +387,14 @@ unsafe fn q45k<const R: usize, const Q5: bool>(
     let m4 = _mm256_set1_epi8(0x0F);
     let bit4 = _mm256_set1_epi8(0x10);
     let mut acc = [_mm256_setzero_ps(); R];
+    let pf = pf.split(8);
     for b in 0..nb {
-        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b + 32 * h);
         let mut s1 = [_mm256_setzero_si256(); R];
         for j in 0..8 {
+            pf.part(8 * b + j);
             let scale = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                 w.add(sc + 128 * b + 16 * j + 8 * h).cast(),
             )));
@@ -460,13 +474,14 @@ unsafe fn q6k<const R: usize>(
     let m4 = _mm256_set1_epi8(0x0F);
     let bits45 = _mm256_set1_epi8(0x30);
     let mut acc = [_mm256_setzero_ps(); R];
+    let pf = pf.split(16);
     for b in 0..nb {
-        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let nib = w.add(st[0] + 2048 * b + 32 * h);
         let mut s1 = [_mm256_setzero_si256(); R];
         for j in 0..16 {
+            pf.part(16 * b + j);
             let hb = load(w.add(st[1] + 1024 * b + 64 * j + 32 * h));
             let v0 = load(nib.add(128 * j));
             let v1 = load(nib.add(128 * j + 64));
@@ -557,12 +572,13 @@ unsafe fn small_k<const R: usize, const K: u8>(
     let values =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(super::blocks::IQ4_VALUES.as_ptr().cast()));
     let mut acc = [_mm256_setzero_ps(); R];
+    let pf = pf.split(8);
     for b in 0..nb {
-        pf.part(b);
         // (offsets inside each stream's `nb` blocks and `a`'s R * nb blocks, as in blocks32)
         let ab: [*const A256; R] = std::array::from_fn(|i| a.add(i * nb + b));
         let mut s1 = [_mm256_setzero_ps(); R];
         for j in 0..subs {
+            pf.part(8 * b + j / (subs / 8));
             let scb = _mm_loadl_epi64(w.add(st[sc_s] + 16 * subs * b + 16 * j + 8 * h).cast());
             let scale = _mm256_cvtepi32_ps(if qt == QType::Q2_K {
                 _mm256_and_si256(_mm256_cvtepu8_epi32(scb), _mm256_set1_epi32(0xF))

@@ -631,9 +631,13 @@ pub const MAX_ROWS: usize = 8;
 /// than two for Q4_K and Q4_0, faster for Q8_0 (which streams the most bytes a product:
 /// 22.5 -> 25.0 and 21.3 -> 23.1 GB/s against two). One request a line at a longer
 /// distance was no faster than one panel ahead (docs/benchmarks.md).
-fn fetch_panels(qt: QType) -> usize {
-    match qt {
-        QType::Q8_0 => 3,
+///
+/// The AVX2 kernels fetch one panel ahead: on AMD Zen 3 (one core, past the L3, one to
+/// eight rows) two and three panels were 10-20% slower than one for Q4_K, Q6_K and Q8_0.
+fn fetch_panels(qt: QType, backend: Backend) -> usize {
+    match (backend, qt) {
+        (Backend::Avx2, _) => 1,
+        (_, QType::Q8_0) => 3,
         _ => 2,
     }
 }
@@ -735,7 +739,7 @@ pub fn linear(
                 // the first group of rows fetches the thread's next panels on the way (a
                 // decode call streams its weights from memory once: without this, the
                 // loads stall on memory and the work between them does not overlap)
-                let ahead = fetch_ahead(p, &range, fetch_panels(qt));
+                let ahead = fetch_ahead(p, &range, fetch_panels(qt, backend));
                 let next = &packed[ahead.start * panel_bytes..ahead.end * panel_bytes];
                 for g in (row0..row0 + rows).step_by(per) {
                     let end = (g + per).min(row0 + rows);
