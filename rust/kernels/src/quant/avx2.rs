@@ -50,13 +50,15 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
     }
 }
 
-/// The bytes a kernel fetches into the L2 cache while it runs (as `vnni::Fetch`): `len`
+/// The bytes a kernel fetches while it runs (as `vnni::Fetch`): `len`
 /// bytes from `at` (none when `len` is 0), the `b`th of `nb` near-equal parts during block
-/// (or, [`split`](Fetch::split), sub-block) `b`, every cache line. Fetching one line in two
-/// and counting on an adjacent-line prefetcher for the other (as Intel's L2 pairs lines)
-/// left half the lines to demand misses on AMD Zen 3: Q4_K 8960 x 1536, one row, one core,
-/// past the L3: 1.60-1.71 ms -> 1.01-1.07 ms with every line, spread a sub-block, one
-/// panel ahead; Q6_K 1.94-2.15 -> 1.28-1.59 ms (docs/benchmarks.md).
+/// (or, [`split`](Fetch::split), sub-block) `b`, every cache line, into the L1 cache
+/// (`prefetcht0`). On AMD Zen 3 (one core, weights past the L3, one row) fetching one line
+/// in two into the L2 and counting on an adjacent-line prefetcher for the other (as Intel's
+/// L2 pairs lines) left half the lines to demand misses: Q4_K 8960 x 1536 took 1.60-1.71
+/// ms; every line, spread a sub-block, one panel ahead 1.01-1.07 ms (Q6_K 1.94-2.15 ->
+/// 1.28-1.59); into the L1 0.76-0.91 ms (Q6_K 1.00-1.11, the Q6_K output head 151936 x
+/// 1536 35-40 -> 20-24 ms; 4 to 64 rows also faster or level; docs/benchmarks.md).
 #[derive(Clone, Copy)]
 struct Fetch {
     at: *const u8,
@@ -88,9 +90,9 @@ impl Fetch {
         let (from, to) = (self.len * b / self.nb, self.len * (b + 1) / self.nb);
         let mut at = from & !63;
         while at < to {
-            // SAFETY: `prefetcht1` (SSE, part of x86-64) reads nothing into the program
+            // SAFETY: `prefetcht0` (SSE, part of x86-64) reads nothing into the program
             // and cannot fault; the address is formed with `wrapping_add`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.at.wrapping_add(at).cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.at.wrapping_add(at).cast()) };
             at += 64;
         }
     }
