@@ -50,15 +50,14 @@ pub(crate) fn panel_fn(qt: QType) -> PanelFn {
     }
 }
 
-/// The bytes a kernel fetches while it runs (as `vnni::Fetch`): `len`
-/// bytes from `at` (none when `len` is 0), the `b`th of `nb` near-equal parts during block
-/// (or, [`split`](Fetch::split), sub-block) `b`, every cache line, into the L1 cache
-/// (`prefetcht0`). On AMD Zen 3 (one core, weights past the L3, one row) fetching one line
-/// in two into the L2 and counting on an adjacent-line prefetcher for the other (as Intel's
-/// L2 pairs lines) left half the lines to demand misses: Q4_K 8960 x 1536 took 1.60-1.71
-/// ms; every line, spread a sub-block, one panel ahead 1.01-1.07 ms (Q6_K 1.94-2.15 ->
-/// 1.28-1.59); into the L1 0.76-0.91 ms (Q6_K 1.00-1.11, the Q6_K output head 151936 x
-/// 1536 35-40 -> 20-24 ms; 4 to 64 rows also faster or level; docs/benchmarks.md).
+/// The bytes a kernel fetches while it runs (as `vnni::Fetch`): `len` bytes from `at` (none
+/// when `len` is 0), the `b`th of `nb` near-equal parts during block (or, once
+/// [`split`](Fetch::split), sub-block) `b`, every cache line, into the L1 (`prefetcht0`). On
+/// AMD Zen 3 (one core, weights past the L3, one row) fetching one line in two into the L2,
+/// counting on an adjacent-line prefetcher for the other (as Intel's L2 pairs lines), left
+/// half the lines to demand misses: Q4_K 8960 x 1536 took 1.60-1.71 ms; every line, a part
+/// a sub-block, 1.01-1.07 ms; into the L1 0.76-0.91 ms (4 to 64 rows faster or level;
+/// docs/benchmarks.md, "AMD Zen 3, AVX2 only").
 #[derive(Clone, Copy)]
 struct Fetch {
     at: *const u8,
