@@ -18,6 +18,7 @@ import tiny_models
 import torch
 from ferrobatch import Engine, SamplingParams
 from ferrobatch.cpu import pages
+from ferrobatch.runner.cpu_linear import packing_available
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
@@ -93,6 +94,8 @@ def _present_pages(tensors) -> tuple[int, int]:
     return present, total
 
 
+@pytest.mark.skipif(not packing_available(torch.bfloat16),
+                    reason="no packed bf16 linears on this CPU (oneDNN needs AVX-512 for bf16)")
 def test_an_engine_gives_back_its_checkpoints_packed_pages(tmp_path):
     """A bf16 checkpoint's packed linears: their file pages leave the resident set once the
     engine is built, and its greedy tokens are those of an engine on the same weights in

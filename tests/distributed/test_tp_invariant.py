@@ -14,8 +14,10 @@ import pytest
 import tiny_models
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
+from ferrobatch.cpu import f32_ops
 from ferrobatch.distributed import quant_shard
 from ferrobatch.runner.linear_policy import Backend
+from isa_helpers import needs_isa
 
 torch.set_num_threads(1)
 
@@ -52,6 +54,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@needs_isa(f32_ops.available(), "avx512f", what="batch-invariant products")
 def test_float_slices_on_two_ranks(checkpoint: Path, dtype: str) -> None:
     alone, mixed, _ = _alone_and_mixed(str(checkpoint), 2, dtype)
     assert alone == mixed
@@ -60,6 +63,7 @@ def test_float_slices_on_two_ranks(checkpoint: Path, dtype: str) -> None:
         assert list(alone[0]) == want
 
 
+@needs_isa(f32_ops.available(), "avx512f", what="batch-invariant products")
 def test_each_rank_runs_the_modes_products(checkpoint: Path) -> None:
     """Rank 0's shard: plain `nn.Linear` slices (no DTensor), every product on the mode's
     backend, the row-parallel reductions in rank order."""

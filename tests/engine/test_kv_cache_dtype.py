@@ -14,7 +14,9 @@ import pytest
 import tiny_models
 import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams, cli
+from ferrobatch.cpu import f32_ops
 from ferrobatch.errors import FieldError
+from isa_helpers import needs_isa
 
 torch.set_num_threads(1)
 
@@ -64,7 +66,9 @@ def test_int8_prompt_distributions_are_close(arch: str, kernel: bool) -> None:
     assert len(kls) == sum(len(p) - 1 for p in prompts)
     # (measured: max 5e-7 .. 3.5e-6, mean 2e-8 .. 4e-7)
     assert max(kls) < 3e-5 and sum(kls) / len(kls) < 3e-6, (max(kls), sum(kls) / len(kls))
-    assert 0 < sum(kls)  # the cache really is quantized
+    # the cache really is quantized: some distribution moved (a KL this small can round
+    # below zero, as on AMD Zen 3 through SDPA: -4.6e-7 in all)
+    assert any(kl != 0 for kl in kls)
 
 
 def _decode_tables(arch: str, kv: str, prompts, kernel: bool = True, **cfg):
@@ -161,6 +165,7 @@ def test_bad_cli_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kv_cache_dtype" in capsys.readouterr().err
 
 
+@needs_isa(f32_ops.available(), "avx512f", what="batch-invariant products")
 @pytest.mark.parametrize("max_batch_tokens", [64, 16])
 def test_int8_cache_in_batch_invariant_mode(max_batch_tokens):
     """A request's tokens and logprobs alone equal those among others (and chunked) with an

@@ -41,7 +41,9 @@ def test_logits_equal_dequantized_oracle(gguf_file, arch: str, qtype: str) -> No
     written, source = gguf_file(arch, qtype)
     model, _ = load_gguf(written.path)
     want = _logits(reference_model(source, written))
-    torch.testing.assert_close(_logits(model), want, rtol=1e-5, atol=1e-5)
+    # (a product's bias is added after it, where `nn.Linear`'s addmm starts from it: the
+    # two round apart, by up to 1.6e-5 in these logits on AMD Zen 3's AVX2 sgemm)
+    torch.testing.assert_close(_logits(model), want, rtol=1e-4, atol=1e-4)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(type(m) is not torch.nn.Linear for m in model.modules())
     kept = {m.qtype for m in linears}

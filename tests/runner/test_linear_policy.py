@@ -195,6 +195,8 @@ def test_the_invariant_table_chooses_by_format_and_isa_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_packed_linears_take_one_product_at_every_row_count(dtype):
+    if not packing_available(dtype):
+        pytest.skip(f"no packed {dtype} linears on this CPU (oneDNN)")
     model = tm.llama().to(dtype)
     lin = PackedLinears.of(model, in_thread=lambda: True, activation_dtype=torch.float32,
                            amx=True, dtypes=(dtype,), invariant=True)

@@ -177,13 +177,15 @@ class GreedyHead:
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        """An fp32 2-D CPU weight with at most 4096 input features, oneDNN present, and the
-        memory the screen takes (`_EXTRA_BYTES_PER_WEIGHT` per weight element: the two bf16
-        copies and the int8 and packed int16 ones it keeps, fp32 temporaries while deriving
-        them and the construction check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE`
-        of available memory."""
+        """An fp32 2-D CPU weight with at most 4096 input features, oneDNN present and
+        running bf16 products here (the screens pack bf16 copies: oneDNN refuses them
+        without AVX-512 or AVX-NE-CONVERT, as on AMD Zen 3), and the memory the screen
+        takes (`_EXTRA_BYTES_PER_WEIGHT` per weight element: the two bf16 copies and the
+        int8 and packed int16 ones it keeps, fp32 temporaries while deriving them and the
+        construction check's packed fp32 copy) within `_MAX_AVAILABLE_SHARE` of available
+        memory."""
         if not (
-            onednn.available()
+            onednn.packing_available(torch.bfloat16)
             and not isinstance(weight, HeldWeight)  # (its rescoring would rebuild it)
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and weight.device.type == "cpu"
