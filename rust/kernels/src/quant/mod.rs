@@ -145,7 +145,7 @@ pub enum ActRowMut<'a> {
 }
 
 /// `(panel, next, blocks, acts, out)`: a panel's sums for `out.len()` activation rows,
-/// fetching the bytes `next` into the L2 cache on the way, spread evenly over the panel's
+/// fetching the bytes `next` into the cache on the way, spread evenly over the panel's
 /// work (empty: none; [`linear`] passes the next [`fetch_panels`] panels).
 pub(crate) type PanelFn = fn(&[u8], &[u8], usize, ActRows<'_>, &mut [[f32; PANEL]]);
 
