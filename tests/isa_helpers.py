@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from ferrobatch.runner.greedy_head import GreedyHead
 
 REQUIRE_ENV = "FERROBATCH_REQUIRE_ISA"
 
@@ -53,3 +55,10 @@ def require_or_skip(available: bool, *isas: str, what: str) -> None:
 def needs_isa(available: bool, *isas: str, what: str) -> pytest.MarkDecorator:
     """`require_or_skip(available, *isas, what=what)` before the test runs, as a mark."""
     return pytest.mark.needs_isa(available, *isas, what=what)
+
+
+#: skips a test of the greedy head screen where it does not run (it packs bf16 copies, and
+#: oneDNN has no bf16 products without AVX-512 or AVX-NE-CONVERT, as on AMD Zen 3)
+needs_greedy_screen = pytest.mark.skipif(
+    not GreedyHead.supported(torch.zeros(2, 2)),
+    reason="no greedy head screen here (oneDNN without bf16 products on this CPU)")

@@ -18,15 +18,12 @@ from ferrobatch.runner import greedy_head as gh
 from ferrobatch.runner import linear_policy
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.runner.model_runner import ModelRunner
-from isa_helpers import needs_isa
+from isa_helpers import needs_greedy_screen, needs_isa
 from ref_planner import RefPlanner
 
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.skipif(
-    not GreedyHead.supported(torch.zeros(2, 2)),
-    reason="no greedy head screen here (oneDNN without bf16 products on this CPU)"
-)
+pytestmark = needs_greedy_screen
 
 
 @pytest.fixture(autouse=True)

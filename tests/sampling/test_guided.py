@@ -11,11 +11,11 @@ from typing import Literal
 
 import pytest
 import tiny_models
-import torch
 from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import FieldError
 from ferrobatch.models import bundled_model_dir
 from ferrobatch.runner.greedy_head import GreedyHead
+from isa_helpers import needs_greedy_screen
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
 
@@ -134,8 +134,7 @@ def test_random_model_regex_and_lark(tokenizer) -> None:
         eng.close()
 
 
-@pytest.mark.skipif(not GreedyHead.supported(torch.zeros(2, 2)),
-                    reason="no greedy head screen here (oneDNN without bf16 products on this CPU)")
+@needs_greedy_screen
 def test_bundled_model_greedy_skips_greedy_screen(monkeypatch) -> None:
     """The bundled model's runner has the greedy screen (forced on: whether it wins is a
     timing of this CPU); a guided greedy row must not take it (its tokens would ignore the

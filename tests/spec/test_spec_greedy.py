@@ -11,6 +11,7 @@ from ferrobatch import ContinuousBatchingConfig, Engine, SamplingParams
 from ferrobatch.errors import FieldError
 from ferrobatch.runner.greedy_head import GreedyHead
 from ferrobatch.spec import SpeculativeConfig
+from isa_helpers import needs_greedy_screen
 
 torch.set_num_threads(1)
 
@@ -72,8 +73,7 @@ def test_preemption_chunking_prefix_sharing_and_stops() -> None:
     assert ref2[0][-1] == stop_tok and len(ref2[0]) <= 8
 
 
-@pytest.mark.skipif(not GreedyHead.supported(torch.zeros(2, 2)),
-                    reason="no greedy head screen here (oneDNN without bf16 products on this CPU)")
+@needs_greedy_screen
 def test_greedy_head_screen_and_large_vocab(monkeypatch) -> None:
     # forced on: whether the screen wins is a timing of this CPU
     monkeypatch.setattr(GreedyHead, "wins", lambda self, *a, **k: True)
